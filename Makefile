@@ -1,0 +1,50 @@
+# Infersight — the two commands that matter:
+#   make run    set up .venv, fetch the default model, start the main job
+#   make test   set up .venv with the dev extras, lint, type-check, run the tests
+#
+# TORCH_SPEC picks the torch build installed into .venv before anything else. The default pin
+# takes a CPU build that lies on the CI machines' disk; for a CUDA build on your own machine use
+# e.g. `make run TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN        := $(VENV)/bin
+PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: run test lint bench venv dev clean
+
+run: $(VENV)/.stamp-run
+	$(BIN)/infersight models pull
+	$(BIN)/infersight chat --model default
+
+test: $(VENV)/.stamp-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy engine
+	$(BIN)/infersight models pull
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.stamp-dev
+	$(BIN)/infersight bench --model default --compare-hf
+
+venv: $(VENV)/.stamp-run
+dev: $(VENV)/.stamp-dev
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.stamp-torch: | $(VENV)/bin/python
+	$(PIP) install "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.stamp-run: pyproject.toml $(VENV)/.stamp-torch
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.stamp-dev: pyproject.toml $(VENV)/.stamp-torch
+	$(PIP) install -e ".[dev]"
+	touch $@ $(VENV)/.stamp-run
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,66 @@
+"""Attention over the KV cache.
+
+The model never touches the cache itself: each attention layer hands its freshly projected
+q/k/v to an :class:`AttentionContext`, which stores k/v wherever its cache keeps them and
+returns the attention output. The contiguous cache of today and the paged pool of tomorrow
+are two implementations of the same seam, so the model does not change between them.
+
+Shapes use the *flattened token* layout: the tokens of every sequence in a step are
+concatenated, ``q: [T, H, D]``, ``k, v: [T, Hkv, D]``, output ``[T, H * D]``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class AttentionContext(ABC):
+    """What one forward pass needs for attention: where new K/V go and what each query sees."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store ``k``/``v`` of this step for ``layer`` and return attention output ``[T, H*D]``."""
+
+
+def sequence_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
+    """Causal GQA attention of one sequence's new queries over all of its keys.
+
+    ``q``: ``[L, H, D]`` queries at positions ``start .. start+L-1``;
+    ``keys``/``values``: ``[Hkv, start+L, D]`` (every key the sequence has, new ones included).
+    Returns ``[L, H*D]``.
+
+    Query heads are grouped under their KV head (``[Hkv, G*L, D]``) so that grouped-query
+    attention runs without materialising repeated K/V.
+    """
+    length, heads, dim = q.shape
+    kv_heads, total, _ = keys.shape
+    group = heads // kv_heads
+    qg = q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * length, dim)
+    mask = None
+    if length > 1:
+        q_pos = torch.arange(start, start + length, device=q.device)
+        k_pos = torch.arange(total, device=q.device)
+        mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)
+    out = F.scaled_dot_product_attention(
+        qg.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask
+    )
+    return out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads * dim)
+
+
+def reference_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
+    """The textbook version of :func:`sequence_attention`, for tests: repeat K/V, mask, softmax."""
+    length, heads, dim = q.shape
+    kv_heads, total, _ = keys.shape
+    group = heads // kv_heads
+    k = keys.repeat_interleave(group, dim=0).float()  # [H, total, D]
+    v = values.repeat_interleave(group, dim=0).float()
+    scores = torch.einsum("lhd,htd->hlt", q.float(), k) / dim**0.5
+    q_pos = torch.arange(start, start + length)[:, None]
+    allowed = torch.arange(total)[None, :] <= q_pos
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.einsum("hlt,htd->lhd", scores.softmax(dim=-1), v)
+    return out.reshape(length, heads * dim).to(q.dtype)

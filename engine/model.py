@@ -1,0 +1,161 @@
+"""The Llama-family transformer (Llama, Mistral-style, Qwen2) as one plain ``nn.Module``.
+
+Tokens travel flattened: ``input_ids: [T]`` holds the new tokens of every sequence in this
+step, ``positions: [T]`` their absolute positions. Attention goes through an
+:class:`~engine.attention.AttentionContext`, which owns the KV cache.
+
+Two load-time fusions keep decode cheap on a CPU: q/k/v are one matmul (``qkv_proj``) and
+gate/up are one matmul (``gate_up_proj``). :mod:`engine.weights` builds them from HF tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.attention import AttentionContext
+from engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Half precision: normalise in fp32, scale in the activation dtype (as HF does).
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> Tensor:
+    """Inverse frequency of each rotary pair, fp32, with the config's scaling (HF's formulas)."""
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    rs = cfg.rope_scaling
+    if rs.kind == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs.kind == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to the context length, built once."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * rope_inverse_frequencies(cfg)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate ``x: [T, heads, D]`` by the angles of ``positions: [T]``."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, ctx: AttentionContext
+    ) -> Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k rotate together: one RoPE call over H + Hkv heads.
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        qk = rope(qk, positions)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(ctx.attend(self.layer, q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, ctx: AttentionContext
+    ) -> Tensor:
+        x = x + self.attn(self.input_norm(x), positions, rope, ctx)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        ctx: AttentionContext,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
+        """Logits ``[N, vocab]`` (fp32) for the rows in ``logits_indices`` (default: every token).
+
+        Generation asks only for each sequence's last token: the LM head is the largest
+        single matmul of a small model, and the other rows would be thrown away.
+        """
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, ctx)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.lm_head(self.norm(x)).float()
