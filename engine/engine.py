@@ -19,6 +19,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import ContiguousKVCache
+from engine.linear import pack_linears
 from engine.model import Transformer
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -95,8 +96,15 @@ class LLMEngine:
 
     @classmethod
     def load(
-        cls, folder: Path | str, *, precision: str = "fp32", device: str = "cpu"
+        cls,
+        folder: Path | str,
+        *,
+        precision: str = "fp32",
+        device: str = "cpu",
+        pack: bool = True,
     ) -> LLMEngine:
+        """Load a HF-style model folder. ``pack`` lays CPU weights out for oneDNN
+        (:mod:`engine.linear`); turn it off to run plain ``nn.Linear``."""
         folder = Path(folder)
         dtype = parse_precision(precision)
         if not folder.is_dir():
@@ -110,6 +118,8 @@ class LLMEngine:
         cfg = ModelConfig.from_file(folder / "config.json")
         tokenizer = Tokenizer.from_folder(folder)
         model = load_transformer(folder, cfg, dtype, torch_device)
+        if pack and torch_device.type == "cpu":
+            pack_linears(model)
         eos = set(cfg.eos_token_ids) | set(_generation_config_eos(folder))
         log.info(
             "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights",

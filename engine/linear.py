@@ -1,0 +1,74 @@
+"""Linear layers laid out for the device they run on, chosen once at load.
+
+On a CPU, decode is a chain of matrix-vector products that stream every weight from memory
+once per token. oneDNN's blocked weight layout streams about 1.7× faster than the row-major
+``nn.Linear`` weight through MKL's GEMV here (measured: 40 vs 23 GB/s on a 2-core Xeon), so
+the engine repacks fp32/bf16 weights into it at load time. Other devices and dtypes keep
+``nn.Linear``. The packed path uses ``torch.ops.mkldnn``, the same private ops TorchInductor
+emits for CPU linears; if a torch build lacks them, the engine keeps ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packed_linear_available() -> bool:
+    return bool(
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` held in oneDNN's blocked layout (CPU only)."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        dense = linear.weight.detach()
+        self.nbytes = dense.numel() * dense.element_size()
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, batch_size=1)
+        self.register_buffer("weight", packed, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every CPU fp32/bf16 ``nn.Linear`` in ``model`` for a :class:`PackedLinear`.
+
+    Returns the number of modules swapped (0 where packing does not apply).
+    """
+    if not packed_linear_available():
+        log.info("oneDNN linear ops unavailable in this torch build; keeping nn.Linear")
+        return 0
+    swaps = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype in _PACKABLE_DTYPES
+    ]
+    for name, module in swaps:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, PackedLinear(module))
+    return len(swaps)
