@@ -1,2 +1,285 @@
-def main() -> int:
+"""The ``infersight`` command.
+
+Qt is imported only on the path that opens the window and torch only where a command needs
+the engine, so ``infersight --help`` is instant. Every :class:`~engine.errors.InfersightError`
+ends the command with one clear line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InfersightError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+log = logging.getLogger("infersight")
+
+PRECISION_CHOICES = ("fp32", "bf16", "fp16")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not hasattr(args, "handler"):  # no command: the main job
+        args = parser.parse_args([*(["-v"] if args.verbose else []), "chat"])
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except InfersightError as exc:
+        print(f"infersight: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninfersight: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="infersight",
+        description="Run local LLMs and see inside the inference engine. "
+        "With no command: chat with the default model.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    p = sub.add_parser("chat", help="interactive terminal chat (streaming, multi-turn)")
+    _model_args(p)
+    _sampling_args(p, default_max_new=512)
+    p.add_argument("--system", help="system prompt")
+    p.set_defaults(handler=cmd_chat)
+
+    p = sub.add_parser("generate", help="generate text from one prompt, streamed to stdout")
+    _model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw prompt text (no chat template)")
+    src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    p.add_argument("--system", help="system prompt (with --chat)")
+    _sampling_args(p, default_max_new=128)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.set_defaults(handler=cmd_generate)
+
+    p = sub.add_parser("tokenize", help="token ids of each stdin line, as JSON arrays")
+    _model_args(p, precision=False)
+    p.set_defaults(handler=cmd_tokenize)
+
+    p = sub.add_parser("bench", help="measure prefill/decode speed, optionally vs transformers")
+    _model_args(p)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="alternating runs; medians reported")
+    p.add_argument("--compare-hf", action="store_true", help="also run transformers' generate")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(handler=cmd_bench)
+
+    p = sub.add_parser("models", help="the default model and the models in the cache")
+    msub = p.add_subparsers(metavar="ACTION", required=True)
+    mp = msub.add_parser("pull", help="fetch and convert the default model (once)")
+    mp.set_defaults(handler=cmd_models_pull)
+    mp = msub.add_parser("list", help="known models: size on disk, parameters, architecture")
+    mp.set_defaults(handler=cmd_models_list)
+
+    p = sub.add_parser("import-gguf", help="convert a llama.cpp GGUF into an HF-style folder")
+    p.add_argument("gguf", help="the .gguf file")
+    p.add_argument("outdir", help="the model folder to create")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.set_defaults(handler=cmd_import_gguf)
+    return parser
+
+
+def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
+    p.add_argument("--model", default="default", help="'default' or an HF model folder")
+    if precision:
+        p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
+        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+
+
+def _sampling_args(p: argparse.ArgumentParser, *, default_max_new: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=default_max_new)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def progress_printer(stream: Any = sys.stderr) -> Callable[[str, int, int], None]:
+    """Progress of a pull or import on stderr: one updating line on a terminal, a line per
+    quarter otherwise (logs stay short)."""
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+    step = 1 if tty else 25
+    last: dict[str, int] = {}
+
+    def report(stage: str, done: int, total: int) -> None:
+        pct = int(100 * done / max(total, 1)) // step * step
+        if last.get(stage) == pct:
+            return
+        last[stage] = pct
+        line = f"{stage:>10}: {pct:3d}% ({done}/{total})"
+        if tty:
+            stream.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+    return report
+
+
+def load_engine(args: argparse.Namespace) -> LLMEngine:
+    from engine.engine import LLMEngine, parse_precision
+    from engine.model_store import resolve_model
+
+    parse_precision(args.precision)  # fail on a bad precision before any download
+    _set_threads(args.threads)
+    folder = resolve_model(args.model, progress=progress_printer())
+    return LLMEngine.load(folder, precision=args.precision, device=args.device)
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise InvalidRequestError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # validate before loading anything
+    if (args.prompt if args.prompt is not None else args.chat) == "":
+        raise InvalidRequestError("the prompt is empty; give some text to continue")
+    engine = load_engine(args)
+    if args.chat is not None:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.chat})
+        prompt_ids = engine.chat_prompt_ids(messages)
+    else:
+        prompt_ids = engine.tokenizer.encode_prompt(args.prompt)
+    generation = engine.generate(prompt_ids, params)
+    for event in generation:
+        if not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    if args.json:
+        print(json.dumps(generation.result.as_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
     return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from engine.model_store import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(resolve_model(args.model, progress=progress_printer()))
+    stdin = open(sys.stdin.fileno(), encoding="utf-8", errors="strict", closefd=False)  # noqa: SIM115
+    try:
+        for line in stdin:
+            print(json.dumps(tokenizer.encode(line.rstrip("\n"))), flush=True)
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"stdin is not valid UTF-8 ({exc}); convert it first") from exc
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench import BenchConfig, format_report, run_bench
+    from engine.engine import parse_precision
+    from engine.model_store import resolve_model
+
+    for name in ("prompt_len", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    parse_precision(args.precision)
+    _set_threads(args.threads)
+    folder = resolve_model(args.model, progress=progress_printer())
+    report = run_bench(
+        folder,
+        BenchConfig(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats),
+        precision=args.precision,
+        device=args.device,
+        compare_hf=args.compare_hf,
+        log=lambda msg: print(msg, file=sys.stderr),
+    )
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from engine.model_store import pull_default
+
+    path = pull_default(progress=progress_printer())
+    print(path)
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from engine.model_store import known_models
+
+    rows = [("name", "arch", "params", "on disk", "path")]
+    for m in known_models():
+        if m.present:
+            rows.append(
+                (m.name, m.architecture, f"{m.parameters / 1e6:.1f}M",
+                 f"{m.disk_bytes / 2**20:.0f} MiB", str(m.path))  # fmt: skip
+            )
+        else:
+            rows.append((m.name, "-", "-", "not pulled", "run `infersight models pull`"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.gguf_import import import_gguf
+
+    summary = import_gguf(
+        Path(args.gguf), Path(args.outdir), dtype=args.dtype, progress=progress_printer()
+    )
+    types = ", ".join(f"{k}×{v}" for k, v in sorted(summary.tensor_types.items()))
+    print(f"imported {summary.name} ({summary.architecture}; {types}) into {args.outdir}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from app.chat import run_chat
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return run_chat(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -85,6 +85,7 @@ class LLMEngine:
         dtype: torch.dtype,
         device: torch.device,
         name: str = "model",
+        num_parameters: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -93,6 +94,7 @@ class LLMEngine:
         self.dtype = dtype
         self.device = device
         self.name = name
+        self.num_parameters = num_parameters
 
     @classmethod
     def load(
@@ -118,6 +120,7 @@ class LLMEngine:
         cfg = ModelConfig.from_file(folder / "config.json")
         tokenizer = Tokenizer.from_folder(folder)
         model = load_transformer(folder, cfg, dtype, torch_device)
+        num_parameters = parameter_count(model)
         if pack and torch_device.type == "cpu":
             pack_linears(model)
         eos = set(cfg.eos_token_ids) | set(_generation_config_eos(folder))
@@ -126,13 +129,13 @@ class LLMEngine:
             folder.name,
             cfg.model_type,
             cfg.num_layers,
-            parameter_count(model) / 1e6,
+            num_parameters / 1e6,
             precision,
             weight_bytes(model) / 2**20,
         )
         return cls(
             model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype,
-            device=torch_device, name=folder.name,
+            device=torch_device, name=folder.name, num_parameters=num_parameters,
         )
 
     @property

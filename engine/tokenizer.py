@@ -31,8 +31,10 @@ class Tokenizer:
         chat_template: str | None = None,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        add_bos_token: bool = False,
     ) -> None:
         self._tok = backend
+        self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -63,12 +65,21 @@ class Tokenizer:
             chat_template=template if isinstance(template, str) else None,
             bos_token=_token_text(config.get("bos_token")),
             eos_token=_token_text(config.get("eos_token")),
+            add_bos_token=bool(config.get("add_bos_token", False)),
         )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, adding no special tokens (special-token *text* is still
         recognised, as chat templates rely on)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a raw (non-chat) prompt: :meth:`encode` plus BOS where the model wants it."""
+        ids = self.encode(text)
+        bos = self.token_to_id(self.bos_token) if self.bos_token else None
+        if self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.linear import PackedLinear
 from engine.model import RotaryEmbedding, Transformer
 
 log = logging.getLogger(__name__)
@@ -150,14 +151,21 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights occupy in memory, packed copies included (each tensor once)."""
     seen: set[int] = set()
     total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False))
+        if isinstance(module, PackedLinear):
+            total += module.nbytes
+            tensors += [module.bias] if module.bias is not None else []
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
     return total
 
 
 def parameter_count(model: nn.Module) -> int:
+    """Distinct parameters (tied weights once), before any packing."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,100 @@
+"""``infersight chat``: a streaming, multi-turn chat in the terminal.
+
+Commands: ``/reset`` forgets the conversation, ``/quit`` (or Ctrl-D) leaves, ``/help``.
+Ctrl-C while a reply streams stops that reply and keeps what was said so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+from engine.engine import LLMEngine
+from engine.errors import InfersightError
+
+HELP = "commands: /reset (new conversation), /quit (or Ctrl-D), /help; Ctrl-C stops a reply"
+
+
+class ChatSession:
+    """Conversation state and one turn of generation; the terminal loop drives it."""
+
+    def __init__(self, engine: LLMEngine, params: object, system: str | None = None) -> None:
+        from engine.sampling import SamplingParams
+
+        assert isinstance(params, SamplingParams)
+        self.engine = engine
+        self.params = params
+        self.system = system
+        self.history: list[dict[str, str]] = []
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    def messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.history
+
+    def prompt_ids(self, out: TextIO) -> list[int]:
+        """The templated conversation; oldest turns are dropped if it outgrows the context."""
+        budget = self.engine.context_length - min(self.params.max_new_tokens, 256)
+        ids = self.engine.chat_prompt_ids(self.messages())
+        while len(ids) > budget and len(self.history) > 1:
+            del self.history[:2]  # the oldest user/assistant exchange
+            out.write("[context full: forgot the oldest exchange]\n")
+            ids = self.engine.chat_prompt_ids(self.messages())
+        return ids
+
+    def reply(self, user_text: str, out: TextIO) -> str:
+        """Stream the assistant's answer to ``out``; Ctrl-C keeps the partial answer."""
+        self.history.append({"role": "user", "content": user_text})
+        text = ""
+        try:
+            generation = self.engine.generate(self.prompt_ids(out), self.params)
+            for event in generation:
+                text += event.text
+                out.write(event.text)
+                out.flush()
+        except KeyboardInterrupt:
+            out.write(" [stopped]")
+        except InfersightError:
+            self.history.pop()  # the turn never happened; the rest of the chat stays
+            raise
+        out.write("\n")
+        self.history.append({"role": "assistant", "content": text})
+        return text
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from app.cli import load_engine, sampling_params
+
+    params = sampling_params(args)
+    engine = load_engine(args)
+    session = ChatSession(engine, params, system=args.system)
+    print(f"{engine.name} ({engine.cfg.model_type}, {args.precision}, {engine.device}). {HELP}")
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return 0
+        if text == "/reset":
+            session.reset()
+            print("[new conversation]")
+            continue
+        if text == "/help":
+            print(HELP)
+            continue
+        sys.stdout.write("bot> ")
+        try:
+            session.reply(text, sys.stdout)
+        except InfersightError as exc:
+            print(f"\n[error: {exc}]")

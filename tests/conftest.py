@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random models built with transformers, and the real default model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+
+
+def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A random transformers model of ``arch`` (``llama`` or ``qwen2``) with GQA."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {**TINY, "tie_word_embeddings": tied, **overrides}
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():  # larger than the default init, so logits are far from uniform
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(1.0)
+    return model.eval()
+
+
+def save_tiny(model: torch.nn.Module, folder: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model.save_pretrained(folder, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str, bool], tuple[Path, torch.nn.Module]]:
+    cache: dict[tuple[str, bool], tuple[Path, torch.nn.Module]] = {}
+
+    def make(arch: str, tied: bool) -> tuple[Path, torch.nn.Module]:
+        key = (arch, tied)
+        if key not in cache:
+            model = build_tiny_hf(arch, tied=tied)
+            folder = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}")
+            cache[key] = (save_tiny(model, folder), model)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The converted SmolLM2 folder (``make test`` pulls it before pytest starts)."""
+    from engine.model_store import pull_default
+
+    return pull_default()
+
+
+@pytest.fixture(scope="session")
+def default_gguf(default_model: Path) -> Path:
+    from engine.model_store import fetch_default_gguf
+
+    return fetch_default_gguf()
