@@ -65,6 +65,10 @@ class ModelConfig:
             heads = int(raw["num_attention_heads"])
             kv_heads = int(raw.get("num_key_value_heads") or heads)
             head_dim = int(raw.get("head_dim") or hidden // heads)
+            # transformers >= 5 keeps RoPE settings in `rope_parameters`; older configs use
+            # top-level `rope_theta` and `rope_scaling`.
+            rope = raw.get("rope_parameters") or {}
+            theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
             cfg = cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -76,12 +80,12 @@ class ModelConfig:
                 head_dim=head_dim,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                rope_theta=float(theta),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(
                     raw.get("attention_bias", SUPPORTED_ARCHITECTURES[model_type])
                 ),
-                rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+                rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
                 bos_token_id=_opt_int(raw.get("bos_token_id")),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
             )

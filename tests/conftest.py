@@ -21,8 +21,14 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
     rms_norm_eps=1e-5,
-    rope_theta=10000.0,
+    rope_theta=5000.0,  # not the default: a config reader that ignores it fails
 )
+
+
+def rope_theta(config: object) -> float:
+    """RoPE base of a transformers config (``rope_parameters`` in v5, ``rope_theta`` before)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) -> torch.nn.Module:

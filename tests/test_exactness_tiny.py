@@ -54,12 +54,32 @@ def test_logits_and_greedy_ids_match_transformers(tiny_model_dir, arch, tied, pa
     assert [e.token_id for e in gen] == ref_ids
 
 
-def test_bf16_stays_close_to_fp32(tiny_model_dir):
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    from tests.conftest import build_tiny_hf, save_tiny
+
+    scaling = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }  # fmt: skip
+    hf = build_tiny_hf("llama", tied=False, rope_scaling=scaling, head_dim=32)
+    folder = save_tiny(hf, tmp_path)
+    engine = LLMEngine.load(folder, precision="fp32")
+    assert engine.cfg.rope_scaling.kind == "llama3"
+    ids = torch.randint(0, hf.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
+    ours = engine.forward_logits(ids.tolist(), engine.new_cache(len(ids)), 0)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precisions_stay_close_to_fp32(tiny_model_dir, precision):
     folder, _ = tiny_model_dir("llama", False)
     prompt = list(range(5, 30))
     logits = {}
-    for precision in ("fp32", "bf16"):
-        engine = LLMEngine.load(folder, precision=precision)
-        logits[precision] = engine.forward_logits(prompt, engine.new_cache(len(prompt)), 0)
+    for name in ("fp32", precision):
+        engine = LLMEngine.load(folder, precision=name)
+        assert engine.model.embed.weight.dtype == engine.dtype
+        logits[name] = engine.forward_logits(prompt, engine.new_cache(len(prompt)), 0)
     scale = logits["fp32"].abs().max()
-    assert (logits["bf16"] - logits["fp32"]).abs().max() / scale < 0.05
+    assert (logits[precision] - logits["fp32"]).abs().max() / scale < 0.05

@@ -1,0 +1,167 @@
+"""Write small GGUF files the way llama.cpp's converter does, for import tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tests.conftest import rope_theta
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def bytes_to_unicode() -> list[str]:
+    """GPT-2's byte → printable character table (the 256 byte-level BPE base tokens)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs, strict=True))
+    return [chr(table[b]) for b in range(256)]
+
+
+def byte_level_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
+    """``size`` tokens: 3 control tokens, 256 bytes, then merged pairs."""
+    base = bytes_to_unicode()
+    tokens = SPECIALS + base
+    merges: list[str] = []
+    letters = [c for c in "etaoinshrdlu"]
+    for a in ["Ġ", *letters]:
+        for b in letters:
+            if len(tokens) >= size:
+                break
+            if a + b not in tokens:
+                tokens.append(a + b)
+                merges.append(f"{a} {b}")
+    assert len(tokens) == size, len(tokens)
+    types = [3] * len(SPECIALS) + [1] * (size - len(SPECIALS))
+    return tokens, types, merges
+
+
+# gguf's Python package dequantizes K-quants but cannot quantize to them, so tests fill
+# blocks with random bytes and set each block's fp16 scale fields (byte offsets) to sane values.
+K_QUANT_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_k_quant_blocks(shape: tuple[int, ...], quant: str, seed: int = 0) -> np.ndarray:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[quant]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, nbytes), np.uint8)
+    scale = np.frombuffer(np.float16(0.004).tobytes(), dtype=np.uint8)
+    for offset in K_QUANT_SCALE_OFFSETS[quant]:
+        raw[:, :, offset : offset + 2] = scale
+    return raw.reshape(rows, -1)
+
+
+def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert-time Q/K permutation (``LlamaModel.permute``)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_gguf(
+    hf_model: torch.nn.Module,
+    path: Path,
+    *,
+    arch: str,
+    quant: str = "F32",
+    pre: str = "smollm",
+    tensor_type_override: str | None = None,
+) -> Path:
+    """Write ``hf_model`` (a tiny transformers Llama/Qwen2) as a GGUF of ``arch``.
+
+    ``quant`` is the type of 2-D weight matrices (``F32``, ``F16``, ``Q8_0``, ``Q4_0`` …);
+    norms stay F32 as in llama.cpp. ``arch`` may name an architecture we do not support.
+    ``tensor_type_override`` stores one tensor with that raw type, to test refusals.
+    """
+    import gguf
+
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny test model")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(rope_theta(cfg))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    tokens, types, merges = byte_level_vocab(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    qtype = gguf.GGMLQuantizationType[quant]
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    state = hf_model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for hf_name, tensor in state.items():
+        if hf_name in names:
+            name = names[hf_name]
+        else:
+            _, _, idx, rest = hf_name.split(".", 3)
+            name = f"blk.{idx}.{layer[rest]}"
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            data = permute_rotary(data, cfg.num_attention_heads)
+        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            data = permute_rotary(data, cfg.num_key_value_heads)
+        if tensor_type_override and name == "output_norm.weight":
+            raw = gguf.GGMLQuantizationType[tensor_type_override]
+            block, nbytes = gguf.GGML_QUANT_SIZES[raw]
+            fake = np.zeros((1, (data.size // block) * nbytes), dtype=np.uint8)
+            writer.add_tensor(name, fake, raw_dtype=raw)
+        elif data.ndim == 2 and quant in K_QUANT_SCALE_OFFSETS:
+            writer.add_tensor(name, random_k_quant_blocks(data.shape, quant), raw_dtype=qtype)
+        elif data.ndim == 2 and quant not in ("F32", "F16"):
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        elif data.ndim == 2 and quant == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
