@@ -203,13 +203,17 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(resolve_model(args.model, progress=progress_printer()))
-    stdin = open(sys.stdin.fileno(), encoding="utf-8", errors="strict", closefd=False)  # noqa: SIM115
     try:
-        for line in stdin:
+        for line in _stdin_text():
             print(json.dumps(tokenizer.encode(line.rstrip("\n"))), flush=True)
     except UnicodeDecodeError as exc:
         raise InvalidRequestError(f"stdin is not valid UTF-8 ({exc}); convert it first") from exc
     return 0
+
+
+def _stdin_text() -> Any:
+    """stdin decoded as strict UTF-8, whatever the locale says."""
+    return open(sys.stdin.fileno(), encoding="utf-8", errors="strict", closefd=False)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -250,8 +254,13 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     for m in known_models():
         if m.present:
             rows.append(
-                (m.name, m.architecture, f"{m.parameters / 1e6:.1f}M",
-                 f"{m.disk_bytes / 2**20:.0f} MiB", str(m.path))  # fmt: skip
+                (
+                    m.name,
+                    m.architecture,
+                    f"{m.parameters / 1e6:.1f}M",
+                    f"{m.disk_bytes / 2**20:.0f} MiB",
+                    str(m.path),
+                )
             )
         else:
             rows.append((m.name, "-", "-", "not pulled", "run `infersight models pull`"))

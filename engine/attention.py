@@ -39,7 +39,11 @@ def sequence_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> T
     length, heads, dim = q.shape
     kv_heads, total, _ = keys.shape
     group = heads // kv_heads
-    qg = q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * length, dim)
+    qg = (
+        q.view(length, kv_heads, group, dim)
+        .permute(1, 2, 0, 3)
+        .reshape(kv_heads, group * length, dim)
+    )
     mask = None
     if length > 1:
         q_pos = torch.arange(start, start + length, device=q.device)

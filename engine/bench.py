@@ -110,8 +110,8 @@ class _HFRunner:
                 "--compare-hf needs transformers, a dev extra: pip install -e '.[dev]'"
             ) from exc
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_precision(precision))
-        self.model.to(device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_precision(precision))
+        self.model = model.to(device).eval()
 
     def run(self, prompt: list[int], new_tokens: int) -> RunTiming:
         stamps: list[float] = []

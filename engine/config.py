@@ -82,9 +82,7 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(
-                    raw.get("attention_bias", SUPPORTED_ARCHITECTURES[model_type])
-                ),
+                attention_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[model_type])),
                 rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
                 bos_token_id=_opt_int(raw.get("bos_token_id")),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
@@ -132,7 +130,9 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ModelLoadError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
+            raise ModelLoadError(
+                f"config.json: head_dim must be even for RoPE, got {self.head_dim}"
+            )
 
 
 def _opt_int(value: Any) -> int | None:
@@ -166,4 +166,3 @@ def _rope_scaling(raw: Any) -> RopeScaling:
     raise UnsupportedModelError(
         f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3"
     )
-

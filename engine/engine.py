@@ -134,8 +134,14 @@ class LLMEngine:
             weight_bytes(model) / 2**20,
         )
         return cls(
-            model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype,
-            device=torch_device, name=folder.name, num_parameters=num_parameters,
+            model,
+            tokenizer,
+            cfg,
+            eos_token_ids=sorted(eos),
+            dtype=dtype,
+            device=torch_device,
+            name=folder.name,
+            num_parameters=num_parameters,
         )
 
     @property
@@ -145,7 +151,9 @@ class LLMEngine:
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
 
-    def forward_logits(self, token_ids: Sequence[int], cache: ContiguousKVCache, start: int) -> torch.Tensor:
+    def forward_logits(
+        self, token_ids: Sequence[int], cache: ContiguousKVCache, start: int
+    ) -> torch.Tensor:
         """Logits for every position of ``token_ids`` continuing a sequence at ``start``."""
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)

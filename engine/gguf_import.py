@@ -203,7 +203,10 @@ def _config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[st
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
-    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("padding_token_id", "pad_token_id")):
+    for gguf_key, hf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("padding_token_id", "pad_token_id"),
+    ):
         if f"tokenizer.ggml.{gguf_key}" in meta:
             config[hf_key] = int(meta[f"tokenizer.ggml.{gguf_key}"])
     return config
@@ -303,9 +306,7 @@ def _pre_tokenizer(pre: str) -> Any:
         # SmolLM's tokenizer splits every digit into its own pre-token before the GPT-2
         # regex (llama.cpp: "\p{N}" first). Without this, "2024" becomes one or two tokens
         # the model never saw in training.
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     regex = {"qwen2": _QWEN2_REGEX, "llama-bpe": _LLAMA3_REGEX}.get(pre)
     if regex is None:
         raise UnsupportedModelError(
@@ -332,7 +333,8 @@ def _tokenizer(reader: Any, meta: dict[str, Any]) -> tuple[str, dict[str, Any], 
         )
     tokens = [str(t) for t in _array(reader, "tokenizer.ggml.tokens")]
     types = [int(t) for t in _array(reader, "tokenizer.ggml.token_type")] or [1] * len(tokens)
-    merges = [tuple(str(m).split(" ", 1)) for m in _array(reader, "tokenizer.ggml.merges")]
+    pairs = (str(m).split(" ", 1) for m in _array(reader, "tokenizer.ggml.merges"))
+    merges = [(pair[0], pair[1]) for pair in pairs]
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
     pre_tokenizer = _pre_tokenizer(pre)
 

@@ -22,7 +22,7 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 def packed_linear_available() -> bool:
     return bool(
-        torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )

@@ -32,7 +32,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+            raise InvalidRequestError(
+                f"max_new_tokens must be at least 1, got {self.max_new_tokens}"
+            )
         if not self.temperature >= 0:
             raise InvalidRequestError(
                 f"temperature must be >= 0 (0 = greedy), got {self.temperature}"

@@ -45,8 +45,7 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(
-                f"{path} is missing; a model folder needs tokenizer.json "
-                "(GGUF imports write one)"
+                f"{path} is missing; a model folder needs tokenizer.json (GGUF imports write one)"
             )
         try:
             backend = HFTokenizer.from_file(str(path))
@@ -162,7 +161,9 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
-        prefix_text = self._tok.decode(self.ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        prefix_text = self._tok.decode(
+            self.ids[self._prefix : self._read], skip_special_tokens=self._skip
+        )
         full_text = self._tok.decode(self.ids[self._prefix :], skip_special_tokens=self._skip)
         if len(full_text) <= len(prefix_text) and not final:
             return ""

@@ -155,7 +155,7 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for module in model.modules():
-        tensors = list(module.parameters(recurse=False))
+        tensors: list[Tensor] = list(module.parameters(recurse=False))
         if isinstance(module, PackedLinear):
             total += module.nbytes
             tensors += [module.bias] if module.bias is not None else []

@@ -17,11 +17,15 @@ CASES = [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False)]
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "nn.Linear"])
-@pytest.mark.parametrize(("arch", "tied"), CASES, ids=[f"{a}-{'tied' if t else 'untied'}" for a, t in CASES])
+@pytest.mark.parametrize(
+    ("arch", "tied"), CASES, ids=[f"{a}-{'tied' if t else 'untied'}" for a, t in CASES]
+)
 def test_logits_and_greedy_ids_match_transformers(tiny_model_dir, arch, tied, pack):
     folder, hf = tiny_model_dir(arch, tied)
     engine = LLMEngine.load(folder, precision="fp32", pack=pack)
-    prompt = torch.randint(0, hf.config.vocab_size, (13,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(
+        0, hf.config.vocab_size, (13,), generator=torch.Generator().manual_seed(1)
+    )
 
     # Ours: prefill, then one token at a time through the KV cache.
     cache = engine.new_cache(len(prompt) + DECODE_STEPS)
@@ -50,7 +54,9 @@ def test_logits_and_greedy_ids_match_transformers(tiny_model_dir, arch, tied, pa
     assert generated == ref_ids
 
     # And the public streaming API produces the same ids.
-    gen = engine.generate(prompt.tolist(), SamplingParams(max_new_tokens=DECODE_STEPS, ignore_eos=True))
+    gen = engine.generate(
+        prompt.tolist(), SamplingParams(max_new_tokens=DECODE_STEPS, ignore_eos=True)
+    )
     assert [e.token_id for e in gen] == ref_ids
 
 

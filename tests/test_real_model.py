@@ -54,7 +54,9 @@ def test_greedy_ids_identical_to_transformers(engines, prompt):
     assert len(ref) >= 8  # a real answer, not an immediate stop
 
 
-def test_converter_matches_transformers_gguf_dequantization(default_model: Path, default_gguf: Path):
+def test_converter_matches_transformers_gguf_dequantization(
+    default_model: Path, default_gguf: Path
+):
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(

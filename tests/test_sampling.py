@@ -92,7 +92,9 @@ def test_sampled_tokens_stay_inside_the_filtered_set():
     logits = torch.randn(1, 200, generator=torch.Generator().manual_seed(2))
     allowed = set(torch.topk(logits[0], 5).indices.tolist())
     gen = make_generator(123)
-    draws = {sample(logits, [params], [torch.tensor([], dtype=torch.long)], [gen])[0] for _ in range(300)}
+    draws = {
+        sample(logits, [params], [torch.tensor([], dtype=torch.long)], [gen])[0] for _ in range(300)
+    }
     assert draws <= allowed
     assert len(draws) > 1  # it really samples
 

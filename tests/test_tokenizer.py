@@ -31,7 +31,9 @@ def hf_smol(default_model: Path):
 def test_every_digit_is_its_own_token(smol, text):
     ids = smol.encode(text)
     assert smol.decode(ids) == text
-    digit_pieces = [smol.decode([i]) for i in ids if any(c in "0123456789" for c in smol.decode([i]))]
+    digit_pieces = [
+        smol.decode([i]) for i in ids if any(c in "0123456789" for c in smol.decode([i]))
+    ]
     assert digit_pieces == [c for c in text if c in "0123456789"]
 
 
@@ -53,7 +55,9 @@ CONVERSATIONS = [
 
 @pytest.mark.parametrize("generation_prompt", [True, False])
 @pytest.mark.parametrize("messages", CONVERSATIONS)
-def test_chat_template_renders_exactly_like_transformers(smol, hf_smol, messages, generation_prompt):
+def test_chat_template_renders_exactly_like_transformers(
+    smol, hf_smol, messages, generation_prompt
+):
     ours = smol.apply_chat_template(messages, add_generation_prompt=generation_prompt)
     theirs = hf_smol.apply_chat_template(
         messages, add_generation_prompt=generation_prompt, tokenize=False
@@ -112,7 +116,9 @@ MIXED = st.lists(
 ).map("".join)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=MIXED)
 def test_incremental_detokenizer_never_splits_a_character(smol, text):
     if REPLACEMENT_CHAR in text:
