@@ -110,7 +110,8 @@ MIXED = st.lists(
         st.sampled_from(list("abcxyz ,.!?\n\t") + list("éüñß") + ["the ", " and"]),
         st.sampled_from(list("你好世界中文字节漢語")),
         st.sampled_from(["🎉", "👍🏽", "🚀", "😀", "👨‍👩‍👧", "🇫🇷"]),
-        st.characters(codec="utf-8", exclude_categories=("Cs", "Co", "Cn")),
+        # Control characters are left out: SmolLM2's vocabulary lacks some of those bytes.
+        st.characters(codec="utf-8", exclude_categories=("Cs", "Co", "Cn", "Cc")),
     ),
     max_size=40,
 ).map("".join)
