@@ -195,10 +195,14 @@ class Generation:
         eng, params, result = self.engine, self.params, self.result
         stop_ids = set() if params.ignore_eos else set(eng.eos_token_ids)
         stop_ids |= set(params.extra_stop_token_ids)
-        generator = make_generator(params.seed)
+        generator = make_generator(params.seed, eng.device)
         detok = IncrementalDetokenizer(eng.tokenizer)
         cache = eng.new_cache(len(result.prompt_ids) + self.max_new)
-        history = torch.tensor(result.prompt_ids, dtype=torch.long)
+        # Every token seen so far, for the repetition penalty; lives beside the logits.
+        history = torch.empty(len(result.prompt_ids) + self.max_new, dtype=torch.long,
+                              device=eng.device)  # fmt: skip
+        history[: len(result.prompt_ids)] = torch.tensor(result.prompt_ids)
+        seen = len(result.prompt_ids)
         started = time.perf_counter()
         first_token_at = started
 
@@ -207,13 +211,14 @@ class Generation:
         while True:
             logits = eng.forward_logits(pending, cache, position)[-1:]
             position += len(pending)
-            token = sample(logits, [params], [history], [generator])[0]
+            token = sample(logits, [params], [history[:seen]], [generator])[0]
             now = time.perf_counter()
             if not result.token_ids:
                 first_token_at = now
                 result.ttft_s = now - started
             result.token_ids.append(token)
-            history = torch.cat([history, torch.tensor([token])])
+            history[seen] = token
+            seen += 1
 
             finish = None
             if token in stop_ids:

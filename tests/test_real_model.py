@@ -77,3 +77,20 @@ def test_end_of_generation_ids_include_im_end_and_endoftext(default_model: Path)
     engine = LLMEngine.load(default_model, precision="fp32")
     tok = engine.tokenizer
     assert {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")} <= engine.eos_token_ids
+
+
+def test_repetition_penalty_matches_transformers(engines):
+    ours, theirs, _ = engines
+    prompt_ids = ours.chat_prompt_ids([{"role": "user", "content": "Repeat: la la la la la"}])
+    gen = ours.generate(prompt_ids, SamplingParams(max_new_tokens=32, repetition_penalty=1.3))
+    list(gen)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        ref = theirs.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=32,
+            do_sample=False,
+            repetition_penalty=1.3,
+        )[0, len(prompt_ids) :].tolist()
+    assert gen.result.token_ids == ref
