@@ -1,12 +1,17 @@
-"""`LLMEngine`: load a model folder, turn prompts into streams of tokens.
+"""`LLMEngine`: load a model, accept requests, step them through continuous batching.
 
-This is the engine core: one request at a time through a contiguous KV cache. Its public
-shape (``load``, ``generate`` yielding :class:`TokenEvent`, plain-data results) is what the
-batching scheduler and the app build on.
+One step = the scheduler picks which tokens of which sequences to compute, the block manager
+gives them KV slots, the model runs one forward over the flattened batch, the sampler picks
+each finished-prefill sequence's next token, the detokenizer turns it into text, and finished
+sequences release their blocks. ``step()`` returns that step's :class:`TokenEvent` list.
+
+``generate()`` wraps this for scripts: it adds one request and steps the engine until that
+request finishes (other requests advance too).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -17,11 +22,23 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.kv_cache import ContiguousKVCache
+from engine.errors import InfersightError, InvalidRequestError, ModelLoadError
+from engine.kv_cache import CacheWindow, ContiguousKVCache, PagedKVCache, SeqChunk
 from engine.linear import pack_linears
+from engine.metrics import (
+    LayerTimer,
+    LayerTiming,
+    MetricsCollector,
+    MetricsSnapshot,
+    RequestMetrics,
+    StepRecord,
+    memory_by_kind,
+)
 from engine.model import Transformer
 from engine.sampling import SamplingParams, make_generator, sample
+from engine.scheduler import Scheduler, SchedulerLimits
+from engine.sequence import FinishReason, Status
+from engine.sequence import Sequence as Seq
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import load_transformer, parameter_count, weight_bytes
 
@@ -34,6 +51,10 @@ PRECISIONS: dict[str, torch.dtype] = {
 }
 
 
+class EngineBusyError(InfersightError):
+    """The waiting queue is full; the request was not accepted."""
+
+
 def parse_precision(name: str) -> torch.dtype:
     try:
         return PRECISIONS[name]
@@ -43,13 +64,38 @@ def parse_precision(name: str) -> torch.dtype:
         ) from None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """KV pool size and scheduling. The pool is ``num_blocks`` blocks if given, else
+    ``kv_memory`` bytes (> 1) or that fraction of free memory (<= 1), else a default share
+    (10% of available RAM on CPU, 50% of free GPU memory), never more than the running set
+    can use at full context."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory: float | None = None
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    window: CacheWindow | None = None
+    metrics_window_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_memory is not None and not self.kv_memory > 0:
+            raise InvalidRequestError(f"kv_memory must be > 0, got {self.kv_memory}")
+
+
 @dataclass(slots=True)
 class TokenEvent:
-    """One generated token and the text it released (possibly empty: a held-back partial
-    character or a possible stop-string prefix). ``finish_reason`` is set on the last event:
-    ``"stop"`` (end-of-generation token or stop string) or ``"length"``."""
+    """What one step did for one request: the sampled token and the text it released
+    (possibly empty: a held-back partial character or stop-string prefix). ``token_id`` is
+    ``None`` for events without a token (cancelled, timed out). ``finish_reason`` is set on a
+    request's last event: ``stop``, ``length``, ``cancelled`` or ``timeout``."""
 
-    token_id: int
+    request_id: str
+    token_id: int | None
     text: str
     finish_reason: str | None = None
 
@@ -60,7 +106,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    ttft_s: float | None = None  # request start → first token sampled
+    ttft_s: float | None = None  # request arrival → first token sampled
     tpot_s: float | None = None  # mean time per output token after the first
 
     def as_dict(self) -> dict[str, object]:
@@ -72,6 +118,15 @@ class GenerationResult:
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
         }
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Text state of one request: detokenizer, stop-string matcher, text so far."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    text: str = ""
 
 
 class LLMEngine:
@@ -86,6 +141,7 @@ class LLMEngine:
         device: torch.device,
         name: str = "model",
         num_parameters: int = 0,
+        config: EngineConfig | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -95,6 +151,25 @@ class LLMEngine:
         self.device = device
         self.name = name
         self.num_parameters = num_parameters
+        self.config = config or EngineConfig()
+        self.weights_bytes = weight_bytes(model)
+        self.kv = PagedKVCache(
+            cfg,
+            num_blocks=self._pool_blocks(),
+            block_size=self.config.block_size,
+            dtype=dtype,
+            device=device,
+        )
+        self.scheduler = Scheduler(self.kv.manager, self.config.limits)
+        self.window = self.config.window
+        self.collector = MetricsCollector(self.config.metrics_window_s)
+        self.layer_timer = LayerTimer(model.layers, device)
+        self._layer_timings: tuple[LayerTiming, ...] = ()
+        self._seqs: dict[str, Seq] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._pending: list[TokenEvent] = []
+        self._ids = itertools.count()
+        self.hold_s = 0.0
 
     @classmethod
     def load(
@@ -104,6 +179,7 @@ class LLMEngine:
         precision: str = "fp32",
         device: str = "cpu",
         pack: bool = True,
+        config: EngineConfig | None = None,
     ) -> LLMEngine:
         """Load a HF-style model folder. ``pack`` lays CPU weights out for oneDNN
         (:mod:`engine.linear`); turn it off to run plain ``nn.Linear``."""
@@ -124,26 +200,42 @@ class LLMEngine:
         if pack and torch_device.type == "cpu":
             pack_linears(model)
         eos = set(cfg.eos_token_ids) | set(_generation_config_eos(folder))
+        engine = cls(
+            model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype, device=torch_device,
+            name=folder.name, num_parameters=num_parameters, config=config,
+        )  # fmt: skip
         log.info(
-            "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights",
-            folder.name,
-            cfg.model_type,
-            cfg.num_layers,
-            num_parameters / 1e6,
-            precision,
-            weight_bytes(model) / 2**20,
-        )
-        return cls(
-            model,
-            tokenizer,
-            cfg,
-            eos_token_ids=sorted(eos),
-            dtype=dtype,
-            device=torch_device,
-            name=folder.name,
-            num_parameters=num_parameters,
-        )
+            "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights, "
+            "KV pool %d blocks × %d tokens (%.0f MiB)",
+            folder.name, cfg.model_type, cfg.num_layers, num_parameters / 1e6, precision,
+            engine.weights_bytes / 2**20, engine.kv.manager.num_blocks, engine.kv.block_size,
+            engine.kv.nbytes / 2**20,
+        )  # fmt: skip
+        return engine
 
+    def _pool_blocks(self) -> int:
+        conf = self.config
+        if conf.num_blocks is not None:
+            return conf.num_blocks
+        per_block = PagedKVCache.bytes_per_block(self.cfg, conf.block_size, self.dtype)
+        budget = conf.kv_memory
+        if budget is None or budget <= 1:
+            fraction = (
+                budget if budget is not None else (0.5 if self.device.type == "cuda" else 0.1)
+            )
+            budget = fraction * _free_memory(self.device)
+        useful = conf.limits.max_batch_size * -(
+            -self.cfg.max_position_embeddings // conf.block_size
+        )
+        blocks = min(int(budget // per_block), useful)
+        if blocks < 1:
+            raise InvalidRequestError(
+                f"a KV budget of {budget / 2**20:.1f} MiB holds no block "
+                f"({per_block / 2**20:.2f} MiB each); give --kv-memory more"
+            )
+        return blocks
+
+    # -- requests -------------------------------------------------------------------------
     @property
     def context_length(self) -> int:
         return self.cfg.max_position_embeddings
@@ -151,10 +243,227 @@ class LLMEngine:
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
 
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises at once for a request that can never run
+        and :class:`EngineBusyError` when the waiting queue is full."""
+        prompt = list(prompt_ids)
+        self._validate_prompt(prompt)
+        limits = self.scheduler.limits
+        if len(self.scheduler.waiting) >= limits.max_waiting:
+            raise EngineBusyError(
+                f"the engine is busy: {len(self.scheduler.waiting)} requests are waiting "
+                f"(max_waiting={limits.max_waiting}); try again when some have finished"
+            )
+        max_new = min(params.max_new_tokens, self.context_length - len(prompt))
+        self._check_fits(len(prompt) + max_new)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        seq = Seq(rid, prompt, params, time.perf_counter(), priority, timeout_s)
+        seq.max_new_tokens = max_new
+        seq.generator = make_generator(params.seed, self.device)
+        seq.history = torch.empty(len(prompt) + max_new, dtype=torch.long, device=self.device)
+        seq.history[: len(prompt)] = torch.tensor(prompt)
+        self._seqs[rid] = seq
+        self._streams[rid] = _Stream(
+            IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop)
+        )
+        self.scheduler.add(seq)
+        return rid
+
+    def _validate_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty; give at least one token of text")
+        if len(prompt) >= self.context_length:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens but the model's context is "
+                f"{self.context_length}; shorten the prompt or reset the conversation"
+            )
+        vocab = self.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def _check_fits(self, tokens: int) -> None:
+        mgr = self.kv.manager
+        if self.window is not None:  # blocks outside sink + window are given back as it runs
+            w = self.window
+            chunk = self.scheduler.limits.max_tokens_per_step
+            tokens = min(tokens, w.sink + w.window + chunk + 2 * mgr.block_size)
+        needed = mgr.blocks_for(tokens)
+        if needed > mgr.num_blocks:
+            raise InvalidRequestError(
+                f"this request needs up to {tokens} tokens of KV cache ({needed} blocks) but the "
+                f"pool holds {mgr.num_blocks} blocks ({mgr.num_blocks * mgr.block_size} tokens); "
+                "shorten the prompt, lower max_new_tokens or give the KV cache more memory"
+            )
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks are freed at once. The ``cancelled``
+        event arrives with the next :meth:`step`. False if it is unknown or already over."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.remove(seq)
+        self._pending.append(self._finish(seq, FinishReason.CANCELLED, time.perf_counter()))
+        return True
+
+    def update_limits(self, **changes: float) -> SchedulerLimits:
+        """Change scheduler limits on a live engine; they apply from the next step."""
+        self.scheduler.limits = self.scheduler.limits.updated(**changes)
+        return self.scheduler.limits
+
+    def set_window(self, window: CacheWindow | None) -> None:
+        """Turn the cache window on, off or change it; applies from the next step."""
+        self.window = window
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # -- stepping -------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        events, self._pending = self._pending, []
+        started = time.perf_counter()
+        out = self.scheduler.schedule(started)
+        self.hold_s = out.hold_s
+        for seq in out.timed_out:
+            events.append(self._finish(seq, FinishReason.TIMEOUT, started))
+        if not out.chunks:
+            return events
+
+        ids: list[int] = []
+        positions: list[int] = []
+        chunks: list[SeqChunk] = []
+        rows: list[int] = []
+        samplers: list[Seq] = []
+        for c in out.chunks:
+            ids += c.seq.tokens(c.start, c.start + c.length)
+            positions += range(c.start, c.start + c.length)
+            chunks.append(SeqChunk(c.seq.request_id, c.start, c.length, self.window))
+            if c.samples:
+                rows.append(len(ids) - 1)
+                samplers.append(c.seq)
+        ctx = self.kv.context(chunks)
+        logits = self.model(
+            torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            ctx,
+            torch.tensor(rows, device=self.device),
+        )
+        for c in out.chunks:
+            c.seq.num_computed = c.start + c.length
+        tokens = sample(
+            logits,
+            [s.params for s in samplers],
+            [_history(s) for s in samplers],
+            [s.generator for s in samplers if s.generator is not None],
+        )
+        now = time.perf_counter()
+        for seq, token in zip(samplers, tokens, strict=True):
+            events.append(self._append(seq, token, now))
+        if self.window is not None:
+            for seq in self.scheduler.running:
+                self.kv.manager.release_outside_window(seq.request_id, self.window)
+        if self.layer_timer.enabled:
+            self._layer_timings = self.layer_timer.collect()
+
+        prompt_tokens = sum(
+            max(0, min(c.start + c.length, len(c.seq.prompt_ids)) - c.start) for c in out.chunks
+        )
+        mgr = self.kv.manager
+        self.collector.record_step(
+            StepRecord(
+                end=now,
+                duration_s=now - started,
+                batch_size=len(out.chunks),
+                prompt_tokens=prompt_tokens,
+                generated_tokens=len(tokens),
+                kv_used_blocks=mgr.num_blocks - mgr.num_free,
+            )
+        )
+        return events
+
+    def _append(self, seq: Seq, token: int, now: float) -> TokenEvent:
+        seq.output_ids.append(token)
+        if seq.history is not None:
+            seq.history[seq.num_tokens - 1] = token
+        times = seq.times
+        if times.first_token is None:
+            times.first_token = now
+        times.last_token = now
+        times.token_times.append(now)
+        stream = self._streams[seq.request_id]
+        params = seq.params
+        finish: FinishReason | None = None
+        ends = token in params.extra_stop_token_ids
+        ends |= not params.ignore_eos and token in self.eos_token_ids
+        if ends:
+            piece, finish = stream.stops.feed(stream.detok.flush(), final=True), FinishReason.STOP
+        else:
+            piece = stream.stops.feed(stream.detok.add(token), final=False)
+            if stream.stops.hit:
+                finish = FinishReason.STOP
+            elif len(seq.output_ids) >= seq.max_new_tokens:
+                piece += stream.stops.feed(stream.detok.flush(), final=True)
+                finish = FinishReason.LENGTH
+        stream.text += piece
+        if finish is None:
+            return TokenEvent(seq.request_id, token, piece)
+        self.scheduler.remove(seq)
+        event = self._finish(seq, finish, now)
+        event.token_id, event.text = token, piece
+        return event
+
+    def _finish(self, seq: Seq, reason: FinishReason, now: float) -> TokenEvent:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.times.finished = now
+        self.collector.record_request(now, _request_metrics(seq))
+        self._seqs.pop(seq.request_id, None)
+        self._streams.pop(seq.request_id, None)
+        return TokenEvent(seq.request_id, None, "", reason.value)
+
+    # -- instruments ----------------------------------------------------------------------
+    def enable_layer_timing(self, on: bool = True) -> None:
+        if on:
+            self.layer_timer.enable()
+        else:
+            self.layer_timer.disable()
+            self._layer_timings = ()
+
+    def metrics(self) -> MetricsSnapshot:
+        now = time.perf_counter()
+        occ = self.kv.manager.occupancy()
+        summary = self.collector.summary(now)
+        return MetricsSnapshot(
+            time=now,
+            window_s=self.collector.window_s,
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage_perc=occ.usage,
+            kv_blocks_used=occ.used_blocks,
+            kv_blocks_total=occ.total_blocks,
+            kv_tokens_stored=occ.tokens_stored,
+            kv_waste_slots=occ.waste_slots,
+            memory=memory_by_kind(self.weights_bytes, self.kv.nbytes, self.device),
+            layer_timings=self._layer_timings,
+            total_prompt_tokens=self.collector.total_prompt_tokens,
+            total_generated_tokens=self.collector.total_generated_tokens,
+            **summary,
+        )
+
+    # -- single sequences, for scripts and tests --------------------------------------------
     def forward_logits(
         self, token_ids: Sequence[int], cache: ContiguousKVCache, start: int
     ) -> torch.Tensor:
-        """Logits for every position of ``token_ids`` continuing a sequence at ``start``."""
+        """Logits for every position of ``token_ids`` continuing a sequence at ``start``,
+        through a private contiguous cache (not the engine's pool)."""
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)
         ctx = cache.context([0], [start], [len(ids)])
@@ -165,83 +474,89 @@ class LLMEngine:
             self.cfg, slots=1, capacity=capacity, dtype=self.dtype, device=self.device
         )
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        """Start one request; iterate the result for :class:`TokenEvent` as tokens arrive."""
-        return Generation(self, list(prompt_ids), params)
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int = 0
+    ) -> Generation:
+        """Start one request; iterate the result for its :class:`TokenEvent` as they come."""
+        return Generation(self, list(prompt_ids), params, priority)
 
 
 class Generation:
-    """A running request. Iterating it drives the model; ``result`` fills in as it goes."""
+    """One request driven to its end by stepping the engine; ``result`` fills in as it goes."""
 
-    def __init__(self, engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty; give at least one token of text")
-        limit = engine.context_length
-        if len(prompt_ids) >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens but the model's context is {limit}; "
-                "shorten the prompt or reset the conversation"
-            )
-        vocab = engine.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+    def __init__(
+        self, engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, priority: int
+    ) -> None:
         self.engine = engine
-        self.params = params
-        self.max_new = min(params.max_new_tokens, limit - len(prompt_ids))
+        self.request_id = engine.add_request(prompt_ids, params, priority=priority)
+        self._seq = engine._seqs[self.request_id]
         self.result = GenerationResult(prompt_ids=prompt_ids)
-        self._stops = _StopMatcher(params.stop)
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        eng, params, result = self.engine, self.params, self.result
-        stop_ids = set() if params.ignore_eos else set(eng.eos_token_ids)
-        stop_ids |= set(params.extra_stop_token_ids)
-        generator = make_generator(params.seed, eng.device)
-        detok = IncrementalDetokenizer(eng.tokenizer)
-        cache = eng.new_cache(len(result.prompt_ids) + self.max_new)
-        # Every token seen so far, for the repetition penalty; lives beside the logits.
-        history = torch.empty(len(result.prompt_ids) + self.max_new, dtype=torch.long,
-                              device=eng.device)  # fmt: skip
-        history[: len(result.prompt_ids)] = torch.tensor(result.prompt_ids)
-        seen = len(result.prompt_ids)
-        started = time.perf_counter()
-        first_token_at = started
-
-        pending = result.prompt_ids
-        position = 0
-        while True:
-            logits = eng.forward_logits(pending, cache, position)[-1:]
-            position += len(pending)
-            token = sample(logits, [params], [history[:seen]], [generator])[0]
-            now = time.perf_counter()
-            if not result.token_ids:
-                first_token_at = now
-                result.ttft_s = now - started
-            result.token_ids.append(token)
-            history[seen] = token
-            seen += 1
-
-            finish = None
-            if token in stop_ids:
-                piece, finish = self._stops.feed(detok.flush(), final=True), "stop"
-            else:
-                piece = self._stops.feed(detok.add(token), final=False)
-                if self._stops.hit:
-                    finish = "stop"
-                elif len(result.token_ids) >= self.max_new:
-                    piece += self._stops.feed(detok.flush(), final=True)
-                    finish = "length"
-            result.text += piece
-            if finish is not None:
-                result.finish_reason = finish
-                n = len(result.token_ids)
-                result.tpot_s = (now - first_token_at) / (n - 1) if n > 1 else None
-            yield TokenEvent(token, piece, finish)
-            if finish is not None:
-                return
-            pending = [token]
+        engine, result, seq = self.engine, self.result, self._seq
+        try:
+            while result.finish_reason is None:
+                events = engine.step()
+                if not events and engine.hold_s > 0:
+                    time.sleep(min(engine.hold_s, 0.01))
+                for event in events:
+                    if event.request_id != self.request_id:
+                        continue
+                    if event.token_id is not None:
+                        result.token_ids.append(event.token_id)
+                    result.text += event.text
+                    if event.finish_reason is not None:
+                        result.finish_reason = event.finish_reason
+                        t = seq.times
+                        if t.first_token is not None:
+                            result.ttft_s = t.first_token - t.arrival
+                            n = len(seq.output_ids)
+                            if n > 1 and t.last_token is not None:
+                                result.tpot_s = (t.last_token - t.first_token) / (n - 1)
+                    yield event
+        finally:
+            if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
+                engine.cancel(self.request_id)
 
 
-class _StopMatcher:
+def _history(seq: Seq) -> torch.Tensor:
+    assert seq.history is not None
+    return seq.history[: seq.num_tokens]
+
+
+def _request_metrics(seq: Seq) -> RequestMetrics:
+    t = seq.times
+    end = t.finished if t.finished is not None else time.perf_counter()
+    gaps = tuple(b - a for a, b in itertools.pairwise(t.token_times))
+    n = len(seq.output_ids)
+    return RequestMetrics(
+        request_id=seq.request_id,
+        finish_reason=seq.finish_reason.value if seq.finish_reason else "",
+        prompt_tokens=len(seq.prompt_ids),
+        output_tokens=n,
+        request_queue_time_seconds=None if t.scheduled is None else t.scheduled - t.arrival,
+        time_to_first_token_seconds=None if t.first_token is None else t.first_token - t.arrival,
+        time_per_output_token_seconds=(
+            (t.last_token - t.first_token) / (n - 1)
+            if n > 1 and t.first_token is not None and t.last_token is not None
+            else None
+        ),
+        e2e_request_latency_seconds=end - t.arrival,
+        inter_token_latency_seconds=gaps,
+        preemptions=seq.num_preemptions,
+    )
+
+
+def _free_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free)
+    import psutil
+
+    return float(psutil.virtual_memory().available)
+
+
+class StopStringMatcher:
     """Releases streamed text, holding back any tail that could still become a stop string."""
 
     def __init__(self, stops: Sequence[str]) -> None:

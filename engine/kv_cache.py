@@ -1,23 +1,295 @@
-"""KV cache storage.
+"""KV cache storage: the paged block pool and its block manager.
 
-:class:`ContiguousKVCache` keeps, for each layer, one buffer per sequence slot of
-``[kv_heads, capacity, head_dim]`` for K and for V, allocated once. It is the simple cache the
-engine core needs for one conversation; the paged block pool (block tables, sliding window)
-replaces it behind the same :class:`~engine.attention.AttentionContext` seam.
+The pool holds, for each layer, K and V for ``num_blocks × block_size`` token slots
+(``[slots, kv_heads, head_dim]``, token-major), allocated once when the engine starts. A
+sequence owns a *block table*: the list of blocks that hold its tokens, in order. Token ``p``
+of a sequence lives in slot ``table[p // block_size] * block_size + p % block_size``.
+
+The :class:`BlockManager` hands out blocks (free list), grows a table when a sequence crosses a
+block boundary, frees tables on finish / cancel / preemption, and, for the *cache window*,
+releases blocks that fell wholly between the ``sink`` first tokens and the last ``window``
+tokens. It only does bookkeeping; :class:`PagedKVCache` owns the tensors and builds the
+per-step :class:`~engine.attention.AttentionContext`.
+
+:class:`ContiguousKVCache` (one contiguous buffer per sequence) is kept as the simplest possible
+cache, for tests and for scoring a single long text.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from engine.attention import AttentionContext, sequence_attention
 from engine.config import ModelConfig
 
+RELEASED = -1  # table entry of a block given back by the cache window
+
+
+@dataclass(frozen=True, slots=True)
+class CacheWindow:
+    """Keep the ``sink`` first tokens and the last ``window`` tokens of each sequence."""
+
+    sink: int = 4
+    window: int = 256
+
+    def __post_init__(self) -> None:
+        if self.sink < 0 or self.window < 1:
+            raise ValueError("cache window needs sink >= 0 and window >= 1")
+
+    def visible(self, key_pos: Tensor, query_pos: Tensor) -> Tensor:
+        """Mask ``[Q, K]``: key visible to query (causal, sink or within the window)."""
+        causal = key_pos[None, :] <= query_pos[:, None]
+        recent = key_pos[None, :] > query_pos[:, None] - self.window
+        return causal & ((key_pos[None, :] < self.sink) | recent)
+
+
+@dataclass(frozen=True, slots=True)
+class Occupancy:
+    total_blocks: int
+    used_blocks: int
+    tokens_stored: int  # live tokens held in used blocks
+    waste_slots: int  # reserved slots holding no live token
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV pool needs at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self.tables: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}  # tokens whose slots exist (stored or being written)
+        self._released_tokens: dict[str, int] = {}
+
+    # -- questions ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def blocks_needed(self, seq_id: str, new_length: int) -> int:
+        """Blocks to allocate so that ``seq_id`` has slots for ``new_length`` tokens."""
+        have = len(self.tables.get(seq_id, ()))
+        return max(0, self.blocks_for(new_length) - have)
+
+    def can_grow(self, seq_id: str, new_length: int) -> bool:
+        return self.blocks_needed(seq_id, new_length) <= len(self._free)
+
+    # -- changes -----------------------------------------------------------------------------
+    def grow(self, seq_id: str, new_length: int) -> None:
+        """Give ``seq_id`` slots for tokens ``[0, new_length)`` (allocates on admission too)."""
+        needed = self.blocks_needed(seq_id, new_length)
+        if needed > len(self._free):
+            raise MemoryError(f"KV pool exhausted: {seq_id} needs {needed} more block(s)")
+        table = self.tables.setdefault(seq_id, [])
+        table.extend(self._free.popleft() for _ in range(needed))
+        self.lengths[seq_id] = max(self.lengths.get(seq_id, 0), new_length)
+
+    def free(self, seq_id: str) -> int:
+        """Return every block of ``seq_id`` to the pool (finish, cancel, preemption)."""
+        table = self.tables.pop(seq_id, [])
+        self.lengths.pop(seq_id, None)
+        self._released_tokens.pop(seq_id, None)
+        blocks = [b for b in table if b != RELEASED]
+        self._free.extend(blocks)
+        return len(blocks)
+
+    def release_outside_window(self, seq_id: str, window: CacheWindow) -> int:
+        """Free the blocks of ``seq_id`` lying wholly after the sink and before the window."""
+        table = self.tables.get(seq_id)
+        if not table:
+            return 0
+        length, bs = self.lengths[seq_id], self.block_size
+        released = 0
+        for index, block in enumerate(table):
+            start, end = index * bs, (index + 1) * bs
+            if block != RELEASED and start >= window.sink and end <= length - window.window:
+                table[index] = RELEASED
+                self._free.append(block)
+                released += 1
+        if released:
+            self._released_tokens[seq_id] = self._released_tokens.get(seq_id, 0) + released * bs
+        return released
+
+    # -- reading -----------------------------------------------------------------------------
+    def slots(self, seq_id: str, start: int, end: int) -> list[int]:
+        """Slot ids of positions ``[start, end)`` of ``seq_id`` (all must be held)."""
+        table, bs = self.tables[seq_id], self.block_size
+        out = []
+        for pos in range(start, end):
+            block = table[pos // bs]
+            if block == RELEASED:
+                raise KeyError(f"position {pos} of {seq_id} was released by the cache window")
+            out.append(block * bs + pos % bs)
+        return out
+
+    def held(self, seq_id: str, end: int) -> tuple[Tensor, Tensor]:
+        """``(positions, slots)`` of the held positions ``< end`` of ``seq_id``."""
+        bs = self.block_size
+        table = torch.tensor(self.tables[seq_id], dtype=torch.long)
+        positions = torch.arange(end)
+        blocks = table[positions // bs]
+        keep = blocks != RELEASED
+        return positions[keep], (blocks * bs + positions % bs)[keep]
+
+    def occupancy(self) -> Occupancy:
+        used = self.num_blocks - len(self._free)
+        stored = 0
+        for seq_id, table in self.tables.items():
+            held = sum(1 for b in table if b != RELEASED) * self.block_size
+            partial = len(table) * self.block_size - self.lengths[seq_id]  # tail of last block
+            stored += held - partial
+        return Occupancy(self.num_blocks, used, stored, used * self.block_size - stored)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """``length`` new tokens of sequence ``seq_id`` at positions ``start …`` in this step."""
+
+    seq_id: str
+    start: int
+    length: int
+    window: CacheWindow | None = None
+
+
+class PagedKVCache:
+    """The KV pool tensors (per layer ``[num_blocks*block_size + 1, kv_heads, head_dim]``; the
+    extra last slot stays zero and pads gathers) and the block manager that shares them out."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.manager = BlockManager(num_blocks, block_size)
+        self.block_size = block_size
+        slots = num_blocks * block_size + 1
+        self.pad_slot = slots - 1
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.device = torch.device(device)
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def context(self, chunks: list[SeqChunk]) -> AttentionContext:
+        """Per-step context. Chunks of one token (decode) must come first, in one run."""
+        return _PagedContext(self, chunks)
+
+
+class _PagedContext(AttentionContext):
+    """Index tensors for one step, built once and shared by every layer.
+
+    Decode chunks (one token each) are attended together: their keys are gathered into a
+    padded ``[B, Tmax]`` slot matrix (pad = the zero slot, masked out). Longer chunks
+    (prefill) are attended one sequence at a time with a causal mask.
+    """
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
+        self.cache = cache
+        mgr, dev = cache.manager, cache.device
+        write: list[int] = []
+        for c in chunks:
+            write += mgr.slots(c.seq_id, c.start, c.start + c.length)
+        self.write_slots = torch.tensor(write, dtype=torch.long, device=dev)
+
+        self.num_decode = 0
+        while self.num_decode < len(chunks) and chunks[self.num_decode].length == 1:
+            self.num_decode += 1
+        if any(c.length == 1 for c in chunks[self.num_decode :]):
+            raise ValueError("decode chunks must come first in a step")
+        self.decode_slots: Tensor | None = None
+        self.decode_mask: Tensor | None = None
+        if self.num_decode:
+            slot_rows, mask_rows = [], []
+            for c in chunks[: self.num_decode]:
+                positions, slots = mgr.held(c.seq_id, c.start + 1)
+                slot_rows.append(slots)
+                mask_rows.append(_visible(c, positions, torch.tensor([c.start]))[0])
+            self.decode_slots = pad_sequence(
+                slot_rows, batch_first=True, padding_value=cache.pad_slot
+            ).to(dev)
+            mask = pad_sequence(mask_rows, batch_first=True, padding_value=False)
+            self.decode_mask = mask[:, None, None, :].to(dev)
+        self.prefill: list[tuple[int, int, Tensor, Tensor]] = []  # (offset, length, slots, mask)
+        offset = self.num_decode
+        for c in chunks[self.num_decode :]:
+            positions, slots = mgr.held(c.seq_id, c.start + c.length)
+            mask = _visible(c, positions, torch.arange(c.start, c.start + c.length))
+            self.prefill.append((offset, c.length, slots.to(dev), mask.to(dev)))
+            offset += c.length
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
+        k_pool.index_copy_(0, self.write_slots, k)
+        v_pool.index_copy_(0, self.write_slots, v)
+        tokens, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        out = q.new_empty(tokens, heads * dim)
+        if self.decode_slots is not None:
+            b, width = self.decode_slots.shape
+            flat = self.decode_slots.view(-1)
+            keys = k_pool.index_select(0, flat).view(b, width, kv_heads, dim).transpose(1, 2)
+            values = v_pool.index_select(0, flat).view(b, width, kv_heads, dim).transpose(1, 2)
+            qd = q[:b].view(b, kv_heads, heads // kv_heads, dim)
+            att = torch.nn.functional.scaled_dot_product_attention(
+                qd, keys, values, attn_mask=self.decode_mask
+            )
+            out[:b] = att.reshape(b, heads * dim)
+        for offset, length, slots, mask in self.prefill:
+            keys = k_pool.index_select(0, slots).transpose(0, 1)
+            values = v_pool.index_select(0, slots).transpose(0, 1)
+            out[offset : offset + length] = masked_sequence_attention(
+                q[offset : offset + length], keys, values, mask
+            )
+        return out
+
+
+def _visible(chunk: SeqChunk, key_pos: Tensor, query_pos: Tensor) -> Tensor:
+    if chunk.window is None:
+        return key_pos[None, :] <= query_pos[:, None]
+    return chunk.window.visible(key_pos, query_pos)
+
+
+def masked_sequence_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """GQA attention of ``q: [L, H, D]`` over ``keys/values: [Hkv, T, D]`` with ``mask: [L, T]``."""
+    length, heads, dim = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    qg = q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask.repeat(group, 1)
+    )
+    return out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads * dim)
+
 
 class ContiguousKVCache:
+    """One contiguous ``[kv_heads, capacity, head_dim]`` buffer per slot and layer: the
+    simplest cache, for tests and single-sequence scoring."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -39,8 +311,6 @@ class ContiguousKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def context(self, slots: list[int], starts: list[int], lengths: list[int]) -> AttentionContext:
-        """Context for one forward over ``lengths[i]`` new tokens of the sequence in ``slots[i]``,
-        whose first new token sits at position ``starts[i]``."""
         for start, length in zip(starts, lengths, strict=True):
             if start + length > self.capacity:
                 raise ValueError(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import LLMEngine, _StopMatcher
+from engine.engine import LLMEngine, StopStringMatcher
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 
@@ -96,7 +96,7 @@ def test_timings_are_reported(engine):
     ],
 )
 def test_stop_matcher_never_releases_a_stop_string(pieces, stops, released):
-    matcher = _StopMatcher(stops)
+    matcher = StopStringMatcher(stops)
     out = []
     for i, piece in enumerate(pieces):
         out.append(matcher.feed(piece, final=i == len(pieces) - 1))

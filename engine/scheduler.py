@@ -1,0 +1,168 @@
+"""Continuous batching: which sequences compute which tokens in the next step.
+
+Every step, finished sequences have left and waiting ones may join. The budgets:
+
+* ``max_batch_size``: sequences in the running set;
+* ``max_tokens_per_step``: tokens computed in one forward (long prompts are prefilled in
+  chunks, so one long prompt does not stall everyone else's decode);
+* ``max_wait_ms``: how long a lone request may be held hoping for company (0 = never);
+* ``max_waiting``: the waiting queue's length; beyond it new requests are refused as busy.
+
+Waiting requests are ordered by priority plus an aging credit (``aging_per_s`` priority units
+per second waited), so nothing starves. When the KV pool runs out, the running sequence with
+the lowest priority is *preempted by recompute*: its blocks are freed and it goes back to the
+queue, to be prefilled again (prompt and generated tokens) when it is readmitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from engine.errors import InvalidRequestError
+from engine.kv_cache import BlockManager
+from engine.sequence import FinishReason, Sequence, Status
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_batch_size: int = 16
+    max_tokens_per_step: int = 512
+    max_wait_ms: float = 0.0
+    max_waiting: int = 1024
+    aging_per_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise InvalidRequestError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_tokens_per_step < 1:
+            raise InvalidRequestError(
+                f"max_tokens_per_step must be >= 1, got {self.max_tokens_per_step}"
+            )
+        if not self.max_wait_ms >= 0:
+            raise InvalidRequestError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.max_waiting < 1:
+            raise InvalidRequestError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if not self.aging_per_s >= 0:
+            raise InvalidRequestError(f"aging_per_s must be >= 0, got {self.aging_per_s}")
+
+    def updated(self, **changes: float) -> SchedulerLimits:
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown scheduler limit(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so a new token is sampled after it."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    timed_out: list[Sequence] = field(default_factory=list)
+    hold_s: float = 0.0  # > 0: nothing scheduled, a lone request is held for company
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, manager: BlockManager, limits: SchedulerLimits | None = None) -> None:
+        self.manager = manager
+        self.limits = limits or SchedulerLimits()
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of whichever queue holds it and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.manager.free(seq.request_id)
+
+    def _order(self, seqs: list[Sequence], now: float) -> list[Sequence]:
+        aging = self.limits.aging_per_s
+        return sorted(seqs, key=lambda s: (-s.effective_priority(now, aging), s.arrival))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.manager.free(seq.request_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.append(seq)
+        out.preempted.append(seq)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        limits = self.limits
+        for seq in list(self.waiting):
+            never_ran = seq.times.scheduled is None
+            if never_ran and seq.timeout_s is not None and now - seq.arrival > seq.timeout_s:
+                self.waiting.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, FinishReason.TIMEOUT
+                out.timed_out.append(seq)
+
+        if not self.running and 0 < len(self.waiting) < limits.max_batch_size:
+            oldest = min(s.arrival for s in self.waiting)
+            hold = limits.max_wait_ms / 1e3 - (now - oldest)
+            if hold > 0:
+                out.hold_s = hold
+                return out
+
+        budget = limits.max_tokens_per_step
+        queue = self._order(self.running, now)
+        while queue:
+            seq = queue.pop(0)
+            need = min(seq.num_tokens - seq.num_computed, budget)
+            if need <= 0:
+                continue
+            while not self.manager.can_grow(seq.request_id, seq.num_computed + need):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self.manager.grow(seq.request_id, seq.num_computed + need)
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed, need))
+                budget -= need
+
+        if not out.preempted:  # admitting right after preempting would only thrash
+            for seq in self._order(self.waiting, now):
+                if len(self.running) >= limits.max_batch_size or budget <= 0:
+                    break
+                need = min(seq.num_tokens - seq.num_computed, budget)
+                if not self.manager.can_grow(seq.request_id, need):
+                    break
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = Status.RUNNING
+                if seq.times.scheduled is None:
+                    seq.times.scheduled = now
+                self.manager.grow(seq.request_id, need)
+                out.chunks.append(ScheduledChunk(seq, 0, need))
+                budget -= need
+
+        out.chunks.sort(key=lambda c: c.length != 1)  # decode chunks first (stable)
+        return out

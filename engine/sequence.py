@@ -1,0 +1,76 @@
+"""Per-request state: token ids, status, progress through the KV cache, timestamps."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-generation token or stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"  # waited in the queue longer than its timeout
+
+
+@dataclass(slots=True)
+class Timestamps:
+    """``time.perf_counter()`` values; ``None`` until the event happens."""
+
+    arrival: float
+    scheduled: float | None = None  # first admitted to the running set
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    priority: int = 0
+    timeout_s: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    max_new_tokens: int = 0  # params.max_new_tokens capped by the context length
+    times: Timestamps = field(init=False)
+    generator: torch.Generator | None = None
+    history: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
+
+    def __post_init__(self) -> None:
+        self.times = Timestamps(arrival=self.arrival)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return [self.token(i) for i in range(start, end)]
+
+    def effective_priority(self, now: float, aging_per_s: float) -> float:
+        """Priority plus the credit of waiting: a request never starves behind newer ones."""
+        return self.priority + aging_per_s * max(0.0, now - self.arrival)
