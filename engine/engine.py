@@ -355,7 +355,7 @@ class LLMEngine:
             torch.tensor(ids, device=self.device),
             torch.tensor(positions, device=self.device),
             ctx,
-            torch.tensor(rows, device=self.device),
+            torch.tensor(rows, dtype=torch.long, device=self.device),
         )
         for c in out.chunks:
             c.seq.num_computed = c.start + c.length

@@ -182,8 +182,12 @@ class PagedKVCache:
         slots = num_blocks * block_size + 1
         self.pad_slot = slots - 1
         shape = (slots, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        # Uninitialised: a slot is read only after it was written, except the pad slot, which
+        # masked gathers read and which must hold zeros (0 × garbage may be NaN).
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        for t in self.k + self.v:
+            t[self.pad_slot].zero_()
         self.device = torch.device(device)
 
     @staticmethod
