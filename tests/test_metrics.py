@@ -1,0 +1,107 @@
+"""The instruments tell the truth: figures against clocks and counts taken outside the engine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.kv_cache import RELEASED
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerLimits
+from engine.weights import weight_bytes
+
+
+@pytest.fixture(scope="module")
+def engine(default_model: Path) -> LLMEngine:
+    config = EngineConfig(num_blocks=128, limits=SchedulerLimits(max_batch_size=8))
+    return LLMEngine.load(default_model, config=config)
+
+
+def test_throughput_ttft_and_kv_usage_match_outside_measurements(engine):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    prompts = [list(range(100, 100 + n)) for n in (5, 40, 17, 60)]
+    added: dict[str, float] = {}
+    first_seen: dict[str, float] = {}
+    generated = 0
+    prompt_tokens = sum(len(p) for p in prompts)
+    start = time.perf_counter()
+    for prompt in prompts:
+        added[engine.add_request(prompt, params)] = time.perf_counter()
+    usage_checked = 0
+    while engine.has_work():
+        events = engine.step()
+        seen_at = time.perf_counter()
+        for event in events:
+            if event.token_id is not None:
+                generated += 1
+                first_seen.setdefault(event.request_id, seen_at)
+        snap = engine.metrics()
+        tables = engine.kv.manager.tables.values()
+        held = sum(1 for table in tables for b in table if b != RELEASED)
+        assert snap.kv_blocks_used == held
+        assert snap.kv_cache_usage_perc == pytest.approx(held / snap.kv_blocks_total)
+        usage_checked += held > 0
+    elapsed = time.perf_counter() - start
+    assert usage_checked > 10
+
+    snap = engine.metrics()
+    assert generated == 4 * 20
+    assert snap.generation_throughput_tps == pytest.approx(generated / elapsed, rel=0.1)
+    assert snap.prompt_throughput_tps == pytest.approx(prompt_tokens / elapsed, rel=0.1)
+    finished = {r.request_id: r for r in snap.finished_requests}
+    for rid, t_add in added.items():
+        outside = first_seen[rid] - t_add
+        inside = finished[rid].time_to_first_token_seconds
+        assert inside is not None
+        assert inside <= outside + 1e-3
+        assert outside - inside < 0.02  # only the return from step() lies between
+        assert finished[rid].output_tokens == 20
+        assert len(finished[rid].inter_token_latency_seconds) == 19
+    ttft = snap.latency_percentiles["time_to_first_token_seconds"]
+    assert ttft["count"] == 4 and ttft["p50"] <= ttft["p95"] <= ttft["p99"]
+
+
+def test_memory_by_kind_and_layer_timings(engine):
+    snap = engine.metrics()
+    assert snap.memory.weights_bytes == weight_bytes(engine.model)
+    assert snap.memory.kv_pool_bytes == engine.kv.nbytes
+    assert snap.memory.process_rss_bytes is not None
+    assert snap.memory.process_rss_bytes > snap.memory.weights_bytes
+
+    engine.enable_layer_timing(True)
+    rid = engine.add_request(list(range(100, 130)), SamplingParams(max_new_tokens=1))
+    started = time.perf_counter()
+    engine.step()
+    step_time = time.perf_counter() - started
+    timings = engine.metrics().layer_timings
+    engine.enable_layer_timing(False)
+    assert [t.layer for t in timings] == list(range(engine.cfg.num_layers))
+    assert all(t.attention_s > 0 and t.mlp_s > 0 for t in timings)
+    assert sum(t.attention_s + t.mlp_s for t in timings) < step_time
+    assert engine.metrics().layer_timings == ()
+    del rid
+
+
+def test_snapshot_is_plain_data(engine):
+    import dataclasses
+
+    import torch
+
+    def walk(value):
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name))
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        else:
+            assert not isinstance(value, torch.Tensor)
+            assert isinstance(value, (int, float, str, type(None)))
+
+    walk(engine.metrics())
