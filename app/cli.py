@@ -57,12 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="interactive terminal chat (streaming, multi-turn)")
     _model_args(p)
+    _engine_args(p)
     _sampling_args(p, default_max_new=512)
     p.add_argument("--system", help="system prompt")
     p.set_defaults(handler=cmd_chat)
 
     p = sub.add_parser("generate", help="generate text from one prompt, streamed to stdout")
     _model_args(p)
+    _engine_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw prompt text (no chat template)")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
@@ -75,11 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p, precision=False)
     p.set_defaults(handler=cmd_tokenize)
 
-    p = sub.add_parser("bench", help="measure prefill/decode speed, optionally vs transformers")
+    p = sub.add_parser("bench", help="measure speed and latency, optionally vs transformers")
     _model_args(p)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="alternating runs; medians reported")
+    _engine_args(p)
+    p.add_argument(
+        "--workload",
+        choices=("single", "mixed"),
+        default="single",
+        help="single: one request, prefill and decode speed (default); mixed: many requests "
+        "of seeded random lengths through continuous batching",
+    )
+    p.add_argument("--prompt-len", type=int, default=32, help="single workload")
+    p.add_argument("--new-tokens", type=int, default=128, help="single workload")
+    p.add_argument("--repeats", type=int, default=3, help="single: alternating runs, medians")
+    p.add_argument("--requests", type=int, default=64, help="mixed workload")
+    p.add_argument(
+        "--max-batch-size", type=int, nargs="+", default=[1, 4, 16, 32], help="mixed workload"
+    )
+    p.add_argument("--seed", type=int, default=0, help="mixed workload")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers' generate")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=cmd_bench)
@@ -105,6 +120,48 @@ def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
         p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
         p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache and scheduling")
+    g.add_argument(
+        "--kv-memory",
+        type=float,
+        default=None,
+        help="KV pool size: bytes (> 1) or a fraction of free memory (<= 1)",
+    )
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-tokens-per-step", type=int, default=512, help="prefill chunk budget")
+    g.add_argument(
+        "--cache-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep only the last N tokens (plus --sink first ones) in the KV cache",
+    )
+    g.add_argument("--sink", type=int, default=4, help="first tokens kept with --cache-window")
+
+
+def engine_config(args: argparse.Namespace, max_batch_size: int = 16) -> Any:
+    from engine.engine import EngineConfig
+    from engine.kv_cache import CacheWindow
+    from engine.scheduler import SchedulerLimits
+
+    window = None
+    if args.cache_window is not None:
+        if args.cache_window < 1 or args.sink < 0:
+            raise InvalidRequestError("--cache-window must be >= 1 and --sink >= 0")
+        window = CacheWindow(sink=args.sink, window=args.cache_window)
+    return EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_memory=args.kv_memory,
+        limits=SchedulerLimits(
+            max_batch_size=max_batch_size, max_tokens_per_step=args.max_tokens_per_step
+        ),
+        window=window,
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser, *, default_max_new: int) -> None:
@@ -162,8 +219,9 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
 
     parse_precision(args.precision)  # fail on a bad precision before any download
     _set_threads(args.threads)
+    config = engine_config(args)
     folder = resolve_model(args.model, progress=progress_printer())
-    return LLMEngine.load(folder, precision=args.precision, device=args.device)
+    return LLMEngine.load(folder, precision=args.precision, device=args.device, config=config)
 
 
 def _set_threads(threads: int | None) -> None:
@@ -217,23 +275,48 @@ def _stdin_text() -> Any:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from engine.bench import BenchConfig, format_report, run_bench
+    from engine.bench import (
+        BenchConfig,
+        format_report,
+        format_workload_report,
+        run_bench,
+        run_workload_bench,
+    )
     from engine.engine import parse_precision
     from engine.model_store import resolve_model
 
-    for name in ("prompt_len", "new_tokens", "repeats"):
+    for name in ("prompt_len", "new_tokens", "repeats", "requests"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    if any(b < 1 for b in args.max_batch_size):
+        raise InvalidRequestError("--max-batch-size values must be at least 1")
     parse_precision(args.precision)
     _set_threads(args.threads)
+    config = engine_config(args, max_batch_size=max(args.max_batch_size))
     folder = resolve_model(args.model, progress=progress_printer())
+    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if args.workload == "mixed":
+        report = run_workload_bench(
+            folder,
+            requests=args.requests,
+            batch_sizes=args.max_batch_size,
+            precision=args.precision,
+            device=args.device,
+            compare_hf=args.compare_hf,
+            seed=args.seed,
+            engine_config=config,
+            log=say,
+        )
+        print(json.dumps(report, indent=2) if args.json else format_workload_report(report))
+        return 0
     report = run_bench(
         folder,
         BenchConfig(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats),
         precision=args.precision,
         device=args.device,
         compare_hf=args.compare_hf,
-        log=lambda msg: print(msg, file=sys.stderr),
+        engine_config=config,
+        log=say,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

@@ -99,6 +99,19 @@ def _peak_mem_mib(device: torch.device) -> float:
     return _peak_rss_mib()
 
 
+class _BatchStreamer:
+    """transformers' streamer protocol, batch-tolerant: a time stamp per ``put``."""
+
+    def __init__(self, stamps: list[float]) -> None:
+        self.stamps = stamps
+
+    def put(self, value: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 class _HFRunner:
     """transformers' own ``generate`` on the same folder: the oracle's speed (dev extra)."""
 
@@ -139,6 +152,18 @@ class _HFRunner:
         first = stamps[1]  # stamps[0] is the prompt being "put"
         return RunTiming(first - started, end - first, len(stamps) - 1)
 
+    def run_batch(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> list[float]:
+        """Greedy ``generate`` of exactly ``new_tokens`` for a padded batch; returns the start
+        time followed by the time each new token (step) arrived."""
+        stamps: list[float] = []
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(
+                ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, streamer=_BatchStreamer(stamps), pad_token_id=0,
+            )  # fmt: skip
+        return [started, *stamps[1:]]
+
 
 def run_bench(
     folder: Path,
@@ -147,10 +172,11 @@ def run_bench(
     precision: str = "fp32",
     device: str = "cpu",
     compare_hf: bool = False,
+    engine_config: Any = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     torch_device = torch.device(device)
-    engine = LLMEngine.load(folder, precision=precision, device=device)
+    engine = LLMEngine.load(folder, precision=precision, device=device, config=engine_config)
     prompt = bench_prompt(engine, cfg.prompt_len, cfg.seed)
     hf = _HFRunner(folder, precision, torch_device) if compare_hf else None
 
@@ -211,4 +237,215 @@ def format_report(report: dict[str, Any]) -> str:
             f"infersight / transformers: decode {report['ratio_decode']:.2f}x, "
             f"prefill {report['ratio_prefill']:.2f}x"
         )
+    return "\n".join(lines)
+
+
+# -- the mixed workload: continuous batching vs batch 1 vs transformers' static batching -------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    prompt_ids: list[int]
+    output_tokens: int
+
+
+def mixed_workload(
+    engine: LLMEngine,
+    requests: int,
+    *,
+    seed: int = 0,
+    prompt_range: tuple[int, int] = (16, 512),
+    output_range: tuple[int, int] = (16, 256),
+) -> list[WorkloadRequest]:
+    """``requests`` requests with prompt and output lengths drawn uniformly (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    low = max(engine.eos_token_ids | {engine.cfg.bos_token_id or 0}) + 1
+    out = []
+    for _ in range(requests):
+        n_prompt = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=gen))
+        n_out = int(torch.randint(output_range[0], output_range[1] + 1, (1,), generator=gen))
+        ids = torch.randint(low, engine.cfg.vocab_size, (n_prompt,), generator=gen).tolist()
+        out.append(WorkloadRequest(ids, n_out))
+    return out
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    engine: str
+    max_batch_size: int
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int
+    output_tok_s: float
+    total_tok_s: float
+    ttft_p50_s: float
+    ttft_p95_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p95_s: float
+    tpot_p99_s: float
+    peak_kv_usage: float | None = None
+    mean_kv_waste: float | None = None  # reserved-but-empty share of used blocks
+    mean_contiguous_utilisation: float | None = None  # same tokens in max_len × batch slots
+    preemptions: int = 0
+
+
+def _pcts(values: list[float]) -> tuple[float, float, float]:
+    if not values:
+        return (float("nan"),) * 3
+    t = torch.tensor(values, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.95, 0.99], dtype=torch.float64)).tolist()
+    return q[0], q[1], q[2]
+
+
+def run_workload(
+    engine: LLMEngine, workload: list[WorkloadRequest], max_batch_size: int
+) -> WorkloadResult:
+    """All requests arrive at once; continuous batching with ``max_batch_size``."""
+    engine.update_limits(max_batch_size=max_batch_size)
+    max_len = max(len(r.prompt_ids) + r.output_tokens for r in workload)
+    mgr = engine.kv.manager
+    ids: dict[str, WorkloadRequest] = {}
+    started = time.perf_counter()
+    for r in workload:
+        params = SamplingParams(max_new_tokens=r.output_tokens, ignore_eos=True)
+        ids[engine.add_request(r.prompt_ids, params)] = r
+    peak, waste, contiguous = 0.0, [], []
+    while engine.has_work():
+        engine.step()
+        occ = mgr.occupancy()
+        peak = max(peak, occ.usage)
+        if occ.used_blocks:
+            waste.append(occ.waste_slots / (occ.used_blocks * mgr.block_size))
+            running = len(engine.scheduler.running)
+            if running:
+                contiguous.append(occ.tokens_stored / (running * max_len))
+    wall = time.perf_counter() - started
+    finished = [m for m in engine.metrics().finished_requests if m.request_id in ids]
+    ttft = _pcts([m.time_to_first_token_seconds or 0.0 for m in finished])
+    tpot = _pcts([m.time_per_output_token_seconds or 0.0 for m in finished])
+    prompt = sum(len(r.prompt_ids) for r in workload)
+    output = sum(r.output_tokens for r in workload)
+    return WorkloadResult(
+        engine="infersight", max_batch_size=max_batch_size, wall_s=wall,
+        prompt_tokens=prompt, output_tokens=output, output_tok_s=output / wall,
+        total_tok_s=(prompt + output) / wall, ttft_p50_s=ttft[0], ttft_p95_s=ttft[1],
+        ttft_p99_s=ttft[2], tpot_p50_s=tpot[0], tpot_p95_s=tpot[1], tpot_p99_s=tpot[2],
+        peak_kv_usage=peak, mean_kv_waste=statistics.fmean(waste) if waste else 0.0,
+        mean_contiguous_utilisation=statistics.fmean(contiguous) if contiguous else 0.0,
+        preemptions=sum(m.preemptions for m in finished),
+    )  # fmt: skip
+
+
+def run_workload_hf(
+    hf: _HFRunner, workload: list[WorkloadRequest], batch_size: int
+) -> WorkloadResult:
+    """transformers, batched statically as a user would: groups of ``batch_size`` in arrival
+    order, prompts left-padded, each group generating its longest output."""
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    started = time.perf_counter()
+    for g in range(0, len(workload), batch_size):
+        group = workload[g : g + batch_size]
+        width = max(len(r.prompt_ids) for r in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for i, r in enumerate(group):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        steps = max(r.output_tokens for r in group)
+        timing = hf.run_batch(ids.to(hf.device), mask.to(hf.device), steps)
+        group_start = timing[0]
+        for r in group:  # every member waits for the group; its own tokens end at its length
+            ttfts.append(timing[1] - started)
+            end = timing[min(r.output_tokens, len(timing) - 1)]
+            tpots.append((end - timing[1]) / max(r.output_tokens - 1, 1))
+        del group_start
+    wall = time.perf_counter() - started
+    prompt = sum(len(r.prompt_ids) for r in workload)
+    output = sum(r.output_tokens for r in workload)
+    ttft, tpot = _pcts(ttfts), _pcts(tpots)
+    return WorkloadResult(
+        engine="transformers", max_batch_size=batch_size, wall_s=wall, prompt_tokens=prompt,
+        output_tokens=output, output_tok_s=output / wall, total_tok_s=(prompt + output) / wall,
+        ttft_p50_s=ttft[0], ttft_p95_s=ttft[1], ttft_p99_s=ttft[2], tpot_p50_s=tpot[0],
+        tpot_p95_s=tpot[1], tpot_p99_s=tpot[2],
+    )  # fmt: skip
+
+
+def run_workload_bench(
+    folder: Path,
+    *,
+    requests: int,
+    batch_sizes: list[int],
+    precision: str = "fp32",
+    device: str = "cpu",
+    compare_hf: bool = False,
+    seed: int = 0,
+    engine_config: Any = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    engine = LLMEngine.load(folder, precision=precision, device=device, config=engine_config)
+    workload = mixed_workload(engine, requests, seed=seed)
+    hf = _HFRunner(folder, precision, torch.device(device)) if compare_hf else None
+    results: list[WorkloadResult] = []
+    for b in batch_sizes:
+        log(f"infersight, max batch size {b}")
+        results.append(run_workload(engine, workload, b))
+        if hf is not None:
+            log(f"transformers, static batches of {b}")
+            results.append(run_workload_hf(hf, workload, b))
+    report: dict[str, Any] = {
+        "model": str(folder),
+        "precision": precision,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "requests": requests,
+        "seed": seed,
+        "kv_blocks": engine.kv.manager.num_blocks,
+        "block_size": engine.kv.block_size,
+        "results": [asdict(r) for r in results],
+    }
+    ours = {r.max_batch_size: r for r in results if r.engine == "infersight"}
+    if 1 in ours:
+        report["speedup_vs_batch1"] = {
+            b: r.output_tok_s / ours[1].output_tok_s for b, r in ours.items()
+        }
+    if hf is not None:
+        theirs = {r.max_batch_size: r for r in results if r.engine == "transformers"}
+        report["ratio_vs_transformers"] = {
+            b: ours[b].output_tok_s / theirs[b].output_tok_s for b in ours if b in theirs
+        }
+    return report
+
+
+def format_workload_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"model {report['model']}  precision {report['precision']}  device {report['device']}  "
+        f"threads {report['threads']}  {report['requests']} requests (seed {report['seed']}), "
+        f"KV pool {report['kv_blocks']} blocks × {report['block_size']}"
+    ]
+    cols = ["engine", "batch", "out tok/s", "total tok/s", "TTFT p50/p95/p99 s",
+            "TPOT p50/p95/p99 ms", "peak KV", "KV waste", "contig. util", "preempt"]  # fmt: skip
+    rows = []
+    for r in report["results"]:
+        kv = r["peak_kv_usage"] is not None
+        rows.append([
+            r["engine"], str(r["max_batch_size"]), f"{r['output_tok_s']:.1f}",
+            f"{r['total_tok_s']:.1f}",
+            f"{r['ttft_p50_s']:.2f}/{r['ttft_p95_s']:.2f}/{r['ttft_p99_s']:.2f}",
+            f"{r['tpot_p50_s'] * 1e3:.0f}/{r['tpot_p95_s'] * 1e3:.0f}/{r['tpot_p99_s'] * 1e3:.0f}",
+            f"{r['peak_kv_usage']:.0%}" if kv else "-",
+            f"{r['mean_kv_waste']:.1%}" if kv else "-",
+            f"{r['mean_contiguous_utilisation']:.0%}" if kv else "-",
+            str(r["preemptions"]) if kv else "-",
+        ])  # fmt: skip
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    for key, label in (("speedup_vs_batch1", "vs our batch 1"),
+                       ("ratio_vs_transformers", "vs transformers")):  # fmt: skip
+        if key in report:
+            parts = ", ".join(f"batch {b}: {v:.2f}x" for b, v in report[key].items())
+            lines.append(f"output throughput {label}: {parts}")
     return "\n".join(lines)

@@ -18,6 +18,9 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN picks the blocked layout for this batch size. 16 measured faster than 1 for both
+# decode at batch 1 (10.7 vs 13.5 ms for SmolLM2's 30 layers) and batch 16 (15.4 vs 20.7 ms).
+PACK_BATCH_HINT = 16
 
 
 def packed_linear_available() -> bool:
@@ -40,7 +43,7 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         dense = linear.weight.detach()
         self.nbytes = dense.numel() * dense.element_size()
-        packed = torch.ops.mkldnn._reorder_linear_weight(dense, batch_size=1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, batch_size=PACK_BATCH_HINT)
         self.register_buffer("weight", packed, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)
