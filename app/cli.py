@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32, help="single workload")
     p.add_argument("--new-tokens", type=int, default=128, help="single workload")
     p.add_argument("--repeats", type=int, default=3, help="single: alternating runs, medians")
+    p.add_argument(
+        "--batch", type=int, default=1, help="single workload: this many copies decode together"
+    )
     p.add_argument("--requests", type=int, default=64, help="mixed workload")
     p.add_argument(
         "--max-batch-size", type=int, nargs="+", default=[1, 4, 16, 32], help="mixed workload"
@@ -98,6 +101,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-hf", action="store_true", help="also run transformers' generate")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=cmd_bench)
+
+    p = sub.add_parser("eval", help="quality: perplexity, or two precisions compared")
+    esub = p.add_subparsers(metavar="ACTION", required=True)
+    ep = esub.add_parser("ppl", help="perplexity on a held text (default: Twelfth Night)")
+    _model_args(ep)
+    ep.add_argument("--text", help="a UTF-8 text file to score instead of the default")
+    ep.add_argument("--max-tokens", type=int, default=4096)
+    ep.add_argument("--context", type=int, default=512)
+    ep.add_argument("--stride", type=int, default=256)
+    ep.add_argument("--json", action="store_true")
+    ep.set_defaults(handler=cmd_eval_ppl)
+    ep = esub.add_parser("compare", help="precision A against B: KL, top-1 agreement, texts")
+    ep.add_argument("--model", default="default", help="'default' or an HF model folder")
+    ep.add_argument("--a", default="fp32", help="reference precision")
+    ep.add_argument("--b", required=True, help="precision to judge, e.g. int4-g32")
+    ep.add_argument("--prompts", help="a file with one prompt per line")
+    ep.add_argument("--new-tokens", type=int, default=48)
+    ep.add_argument("--device", default="cpu")
+    ep.add_argument("--threads", type=int, default=None)
+    ep.add_argument("--json", action="store_true")
+    ep.set_defaults(handler=cmd_eval_compare)
 
     p = sub.add_parser("models", help="the default model and the models in the cache")
     msub = p.add_subparsers(metavar="ACTION", required=True)
@@ -117,7 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
     p.add_argument("--model", default="default", help="'default' or an HF model folder")
     if precision:
-        p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16")
+        p.add_argument(
+            "--precision",
+            default="fp32",
+            help="fp32, bf16, fp16, int8, int4-g32|g64|g128, or mixed:attn=int8,mlp=int4-g32",
+        )
         p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
 
@@ -285,7 +313,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine.engine import parse_precision
     from engine.model_store import resolve_model
 
-    for name in ("prompt_len", "new_tokens", "repeats", "requests"):
+    for name in ("prompt_len", "new_tokens", "repeats", "requests", "batch"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
     if any(b < 1 for b in args.max_batch_size):
@@ -311,7 +339,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     report = run_bench(
         folder,
-        BenchConfig(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats),
+        BenchConfig(
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            repeats=args.repeats,
+            batch=args.batch,
+        ),
         precision=args.precision,
         device=args.device,
         compare_hf=args.compare_hf,
@@ -319,6 +352,84 @@ def cmd_bench(args: argparse.Namespace) -> int:
         log=say,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _read_text_file(path: str) -> str:
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidRequestError(f"{path} does not exist; give a UTF-8 text file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"cannot read {path} as UTF-8 text: {exc}") from exc
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from engine.evaluate import default_text, perplexity
+
+    for name in ("max_tokens", "context", "stride"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    text_path = args.text or str(default_text())
+    text = _read_text_file(text_path)
+    engine = load_engine(args)
+    result = perplexity(
+        engine,
+        text,
+        text_name=text_path,
+        max_tokens=args.max_tokens,
+        context=args.context,
+        stride=args.stride,
+    )
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        print(
+            f"{engine.name} {result.precision}: perplexity {result.perplexity:.3f} over "
+            f"{result.scored} tokens of {result.text} (context {result.context}, "
+            f"stride {result.stride})"
+        )
+    return 0
+
+
+def cmd_eval_compare(args: argparse.Namespace) -> int:
+    from engine.engine import LLMEngine, parse_precision
+    from engine.evaluate import DEFAULT_PROMPTS, compare
+    from engine.model_store import resolve_model
+
+    parse_precision(args.a, args.device)
+    parse_precision(args.b, args.device)
+    if args.new_tokens < 1:
+        raise InvalidRequestError("--new-tokens must be at least 1")
+    prompts = DEFAULT_PROMPTS
+    if args.prompts:
+        prompts = [line.strip() for line in _read_text_file(args.prompts).splitlines()]
+        prompts = [p for p in prompts if p]
+        if not prompts:
+            raise InvalidRequestError(f"{args.prompts} holds no prompt (one per line)")
+    _set_threads(args.threads)
+    folder = resolve_model(args.model, progress=progress_printer())
+    a = LLMEngine.load(folder, precision=args.a, device=args.device)
+    b = LLMEngine.load(folder, precision=args.b, device=args.device)
+    report = compare(
+        a, b, prompts, new_tokens=args.new_tokens,
+        progress=lambda i, n: print(f"compared {i}/{n}", file=sys.stderr),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2, ensure_ascii=False))
+        return 0
+    print(f"A = {report['a']}, B = {report['b']}, {report['new_tokens']} greedy tokens a prompt")
+    print(f"{'KL(A||B)':>9} {'top-1':>6} {'1st diff':>8}  prompt")
+    for row in report["prompts"]:
+        diff = "-" if row["first_difference"] is None else str(row["first_difference"])
+        print(f"{row['kl_mean']:9.4f} {row['top1_agreement']:6.1%} {diff:>8}  {row['prompt']}")
+    print(f"mean KL {report['kl_mean']:.4f} nats, top-1 agreement {report['top1_agreement']:.1%}")
+    for row in report["prompts"]:
+        print(f"\n## {row['prompt']}\nA: {row['text_a']!r}\nB: {row['text_b']!r}")
     return 0
 
 

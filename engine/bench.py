@@ -20,6 +20,7 @@ import torch
 
 from engine.engine import LLMEngine, parse_precision
 from engine.errors import InfersightError
+from engine.metrics import percentiles
 from engine.sampling import SamplingParams
 from engine.weights import weight_bytes
 
@@ -30,13 +31,15 @@ class BenchConfig:
     new_tokens: int = 128
     repeats: int = 3
     seed: int = 0
+    batch: int = 1  # identical requests decoding together
 
 
 @dataclass(slots=True)
 class RunTiming:
     ttft_s: float
     decode_s: float  # first token → last token
-    new_tokens: int
+    new_tokens: int  # all requests together
+    batch: int = 1
 
 
 @dataclass(slots=True)
@@ -44,6 +47,7 @@ class BenchResult:
     engine: str
     prompt_len: int
     new_tokens: int
+    batch: int
     prefill_tok_s: float
     decode_tok_s: float
     ttft_ms: float
@@ -55,13 +59,16 @@ class BenchResult:
         cls, engine: str, cfg: BenchConfig, runs: list[RunTiming], peak_mib: float
     ) -> BenchResult:
         ttft = statistics.median(r.ttft_s for r in runs)
-        tpot = statistics.median(r.decode_s / max(r.new_tokens - 1, 1) for r in runs)
+        # Per request: the gap between its tokens; together: tokens after each first token.
+        tpot = statistics.median(r.decode_s / max(r.new_tokens // r.batch - 1, 1) for r in runs)
+        decode = statistics.median((r.new_tokens - r.batch) / r.decode_s for r in runs)
         return cls(
             engine=engine,
             prompt_len=cfg.prompt_len,
             new_tokens=cfg.new_tokens,
+            batch=cfg.batch,
             prefill_tok_s=cfg.prompt_len / ttft,
-            decode_tok_s=1.0 / tpot,
+            decode_tok_s=decode,
             ttft_ms=ttft * 1e3,
             tpot_ms=tpot * 1e3,
             peak_mem_mib=peak_mib,
@@ -75,17 +82,25 @@ def bench_prompt(engine: LLMEngine, length: int, seed: int) -> list[int]:
     return torch.randint(low, engine.cfg.vocab_size, (length,), generator=gen).tolist()
 
 
-def run_ours(engine: LLMEngine, prompt: list[int], new_tokens: int) -> RunTiming:
+def run_ours(engine: LLMEngine, prompt: list[int], new_tokens: int, batch: int = 1) -> RunTiming:
+    """``batch`` copies of the request at once; TTFT is the first request's, decode spans
+    from the first token to the last of all, and ``new_tokens`` counts them all."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    gen = engine.generate(prompt, params)
+    engine.update_limits(max_batch_size=max(batch, engine.scheduler.limits.max_batch_size))
     started = time.perf_counter()
+    for _ in range(batch):
+        engine.add_request(prompt, params)
     first = None
-    for _ in gen:
-        if first is None:
-            first = time.perf_counter()
+    produced = 0
+    while engine.has_work():
+        for event in engine.step():
+            if event.token_id is not None:
+                produced += 1
+                if first is None:
+                    first = time.perf_counter()
     end = time.perf_counter()
     assert first is not None
-    return RunTiming(first - started, end - first, len(gen.result.token_ids))
+    return RunTiming(first - started, end - first, produced, batch)
 
 
 def _peak_rss_mib() -> float:
@@ -123,7 +138,12 @@ class _HFRunner:
                 "--compare-hf needs transformers, a dev extra: pip install -e '.[dev]'"
             ) from exc
         self.device = device
-        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_precision(precision))
+        spec = parse_precision(precision)
+        if spec.quantized:
+            raise InfersightError(
+                f"--compare-hf runs transformers in fp32, bf16 or fp16, not {precision!r}"
+            )
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=spec.compute)
         self.model = model.to(device).eval()
 
     def run(self, prompt: list[int], new_tokens: int) -> RunTiming:
@@ -176,18 +196,20 @@ def run_bench(
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     torch_device = torch.device(device)
+    if compare_hf and cfg.batch != 1:
+        raise InfersightError("--compare-hf times transformers at --batch 1 only")
     engine = LLMEngine.load(folder, precision=precision, device=device, config=engine_config)
     prompt = bench_prompt(engine, cfg.prompt_len, cfg.seed)
     hf = _HFRunner(folder, precision, torch_device) if compare_hf else None
 
     ours: list[RunTiming] = []
     theirs: list[RunTiming] = []
-    run_ours(engine, prompt, min(8, cfg.new_tokens))  # warm-up: allocator, kernels, caches
+    run_ours(engine, prompt, min(8, cfg.new_tokens), cfg.batch)  # warm-up
     if hf is not None:
         hf.run(prompt, min(8, cfg.new_tokens))
     for i in range(cfg.repeats):
         log(f"repeat {i + 1}/{cfg.repeats}: infersight")
-        ours.append(run_ours(engine, prompt, cfg.new_tokens))
+        ours.append(run_ours(engine, prompt, cfg.new_tokens, cfg.batch))
         if hf is not None:
             log(f"repeat {i + 1}/{cfg.repeats}: transformers")
             theirs.append(hf.run(prompt, cfg.new_tokens))
@@ -203,6 +225,7 @@ def run_bench(
         "threads": torch.get_num_threads(),
         "repeats": cfg.repeats,
         "weights_mib": weight_bytes(engine.model) / 2**20,
+        "weights_vs_fp16": weight_bytes(engine.model) / (2 * engine.num_parameters),
         "results": [asdict(r) for r in results],
     }
     if hf is not None:
@@ -216,10 +239,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"model {report['model']}  precision {report['precision']}  device {report['device']}  "
         f"threads {report['threads']}  median of {report['repeats']}"
     )
-    cols = ["engine", "prompt", "new", "prefill tok/s", "decode tok/s", "TTFT ms", "TPOT ms"]
+    cols = ["engine", "batch", "prompt", "new", "prefill tok/s", "decode tok/s", "TTFT ms",
+            "TPOT ms"]  # fmt: skip
     rows = [
         [
-            r["engine"], str(r["prompt_len"]), str(r["new_tokens"]), f"{r['prefill_tok_s']:.1f}",
+            r["engine"], str(r["batch"]), str(r["prompt_len"]), str(r["new_tokens"]),
+            f"{r['prefill_tok_s']:.1f}",
             f"{r['decode_tok_s']:.1f}", f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.2f}",
         ]
         for r in report["results"]
@@ -229,7 +254,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
     peak_name = "peak CUDA allocated" if report["device"].startswith("cuda") else "peak RSS"
     lines.append(
-        f"weights {report['weights_mib']:.0f} MiB; process {peak_name} "
+        f"weights {report['weights_mib']:.0f} MiB ({report['weights_vs_fp16']:.2f}× fp16); "
+        f"process {peak_name} "
         f"{report['results'][0]['peak_mem_mib']:.0f} MiB"
     )
     if "ratio_decode" in report:
@@ -260,6 +286,12 @@ def mixed_workload(
     """``requests`` requests with prompt and output lengths drawn uniformly (seeded)."""
     gen = torch.Generator().manual_seed(seed)
     low = max(engine.eos_token_ids | {engine.cfg.bos_token_id or 0}) + 1
+    # Small-context models: shrink the ranges so that every request fits its context.
+    ctx = engine.context_length
+    out_hi = min(output_range[1], ctx // 2)
+    output_range = (min(output_range[0], out_hi), out_hi)
+    prompt_hi = min(prompt_range[1], ctx - out_hi - 1)
+    prompt_range = (min(prompt_range[0], prompt_hi), prompt_hi)
     out = []
     for _ in range(requests):
         n_prompt = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=gen))
@@ -291,11 +323,8 @@ class WorkloadResult:
 
 
 def _pcts(values: list[float]) -> tuple[float, float, float]:
-    if not values:
-        return (float("nan"),) * 3
-    t = torch.tensor(values, dtype=torch.float64)
-    q = torch.quantile(t, torch.tensor([0.5, 0.95, 0.99], dtype=torch.float64)).tolist()
-    return q[0], q[1], q[2]
+    p = percentiles(values)
+    return (p["p50"], p["p95"], p["p99"]) if p else (float("nan"),) * 3
 
 
 def run_workload(

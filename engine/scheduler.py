@@ -132,7 +132,11 @@ class Scheduler:
                 return out
 
         budget = limits.max_tokens_per_step
-        queue = self._order(self.running, now)
+        # Decoding sequences first (one token each), so a long prefill never delays them;
+        # the last of the queue (lowest priority, prefilling) is the first to be preempted.
+        ordered = self._order(self.running, now)
+        queue = [s for s in ordered if s.num_tokens - s.num_computed == 1]
+        queue += [s for s in ordered if s.num_tokens - s.num_computed != 1]
         while queue:
             seq = queue.pop(0)
             need = min(seq.num_tokens - seq.num_computed, budget)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.linear import PackedLinear
 from engine.model import RotaryEmbedding, Transformer
+from engine.quant import Int4Linear, Int8Linear, QuantKind
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,23 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
             ) from exc
 
 
+#: Chooses the quantization of a linear module by name (``None``: keep it in float).
+QuantPlan = Callable[[str], "QuantKind | None"]
+
+
 def load_transformer(
-    folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    folder: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantPlan | None = None,
 ) -> Transformer:
+    """Build the model from a checkpoint folder, one tensor at a time.
+
+    With ``quant``, each linear it names is quantized as soon as its (fused) weight is
+    complete, straight from the checkpoint's values in fp32: the model never exists in full
+    precision beside its quantized form.
+    """
     with torch.device("meta"):
         model = Transformer(cfg)
     model.rope = RotaryEmbedding(cfg).to(device)  # real buffers, not meta
@@ -82,6 +96,7 @@ def load_transformer(
     expected = _expected_parameters(model, cfg)
     pending: dict[str, list[Tensor | None]] = {}
     loaded: set[str] = set()
+    head_kind = quant("lm_head") if quant else None
     for hf_name, tensor in iter_checkpoint(checkpoint_files(folder)):
         target = _map_name(hf_name)
         if target is None:
@@ -94,17 +109,23 @@ def load_transformer(
                 f"{hf_name} does not fit a {cfg.model_type} model of {cfg.num_layers} layers; "
                 "config.json and the weights disagree"
             )
-        tensor = tensor.to(device=device, dtype=dtype)
-        if part is None:
-            _assign(model, ours, tensor)
-            loaded.add(ours)
-            continue
-        parts = pending.setdefault(ours, [None] * _PARTS[ours.split(".", 2)[2]])
-        parts[part] = tensor
-        if all(p is not None for p in parts):
-            _assign(model, ours, torch.cat([p for p in parts if p is not None]))
-            loaded.add(ours)
+        module_name, _, attr = ours.rpartition(".")
+        kind = quant(module_name) if quant and attr == "weight" else None
+        tensor = tensor.to(device=device, dtype=torch.float32 if kind else dtype)
+        if part is not None:
+            parts = pending.setdefault(ours, [None] * _PARTS[ours.split(".", 2)[2]])
+            parts[part] = tensor
+            if any(p is None for p in parts):
+                continue
+            tensor = torch.cat([p for p in parts if p is not None])
             del pending[ours]
+        if ours == "embed.weight" and cfg.tie_word_embeddings and head_kind is not None:
+            _quantize_into(model, "lm_head", tensor.float(), head_kind)
+        if kind is not None:
+            _quantize_into(model, module_name, tensor, kind)
+        else:
+            _assign(model, ours, tensor)
+        loaded.add(ours)
 
     missing = sorted(set(expected) - loaded)
     if missing:
@@ -113,10 +134,25 @@ def load_transformer(
             f"the checkpoint in {folder} lacks {len(missing)} tensor(s): {shown}; "
             "the download or conversion is incomplete"
         )
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and head_kind is None:
         model.lm_head.weight = model.embed.weight
     model.eval()
     return model
+
+
+def _quantize_into(model: nn.Module, module_name: str, weight: Tensor, kind: QuantKind) -> None:
+    from engine.quant import quantized_linear
+
+    parent_name, _, attr = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    current = getattr(parent, attr)
+    if tuple(current.weight.shape) != tuple(weight.shape):
+        raise ModelLoadError(
+            f"tensor for {module_name}.weight has shape {tuple(weight.shape)}, config.json "
+            f"implies {tuple(current.weight.shape)}; config and weights disagree"
+        )
+    bias = current.bias if current.bias is not None and not current.bias.is_meta else None
+    setattr(parent, attr, quantized_linear(weight, bias, kind))
 
 
 def _map_name(hf_name: str) -> tuple[str, int | None] | None:
@@ -141,6 +177,11 @@ def _expected_parameters(model: Transformer, cfg: ModelConfig) -> dict[str, torc
 def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
+    if getattr(module, "quantized", False) and attr == "bias":  # arrived after its weight
+        if tuple(tensor.shape) != (int(getattr(module, "out_features", -1)),):
+            raise ModelLoadError(f"tensor for {name} has shape {tuple(tensor.shape)}")
+        module.bias = tensor.to(torch.bfloat16)
+        return
     current = getattr(module, attr)
     if current.shape != tensor.shape:
         raise ModelLoadError(
@@ -151,14 +192,17 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy in memory, packed copies included (each tensor once)."""
+    """Bytes the model's weights occupy in memory, packed and quantized forms included
+    (each tensor once)."""
     seen: set[int] = set()
     total = 0
     for module in model.modules():
         tensors: list[Tensor] = list(module.parameters(recurse=False))
-        if isinstance(module, PackedLinear):
-            total += module.nbytes
-            tensors += [module.bias] if module.bias is not None else []
+        nbytes = getattr(module, "nbytes", None)
+        if isinstance(nbytes, int):  # PackedLinear, Int8Linear, Int4Linear
+            total += nbytes
+            bias = getattr(module, "bias", None)
+            tensors += [bias] if isinstance(bias, Tensor) else []
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
@@ -169,3 +213,12 @@ def weight_bytes(model: nn.Module) -> int:
 def parameter_count(model: nn.Module) -> int:
     """Distinct parameters (tied weights once), before any packing."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def quantized_parameter_count(model: nn.Module) -> int:
+    """Logical parameters held by quantized linears (their buffers are not Parameters)."""
+    return sum(
+        m.in_features * m.out_features + (m.out_features if m.bias is not None else 0)
+        for m in model.modules()
+        if isinstance(m, (Int8Linear, Int4Linear))
+    )

@@ -156,3 +156,41 @@ def test_help_is_fast_and_imports_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_bench_single_and_mixed_workloads_report_json(capsys, tiny):
+    code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--new-tokens", "8",
+                           "--repeats", "1", "--json")  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    (result,) = report["results"]
+    assert result["engine"] == "infersight" and result["decode_tok_s"] > 0
+
+    code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--workload", "mixed",
+                           "--requests", "6", "--max-batch-size", "1", "3", "--json")  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    rows = {r["max_batch_size"]: r for r in report["results"]}
+    assert set(rows) == {1, 3}
+    for row in rows.values():
+        assert row["prompt_tokens"] == rows[1]["prompt_tokens"]  # the same seeded workload
+        assert 0 <= row["mean_kv_waste"] < 1 and 0 < row["peak_kv_usage"] <= 1
+    assert set(report["speedup_vs_batch1"]) == {"1", "3"} or set(report["speedup_vs_batch1"]) == {
+        1,
+        3,
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--max-batch-size", "0"], "--max-batch-size values must be at least 1"),
+        (["--requests", "0"], "--requests must be at least 1"),
+        (["--max-tokens-per-step", "0"], "max_tokens_per_step must be >= 1"),
+        (["--kv-memory", "-5"], "kv_memory must be > 0"),
+        (["--cache-window", "0"], "--cache-window must be >= 1"),
+    ],
+)
+def test_bench_rejects_bad_limits(capsys, tiny, args, needle):
+    code, _, err = run_cli(capsys, "bench", "--model", str(tiny), "--workload", "mixed", *args)
+    assert_clean_error(code, err, needle)

@@ -1,0 +1,275 @@
+"""Weight-only INT8 and INT4 linears, and the precision spec that chooses them.
+
+* **INT8**: per output channel, symmetric: ``w ≈ q · s``, ``q ∈ [-127, 127]``, ``s = max|w| / 127``.
+* **INT4**: group-wise (32, 64 or 128 input channels), asymmetric: ``w ≈ (q − 8) · s + z``,
+  ``q ∈ [0, 15]``, one ``(s, z)`` per group.
+
+Both run real low-bit kernels, never a dequantized copy of the whole matrix: on CPU
+``torch._weight_int8pack_mm`` and ``torch._weight_int4pack_mm_for_cpu`` (bf16 activations, so
+quantized models compute in bf16 there), on CUDA ``torch._weight_int4pack_mm`` (sm80+) and
+``_weight_int8pack_mm``. Where the input width K does not fit a kernel (INT4 needs K to be a
+multiple of the group and of 32), K is padded with zero columns and the load report says so.
+
+A precision is a spec string: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4-g64``, or
+``mixed:attn=int8,mlp=int4-g32[,head=int8]``. Embeddings and norms stay in the compute dtype;
+the LM head is quantized only when the spec names ``head``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT4_GROUPS = (32, 64, 128)
+PARTS = ("attn", "mlp", "head")
+SPEC_HELP = (
+    "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128, "
+    "or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of int8, int4-gN, none"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantKind:
+    bits: int  # 8 or 4
+    group: int | None = None  # INT4 group size
+
+    @property
+    def name(self) -> str:
+        return "int8" if self.bits == 8 else f"int4-g{self.group}"
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionSpec:
+    text: str
+    compute: torch.dtype
+    parts: dict[str, QuantKind] = field(default_factory=dict)  # "attn" / "mlp" / "head"
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.parts)
+
+
+def _quant_kind(text: str, whole: str) -> QuantKind | None:
+    if text == "none":
+        return None
+    if text == "int8":
+        return QuantKind(8)
+    if text.startswith("int4-g") and text[6:].isdigit():
+        group = int(text[6:])
+        if group not in INT4_GROUPS:
+            raise InvalidRequestError(
+                f"INT4 group size {group} in {whole!r} does not exist; available: "
+                f"{', '.join(f'int4-g{g}' for g in INT4_GROUPS)}"
+            )
+        return QuantKind(4, group)
+    raise InvalidRequestError(f"unknown precision {whole!r}; choose one of: {SPEC_HELP}")
+
+
+def parse_precision_spec(text: str, device: torch.device | str = "cpu") -> PrecisionSpec:
+    text = text.strip()
+    dev = torch.device(device)
+    if text in FLOAT_DTYPES:
+        return PrecisionSpec(text, FLOAT_DTYPES[text])
+    parts: dict[str, QuantKind] = {}
+    if text.startswith("mixed:"):
+        for item in filter(None, text[6:].split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or key not in PARTS:
+                raise InvalidRequestError(
+                    f"cannot read {item!r} in {text!r}; write part=kind with part one of "
+                    f"{', '.join(PARTS)}"
+                )
+            kind = _quant_kind(value, text)
+            if kind is not None:
+                parts[key] = kind
+        if not parts:
+            raise InvalidRequestError(f"{text!r} quantizes nothing; choose one of: {SPEC_HELP}")
+    else:
+        kind = _quant_kind(text, text)
+        assert kind is not None
+        parts = {"attn": kind, "mlp": kind}
+    if dev.type == "cuda" and any(k.bits == 4 for k in parts.values()):
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major < 8:
+            raise InvalidRequestError(
+                f"INT4 needs a CUDA GPU of compute capability 8.0 or newer (Ampere+); this one is "
+                f"{major}.{minor}. Use int8, bf16 or fp16 here"
+            )
+    # The low-bit kernels take bf16 activations (on CUDA fp16 would do for INT8 only).
+    return PrecisionSpec(text, torch.bfloat16, parts)
+
+
+# -- INT8 -------------------------------------------------------------------------------------
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row symmetric INT8: ``(q int8 [N, K], scale fp32 [N])`` with ``w ≈ q · scale``."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+class Int8Linear(nn.Module):
+    quantized = True
+    weight: Tensor
+    scales: Tensor
+    bias: Tensor | None
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_int8(weight)
+        # The kernel applies scales in the activation dtype: round them first, then quantize
+        # against the rounded values, so that dequantization is exactly q · scale.
+        scale = scale.to(dtype)
+        q = torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scale)
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.padded_k = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.device.type == "cpu" or hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        else:  # keeps int8 in memory; converts one matrix at a time
+            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+# -- INT4 -------------------------------------------------------------------------------------
+
+
+def quantize_int4(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Group-wise asymmetric INT4 of ``w [N, K]`` (K divisible by ``group``):
+    ``(q int32 [N, K] in 0..15, scale bf16 [N, K/group], zero bf16 [N, K/group])``,
+    ``w ≈ (q − 8) · scale + zero`` (the convention of torch's int4 kernels)."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group, group)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    # A hair of slack before bf16 rounding keeps the grid covering [lo, hi] afterwards.
+    scale = ((hi - lo) / 15 * (1 + 2**-7)).clamp(min=1e-8).to(torch.bfloat16)
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+    q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8)
+    return q.clamp(0, 15).to(torch.int32).reshape(n, k), scale, zero
+
+
+def dequantize_int4(q: Tensor, scale: Tensor, zero: Tensor, group: int) -> Tensor:
+    n, k = q.shape
+    g = q.float().reshape(n, k // group, group) - 8
+    return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def _inner_k_tiles(k: int) -> int:
+    for tiles in (8, 4, 2):
+        if k % (tiles * 16) == 0:
+            return tiles
+    raise ValueError(f"K={k} is not a multiple of 32")
+
+
+def padded_width(k: int, group: int) -> int:
+    """Smallest K' ≥ K that the INT4 kernels accept for ``group`` (a multiple of it and 32)."""
+    step = max(group, 32)
+    return -(-k // step) * step
+
+
+class Int4Linear(nn.Module):
+    quantized = True
+    weight: Tensor
+    scales_and_zeros: Tensor
+    bias: Tensor | None
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group = group
+        k = padded_width(self.in_features, group)
+        self.padded_k = k - self.in_features
+        # The CPU packing also wants N divisible by 16: extra zero rows, sliced off the output.
+        self.padded_n = -(-self.out_features // 16) * 16 - self.out_features
+        if self.padded_k or self.padded_n:
+            weight = F.pad(weight.float(), (0, self.padded_k, 0, self.padded_n))
+        q, scale, zero = quantize_int4(weight, group)
+        self.on_cuda = weight.device.type == "cuda"
+        tiles = _inner_k_tiles(k)
+        if self.on_cuda:
+            packed_in = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(packed_in, tiles)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
+        # [K/group, N, 2]: (scale, zero) per group and output channel, as the kernels want.
+        sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", sz)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if self.padded_k:
+            x2 = F.pad(x2, (0, self.padded_k))
+        if self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(
+                x2, self.weight, self.group, self.scales_and_zeros
+            )
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.weight, self.group, self.scales_and_zeros
+            )
+        if self.padded_n:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales_and_zeros))
+
+    def extra_repr(self) -> str:
+        pad = f", K padded +{self.padded_k}" if self.padded_k else ""
+        size = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{size}, int4 g{self.group}{pad}"
+
+
+def quantized_linear(weight: Tensor, bias: Tensor | None, kind: QuantKind) -> nn.Module:
+    """Build the quantized module for one full-precision weight (any float dtype)."""
+    if kind.bits == 8:
+        return Int8Linear(weight, bias, torch.bfloat16)
+    assert kind.group is not None
+    return Int4Linear(weight, bias, kind.group)
+
+
+def part_of(module_name: str) -> str | None:
+    """Which spec part a linear belongs to: ``attn``, ``mlp`` or ``head``."""
+    if module_name == "lm_head":
+        return "head"
+    if ".attn." in module_name:
+        return "attn"
+    if ".mlp." in module_name:
+        return "mlp"
+    return None

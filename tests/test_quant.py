@@ -1,0 +1,118 @@
+"""Weight-only INT8 / INT4: round trips, packed kernels against dequantize-then-matmul,
+precision specs and quantized loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.quant import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    padded_width,
+    parse_precision_spec,
+    quantize_int4,
+    quantize_int8,
+)
+
+SHAPES = [(64, 96), (192, 576), (96, 1536), (40, 128)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int8_round_trip_error_is_at_most_half_a_step(n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(("n", "k"), [(64, 128), (192, 640), (96, 1536)])
+def test_int4_round_trip_error_is_at_most_half_a_step(n, k, group):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(group + n)) * 0.05
+    q, scale, zero = quantize_int4(w, group)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    err = (dequantize_int4(q, scale, zero, group) - w).abs().reshape(n, k // group, group)
+    step = scale.float()[..., None]
+    assert (err <= step / 2 + 1e-6).all()
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_int8_kernel_equals_dequantized_matmul(n, k, m):
+    gen = torch.Generator().manual_seed(m * n)
+    w, b = torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen)
+    layer = Int8Linear(w, b, torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    reference = x.float() @ dequantize_int8(layer.weight, layer.scales).T + b.bfloat16().float()
+    assert _relative_error(layer(x), reference) <= 1e-2
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(("n", "k"), [(64, 128), (192, 576), (96, 1536), (40, 96)])
+@pytest.mark.parametrize("m", [1, 9])
+def test_int4_kernel_equals_dequantized_matmul_including_padded_k(n, k, m, group):
+    gen = torch.Generator().manual_seed(m + n + group)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    layer = Int4Linear(w, None, group)
+    kp = padded_width(k, group)
+    assert layer.padded_k == kp - k
+    q, scale, zero = quantize_int4(torch.nn.functional.pad(w, (0, kp - k)), group)
+    dq = dequantize_int4(q, scale, zero, group)[:, :k]
+    x = torch.randn(2, m, k, generator=gen).to(torch.bfloat16)
+    out = layer(x)
+    assert out.shape == (2, m, n)
+    assert _relative_error(out, x.float() @ dq.T) <= 1e-2
+
+
+@pytest.mark.parametrize(
+    ("text", "parts"),
+    [
+        ("fp32", {}),
+        ("int8", {"attn": "int8", "mlp": "int8"}),
+        ("int4-g64", {"attn": "int4-g64", "mlp": "int4-g64"}),
+        ("mixed:attn=int8,mlp=int4-g32", {"attn": "int8", "mlp": "int4-g32"}),
+        ("mixed:attn=none,mlp=int8,head=int8", {"mlp": "int8", "head": "int8"}),
+    ],
+)
+def test_precision_specs(text, parts):
+    spec = parse_precision_spec(text)
+    assert {k: v.name for k, v in spec.parts.items()} == parts
+    assert spec.compute == (torch.float32 if text == "fp32" else torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("int3", "unknown precision 'int3'"),
+        ("int4-g48", "group size 48"),
+        ("int4", "unknown precision 'int4'"),
+        ("mixed:attn=int8,ffn=int4-g32", "part=kind"),
+        ("mixed:attn=none", "quantizes nothing"),
+    ],
+)
+def test_bad_precision_specs_name_what_is_available(text, needle):
+    with pytest.raises(InvalidRequestError, match=needle) as info:
+        parse_precision_spec(text)
+    assert "int4-g32" in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm80+)")
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_cuda_int4_equals_reference(group):
+    gen = torch.Generator().manual_seed(group)
+    w = torch.randn(256, 576, generator=gen) * 0.05
+    layer = Int4Linear(w.cuda(), None, group)
+    kp = padded_width(576, group)
+    q, scale, zero = quantize_int4(torch.nn.functional.pad(w, (0, kp - 576)), group)
+    dq = dequantize_int4(q, scale, zero, group)[:, :576]
+    x = torch.randn(5, 576, generator=gen).to(torch.bfloat16)
+    assert _relative_error(layer(x.cuda()).cpu(), x.float() @ dq.T) <= 1e-2
