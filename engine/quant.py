@@ -10,9 +10,11 @@ quantized models compute in bf16 there), on CUDA ``torch._weight_int4pack_mm`` (
 ``_weight_int8pack_mm``. Where the input width K does not fit a kernel (INT4 needs K to be a
 multiple of the group and of 32), K is padded with zero columns and the load report says so.
 
-A precision is a spec string: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4-g64``, or
-``mixed:attn=int8,mlp=int4-g32[,head=int8]``. Embeddings and norms stay in the compute dtype;
-the LM head is quantized only when the spec names ``head``.
+A precision is a spec string: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4-g64``,
+``int8+head``, or ``mixed:attn=int8,mlp=int4-g32[,head=int8]``. Embeddings and norms stay in
+the compute dtype; the LM head is quantized only when the spec names it. With tied
+embeddings the head *is* the embedding matrix: quantizing it stores that matrix once, 4- or
+8-bit, and the embedding lookup dequantizes the few rows it needs (:class:`QuantizedEmbedding`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 INT4_GROUPS = (32, 64, 128)
 PARTS = ("attn", "mlp", "head")
 SPEC_HELP = (
-    "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128, "
-    "or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of int8, int4-gN, none"
+    "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128 (add +head to quantize the LM head "
+    "too), or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of int8, int4-gN, none"
 )
 
 
@@ -80,7 +82,12 @@ def parse_precision_spec(text: str, device: torch.device | str = "cpu") -> Preci
     if text in FLOAT_DTYPES:
         return PrecisionSpec(text, FLOAT_DTYPES[text])
     parts: dict[str, QuantKind] = {}
-    if text.startswith("mixed:"):
+    base, plus_head = (text[: -len("+head")], True) if text.endswith("+head") else (text, False)
+    if plus_head and not base.startswith("mixed:"):
+        kind = _quant_kind(base, text)
+        assert kind is not None
+        parts = {"attn": kind, "mlp": kind, "head": kind}
+    elif text.startswith("mixed:"):
         for item in filter(None, text[6:].split(",")):
             key, sep, value = item.partition("=")
             if not sep or key not in PARTS:
@@ -254,6 +261,74 @@ class Int4Linear(nn.Module):
         pad = f", K padded +{self.padded_k}" if self.padded_k else ""
         size = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{size}, int4 g{self.group}{pad}"
+
+
+def _cpu_int4_block_rows() -> int | None:
+    """Rows per block of ``_convert_weight_to_int4pack_for_cpu``'s layout, found by probing.
+
+    The CPU packing interleaves blocks of rows: byte ``[b, k, j]`` of ``packed.view(N / B, K,
+    B / 2)`` holds row ``b·B + j`` in its low nibble and row ``b·B + B/2 + j`` in its high one.
+    B depends on the build (64 with AVX-512). ``None`` if no B matches: then a tied embedding
+    keeps its own 4-bit copy.
+    """
+    gen = torch.Generator().manual_seed(0)
+    for block in (64, 32, 16):
+        q = torch.randint(0, 16, (2 * block, 64), generator=gen, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        rows = torch.arange(2 * block)
+        if packed.shape == (2 * block, 32) and torch.equal(
+            _read_int4_rows(packed, rows, block, 64), q
+        ):
+            return block
+    return None
+
+
+def _read_int4_rows(packed: Tensor, rows: Tensor, block: int, k: int) -> Tensor:
+    half = block // 2
+    view = packed.view(-1, k, half)
+    within = rows % block
+    data = view[rows // block, :, within % half].to(torch.int32)  # [T, K]
+    return torch.where((within < half)[:, None], data & 15, data >> 4)
+
+
+_INT4_BLOCK: list[int | None] = []
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding read from a tied, quantized LM head: one matrix serves both.
+
+    Rows are dequantized on lookup (a few per step), so the tied matrix exists only once, in
+    its quantized form.
+    """
+
+    def __init__(self, head: Int8Linear | Int4Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.__dict__["head"] = head  # a reference, not a submodule: counted once, as the head
+        self.dtype = dtype
+        self.embedding_dim = head.in_features
+        self.own_rows: Tensor | None = None
+        if isinstance(head, Int4Linear) and not head.on_cuda:
+            if not _INT4_BLOCK:
+                _INT4_BLOCK.append(_cpu_int4_block_rows())
+            block = _INT4_BLOCK[0]
+            rows = head.out_features + head.padded_n
+            if block is None or rows % block:
+                raise ValueError("this torch build packs INT4 weights in an unknown layout")
+            self.block = block
+
+    def forward(self, ids: Tensor) -> Tensor:
+        head = self.__dict__["head"]
+        flat = ids.reshape(-1)
+        if isinstance(head, Int8Linear):
+            rows = head.weight[flat].float() * head.scales[flat].float()[:, None]
+        else:
+            k = head.in_features + head.padded_k
+            q = _read_int4_rows(head.weight, flat, self.block, k).float() - 8
+            sz = head.scales_and_zeros[:, flat].float()  # [K/group, T, 2]
+            groups = q.view(len(flat), k // head.group, head.group)
+            rows = groups * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
+            rows = rows.reshape(len(flat), k)[:, : head.in_features]
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
 def quantized_linear(weight: Tensor, bias: Tensor | None, kind: QuantKind) -> nn.Module:

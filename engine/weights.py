@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.model import RotaryEmbedding, Transformer
-from engine.quant import Int4Linear, Int8Linear, QuantKind
+from engine.quant import Int4Linear, Int8Linear, QuantizedEmbedding, QuantKind
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,9 @@ def load_transformer(
             )
         module_name, _, attr = ours.rpartition(".")
         kind = quant(module_name) if quant and attr == "weight" else None
-        tensor = tensor.to(device=device, dtype=torch.float32 if kind else dtype)
+        quantize_head_from_here = ours == "embed.weight" and cfg.tie_word_embeddings and head_kind
+        full = kind is not None or quantize_head_from_here
+        tensor = tensor.to(device=device, dtype=torch.float32 if full else dtype)
         if part is not None:
             parts = pending.setdefault(ours, [None] * _PARTS[ours.split(".", 2)[2]])
             parts[part] = tensor
@@ -119,8 +121,11 @@ def load_transformer(
                 continue
             tensor = torch.cat([p for p in parts if p is not None])
             del pending[ours]
-        if ours == "embed.weight" and cfg.tie_word_embeddings and head_kind is not None:
-            _quantize_into(model, "lm_head", tensor.float(), head_kind)
+        if quantize_head_from_here:
+            assert head_kind is not None
+            _quantize_into(model, "lm_head", tensor, head_kind)
+            loaded.add(ours)
+            continue
         if kind is not None:
             _quantize_into(model, module_name, tensor, kind)
         else:
@@ -136,6 +141,10 @@ def load_transformer(
         )
     if cfg.tie_word_embeddings and head_kind is None:
         model.lm_head.weight = model.embed.weight
+    elif cfg.tie_word_embeddings:  # one quantized matrix serves the head and the embedding
+        head = model.lm_head
+        assert isinstance(head, (Int8Linear, Int4Linear))
+        model.embed = QuantizedEmbedding(head, dtype)
     model.eval()
     return model
 

@@ -116,3 +116,89 @@ def test_cuda_int4_equals_reference(group):
     dq = dequantize_int4(q, scale, zero, group)[:, :576]
     x = torch.randn(5, 576, generator=gen).to(torch.bfloat16)
     assert _relative_error(layer(x.cuda()).cpu(), x.float() @ dq.T) <= 1e-2
+
+
+# -- quantized models ------------------------------------------------------------------------
+
+from engine.engine import LLMEngine  # noqa: E402
+from engine.quant import QuantizedEmbedding  # noqa: E402
+
+
+@pytest.mark.parametrize("spec", ["int8+head", "int4-g32+head", "int4-g128+head"])
+def test_tied_quantized_head_serves_the_embedding_exactly(tiny_model_dir, spec):
+    folder, _ = tiny_model_dir("llama", True)
+    engine = LLMEngine.load(folder, precision=spec)
+    embed, head = engine.model.embed, engine.model.lm_head
+    assert isinstance(embed, QuantizedEmbedding)
+    # Row i of the embedding is the head's dequantized weight row i: probe the head with the
+    # unit vectors of its input space (x @ Wᵀ with x = I gives Wᵀ).
+    k = head.in_features
+    dense = head(torch.eye(k, dtype=torch.bfloat16)).float().T  # [V, K]
+    ids = torch.tensor([0, 5, 17, 300, 319])
+    assert torch.allclose(embed(ids).float(), dense[ids], rtol=1e-2, atol=1e-3)
+
+
+def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
+    """The oracle: a plain bf16 model whose quantized weights are replaced by their
+    dequantized values (computed here with the reference functions), run through nn.Linear."""
+    from torch import nn
+
+    from engine.quant import part_of
+
+    spec = parse_precision_spec(spec_text)
+    engine = LLMEngine.load(folder, precision="fp32", pack=False)
+    model = engine.model
+    tied = model.lm_head.weight is model.embed.weight
+    for name, module in list(model.named_modules()):
+        kind = spec.parts.get(part_of(name) or "")
+        if type(module) is not nn.Linear or kind is None:
+            continue
+        w = module.weight.detach().float()
+        if kind.bits == 8:
+            scale = (w.abs().amax(1) / 127).clamp(min=1e-12).bfloat16().float()
+            dq = torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
+        else:
+            k = w.shape[1]
+            padded = torch.nn.functional.pad(w, (0, padded_width(k, kind.group) - k))
+            q, sc, z = quantize_int4(padded, kind.group)
+            dq = dequantize_int4(q, sc, z, kind.group)[:, :k]
+        module.weight = nn.Parameter(dq, requires_grad=False)
+        if name == "lm_head" and tied:
+            model.embed.weight = module.weight
+    model.to(torch.bfloat16)
+    engine.dtype = torch.bfloat16
+    return engine
+
+
+@pytest.mark.parametrize(
+    "spec", ["int8", "int4-g32", "int4-g128+head", "mixed:attn=int8,mlp=int4-g64,head=int8"]
+)
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False)])
+def test_quantized_model_equals_its_dequantized_reference(tiny_model_dir, spec, arch, tied):
+    folder, _ = tiny_model_dir(arch, tied)
+    ids = list(range(3, 40))
+    quantized = LLMEngine.load(folder, precision=spec)
+    reference = _dequantized_reference(folder, spec)
+    ours = quantized.forward_logits(ids, quantized.new_cache(len(ids)), 0)
+    theirs = reference.forward_logits(ids, reference.new_cache(len(ids)), 0)
+    assert _relative_error(ours, theirs) <= 2e-2
+
+
+def test_weight_bytes_of_the_default_model_against_fp16(default_model):
+    fp16_bytes = None
+    ratios = {}
+    for spec in ("fp16", "int8+head", "int4-g32+head"):
+        engine = LLMEngine.load(default_model, precision=spec, pack=False)
+        if spec == "fp16":
+            fp16_bytes = engine.weights_bytes
+            assert fp16_bytes == 2 * engine.num_parameters
+        ratios[spec] = engine.weights_bytes / fp16_bytes
+    assert ratios["int8+head"] <= 0.52
+    assert ratios["int4-g32+head"] <= 0.32
+
+
+def test_int4_on_an_old_cuda_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(InvalidRequestError, match="compute capability 8.0"):
+        parse_precision_spec("int4-g32", "cuda")
+    assert parse_precision_spec("int8", "cuda").parts["attn"].bits == 8
