@@ -199,6 +199,6 @@ def test_weight_bytes_of_the_default_model_against_fp16(default_model):
 
 def test_int4_on_an_old_cuda_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    with pytest.raises(InvalidRequestError, match="compute capability 8.0"):
+    with pytest.raises(InvalidRequestError, match=r"compute capability 8\.0"):
         parse_precision_spec("int4-g32", "cuda")
     assert parse_precision_spec("int8", "cuda").parts["attn"].bits == 8
