@@ -247,7 +247,7 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
 
     parse_precision(args.precision)  # fail on a bad precision before any download
     _set_threads(args.threads)
-    config = engine_config(args)
+    config = engine_config(args) if hasattr(args, "block_size") else None
     folder = resolve_model(args.model, progress=progress_printer())
     return LLMEngine.load(folder, precision=args.precision, device=args.device, config=config)
 

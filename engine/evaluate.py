@@ -6,7 +6,9 @@ Perplexity protocol (fixed, so numbers compare across precisions and runs): the 
 tokenized without special tokens and cut to its first ``max_tokens`` tokens; windows of
 ``context`` tokens advance by ``stride``; each window scores only the tokens the previous one
 did not (the first window scores all but its first token), so every token after the first is
-scored once with at least ``context − stride`` tokens of history (fewer at the very start).
+scored once with at least ``context − stride`` tokens of history (fewer at the very start);
+with ``stride == context`` each window's first token has none and is left unscored. This is
+the sliding-window protocol of the transformers perplexity guide.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def perplexity(
         end = min(begin + context, len(ids))
         window = ids[begin:end]
         logits = engine.forward_logits(window, engine.new_cache(len(window)), 0)
-        first = done - begin  # first position in the window not scored yet
+        # The first position not scored yet; a window's own first token has no history.
+        first = max(done - begin, 1)
         targets = torch.tensor(window[first:], device=logits.device)
         logprobs = F.log_softmax(logits[first - 1 : len(window) - 1].float(), dim=-1)
         total -= float(logprobs.gather(1, targets[:, None]).sum())
@@ -136,7 +139,10 @@ def compare(
     same context; each model's own greedy text shows where they part."""
     rows: list[PromptComparison] = []
     for i, prompt in enumerate(prompts):
-        prompt_ids = a.chat_prompt_ids([{"role": "user", "content": prompt}])
+        if a.tokenizer.chat_template:
+            prompt_ids = a.chat_prompt_ids([{"role": "user", "content": prompt}])
+        else:
+            prompt_ids = a.tokenizer.encode_prompt(prompt)
         ids_a = _greedy(a, prompt_ids, new_tokens)
         ids_b = _greedy(b, prompt_ids, new_tokens)
         seq = prompt_ids + ids_a

@@ -1,0 +1,93 @@
+"""``infersight eval``: perplexity against transformers, precision comparison, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from app.cli import main
+from engine.engine import LLMEngine
+from engine.evaluate import compare, perplexity
+
+
+def hf_windowed_perplexity(hf, ids: list[int], context: int, stride: int) -> float:
+    """The sliding-window loop of the transformers perplexity guide, as written there."""
+    total, count, prev_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + context, len(ids))
+        trg_len = end - prev_end
+        input_ids = torch.tensor([ids[begin:end]])
+        target = input_ids.clone()
+        target[:, :-trg_len] = -100
+        with torch.no_grad():
+            loss = hf(input_ids, labels=target).loss
+        scored = int((target[:, 1:] != -100).sum())
+        total += float(loss) * scored
+        count += scored
+        prev_end = end
+        if end == len(ids):
+            break
+    return math.exp(total / count)
+
+
+@pytest.mark.parametrize(("context", "stride"), [(256, 256), (64, 32), (64, 64), (50, 7)])
+def test_perplexity_equals_transformers_sliding_window(tiny_model_dir, context, stride):
+    folder, hf = tiny_model_dir("llama", False)
+    engine = LLMEngine.load(folder, precision="fp32")
+    gen = torch.Generator().manual_seed(5)
+    words = [f"t{int(i)}" for i in torch.randint(0, 320, (200,), generator=gen)]
+    result = perplexity(engine, " ".join(words), context=context, stride=stride)
+    ids = engine.tokenizer.encode(" ".join(words))
+    assert result.tokens == 200
+    expected = hf_windowed_perplexity(hf, ids, context, stride)
+    assert result.perplexity == pytest.approx(expected, rel=1e-4)
+
+
+def test_compare_a_precision_with_itself_and_with_bf16(tiny_model_dir):
+    folder, _ = tiny_model_dir("qwen2", True)
+    a = LLMEngine.load(folder, precision="fp32")
+    same = compare(a, LLMEngine.load(folder, precision="fp32"), ["t1 t2 t3", "t9"], new_tokens=8)
+    assert same["kl_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert same["top1_agreement"] == 1.0
+    assert all(row["first_difference"] is None for row in same["prompts"])
+    other = compare(a, LLMEngine.load(folder, precision="int4-g32"), ["t1 t2 t3"], new_tokens=8)
+    assert other["kl_mean"] > 0
+    assert 0 <= other["top1_agreement"] <= 1
+
+
+def test_eval_cli(tiny_model_dir, tmp_path, capsys):
+    folder, _ = tiny_model_dir("llama", True)
+    text = tmp_path / "held.txt"
+    text.write_text(" ".join(f"t{i % 50}" for i in range(300)))
+    argv = ["eval", "ppl", "--model", str(folder), "--text", str(text), "--json",
+            "--context", "200", "--stride", "100"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["scored"] == result["tokens"] - 1 == 299, result
+    assert result["perplexity"] > 1
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("t1 t2\n\nt3 t4 t5\n")
+    argv = ["eval", "compare", "--model", str(folder), "--a", "fp32", "--b", "int8",
+            "--prompts", str(prompts), "--new-tokens", "4", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [row["prompt"] for row in report["prompts"]] == ["t1 t2", "t3 t4 t5"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["eval", "ppl", "--text", "/nonexistent.txt"], "does not exist"),
+        (["eval", "ppl", "--precision", "int5"], "unknown precision 'int5'"),
+        (["eval", "compare", "--b", "int4-g48"], "group size 48"),
+    ],
+)
+def test_eval_bad_input(tiny_model_dir, capsys, argv, needle):
+    folder, _ = tiny_model_dir("llama", True)
+    code = main([*argv, "--model", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err
