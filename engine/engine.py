@@ -52,6 +52,7 @@ from engine.weights import (
     parameter_count,
     quantized_parameter_count,
     weight_bytes,
+    weight_report,
 )
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,16 @@ class LLMEngine:
             folder.name, cfg.model_type, cfg.num_layers, num_parameters / 1e6, precision,
             engine.weights_bytes / 2**20, engine.kv.manager.num_blocks, engine.kv.block_size,
             engine.kv.nbytes / 2**20,
+        )  # fmt: skip
+        fp16 = 2 * num_parameters
+        for group in weight_report(model):
+            log.info(
+                "  %-9s %-34s %7.1fM params %8.1f MiB", group.kind, group.form,
+                group.parameters / 1e6, group.nbytes / 2**20,
+            )  # fmt: skip
+        log.info(
+            "  weights %.1f MiB = %.2f× their fp16 size (%.1f MiB)",
+            engine.weights_bytes / 2**20, engine.weights_bytes / fp16, fp16 / 2**20,
         )  # fmt: skip
         return engine
 

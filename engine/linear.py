@@ -42,6 +42,7 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         dense = linear.weight.detach()
+        self.dtype = dense.dtype
         self.nbytes = dense.numel() * dense.element_size()
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, batch_size=PACK_BATCH_HINT)
         self.register_buffer("weight", packed, persistent=False)

@@ -146,7 +146,7 @@ class Int8Linear(nn.Module):
         q = torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("weight", q)
         self.register_buffer("scales", scale)
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.padded_k = 0
 
     def forward(self, x: Tensor) -> Tensor:
@@ -232,7 +232,7 @@ class Int4Linear(nn.Module):
         sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", sz)
-        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

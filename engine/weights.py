@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -231,3 +232,67 @@ def quantized_parameter_count(model: nn.Module) -> int:
         for m in model.modules()
         if isinstance(m, (Int8Linear, Int4Linear))
     )
+
+
+@dataclass(frozen=True, slots=True)
+class WeightGroup:
+    """One line of the load report: weights of one kind held in one format."""
+
+    kind: str  # embedding, attention, mlp, lm_head, norm
+    form: str  # e.g. "bf16", "fp32 (oneDNN-packed)", "int4-g32", "int4-g128, K padded +64"
+    parameters: int
+    nbytes: int
+
+
+def weight_report(model: nn.Module) -> list[WeightGroup]:
+    """Bytes of the weights by kind and format (what a precision really costs)."""
+    from engine.linear import PackedLinear
+
+    groups: dict[tuple[str, str], list[int]] = {}
+    seen: set[int] = set()
+
+    def add(kind: str, form: str, params: int, nbytes: int) -> None:
+        entry = groups.setdefault((kind, form), [0, 0])
+        entry[0] += params
+        entry[1] += nbytes
+
+    for name, module in model.named_modules():
+        kind = _kind_of(name)
+        if isinstance(module, QuantizedEmbedding):
+            add("embedding", "shares the quantized lm_head", 0, 0)
+            continue
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            form = "int8" if isinstance(module, Int8Linear) else f"int4-g{module.group}"
+            if module.padded_k:
+                form += f", K padded +{module.padded_k}"
+            add(kind, form, module.in_features * module.out_features, module.nbytes)
+        elif isinstance(module, PackedLinear):
+            form = f"{_dtype_name(module.dtype)} (oneDNN-packed)"
+            add(kind, form, module.in_features * module.out_features, module.nbytes)
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            add(kind, _dtype_name(param.dtype), param.numel(), param.numel() * param.element_size())
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, Tensor) and id(bias) not in seen:
+            seen.add(id(bias))
+            add(kind, _dtype_name(bias.dtype), bias.numel(), bias.numel() * bias.element_size())
+    return [WeightGroup(k, f, p, b) for (k, f), (p, b) in sorted(groups.items())]
+
+
+def _kind_of(name: str) -> str:
+    if name.startswith("embed"):
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if ".attn" in name:
+        return "attention"
+    if ".mlp" in name:
+        return "mlp"
+    return "norm"
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(dtype, str(dtype)) if dtype is not None else "-"

@@ -202,3 +202,16 @@ def test_int4_on_an_old_cuda_gpu_is_refused(monkeypatch):
     with pytest.raises(InvalidRequestError, match=r"compute capability 8\.0"):
         parse_precision_spec("int4-g32", "cuda")
     assert parse_precision_spec("int8", "cuda").parts["attn"].bits == 8
+
+
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "int4-g128+head", "mixed:mlp=int4-g32"])
+def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
+    from engine.weights import weight_report
+
+    folder, _ = tiny_model_dir("qwen2", False)
+    engine = LLMEngine.load(folder, precision=spec)
+    report = weight_report(engine.model)
+    assert sum(g.nbytes for g in report) == engine.weights_bytes
+    forms = {g.form for g in report}
+    if spec == "int4-g128+head":  # hidden 64 is padded to one group of 128
+        assert "int4-g128, K padded +64" in forms
