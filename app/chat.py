@@ -60,6 +60,8 @@ class ChatSession:
         except InfersightError:
             self.history.pop()  # the turn never happened; the rest of the chat stays
             raise
+        except Exception as exc:  # the engine failed mid-reply: keep the chat and what came
+            out.write(f" [error: {type(exc).__name__}: {exc}]")
         out.write("\n")
         self.history.append({"role": "assistant", "content": text})
         return text

@@ -29,10 +29,10 @@ PRECISION_CHOICES = ("fp32", "bf16", "fp16")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        for name in ("engine", "app", "infersight"):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     if not hasattr(args, "handler"):  # no command: the main job
         args = parser.parse_args([*(["-v"] if args.verbose else []), "chat"])
     handler: Callable[[argparse.Namespace], int] = args.handler
@@ -44,6 +44,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninfersight: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug or an environment failure: say so in one line
+        log.debug("unexpected error", exc_info=True)
+        print(
+            f"infersight: internal error: {type(exc).__name__}: {exc} "
+            "(run with -v for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:

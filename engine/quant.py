@@ -148,13 +148,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.padded_k = 0
+        self.use_kernel = True
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.device.type == "cpu" or hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
-        else:  # keeps int8 in memory; converts one matrix at a time
+        if self.use_kernel:
+            try:
+                y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+            except (NotImplementedError, RuntimeError):
+                if x2.device.type == "cpu":
+                    raise
+                self.use_kernel = False  # a torch build without the CUDA kernel
+        if not self.use_kernel:  # weights stay int8 in memory; one matrix converted per call
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if self.bias is not None:
             y = y + self.bias
