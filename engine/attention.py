@@ -26,33 +26,36 @@ class AttentionContext(ABC):
         """Store ``k``/``v`` of this step for ``layer`` and return attention output ``[T, H*D]``."""
 
 
-def sequence_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
-    """Causal GQA attention of one sequence's new queries over all of its keys.
-
-    ``q``: ``[L, H, D]`` queries at positions ``start .. start+L-1``;
-    ``keys``/``values``: ``[Hkv, start+L, D]`` (every key the sequence has, new ones included).
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """GQA attention of one sequence's queries ``q: [L, H, D]`` over its keys/values
+    ``[Hkv, T, D]``; ``mask: [L, T]`` (True = visible) or ``None`` for all visible.
     Returns ``[L, H*D]``.
 
     Query heads are grouped under their KV head (``[Hkv, G*L, D]``) so that grouped-query
     attention runs without materialising repeated K/V.
     """
     length, heads, dim = q.shape
-    kv_heads, total, _ = keys.shape
+    kv_heads = keys.shape[0]
     group = heads // kv_heads
-    qg = (
-        q.view(length, kv_heads, group, dim)
-        .permute(1, 2, 0, 3)
-        .reshape(kv_heads, group * length, dim)
+    qg = q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
+    out = F.scaled_dot_product_attention(
+        qg.unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        attn_mask=None if mask is None else mask.repeat(group, 1),
     )
+    return out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads * dim)
+
+
+def sequence_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
+    """Causal :func:`grouped_attention` for queries at positions ``start .. start+L-1`` over
+    keys ``0 .. start+L-1``."""
+    length, total = q.shape[0], keys.shape[1]
     mask = None
     if length > 1:
         q_pos = torch.arange(start, start + length, device=q.device)
-        k_pos = torch.arange(total, device=q.device)
-        mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)
-    out = F.scaled_dot_product_attention(
-        qg.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask
-    )
-    return out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads * dim)
+        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+    return grouped_attention(q, keys, values, mask)
 
 
 def reference_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from engine.attention import AttentionContext, sequence_attention
+from engine.attention import AttentionContext, grouped_attention, sequence_attention
 from engine.config import ModelConfig
 
 RELEASED = -1  # table entry of a block given back by the cache window
@@ -266,7 +266,7 @@ class _PagedContext(AttentionContext):
         for offset, length, slots, mask in self.prefill:
             keys = k_pool.index_select(0, slots).transpose(0, 1)
             values = v_pool.index_select(0, slots).transpose(0, 1)
-            out[offset : offset + length] = masked_sequence_attention(
+            out[offset : offset + length] = grouped_attention(
                 q[offset : offset + length], keys, values, mask
             )
         return out
@@ -276,18 +276,6 @@ def _visible(chunk: SeqChunk, key_pos: Tensor, query_pos: Tensor) -> Tensor:
     if chunk.window is None:
         return key_pos[None, :] <= query_pos[:, None]
     return chunk.window.visible(key_pos, query_pos)
-
-
-def masked_sequence_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """GQA attention of ``q: [L, H, D]`` over ``keys/values: [Hkv, T, D]`` with ``mask: [L, T]``."""
-    length, heads, dim = q.shape
-    kv_heads = keys.shape[0]
-    group = heads // kv_heads
-    qg = q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qg.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask.repeat(group, 1)
-    )
-    return out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads * dim)
 
 
 class ContiguousKVCache:
