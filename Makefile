@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: run test lint bench venv dev clean
+.PHONY: run test bench gpu-check venv dev clean
 
 run: $(VENV)/.stamp-run
 	$(BIN)/infersight models pull
@@ -27,6 +27,16 @@ test: $(VENV)/.stamp-dev
 
 bench: $(VENV)/.stamp-dev
 	$(BIN)/infersight bench --model default --compare-hf
+
+# On an NVIDIA machine, with a CUDA build of torch in .venv (see TORCH_SPEC): the CUDA INT4
+# test and the speed of each precision on the GPU.
+gpu-check: $(VENV)/.stamp-dev
+	$(BIN)/infersight models pull
+	$(BIN)/python -m pytest -q tests/test_quant.py -k cuda
+	for p in fp32 bf16 fp16 int8 int8+head int4-g32 int4-g32+head; do \
+	  $(BIN)/infersight bench --device cuda --precision $$p --new-tokens 128 --repeats 3 || exit 1; \
+	  $(BIN)/infersight bench --device cuda --precision $$p --batch 16 --new-tokens 64 --repeats 1 || exit 1; \
+	done
 
 venv: $(VENV)/.stamp-run
 dev: $(VENV)/.stamp-dev

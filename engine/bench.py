@@ -147,30 +147,10 @@ class _HFRunner:
         self.model = model.to(device).eval()
 
     def run(self, prompt: list[int], new_tokens: int) -> RunTiming:
-        stamps: list[float] = []
-
-        class Stamp:  # transformers' streamer protocol: put() per step, end() at the end
-            def put(self, value: Any) -> None:
-                stamps.append(time.perf_counter())
-
-            def end(self) -> None:
-                pass
-
         ids = torch.tensor([prompt], device=self.device)
-        started = time.perf_counter()
-        with torch.inference_mode():
-            self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                streamer=Stamp(),
-                pad_token_id=0,
-            )
-        end = time.perf_counter()
-        first = stamps[1]  # stamps[0] is the prompt being "put"
-        return RunTiming(first - started, end - first, len(stamps) - 1)
+        stamps = self.run_batch(ids, torch.ones_like(ids), new_tokens)
+        started, first, last = stamps[0], stamps[1], stamps[-1]
+        return RunTiming(first - started, last - first, len(stamps) - 1)
 
     def run_batch(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> list[float]:
         """Greedy ``generate`` of exactly ``new_tokens`` for a padded batch; returns the start
@@ -384,12 +364,10 @@ def run_workload_hf(
             mask[i, width - len(r.prompt_ids) :] = 1
         steps = max(r.output_tokens for r in group)
         timing = hf.run_batch(ids.to(hf.device), mask.to(hf.device), steps)
-        group_start = timing[0]
         for r in group:  # every member waits for the group; its own tokens end at its length
             ttfts.append(timing[1] - started)
             end = timing[min(r.output_tokens, len(timing) - 1)]
             tpots.append((end - timing[1]) / max(r.output_tokens - 1, 1))
-        del group_start
     wall = time.perf_counter() - started
     prompt = sum(len(r.prompt_ids) for r in workload)
     output = sum(r.output_tokens for r in workload)

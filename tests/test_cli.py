@@ -194,3 +194,20 @@ def test_bench_single_and_mixed_workloads_report_json(capsys, tiny):
 def test_bench_rejects_bad_limits(capsys, tiny, args, needle):
     code, _, err = run_cli(capsys, "bench", "--model", str(tiny), "--workload", "mixed", *args)
     assert_clean_error(code, err, needle)
+
+
+def test_bench_compare_hf_on_a_tiny_model(capsys, tiny):
+    code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--new-tokens", "6",
+                           "--repeats", "1", "--compare-hf", "--json")  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    assert [r["engine"] for r in report["results"]] == ["infersight", "transformers"]
+    assert report["ratio_decode"] > 0
+    code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--workload", "mixed",
+                           "--requests", "4", "--max-batch-size", "2", "--compare-hf",
+                           "--json")  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    hf_row = next(r for r in report["results"] if r["engine"] == "transformers")
+    assert hf_row["output_tokens"] == report["results"][0]["output_tokens"]
+    assert set(report["ratio_vs_transformers"]) in ({"2"}, {2})
