@@ -36,9 +36,9 @@ from engine.metrics import (
 )
 from engine.model import Transformer
 from engine.quant import (
-    FLOAT_DTYPES,
     PrecisionSpec,
     QuantKind,
+    dtype_name,
     parse_precision_spec,
     part_of,
 )
@@ -156,7 +156,7 @@ class LLMEngine:
         self.device = device
         self.name = name
         self.num_parameters = num_parameters
-        self.precision = precision or PrecisionSpec(_dtype_name(dtype), dtype)
+        self.precision = precision or PrecisionSpec(dtype_name(dtype), dtype)
         self.config = config or EngineConfig()
         self.weights_bytes = weight_bytes(model)
         self.kv = PagedKVCache(
@@ -346,6 +346,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
+    def sequence(self, request_id: str) -> Seq:
+        """The live state of an unfinished request (KeyError once it has finished)."""
+        return self._seqs[request_id]
+
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         events, self._pending = self._pending, []
@@ -508,7 +512,7 @@ class Generation:
     ) -> None:
         self.engine = engine
         self.request_id = engine.add_request(prompt_ids, params, priority=priority)
-        self._seq = engine._seqs[self.request_id]
+        self._seq = engine.sequence(self.request_id)
         self.result = GenerationResult(prompt_ids=prompt_ids)
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -526,12 +530,9 @@ class Generation:
                     result.text += event.text
                     if event.finish_reason is not None:
                         result.finish_reason = event.finish_reason
-                        t = seq.times
-                        if t.first_token is not None:
-                            result.ttft_s = t.first_token - t.arrival
-                            n = len(seq.output_ids)
-                            if n > 1 and t.last_token is not None:
-                                result.tpot_s = (t.last_token - t.first_token) / (n - 1)
+                        timings = _request_metrics(seq)
+                        result.ttft_s = timings.time_to_first_token_seconds
+                        result.tpot_s = timings.time_per_output_token_seconds
                     yield event
         finally:
             if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
@@ -544,10 +545,6 @@ def _quant_plan(spec: PrecisionSpec) -> Callable[[str], QuantKind | None]:
         return spec.parts.get(part) if part else None
 
     return plan
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in FLOAT_DTYPES.items()}.get(dtype, str(dtype))
 
 
 def _history(seq: Seq) -> torch.Tensor:

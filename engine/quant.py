@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT4_GROUPS = (32, 64, 128)
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """``fp32`` / ``bf16`` / ``fp16`` for the float dtypes, torch's name otherwise."""
+    names = {v: k for k, v in FLOAT_DTYPES.items()}
+    return names.get(dtype, str(dtype)) if dtype is not None else "-"
+
+
 PARTS = ("attn", "mlp", "head")
 SPEC_HELP = (
     "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128 (add +head to quantize the LM head "

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.model import RotaryEmbedding, Transformer
-from engine.quant import Int4Linear, Int8Linear, QuantizedEmbedding, QuantKind
+from engine.quant import Int4Linear, Int8Linear, QuantizedEmbedding, QuantKind, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -267,17 +267,17 @@ def weight_report(model: nn.Module) -> list[WeightGroup]:
                 form += f", K padded +{module.padded_k}"
             add(kind, form, module.in_features * module.out_features, module.nbytes)
         elif isinstance(module, PackedLinear):
-            form = f"{_dtype_name(module.dtype)} (oneDNN-packed)"
+            form = f"{dtype_name(module.dtype)} (oneDNN-packed)"
             add(kind, form, module.in_features * module.out_features, module.nbytes)
         for param in module.parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            add(kind, _dtype_name(param.dtype), param.numel(), param.numel() * param.element_size())
+            add(kind, dtype_name(param.dtype), param.numel(), param.numel() * param.element_size())
         bias = getattr(module, "bias", None)
         if isinstance(bias, Tensor) and id(bias) not in seen:
             seen.add(id(bias))
-            add(kind, _dtype_name(bias.dtype), bias.numel(), bias.numel() * bias.element_size())
+            add(kind, dtype_name(bias.dtype), bias.numel(), bias.numel() * bias.element_size())
     return [WeightGroup(k, f, p, b) for (k, f), (p, b) in sorted(groups.items())]
 
 
@@ -291,8 +291,3 @@ def _kind_of(name: str) -> str:
     if ".mlp" in name:
         return "mlp"
     return "norm"
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str:
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    return names.get(dtype, str(dtype)) if dtype is not None else "-"
