@@ -21,7 +21,14 @@ from torch import Tensor, nn
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.model import RotaryEmbedding, Transformer
-from engine.quant import Int4Linear, Int8Linear, QuantizedEmbedding, QuantKind, dtype_name
+from engine.quant import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedEmbedding,
+    QuantKind,
+    dtype_name,
+    head_channel_scale,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,7 @@ def load_transformer(
     pending: dict[str, list[Tensor | None]] = {}
     loaded: set[str] = set()
     head_kind = quant("lm_head") if quant else None
+    head_weight = torch.empty(0)
     for hf_name, tensor in iter_checkpoint(checkpoint_files(folder)):
         target = _map_name(hf_name)
         if target is None:
@@ -112,8 +120,11 @@ def load_transformer(
             )
         module_name, _, attr = ours.rpartition(".")
         kind = quant(module_name) if quant and attr == "weight" else None
-        quantize_head_from_here = ours == "embed.weight" and cfg.tie_word_embeddings and head_kind
-        full = kind is not None or quantize_head_from_here
+        head_source = head_kind is not None and (
+            ours == "lm_head.weight" or (ours == "embed.weight" and cfg.tie_word_embeddings)
+        )
+        # The final norm's fp32 values set the head's channel scale (cast after, below).
+        full = kind is not None or head_source or (head_kind is not None and ours == "norm.weight")
         tensor = tensor.to(device=device, dtype=torch.float32 if full else dtype)
         if part is not None:
             parts = pending.setdefault(ours, [None] * _PARTS[ours.split(".", 2)[2]])
@@ -122,9 +133,8 @@ def load_transformer(
                 continue
             tensor = torch.cat([p for p in parts if p is not None])
             del pending[ours]
-        if quantize_head_from_here:
-            assert head_kind is not None
-            _quantize_into(model, "lm_head", tensor, head_kind)
+        if head_source:  # quantized at the end: it needs the final norm's weights
+            head_weight = tensor
             loaded.add(ours)
             continue
         if kind is not None:
@@ -140,12 +150,19 @@ def load_transformer(
             f"the checkpoint in {folder} lacks {len(missing)} tensor(s): {shown}; "
             "the download or conversion is incomplete"
         )
-    if cfg.tie_word_embeddings and head_kind is None:
+    if head_kind is not None:
+        # Activation-aware channel scaling: scale the head's input channels up where the final
+        # norm makes activations large, and fold the inverse into that norm's weight.
+        scale = head_channel_scale(model.norm.weight)
+        _quantize_into(model, "lm_head", head_weight * scale, head_kind)
+        norm_weight = model.norm.weight.detach().float() / scale
+        model.norm.weight = nn.Parameter(norm_weight.to(dtype), requires_grad=False)
+        if cfg.tie_word_embeddings:  # one quantized matrix serves the head and the embedding
+            head = model.lm_head
+            assert isinstance(head, (Int8Linear, Int4Linear))
+            model.embed = QuantizedEmbedding(head, dtype, 1.0 / scale)
+    elif cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    elif cfg.tie_word_embeddings:  # one quantized matrix serves the head and the embedding
-        head = model.lm_head
-        assert isinstance(head, (Int8Linear, Int4Linear))
-        model.embed = QuantizedEmbedding(head, dtype)
     model.eval()
     return model
 

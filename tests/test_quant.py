@@ -133,9 +133,10 @@ def test_tied_quantized_head_serves_the_embedding_exactly(tiny_model_dir, spec):
     # Row i of the embedding is the head's dequantized weight row i: probe the head with the
     # unit vectors of its input space (x @ Wᵀ with x = I gives Wᵀ).
     k = head.in_features
-    dense = head(torch.eye(k, dtype=torch.bfloat16)).float().T  # [V, K]
+    dense = head(torch.eye(k, dtype=torch.bfloat16)).float().T  # [V, K] = W·diag(s)
     ids = torch.tensor([0, 5, 17, 300, 319])
-    assert torch.allclose(embed(ids).float(), dense[ids], rtol=1e-2, atol=1e-3)
+    expected = dense[ids] * embed.inverse_scale  # the head's channel scaling undone
+    assert torch.allclose(embed(ids).float(), expected, rtol=1e-2, atol=1e-3)
 
 
 def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
@@ -143,7 +144,7 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
     dequantized values (computed here with the reference functions), run through nn.Linear."""
     from torch import nn
 
-    from engine.quant import part_of
+    from engine.quant import head_channel_scale, part_of
 
     spec = parse_precision_spec(spec_text)
     engine = LLMEngine.load(folder, precision="fp32", pack=False)
@@ -154,6 +155,8 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
         if type(module) is not nn.Linear or kind is None:
             continue
         w = module.weight.detach().float()
+        channel = head_channel_scale(model.norm.weight) if name == "lm_head" else torch.ones(1)
+        w = w * channel
         if kind.bits == 8:
             scale = (w.abs().amax(1) / 127).clamp(min=1e-12).bfloat16().float()
             dq = torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
@@ -162,7 +165,7 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
             padded = torch.nn.functional.pad(w, (0, padded_width(k, kind.group) - k))
             q, sc, z = quantize_int4(padded, kind.group)
             dq = dequantize_int4(q, sc, z, kind.group)[:, :k]
-        module.weight = nn.Parameter(dq, requires_grad=False)
+        module.weight = nn.Parameter(dq / channel, requires_grad=False)
         if name == "lm_head" and tied:
             model.embed.weight = module.weight
     model.to(torch.bfloat16)
