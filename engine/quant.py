@@ -333,7 +333,11 @@ class QuantizedEmbedding(nn.Module):
             block = _INT4_BLOCK[0]
             rows = head.out_features + head.padded_n
             if block is None or rows % block:
-                raise ValueError("this torch build packs INT4 weights in an unknown layout")
+                raise InvalidRequestError(
+                    "this torch build packs INT4 weights in a layout Infersight cannot read "
+                    "rows from, so a tied INT4 head cannot serve the embedding; use int8+head, "
+                    "or INT4 without +head"
+                )
             self.block = block
 
     def forward(self, ids: Tensor) -> Tensor:
