@@ -45,7 +45,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.stamp-torch: | $(VENV)/bin/python
-	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install $(TORCH_SPEC)
 	touch $@
 
 $(VENV)/.stamp-run: pyproject.toml $(VENV)/.stamp-torch
