@@ -75,10 +75,6 @@ class SchedulerOutput:
     timed_out: list[Sequence] = field(default_factory=list)
     hold_s: float = 0.0  # > 0: nothing scheduled, a lone request is held for company
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
-
 
 class Scheduler:
     def __init__(self, manager: BlockManager, limits: SchedulerLimits | None = None) -> None:
