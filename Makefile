@@ -1,5 +1,5 @@
 # Infersight — the two commands that matter:
-#   make run    set up .venv, fetch the default model, start the main job
+#   make run    set up .venv, fetch the default model, open the desktop app
 #   make test   set up .venv with the dev extras, lint, type-check, run the tests
 #
 # TORCH_SPEC picks the torch build installed into .venv before anything else. The default pin
@@ -12,18 +12,34 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: run test bench gpu-check venv dev clean
+.PHONY: run chat test bench gpu-check screenshots package venv dev clean
 
+# With no display, `infersight` says how to run headless or under Xvfb instead of failing.
 run: $(VENV)/.stamp-run
 	$(BIN)/infersight models pull
+	$(BIN)/infersight
+
+chat: $(VENV)/.stamp-run
 	$(BIN)/infersight chat --model default
 
 test: $(VENV)/.stamp-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy engine
+	$(BIN)/mypy engine app widgets
 	$(BIN)/infersight models pull
-	$(BIN)/python -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
+
+# The main window mid-reply with the plots populated, rendered offscreen into docs/screenshots.
+screenshots: $(VENV)/.stamp-dev
+	$(BIN)/infersight models pull
+	QT_QPA_PLATFORM=offscreen INFERSIGHT_SCREENSHOTS=docs/screenshots \
+	  $(BIN)/python -m pytest -q tests/test_app.py -k screenshots
+
+# A runnable folder, dist/infersight/ (PyInstaller; the model is fetched on first start).
+package: $(VENV)/.stamp-run
+	$(PIP) install "pyinstaller>=6.10"
+	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller \
+	  packaging/infersight.spec
 
 bench: $(VENV)/.stamp-dev
 	$(BIN)/infersight bench --model default --compare-hf

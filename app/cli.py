@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("engine", "app", "infersight"):
             logging.getLogger(name).setLevel(logging.DEBUG)
     if not hasattr(args, "handler"):  # no command: the main job
-        args = parser.parse_args([*(["-v"] if args.verbose else []), "chat"])
+        args = parser.parse_args([*(["-v"] if args.verbose else []), "app"])
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
@@ -58,10 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infersight",
         description="Run local LLMs and see inside the inference engine. "
-        "With no command: chat with the default model.",
+        "With no command: open the desktop app on the default model.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(metavar="COMMAND")
+
+    p = sub.add_parser("app", help="open the desktop app (the default with no command)")
+    p.add_argument("--model", default=None, help="'default', an HF model folder or a .gguf file")
+    p.add_argument("--precision", default=None, help="fp32, bf16, int8, int4-g32 … (see chat)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    p.add_argument("--data-dir", default=None, help="where chats and settings live")
+    p.set_defaults(handler=cmd_app)
 
     p = sub.add_parser("chat", help="interactive terminal chat (streaming, multi-turn)")
     _model_args(p)
@@ -483,6 +490,12 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     types = ", ".join(f"{k}×{v}" for k, v in sorted(summary.tensor_types.items()))
     print(f"imported {summary.name} ({summary.architecture}; {types}) into {args.outdir}")
     return 0
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    from app.gui import run_gui
+
+    return run_gui(args)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

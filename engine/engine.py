@@ -478,8 +478,16 @@ class LLMEngine:
             layer_timings=self._layer_timings,
             total_prompt_tokens=self.collector.total_prompt_tokens,
             total_generated_tokens=self.collector.total_generated_tokens,
+            kv_block_owners=tuple(self.kv.manager.owners()),
             **summary,
         )
+
+    def request_metrics(self, request_id: str) -> RequestMetrics | None:
+        """The figures of a recently finished request (``None`` if unknown or still running)."""
+        for _, m in reversed(self.collector.requests):
+            if m.request_id == request_id:
+                return m
+        return None
 
     # -- single sequences, for scripts and tests --------------------------------------------
     def forward_logits(

@@ -144,6 +144,15 @@ class BlockManager:
         keep = blocks != RELEASED
         return positions[keep], (blocks * bs + positions % bs)[keep]
 
+    def owners(self) -> list[str | None]:
+        """The owner of each block of the pool (``None`` = free): what the app's block map draws."""
+        out: list[str | None] = [None] * self.num_blocks
+        for seq_id, table in self.tables.items():
+            for block in table:
+                if block != RELEASED:
+                    out[block] = seq_id
+        return out
+
     def occupancy(self) -> Occupancy:
         used = self.num_blocks - len(self._free)
         stored = 0

@@ -90,6 +90,7 @@ class MetricsSnapshot:
     finished_requests: tuple[RequestMetrics, ...] = ()
     total_prompt_tokens: int = 0
     total_generated_tokens: int = 0
+    kv_block_owners: tuple[str | None, ...] = ()  # request id owning each pool block
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

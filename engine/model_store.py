@@ -84,6 +84,15 @@ def pull_default(*, progress: Progress | None = None) -> Path:
     return dest
 
 
+def import_into_store(gguf: Path, *, progress: Progress | None = None) -> Path:
+    """Import a GGUF file into the model store once (``models/<file stem>``); reuse it after."""
+    dest = models_dir() / gguf.stem
+    if (dest / "config.json").is_file():
+        return dest
+    import_gguf(gguf, dest, dtype="fp16", progress=progress)
+    return dest
+
+
 def default_gguf_path() -> Path:
     return home() / "downloads" / Path(DEFAULT.member).name
 

@@ -1,0 +1,71 @@
+"""Opening the window: display checks, the QApplication, the style sheet, the data folder."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from engine.errors import InfersightError
+
+NO_DISPLAY = """\
+infersight: no display found, so the window cannot open.
+  * on a desktop session, run it there (DISPLAY or WAYLAND_DISPLAY must be set);
+  * on a server, use a virtual screen:  xvfb-run -a .venv/bin/infersight
+    (Debian: apt install xvfb xauth libxcb-icccm4 libxcb-keysyms1 libxcb-cursor0);
+  * for a terminal chat instead:        .venv/bin/infersight chat --model default
+  * for screenshots without any screen: make screenshots"""
+
+
+def data_dir() -> Path:
+    """Chats and settings: ``$INFERSIGHT_HOME/data``, else the platform's user data folder."""
+    override = os.environ.get("INFERSIGHT_HOME")
+    if override:
+        return Path(override).expanduser() / "data"
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("infersight", appauthor=False))
+
+
+def has_display() -> bool:
+    platform = os.environ.get("QT_QPA_PLATFORM", "")
+    if platform or sys.platform in ("win32", "darwin"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def make_application() -> object:
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Infersight")
+    app.setOrganizationName("Infersight")
+    QApplication.setDesktopFileName("infersight")
+    return app
+
+
+def run_gui(args: argparse.Namespace) -> int:
+    if not has_display():
+        print(NO_DISPLAY, file=sys.stderr)
+        return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from PySide6.QtWidgets import QApplication
+    except ImportError as exc:
+        raise InfersightError(
+            f"Qt could not be imported ({exc}); install the app's dependencies with "
+            "`make run`, or use `infersight chat` in a terminal"
+        ) from exc
+    from app.main_window import MainWindow
+    from app.worker import LoadSpec
+
+    app = make_application()
+    assert isinstance(app, QApplication)
+    spec = None
+    if args.model is not None or args.precision is not None or args.device != "cpu":
+        spec = LoadSpec(args.model or "default", args.precision or "fp32", args.device)
+    window = MainWindow(Path(args.data_dir) if args.data_dir else data_dir(), spec=spec)
+    window.resize(1280, 800)
+    window.show()
+    return int(app.exec())

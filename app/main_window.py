@@ -1,0 +1,518 @@
+"""The main window: wires the chat pane, controls and instruments to the engine worker and the
+conversation store. The only place that knows both the widgets and the engine's data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PySide6.QtCore import QSettings, Qt, QThread
+from PySide6.QtGui import QCloseEvent, QIcon
+from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QProgressDialog, QWidget
+
+from app.store import ChatStore, Message
+from app.worker import (
+    Cancel,
+    Configure,
+    Delta,
+    EngineView,
+    EngineWorker,
+    Load,
+    Loader,
+    LoadSpec,
+    ModelInfo,
+    ReplyStats,
+    Send,
+    Stop,
+    load_engine,
+)
+from engine.kv_cache import CacheWindow
+from widgets.chat_pane import ChatPane, MessageView
+from widgets.controls import ControlsPanel
+from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint
+
+log = logging.getLogger(__name__)
+
+RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+
+
+def style_sheet() -> str:
+    path = RESOURCES / "style.qss"
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+@dataclass(slots=True)
+class ActiveReply:
+    """The reply being streamed into the last bubble."""
+
+    tag: str
+    message_id: int
+    conversation_id: int
+    candidates: list[str]
+    open: set[int]
+    status: str = "done"
+    stats: dict[int, ReplyStats] = field(default_factory=dict)
+    error: str | None = None
+
+
+def stats_text(stats: ReplyStats) -> str:
+    m = stats.metrics
+    parts = [f"{stats.model} · {stats.precision}"]
+    if stats.tokens_per_s is not None:
+        parts.append(f"{stats.tokens_per_s:.1f} tok/s")
+    if m.time_to_first_token_seconds is not None:
+        parts.append(f"TTFT {m.time_to_first_token_seconds * 1e3:.0f} ms")
+    parts.append(f"{m.output_tokens} tokens")
+    return " · ".join(parts)
+
+
+class MainWindow(QMainWindow):
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        spec: LoadSpec | None = None,
+        loader: Loader = load_engine,
+    ) -> None:
+        super().__init__()
+        self.data_dir = data_dir
+        self.setWindowTitle("Infersight")
+        self.setStyleSheet(style_sheet())
+        icon = RESOURCES / "infersight.svg"
+        if icon.is_file():
+            self.setWindowIcon(QIcon(str(icon)))
+        self.store = ChatStore(data_dir / "chats.sqlite3")
+        self.settings = QSettings(str(data_dir / "settings.ini"), QSettings.Format.IniFormat)
+        self.model: ModelInfo | None = None
+        self.loading: LoadSpec | None = None
+        self.active: ActiveReply | None = None
+        self.conversation_id: int | None = None
+        self.last_stats: ReplyStats | None = None
+        self._tags = 0
+        self._closed = False
+        self.progress: QProgressDialog | None = None
+
+        self.chat = ChatPane()
+        self.setCentralWidget(self.chat)
+        self.controls = ControlsPanel()
+        self.instruments = InstrumentsPanel()
+        self.controls_dock = self._dock("Controls", self.controls, "controlsDock")
+        self.instruments_dock = self._dock("Instruments", self.instruments, "instrumentsDock")
+        self.tabifyDockWidget(self.controls_dock, self.instruments_dock)
+        self.instruments_dock.raise_()
+        self.resizeDocks([self.instruments_dock], [540], Qt.Orientation.Horizontal)
+        self._status_bar()
+
+        self.worker = EngineWorker(loader)
+        self.engine_thread = QThread(self)
+        self.engine_thread.setObjectName("infersight-engine")
+        self.worker.moveToThread(self.engine_thread)
+        self.engine_thread.started.connect(self.worker.run)
+        self.worker.stopped.connect(self.engine_thread.quit, Qt.ConnectionType.DirectConnection)
+        self._connect()
+        self._restore_settings()
+        self.engine_thread.start()
+        self._open_conversations()
+        self.load(spec or self._saved_spec())
+
+    def _dock(self, title: str, widget: QWidget, name: str) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(name)
+        dock.setWidget(widget)
+        dock.setFeatures(
+            QDockWidget.DockWidgetFeature.DockWidgetMovable
+            | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+        )
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
+        return dock
+
+    def _status_bar(self) -> None:
+        bar = self.statusBar()
+        self.status_model = QLabel("no model")
+        self.status_speed = QLabel("– tok/s")
+        self.status_ttft = QLabel("TTFT –")
+        self.status_context = QLabel("context –")
+        self.status_model.setToolTip("Model · precision · device")
+        self.status_speed.setToolTip("Decode speed of the last reply (1 / mean TPOT)")
+        self.status_ttft.setToolTip("Time to first token of the last reply")
+        self.status_context.setToolTip("Tokens the last reply used of the model's context")
+        bar.addWidget(self.status_model, 1)
+        for label in (self.status_speed, self.status_ttft, self.status_context):
+            bar.addPermanentWidget(label)
+
+    def _connect(self) -> None:
+        w, chat, controls = self.worker, self.chat, self.controls
+        w.deltas.connect(self._on_deltas)
+        w.reply_stats.connect(self._on_stats)
+        w.metrics.connect(self._on_metrics)
+        w.loading.connect(self._on_loading)
+        w.load_progress.connect(self._on_load_progress)
+        w.loaded.connect(self._on_loaded)
+        w.load_failed.connect(self._on_load_failed)
+        # Worker signals go to methods of this window only: a bound QObject method runs in
+        # the receiver's (UI) thread, while a plain lambda would run in the worker's.
+        w.error.connect(self._on_worker_error)
+        chat.send_requested.connect(self.send)
+        chat.stop_requested.connect(self.stop)
+        chat.regenerate_requested.connect(self.regenerate)
+        chat.edit_requested.connect(self.edit_last)
+        chat.new_conversation_requested.connect(self.new_conversation)
+        chat.conversation_selected.connect(self.select_conversation)
+        chat.system_prompt_edited.connect(self._on_system_prompt)
+        controls.model_requested.connect(lambda path: self.load(self._spec(model=path)))
+        controls.precision_requested.connect(lambda p: self.load(self._spec(precision=p)))
+        controls.reload_requested.connect(lambda: self.load(self._spec()))
+        controls.limits_changed.connect(lambda limits: self.worker.post(Configure(limits=limits)))
+        controls.window_changed.connect(self._on_window)
+        controls.invalid_input.connect(lambda text: self.chat.show_notice(text, "warning"))
+        self.instruments.layer_timing_toggled.connect(
+            lambda on: self.worker.post(Configure(layer_timing=on))
+        )
+
+    # -- model -------------------------------------------------------------------------------
+    def _model_path(self) -> str:
+        return (
+            self.loading.model if self.loading else (self.model.path if self.model else "default")
+        )
+
+    def _precision(self) -> str:
+        return self.model.precision if self.model else self.controls.precision_combo.currentText()
+
+    def _device(self) -> str:
+        return self.model.device if self.model else "cpu"
+
+    def _spec(self, *, model: str | None = None, precision: str | None = None) -> LoadSpec:
+        return LoadSpec(
+            model or self._model_path(),
+            precision or self._precision(),
+            self._device(),
+            self.controls.kv_memory_mib(),
+        )
+
+    def load(self, spec: LoadSpec) -> None:
+        if self.loading is not None:
+            self.chat.show_notice(
+                f"{self.loading.model} ({self.loading.precision}) is still loading; "
+                "try again when it is ready",
+                "warning",
+            )
+            self.controls.show_model(self._model_path(), self._precision())
+            return
+        self.loading = spec
+        self.worker.post(Load(spec))
+
+    def _on_worker_error(self, text: str) -> None:
+        self.chat.show_notice(text)
+
+    def _on_loading(self, spec: LoadSpec) -> None:
+        name = "the default model" if spec.model == "default" else Path(spec.model).name
+        old = (
+            f"; {self.model.name} ({self.model.precision}) answers meanwhile" if self.model else ""
+        )
+        self.status_model.setText(f"loading {name} ({spec.precision})…{old}")
+        if spec.model.lower().endswith(".gguf"):
+            self.progress = QProgressDialog(f"Importing {name}…", "", 0, 100, self)
+            self.progress.setCancelButton(None)
+            self.progress.setWindowTitle("Import GGUF")
+            self.progress.setMinimumDuration(0)
+            self.progress.setWindowModality(Qt.WindowModality.NonModal)
+            self.progress.show()
+
+    def _on_load_progress(self, stage: str, done: int, total: int) -> None:
+        dialog = self.progress
+        if dialog is not None and total:
+            dialog.setLabelText(f"{stage}: {done} / {total}")
+            dialog.setValue(int(100 * done / total))
+
+    def _close_progress(self) -> None:
+        dialog = self.progress
+        if dialog is not None:
+            dialog.close()
+            self.progress = None
+
+    def _on_loaded(self, info: ModelInfo) -> None:
+        self.loading = None
+        self._close_progress()
+        self.model = info
+        self.controls.add_model(info.name, info.path)
+        self.controls.show_model(info.path, info.precision)
+        self.status_model.setText(f"{info.name} · {info.precision} · {info.device}")
+        self.settings.setValue("model", info.path)
+        self.settings.setValue("precision", info.precision)
+        self.worker.post(Configure(limits=self.controls.limits()))
+        self._on_window(self.controls.cache_window())
+
+    def _on_load_failed(self, message: str) -> None:
+        spec, self.loading = self.loading, None
+        self._close_progress()
+        if self.model is not None:
+            keep = f" Still using {self.model.name} ({self.model.precision})."
+            self.status_model.setText(
+                f"{self.model.name} · {self.model.precision} · {self.model.device}"
+            )
+            self.controls.show_model(self.model.path, self.model.precision)
+        else:
+            keep = " No model is loaded: pick another model or precision in Controls."
+            self.status_model.setText("no model")
+        what = spec.model if spec else "the model"
+        self.chat.show_notice(f"Could not load {what}: {message}.{keep}")
+
+    def _saved_spec(self) -> LoadSpec:
+        model = str(self.settings.value("model", "default"))
+        precision = str(self.settings.value("precision", "fp32"))
+        return LoadSpec(model, precision, "cpu", self.controls.kv_memory_mib())
+
+    # -- conversations -------------------------------------------------------------------------
+    def _open_conversations(self) -> None:
+        conversations = self.store.conversations()
+        if not conversations:
+            self.store.create_conversation()
+            conversations = self.store.conversations()
+        saved = self.settings.value("conversation")
+        ids = [c.id for c in conversations]
+        current = int(saved) if saved is not None and int(str(saved)) in ids else ids[0]
+        self.select_conversation(current)
+
+    def _refresh_list(self) -> None:
+        items = [(c.id, c.title) for c in self.store.conversations()]
+        self.chat.set_conversations(items, self.conversation_id)
+
+    def select_conversation(self, conversation_id: int) -> None:
+        if self.active is not None:
+            self.chat.show_notice("A reply is still streaming; stop it first", "warning")
+            self._refresh_list()
+            return
+        self.conversation_id = conversation_id
+        self.settings.setValue("conversation", conversation_id)
+        conv = self.store.conversation(conversation_id)
+        self.chat.show_messages(
+            [self._view(m) for m in self.store.messages(conversation_id)], conv.system_prompt
+        )
+        self._refresh_list()
+
+    def new_conversation(self) -> None:
+        if self.active is not None:
+            self.chat.show_notice("A reply is still streaming; stop it first", "warning")
+            return
+        self.select_conversation(self.store.create_conversation())
+
+    def _on_system_prompt(self, text: str) -> None:
+        if self.conversation_id is not None:
+            self.store.set_system_prompt(self.conversation_id, text)
+
+    @staticmethod
+    def _view(m: Message) -> MessageView:
+        candidates = m.meta.get("candidates") or [m.content]
+        selected = int(m.meta.get("selected", 0))
+        return MessageView(m.role, list(candidates), m.status, m.meta.get("stats", ""), selected)
+
+    def _engine_messages(self) -> list[dict[str, str]]:
+        assert self.conversation_id is not None
+        conv = self.store.conversation(self.conversation_id)
+        out = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt else []
+        for m in self.store.messages(self.conversation_id):
+            if m.role == "user" or (m.content and m.status != "streaming"):
+                out.append({"role": m.role, "content": m.content})
+        return out
+
+    # -- chatting ----------------------------------------------------------------------------
+    def send(self, text: str) -> None:
+        if self.active is not None:
+            return
+        if self.model is None:
+            what = "The model is still loading" if self.loading else "No model is loaded"
+            self.chat.show_notice(
+                f"{what}; your message is kept in the box, send it again once the status bar "
+                "shows the model",
+                "warning",
+            )
+            return
+        assert self.conversation_id is not None
+        if not self.store.messages(self.conversation_id):
+            self.store.rename(self.conversation_id, text.splitlines()[0][:60])
+        self.store.add_message(self.conversation_id, "user", text)
+        self.chat.add_message(MessageView("user", [text]))
+        self.chat.clear_input()
+        self._start_reply()
+
+    def _start_reply(self) -> None:
+        assert self.conversation_id is not None
+        n = self.controls.num_candidates()
+        try:
+            sampling = self.controls.sampling()
+        except ValueError as exc:
+            self.chat.show_notice(str(exc), "warning")
+            return
+        messages = self._engine_messages()
+        message_id = self.store.add_message(self.conversation_id, "assistant", "", "streaming")
+        self._tags += 1
+        tag = f"reply-{self._tags}"
+        self.active = ActiveReply(tag, message_id, self.conversation_id, [""] * n, set(range(n)))
+        self.chat.add_message(MessageView("assistant", [""] * n, "streaming"))
+        self.chat.set_generating(True)
+        self._refresh_list()
+        self.worker.post(Send(tag, messages, sampling, n))
+
+    def stop(self) -> None:
+        if self.active is not None:
+            self.worker.post(Cancel(self.active.tag))
+
+    def regenerate(self) -> None:
+        if self.active is not None or self.conversation_id is None:
+            return
+        messages = self.store.messages(self.conversation_id)
+        if not messages:
+            return
+        if messages[-1].role == "assistant":
+            self.store.delete_messages_from(messages[-1].id)
+            self.chat.remove_last()
+        if self.model is None:
+            self.chat.show_notice("No model is loaded yet; wait for it, then regenerate", "warning")
+            return
+        self._start_reply()
+
+    def edit_last(self) -> None:
+        if self.active is not None or self.conversation_id is None:
+            return
+        messages = self.store.messages(self.conversation_id)
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        if not users:
+            return
+        index = users[-1]
+        self.store.delete_messages_from(messages[index].id)
+        self.chat.remove_last(len(messages) - index)
+        self.chat.set_input(messages[index].content)
+
+    def _on_deltas(self, deltas: list[Delta]) -> None:
+        reply = self.active
+        if reply is None:
+            return
+        for d in deltas:
+            if d.tag != reply.tag:
+                continue
+            if d.text:
+                reply.candidates[d.candidate] += d.text
+                self.chat.append_to_last(d.candidate, d.text)
+            if d.finish is not None:
+                reply.open.discard(d.candidate)
+                if d.finish == "error":
+                    reply.status, reply.error = "error", d.error
+                elif d.finish == "cancelled" and reply.status == "done":
+                    reply.status = "stopped"
+        if not reply.open:
+            self._finish_reply(reply)
+
+    def _finish_reply(self, reply: ActiveReply) -> None:
+        self.active = None
+        bubble = self.chat.last
+        selected = bubble.view.selected if bubble is not None else 0
+        stats = reply.stats.get(selected) or next(iter(reply.stats.values()), None)
+        text = stats_text(stats) if stats else ""
+        meta: dict[str, object] = {"stats": text, "selected": selected}
+        if len(reply.candidates) > 1:
+            meta["candidates"] = reply.candidates
+        if stats is not None:
+            meta["model"], meta["precision"] = stats.model, stats.precision
+        self.store.update_message(
+            reply.message_id, content=reply.candidates[selected], status=reply.status, meta=meta
+        )
+        self.chat.finish_last(reply.status, text)
+        self.chat.set_generating(False)
+        if reply.error:
+            self.chat.show_notice(
+                f"The reply ended with an error: {reply.error}. The chat is kept; you can send "
+                "again or regenerate."
+            )
+
+    def _on_stats(self, stats: ReplyStats) -> None:
+        if self.active is not None and stats.tag == self.active.tag:
+            self.active.stats[stats.candidate] = stats
+        if stats.candidate == 0:
+            self.last_stats = stats
+            m = stats.metrics
+            tps = stats.tokens_per_s
+            self.status_speed.setText("– tok/s" if tps is None else f"{tps:.1f} tok/s")
+            ttft = m.time_to_first_token_seconds
+            self.status_ttft.setText("TTFT –" if ttft is None else f"TTFT {ttft * 1e3:.0f} ms")
+            if self.model is not None:
+                used = m.prompt_tokens + m.output_tokens
+                self.status_context.setText(f"context {used} / {self.model.context_length}")
+        self.instruments.add_request(
+            RequestPoint(
+                stats.metrics.time_to_first_token_seconds or 0.0,
+                stats.metrics.time_per_output_token_seconds,
+            )
+        )
+
+    def _on_window(self, window: tuple[int, int] | None) -> None:
+        value: CacheWindow | bool = False if window is None else CacheWindow(*window)
+        self.worker.post(Configure(window=value))
+
+    # -- instruments -------------------------------------------------------------------------
+    def _on_metrics(self, view: EngineView) -> None:
+        s = view.snapshot
+        mem = s.memory
+        mib = 2**-20
+        memory = {"weights": mem.weights_bytes * mib, "KV pool": mem.kv_pool_bytes * mib}
+        if mem.workspace_bytes is not None:
+            memory["workspace"] = mem.workspace_bytes * mib
+        if mem.nvml_used_bytes is not None:
+            memory["GPU used (NVML)"] = mem.nvml_used_bytes * mib
+        elif mem.process_rss_bytes is not None:
+            memory["process RSS"] = mem.process_rss_bytes * mib
+        self.instruments.add_frame(
+            InstrumentFrame(
+                t=s.time,
+                memory_mib=memory,
+                kv_usage=s.kv_cache_usage_perc,
+                kv_blocks_used=s.kv_blocks_used,
+                kv_blocks_total=s.kv_blocks_total,
+                block_owners=s.kv_block_owners,
+                prompt_tps=s.prompt_throughput_tps,
+                generation_tps=s.generation_throughput_tps,
+                layer_attention_ms=tuple(t.attention_s * 1e3 for t in s.layer_timings),
+                layer_mlp_ms=tuple(t.mlp_s * 1e3 for t in s.layer_timings),
+            )
+        )
+
+    # -- settings and shutdown ---------------------------------------------------------------
+    def _restore_settings(self) -> None:
+        raw = self.settings.value("controls")
+        if isinstance(raw, str):
+            try:
+                self.controls.restore(json.loads(raw))
+            except ValueError:
+                log.warning("ignoring unreadable saved controls")
+        precision = self.settings.value("precision")
+        if isinstance(precision, str):
+            self.controls.show_model(str(self.settings.value("model", "default")), precision)
+        geometry = self.settings.value("geometry")
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker (cancelling what runs) and close the store; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.engine_thread.isRunning():
+            self.worker.post(Stop())
+            deadline = time.monotonic() + timeout_s
+            while self.engine_thread.isRunning() and time.monotonic() < deadline:
+                self.engine_thread.wait(50)
+        if self.active is not None:  # keep what was streamed
+            reply, self.active = self.active, None
+            self.store.update_message(
+                reply.message_id, content=reply.candidates[0], status="stopped"
+            )
+        self.settings.setValue("controls", json.dumps(self.controls.state()))
+        self.settings.setValue("geometry", self.saveGeometry())
+        self.settings.sync()
+        self.store.close()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        self.shutdown()
+        super().closeEvent(event)

@@ -1,0 +1,499 @@
+"""The engine's thread.
+
+:class:`EngineWorker` is a ``QObject`` that lives in its own ``QThread`` and owns the engine.
+The UI talks to it only through :meth:`EngineWorker.post` (a thread-safe command queue) and
+listens to its signals, which carry plain data (no tensors). Its loop drains the queue, runs
+``engine.step()`` while there is work, coalesces token text to at most one signal per frame
+and sends a metrics view a few times a second.
+
+Loading runs on a third, short-lived thread so the current model keeps answering; when the new
+one is ready it takes new requests and the old one finishes what it was doing, then is dropped.
+A failed load leaves the current model in place. An exception inside ``step()`` ends that
+engine's replies with an error and the worker carries on.
+
+Two workers can run side by side (one engine each), which is what an A/B view needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject, Signal
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.errors import InfersightError
+from engine.kv_cache import CacheWindow
+from engine.metrics import MetricsSnapshot, RequestMetrics
+from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+FRAME_S = 1 / 60  # token text is flushed at most this often
+METRICS_S = 0.25  # metrics while working
+IDLE_METRICS_S = 1.0  # metrics while idle
+
+# -- what crosses the thread boundary (plain data) ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """A model to load: ``"default"``, a model folder or a ``.gguf`` file."""
+
+    model: str = "default"
+    precision: str = "fp32"
+    device: str = "cpu"
+    kv_memory_mib: float = 512.0  # size of the paged KV pool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    path: str
+    precision: str
+    device: str
+    context_length: int
+    num_parameters: int
+    weights_bytes: int
+    kv_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of one candidate of one reply; ``finish`` is set on its last delta."""
+
+    tag: str
+    candidate: int
+    text: str
+    finish: str | None = None  # stop | length | cancelled | timeout | error
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyStats:
+    """The engine's own figures for one finished candidate."""
+
+    tag: str
+    candidate: int
+    request_id: str
+    model: str
+    precision: str
+    metrics: RequestMetrics
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        tpot = self.metrics.time_per_output_token_seconds
+        return 1.0 / tpot if tpot else None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One metrics snapshot plus what the app needs to label it."""
+
+    model: ModelInfo
+    snapshot: MetricsSnapshot
+    hold_s: float = 0.0
+
+
+# -- commands (UI → worker) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    tag: str
+    messages: list[dict[str, str]]
+    sampling: dict[str, Any]
+    candidates: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    tag: str
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    spec: LoadSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Configure:
+    """Live settings; ``None`` leaves a setting as it is. ``window=False`` turns it off."""
+
+    limits: dict[str, float] | None = None
+    window: CacheWindow | bool | None = None
+    layer_timing: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    paused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    engine: LLMEngine
+    info: ModelInfo
+
+
+@dataclass(frozen=True, slots=True)
+class _LoadFailed:
+    spec: LoadSpec
+    message: str
+
+
+Command = Send | Cancel | Load | Configure | Pause | Stop | _Loaded | _LoadFailed
+
+#: ``loader(spec, progress)`` → a loaded engine. ``progress(stage, done, total)``.
+Loader = Callable[[LoadSpec, Callable[[str, int, int], None]], LLMEngine]
+
+
+def load_engine(spec: LoadSpec, progress: Callable[[str, int, int], None]) -> LLMEngine:
+    """The real loader: resolve ``default`` (pulling it once), import a GGUF, then load."""
+    from engine.model_store import import_into_store, resolve_model
+
+    path = Path(spec.model).expanduser()
+    if spec.model != "default" and path.suffix.lower() == ".gguf":
+        folder = import_into_store(path, progress=progress)
+    else:
+        folder = resolve_model(spec.model, progress=progress)
+    progress("load", 0, 1)
+    config = EngineConfig(kv_memory=spec.kv_memory_mib * 2**20)
+    engine = LLMEngine.load(folder, precision=spec.precision, device=spec.device, config=config)
+    progress("load", 1, 1)
+    return engine
+
+
+@dataclass(slots=True)
+class _Reply:
+    tag: str
+    candidate: int
+    engine: LLMEngine
+    info: ModelInfo
+
+
+@dataclass(slots=True)
+class _Settings:
+    limits: dict[str, float] = field(default_factory=dict)
+    window: CacheWindow | None = None
+    layer_timing: bool = False
+
+
+class EngineWorker(QObject):
+    """Owns one engine at a time (plus, briefly, the one it replaces)."""
+
+    deltas = Signal(list)  # list[Delta], at most once per frame
+    reply_stats = Signal(object)  # ReplyStats
+    metrics = Signal(object)  # EngineView
+    loading = Signal(object)  # LoadSpec
+    load_progress = Signal(str, int, int)  # stage, done, total
+    loaded = Signal(object)  # ModelInfo
+    load_failed = Signal(str)
+    error = Signal(str)  # a command that could not be done; the worker goes on
+    paused = Signal(bool)
+    stopped = Signal()
+
+    def __init__(self, loader: Loader = load_engine) -> None:
+        super().__init__()
+        self._loader = loader
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self.engine: LLMEngine | None = None
+        self.info: ModelInfo | None = None
+        self._retiring: list[LLMEngine] = []
+        self._replies: dict[str, _Reply] = {}  # request id → reply
+        self._pending: list[Delta] = []
+        self._settings = _Settings()
+        self._loading: LoadSpec | None = None
+        self._paused = False
+        self._running = False
+        self._last_flush = 0.0
+        self._last_metrics = 0.0
+
+    # -- any thread ------------------------------------------------------------------------
+    def post(self, command: Command) -> None:
+        self._commands.put(command)
+
+    # -- worker thread ---------------------------------------------------------------------
+    def run(self) -> None:
+        """The loop; connect it to ``QThread.started``. Returns after a :class:`Stop`."""
+        self._running = True
+        with self._device_stream():
+            while self._running:
+                self._drain(wait=not self._has_work())
+                if self._running and not self._paused:
+                    self._step_all()
+                self._flush()
+                self._maybe_emit_metrics()
+        self._drop_engines()
+        self.stopped.emit()
+
+    @contextlib.contextmanager
+    def _device_stream(self) -> Iterator[None]:
+        """Engine work on CUDA runs on the worker's own stream, never the default one."""
+        import torch
+
+        if torch.cuda.is_available():
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(stream):
+                yield
+        else:
+            yield
+
+    def _has_work(self) -> bool:
+        if self._paused:
+            return False
+        return any(e.has_work() for e in self._engines())
+
+    def _engines(self) -> list[LLMEngine]:
+        return ([self.engine] if self.engine is not None else []) + self._retiring
+
+    def _drain(self, *, wait: bool) -> None:
+        timeout = IDLE_METRICS_S / 4 if wait else None
+        while True:
+            try:
+                command = (
+                    self._commands.get(timeout=timeout) if wait else self._commands.get_nowait()
+                )
+            except queue.Empty:
+                return
+            wait = False
+            try:
+                self._handle(command)
+            except InfersightError as exc:
+                self.error.emit(str(exc))
+            except Exception as exc:  # a bug: say it, keep the worker alive
+                log.exception("command %s failed", type(command).__name__)
+                self.error.emit(f"internal error: {type(exc).__name__}: {exc}")
+
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, Send):
+            self._send(command)
+        elif isinstance(command, Cancel):
+            self._cancel(command.tag)
+        elif isinstance(command, Load):
+            self._start_load(command.spec)
+        elif isinstance(command, Configure):
+            self._configure(command)
+        elif isinstance(command, Pause):
+            self._paused = command.paused
+            self._emit_metrics()
+            self.paused.emit(command.paused)
+        elif isinstance(command, Stop):
+            for rid in list(self._replies):
+                self._replies[rid].engine.cancel(rid)
+            self._running = False
+        elif isinstance(command, _Loaded):
+            self._swap_in(command.engine, command.info)
+        elif isinstance(command, _LoadFailed):
+            self._loading = None
+            self.load_failed.emit(command.message)
+
+    def _send(self, command: Send) -> None:
+        """Queue every candidate of a reply, or none: a refusal ends the reply with an error."""
+        added: list[str] = []
+        try:
+            engine, info = self.engine, self.info
+            if engine is None or info is None:
+                raise InfersightError("no model is loaded yet; wait until loading has finished")
+            prompt = engine.chat_prompt_ids(command.messages)
+            for candidate in range(command.candidates):
+                params = dict(command.sampling)
+                if params.get("seed") is not None:
+                    params["seed"] = int(params["seed"]) + candidate
+                rid = engine.add_request(prompt, SamplingParams(**params))
+                added.append(rid)
+                self._replies[rid] = _Reply(command.tag, candidate, engine, info)
+        except InfersightError as exc:
+            for rid in added:
+                self._replies.pop(rid).engine.cancel(rid)
+            for candidate in range(command.candidates):
+                self._pending.append(Delta(command.tag, candidate, "", "error", str(exc)))
+            raise
+
+    def _cancel(self, tag: str) -> None:
+        for rid, reply in list(self._replies.items()):
+            if reply.tag == tag:
+                reply.engine.cancel(rid)  # its event arrives with that engine's next step
+
+    def _configure(self, command: Configure) -> None:
+        s = self._settings
+        if command.limits is not None:
+            s.limits = {**s.limits, **command.limits}
+        if command.window is not None:
+            s.window = command.window if isinstance(command.window, CacheWindow) else None
+        if command.layer_timing is not None:
+            s.layer_timing = command.layer_timing
+        if self.engine is not None:
+            self._apply_settings(self.engine)
+        self._emit_metrics()
+
+    def _apply_settings(self, engine: LLMEngine) -> None:
+        s = self._settings
+        if s.limits:
+            engine.update_limits(**s.limits)  # raises on an invalid limit; nothing changes
+        engine.set_window(s.window)
+        engine.enable_layer_timing(s.layer_timing)
+
+    # -- loading -----------------------------------------------------------------------------
+    def _start_load(self, spec: LoadSpec) -> None:
+        if self._loading is not None:
+            raise InfersightError(
+                f"{self._loading.model} ({self._loading.precision}) is still loading; "
+                "wait for it to finish before loading another model"
+            )
+        self._loading = spec
+        self.loading.emit(spec)
+        threading.Thread(
+            target=self._load_in_background, args=(spec,), name="infersight-load", daemon=True
+        ).start()
+
+    def _load_in_background(self, spec: LoadSpec) -> None:
+        try:
+            engine = self._loader(spec, self.load_progress.emit)
+            info = model_info(engine, spec)
+        except InfersightError as exc:
+            self.post(_LoadFailed(spec, str(exc)))
+        except Exception as exc:
+            log.exception("loading %s failed", spec.model)
+            self.post(
+                _LoadFailed(spec, f"could not load {spec.model}: {type(exc).__name__}: {exc}")
+            )
+        else:
+            self.post(_Loaded(engine, info))
+
+    def _swap_in(self, engine: LLMEngine, info: ModelInfo) -> None:
+        self._loading = None
+        try:
+            self._apply_settings(engine)
+        except InfersightError as exc:
+            self.error.emit(f"{exc}; the new model runs with default limits")
+        if self.engine is not None and self.engine.has_work():
+            self._retiring.append(self.engine)  # finishes its replies, then goes
+        self.engine, self.info = engine, info
+        self._free_memory()
+        self.loaded.emit(info)
+        self._emit_metrics()
+
+    def _drop_engines(self) -> None:
+        self.engine, self.info, self._retiring = None, None, []
+        self._free_memory()
+
+    @staticmethod
+    def _free_memory() -> None:
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- stepping ----------------------------------------------------------------------------
+    def _step_all(self) -> None:
+        for engine in self._engines():
+            if not engine.has_work():
+                continue
+            try:
+                events = engine.step()
+            except Exception as exc:
+                log.exception("engine step failed")
+                self._fail_engine(engine, exc)
+                continue
+            for event in events:
+                reply = self._replies.get(event.request_id)
+                if reply is None:
+                    continue
+                self._pending.append(
+                    Delta(reply.tag, reply.candidate, event.text, event.finish_reason)
+                )
+                if event.finish_reason is not None:
+                    self._finished(event.request_id, reply)
+        idle = [e for e in self._retiring if not e.has_work()]
+        if idle:
+            self._retiring = [e for e in self._retiring if e not in idle]
+            self._free_memory()
+
+    def _finished(self, request_id: str, reply: _Reply) -> None:
+        del self._replies[request_id]
+        metrics = reply.engine.request_metrics(request_id)
+        if metrics is not None:
+            self.reply_stats.emit(
+                ReplyStats(
+                    reply.tag, reply.candidate, request_id, reply.info.name,
+                    reply.info.precision, metrics,
+                )
+            )  # fmt: skip
+
+    def _fail_engine(self, engine: LLMEngine, exc: Exception) -> None:
+        """End every reply of ``engine`` with an error; its blocks go back to the pool."""
+        message = f"the engine failed: {type(exc).__name__}: {exc}"
+        for rid, reply in list(self._replies.items()):
+            if reply.engine is engine:
+                with contextlib.suppress(Exception):
+                    engine.cancel(rid)
+                del self._replies[rid]
+                self._pending.append(Delta(reply.tag, reply.candidate, "", "error", message))
+        with contextlib.suppress(Exception):
+            engine.step()  # collect the cancellations so the engine is idle and clean
+        self.error.emit(message)
+
+    def _flush(self) -> None:
+        now = time.perf_counter()
+        if not self._pending:
+            return
+        if now - self._last_flush < FRAME_S and not any(d.finish for d in self._pending):
+            return
+        pending, self._pending = self._pending, []
+        self._last_flush = now
+        self.deltas.emit(_coalesce(pending))
+
+    def _maybe_emit_metrics(self) -> None:
+        if self._paused:
+            return
+        busy = self._has_work()
+        if time.perf_counter() - self._last_metrics >= (METRICS_S if busy else IDLE_METRICS_S):
+            self._emit_metrics()
+
+    def _emit_metrics(self) -> None:
+        self._last_metrics = time.perf_counter()
+        if self.engine is None or self.info is None:
+            return
+        self.metrics.emit(EngineView(self.info, self.engine.metrics(), self.engine.hold_s))
+
+
+def _coalesce(deltas: list[Delta]) -> list[Delta]:
+    """One delta per candidate: its texts joined, its finish (always its last event) kept."""
+    merged: dict[tuple[str, int], Delta] = {}
+    for d in deltas:
+        key = (d.tag, d.candidate)
+        prev = merged.get(key)
+        if prev is not None:
+            d = Delta(d.tag, d.candidate, prev.text + d.text, d.finish, d.error)
+        merged[key] = d
+    return list(merged.values())
+
+
+def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
+    return ModelInfo(
+        name=engine.name,
+        path=spec.model,
+        precision=engine.precision.text,
+        device=str(engine.device),
+        context_length=engine.context_length,
+        num_parameters=engine.num_parameters,
+        weights_bytes=engine.weights_bytes,
+        kv_blocks=engine.kv.manager.num_blocks,
+        block_size=engine.kv.block_size,
+    )

@@ -1,0 +1,431 @@
+"""The desktop app on the real default model, offscreen (pytest-qt).
+
+Each test opens a real :class:`MainWindow` on a fresh data folder; the engine runs in the
+window's worker thread exactly as it does for a user.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest
+
+pytest.importorskip("PySide6")
+pytest.importorskip("pytestqt")
+
+import itertools
+
+from PySide6.QtCore import QObject, QTimer, Slot
+
+from app.main_window import MainWindow, stats_text
+from app.store import ChatStore
+from app.worker import Delta, LoadSpec, Pause, ReplyStats, load_engine
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+SPEC = LoadSpec("default", "fp32", "cpu", kv_memory_mib=64)
+LONG_WAIT_MS = 120_000
+
+
+@pytest.fixture(scope="module")
+def oracle(default_model: Path) -> LLMEngine:
+    """A second engine, outside the app, for the expected text."""
+    return LLMEngine.load(default_model, precision="fp32")
+
+
+def open_window(
+    qtbot: object,
+    data_dir: Path,
+    *,
+    loader: Callable[..., LLMEngine] = load_engine,
+    wait: bool = True,
+) -> MainWindow:
+    window = MainWindow(data_dir, spec=SPEC, loader=loader)
+    qtbot.addWidget(window)  # type: ignore[attr-defined]
+    window.resize(1280, 800)
+    window.show()
+    if wait:
+        qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    window.controls.temperature.set_value(0)
+    window.controls.repetition_penalty.set_value(1.0)
+    window.controls.max_new_tokens.set_value(24)
+    return window
+
+
+@pytest.fixture
+def window(qtbot: object, tmp_path: Path, default_model: Path) -> Iterator[MainWindow]:
+    w = open_window(qtbot, tmp_path / "data")
+    yield w
+    w.shutdown()
+
+
+class Recorder(QObject):
+    """Receives a worker signal in the UI thread (a lambda would run in the worker's)."""
+
+    def __init__(self, then: Callable[[object], None] | None = None) -> None:
+        super().__init__()
+        self.values: list[object] = []
+        self.then = then
+
+    @Slot(object)
+    def record(self, value: object) -> None:
+        self.values.append(value)
+        if self.then is not None:
+            self.then(value)
+
+
+def send(qtbot: object, window: MainWindow, text: str) -> None:
+    window.chat.input.setPlainText(text)
+    window.chat._submit()
+    assert window.active is not None
+    qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+
+
+def stored(window: MainWindow) -> list[tuple[str, str, str]]:
+    assert window.conversation_id is not None
+    return [(m.role, m.content, m.status) for m in window.store.messages(window.conversation_id)]
+
+
+def test_reply_streams_in_several_updates_and_equals_the_engine_alone(
+    qtbot: object, window: MainWindow, oracle: LLMEngine
+) -> None:
+    seen: list[str] = []
+    recorder = Recorder(lambda _: seen.append(window.chat.last.view.text))  # type: ignore[union-attr]
+    window.worker.deltas.connect(recorder.record)
+    send(qtbot, window, "Name three colours of the sea.")
+    reply = window.chat.last
+    assert reply is not None and reply.view.status == "done"
+    texts = [t for t in seen if t]
+    assert len(set(texts)) >= 2, "the reply arrived in one piece, not streamed"
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+    prompt = oracle.chat_prompt_ids([{"role": "user", "content": "Name three colours of the sea."}])
+    gen = oracle.generate(prompt, SamplingParams(max_new_tokens=24))
+    for _ in gen:
+        pass
+    assert reply.view.text == gen.result.text
+    assert reply.body.text() == gen.result.text
+    assert stored(window) == [
+        ("user", "Name three colours of the sea.", "done"),
+        ("assistant", gen.result.text, "done"),
+    ]
+
+
+def test_stop_ends_within_one_step_and_keeps_the_partial_reply(
+    qtbot: object, window: MainWindow
+) -> None:
+    window.controls.max_new_tokens.set_value(400)
+    window.chat.input.setPlainText("Tell me a long story about a lighthouse keeper.")
+    window.chat._submit()
+    qtbot.waitUntil(lambda: len(window.chat.last.view.text) > 20, timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
+    engine = window.worker.engine
+    assert engine is not None
+    (rid,) = list(window.worker._replies)
+    produced = len(engine.sequence(rid).output_ids)
+    window.chat.stop_button.click()
+    qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    metrics = engine.request_metrics(rid)
+    assert metrics is not None and metrics.finish_reason == "cancelled"
+    assert metrics.output_tokens <= produced + 1  # the step in flight, no more
+    reply = window.chat.last
+    assert reply is not None and reply.view.status == "stopped" and reply.view.text
+    assert stored(window)[-1] == ("assistant", reply.view.text, "stopped")
+    assert window.chat.send_button.isEnabled()
+
+
+def test_regenerate_replaces_the_last_reply(qtbot: object, window: MainWindow) -> None:
+    send(qtbot, window, "Say hello.")
+    first = window.store.messages(window.conversation_id)[-1]  # type: ignore[arg-type]
+    window.controls.temperature.set_value(1.0)
+    window.controls.seed.set_value(7)
+    window.chat.regenerate_button.click()
+    qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    messages = window.store.messages(window.conversation_id)  # type: ignore[arg-type]
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert messages[1].id != first.id and messages[1].status == "done"
+    assert len(window.chat.bubbles) == 2
+    assert window.chat.last is not None and window.chat.last.view.text == messages[1].content
+
+
+def test_edit_last_takes_the_message_back(qtbot: object, window: MainWindow) -> None:
+    send(qtbot, window, "Say hello.")
+    window.chat.edit_button.click()
+    assert window.chat.input.toPlainText() == "Say hello."
+    assert stored(window) == [] and window.chat.bubbles == []
+
+
+def test_conversation_survives_closing_and_reopening(
+    qtbot: object, tmp_path: Path, default_model: Path
+) -> None:
+    data = tmp_path / "data"
+    first = open_window(qtbot, data)
+    send(qtbot, first, "What is a lighthouse?")
+    first.chat.system_prompt.setText("Be brief.")
+    first.chat.system_prompt.editingFinished.emit()
+    texts = [b.view.text for b in first.chat.bubbles]
+    first.close()  # closeEvent: the worker stops, the store closes
+    second = open_window(qtbot, data, wait=False)
+    try:
+        assert [b.view.text for b in second.chat.bubbles] == texts
+        assert second.chat.system_prompt.text() == "Be brief."
+        assert second.chat.conversation_list.count() == 1
+        assert second.chat.conversation_list.item(0).text() == "What is a lighthouse?"
+    finally:
+        second.shutdown()
+
+
+def test_a_crash_mid_reply_loses_only_that_reply(tmp_path: Path) -> None:
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    conv = store.create_conversation()
+    store.add_message(conv, "user", "hi")
+    store.add_message(conv, "assistant", "", "streaming")
+    # no close(): the process "dies" here
+    reopened = ChatStore(tmp_path / "chats.sqlite3")
+    assert [(m.role, m.content, m.status) for m in reopened.messages(conv)] == [
+        ("user", "hi", "done"),
+        ("assistant", "", "interrupted"),
+    ]
+    reopened.close()
+    store.close()
+
+
+class GatedLoader:
+    """The real loader, but precisions in ``gated`` wait until :meth:`release`."""
+
+    def __init__(self, *gated: str) -> None:
+        self.gated = set(gated)
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def __call__(self, spec: LoadSpec, progress: Callable[[str, int, int], None]) -> LLMEngine:
+        if spec.precision in self.gated:
+            self.waiting.set()
+            assert self.gate.wait(LONG_WAIT_MS / 1000)
+        return load_engine(spec, progress)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_switching_precision_keeps_the_chat_and_the_old_model_answers_meanwhile(
+    qtbot: object, tmp_path: Path, default_model: Path
+) -> None:
+    loader = GatedLoader("int8")
+    window = open_window(qtbot, tmp_path / "data", loader=loader)
+    recorder = Recorder()
+    window.worker.reply_stats.connect(recorder.record)
+    stats: list[ReplyStats] = recorder.values  # type: ignore[assignment]
+    try:
+        send(qtbot, window, "Hi!")
+        window.controls.precision_requested.emit("int8")
+        assert loader.waiting.wait(30)
+        send(qtbot, window, "How are you?")  # while int8 loads
+        assert [s.precision for s in stats] == ["fp32", "fp32"]
+        assert window.model is not None and window.model.precision == "fp32"
+        assert "loading" in window.status_model.text()
+        loader.release()
+        qtbot.waitUntil(lambda: window.model.precision == "int8", timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
+        send(qtbot, window, "Thanks.")
+        assert [s.precision for s in stats] == ["fp32", "fp32", "int8"]
+        assert [r for r, _, _ in stored(window)] == ["user", "assistant"] * 3
+        assert len(window.chat.bubbles) == 6
+    finally:
+        loader.release()
+        window.shutdown()
+
+
+def test_ui_stays_responsive_while_a_reply_streams(qtbot: object, window: MainWindow) -> None:
+    window.controls.max_new_tokens.set_value(96)
+    gaps: list[float] = []
+    last = [time.perf_counter()]
+
+    def beat() -> None:
+        now = time.perf_counter()
+        gaps.append(now - last[0])
+        last[0] = now
+
+    heartbeat = QTimer(window, interval=10)
+    heartbeat.timeout.connect(beat)
+    heartbeat.start()
+    send(qtbot, window, "Write a paragraph about rain.")
+    heartbeat.stop()
+    worst = max(gaps[1:])
+    print(f"heartbeat: {len(gaps)} beats, worst gap {worst * 1e3:.1f} ms")
+    assert len(window.chat.last.view.text) > 40  # type: ignore[union-attr]
+    assert worst < 0.100
+
+
+def test_instruments_show_the_engines_figures(qtbot: object, window: MainWindow) -> None:
+    recorder = Recorder()
+    window.worker.reply_stats.connect(recorder.record)
+    stats: list[ReplyStats] = recorder.values  # type: ignore[assignment]
+    send(qtbot, window, "Count to five.")
+    (s,) = stats
+    engine = window.worker.engine
+    assert engine is not None
+    m = engine.request_metrics(s.request_id)
+    assert m is not None and m.time_per_output_token_seconds and m.time_to_first_token_seconds
+    assert window.status_speed.text() == f"{1 / m.time_per_output_token_seconds:.1f} tok/s"
+    assert window.status_ttft.text() == f"TTFT {m.time_to_first_token_seconds * 1e3:.0f} ms"
+    assert window.status_context.text() == (
+        f"context {m.prompt_tokens + m.output_tokens} / {engine.context_length}"
+    )
+    assert window.chat.last is not None and window.chat.last.view.stats == stats_text(s)
+
+    # the block map, frozen mid-reply, against a recount of the block tables
+    window.controls.max_new_tokens.set_value(300)
+    window.chat.input.setPlainText("Tell me about the moon.")
+    window.chat._submit()
+    qtbot.waitUntil(lambda: len(window.chat.last.view.text) > 10, timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
+    with qtbot.waitSignal(window.worker.paused, timeout=10_000):  # type: ignore[attr-defined]
+        window.worker.post(Pause(True))
+    mgr = engine.kv.manager
+    held = sum(1 for table in mgr.tables.values() for b in table if b >= 0)
+    block_map = window.instruments.block_map
+    assert held > 0
+    assert block_map.used_cells == held == mgr.num_blocks - mgr.num_free
+    assert block_map.total_cells == mgr.num_blocks
+    assert block_map.owners() == mgr.owners()
+    window.worker.post(Pause(False))
+    window.stop()
+    qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+
+
+def test_bad_model_folder_and_gguf_keep_the_current_model(
+    qtbot: object, window: MainWindow, tmp_path: Path
+) -> None:
+    before = window.model
+    for bad, says in (
+        (tmp_path / "missing-model", "does not exist"),
+        (tmp_path / "broken.gguf", "not a readable GGUF"),
+    ):
+        if bad.suffix == ".gguf":
+            bad.write_bytes(b"GGUF but not really")
+        window.controls.model_requested.emit(str(bad))
+        qtbot.waitUntil(lambda: window.loading is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+        assert window.chat.notice.isVisible()
+        assert says in window.chat.notice.text() and "Still using" in window.chat.notice.text()
+        assert window.model == before
+    send(qtbot, window, "Still there?")
+    assert window.chat.last is not None and window.chat.last.view.status == "done"
+
+
+def test_out_of_range_value_is_refused_with_a_message(window: MainWindow) -> None:
+    field = window.controls.temperature
+    field.setText("9")
+    field.editingFinished.emit()
+    assert field.text() == "0"
+    assert window.chat.notice.isVisible()
+    assert "temperature must be in [0, 5]" in window.chat.notice.text()
+    assert window.controls.sampling()["temperature"] == 0
+    window.controls.max_batch_size.setText("0")
+    window.controls.max_batch_size.editingFinished.emit()
+    assert window.controls.limits()["max_batch_size"] == 16
+    assert "max batch size must be in [1, 256]" in window.chat.notice.text()
+
+
+def test_sending_while_the_first_model_loads_is_explained(
+    qtbot: object, tmp_path: Path, default_model: Path
+) -> None:
+    loader = GatedLoader("fp32")
+    window = open_window(qtbot, tmp_path / "data", loader=loader, wait=False)
+    try:
+        assert loader.waiting.wait(30)
+        window.chat.input.setPlainText("Hello?")
+        window.chat._submit()
+        assert "still loading" in window.chat.notice.text()
+        assert window.chat.input.toPlainText() == "Hello?"
+        assert stored(window) == [] and window.active is None
+        loader.release()
+        qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+        send(qtbot, window, "Hello?")
+        assert window.chat.last is not None and window.chat.last.view.status == "done"
+    finally:
+        loader.release()
+        window.shutdown()
+
+
+def test_engine_exception_ends_the_reply_with_an_error_and_the_chat_goes_on(
+    qtbot: object, window: MainWindow
+) -> None:
+    send(qtbot, window, "First question.")
+    engine = window.worker.engine
+    assert engine is not None
+    calls = [0]
+    real_forward = engine.model.forward
+
+    def failing(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("simulated device fault")
+        return real_forward(*args, **kwargs)
+
+    engine.model.forward = failing  # type: ignore[method-assign]
+    window.chat.input.setPlainText("Second question.")
+    window.chat._submit()
+    qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    reply = window.chat.last
+    assert reply is not None and reply.view.status == "error"
+    assert "simulated device fault" in window.chat.notice.text()
+    assert reply.view.text  # the tokens before the fault are kept
+    assert stored(window)[-1] == ("assistant", reply.view.text, "error")
+    assert engine.kv.manager.num_free == engine.kv.manager.num_blocks  # nothing leaked
+    send(qtbot, window, "Third question.")
+    assert window.chat.last is not None and window.chat.last.view.status == "done"
+    assert [r for r, _, _ in stored(window)] == ["user", "assistant"] * 3
+
+
+def test_candidates_are_batched_into_tabs(qtbot: object, window: MainWindow) -> None:
+    window.controls.candidates.set_value(3)
+    window.controls.temperature.set_value(1.0)
+    window.controls.seed.set_value(11)
+    deltas: list[Delta] = []
+    recorder = Recorder(deltas.extend)  # type: ignore[arg-type]
+    window.worker.deltas.connect(recorder.record)
+    send(qtbot, window, "Invent a name for a cat.")
+    reply = window.chat.last
+    assert reply is not None and len(reply.view.candidates) == 3
+    assert reply.tabs.isVisible() and reply.tabs.count() == 3
+    assert all(reply.view.candidates)
+    assert {d.candidate for d in deltas} == {0, 1, 2}
+    reply.tabs.setCurrentIndex(2)
+    assert reply.body.text() == reply.view.candidates[2]
+
+
+def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
+    """Mid-reply with the plots populated; ``make screenshots`` keeps the PNGs."""
+    out = Path(os.environ.get("INFERSIGHT_SCREENSHOTS", tmp_path / "screenshots"))
+    out.mkdir(parents=True, exist_ok=True)
+    window.instruments.layer_switch.setChecked(True)
+    send(qtbot, window, "What is a KV cache?")
+    window.controls.max_new_tokens.set_value(200)
+    window.chat.input.setPlainText(
+        "Show me a Python function that reverses a string, in a code block."
+    )
+    window.chat._submit()
+    qtbot.waitUntil(lambda: len(window.chat.last.view.text) > 150, timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
+    window.instruments.redraw()
+    shots = {"main-window.png": window}
+    window.grab().save(str(out / "main-window.png"))
+    window.instruments.tabs.setCurrentIndex(1)
+    window.instruments.redraw()
+    window.instruments_dock.grab().save(str(out / "latency.png"))
+    window.instruments.tabs.setCurrentIndex(2)
+    window.instruments.redraw()
+    window.instruments_dock.grab().save(str(out / "layers.png"))
+    window.instruments.tabs.setCurrentIndex(0)
+    window.controls_dock.raise_()
+    window.controls_dock.grab().save(str(out / "controls.png"))
+    window.instruments_dock.raise_()
+    window.stop()
+    qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    for name in ("main-window.png", "latency.png", "layers.png", "controls.png"):
+        assert (out / name).stat().st_size > 10_000
+    assert shots

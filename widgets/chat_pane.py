@@ -1,0 +1,358 @@
+"""The chat pane: conversation list, messages with streaming Markdown, the input box.
+
+A thin view: it shows :class:`MessageView` data and emits what the user asked for; the app
+decides what that means for the engine and the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication, QKeyEvent, QResizeEvent, QTextOption
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QSplitter,
+    QTabBar,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+STATUS_MARKS = {
+    "streaming": "…",
+    "stopped": "■ stopped",
+    "error": "⚠ error",
+    "interrupted": "⚠ interrupted",
+    "cancelled": "■ stopped",
+}
+
+
+@dataclass(slots=True)
+class MessageView:
+    role: str  # user | assistant
+    candidates: list[str] = field(default_factory=lambda: [""])
+    status: str = "done"
+    stats: str = ""
+    selected: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.candidates[self.selected]
+
+
+class MarkdownView(QTextBrowser):
+    """Rendered Markdown that is exactly as tall as its text at the pane's width (the
+    conversation scrolls, not each message). Long code lines wrap rather than clip."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._source = ""
+        self.setOpenExternalLinks(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.document().setDocumentMargin(2)
+
+    def set_text(self, text: str) -> None:
+        if text != self._source:
+            self._source = text
+            self.setMarkdown(text)
+            self._fit()
+
+    def text(self) -> str:
+        """The Markdown source shown."""
+        return self._source
+
+    def _fit(self) -> None:
+        doc = self.document()
+        doc.setTextWidth(max(1, self.viewport().width()))
+        self.setFixedHeight(int(doc.size().height()) + 2)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._fit()
+
+
+class MessageBubble(QFrame):
+    """One message. An assistant message may hold several candidate replies, shown as tabs."""
+
+    def __init__(self, view: MessageView, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.view = view
+        self.setObjectName("assistantBubble" if view.role == "assistant" else "userBubble")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(10, 6, 10, 8)
+        head = QHBoxLayout()
+        self.role_label = QLabel("You" if view.role == "user" else "Assistant")
+        self.role_label.setObjectName("roleLabel")
+        self.status_label = QLabel()
+        self.status_label.setObjectName("statusLabel")
+        # a long stats line must not widen the message column: it is cut, and whole in the tip
+        self.status_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.copy_button = QPushButton("Copy")
+        self.copy_button.setObjectName("copyButton")
+        self.copy_button.setToolTip("Copy this message as Markdown")
+        self.copy_button.clicked.connect(self._copy)
+        head.addWidget(self.role_label)
+        head.addWidget(self.status_label, 1)
+        head.addWidget(self.copy_button)
+        layout.addLayout(head)
+        self.tabs = QTabBar()
+        self.tabs.currentChanged.connect(self._select)
+        layout.addWidget(self.tabs)
+        self.body = MarkdownView()
+        layout.addWidget(self.body)
+        self.refresh()
+
+    def refresh(self) -> None:
+        v = self.view
+        while self.tabs.count() < len(v.candidates):
+            self.tabs.addTab(f"Reply {self.tabs.count() + 1}")
+        self.tabs.setVisible(len(v.candidates) > 1)
+        if self.tabs.currentIndex() != v.selected:
+            self.tabs.setCurrentIndex(v.selected)
+        text = v.text
+        if v.status == "streaming" and not text:
+            text = "…"
+        self.body.set_text(text)
+        mark = STATUS_MARKS.get(v.status, "")
+        status = "  ".join(p for p in (mark, v.stats) if p)
+        self.status_label.setText(status)
+        self.status_label.setToolTip(status)
+
+    def append(self, candidate: int, text: str) -> None:
+        self.view.candidates[candidate] += text
+        if candidate == self.view.selected:
+            self.refresh()
+
+    def _select(self, index: int) -> None:
+        if 0 <= index < len(self.view.candidates) and index != self.view.selected:
+            self.view.selected = index
+            self.refresh()
+
+    def _copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.view.text)
+
+
+class _Input(QPlainTextEdit):
+    """Enter sends, Shift+Enter is a new line."""
+
+    submitted = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
+            event.modifiers() & Qt.KeyboardModifier.ShiftModifier
+        ):
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+
+class ChatPane(QWidget):
+    send_requested = Signal(str)
+    stop_requested = Signal()
+    regenerate_requested = Signal()
+    edit_requested = Signal()
+    new_conversation_requested = Signal()
+    conversation_selected = Signal(int)
+    system_prompt_edited = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.bubbles: list[MessageBubble] = []
+        self._generating = False
+        self._follow = True
+
+        # conversations
+        self.conversation_list = QListWidget()
+        self.conversation_list.setObjectName("conversationList")
+        self.conversation_list.currentItemChanged.connect(self._on_conversation)
+        self.conversation_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.conversation_list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.new_button = QPushButton("New chat")
+        self.new_button.clicked.connect(self.new_conversation_requested)
+        side = QWidget()
+        side_layout = QVBoxLayout(side)
+        side_layout.setContentsMargins(0, 0, 0, 0)
+        side_layout.addWidget(self.new_button)
+        side_layout.addWidget(self.conversation_list)
+
+        # messages
+        self.system_prompt = QLineEdit()
+        self.system_prompt.setPlaceholderText("System prompt for this conversation (optional)")
+        self.system_prompt.setToolTip(
+            "Sent before every turn of this conversation; it costs prompt tokens (prefill time "
+            "and KV cache) on each reply"
+        )
+        self.system_prompt.editingFinished.connect(
+            lambda: self.system_prompt_edited.emit(self.system_prompt.text())
+        )
+        self.notice = QLabel()
+        self.notice.setObjectName("notice")
+        self.notice.setWordWrap(True)
+        self.notice.setVisible(False)
+        self.notice.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self._notice_timer = QTimer(self, singleShot=True, interval=15000)
+        self._notice_timer.timeout.connect(lambda: self.notice.setVisible(False))
+        self.messages_widget = QWidget()
+        self.messages_layout = QVBoxLayout(self.messages_widget)
+        self.messages_layout.setAlignment(Qt.AlignmentFlag.AlignTop)
+        self.messages_layout.setSpacing(8)
+        self.scroll_area = QScrollArea()
+        self.scroll_area.setWidgetResizable(True)
+        self.scroll_area.setWidget(self.messages_widget)
+        self.scroll_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        bar = self.scroll_area.verticalScrollBar()
+        bar.rangeChanged.connect(self._on_range)
+        bar.valueChanged.connect(self._on_scroll)
+
+        self.input = _Input()
+        self.input.setPlaceholderText("Message (Enter sends, Shift+Enter for a new line)")
+        self.input.setFixedHeight(72)
+        self.input.submitted.connect(self._submit)
+        self.send_button = QPushButton("Send")
+        self.send_button.setDefault(True)
+        self.send_button.clicked.connect(self._submit)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setToolTip("Stop the reply; the text so far is kept")
+        self.stop_button.clicked.connect(self.stop_requested)
+        self.regenerate_button = QPushButton("Regenerate")
+        self.regenerate_button.setToolTip("Replace the last reply with a new one")
+        self.regenerate_button.clicked.connect(self.regenerate_requested)
+        self.edit_button = QPushButton("Edit last")
+        self.edit_button.setToolTip("Take the last message back into the input box to resend it")
+        self.edit_button.clicked.connect(self.edit_requested)
+        buttons = QHBoxLayout()
+        for b in (self.regenerate_button, self.edit_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        buttons.addWidget(self.stop_button)
+        buttons.addWidget(self.send_button)
+
+        main = QWidget()
+        main_layout = QVBoxLayout(main)
+        main_layout.setContentsMargins(0, 0, 0, 0)
+        main_layout.addWidget(self.system_prompt)
+        main_layout.addWidget(self.notice)
+        main_layout.addWidget(self.scroll_area, 1)
+        main_layout.addWidget(self.input)
+        main_layout.addLayout(buttons)
+
+        splitter = QSplitter()
+        splitter.addWidget(side)
+        splitter.addWidget(main)
+        splitter.setStretchFactor(1, 1)
+        splitter.setSizes([170, 600])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(splitter)
+        self.set_generating(False)
+
+    # -- conversations -----------------------------------------------------------------------
+    def set_conversations(self, items: list[tuple[int, str]], current: int | None) -> None:
+        self.conversation_list.blockSignals(True)
+        self.conversation_list.clear()
+        for conversation_id, title in items:
+            item = QListWidgetItem(title)
+            item.setData(Qt.ItemDataRole.UserRole, conversation_id)
+            item.setToolTip(title)
+            self.conversation_list.addItem(item)
+            if conversation_id == current:
+                self.conversation_list.setCurrentItem(item)
+        self.conversation_list.blockSignals(False)
+
+    def _on_conversation(self, item: QListWidgetItem | None, _: object = None) -> None:
+        if item is not None:
+            self.conversation_selected.emit(int(item.data(Qt.ItemDataRole.UserRole)))
+
+    # -- messages ----------------------------------------------------------------------------
+    def show_messages(self, views: list[MessageView], system_prompt: str = "") -> None:
+        for bubble in self.bubbles:
+            bubble.deleteLater()
+        self.bubbles = []
+        for view in views:
+            self.add_message(view)
+        self.system_prompt.setText(system_prompt)
+        self._follow = True
+
+    def add_message(self, view: MessageView) -> MessageBubble:
+        bubble = MessageBubble(view)
+        self.messages_layout.addWidget(bubble)
+        self.bubbles.append(bubble)
+        return bubble
+
+    def remove_last(self, count: int = 1) -> None:
+        for _ in range(min(count, len(self.bubbles))):
+            self.bubbles.pop().deleteLater()
+
+    @property
+    def last(self) -> MessageBubble | None:
+        return self.bubbles[-1] if self.bubbles else None
+
+    def append_to_last(self, candidate: int, text: str) -> None:
+        if self.last is not None:
+            self.last.append(candidate, text)
+
+    def finish_last(self, status: str, stats: str = "") -> None:
+        if self.last is not None:
+            self.last.view.status = status
+            self.last.view.stats = stats
+            self.last.refresh()
+
+    # -- input -------------------------------------------------------------------------------
+    def _submit(self) -> None:
+        text = self.input.toPlainText().strip()
+        if text and not self._generating:
+            self.send_requested.emit(text)
+
+    def clear_input(self) -> None:
+        self.input.clear()
+
+    def set_input(self, text: str) -> None:
+        self.input.setPlainText(text)
+        self.input.setFocus()
+
+    def set_generating(self, generating: bool) -> None:
+        self._generating = generating
+        self.send_button.setEnabled(not generating)
+        self.stop_button.setEnabled(generating)
+        self.regenerate_button.setEnabled(not generating)
+        self.edit_button.setEnabled(not generating)
+
+    @property
+    def generating(self) -> bool:
+        return self._generating
+
+    def show_notice(self, text: str, level: str = "error") -> None:
+        """An in-window message above the conversation (no modal dialog)."""
+        self.notice.setProperty("level", level)
+        self.notice.style().unpolish(self.notice)
+        self.notice.style().polish(self.notice)
+        self.notice.setText(text)
+        self.notice.setVisible(True)
+        self._notice_timer.start()
+
+    # -- following the end -----------------------------------------------------------------
+    def _on_range(self, _min: int, maximum: int) -> None:
+        if self._follow:
+            self.scroll_area.verticalScrollBar().setValue(maximum)
+
+    def _on_scroll(self, value: int) -> None:
+        self._follow = value >= self.scroll_area.verticalScrollBar().maximum() - 8
+
+    @property
+    def following(self) -> bool:
+        return self._follow

@@ -1,0 +1,438 @@
+"""The controls dock: model and precision, sampling, replies per prompt, cache window and
+scheduler limits. Each control says in its tooltip what it does to memory and speed.
+
+Numbers are typed into :class:`NumberField`s: a value out of range is refused with a message
+(the ``invalid`` signal) and the field goes back to its last good value, so the panel always
+holds settings that the engine accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLineEdit,
+    QPushButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+)
+
+PRECISIONS = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "int8+head",
+    "int4-g32",
+    "int4-g32+head",
+    "int4-g128",
+    "mixed:attn=int8,mlp=int4-g32,head=int8",
+)
+
+
+class NumberField(QLineEdit):
+    """A number with bounds; refuses what is out of range and says why."""
+
+    changed = Signal()
+    invalid = Signal(str)
+
+    def __init__(
+        self,
+        name: str,
+        value: float | None,
+        *,
+        lo: float,
+        hi: float,
+        integer: bool = False,
+        lo_open: bool = False,
+        optional: bool = False,
+        tip: str = "",
+    ) -> None:
+        super().__init__()
+        self.name, self.lo, self.hi = name, lo, hi
+        self.integer, self.lo_open, self.optional = integer, lo_open, optional
+        self._good = self._format(value)
+        self.setText(self._good)
+        self.setToolTip(tip)
+        if optional:
+            self.setPlaceholderText("off")
+        self.editingFinished.connect(self._check)
+
+    def _format(self, value: float | None) -> str:
+        if value is None:
+            return ""
+        return str(int(value)) if self.integer else f"{value:g}"
+
+    def _range_text(self) -> str:
+        left = "(" if self.lo_open else "["
+        return f"{left}{self._format(self.lo)}, {self._format(self.hi)}]"
+
+    def parse(self, text: str) -> float | None:
+        """The value of ``text``; raises ValueError with a message for the user."""
+        text = text.strip()
+        if not text:
+            if self.optional:
+                return None
+            raise ValueError(f"{self.name} needs a value in {self._range_text()}")
+        try:
+            value = int(text) if self.integer else float(text)
+        except ValueError:
+            kind = "a whole number" if self.integer else "a number"
+            raise ValueError(f"{self.name} must be {kind}, not {text!r}") from None
+        too_low = value <= self.lo if self.lo_open else value < self.lo
+        if too_low or value > self.hi or value != value:
+            raise ValueError(f"{self.name} must be in {self._range_text()}; {text} is out of range")
+        return value
+
+    def value(self) -> float | None:
+        return self.parse(self._good)
+
+    def set_value(self, value: float | None) -> None:
+        self.parse(self._format(value))  # refuses a bad stored value
+        self._good = self._format(value)
+        self.setText(self._good)
+
+    def _check(self) -> None:
+        if self.text() == self._good:
+            return
+        try:
+            value = self.parse(self.text())
+        except ValueError as exc:
+            self.setText(self._good)
+            self.invalid.emit(f"{exc}; kept {self._good or 'off'}")
+            return
+        self._good = self._format(value)
+        self.setText(self._good)
+        self.changed.emit()
+
+
+class ControlsPanel(QScrollArea):
+    model_requested = Signal(str)  # "default", a folder or a .gguf file
+    precision_requested = Signal(str)
+    reload_requested = Signal()  # a load-time setting (KV pool size) changed
+    sampling_changed = Signal()
+    limits_changed = Signal(dict)
+    window_changed = Signal(object)  # (sink, window) or None
+    invalid_input = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        body = QWidget()
+        layout = QVBoxLayout(body)
+        layout.addWidget(self._model_group())
+        layout.addWidget(self._sampling_group())
+        layout.addWidget(self._batching_group())
+        layout.addStretch(1)
+        self.setWidget(body)
+
+    # -- groups ------------------------------------------------------------------------------
+    def _model_group(self) -> QGroupBox:
+        box = QGroupBox("Model")
+        form = QFormLayout(box)
+        self.model_combo = QComboBox()
+        self.model_combo.setToolTip(
+            "The model to chat with. Weights take memory once; the KV cache grows with context"
+        )
+        self.model_combo.addItem("SmolLM2-135M-Instruct (default)", "default")
+        self.model_combo.activated.connect(
+            lambda _: self.model_requested.emit(str(self.model_combo.currentData()))
+        )
+        open_folder = QPushButton("Folder…")
+        open_folder.setToolTip("Load a Hugging Face model folder (config.json, *.safetensors)")
+        open_folder.clicked.connect(self._pick_folder)
+        open_gguf = QPushButton("GGUF…")
+        open_gguf.setToolTip("Import a .gguf file once into the model store, then load it")
+        open_gguf.clicked.connect(self._pick_gguf)
+        row = QHBoxLayout()
+        row.addWidget(open_folder)
+        row.addWidget(open_gguf)
+        self.precision_combo = QComboBox()
+        self.precision_combo.addItems(PRECISIONS)
+        self.precision_combo.setToolTip(
+            "Weight precision. fp32: exact, 4 bytes a weight. bf16/fp16: half the memory. "
+            "int8: a quarter, usually the fastest decode on CPU. int4: an eighth, most loss. "
+            "'+head' quantizes the LM head too. Changing it reloads in the background; the "
+            "current model answers until the new one is ready"
+        )
+        self.precision_combo.activated.connect(
+            lambda _: self.precision_requested.emit(self.precision_combo.currentText())
+        )
+        form.addRow("Model", self.model_combo)
+        form.addRow("", row)
+        form.addRow("Precision", self.precision_combo)
+        self.kv_memory = NumberField(
+            "KV pool", 512, lo=16, hi=1_048_576, tip="Memory (MiB) set aside for the paged KV "
+            "cache when a model loads: it bounds how many tokens all replies together can hold. "
+            "Changing it reloads the model",
+        )  # fmt: skip
+        self.kv_memory.invalid.connect(self.invalid_input)
+        self.kv_memory.changed.connect(self.reload_requested)
+        form.addRow("KV pool (MiB)", self.kv_memory)
+        return box
+
+    def _sampling_group(self) -> QGroupBox:
+        box = QGroupBox("Sampling")
+        form = QFormLayout(box)
+        self.temperature = self._field(
+            form,
+            "Temperature",
+            "temperature",
+            0.7,
+            lo=0,
+            hi=5,
+            tip="0 = greedy (always the likeliest token). Higher = more varied. No cost",
+        )
+        self.top_k = self._field(
+            form,
+            "Top-k",
+            "top-k",
+            0,
+            lo=0,
+            hi=1_000_000,
+            integer=True,
+            tip="Keep only the k likeliest tokens (0 = off). Costs a partial sort per token",
+        )
+        self.top_p = self._field(
+            form,
+            "Top-p",
+            "top-p",
+            0.95,
+            lo=0,
+            hi=1,
+            lo_open=True,
+            tip="Keep the likeliest tokens that make up this probability (1 = off). "
+            "Costs a full sort of the vocabulary per token",
+        )
+        self.min_p = self._field(
+            form,
+            "Min-p",
+            "min-p",
+            0.05,
+            lo=0,
+            hi=0.99,
+            tip="Drop tokens less likely than min-p × the top token's probability (0 = off)",
+        )
+        self.repetition_penalty = self._field(
+            form,
+            "Repetition penalty",
+            "repetition penalty",
+            1.1,
+            lo=0.01,
+            hi=10,
+            tip="Above 1 makes tokens already in the context less likely (1 = off)",
+        )
+        self.seed = self._field(
+            form,
+            "Seed",
+            "seed",
+            None,
+            lo=0,
+            hi=2**63 - 1,
+            integer=True,
+            optional=True,
+            tip="Fixes the random choices so a reply can be reproduced (empty = random)",
+        )
+        self.max_new_tokens = self._field(
+            form,
+            "Max new tokens",
+            "max new tokens",
+            512,
+            lo=1,
+            hi=32768,
+            integer=True,
+            tip="Longest reply. Each token adds to the KV cache (see the block map)",
+        )
+        self.stop_strings = QLineEdit()
+        self.stop_strings.setPlaceholderText("comma-separated, e.g. ###, User:")
+        self.stop_strings.setToolTip("The reply ends before any of these strings appears")
+        self.stop_strings.editingFinished.connect(self.sampling_changed)
+        form.addRow("Stop strings", self.stop_strings)
+        self.candidates = self._field(
+            form, "Replies per prompt", "replies per prompt", 1, lo=1, hi=8, integer=True,
+            tip="Several candidate replies to one prompt, shown as tabs. The engine batches "
+            "them: n replies cost far less than n times one, and n× the KV cache",
+        )  # fmt: skip
+        return box
+
+    def _batching_group(self) -> QGroupBox:
+        box = QGroupBox("Cache window and scheduler")
+        form = QFormLayout(box)
+        self.window_on = QCheckBox("Keep only sinks + recent tokens")
+        self.window_on.setToolTip(
+            "A long chat then runs in bounded KV memory: blocks that fall out of the window go "
+            "back to the pool. Older context is forgotten (except the first sink tokens)"
+        )
+        self.window_on.toggled.connect(self._window_edited)
+        form.addRow("Cache window", self.window_on)
+        self.window_tokens = self._field(
+            form,
+            "Window tokens",
+            "window",
+            256,
+            lo=16,
+            hi=131072,
+            integer=True,
+            tip="Recent tokens kept in the cache; memory per reply is bounded by this",
+            on_change=self._window_edited,
+        )
+        self.sink_tokens = self._field(
+            form,
+            "Sink tokens",
+            "sink tokens",
+            4,
+            lo=0,
+            hi=1024,
+            integer=True,
+            tip="First tokens always kept (attention sinks keep long generations stable)",
+            on_change=self._window_edited,
+        )
+        self.max_batch_size = self._field(
+            form,
+            "Max batch size",
+            "max batch size",
+            16,
+            lo=1,
+            hi=256,
+            integer=True,
+            tip="Sequences decoded together per step. Larger: more tokens/s overall, slower "
+            "tokens for each, more KV in use",
+            on_change=self._limits_edited,
+        )
+        self.max_tokens_per_step = self._field(
+            form,
+            "Max tokens / step",
+            "max tokens per step",
+            512,
+            lo=1,
+            hi=65536,
+            integer=True,
+            tip="Prefill is cut into chunks of this size so a long prompt does not stall "
+            "everyone's decoding. Smaller: steadier TPOT, slower TTFT",
+            on_change=self._limits_edited,
+        )
+        self.max_wait_ms = self._field(
+            form, "Max wait (ms)", "max wait", 0, lo=0, hi=10000,
+            tip="How long a lone request is held hoping for company to batch with (0 = never)",
+            on_change=self._limits_edited,
+        )  # fmt: skip
+        return box
+
+    def _field(
+        self,
+        form: QFormLayout,
+        label: str,
+        name: str,
+        value: float | None,
+        *,
+        on_change: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> NumberField:
+        field = NumberField(name, value, **kwargs)
+        field.invalid.connect(self.invalid_input)
+        field.changed.connect(on_change or self.sampling_changed.emit)
+        form.addRow(label, field)
+        return field
+
+    # -- reading -----------------------------------------------------------------------------
+    def sampling(self) -> dict[str, Any]:
+        """Keyword arguments for the engine's ``SamplingParams``."""
+        seed = self.seed.value()
+        stops = tuple(s.strip() for s in self.stop_strings.text().split(",") if s.strip())
+        return {
+            "temperature": self.temperature.value(),
+            "top_k": int(self.top_k.value() or 0),
+            "top_p": self.top_p.value(),
+            "min_p": self.min_p.value(),
+            "repetition_penalty": self.repetition_penalty.value(),
+            "seed": None if seed is None else int(seed),
+            "max_new_tokens": int(self.max_new_tokens.value() or 1),
+            "stop": stops,
+        }
+
+    def kv_memory_mib(self) -> float:
+        return float(self.kv_memory.value() or 512)
+
+    def num_candidates(self) -> int:
+        return int(self.candidates.value() or 1)
+
+    def limits(self) -> dict[str, float]:
+        return {
+            "max_batch_size": int(self.max_batch_size.value() or 1),
+            "max_tokens_per_step": int(self.max_tokens_per_step.value() or 1),
+            "max_wait_ms": float(self.max_wait_ms.value() or 0.0),
+        }
+
+    def cache_window(self) -> tuple[int, int] | None:
+        if not self.window_on.isChecked():
+            return None
+        return int(self.sink_tokens.value() or 0), int(self.window_tokens.value() or 1)
+
+    def _limits_edited(self) -> None:
+        self.limits_changed.emit(self.limits())
+
+    def _window_edited(self, *_: object) -> None:
+        self.window_changed.emit(self.cache_window())
+
+    # -- model list ----------------------------------------------------------------------------
+    def add_model(self, label: str, path: str) -> None:
+        if self.model_combo.findData(path) < 0:
+            self.model_combo.addItem(label, path)
+
+    def show_model(self, path: str, precision: str) -> None:
+        index = self.model_combo.findData(path)
+        if index >= 0:
+            self.model_combo.setCurrentIndex(index)
+        if self.precision_combo.findText(precision) < 0:
+            self.precision_combo.addItem(precision)
+        self.precision_combo.setCurrentText(precision)
+
+    def _pick_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Model folder")
+        if path:
+            self.model_requested.emit(path)
+
+    def _pick_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "GGUF file", filter="GGUF (*.gguf)")
+        if path:
+            self.model_requested.emit(path)
+
+    # -- settings ------------------------------------------------------------------------------
+    def fields(self) -> dict[str, NumberField]:
+        return {
+            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed, "max_new_tokens": self.max_new_tokens,
+            "candidates": self.candidates, "window_tokens": self.window_tokens,
+            "sink_tokens": self.sink_tokens, "kv_memory": self.kv_memory,
+            "max_batch_size": self.max_batch_size,
+            "max_tokens_per_step": self.max_tokens_per_step, "max_wait_ms": self.max_wait_ms,
+        }  # fmt: skip
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: f.text() for k, f in self.fields().items()}
+        out["stop_strings"] = self.stop_strings.text()
+        out["window_on"] = self.window_on.isChecked()
+        return out
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Apply saved settings; anything unreadable keeps its default."""
+        for key, f in self.fields().items():
+            text = state.get(key)
+            if isinstance(text, str):
+                with contextlib.suppress(ValueError):
+                    f.set_value(f.parse(text))
+        if isinstance(state.get("stop_strings"), str):
+            self.stop_strings.setText(state["stop_strings"])
+        self.window_on.setChecked(state.get("window_on") in (True, "true"))

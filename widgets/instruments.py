@@ -1,0 +1,299 @@
+"""Live instruments: memory by kind, KV occupancy and the block map, latency per request,
+throughput and per-layer timings, drawn with pyqtgraph.
+
+Frames (plain data) go into fixed-size ring buffers as they arrive; a timer redraws a few
+times a second with ``setData``, so plotting never blocks the UI and never grows without end.
+Each tab exports its plot as PNG and its series as CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from widgets.block_map import KVBlockMap
+
+REDRAW_MS = 250
+HISTORY = 1200  # points per series (5 min at 4 Hz)
+COLOURS = ("#4e9af1", "#f1a04e", "#6cc070", "#d05c8a", "#b28df0", "#9aa0a6")
+
+
+@dataclass(frozen=True, slots=True)
+class InstrumentFrame:
+    """One metrics snapshot, as the plots need it."""
+
+    t: float  # seconds, any monotonic origin
+    memory_mib: dict[str, float]  # kind → MiB, e.g. weights / KV pool / process RSS
+    kv_usage: float  # 0..1
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_owners: tuple[str | None, ...]
+    prompt_tps: float
+    generation_tps: float
+    layer_attention_ms: tuple[float, ...] = ()
+    layer_mlp_ms: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPoint:
+    """One finished request's latencies."""
+
+    ttft_s: float
+    tpot_s: float | None
+
+
+class RingBuffer:
+    """Fixed-capacity columns of floats; ``view()`` returns the filled part in order."""
+
+    def __init__(self, capacity: int, columns: int) -> None:
+        self.data = np.full((capacity, columns), np.nan)
+        self.capacity, self.count, self.next = capacity, 0, 0
+
+    def append(self, row: list[float]) -> None:
+        self.data[self.next] = row
+        self.next = (self.next + 1) % self.capacity
+        self.count = min(self.count + 1, self.capacity)
+
+    def view(self) -> np.ndarray:
+        if self.count < self.capacity:
+            return self.data[: self.count]
+        return np.roll(self.data, -self.next, axis=0)
+
+
+def _plot(title: str, left: str, bottom: str = "time (s)") -> pg.PlotWidget:
+    w = pg.PlotWidget(background="#1e2127")
+    w.setTitle(title, color="#d0d4da", size="10pt")
+    w.setLabel("left", left)
+    w.setLabel("bottom", bottom)
+    for axis in ("left", "bottom"):
+        w.getAxis(axis).enableAutoSIPrefix(False)  # the unit is in the label
+    w.showGrid(x=True, y=True, alpha=0.2)
+    w.setMinimumHeight(120)
+    w.getPlotItem().addLegend(offset=(6, 6), labelTextSize="8pt")
+    return w
+
+
+class InstrumentsPanel(QWidget):
+    layer_timing_toggled = Signal(bool)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.tabs = QTabWidget()
+        self._t0: float | None = None
+        self._kinds: list[str] = []
+        self._memory: RingBuffer | None = None
+        self._kv = RingBuffer(HISTORY, 3)  # t, usage %, generation tok/s
+        self._requests: list[RequestPoint] = []
+        self._layers: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+        self._dirty = False
+        self.last_frame: InstrumentFrame | None = None
+
+        # memory and KV
+        self.memory_plot = _plot("Memory by kind", "MiB")
+        self._memory_curves: dict[str, pg.PlotDataItem] = {}
+        self.kv_plot = _plot("KV cache", "% of blocks")
+        self.kv_plot.setYRange(0, 100)
+        self.kv_curve = self.kv_plot.plot(name="KV usage", pen=pg.mkPen(COLOURS[1], width=2))
+        self.block_map = KVBlockMap()
+        self.block_label = QLabel("KV blocks: –")
+        tab = QWidget()
+        col = QVBoxLayout(tab)
+        col.addWidget(self.memory_plot, 3)
+        col.addWidget(self.kv_plot, 2)
+        col.addWidget(self.block_label)
+        col.addWidget(self.block_map, 2)
+        self.tabs.addTab(tab, "Memory && KV")
+
+        # latency and throughput
+        self.ttft_plot = _plot("Latency per request", "ms", "request")
+        self.ttft_scatter = pg.ScatterPlotItem(
+            name="TTFT", brush=pg.mkBrush(COLOURS[0]), size=7, pen=None
+        )
+        self.tpot_scatter = pg.ScatterPlotItem(
+            name="TPOT", brush=pg.mkBrush(COLOURS[2]), size=7, pen=None
+        )
+        self.ttft_plot.addItem(self.ttft_scatter)
+        self.ttft_plot.addItem(self.tpot_scatter)
+        self.pct_lines = {
+            name: pg.InfiniteLine(
+                angle=0, movable=False, pen=pg.mkPen(colour, style=style),
+                label=name, labelOpts={"color": colour, "position": position, "anchors": anchors},
+            )
+            for name, colour, style, position in (
+                ("TTFT p50", COLOURS[0], Qt.PenStyle.DashLine, 0.55),
+                ("TTFT p95", COLOURS[0], Qt.PenStyle.DotLine, 0.85),
+                ("TPOT p50", COLOURS[2], Qt.PenStyle.DashLine, 0.55),
+                ("TPOT p95", COLOURS[2], Qt.PenStyle.DotLine, 0.85),
+            )
+            for anchors in ([(0.5, 1), (0.5, 1)],)
+        }  # fmt: skip
+        for line in self.pct_lines.values():
+            line.setVisible(False)
+            self.ttft_plot.addItem(line)
+        self.tps_plot = _plot("Throughput", "tokens/s")
+        self.tps_curve = self.tps_plot.plot(name="generated", pen=pg.mkPen(COLOURS[2], width=2))
+        tab = QWidget()
+        col = QVBoxLayout(tab)
+        col.addWidget(self.ttft_plot)
+        col.addWidget(self.tps_plot)
+        self.tabs.addTab(tab, "Latency")
+
+        # layers
+        self.layer_switch = QCheckBox("Time each layer (costs some speed)")
+        self.layer_switch.setToolTip(
+            "Measures attention and MLP of every layer on each step (CUDA events on a GPU); "
+            "the hooks slow the engine down, so it is off by default"
+        )
+        self.layer_switch.toggled.connect(self.layer_timing_toggled)
+        self.layer_plot = _plot("Per-layer time, last step", "ms", "layer")
+        self.attention_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=COLOURS[0])
+        self.mlp_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=COLOURS[1])
+        self.layer_plot.addItem(self.attention_bars)
+        self.layer_plot.addItem(self.mlp_bars)
+        legend = self.layer_plot.getPlotItem().legend
+        legend.addItem(self.attention_bars, "attention")
+        legend.addItem(self.mlp_bars, "MLP")
+        tab = QWidget()
+        col = QVBoxLayout(tab)
+        col.addWidget(self.layer_switch)
+        col.addWidget(self.layer_plot)
+        self.tabs.addTab(tab, "Layers")
+
+        export_png = QPushButton("Export PNG…")
+        export_png.setToolTip("Save the plots of this tab as an image")
+        export_png.clicked.connect(self._ask_png)
+        export_csv = QPushButton("Export CSV…")
+        export_csv.setToolTip("Save the series behind this tab as CSV")
+        export_csv.clicked.connect(self._ask_csv)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        row.addWidget(export_png)
+        row.addWidget(export_csv)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(2, 2, 2, 2)
+        layout.addWidget(self.tabs)
+        layout.addLayout(row)
+
+        self.timer = QTimer(self, interval=REDRAW_MS)
+        self.timer.timeout.connect(self.redraw)
+        self.timer.start()
+
+    # -- data in -----------------------------------------------------------------------------
+    def add_frame(self, frame: InstrumentFrame) -> None:
+        if self._t0 is None:
+            self._t0 = frame.t
+        t = frame.t - self._t0
+        kinds = list(frame.memory_mib)
+        if kinds != self._kinds or self._memory is None:
+            self._kinds = kinds
+            self._memory = RingBuffer(HISTORY, 1 + len(kinds))
+            self.memory_plot.getPlotItem().clear()
+            self._memory_curves = {
+                k: self.memory_plot.plot(name=k, pen=pg.mkPen(COLOURS[i % len(COLOURS)], width=2))
+                for i, k in enumerate(kinds)
+            }
+        self._memory.append([t, *(frame.memory_mib[k] for k in kinds)])
+        self._kv.append([t, 100.0 * frame.kv_usage, frame.generation_tps])
+        self.block_map.set_owners(frame.block_owners)
+        self.block_label.setText(
+            f"KV blocks: {frame.kv_blocks_used} / {frame.kv_blocks_total} used "
+            f"({100 * frame.kv_usage:.1f}%)"
+        )
+        if frame.layer_attention_ms:
+            self._layers = (frame.layer_attention_ms, frame.layer_mlp_ms)
+        self.last_frame = frame
+        self._dirty = True
+
+    def add_request(self, point: RequestPoint) -> None:
+        self._requests.append(point)
+        self._dirty = True
+
+    # -- drawing -----------------------------------------------------------------------------
+    def redraw(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        if self._memory is not None:
+            m = self._memory.view()
+            for i, kind in enumerate(self._kinds):
+                self._memory_curves[kind].setData(m[:, 0], m[:, 1 + i])
+        kv = self._kv.view()
+        self.kv_curve.setData(kv[:, 0], kv[:, 1])
+        self.tps_curve.setData(kv[:, 0], kv[:, 2])
+        if self._requests:
+            x = np.arange(1, len(self._requests) + 1)
+            ttft = 1e3 * np.array([r.ttft_s for r in self._requests])
+            tpot = 1e3 * np.array(
+                [np.nan if r.tpot_s is None else r.tpot_s for r in self._requests]
+            )
+            self.ttft_scatter.setData(x, ttft)
+            ok = ~np.isnan(tpot)
+            self.tpot_scatter.setData(x[ok], tpot[ok])
+            for name, values in (("TTFT", ttft), ("TPOT", tpot[ok])):
+                for p in (50, 95):
+                    line = self.pct_lines[f"{name} p{p}"]
+                    line.setVisible(len(values) > 0)
+                    if len(values):
+                        line.setValue(float(np.percentile(values, p)))
+        attention, mlp = self._layers
+        if attention:
+            x = np.arange(len(attention))
+            self.attention_bars.setOpts(x=x - 0.2, height=attention, width=0.4)
+            self.mlp_bars.setOpts(x=x + 0.2, height=mlp, width=0.4)
+
+    # -- export ------------------------------------------------------------------------------
+    def export_png(self, path: Path) -> None:
+        self.redraw()
+        if not self.tabs.currentWidget().grab().save(str(path)):
+            raise OSError(f"could not write {path}")
+
+    def export_csv(self, path: Path) -> None:
+        """The series of the current tab."""
+        index = self.tabs.currentIndex()
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            if index == 0:
+                w.writerow(["time_s", *(f"{k}_mib" for k in self._kinds), "kv_usage_perc"])
+                m = self._memory.view() if self._memory is not None else np.empty((0, 1))
+                kv = self._kv.view()
+                for row_m, row_kv in zip(m, kv, strict=False):
+                    w.writerow([f"{v:.6g}" for v in (*row_m, row_kv[1])])
+            elif index == 1:
+                w.writerow(
+                    ["request", "time_to_first_token_seconds", "time_per_output_token_seconds"]
+                )
+                for i, r in enumerate(self._requests, 1):
+                    w.writerow(
+                        [i, f"{r.ttft_s:.6g}", "" if r.tpot_s is None else f"{r.tpot_s:.6g}"]
+                    )
+            else:
+                w.writerow(["layer", "attention_ms", "mlp_ms"])
+                for i, (a, b) in enumerate(zip(*self._layers, strict=True)):
+                    w.writerow([i, f"{a:.6g}", f"{b:.6g}"])
+
+    def _ask_png(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export plot", "infersight.png", "PNG (*.png)")
+        if path:
+            self.export_png(Path(path))
+
+    def _ask_csv(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Export series", "infersight.csv", "CSV (*.csv)"
+        )
+        if path:
+            self.export_csv(Path(path))
