@@ -1,0 +1,8 @@
+"""Entry point of the PyInstaller build: the same as the `infersight` console script."""
+
+import sys
+
+from app.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Widgets on their own (no model): fields, the block map, ring buffers, exports, scrolling."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("PySide6")
+pytest.importorskip("pytestqt")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from PySide6.QtCore import QPoint  # noqa: E402
+
+from app.worker import Delta, _coalesce  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from widgets.block_map import KVBlockMap  # noqa: E402
+from widgets.chat_pane import ChatPane, MessageView  # noqa: E402
+from widgets.controls import ControlsPanel, NumberField  # noqa: E402
+from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint, RingBuffer  # noqa: E402
+
+
+def test_number_field_refuses_out_of_range_and_keeps_the_last_good_value(qtbot: object) -> None:
+    f = NumberField("top-p", 0.9, lo=0, hi=1, lo_open=True)
+    qtbot.addWidget(f)  # type: ignore[attr-defined]
+    said: list[str] = []
+    changed: list[bool] = []
+    f.invalid.connect(said.append)
+    f.changed.connect(lambda: changed.append(True))
+    for bad in ("0", "1.5", "abc", "", "nan"):
+        f.setText(bad)
+        f.editingFinished.emit()
+        assert f.text() == "0.9" and f.value() == 0.9
+    assert len(said) == 5 and all("top-p" in s for s in said)
+    assert "must be in (0, 1]" in said[0] and "must be a number" in said[2]
+    f.setText("0.5")
+    f.editingFinished.emit()
+    assert f.value() == 0.5 and changed == [True]
+
+
+def test_optional_integer_field(qtbot: object) -> None:
+    f = NumberField("seed", None, lo=0, hi=100, integer=True, optional=True)
+    qtbot.addWidget(f)  # type: ignore[attr-defined]
+    assert f.value() is None
+    f.setText("1.5")
+    f.editingFinished.emit()
+    assert f.value() is None
+    f.setText("42")
+    f.editingFinished.emit()
+    assert f.value() == 42
+
+
+def test_controls_give_valid_sampling_params_and_round_trip_their_state(qtbot: object) -> None:
+    c = ControlsPanel()
+    qtbot.addWidget(c)  # type: ignore[attr-defined]
+    c.top_k.set_value(40)
+    c.seed.set_value(3)
+    c.stop_strings.setText("###, User:")
+    c.window_on.setChecked(True)
+    params = SamplingParams(**c.sampling())  # the engine accepts what the panel holds
+    assert params.top_k == 40 and params.seed == 3 and params.stop == ("###", "User:")
+    assert c.cache_window() == (4, 256)
+    other = ControlsPanel()
+    qtbot.addWidget(other)  # type: ignore[attr-defined]
+    other.restore(c.state())
+    assert other.sampling() == c.sampling() and other.cache_window() == c.cache_window()
+    other.restore({"temperature": "99", "top_k": "x"})  # unreadable values keep defaults
+    assert other.sampling()["temperature"] == c.sampling()["temperature"]
+
+
+def test_block_map_counts_and_hit_testing(qtbot: object) -> None:
+    m = KVBlockMap()
+    qtbot.addWidget(m)  # type: ignore[attr-defined]
+    m.resize(300, 100)
+    owners = [None, "a", "a", None, "b"] * 20
+    m.set_owners(owners)
+    assert m.used_cells == 60 and m.total_cells == 100
+    cols, rows, cell = m._grid()
+    for index in range(len(owners)):
+        row, col = divmod(index, cols)
+        assert m.block_at(QPoint(col * cell + cell // 2, row * cell + cell // 2)) == index
+    m.show()
+    assert not m.grab().isNull()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 20_000),
+    width=st.integers(20, 1600),
+    height=st.integers(20, 900),
+)
+def test_block_map_grid_fits_every_block(n: int, width: int, height: int) -> None:
+    m = KVBlockMap()
+    m.set_owners([None] * n)
+    m.resize(width, height)
+    width, height = m.width(), m.height()  # the widget has a minimum size
+    cols, rows, cell = m._grid()
+    assert cols * rows >= n
+    assert cols * cell <= width
+    assert cell == 1 or rows * cell <= height  # below one pixel a cell, the map may overflow
+
+
+def test_ring_buffer_keeps_the_last_points_in_order() -> None:
+    r = RingBuffer(4, 2)
+    for i in range(10):
+        r.append([i, 10 * i])
+    assert r.view()[:, 0].tolist() == [6, 7, 8, 9]
+    assert r.view()[:, 1].tolist() == [60, 70, 80, 90]
+
+
+def _frame(t: float, used: int) -> InstrumentFrame:
+    owners = tuple(["r1"] * used + [None] * (10 - used))
+    return InstrumentFrame(
+        t=t,
+        memory_mib={"weights": 100.0, "KV pool": 10.0, "process RSS": 300.0 + t},
+        kv_usage=used / 10,
+        kv_blocks_used=used,
+        kv_blocks_total=10,
+        block_owners=owners,
+        prompt_tps=0.0,
+        generation_tps=5.0 * t,
+        layer_attention_ms=(1.0, 2.0),
+        layer_mlp_ms=(3.0, 4.0),
+    )
+
+
+def test_instruments_export_png_and_csv(qtbot: object, tmp_path: Path) -> None:
+    panel = InstrumentsPanel()
+    qtbot.addWidget(panel)  # type: ignore[attr-defined]
+    panel.resize(500, 700)
+    panel.show()
+    for t in range(5):
+        panel.add_frame(_frame(100.0 + t, t))
+    panel.add_request(RequestPoint(0.25, 0.02))
+    panel.add_request(RequestPoint(0.5, None))
+    assert panel.block_map.used_cells == 4
+    panel.export_png(tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").stat().st_size > 1000
+    panel.export_csv(tmp_path / "memory.csv")
+    rows = list(csv.reader(open(tmp_path / "memory.csv", encoding="utf-8")))
+    assert rows[0] == ["time_s", "weights_mib", "KV pool_mib", "process RSS_mib", "kv_usage_perc"]
+    assert [float(r[0]) for r in rows[1:]] == [0, 1, 2, 3, 4]
+    assert [float(r[-1]) for r in rows[1:]] == [0, 10, 20, 30, 40]
+    panel.tabs.setCurrentIndex(1)
+    panel.export_csv(tmp_path / "latency.csv")
+    rows = list(csv.reader(open(tmp_path / "latency.csv", encoding="utf-8")))
+    assert rows[1:] == [["1", "0.25", "0.02"], ["2", "0.5", ""]]
+    panel.tabs.setCurrentIndex(2)
+    panel.export_csv(tmp_path / "layers.csv")
+    rows = list(csv.reader(open(tmp_path / "layers.csv", encoding="utf-8")))
+    assert rows[1:] == [["0", "1", "3"], ["1", "2", "4"]]
+
+
+def test_chat_follows_the_end_unless_scrolled_up(qtbot: object) -> None:
+    pane = ChatPane()
+    qtbot.addWidget(pane)  # type: ignore[attr-defined]
+    pane.resize(700, 500)
+    pane.show()
+    for i in range(12):
+        pane.add_message(MessageView("user" if i % 2 == 0 else "assistant", [f"message {i}"]))
+    bar = pane.scroll_area.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.value() == bar.maximum())  # type: ignore[attr-defined]
+    pane.add_message(MessageView("assistant", [""], "streaming"))
+    for _ in range(20):
+        pane.append_to_last(0, "more text, line after line.\n\n")
+    qtbot.waitUntil(lambda: bar.value() == bar.maximum())  # type: ignore[attr-defined]
+    bar.setValue(0)  # the user scrolls up to read
+    assert not pane.following
+    for _ in range(10):
+        pane.append_to_last(0, "still streaming.\n\n")
+    qtbot.wait(50)  # type: ignore[attr-defined]
+    assert bar.value() == 0
+    bar.setValue(bar.maximum())  # back at the end: following again
+    assert pane.following
+
+
+def test_deltas_are_coalesced_per_candidate_in_order() -> None:
+    deltas = [
+        Delta("t", 0, "a"),
+        Delta("t", 1, "x"),
+        Delta("t", 0, "b"),
+        Delta("t", 1, "y", "stop"),
+        Delta("u", 0, "z"),
+    ]
+    assert _coalesce(deltas) == [
+        Delta("t", 0, "ab"),
+        Delta("t", 1, "xy", "stop"),
+        Delta("u", 0, "z"),
+    ]
+
+
+def test_no_display_prints_what_to_do_instead_of_a_qt_backtrace() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    env.pop("QT_QPA_PLATFORM", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "no display found" in out.stderr and "xvfb-run" in out.stderr
+    assert "Traceback" not in out.stderr
