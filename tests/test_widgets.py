@@ -10,21 +10,21 @@ from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from PySide6.QtCore import QPoint  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PySide6.QtCore import QPoint
 
-from app.worker import Delta, _coalesce  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from widgets.block_map import KVBlockMap  # noqa: E402
-from widgets.chat_pane import ChatPane, MessageView  # noqa: E402
-from widgets.controls import ControlsPanel, NumberField  # noqa: E402
-from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint, RingBuffer  # noqa: E402
+from app.worker import Delta, _coalesce
+from engine.sampling import SamplingParams
+from widgets.block_map import KVBlockMap
+from widgets.chat_pane import ChatPane, MessageView
+from widgets.controls import ControlsPanel, NumberField
+from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint, RingBuffer
 
 
 def test_number_field_refuses_out_of_range_and_keeps_the_last_good_value(qtbot: object) -> None:
@@ -82,7 +82,7 @@ def test_block_map_counts_and_hit_testing(qtbot: object) -> None:
     owners = [None, "a", "a", None, "b"] * 20
     m.set_owners(owners)
     assert m.used_cells == 60 and m.total_cells == 100
-    cols, rows, cell = m._grid()
+    cols, _, cell = m._grid()
     for index in range(len(owners)):
         row, col = divmod(index, cols)
         assert m.block_at(QPoint(col * cell + cell // 2, row * cell + cell // 2)) == index
@@ -131,6 +131,11 @@ def _frame(t: float, used: int) -> InstrumentFrame:
     )
 
 
+def read_csv(path: Path) -> list[list[str]]:
+    with open(path, encoding="utf-8", newline="") as f:
+        return list(csv.reader(f))
+
+
 def test_instruments_export_png_and_csv(qtbot: object, tmp_path: Path) -> None:
     panel = InstrumentsPanel()
     qtbot.addWidget(panel)  # type: ignore[attr-defined]
@@ -144,17 +149,17 @@ def test_instruments_export_png_and_csv(qtbot: object, tmp_path: Path) -> None:
     panel.export_png(tmp_path / "memory.png")
     assert (tmp_path / "memory.png").stat().st_size > 1000
     panel.export_csv(tmp_path / "memory.csv")
-    rows = list(csv.reader(open(tmp_path / "memory.csv", encoding="utf-8")))
+    rows = read_csv(tmp_path / "memory.csv")
     assert rows[0] == ["time_s", "weights_mib", "KV pool_mib", "process RSS_mib", "kv_usage_perc"]
     assert [float(r[0]) for r in rows[1:]] == [0, 1, 2, 3, 4]
     assert [float(r[-1]) for r in rows[1:]] == [0, 10, 20, 30, 40]
     panel.tabs.setCurrentIndex(1)
     panel.export_csv(tmp_path / "latency.csv")
-    rows = list(csv.reader(open(tmp_path / "latency.csv", encoding="utf-8")))
+    rows = read_csv(tmp_path / "latency.csv")
     assert rows[1:] == [["1", "0.25", "0.02"], ["2", "0.5", ""]]
     panel.tabs.setCurrentIndex(2)
     panel.export_csv(tmp_path / "layers.csv")
-    rows = list(csv.reader(open(tmp_path / "layers.csv", encoding="utf-8")))
+    rows = read_csv(tmp_path / "layers.csv")
     assert rows[1:] == [["0", "1", "3"], ["1", "2", "4"]]
 
 
