@@ -406,6 +406,9 @@ def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
     window.instruments.layer_switch.setChecked(True)
     send(qtbot, window, "What is a KV cache?")
     window.controls.max_new_tokens.set_value(200)
+    window.controls.candidates.set_value(3)  # three replies batched: three owners in the map
+    window.controls.temperature.set_value(0.7)
+    window.controls.seed.set_value(1)
     window.chat.input.setPlainText(
         "Show me a Python function that reverses a string, in a code block."
     )
