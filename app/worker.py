@@ -17,7 +17,6 @@ Two workers can run side by side (one engine each), which is what an A/B view ne
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import queue
 import threading
@@ -394,7 +393,9 @@ class EngineWorker(QObject):
 
     @staticmethod
     def _free_memory() -> None:
-        gc.collect()
+        # No gc.collect() here: a collection in this thread could finalise Qt objects that
+        # belong to the UI thread. A dropped engine goes with its last reference; on CUDA the
+        # allocator's cached blocks are handed back to the driver.
         import torch
 
         if torch.cuda.is_available():
