@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 
+#: what a loader's progress stages mean to a user (``load`` itself is quick: no dialog)
+PROGRESS_STAGES = {
+    "download": "Downloading the model",
+    "dequantize": "Converting tensors",
+    "write": "Writing the converted model",
+}
+
 
 def style_sheet() -> str:
     path = RESOURCES / "style.qss"
@@ -162,6 +169,8 @@ class MainWindow(QMainWindow):
         chat.new_conversation_requested.connect(self.new_conversation)
         chat.conversation_selected.connect(self.select_conversation)
         chat.system_prompt_edited.connect(self._on_system_prompt)
+        chat.rename_requested.connect(self.rename_conversation)
+        chat.delete_requested.connect(self.delete_conversation)
         controls.model_requested.connect(lambda path: self.load(self._spec(model=path)))
         controls.precision_requested.connect(lambda p: self.load(self._spec(precision=p)))
         controls.reload_requested.connect(lambda: self.load(self._spec()))
@@ -213,19 +222,24 @@ class MainWindow(QMainWindow):
             f"; {self.model.name} ({self.model.precision}) answers meanwhile" if self.model else ""
         )
         self.status_model.setText(f"loading {name} ({spec.precision})…{old}")
-        if spec.model.lower().endswith(".gguf"):
-            self.progress = QProgressDialog(f"Importing {name}…", "", 0, 100, self)
+
+    def _on_load_progress(self, stage: str, done: int, total: int) -> None:
+        """A download or GGUF conversion gets a (non-modal) progress dialog."""
+        if stage not in PROGRESS_STAGES or not total:
+            return
+        if self.progress is None:
+            spec = self.loading
+            what = "the default model" if spec is None or spec.model == "default" else spec.model
+            self.progress = QProgressDialog(f"Preparing {what}…", "", 0, 100, self)
             self.progress.setCancelButton(None)
-            self.progress.setWindowTitle("Import GGUF")
+            self.progress.setAutoReset(False)  # it moves from stage to stage; closed when loaded
+            self.progress.setAutoClose(False)
+            self.progress.setWindowTitle("Preparing the model")
             self.progress.setMinimumDuration(0)
             self.progress.setWindowModality(Qt.WindowModality.NonModal)
             self.progress.show()
-
-    def _on_load_progress(self, stage: str, done: int, total: int) -> None:
-        dialog = self.progress
-        if dialog is not None and total:
-            dialog.setLabelText(f"{stage}: {done} / {total}")
-            dialog.setValue(int(100 * done / total))
+        self.progress.setLabelText(f"{PROGRESS_STAGES[stage]}: {done} / {total}")
+        self.progress.setValue(int(100 * done / total))
 
     def _close_progress(self) -> None:
         dialog = self.progress
@@ -298,6 +312,23 @@ class MainWindow(QMainWindow):
             self.chat.show_notice("A reply is still streaming; stop it first", "warning")
             return
         self.select_conversation(self.store.create_conversation())
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        self.store.rename(conversation_id, title)
+        self._refresh_list()
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        if self.active is not None and self.active.conversation_id == conversation_id:
+            self.chat.show_notice(
+                "A reply is streaming in that conversation; stop it first", "warning"
+            )
+            return
+        self.store.delete_conversation(conversation_id)
+        if conversation_id != self.conversation_id:
+            self._refresh_list()
+            return
+        remaining = self.store.conversations()
+        self.select_conversation(remaining[0].id if remaining else self.store.create_conversation())
 
     def _on_system_prompt(self, text: str) -> None:
         if self.conversation_id is not None:

@@ -181,6 +181,62 @@ def test_conversation_survives_closing_and_reopening(
         second.shutdown()
 
 
+def test_conversations_can_be_renamed_deleted_and_switched(
+    qtbot: object, window: MainWindow
+) -> None:
+    send(qtbot, window, "First chat.")
+    first = window.conversation_id
+    window.chat.new_button.click()
+    second = window.conversation_id
+    assert second != first and window.chat.bubbles == []
+    assert not window.chat.regenerate_button.isEnabled()  # nothing to regenerate yet
+    send(qtbot, window, "Second chat.")
+    window.chat.rename_requested.emit(second, "Renamed")
+    titles = [window.chat.conversation_list.item(i).text() for i in range(2)]
+    assert titles == ["Renamed", "First chat."]
+    window.chat.conversation_list.setCurrentRow(1)  # the user clicks the first chat
+    assert window.conversation_id == first
+    assert window.chat.bubbles[0].view.text == "First chat."
+    window.chat.delete_requested.emit(first)
+    assert window.conversation_id == second
+    assert [c.id for c in window.store.conversations()] == [second]
+    assert window.chat.bubbles[0].view.text == "Second chat."
+
+
+def test_a_gguf_is_imported_with_a_progress_dialog_then_chatted_with(
+    qtbot: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import build_tiny_hf
+    from tests.gguf_factory import write_gguf
+
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path / "home"))
+    sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    gguf = write_gguf(
+        build_tiny_hf("llama", tied=True, **sizes), tmp_path / "tiny.gguf", arch="llama"
+    )
+    loader = GatedLoader("fp32")  # held until the recorder below is connected
+    window = MainWindow(
+        tmp_path / "data", spec=LoadSpec(str(gguf), "fp32", "cpu", 16), loader=loader
+    )
+    qtbot.addWidget(window)  # type: ignore[attr-defined]
+    progress: list[int] = []
+    recorder = Recorder(
+        lambda _: progress.append(window.progress.value() if window.progress else -1)
+    )
+    window.worker.load_progress.connect(recorder.record)
+    loader.release()
+    try:
+        qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+        assert 100 in progress and window.progress is None  # shown, then closed
+        assert window.model is not None and window.model.name == "tiny"
+        assert (tmp_path / "home" / "models" / "tiny" / "config.json").is_file()
+        window.controls.max_new_tokens.set_value(5)
+        send(qtbot, window, "t1 t2")
+        assert window.chat.last is not None and window.chat.last.view.status == "done"
+    finally:
+        window.shutdown()
+
+
 def test_a_crash_mid_reply_loses_only_that_reply(tmp_path: Path) -> None:
     store = ChatStore(tmp_path / "chats.sqlite3")
     conv = store.create_conversation()

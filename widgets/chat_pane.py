@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QPoint, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QResizeEvent, QTextOption
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
+    QInputDialog,
     QLabel,
     QLineEdit,
     QListWidget,
     QListWidgetItem,
+    QMenu,
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
@@ -168,6 +170,8 @@ class ChatPane(QWidget):
     edit_requested = Signal()
     new_conversation_requested = Signal()
     conversation_selected = Signal(int)
+    rename_requested = Signal(int, str)
+    delete_requested = Signal(int)
     system_prompt_edited = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -182,6 +186,9 @@ class ChatPane(QWidget):
         self.conversation_list.currentItemChanged.connect(self._on_conversation)
         self.conversation_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.conversation_list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.conversation_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.conversation_list.customContextMenuRequested.connect(self._conversation_menu)
+        self.conversation_list.setToolTip("Right-click a conversation to rename or delete it")
         self.new_button = QPushButton("New chat")
         self.new_button.clicked.connect(self.new_conversation_requested)
         side = QWidget()
@@ -274,6 +281,22 @@ class ChatPane(QWidget):
                 self.conversation_list.setCurrentItem(item)
         self.conversation_list.blockSignals(False)
 
+    def _conversation_menu(self, pos: QPoint) -> None:
+        item = self.conversation_list.itemAt(pos)
+        if item is None:
+            return
+        conversation_id = int(item.data(Qt.ItemDataRole.UserRole))
+        menu = QMenu(self)
+        rename = menu.addAction("Rename…")
+        delete = menu.addAction("Delete")
+        chosen = menu.exec(self.conversation_list.mapToGlobal(pos))
+        if chosen is rename:
+            title, ok = QInputDialog.getText(self, "Rename", "Title:", text=item.text())
+            if ok and title.strip():
+                self.rename_requested.emit(conversation_id, title.strip())
+        elif chosen is delete:
+            self.delete_requested.emit(conversation_id)
+
     def _on_conversation(self, item: QListWidgetItem | None, _: object = None) -> None:
         if item is not None:
             self.conversation_selected.emit(int(item.data(Qt.ItemDataRole.UserRole)))
@@ -287,16 +310,19 @@ class ChatPane(QWidget):
             self.add_message(view)
         self.system_prompt.setText(system_prompt)
         self._follow = True
+        self._update_buttons()
 
     def add_message(self, view: MessageView) -> MessageBubble:
         bubble = MessageBubble(view)
         self.messages_layout.addWidget(bubble)
         self.bubbles.append(bubble)
+        self._update_buttons()
         return bubble
 
     def remove_last(self, count: int = 1) -> None:
         for _ in range(min(count, len(self.bubbles))):
             self.bubbles.pop().deleteLater()
+        self._update_buttons()
 
     @property
     def last(self) -> MessageBubble | None:
@@ -329,8 +355,12 @@ class ChatPane(QWidget):
         self._generating = generating
         self.send_button.setEnabled(not generating)
         self.stop_button.setEnabled(generating)
-        self.regenerate_button.setEnabled(not generating)
-        self.edit_button.setEnabled(not generating)
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        idle = not self._generating
+        self.regenerate_button.setEnabled(idle and bool(self.bubbles))
+        self.edit_button.setEnabled(idle and any(b.view.role == "user" for b in self.bubbles))
 
     @property
     def generating(self) -> bool:
