@@ -340,8 +340,10 @@ def test_instruments_show_the_engines_figures(qtbot: object, window: MainWindow)
     window.chat.input.setPlainText("Tell me about the moon.")
     window.chat._submit()
     qtbot.waitUntil(lambda: len(window.chat.last.view.text) > 10, timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
-    with qtbot.waitSignal(window.worker.paused, timeout=10_000):  # type: ignore[attr-defined]
-        window.worker.post(Pause(True))
+    paused = Recorder()  # not qtbot.waitSignal: its handler would run in the worker thread
+    window.worker.paused.connect(paused.record)
+    window.worker.post(Pause(True))
+    qtbot.waitUntil(lambda: paused.values == [True], timeout=10_000)  # type: ignore[attr-defined]
     mgr = engine.kv.manager
     held = sum(1 for table in mgr.tables.values() for b in table if b >= 0)
     block_map = window.instruments.block_map
