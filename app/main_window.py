@@ -46,6 +46,13 @@ PROGRESS_STAGES = {
 }
 
 
+def available_devices() -> list[str]:
+    """``cpu`` and every CUDA device torch can see (a query, no work on a device)."""
+    import torch
+
+    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
 def style_sheet() -> str:
     path = RESOURCES / "style.qss"
     return path.read_text(encoding="utf-8") if path.is_file() else ""
@@ -120,6 +127,7 @@ class MainWindow(QMainWindow):
         self.engine_thread.started.connect(self.worker.run)
         self.worker.stopped.connect(self.engine_thread.quit, Qt.ConnectionType.DirectConnection)
         self._connect()
+        self.controls.set_devices(available_devices())
         self._restore_settings()
         self.engine_thread.start()
         self._open_conversations()
@@ -173,6 +181,7 @@ class MainWindow(QMainWindow):
         chat.delete_requested.connect(self.delete_conversation)
         controls.model_requested.connect(lambda path: self.load(self._spec(model=path)))
         controls.precision_requested.connect(lambda p: self.load(self._spec(precision=p)))
+        controls.device_requested.connect(lambda d: self.load(self._spec(device=d)))
         controls.reload_requested.connect(lambda: self.load(self._spec()))
         controls.limits_changed.connect(lambda limits: self.worker.post(Configure(limits=limits)))
         controls.window_changed.connect(self._on_window)
@@ -191,13 +200,15 @@ class MainWindow(QMainWindow):
         return self.model.precision if self.model else self.controls.precision_combo.currentText()
 
     def _device(self) -> str:
-        return self.model.device if self.model else "cpu"
+        return self.model.device if self.model else self.controls.device_combo.currentText()
 
-    def _spec(self, *, model: str | None = None, precision: str | None = None) -> LoadSpec:
+    def _spec(
+        self, *, model: str | None = None, precision: str | None = None, device: str | None = None
+    ) -> LoadSpec:
         return LoadSpec(
             model or self._model_path(),
             precision or self._precision(),
-            self._device(),
+            device or self._device(),
             self.controls.kv_memory_mib(),
         )
 
@@ -252,10 +263,11 @@ class MainWindow(QMainWindow):
         self._close_progress()
         self.model = info
         self.controls.add_model(info.name, info.path)
-        self.controls.show_model(info.path, info.precision)
+        self.controls.show_model(info.path, info.precision, info.device)
         self.status_model.setText(f"{info.name} · {info.precision} · {info.device}")
         self.settings.setValue("model", info.path)
         self.settings.setValue("precision", info.precision)
+        self.settings.setValue("device", info.device)
         self.worker.post(Configure(limits=self.controls.limits()))
         self._on_window(self.controls.cache_window())
 
@@ -267,7 +279,7 @@ class MainWindow(QMainWindow):
             self.status_model.setText(
                 f"{self.model.name} · {self.model.precision} · {self.model.device}"
             )
-            self.controls.show_model(self.model.path, self.model.precision)
+            self.controls.show_model(self.model.path, self.model.precision, self.model.device)
         else:
             keep = " No model is loaded: pick another model or precision in Controls."
             self.status_model.setText("no model")
@@ -277,7 +289,10 @@ class MainWindow(QMainWindow):
     def _saved_spec(self) -> LoadSpec:
         model = str(self.settings.value("model", "default"))
         precision = str(self.settings.value("precision", "fp32"))
-        return LoadSpec(model, precision, "cpu", self.controls.kv_memory_mib())
+        device = str(self.settings.value("device", "cpu"))
+        if device not in available_devices():
+            device = "cpu"
+        return LoadSpec(model, precision, device, self.controls.kv_memory_mib())
 
     # -- conversations -------------------------------------------------------------------------
     def _open_conversations(self) -> None:

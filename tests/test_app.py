@@ -6,6 +6,7 @@ window's worker thread exactly as it does for a user.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -15,11 +16,10 @@ from pathlib import Path
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
+import torch
 
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
-
-import itertools
 
 from PySide6.QtCore import QObject, QTimer, Slot
 
@@ -371,6 +371,11 @@ def test_bad_model_folder_and_gguf_keep_the_current_model(
         assert window.chat.notice.isVisible()
         assert says in window.chat.notice.text() and "Still using" in window.chat.notice.text()
         assert window.model == before
+    if not torch.cuda.is_available():  # a device that is not there: the same story
+        window.controls.device_requested.emit("cuda:0")
+        qtbot.waitUntil(lambda: window.loading is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+        assert "Still using" in window.chat.notice.text() and window.model == before
+        assert window.controls.device_combo.currentText() == "cpu"
     send(qtbot, window, "Still there?")
     assert window.chat.last is not None and window.chat.last.view.status == "done"
 

@@ -119,6 +119,7 @@ class NumberField(QLineEdit):
 class ControlsPanel(QScrollArea):
     model_requested = Signal(str)  # "default", a folder or a .gguf file
     precision_requested = Signal(str)
+    device_requested = Signal(str)
     reload_requested = Signal()  # a load-time setting (KV pool size) changed
     sampling_changed = Signal()
     limits_changed = Signal(dict)
@@ -169,9 +170,19 @@ class ControlsPanel(QScrollArea):
         self.precision_combo.activated.connect(
             lambda _: self.precision_requested.emit(self.precision_combo.currentText())
         )
+        self.device_combo = QComboBox()
+        self.device_combo.addItem("cpu")
+        self.device_combo.setToolTip(
+            "Where the engine runs. On a GPU the weights and the KV pool live in its memory "
+            "(see the memory plot); changing it reloads the model"
+        )
+        self.device_combo.activated.connect(
+            lambda _: self.device_requested.emit(self.device_combo.currentText())
+        )
         form.addRow("Model", self.model_combo)
         form.addRow("", row)
         form.addRow("Precision", self.precision_combo)
+        form.addRow("Device", self.device_combo)
         self.kv_memory = NumberField(
             "KV pool", 512, lo=16, hi=1_048_576, tip="Memory (MiB) set aside for the paged KV "
             "cache when a model loads: it bounds how many tokens all replies together can hold. "
@@ -390,13 +401,24 @@ class ControlsPanel(QScrollArea):
         if self.model_combo.findData(path) < 0:
             self.model_combo.addItem(label, path)
 
-    def show_model(self, path: str, precision: str) -> None:
+    def set_devices(self, devices: list[str]) -> None:
+        current = self.device_combo.currentText()
+        self.device_combo.clear()
+        self.device_combo.addItems(devices)
+        if current in devices:
+            self.device_combo.setCurrentText(current)
+
+    def show_model(self, path: str, precision: str, device: str | None = None) -> None:
         index = self.model_combo.findData(path)
         if index >= 0:
             self.model_combo.setCurrentIndex(index)
         if self.precision_combo.findText(precision) < 0:
             self.precision_combo.addItem(precision)
         self.precision_combo.setCurrentText(precision)
+        if device is not None:
+            if self.device_combo.findText(device) < 0:
+                self.device_combo.addItem(device)
+            self.device_combo.setCurrentText(device)
 
     def _pick_folder(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Model folder")
