@@ -264,6 +264,7 @@ class MainWindow(QMainWindow):
         self.model = info
         self.controls.add_model(info.name, info.path)
         self.controls.show_model(info.path, info.precision, info.device)
+        self.controls.kv_memory.set_value(info.kv_memory_mib)
         self.status_model.setText(f"{info.name} · {info.precision} · {info.device}")
         self.settings.setValue("model", info.path)
         self.settings.setValue("precision", info.precision)

@@ -64,6 +64,7 @@ class ModelInfo:
     weights_bytes: int
     kv_blocks: int
     block_size: int
+    kv_memory_mib: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,4 +498,5 @@ def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
         weights_bytes=engine.weights_bytes,
         kv_blocks=engine.kv.manager.num_blocks,
         block_size=engine.kv.block_size,
+        kv_memory_mib=spec.kv_memory_mib,
     )
