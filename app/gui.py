@@ -57,11 +57,13 @@ def run_gui(args: argparse.Namespace) -> int:
             f"Qt could not be imported ({exc}); install the app's dependencies with "
             "`make run`, or use `infersight chat` in a terminal"
         ) from exc
+    from app.gc_guard import GuiGarbageCollector
     from app.main_window import MainWindow
     from app.worker import LoadSpec
 
     app = make_application()
     assert isinstance(app, QApplication)
+    collector = GuiGarbageCollector(parent=app)  # noqa: F841 (lives as long as the app)
     spec = None
     if args.model is not None or args.precision is not None or args.device != "cpu":
         spec = LoadSpec(args.model or "default", args.precision or "fp32", args.device)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -86,6 +86,18 @@ def default_model() -> Path:
     from engine.model_store import pull_default
 
     return pull_default()
+
+
+@pytest.fixture(scope="module")
+def gui_gc(qapp: object) -> Iterator[None]:
+    """Qt tests: garbage is collected in the UI thread only, as in the app (see
+    ``app.gc_guard``); a collection in the engine or loader thread could destroy this
+    module's widgets from the wrong thread and crash the run."""
+    from app.gc_guard import GuiGarbageCollector
+
+    collector = GuiGarbageCollector()
+    yield
+    collector.stop()
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from app.worker import Delta, LoadSpec, Pause, ReplyStats, load_engine
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 
 SPEC = LoadSpec("default", "fp32", "cpu", kv_memory_mib=64)
 LONG_WAIT_MS = 120_000

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import gc
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -25,6 +27,8 @@ from widgets.block_map import KVBlockMap
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel, NumberField
 from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint, RingBuffer
+
+pytestmark = pytest.mark.usefixtures("gui_gc")
 
 
 def test_number_field_refuses_out_of_range_and_keeps_the_last_good_value(qtbot: object) -> None:
@@ -199,6 +203,31 @@ def test_deltas_are_coalesced_per_candidate_in_order() -> None:
         Delta("t", 1, "xy", "stop"),
         Delta("u", 0, "z"),
     ]
+
+
+def test_garbage_is_collected_in_the_ui_thread_only(qtbot: object) -> None:
+    """Cyclic garbage made in another thread (as the engine and loader threads do) is
+    collected, but only by the UI thread's timer (``app.gc_guard``, on via ``gui_gc``)."""
+    in_main: list[bool] = []
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            in_main.append(threading.current_thread() is threading.main_thread())
+
+    def churn() -> None:
+        for _ in range(100_000):
+            cycle: list[object] = []
+            cycle.append(cycle)
+
+    gc.callbacks.append(watch)
+    try:
+        worker = threading.Thread(target=churn)
+        worker.start()
+        worker.join()
+        qtbot.waitUntil(lambda: bool(in_main), timeout=5000)  # type: ignore[attr-defined]
+    finally:
+        gc.callbacks.remove(watch)
+    assert all(in_main)
 
 
 def test_no_display_prints_what_to_do_instead_of_a_qt_backtrace() -> None:

@@ -29,7 +29,7 @@ from app.worker import (
     Stop,
 )
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 WAIT_MS = 120_000
 GREEDY = {"max_new_tokens": 48, "temperature": 0.0}
 
