@@ -63,7 +63,7 @@ def run_gui(args: argparse.Namespace) -> int:
 
     app = make_application()
     assert isinstance(app, QApplication)
-    collector = GuiGarbageCollector(parent=app)  # noqa: F841 (lives as long as the app)
+    GuiGarbageCollector(parent=app)  # owned by the app: lives as long as it
     spec = None
     if args.model is not None or args.precision is not None or args.device != "cpu":
         spec = LoadSpec(args.model or "default", args.precision or "fp32", args.device)

@@ -72,6 +72,10 @@ class ActiveReply:
     error: str | None = None
 
 
+def model_label(info: ModelInfo) -> str:
+    return f"{info.name} · {info.precision} · {info.device}"
+
+
 def stats_text(stats: ReplyStats) -> str:
     m = stats.metrics
     parts = [f"{stats.model} · {stats.precision}"]
@@ -129,6 +133,9 @@ class MainWindow(QMainWindow):
         self._connect()
         self.controls.set_devices(available_devices())
         self._restore_settings()
+        # the restored limits and window; the worker applies them to every engine it loads
+        self.worker.post(Configure(limits=self.controls.limits()))
+        self._on_window(self.controls.cache_window())
         self.engine_thread.start()
         self._open_conversations()
         self.load(spec or self._saved_spec())
@@ -265,21 +272,17 @@ class MainWindow(QMainWindow):
         self.controls.add_model(info.name, info.path)
         self.controls.show_model(info.path, info.precision, info.device)
         self.controls.kv_memory.set_value(info.kv_memory_mib)
-        self.status_model.setText(f"{info.name} · {info.precision} · {info.device}")
+        self.status_model.setText(model_label(info))
         self.settings.setValue("model", info.path)
         self.settings.setValue("precision", info.precision)
         self.settings.setValue("device", info.device)
-        self.worker.post(Configure(limits=self.controls.limits()))
-        self._on_window(self.controls.cache_window())
 
     def _on_load_failed(self, message: str) -> None:
         spec, self.loading = self.loading, None
         self._close_progress()
         if self.model is not None:
             keep = f" Still using {self.model.name} ({self.model.precision})."
-            self.status_model.setText(
-                f"{self.model.name} · {self.model.precision} · {self.model.device}"
-            )
+            self.status_model.setText(model_label(self.model))
             self.controls.show_model(self.model.path, self.model.precision, self.model.device)
         else:
             keep = " No model is loaded: pick another model or precision in Controls."
@@ -518,7 +521,6 @@ class MainWindow(QMainWindow):
                 kv_blocks_used=s.kv_blocks_used,
                 kv_blocks_total=s.kv_blocks_total,
                 block_owners=s.kv_block_owners,
-                prompt_tps=s.prompt_throughput_tps,
                 generation_tps=s.generation_throughput_tps,
                 layer_attention_ms=tuple(t.attention_s * 1e3 for t in s.layer_timings),
                 layer_mlp_ms=tuple(t.mlp_s * 1e3 for t in s.layer_timings),

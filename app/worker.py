@@ -101,7 +101,6 @@ class EngineView:
 
     model: ModelInfo
     snapshot: MetricsSnapshot
-    hold_s: float = 0.0
 
 
 # -- commands (UI → worker) ---------------------------------------------------------------------
@@ -472,7 +471,7 @@ class EngineWorker(QObject):
         self._last_metrics = time.perf_counter()
         if self.engine is None or self.info is None:
             return
-        self.metrics.emit(EngineView(self.info, self.engine.metrics(), self.engine.hold_s))
+        self.metrics.emit(EngineView(self.info, self.engine.metrics()))
 
 
 def _coalesce(deltas: list[Delta]) -> list[Delta]:

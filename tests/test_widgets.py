@@ -128,7 +128,6 @@ def _frame(t: float, used: int) -> InstrumentFrame:
         kv_blocks_used=used,
         kv_blocks_total=10,
         block_owners=owners,
-        prompt_tps=0.0,
         generation_tps=5.0 * t,
         layer_attention_ms=(1.0, 2.0),
         layer_mlp_ms=(3.0, 4.0),

@@ -30,6 +30,7 @@ from widgets.block_map import KVBlockMap
 
 REDRAW_MS = 250
 HISTORY = 1200  # points per series (5 min at 4 Hz)
+LABEL_ANCHORS = [(0.5, 1), (0.5, 1)]  # percentile labels sit above their line
 COLOURS = ("#4e9af1", "#f1a04e", "#6cc070", "#d05c8a", "#b28df0", "#9aa0a6")
 
 
@@ -43,7 +44,6 @@ class InstrumentFrame:
     kv_blocks_used: int
     kv_blocks_total: int
     block_owners: tuple[str | None, ...]
-    prompt_tps: float
     generation_tps: float
     layer_attention_ms: tuple[float, ...] = ()
     layer_mlp_ms: tuple[float, ...] = ()
@@ -132,7 +132,8 @@ class InstrumentsPanel(QWidget):
         self.pct_lines = {
             name: pg.InfiniteLine(
                 angle=0, movable=False, pen=pg.mkPen(colour, style=style),
-                label=name, labelOpts={"color": colour, "position": position, "anchors": anchors},
+                label=name,
+                labelOpts={"color": colour, "position": position, "anchors": LABEL_ANCHORS},
             )
             for name, colour, style, position in (
                 ("TTFT p50", COLOURS[0], Qt.PenStyle.DashLine, 0.55),
@@ -140,7 +141,6 @@ class InstrumentsPanel(QWidget):
                 ("TPOT p50", COLOURS[2], Qt.PenStyle.DashLine, 0.55),
                 ("TPOT p95", COLOURS[2], Qt.PenStyle.DotLine, 0.85),
             )
-            for anchors in ([(0.5, 1), (0.5, 1)],)
         }  # fmt: skip
         for line in self.pct_lines.values():
             line.setVisible(False)
