@@ -3,9 +3,10 @@
 On a CPU, decode is a chain of matrix-vector products that stream every weight from memory
 once per token. oneDNN's blocked weight layout streams about 1.7× faster than the row-major
 ``nn.Linear`` weight through MKL's GEMV here (measured: 40 vs 23 GB/s on a 2-core AMD EPYC), so
-the engine repacks fp32/bf16 weights into it at load time. Other devices and dtypes keep
-``nn.Linear``. The packed path uses ``torch.ops.mkldnn``, the same private ops TorchInductor
-emits for CPU linears; if a torch build lacks them, the engine keeps ``nn.Linear``.
+the engine repacks fp32/bf16 weights into it at load time, where :func:`engine.hardware.cpu_paths`
+found that this CPU runs the packed op for that dtype (bf16 needs AVX-512 or AVX-NE-CONVERT).
+Elsewhere, and on other devices, the module stays ``nn.Linear``. The packed path uses
+``torch.ops.mkldnn``, the same private ops TorchInductor emits for CPU linears.
 """
 
 from __future__ import annotations
@@ -15,20 +16,13 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from engine.hardware import cpu_paths
+
 log = logging.getLogger(__name__)
 
-_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN picks the blocked layout for this batch size. 16 measured faster than 1 for both
 # decode at batch 1 (10.7 vs 13.5 ms for SmolLM2's 30 layers) and batch 16 (15.4 vs 20.7 ms).
 PACK_BATCH_HINT = 16
-
-
-def packed_linear_available() -> bool:
-    return bool(
-        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
 
 
 class PackedLinear(nn.Module):
@@ -57,19 +51,16 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every CPU fp32/bf16 ``nn.Linear`` in ``model`` for a :class:`PackedLinear`.
-
-    Returns the number of modules swapped (0 where packing does not apply).
-    """
-    if not packed_linear_available():
-        log.info("oneDNN linear ops unavailable in this torch build; keeping nn.Linear")
-        return 0
+    """Swap every CPU ``nn.Linear`` in ``model`` whose dtype this CPU packs for a
+    :class:`PackedLinear`. Returns the number of modules swapped (0 where packing does not
+    apply)."""
+    paths = cpu_paths()
     swaps = [
         (name, module)
         for name, module in model.named_modules()
         if type(module) is nn.Linear
         and module.weight.device.type == "cpu"
-        and module.weight.dtype in _PACKABLE_DTYPES
+        and paths.packed(module.weight.dtype).ok
     ]
     for name, module in swaps:
         parent_name, _, attr = name.rpartition(".")

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.nvml import device_memory
+
 log = logging.getLogger(__name__)
 
 LATENCY_METRICS = (
@@ -154,12 +156,13 @@ class MetricsCollector:
 class LayerTimer:
     """Opt-in per-layer timings: forward hooks on each layer's attention and MLP.
 
-    On CUDA the hooks record events (read back after the step); on CPU, ops run
-    synchronously and ``perf_counter`` is exact. Hooks cost time, so they are attached only
-    while enabled.
+    On CUDA the hooks record events on the current stream of the model's device (the
+    worker's own stream there), read back after the step; on CPU, ops run synchronously and
+    ``perf_counter`` is exact. Hooks cost time, so they are attached only while enabled.
     """
 
     def __init__(self, layers: nn.ModuleList, device: torch.device) -> None:
+        self.device = device  # events and waits name it: the current device may be another
         self.cuda = device.type == "cuda"
         self._handles: list[Any] = []
         self._starts: dict[tuple[int, str], Any] = {}
@@ -191,8 +194,9 @@ class LayerTimer:
 
     def _now(self) -> Any:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            event.record()
+            with torch.cuda.device(self.device):
+                event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
 
@@ -215,7 +219,7 @@ class LayerTimer:
     def collect(self) -> tuple[LayerTiming, ...]:
         """Timings of the forward passes since the last call (one step's, normally)."""
         if self.cuda and self._events:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             for key, start, end in self._events:
                 self._totals[key] = self._totals.get(key, 0.0) + start.elapsed_time(end) / 1e3
             self._events.clear()
@@ -230,6 +234,11 @@ class LayerTimer:
 
 
 def memory_by_kind(weights_bytes: int, kv_pool_bytes: int, device: torch.device) -> MemoryByKind:
+    """Memory by kind; on CUDA also the allocator's figures and the GPU's own (NVML).
+
+    ``cuda_reserved_bytes`` is what predicts running out: the allocator holds it whether or not
+    tensors use it, and NVML's used figure adds the CUDA context and other processes.
+    """
     rss = None
     try:
         import psutil
@@ -241,7 +250,7 @@ def memory_by_kind(weights_bytes: int, kv_pool_bytes: int, device: torch.device)
         return MemoryByKind(weights_bytes, kv_pool_bytes, None, process_rss_bytes=rss)
     allocated = int(torch.cuda.memory_allocated(device))
     reserved = int(torch.cuda.memory_reserved(device))
-    used, total = _nvml(device)
+    gpu = device_memory(device)
     return MemoryByKind(
         weights_bytes,
         kv_pool_bytes,
@@ -249,27 +258,6 @@ def memory_by_kind(weights_bytes: int, kv_pool_bytes: int, device: torch.device)
         process_rss_bytes=rss,
         cuda_allocated_bytes=allocated,
         cuda_reserved_bytes=reserved,
-        nvml_used_bytes=used,
-        nvml_total_bytes=total,
+        nvml_used_bytes=gpu.used_bytes if gpu is not None else None,
+        nvml_total_bytes=gpu.total_bytes if gpu is not None else None,
     )
-
-
-_NVML_STATE: dict[str, Any] = {}
-
-
-def _nvml(device: torch.device) -> tuple[int | None, int | None]:
-    """Device memory used/total from NVML; ``(None, None)`` without pynvml or a driver."""
-    if _NVML_STATE.get("failed"):
-        return None, None
-    try:
-        import pynvml
-
-        if not _NVML_STATE.get("init"):
-            pynvml.nvmlInit()
-            _NVML_STATE["init"] = True
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        return int(info.used), int(info.total)
-    except Exception:  # absent NVML is normal (CPU-only machines, containers)
-        _NVML_STATE["failed"] = True
-        return None, None

@@ -20,6 +20,7 @@ embeddings the head *is* the embedding matrix: quantizing it stores that matrix 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import InvalidRequestError
+from engine.hardware import cpu_paths
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,13 @@ def parse_precision_spec(text: str, device: torch.device | str = "cpu") -> Preci
         kind = _quant_kind(text, text)
         assert kind is not None
         parts = {"attn": kind, "mlp": kind}
+    if dev.type == "cpu" and any(k.bits == 4 for k in parts.values()):
+        probe = cpu_paths().int4_kernel
+        if not probe.ok:
+            raise InvalidRequestError(
+                f"{text} cannot run on this CPU: torch's INT4 kernel is unavailable "
+                f"({probe.why}); use int8 or a float precision"
+            )
     if dev.type == "cuda" and any(k.bits == 4 for k in parts.values()):
         major, minor = torch.cuda.get_device_capability(dev)
         if major < 8:
@@ -138,6 +147,36 @@ def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
     return q.float() * scale.float()[:, None]
 
 
+_INT8_KERNEL: dict[str, bool] = {}  # device → whether torch._weight_int8pack_mm runs there
+
+
+def int8_kernel_runs(device: torch.device) -> bool:
+    """Whether ``torch._weight_int8pack_mm`` runs, and gives the right answer, on ``device``.
+
+    Tried once per device on a tiny tensor. Only "this build has no such kernel" answers no
+    (NotImplementedError, or a RuntimeError such as "not available for build"); running out of
+    memory is no answer about the kernel and propagates, so it can never switch layers to the
+    slower converting path for good, as a try/except around every call once did.
+    """
+    key = str(device)
+    if key not in _INT8_KERNEL:
+        x = torch.ones(1, 32, dtype=torch.bfloat16, device=device)
+        w = torch.full((8, 32), 2, dtype=torch.int8, device=device)
+        scales = torch.full((8,), 0.5, dtype=torch.bfloat16, device=device)
+        try:
+            y = torch._weight_int8pack_mm(x, w, scales)
+            runs = bool(torch.all(y.float() == 32.0))
+            why = "" if runs else "it gave wrong results"
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (NotImplementedError, RuntimeError) as exc:
+            runs, why = False, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if not runs:
+            log.info("INT8 on %s: no int8 kernel (%s); weights are converted per call", key, why)
+        _INT8_KERNEL[key] = runs
+    return _INT8_KERNEL[key]
+
+
 class Int8Linear(nn.Module):
     quantized = True
     weight: Tensor
@@ -156,19 +195,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.padded_k = 0
-        self.use_kernel = True
+        # Probed once per device on a tiny tensor (on a CPU by engine.hardware), never decided
+        # by a failing call: only a missing kernel may switch a layer to the converting path.
+        cpu = weight.device.type == "cpu"
+        self.use_kernel = cpu_paths().int8_kernel.ok if cpu else int8_kernel_runs(weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.use_kernel:
-            try:
-                y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
-            except (NotImplementedError, RuntimeError):
-                if x2.device.type == "cpu":
-                    raise
-                self.use_kernel = False  # a torch build without the CUDA kernel
-        if not self.use_kernel:  # weights stay int8 in memory; one matrix converted per call
+        if self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        else:  # weights stay int8 in memory; one matrix converted per call
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
         if self.bias is not None:
             y = y + self.bias
@@ -177,6 +214,11 @@ class Int8Linear(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales))
+
+    @property
+    def kernel(self) -> str:
+        """The path this layer runs, for the load report."""
+        return "int8 kernel" if self.use_kernel else "int8 converted per call"
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -236,10 +278,9 @@ class Int4Linear(nn.Module):
             weight = F.pad(weight.float(), (0, self.padded_k, 0, self.padded_n))
         q, scale, zero = quantize_int4(weight, group)
         self.on_cuda = weight.device.type == "cuda"
-        tiles = _inner_k_tiles(k)
+        tiles = self.inner_k_tiles = _inner_k_tiles(k)
         if self.on_cuda:
-            packed_in = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-            packed = torch.ops.aten._convert_weight_to_int4pack(packed_in, tiles)
+            packed = pack_int4_cuda(q, tiles)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
         # [K/group, N, 2]: (scale, zero) per group and output channel, as the kernels want.
@@ -271,13 +312,15 @@ class Int4Linear(nn.Module):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales_and_zeros))
 
+    kernel = "int4 kernel"  # the only INT4 path: without it INT4 is refused at parse time
+
     def extra_repr(self) -> str:
         pad = f", K padded +{self.padded_k}" if self.padded_k else ""
         size = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{size}, int4 g{self.group}{pad}"
 
 
-def _cpu_int4_block_rows() -> int | None:
+def cpu_int4_block_rows() -> int | None:
     """Rows per block of ``_convert_weight_to_int4pack_for_cpu``'s layout, found by probing.
 
     The CPU packing interleaves blocks of rows: byte ``[b, k, j]`` of ``packed.view(N / B, K,
@@ -305,7 +348,109 @@ def _read_int4_rows(packed: Tensor, rows: Tensor, block: int, k: int) -> Tensor:
     return torch.where((within < half)[:, None], data & 15, data >> 4)
 
 
-_INT4_BLOCK: list[int | None] = []
+# -- reading rows back from the CUDA INT4 layout ----------------------------------------------
+
+
+def pack_int4_cuda(q: Tensor, tiles: int) -> Tensor:
+    """``_convert_weight_to_int4pack`` of ``q`` (int32 [N, K], 0..15): it takes two values a
+    byte, the even column in the high nibble."""
+    return torch.ops.aten._convert_weight_to_int4pack(
+        (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Int4TileLayout:
+    """Where torch's CUDA INT4 packing keeps each value, so embedding rows can be read from it.
+
+    The packed int32 tensor is a run of tiles of ``tile_rows × tile_cols`` values, ordered by
+    row tile, then column tile (a tile is what one warp loads: 8 × 16·inner-k-tiles values with
+    NVIDIA's m16n8k16 layout, 16 rows on ROCm). Inside a tile, value ``(r, c)`` is the 4 bits
+    at ``shift[r, c]`` of int32 word ``word[r, c]``. Found by :func:`cuda_int4_layout`.
+    """
+
+    tile_rows: int
+    tile_cols: int
+    word: Tensor  # int64 [tile_rows, tile_cols]
+    shift: Tensor  # int32 [tile_rows, tile_cols]
+
+    def read_rows(self, packed: Tensor, rows: Tensor, k: int) -> Tensor:
+        """Rows ``rows`` (int [T]) of the [N, k] matrix packed in ``packed``: int32 [T, k]."""
+        col_tiles = k // self.tile_cols
+        words = packed.reshape(-1, col_tiles, self.tile_rows * self.tile_cols // 8)
+        within = rows % self.tile_rows
+        index = self.word[within][:, None, :].expand(-1, col_tiles, -1)
+        data = words[rows // self.tile_rows].gather(2, index) >> self.shift[within][:, None, :]
+        return (data & 15).reshape(len(rows), k)
+
+
+def _nibbles(packed: Tensor) -> Tensor:
+    """Every 4-bit value of an int32 tensor, word by word, lowest bits first."""
+    words = packed.reshape(-1, 1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=packed.device)
+    return ((words >> shifts) & 15).reshape(-1)
+
+
+def _layout_from(location: Tensor, tile_rows: int, tile_cols: int) -> Int4TileLayout | None:
+    """The tile layout that explains ``location`` (value (r, c) → its nibble), if tiles of
+    ``tile_rows × tile_cols`` in row-tile-major order do."""
+    rows, cols = location.shape
+    size = tile_rows * tile_cols
+    tile = location[:tile_rows, :tile_cols]
+    if rows % tile_rows or cols % tile_cols or int(tile.max()) >= size:
+        return None
+    r = torch.arange(rows, device=location.device)[:, None]
+    c = torch.arange(cols, device=location.device)[None, :]
+    start = ((r // tile_rows) * (cols // tile_cols) + c // tile_cols) * size
+    if not torch.equal(start + tile[r % tile_rows, c % tile_cols], location):
+        return None
+    return Int4TileLayout(tile_rows, tile_cols, tile // 8, ((tile % 8) * 4).to(torch.int32))
+
+
+def probe_int4_layout(
+    device: torch.device, tiles: int, pack: Callable[[Tensor, int], Tensor] = pack_int4_cuda
+) -> Int4TileLayout | None:
+    """Find the packing's layout by packing a probe matrix whose values spell, hex digit by hex
+    digit, their own position; then check it by reading a random matrix back exactly.
+
+    Nothing about the kernel's layout is assumed beyond "a permutation of 4-bit values in
+    tiles", so a torch that changes it gets ``None`` (and a clear refusal), never wrong rows.
+    """
+    rows, cols = 64, 2 * 16 * tiles  # several row tiles of any plausible height, 2 column tiles
+    count = rows * cols  # ≤ 16 384: four hex digits
+    position = torch.arange(count, device=device, dtype=torch.int32).view(rows, cols)
+    source = torch.zeros(count, dtype=torch.int64, device=device)
+    for digit in range(4):
+        nibbles = _nibbles(pack((position >> (4 * digit)) & 15, tiles))
+        if nibbles.numel() != count:
+            return None
+        source += nibbles << (4 * digit)  # source[n]: the position nibble n came from
+    everything = torch.arange(count, device=device)
+    if not torch.equal(source.sort().values, everything):
+        return None
+    location = torch.empty_like(source)
+    location[source] = everything
+    gen = torch.Generator().manual_seed(0)
+    check = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.int32).to(device)
+    packed, ids = pack(check, tiles), torch.arange(rows, device=device)
+    for tile_rows in (8, 16, 32):
+        layout = _layout_from(location.view(rows, cols), tile_rows, 16 * tiles)
+        if layout is not None and torch.equal(layout.read_rows(packed, ids, cols), check):
+            return layout
+    return None
+
+
+_CUDA_INT4_LAYOUTS: dict[tuple[str, int], Int4TileLayout | None] = {}
+
+
+def cuda_int4_layout(device: torch.device, tiles: int) -> Int4TileLayout | None:
+    """:func:`probe_int4_layout` once per device and inner-k-tile count."""
+    key = (str(device), tiles)
+    if key not in _CUDA_INT4_LAYOUTS:
+        _CUDA_INT4_LAYOUTS[key] = probe_int4_layout(device, tiles, pack_int4_cuda)
+        if _CUDA_INT4_LAYOUTS[key] is None:
+            log.warning("cannot read rows from the CUDA INT4 layout on %s", device)
+    return _CUDA_INT4_LAYOUTS[key]
 
 
 class QuantizedEmbedding(nn.Module):
@@ -327,10 +472,17 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("inverse_scale", inverse_scale.float())
         self.embedding_dim = head.in_features
         self.own_rows: Tensor | None = None
+        self.cuda_layout: Int4TileLayout | None = None
+        if isinstance(head, Int4Linear) and head.on_cuda:
+            self.cuda_layout = cuda_int4_layout(head.weight.device, head.inner_k_tiles)
+            if self.cuda_layout is None:
+                raise InvalidRequestError(
+                    "this torch build packs CUDA INT4 weights in a layout Infersight cannot "
+                    "read rows from, so a tied INT4 head cannot serve the embedding; use "
+                    "int8+head, or INT4 without +head"
+                )
         if isinstance(head, Int4Linear) and not head.on_cuda:
-            if not _INT4_BLOCK:
-                _INT4_BLOCK.append(_cpu_int4_block_rows())
-            block = _INT4_BLOCK[0]
+            block = cpu_paths().int4_block_rows
             rows = head.out_features + head.padded_n
             if block is None or rows % block:
                 raise InvalidRequestError(
@@ -347,13 +499,19 @@ class QuantizedEmbedding(nn.Module):
             rows = head.weight[flat].float() * head.scales[flat].float()[:, None]
         else:
             k = head.in_features + head.padded_k
-            q = _read_int4_rows(head.weight, flat, self.block, k).float() - 8
+            q = self._int4_rows(head, flat, k).float() - 8
             sz = head.scales_and_zeros[:, flat].float()  # [K/group, T, 2]
             groups = q.view(len(flat), k // head.group, head.group)
             rows = groups * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
             rows = rows.reshape(len(flat), k)[:, : head.in_features]
         rows = rows * self.inverse_scale
         return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def _int4_rows(self, head: Int4Linear, ids: Tensor, k: int) -> Tensor:
+        """Rows ``ids`` of the head's 4-bit values (0..15), read from its packed weight."""
+        if self.cuda_layout is not None:
+            return self.cuda_layout.read_rows(head.weight, ids, k)
+        return _read_int4_rows(head.weight, ids, self.block, k)
 
 
 def head_channel_scale(norm_weight: Tensor, alpha: float = 0.5) -> Tensor:

@@ -256,7 +256,7 @@ class WeightGroup:
     """One line of the load report: weights of one kind held in one format."""
 
     kind: str  # embedding, attention, mlp, lm_head, norm
-    form: str  # e.g. "bf16", "fp32 (oneDNN-packed)", "int4-g32", "int4-g128, K padded +64"
+    form: str  # e.g. "bf16", "fp32 (oneDNN-packed)", "int4-g128 (int4 kernel), K padded +64"
     parameters: int
     nbytes: int
 
@@ -280,6 +280,7 @@ def weight_report(model: nn.Module) -> list[WeightGroup]:
             continue
         if isinstance(module, (Int8Linear, Int4Linear)):
             form = "int8" if isinstance(module, Int8Linear) else f"int4-g{module.group}"
+            form += f" ({module.kernel})"
             if module.padded_k:
                 form += f", K padded +{module.padded_k}"
             add(kind, form, module.in_features * module.out_features, module.nbytes)
@@ -290,7 +291,10 @@ def weight_report(model: nn.Module) -> list[WeightGroup]:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            add(kind, dtype_name(param.dtype), param.numel(), param.numel() * param.element_size())
+            form = dtype_name(param.dtype)
+            if isinstance(module, nn.Linear) and param is module.weight:
+                form += " (nn.Linear)"
+            add(kind, form, param.numel(), param.numel() * param.element_size())
         bias = getattr(module, "bias", None)
         if isinstance(bias, Tensor) and id(bias) not in seen:
             seen.add(id(bias))

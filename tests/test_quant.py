@@ -217,4 +217,4 @@ def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
     assert sum(g.nbytes for g in report) == engine.weights_bytes
     forms = {g.form for g in report}
     if spec == "int4-g128+head":  # hidden 64 is padded to one group of 128
-        assert "int4-g128, K padded +64" in forms
+        assert "int4-g128 (int4 kernel), K padded +64" in forms

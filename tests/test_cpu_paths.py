@@ -1,0 +1,102 @@
+"""Every CPU path on every machine: the probe's answer is forced with the one switch
+(``INFERSIGHT_CPU_CAPABILITY``), each precision then runs the path the probe chose, and its
+logits equal the reference for that precision."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from engine.hardware import FORCE_ENV, CpuPaths, cpu_paths
+from engine.linear import PackedLinear
+from tests.test_quant import _dequantized_reference, _relative_error
+
+LEVELS = [None, "AVX2", "DEFAULT"]  # None: what this CPU really has
+
+
+@pytest.fixture(params=LEVELS, ids=lambda level: level or "native")
+def paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[CpuPaths]:
+    if request.param is None:
+        monkeypatch.delenv(FORCE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FORCE_ENV, request.param)
+    cpu_paths.cache_clear()
+    yield cpu_paths()
+    cpu_paths.cache_clear()  # the next test probes under its own environment
+
+
+def test_the_switch_only_lowers_what_the_cpu_has(paths: CpuPaths) -> None:
+    assert paths.capability == torch.backends.cpu.get_cpu_capability()
+    if paths.forced == "DEFAULT":
+        for probe in (paths.packed_fp32, paths.packed_bf16, paths.int8_kernel, paths.int4_kernel):
+            assert not probe.ok and FORCE_ENV in probe.why
+    if paths.forced in ("AVX2", "DEFAULT"):
+        assert not paths.packed_bf16.ok  # an AVX2-only CPU cannot repack bf16 for oneDNN
+    if paths.forced is None and paths.capability == "AVX2":  # the failure the issue found
+        assert not paths.packed_bf16.ok and "avx512" in paths.packed_bf16.why
+    assert paths.summary().startswith(f"CPU {paths.capability}")
+
+
+def _packed_dtypes(engine: LLMEngine) -> set[torch.dtype]:
+    return {m.dtype for m in engine.model.modules() if isinstance(m, PackedLinear)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_float_precisions_take_the_probed_path_and_match_transformers(
+    paths: CpuPaths, tiny_model_dir, precision: str
+) -> None:
+    folder, hf = tiny_model_dir("qwen2", False)
+    engine = LLMEngine.load(folder, precision=precision)
+    dtype = engine.dtype
+    assert (dtype in _packed_dtypes(engine)) == paths.packed(dtype).ok
+    forms = {g.form for g in engine.weight_groups if g.kind in ("attention", "mlp")}
+    forms = {f for f in forms if "(" in f}  # the linears' weights, not Qwen2's biases
+    path = "oneDNN-packed" if paths.packed(dtype).ok else "nn.Linear"
+    assert forms == {f"{precision} ({path})"}
+    ids = list(range(3, 40))
+    ours = engine.forward_logits(ids, engine.new_cache(len(ids)), 0).float()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].float()
+    limit = 1e-5 if precision == "fp32" else 2e-2
+    assert _relative_error(ours, theirs) <= limit
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4-g32", "int8+head"])
+def test_quantized_precisions_take_the_probed_path_or_are_refused_by_name(
+    paths: CpuPaths, tiny_model_dir, precision: str
+) -> None:
+    folder, _ = tiny_model_dir("llama", True)
+    probe = paths.int8_kernel if precision.startswith("int8") else paths.int4_kernel
+    if precision.startswith("int4") and not probe.ok:
+        with pytest.raises(InvalidRequestError, match="int4-g32 cannot run on this CPU"):
+            LLMEngine.load(folder, precision=precision)
+        return
+    engine = LLMEngine.load(folder, precision=precision)
+    kernel = {
+        "int8": "int8 kernel" if probe.ok else "int8 converted per call",
+        "int4-g32": "int4 kernel",
+        "int8+head": "int8 kernel" if probe.ok else "int8 converted per call",
+    }[precision]
+    forms = {g.form.split(",")[0] for g in engine.weight_groups if g.kind in ("attention", "mlp")}
+    assert forms == {f"{precision.removesuffix('+head')} ({kernel})"}  # ", K padded +16" cut
+    reference = _dequantized_reference(folder, precision)
+    ids = list(range(3, 40))
+    ours = engine.forward_logits(ids, engine.new_cache(len(ids)), 0)
+    theirs = reference.forward_logits(ids, reference.new_cache(len(ids)), 0)
+    assert _relative_error(ours, theirs) <= 2e-2
+
+
+def test_the_load_report_names_the_cpu_paths(
+    paths: CpuPaths, tiny_model_dir, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder, _ = tiny_model_dir("llama", True)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        LLMEngine.load(folder, precision="bf16")
+    assert paths.summary() in caplog.text
+    path = "oneDNN-packed" if paths.packed_bf16.ok else "nn.Linear"
+    assert f"bf16 ({path})" in caplog.text
