@@ -6,12 +6,12 @@ Ctrl-C while a reply streams stops that reply and keeps what was said so far.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import TextIO
 
 from engine.engine import LLMEngine
 from engine.errors import InfersightError
+from engine.sampling import SamplingParams
 
 HELP = "commands: /reset (new conversation), /quit (or Ctrl-D), /help; Ctrl-C stops a reply"
 
@@ -19,10 +19,9 @@ HELP = "commands: /reset (new conversation), /quit (or Ctrl-D), /help; Ctrl-C st
 class ChatSession:
     """Conversation state and one turn of generation; the terminal loop drives it."""
 
-    def __init__(self, engine: LLMEngine, params: object, system: str | None = None) -> None:
-        from engine.sampling import SamplingParams
-
-        assert isinstance(params, SamplingParams)
+    def __init__(
+        self, engine: LLMEngine, params: SamplingParams, system: str | None = None
+    ) -> None:
         self.engine = engine
         self.params = params
         self.system = system
@@ -67,13 +66,25 @@ class ChatSession:
         return text
 
 
-def run_chat(args: argparse.Namespace) -> int:
-    from app.cli import load_engine, sampling_params
+def describe_sampling(params: SamplingParams) -> str:
+    """``greedy``, or what is on: ``temperature 0.2, top-k 50, top-p 0.9``."""
+    p = params
+    parts = ["greedy"] if p.greedy else [f"temperature {p.temperature:g}"]
+    if not p.greedy:
+        parts += [f"top-k {p.top_k}"] * (p.top_k > 0) + [f"top-p {p.top_p:g}"] * (p.top_p < 1)
+        parts += [f"min-p {p.min_p:g}"] * (p.min_p > 0)
+    parts += [f"repetition penalty {p.repetition_penalty:g}"] * (p.repetition_penalty != 1)
+    return ", ".join(parts)
 
-    params = sampling_params(args)
-    engine = load_engine(args)
-    session = ChatSession(engine, params, system=args.system)
-    print(f"{engine.name} ({engine.cfg.model_type}, {args.precision}, {engine.device}). {HELP}")
+
+def run_chat(engine: LLMEngine, params: SamplingParams, *, system: str | None = None) -> int:
+    """The terminal loop over a loaded engine (``infersight chat`` loads it and builds
+    ``params``: the model's default sampling with the command's flags on top)."""
+    session = ChatSession(engine, params, system=system)
+    print(
+        f"{engine.name} ({engine.cfg.model_type}, {engine.precision.text}, {engine.device}; "
+        f"{describe_sampling(session.params)}). {HELP}"
+    )
     while True:
         try:
             line = input("you> ")

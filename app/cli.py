@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("infersight")
 
 PRECISION_CHOICES = ("fp32", "bf16", "fp16")
+MODEL_HELP = "'default', an HF model folder or a .gguf file (imported into the store once)"
+DEVICE_HELP = "auto (CUDA when torch sees one, else cpu), cpu, cuda, cuda:1 …"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("app", help="open the desktop app (the default with no command)")
     p.add_argument("--model", default=None, help="'default', an HF model folder or a .gguf file")
     p.add_argument("--precision", default=None, help="fp32, bf16, int8, int4-g32 … (see chat)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--data-dir", default=None, help="where chats and settings live")
     p.set_defaults(handler=cmd_app)
 
@@ -128,12 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_ppl)
     ep = esub.add_parser("compare", help="precision A against B: KL, top-1 agreement, texts")
-    ep.add_argument("--model", default="default", help="'default' or an HF model folder")
+    ep.add_argument("--model", default="default", help=MODEL_HELP)
     ep.add_argument("--a", default="fp32", help="reference precision")
     ep.add_argument("--b", required=True, help="precision to judge, e.g. int4-g32")
     ep.add_argument("--prompts", help="a file with one prompt per line")
     ep.add_argument("--new-tokens", type=int, default=48)
-    ep.add_argument("--device", default="cpu")
+    ep.add_argument("--device", default="auto", help=DEVICE_HELP)
     ep.add_argument("--threads", type=int, default=None)
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_compare)
@@ -154,14 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
-    p.add_argument("--model", default="default", help="'default' or an HF model folder")
+    p.add_argument("--model", default="default", help=MODEL_HELP)
     if precision:
         p.add_argument(
             "--precision",
             default="fp32",
             help="fp32, bf16, fp16, int8, int4-g32|g64|g128, or mixed:attn=int8,mlp=int4-g32",
         )
-        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+        p.add_argument("--device", default="auto", help=DEVICE_HELP)
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
 
 
@@ -207,31 +209,43 @@ def engine_config(args: argparse.Namespace, max_batch_size: int = 16) -> Any:
     )
 
 
+#: sampling flags → ``SamplingParams`` fields; a flag left out keeps the model's default
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
 def _sampling_args(p: argparse.ArgumentParser, *, default_max_new: int) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=default_max_new)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g = p.add_argument_group(
+        "sampling",
+        "Unset options take the model's own defaults (its generation_config.json; greedy "
+        "when it has none); each option given overrides just that value.",
+    )
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"default: the model's, else {default_max_new}",
+    )
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off")
+    g.add_argument("--top-p", type=float, default=None, help="1 = off")
+    g.add_argument("--min-p", type=float, default=None, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string")
+    p.set_defaults(fallback_max_new_tokens=default_max_new)
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params(
+    args: argparse.Namespace, model_default: dict[str, Any] | None = None
+) -> SamplingParams:
+    """The model's default sampling (``engine.default_sampling``; ``None`` before a model is
+    loaded: a check of the flags alone), overridden by every sampling flag given."""
+    from app.loading import sampling_kwargs
     from engine.sampling import SamplingParams
 
-    return SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
+    base = {"max_new_tokens": args.fallback_max_new_tokens, **(model_default or {})}
+    overrides = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    return SamplingParams(**sampling_kwargs(base, overrides), seed=args.seed, stop=tuple(args.stop))
 
 
 def progress_printer(stream: Any = sys.stderr) -> Callable[[str, int, int], None]:
@@ -242,6 +256,8 @@ def progress_printer(stream: Any = sys.stderr) -> Callable[[str, int, int], None
     last: dict[str, int] = {}
 
     def report(stage: str, done: int, total: int) -> None:
+        if stage == "load":  # one quick step (0/1, 1/1): nothing worth a line
+            return
         pct = int(100 * done / max(total, 1)) // step * step
         if last.get(stage) == pct:
             return
@@ -256,15 +272,17 @@ def progress_printer(stream: Any = sys.stderr) -> Callable[[str, int, int], None
     return report
 
 
-def load_engine(args: argparse.Namespace) -> LLMEngine:
-    from engine.engine import LLMEngine, parse_precision
-    from engine.model_store import resolve_model
+def load_engine(args: argparse.Namespace, precision: str | None = None) -> LLMEngine:
+    """The command's model (``--model``: default, a folder or a .gguf file) through the one
+    loader the app uses too (:func:`app.loading.load_engine`)."""
+    from app.loading import LoadSpec
+    from app.loading import load_engine as load
+    from engine.engine import EngineConfig
 
-    parse_precision(args.precision)  # fail on a bad precision before any download
     _set_threads(args.threads)
-    config = engine_config(args) if hasattr(args, "block_size") else None
-    folder = resolve_model(args.model, progress=progress_printer())
-    return LLMEngine.load(folder, precision=args.precision, device=args.device, config=config)
+    config = engine_config(args) if hasattr(args, "block_size") else EngineConfig()
+    spec = LoadSpec(args.model, precision or args.precision, args.device)
+    return load(spec, progress_printer(), config=config)
 
 
 def _set_threads(threads: int | None) -> None:
@@ -277,10 +295,11 @@ def _set_threads(threads: int | None) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = sampling_params(args)  # validate before loading anything
+    sampling_params(args)  # check the flags before loading anything
     if (args.prompt if args.prompt is not None else args.chat) == "":
         raise InvalidRequestError("the prompt is empty; give some text to continue")
     engine = load_engine(args)
+    params = sampling_params(args, engine.default_sampling)
     if args.chat is not None:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.chat})
@@ -300,10 +319,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from engine.model_store import resolve_model
+    from app.loading import resolve_model_folder
     from engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_folder(resolve_model(args.model, progress=progress_printer()))
+    tokenizer = Tokenizer.from_folder(resolve_model_folder(args.model, progress_printer()))
     try:
         for line in _stdin_text():
             print(json.dumps(tokenizer.encode(line.rstrip("\n"))), flush=True)
@@ -318,6 +337,7 @@ def _stdin_text() -> Any:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from app.loading import resolve_device, resolve_model_folder
     from engine.bench import (
         BenchConfig,
         format_report,
@@ -326,17 +346,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_workload_bench,
     )
     from engine.engine import parse_precision
-    from engine.model_store import resolve_model
 
     for name in ("prompt_len", "new_tokens", "repeats", "requests", "batch"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
     if any(b < 1 for b in args.max_batch_size):
         raise InvalidRequestError("--max-batch-size values must be at least 1")
-    parse_precision(args.precision)
+    device = resolve_device(args.device)
+    parse_precision(args.precision, device)
     _set_threads(args.threads)
     config = engine_config(args, max_batch_size=max(args.max_batch_size))
-    folder = resolve_model(args.model, progress=progress_printer())
+    folder = resolve_model_folder(args.model, progress_printer())
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     if args.workload == "mixed":
         report = run_workload_bench(
@@ -344,7 +364,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             requests=args.requests,
             batch_sizes=args.max_batch_size,
             precision=args.precision,
-            device=args.device,
+            device=device,
             compare_hf=args.compare_hf,
             seed=args.seed,
             engine_config=config,
@@ -361,7 +381,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             batch=args.batch,
         ),
         precision=args.precision,
-        device=args.device,
+        device=device,
         compare_hf=args.compare_hf,
         engine_config=config,
         log=say,
@@ -412,12 +432,13 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_compare(args: argparse.Namespace) -> int:
-    from engine.engine import LLMEngine, parse_precision
+    from app.loading import resolve_device
+    from engine.engine import parse_precision
     from engine.evaluate import DEFAULT_PROMPTS, compare
-    from engine.model_store import resolve_model
 
-    parse_precision(args.a, args.device)
-    parse_precision(args.b, args.device)
+    device = resolve_device(args.device)
+    parse_precision(args.a, device)
+    parse_precision(args.b, device)
     if args.new_tokens < 1:
         raise InvalidRequestError("--new-tokens must be at least 1")
     prompts = DEFAULT_PROMPTS
@@ -426,10 +447,8 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
         prompts = [p for p in prompts if p]
         if not prompts:
             raise InvalidRequestError(f"{args.prompts} holds no prompt (one per line)")
-    _set_threads(args.threads)
-    folder = resolve_model(args.model, progress=progress_printer())
-    a = LLMEngine.load(folder, precision=args.a, device=args.device)
-    b = LLMEngine.load(folder, precision=args.b, device=args.device)
+    a = load_engine(args, args.a)
+    b = load_engine(args, args.b)
     report = compare(
         a, b, prompts, new_tokens=args.new_tokens,
         progress=lambda i, n: print(f"compared {i}/{n}", file=sys.stderr),
@@ -502,7 +521,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from app.chat import run_chat
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return run_chat(args)
+    sampling_params(args)  # check the flags before loading anything
+    engine = load_engine(args)
+    return run_chat(engine, sampling_params(args, engine.default_sampling), system=args.system)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.config import ModelConfig
 from engine.errors import InfersightError, InvalidRequestError, ModelLoadError
+from engine.hardware import cpu_paths
 from engine.kv_cache import CacheWindow, ContiguousKVCache, PagedKVCache, SeqChunk
 from engine.linear import pack_linears
 from engine.metrics import (
@@ -134,6 +136,9 @@ class _Stream:
 
 
 class LLMEngine:
+    #: the model's own sampling defaults (``generation_config.json``), set by :meth:`load`
+    default_sampling: dict[str, Any]
+
     def __init__(
         self,
         model: Transformer,
@@ -159,6 +164,8 @@ class LLMEngine:
         self.precision = precision or PrecisionSpec(dtype_name(dtype), dtype)
         self.config = config or EngineConfig()
         self.weights_bytes = weight_bytes(model)
+        #: weights by kind and the form/path each runs in (the load report, the app's model info)
+        self.weight_groups = weight_report(model)
         self.kv = PagedKVCache(
             cfg,
             num_blocks=self._pool_blocks(),
@@ -213,6 +220,7 @@ class LLMEngine:
             model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype, device=torch_device,
             name=folder.name, num_parameters=num_parameters, config=config, precision=spec,
         )  # fmt: skip
+        engine.default_sampling = generation_config_sampling(folder)
         log.info(
             "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights, "
             "KV pool %d blocks × %d tokens (%.0f MiB)",
@@ -221,7 +229,9 @@ class LLMEngine:
             engine.kv.nbytes / 2**20,
         )  # fmt: skip
         fp16 = 2 * num_parameters
-        for group in weight_report(model):
+        if torch_device.type == "cpu":
+            log.info("  %s", cpu_paths().summary())
+        for group in engine.weight_groups:
             log.info(
                 "  %-9s %-34s %7.1fM params %8.1f MiB", group.kind, group.form,
                 group.parameters / 1e6, group.nbytes / 2**20,
@@ -627,15 +637,64 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
-def _generation_config_eos(folder: Path) -> list[int]:
+def _read_generation_config(folder: Path) -> dict[str, Any]:
+    """``generation_config.json`` as a dict; ``{}`` when the folder has none."""
     path = folder / "generation_config.json"
     if not path.is_file():
-        return []
+        return {}
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    return raw if isinstance(raw, dict) else {}
+
+
+def _generation_config_eos(folder: Path) -> list[int]:
+    eos = _read_generation_config(folder).get("eos_token_id")
     if eos is None:
         return []
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+#: what transformers' ``generate`` uses for a key that ``generation_config.json`` leaves out
+HF_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def generation_config_sampling(folder: Path) -> dict[str, Any]:
+    """The model's own sampling defaults as :class:`SamplingParams` keyword arguments
+    (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, and
+    ``max_new_tokens`` when the file sets it), read the way transformers' ``generate`` reads
+    ``generation_config.json``:
+
+    * no file, or ``do_sample`` false or absent: greedy (temperature 0), as in transformers;
+      a ``repetition_penalty`` still applies;
+    * ``do_sample`` true: the file's values, and for a key it leaves out (or sets to null)
+      transformers' default: temperature 1.0, top-k 50, top-p 1.0. So top-k 50 applies only
+      when the file asks for sampling, exactly when transformers would apply it; ``top_k: 0``
+      turns it off.
+
+    Values out of range are ignored with a warning (the model then runs greedy)."""
+    raw = _read_generation_config(folder)
+    greedy: dict[str, Any] = {
+        "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0
+    }  # fmt: skip
+
+    def value(key: str, default: Any) -> Any:
+        v = raw.get(key)
+        return default if v is None else v
+
+    try:
+        out = {**greedy, "repetition_penalty": float(value("repetition_penalty", 1.0))}
+        if raw.get("do_sample") is True:
+            hf = HF_SAMPLING_DEFAULTS
+            out["temperature"] = float(value("temperature", hf["temperature"]))
+            out["top_k"] = int(value("top_k", hf["top_k"]))
+            out["top_p"] = float(value("top_p", hf["top_p"]))
+            out["min_p"] = float(value("min_p", 0.0))
+        if isinstance(raw.get("max_new_tokens"), int):
+            out["max_new_tokens"] = raw["max_new_tokens"]
+        SamplingParams(**out)
+    except (InvalidRequestError, TypeError, ValueError) as exc:
+        log.warning("ignoring the sampling in %s: %s", folder / "generation_config.json", exc)
+        return greedy
+    return out

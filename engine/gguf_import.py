@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,8 +121,13 @@ def import_gguf(
     *,
     dtype: str = "fp16",
     progress: Progress | None = None,
+    sampling: Mapping[str, Any] | None = None,
 ) -> GGUFSummary:
-    """Convert ``src`` into the model folder ``dest`` (which must not exist yet)."""
+    """Convert ``src`` into the model folder ``dest`` (which must not exist yet).
+
+    ``sampling`` (``generation_config.json`` keys such as ``do_sample``, ``temperature``,
+    ``top_p``) is the model's recommended sampling; without it, the file's own
+    ``general.sampling.*`` keys are used if it has them, else the model generates greedily."""
     if dtype not in OUTPUT_DTYPES:
         raise UnsupportedModelError(
             f"output dtype {dtype!r} is not supported; choose one of {', '.join(OUTPUT_DTYPES)}"
@@ -152,6 +157,7 @@ def import_gguf(
         "bos_token_id": config.get("bos_token_id"),
         "eos_token_id": eos_ids,
         "do_sample": False,
+        **(gguf_sampling(meta) if sampling is None else sampling),
     }
     config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
 
@@ -374,6 +380,30 @@ def _tokenizer(reader: Any, meta: dict[str, Any]) -> tuple[str, dict[str, Any], 
     if template:
         tokenizer_config["chat_template"] = str(template)
     return tok.to_str(), tokenizer_config, eos_ids
+
+
+#: llama.cpp's recommended-sampling keys → ``generation_config.json`` keys
+_GGUF_SAMPLING = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def gguf_sampling(meta: dict[str, Any]) -> dict[str, Any]:
+    """The sampling a GGUF's author recommends (``general.sampling.*``), as
+    ``generation_config.json`` keys; ``{}`` when the file says nothing."""
+    out: dict[str, Any] = {}
+    for key, name in _GGUF_SAMPLING.items():
+        value = meta.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # GGUF stores float32: 0.9 reads back as 0.8999999761…
+            out[name] = int(value) if name == "top_k" else float(f"{value:.6g}")
+    if out:
+        out["do_sample"] = out.get("temperature", 1.0) > 0
+    return out
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -18,9 +19,12 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.errors import ModelLoadError, ModelPullError
 from engine.gguf_import import Progress, import_gguf
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,16 @@ class DefaultModel:
 
 
 DEFAULT = DefaultModel()
+
+#: The sampling SmolLM2-Instruct's authors recommend (their model card's example:
+#: ``generate(..., temperature=0.2, top_p=0.9, do_sample=True)``, where transformers adds its
+#: default top-k 50), written into the default model's ``generation_config.json``.
+DEFAULT_SAMPLING: dict[str, Any] = {
+    "do_sample": True,
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "top_k": 50,
+}
 
 
 def home() -> Path:
@@ -73,6 +87,7 @@ def pull_default(*, progress: Progress | None = None) -> Path:
     """
     dest = default_model_path()
     if (dest / "config.json").is_file():
+        _ensure_default_sampling(dest)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     for stale in dest.parent.glob(f".{dest.name}.partial-*"):
@@ -80,8 +95,31 @@ def pull_default(*, progress: Progress | None = None) -> Path:
     if dest.exists():  # a folder without config.json is not a model we made
         shutil.rmtree(dest)
     gguf = fetch_default_gguf(progress=progress)
-    import_gguf(gguf, dest, dtype="fp16", progress=progress)
+    import_gguf(gguf, dest, dtype="fp16", progress=progress, sampling=DEFAULT_SAMPLING)
     return dest
+
+
+def _ensure_default_sampling(folder: Path) -> None:
+    """Folders converted before the recommended sampling was written have no ``temperature``
+    in ``generation_config.json``: add :data:`DEFAULT_SAMPLING` (keeping every other key), in
+    place and atomically. A file that has a ``temperature`` is left as it is."""
+    path = folder / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        raw = {}  # unreadable: rewritten with what it must hold (eos ids come from config.json)
+    if not isinstance(raw, dict):
+        raw = {}
+    if "temperature" in raw:
+        return
+    raw.update(DEFAULT_SAMPLING)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache still loads, greedy
+        tmp.unlink(missing_ok=True)
+        log.warning("could not add the recommended sampling to %s: %s", path, exc)
 
 
 def import_into_store(gguf: Path, *, progress: Progress | None = None) -> Path:

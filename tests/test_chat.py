@@ -64,3 +64,17 @@ def test_a_crash_mid_reply_keeps_the_chat_and_the_next_message_works(engine, mon
     monkeypatch.setattr(engine.model, "forward", real_forward)
     session.reply("t9", out)
     assert session.history[-2]["content"] == "t9" and len(session.history) == 6
+
+
+def test_the_banner_says_which_sampling_runs(engine, monkeypatch, capsys):
+    from app.chat import run_chat
+
+    def eof(_prompt: str) -> str:
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", eof)
+    params = SamplingParams(temperature=0.2, top_k=50, top_p=0.9)
+    assert run_chat(engine, params) == 0
+    assert "temperature 0.2, top-k 50, top-p 0.9" in capsys.readouterr().out
+    assert run_chat(engine, SamplingParams()) == 0
+    assert "; greedy)" in capsys.readouterr().out

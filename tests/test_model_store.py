@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from engine.engine import LLMEngine
 from engine.errors import ModelPullError
 from engine.model_store import (
     DEFAULT,
+    DEFAULT_SAMPLING,
     default_gguf_path,
     default_model_path,
     fetch_default_gguf,
@@ -54,6 +56,38 @@ def test_interrupted_pull_leaves_nothing_that_loads_and_the_next_starts_clean(ho
     engine = LLMEngine.load(path)
     gen = engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_new_tokens=3))
     assert len([e for e in gen]) >= 1
+    # the sampling SmolLM2-Instruct's authors recommend, with transformers' top-k 50
+    assert engine.default_sampling == {
+        "temperature": 0.2, "top_k": 50, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.0
+    }  # fmt: skip
+
+
+def test_a_default_model_converted_before_gets_the_recommended_sampling(home):
+    folder = default_model_path()
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    old = {"bos_token_id": 1, "eos_token_id": [0, 2], "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(old))
+    assert pull_default() == folder  # no download: the folder is there
+    assert json.loads((folder / "generation_config.json").read_text()) == {
+        **old,
+        **DEFAULT_SAMPLING,
+    }
+    mine = {**old, "do_sample": True, "temperature": 0.5}  # a file with a temperature: kept
+    (folder / "generation_config.json").write_text(json.dumps(mine))
+    pull_default()
+    assert json.loads((folder / "generation_config.json").read_text()) == mine
+
+
+def test_gguf_recommended_sampling_keys_become_generation_config():
+    from engine.gguf_import import gguf_sampling
+
+    meta = {"general.sampling.temp": 0.699999988079071, "general.sampling.top_k": 40,
+            "general.sampling.top_p": 0.949999988079071}  # fmt: skip
+    assert gguf_sampling(meta) == {"temperature": 0.7, "top_k": 40, "top_p": 0.95,
+                                   "do_sample": True}  # fmt: skip
+    assert gguf_sampling({"general.sampling.temp": 0.0})["do_sample"] is False
+    assert gguf_sampling({}) == {}
 
 
 def _fake_wheel(folder: Path, payload: bytes) -> Path:

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
+    QLabel,
     QLineEdit,
     QPushButton,
     QScrollArea,
@@ -39,11 +40,19 @@ PRECISIONS = (
     "mixed:attn=int8,mlp=int4-g32,head=int8",
 )
 
+#: sampling before a model says otherwise: greedy, every filter off (what a model without a
+#: generation_config.json gets); a model's own defaults replace these when it loads
+NEUTRAL_SAMPLING: dict[str, float] = {
+    "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+    "max_new_tokens": 512,
+}  # fmt: skip
+
 
 class NumberField(QLineEdit):
     """A number with bounds; refuses what is out of range and says why."""
 
-    changed = Signal()
+    changed = Signal()  # the user entered a new value
+    shown = Signal()  # the value shown changed: by the user or by set_value
     invalid = Signal(str)
 
     def __init__(
@@ -67,6 +76,7 @@ class NumberField(QLineEdit):
         if optional:
             self.setPlaceholderText("off")
         self.editingFinished.connect(self._check)
+        self.changed.connect(self.shown)
 
     def _format(self, value: float | None) -> str:
         if value is None:
@@ -101,6 +111,11 @@ class NumberField(QLineEdit):
         self.parse(self._format(value))  # refuses a bad stored value
         self._good = self._format(value)
         self.setText(self._good)
+        self.shown.emit()
+
+    def holds(self, value: float | None) -> bool:
+        """Whether the field shows ``value`` (as it would display it)."""
+        return self._good == self._format(value)
 
     def _check(self) -> None:
         if self.text() == self._good:
@@ -171,14 +186,13 @@ class ControlsPanel(QScrollArea):
             lambda _: self.precision_requested.emit(self.precision_combo.currentText())
         )
         self.device_combo = QComboBox()
-        self.device_combo.addItem("cpu")
+        self.set_devices(["auto", "cpu"])
         self.device_combo.setToolTip(
-            "Where the engine runs. On a GPU the weights and the KV pool live in its memory "
+            "Where the engine runs. auto: the GPU when torch sees one, else the CPU (the "
+            "status bar shows which). On a GPU the weights and the KV pool live in its memory "
             "(see the memory plot); changing it reloads the model"
         )
-        self.device_combo.activated.connect(
-            lambda _: self.device_requested.emit(self.device_combo.currentText())
-        )
+        self.device_combo.activated.connect(lambda _: self.device_requested.emit(self.device()))
         form.addRow("Model", self.model_combo)
         form.addRow("", row)
         form.addRow("Precision", self.precision_combo)
@@ -196,11 +210,20 @@ class ControlsPanel(QScrollArea):
     def _sampling_group(self) -> QGroupBox:
         box = QGroupBox("Sampling")
         form = QFormLayout(box)
+        self.sampling_source = QLabel("no model loaded yet")
+        self.sampling_source.setWordWrap(True)
+        self.reset_sampling_button = QPushButton("Reset to model default")
+        self.reset_sampling_button.setToolTip(
+            "Put back the sampling the model's authors recommend (its generation_config.json)"
+        )
+        self.reset_sampling_button.setEnabled(False)
+        self.reset_sampling_button.clicked.connect(self.reset_sampling)
+        form.addRow(self.sampling_source, self.reset_sampling_button)
         self.temperature = self._field(
             form,
             "Temperature",
             "temperature",
-            0.7,
+            NEUTRAL_SAMPLING["temperature"],
             lo=0,
             hi=5,
             tip="0 = greedy (always the likeliest token). Higher = more varied. No cost",
@@ -209,7 +232,7 @@ class ControlsPanel(QScrollArea):
             form,
             "Top-k",
             "top-k",
-            0,
+            NEUTRAL_SAMPLING["top_k"],
             lo=0,
             hi=1_000_000,
             integer=True,
@@ -219,7 +242,7 @@ class ControlsPanel(QScrollArea):
             form,
             "Top-p",
             "top-p",
-            0.95,
+            NEUTRAL_SAMPLING["top_p"],
             lo=0,
             hi=1,
             lo_open=True,
@@ -230,7 +253,7 @@ class ControlsPanel(QScrollArea):
             form,
             "Min-p",
             "min-p",
-            0.05,
+            NEUTRAL_SAMPLING["min_p"],
             lo=0,
             hi=0.99,
             tip="Drop tokens less likely than min-p × the top token's probability (0 = off)",
@@ -239,7 +262,7 @@ class ControlsPanel(QScrollArea):
             form,
             "Repetition penalty",
             "repetition penalty",
-            1.1,
+            NEUTRAL_SAMPLING["repetition_penalty"],
             lo=0.01,
             hi=10,
             tip="Above 1 makes tokens already in the context less likely (1 = off)",
@@ -259,7 +282,7 @@ class ControlsPanel(QScrollArea):
             form,
             "Max new tokens",
             "max new tokens",
-            512,
+            NEUTRAL_SAMPLING["max_new_tokens"],
             lo=1,
             hi=32768,
             integer=True,
@@ -275,6 +298,10 @@ class ControlsPanel(QScrollArea):
             tip="Several candidate replies to one prompt, shown as tabs. The engine batches "
             "them: n replies cost far less than n times one, and n× the KV cache",
         )  # fmt: skip
+        self._defaults_model: str | None = None  # whose defaults these are
+        self._defaults: dict[str, float] = {}
+        for f in self._sampling_fields().values():
+            f.shown.connect(self._show_sampling_source)
         return box
 
     def _batching_group(self) -> QGroupBox:
@@ -401,14 +428,24 @@ class ControlsPanel(QScrollArea):
         if self.model_combo.findData(path) < 0:
             self.model_combo.addItem(label, path)
 
-    def set_devices(self, devices: list[str]) -> None:
-        current = self.device_combo.currentText()
-        self.device_combo.clear()
-        self.device_combo.addItems(devices)
-        if current in devices:
-            self.device_combo.setCurrentText(current)
+    def device(self) -> str:
+        """The device chosen (``auto``, ``cpu``, ``cuda:0`` …), whatever its label says."""
+        return str(self.device_combo.currentData() or self.device_combo.currentText())
 
-    def show_model(self, path: str, precision: str, device: str | None = None) -> None:
+    def set_devices(self, devices: list[str]) -> None:
+        """The devices to offer, ``auto`` first (the item's data is the device's name)."""
+        current = self.device() if self.device_combo.count() else "auto"
+        self.device_combo.clear()
+        for name in devices:
+            self.device_combo.addItem(name, name)
+        index = self.device_combo.findData(current)
+        self.device_combo.setCurrentIndex(max(index, 0))
+
+    def show_model(
+        self, path: str, precision: str, device: str | None = None, resolved: str | None = None
+    ) -> None:
+        """The model in use; ``device`` as chosen, ``resolved`` where it runs (``auto`` then
+        reads ``auto → cpu``)."""
         index = self.model_combo.findData(path)
         if index >= 0:
             self.model_combo.setCurrentIndex(index)
@@ -416,9 +453,12 @@ class ControlsPanel(QScrollArea):
             self.precision_combo.addItem(precision)
         self.precision_combo.setCurrentText(precision)
         if device is not None:
-            if self.device_combo.findText(device) < 0:
-                self.device_combo.addItem(device)
-            self.device_combo.setCurrentText(device)
+            if self.device_combo.findData(device) < 0:
+                self.device_combo.addItem(device, device)
+            self.device_combo.setCurrentIndex(self.device_combo.findData(device))
+            auto = self.device_combo.findData("auto")
+            if auto >= 0 and device == "auto" and resolved:
+                self.device_combo.setItemText(auto, f"auto → {resolved}")
 
     def _pick_folder(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Model folder")
@@ -429,6 +469,58 @@ class ControlsPanel(QScrollArea):
         path, _ = QFileDialog.getOpenFileName(self, "GGUF file", filter="GGUF (*.gguf)")
         if path:
             self.model_requested.emit(path)
+
+    # -- the model's default sampling -----------------------------------------------------------
+    def _sampling_fields(self) -> dict[str, NumberField]:
+        return {
+            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "max_new_tokens": self.max_new_tokens,
+        }  # fmt: skip
+
+    def set_model_defaults(self, model: str, defaults: dict[str, float]) -> None:
+        """A model loaded, with its own sampling ``defaults`` (``SamplingParams`` keyword
+        arguments; keys it lacks are :data:`NEUTRAL_SAMPLING`'s). The fields show them, unless
+        they hold the user's own values for this same model (say, reloaded in another
+        precision): those are kept, and Reset puts the model's back."""
+        fields = self._sampling_fields()
+        keep = model == self._defaults_model and not self.is_model_default()
+        self._defaults_model = model
+        self._defaults = {
+            k: float(v) for k, v in {**NEUTRAL_SAMPLING, **defaults}.items() if k in fields
+        }
+        if keep:
+            self._show_sampling_source()
+        else:
+            self.reset_sampling()
+
+    def model_defaults(self) -> dict[str, float]:
+        return dict(self._defaults)
+
+    def is_model_default(self) -> bool:
+        """Whether the sampling fields hold the model's defaults (True before any model)."""
+        fields = self._sampling_fields()
+        return all(fields[k].holds(v) for k, v in self._defaults.items())
+
+    def reset_sampling(self) -> None:
+        """Put the model's default sampling back into the fields."""
+        fields = self._sampling_fields()
+        changed = not self.is_model_default()
+        for key, value in self._defaults.items():
+            fields[key].set_value(value)
+        self._show_sampling_source()
+        if changed:
+            self.sampling_changed.emit()
+
+    def _show_sampling_source(self) -> None:
+        if self._defaults_model is None:
+            return
+        summary = _describe_sampling(self._defaults)
+        mine = not self.is_model_default()
+        self.sampling_source.setText("your own values" if mine else "model default")
+        self.sampling_source.setToolTip(f"The model's default sampling: {summary}")
+        self.reset_sampling_button.setEnabled(mine)
+        self.reset_sampling_button.setToolTip(f"Back to the model's default: {summary}")
 
     # -- settings ------------------------------------------------------------------------------
     def fields(self) -> dict[str, NumberField]:
@@ -446,6 +538,8 @@ class ControlsPanel(QScrollArea):
         out: dict[str, Any] = {k: f.text() for k, f in self.fields().items()}
         out["stop_strings"] = self.stop_strings.text()
         out["window_on"] = self.window_on.isChecked()
+        if self._defaults_model is not None:  # so the user's own values survive a restart
+            out["model_sampling"] = {"model": self._defaults_model, "defaults": self._defaults}
         return out
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -458,3 +552,27 @@ class ControlsPanel(QScrollArea):
         if isinstance(state.get("stop_strings"), str):
             self.stop_strings.setText(state["stop_strings"])
         self.window_on.setChecked(state.get("window_on") in (True, "true"))
+        saved = state.get("model_sampling")
+        if isinstance(saved, dict) and isinstance(saved.get("model"), str):
+            defaults = saved.get("defaults")
+            fields = self._sampling_fields()
+            if isinstance(defaults, dict) and set(defaults) == set(fields):
+                with contextlib.suppress(TypeError, ValueError):
+                    self._defaults = {k: float(v) for k, v in defaults.items()}
+                    self._defaults_model = saved["model"]
+            self._show_sampling_source()
+
+
+def _describe_sampling(v: dict[str, float]) -> str:
+    """``greedy`` or ``temperature 0.2, top-k 50, top-p 0.9`` (only what is on)."""
+    greedy = v.get("temperature", 0) == 0
+    parts = ["greedy"] if greedy else [f"temperature {v['temperature']:g}"]
+    if not greedy:
+        parts += [f"top-k {v['top_k']:g}"] if v.get("top_k", 0) > 0 else []
+        parts += [f"top-p {v['top_p']:g}"] if v.get("top_p", 1) < 1 else []
+        parts += [f"min-p {v['min_p']:g}"] if v.get("min_p", 0) > 0 else []
+    if v.get("repetition_penalty", 1) != 1:
+        parts.append(f"repetition penalty {v['repetition_penalty']:g}")
+    if "max_new_tokens" in v:
+        parts.append(f"at most {v['max_new_tokens']:g} new tokens")
+    return ", ".join(parts)

@@ -1,0 +1,113 @@
+"""Loading a model, the same way for every front end (the app's worker, every CLI command).
+
+:func:`load_engine` takes a :class:`LoadSpec`: the model (``"default"``, pulled once; a model
+folder; or a ``.gguf`` file, imported once into the model store), a precision and a device.
+Device ``"auto"`` is CUDA when torch sees one, else the CPU; an explicit device that is not
+there is refused with a message before anything is downloaded or read.
+
+Importing this module is cheap (no torch): ``infersight --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.engine import EngineConfig, LLMEngine
+
+#: ``progress(stage, done, total)``: download, dequantize, write, load
+Progress = Callable[[str, int, int], None]
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """A model to load: ``"default"``, a model folder or a ``.gguf`` file."""
+
+    model: str = "default"
+    precision: str = "fp32"
+    device: str = AUTO  # "auto", "cpu", "cuda", "cuda:1" …
+    kv_memory_mib: float = 512.0  # size of the paged KV pool
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` → ``"cuda"`` when torch sees a CUDA device, else ``"cpu"``. Any other name is
+    checked: a device that does not exist raises :class:`InvalidRequestError`."""
+    import torch
+
+    name = device.strip().lower()
+    if name == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(name)
+    except RuntimeError:
+        raise InvalidRequestError(
+            f"unknown device {device!r}; use auto, cpu, cuda or cuda:N"
+        ) from None
+    if parsed.type == "cpu":
+        return name
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidRequestError(
+                f"device {device!r} is not available: torch sees no CUDA device (a CPU build "
+                "of torch, or no driver); use --device auto or cpu"
+            )
+        if parsed.index is not None and parsed.index >= count:
+            raise InvalidRequestError(
+                f"device {device!r} does not exist: torch sees {count} CUDA device(s), "
+                f"cuda:0 … cuda:{count - 1}"
+            )
+        return name
+    raise InvalidRequestError(f"device {device!r} is not supported; use auto, cpu, cuda or cuda:N")
+
+
+def resolve_model_folder(model: str, progress: Progress | None = None) -> Path:
+    """The model folder for ``model``: ``"default"`` (pulled on first use), a folder, or a
+    ``.gguf`` file (imported into the model store once, reused after)."""
+    from engine.model_store import import_into_store, resolve_model
+
+    path = Path(model).expanduser()
+    if model != "default" and path.suffix.lower() == ".gguf":
+        return import_into_store(path, progress=progress)
+    return resolve_model(model, progress=progress)
+
+
+def load_engine(
+    spec: LoadSpec,
+    progress: Progress | None = None,
+    *,
+    config: EngineConfig | None = None,
+) -> LLMEngine:
+    """Resolve the device and the model, then load. ``config`` (KV pool, limits, window)
+    defaults to a pool of ``spec.kv_memory_mib``. The precision and device are checked before
+    any download or conversion."""
+    from engine.engine import EngineConfig, LLMEngine, parse_precision
+
+    device = resolve_device(spec.device)
+    parse_precision(spec.precision, device)  # fail on a bad precision before any download
+    folder = resolve_model_folder(spec.model, progress)
+    if progress:
+        progress("load", 0, 1)
+    if config is None:
+        config = EngineConfig(kv_memory=spec.kv_memory_mib * 2**20)
+    engine = LLMEngine.load(folder, precision=spec.precision, device=device, config=config)
+    if progress:
+        progress("load", 1, 1)
+    return engine
+
+
+def sampling_kwargs(
+    model_default: Mapping[str, Any], overrides: Mapping[str, Any | None]
+) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments: the model's defaults (``engine.default_sampling``),
+    then every override that is not ``None``."""
+    out = dict(model_default)
+    out.update({k: v for k, v in overrides.items() if v is not None})
+    return out
