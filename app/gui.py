@@ -6,8 +6,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import InfersightError
+
+if TYPE_CHECKING:
+    from app.main_window import MainWindow
+
+#: a testing and scripting aid: ``INFERSIGHT_AUTOSEND="text" infersight`` sends ``text`` once,
+#: as the user would, as soon as the first model is loaded
+AUTOSEND_ENV = "INFERSIGHT_AUTOSEND"
 
 NO_DISPLAY = """\
 infersight: no display found, so the window cannot open.
@@ -58,8 +66,9 @@ def run_gui(args: argparse.Namespace) -> int:
             "`make run`, or use `infersight chat` in a terminal"
         ) from exc
     from app.gc_guard import GuiGarbageCollector
+    from app.loading import LoadSpec
     from app.main_window import MainWindow
-    from app.worker import LoadSpec
+    from app.signals import forward_signals
 
     app = make_application()
     assert isinstance(app, QApplication)
@@ -67,7 +76,35 @@ def run_gui(args: argparse.Namespace) -> int:
     spec = None
     if args.model is not None or args.precision is not None or args.device != "cpu":
         spec = LoadSpec(args.model or "default", args.precision or "fp32", args.device)
-    window = MainWindow(Path(args.data_dir) if args.data_dir else data_dir(), spec=spec)
-    window.resize(1280, 800)
-    window.show()
-    return int(app.exec())
+    window: MainWindow | None = None
+
+    def close(signum: int) -> None:
+        """SIGTERM (a logout, a shutdown) or SIGINT (Ctrl+C): what the close button does, so
+        the reply being streamed is kept, marked stopped; then the event loop ends."""
+        if window is not None:
+            window.close()
+        app.quit()
+
+    # armed before the window exists: a signal during start-up closes it once the loop runs
+    with forward_signals(close):
+        window = MainWindow(Path(args.data_dir) if args.data_dir else data_dir(), spec=spec)
+        window.resize(1280, 800)
+        window.show()
+        autosend = os.environ.get(AUTOSEND_ENV)
+        if autosend:
+            send_when_loaded(window, autosend)
+        return int(app.exec())
+
+
+def send_when_loaded(window: MainWindow, text: str) -> None:
+    """Send ``text`` once, as the chat box would, when the window's first model is loaded."""
+    from PySide6.QtCore import QObject
+
+    class AutoSend(QObject):
+        # a method of a QObject of the UI thread runs in that thread (a bare function would
+        # run in the worker's), queued after the window's own _on_loaded: the model is set
+        def send(self, _info: object) -> None:
+            window.worker.loaded.disconnect(self.send)
+            window.send(text)
+
+    window.worker.loaded.connect(AutoSend(window).send)

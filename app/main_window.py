@@ -9,12 +9,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, QThread
+from PySide6.QtCore import QCoreApplication, QEvent, QSettings, Qt, QThread, QTimer
 from PySide6.QtGui import QCloseEvent, QIcon
 from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QProgressDialog, QWidget
 
+from app import gc_guard
 from app.store import ChatStore, Message
 from app.worker import (
+    LOAD_JOIN_S,
     Cancel,
     Configure,
     Delta,
@@ -37,6 +39,8 @@ from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint
 log = logging.getLogger(__name__)
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+#: engine threads that outlived their window (see ``MainWindow.shutdown``), kept referenced
+_STRAY_THREADS: list[tuple[QThread, EngineWorker]] = []
 
 #: what a loader's progress stages mean to a user (``load`` itself is quick: no dialog)
 PROGRESS_STAGES = {
@@ -45,12 +49,17 @@ PROGRESS_STAGES = {
     "write": "Writing the converted model",
 }
 
+#: a streaming reply's text reaches the store within this many seconds, and no more often
+SAVE_INTERVAL_S = 1.0
+
 
 def available_devices() -> list[str]:
-    """``cpu`` and every CUDA device torch can see (a query, no work on a device)."""
+    """``auto`` (CUDA when torch sees one, else the CPU), ``cpu`` and every CUDA device torch
+    can see (a query, no work on a device)."""
     import torch
 
-    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["auto", "cpu"] + [f"cuda:{i}" for i in range(cuda)]
 
 
 def style_sheet() -> str:
@@ -70,6 +79,9 @@ class ActiveReply:
     status: str = "done"
     stats: dict[int, ReplyStats] = field(default_factory=dict)
     error: str | None = None
+    saved_at: float = field(default_factory=time.monotonic)  # last write of its text
+    unsaved: bool = False  # text streamed since then
+    save_scheduled: bool = False
 
 
 def model_label(info: ModelInfo) -> str:
@@ -131,6 +143,7 @@ class MainWindow(QMainWindow):
         self.engine_thread.started.connect(self.worker.run)
         self.worker.stopped.connect(self.engine_thread.quit, Qt.ConnectionType.DirectConnection)
         self._connect()
+        self.worker.loaded.connect(self._settle_garbage)
         self.controls.set_devices(available_devices())
         self._restore_settings()
         # the restored limits and window; the worker applies them to every engine it loads
@@ -207,7 +220,8 @@ class MainWindow(QMainWindow):
         return self.model.precision if self.model else self.controls.precision_combo.currentText()
 
     def _device(self) -> str:
-        return self.model.device if self.model else self.controls.device_combo.currentText()
+        """The device as the user chose it (``auto`` stays ``auto``)."""
+        return self.model.requested_device if self.model else self.controls.device()
 
     def _spec(
         self, *, model: str | None = None, precision: str | None = None, device: str | None = None
@@ -270,12 +284,18 @@ class MainWindow(QMainWindow):
         self._close_progress()
         self.model = info
         self.controls.add_model(info.name, info.path)
-        self.controls.show_model(info.path, info.precision, info.device)
+        self.controls.show_model(info.path, info.precision, info.requested_device, info.device)
+        self.controls.set_model_defaults(info.path, info.default_sampling)
         self.controls.kv_memory.set_value(info.kv_memory_mib)
         self.status_model.setText(model_label(info))
         self.settings.setValue("model", info.path)
         self.settings.setValue("precision", info.precision)
-        self.settings.setValue("device", info.device)
+        self.settings.setValue("device", info.requested_device)  # "auto" stays "auto"
+
+    def _settle_garbage(self, _info: ModelInfo) -> None:
+        """A load leaves many young objects that each later collection would traverse, in the
+        middle of a reply: collect once now and freeze the survivors (``app.gc_guard``)."""
+        gc_guard.settle()
 
     def _on_load_failed(self, message: str) -> None:
         spec, self.loading = self.loading, None
@@ -283,7 +303,9 @@ class MainWindow(QMainWindow):
         if self.model is not None:
             keep = f" Still using {self.model.name} ({self.model.precision})."
             self.status_model.setText(model_label(self.model))
-            self.controls.show_model(self.model.path, self.model.precision, self.model.device)
+            self.controls.show_model(
+                self.model.path, self.model.precision, self.model.requested_device
+            )
         else:
             keep = " No model is loaded: pick another model or precision in Controls."
             self.status_model.setText("no model")
@@ -293,9 +315,9 @@ class MainWindow(QMainWindow):
     def _saved_spec(self) -> LoadSpec:
         model = str(self.settings.value("model", "default"))
         precision = str(self.settings.value("precision", "fp32"))
-        device = str(self.settings.value("device", "cpu"))
+        device = str(self.settings.value("device", "auto"))
         if device not in available_devices():
-            device = "cpu"
+            device = "auto"
         return LoadSpec(model, precision, device, self.controls.kv_memory_mib())
 
     # -- conversations -------------------------------------------------------------------------
@@ -445,6 +467,7 @@ class MainWindow(QMainWindow):
                 continue
             if d.text:
                 reply.candidates[d.candidate] += d.text
+                reply.unsaved = True
                 self.chat.append_to_last(d.candidate, d.text)
             if d.finish is not None:
                 reply.open.discard(d.candidate)
@@ -454,16 +477,42 @@ class MainWindow(QMainWindow):
                     reply.status = "stopped"
         if not reply.open:
             self._finish_reply(reply)
+        elif reply.unsaved:
+            self._save_soon(reply)
+
+    def _save_soon(self, reply: ActiveReply) -> None:
+        """Write the streamed text now if the last write is ``SAVE_INTERVAL_S`` old, else when
+        it will be: a kill loses at most a second of a reply, at one UPDATE a second."""
+        wait = reply.saved_at + SAVE_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            self._save_streamed(reply)
+        elif not reply.save_scheduled:
+            reply.save_scheduled = True
+            QTimer.singleShot(int(wait * 1000) + 1, self, lambda: self._save_streamed(reply))
+
+    def _save_streamed(self, reply: ActiveReply) -> None:
+        reply.save_scheduled = False
+        if self.active is not reply or not reply.unsaved:
+            return  # finished (and saved) meanwhile, or nothing new
+        selected, meta = self._reply_record(reply)
+        self.store.update_message(reply.message_id, content=reply.candidates[selected], meta=meta)
+        reply.saved_at, reply.unsaved = time.monotonic(), False
+
+    def _reply_record(self, reply: ActiveReply) -> tuple[int, dict[str, object]]:
+        """The candidate shown (its text is the message's content) and the meta to store."""
+        bubble = self.chat.last
+        selected = bubble.view.selected if bubble is not None else 0
+        meta: dict[str, object] = {"selected": selected}
+        if len(reply.candidates) > 1:
+            meta["candidates"] = list(reply.candidates)
+        return selected, meta
 
     def _finish_reply(self, reply: ActiveReply) -> None:
         self.active = None
-        bubble = self.chat.last
-        selected = bubble.view.selected if bubble is not None else 0
+        selected, meta = self._reply_record(reply)
         stats = reply.stats.get(selected) or next(iter(reply.stats.values()), None)
         text = stats_text(stats) if stats else ""
-        meta: dict[str, object] = {"stats": text, "selected": selected}
-        if len(reply.candidates) > 1:
-            meta["candidates"] = reply.candidates
+        meta["stats"] = text
         if stats is not None:
             meta["model"], meta["precision"] = stats.model, stats.precision
         self.store.update_message(
@@ -509,8 +558,13 @@ class MainWindow(QMainWindow):
         memory = {"weights": mem.weights_bytes * mib, "KV pool": mem.kv_pool_bytes * mib}
         if mem.workspace_bytes is not None:
             memory["workspace"] = mem.workspace_bytes * mib
-        if mem.nvml_used_bytes is not None:
-            memory["GPU used (NVML)"] = mem.nvml_used_bytes * mib
+        if mem.cuda_reserved_bytes is not None:  # a GPU model: the GPU's memory, not the host's
+            # reserved is what runs out first; NVML adds the context and other processes
+            memory["CUDA reserved"] = mem.cuda_reserved_bytes * mib
+            if mem.nvml_used_bytes is not None:
+                memory["GPU used (NVML)"] = mem.nvml_used_bytes * mib
+            if mem.nvml_total_bytes is not None:
+                memory["GPU total (NVML)"] = mem.nvml_total_bytes * mib
         elif mem.process_rss_bytes is not None:
             memory["process RSS"] = mem.process_rss_bytes * mib
         self.instruments.add_frame(
@@ -543,19 +597,32 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(geometry)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker (cancelling what runs) and close the store; idempotent."""
+        """Stop the worker (cancelling what runs) and close the store; idempotent.
+
+        The reply being streamed is kept, every character the worker sent, marked stopped.
+        The worker stops after the step in flight, or once a load in flight has noticed its
+        cancellation (at most ``LOAD_JOIN_S``); this waits for that, because a ``QThread``
+        destroyed while it runs takes the process down with it.
+        """
         if self._closed:
             return
         self._closed = True
         if self.engine_thread.isRunning():
             self.worker.post(Stop())
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + LOAD_JOIN_S + timeout_s
             while self.engine_thread.isRunning() and time.monotonic() < deadline:
                 self.engine_thread.wait(50)
+            if self.engine_thread.isRunning():  # a load that never reports progress
+                log.warning("the engine thread is still busy; leaving it to the process exit")
+                self.engine_thread.setParent(None)  # not destroyed with this window
+                _STRAY_THREADS.append((self.engine_thread, self.worker))
+            # the text it sent while we waited is still queued for this window: take it
+            QCoreApplication.sendPostedEvents(self, QEvent.Type.MetaCall)
         if self.active is not None:  # keep what was streamed
             reply, self.active = self.active, None
+            selected, meta = self._reply_record(reply)
             self.store.update_message(
-                reply.message_id, content=reply.candidates[0], status="stopped"
+                reply.message_id, content=reply.candidates[selected], status="stopped", meta=meta
             )
         self.settings.setValue("controls", json.dumps(self.controls.state()))
         self.settings.setValue("geometry", self.saveGeometry())

@@ -1,8 +1,9 @@
 """Conversations on disk: SQLite (stdlib ``sqlite3``) in WAL mode under the user data folder.
 
-Every write commits at once (autocommit), so a crash or a kill loses at most the reply being
-streamed: a user message is stored when it is sent, an assistant message when its reply
-starts (empty, ``streaming``) and again when it finishes or is stopped. A reply still marked
+Every write commits at once (autocommit), so a crash or a kill loses at most the last second
+of the reply being streamed: a user message is stored when it is sent, an assistant message
+when its reply starts (empty, ``streaming``), then with its text so far about once a second
+while it streams, and again when it finishes or is stopped. A reply still marked
 ``streaming`` when the store is opened again was cut off; it is marked ``interrupted``.
 """
 

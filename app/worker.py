@@ -23,13 +23,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.errors import InfersightError
+from app.loading import LoadSpec as LoadSpec  # re-exported: the UI and tests use it
+from app.loading import load_engine as load_engine
+from engine.engine import LLMEngine
+from engine.errors import CancelledError, InfersightError
 from engine.kv_cache import CacheWindow
 from engine.metrics import MetricsSnapshot, RequestMetrics
 from engine.sampling import SamplingParams
@@ -39,18 +40,12 @@ log = logging.getLogger(__name__)
 FRAME_S = 1 / 60  # token text is flushed at most this often
 METRICS_S = 0.25  # metrics while working
 IDLE_METRICS_S = 1.0  # metrics while idle
+LOAD_JOIN_S = 120.0  # a stopping worker waits this long for a load to notice its cancel
 
 # -- what crosses the thread boundary (plain data) ---------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
-    """A model to load: ``"default"``, a model folder or a ``.gguf`` file."""
-
-    model: str = "default"
-    precision: str = "fp32"
-    device: str = "cpu"
-    kv_memory_mib: float = 512.0  # size of the paged KV pool
+# LoadSpec (what to load) is defined with the one loader every front end uses, app.loading
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +53,16 @@ class ModelInfo:
     name: str
     path: str
     precision: str
-    device: str
+    device: str  # where it runs: "auto" resolved ("cpu", "cuda" …)
     context_length: int
     num_parameters: int
     weights_bytes: int
     kv_blocks: int
     block_size: int
     kv_memory_mib: float
+    requested_device: str = "auto"  # as the user chose it ("auto", "cpu", "cuda:1" …)
+    #: the model's own sampling (``SamplingParams`` keyword arguments, generation_config.json)
+    default_sampling: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,22 +159,6 @@ Command = Send | Cancel | Load | Configure | Pause | Stop | _Loaded | _LoadFaile
 Loader = Callable[[LoadSpec, Callable[[str, int, int], None]], LLMEngine]
 
 
-def load_engine(spec: LoadSpec, progress: Callable[[str, int, int], None]) -> LLMEngine:
-    """The real loader: resolve ``default`` (pulling it once), import a GGUF, then load."""
-    from engine.model_store import import_into_store, resolve_model
-
-    path = Path(spec.model).expanduser()
-    if spec.model != "default" and path.suffix.lower() == ".gguf":
-        folder = import_into_store(path, progress=progress)
-    else:
-        folder = resolve_model(spec.model, progress=progress)
-    progress("load", 0, 1)
-    config = EngineConfig(kv_memory=spec.kv_memory_mib * 2**20)
-    engine = LLMEngine.load(folder, precision=spec.precision, device=spec.device, config=config)
-    progress("load", 1, 1)
-    return engine
-
-
 @dataclass(slots=True)
 class _Reply:
     tag: str
@@ -217,10 +199,13 @@ class EngineWorker(QObject):
         self._pending: list[Delta] = []
         self._settings = _Settings()
         self._loading: LoadSpec | None = None
+        self._load_thread: threading.Thread | None = None
+        self._load_cancel = threading.Event()
         self._paused = False
         self._running = False
         self._last_flush = 0.0
         self._last_metrics = 0.0
+        self._streams: dict[int, Any] = {}  # CUDA device index → this worker's stream there
 
     # -- any thread ------------------------------------------------------------------------
     def post(self, command: Command) -> None:
@@ -237,20 +222,48 @@ class EngineWorker(QObject):
                     self._step_all()
                 self._flush()
                 self._maybe_emit_metrics()
+        self._wait_for_loader()
         self._drop_engines()
         self.stopped.emit()
 
     @contextlib.contextmanager
     def _device_stream(self) -> Iterator[None]:
-        """Engine work on CUDA runs on the worker's own stream, never the default one."""
+        """The loop's span. Engine work on CUDA runs on the worker's own stream of each device
+        (made current by :meth:`_use_device_stream` as an engine comes in); leaving puts the
+        default streams back. Nothing here touches CUDA for a CPU model."""
+        try:
+            yield
+        finally:
+            if self._streams:
+                import torch
+
+                for index in self._streams:
+                    with torch.cuda.device(index):
+                        torch.cuda.set_stream(torch.cuda.default_stream(index))
+                self._streams.clear()
+
+    def _use_device_stream(self, engine: LLMEngine) -> None:
+        """Make a stream of the worker's own the current one on ``engine``'s device.
+
+        torch keeps a current stream per device and thread, so from here on everything this
+        thread runs on that device (steps, a new request's tensors, layer-timing events) goes
+        to that stream, whichever engine launches it; engines on one device share it. It is
+        created only for a CUDA engine and on its device: a CPU model creates no CUDA context,
+        and ``cuda:1`` work never lands on cuda:1's default stream. The current device is left
+        as it was (``set_stream`` alone would change it).
+        """
+        if engine.device.type != "cuda":
+            return
         import torch
 
-        if torch.cuda.is_available():
-            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            with torch.cuda.stream(stream):
-                yield
-        else:
-            yield
+        index = engine.device.index
+        index = torch.cuda.current_device() if index is None else index
+        if index in self._streams:
+            return
+        stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+        self._streams[index] = stream
+        with torch.cuda.device(index):
+            torch.cuda.set_stream(stream)
 
     def _has_work(self) -> bool:
         if self._paused:
@@ -356,13 +369,33 @@ class EngineWorker(QObject):
             )
         self._loading = spec
         self.loading.emit(spec)
-        threading.Thread(
+        self._load_cancel = threading.Event()
+        self._load_thread = threading.Thread(
             target=self._load_in_background, args=(spec,), name="infersight-load", daemon=True
-        ).start()
+        )
+        self._load_thread.start()
+
+    def _report_progress(self, stage: str, done: int, total: int) -> None:
+        """The loader's progress callback (loader thread); where a Stop cancels the load."""
+        if self._load_cancel.is_set():
+            raise CancelledError("the load was cancelled because the engine is stopping")
+        self.load_progress.emit(stage, done, total)
+
+    def _wait_for_loader(self) -> None:
+        """On Stop: cancel a load in flight and wait for its thread, so that nothing of this
+        worker runs on after it has stopped (its signals could reach deleted objects)."""
+        thread = self._load_thread
+        if thread is None:
+            return
+        self._load_cancel.set()
+        thread.join(LOAD_JOIN_S)
+        if thread.is_alive():
+            log.warning("the model loader did not stop within %.0f s", LOAD_JOIN_S)
 
     def _load_in_background(self, spec: LoadSpec) -> None:
         try:
-            engine = self._loader(spec, self.load_progress.emit)
+            engine = self._loader(spec, self._report_progress)
+            _finish_loader_work(engine)
             info = model_info(engine, spec)
         except InfersightError as exc:
             self.post(_LoadFailed(spec, str(exc)))
@@ -382,6 +415,7 @@ class EngineWorker(QObject):
             self.error.emit(f"{exc}; the new model runs with default limits")
         if self.engine is not None and self.engine.has_work():
             self._retiring.append(self.engine)  # finishes its replies, then goes
+        self._use_device_stream(engine)
         self.engine, self.info = engine, info
         self._free_memory()
         self.loaded.emit(info)
@@ -389,6 +423,8 @@ class EngineWorker(QObject):
 
     def _drop_engines(self) -> None:
         self.engine, self.info, self._retiring = None, None, []
+        while not self._commands.empty():  # e.g. a _Loaded engine that arrived after Stop
+            self._commands.get_nowait()
         self._free_memory()
 
     @staticmethod
@@ -474,6 +510,19 @@ class EngineWorker(QObject):
         self.metrics.emit(EngineView(self.info, self.engine.metrics()))
 
 
+def _finish_loader_work(engine: LLMEngine) -> None:
+    """Wait, in the loader thread, until its copies to the GPU have landed.
+
+    They ran on the loader thread's current stream of the engine's device; the worker runs the
+    engine on a stream of its own, which does not wait for that one, so without this its first
+    step could read weights or a KV pool still being written.
+    """
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.current_stream(engine.device).synchronize()
+
+
 def _coalesce(deltas: list[Delta]) -> list[Delta]:
     """One delta per candidate: its texts joined, its finish (always its last event) kept."""
     merged: dict[tuple[str, int], Delta] = {}
@@ -498,4 +547,6 @@ def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
         kv_blocks=engine.kv.manager.num_blocks,
         block_size=engine.kv.block_size,
         kv_memory_mib=spec.kv_memory_mib,
+        requested_device=spec.device,
+        default_sampling=dict(engine.default_sampling),
     )

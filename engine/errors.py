@@ -19,3 +19,7 @@ class InvalidRequestError(InfersightError):
 
 class ModelPullError(InfersightError):
     """Fetching or converting the default model failed."""
+
+
+class CancelledError(InfersightError):
+    """Work was stopped on request (a load cancelled because the app is closing)."""

@@ -4,7 +4,9 @@ engine. What the A/B view and the batching tuner will stand on."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +24,16 @@ from app.worker import (
     Delta,
     EngineWorker,
     Load,
+    Loader,
     LoadSpec,
     ModelInfo,
     ReplyStats,
     Send,
     Stop,
+    load_engine,
 )
+from engine.engine import LLMEngine
+from engine.errors import CancelledError, ModelLoadError
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 WAIT_MS = 120_000
@@ -44,6 +50,8 @@ class Inbox(QObject):
         self.deltas: list[Delta] = []
         self.stats: list[ReplyStats] = []
         self.models: list[ModelInfo] = []
+        self.failures: list[str] = []
+        self.stopped = False
 
     @Slot(list)
     def on_deltas(self, deltas: list[Delta]) -> None:
@@ -58,6 +66,14 @@ class Inbox(QObject):
     def on_loaded(self, info: ModelInfo) -> None:
         self.models.append(info)
 
+    @Slot(str)
+    def on_failed(self, message: str) -> None:
+        self.failures.append(message)
+
+    @Slot()
+    def on_stopped(self) -> None:
+        self.stopped = True
+
     def text(self, tag: str, candidate: int = 0) -> str:
         return "".join(d.text for d in self.deltas if (d.tag, d.candidate) == (tag, candidate))
 
@@ -69,19 +85,40 @@ class Running:
     inbox: Inbox
 
 
-def start(qtbot: object, spec: LoadSpec, timeline: list[str] | None = None) -> Running:
-    worker, thread = EngineWorker(), QThread()
-    inbox = Inbox(spec.precision, [] if timeline is None else timeline)
+def start(
+    qtbot: object,
+    workers: list[Running],
+    spec: LoadSpec,
+    timeline: list[str] | None = None,
+    loader: Loader = load_engine,
+) -> Running:
+    """Start a worker and load ``spec``; ``workers`` holds it from the start, so the fixture
+    stops its thread even when the load below fails (a QThread destroyed while it runs aborts
+    the process)."""
+    running = launch(workers, loader, Inbox(spec.precision, [] if timeline is None else timeline))
+    running.worker.post(Load(spec))
+    qtbot.waitUntil(lambda: bool(running.inbox.models), timeout=WAIT_MS)  # type: ignore[attr-defined]
+    return running
+
+
+def launch(workers: list[Running], loader: Loader, inbox: Inbox) -> Running:
+    worker, thread = EngineWorker(loader), QThread()
     worker.moveToThread(thread)
     thread.started.connect(worker.run)
     worker.stopped.connect(thread.quit, Qt.ConnectionType.DirectConnection)
     worker.deltas.connect(inbox.on_deltas)
     worker.reply_stats.connect(inbox.on_stats)
     worker.loaded.connect(inbox.on_loaded)
+    worker.load_failed.connect(inbox.on_failed)
+    worker.stopped.connect(inbox.on_stopped)
+    running = Running(worker, thread, inbox)
+    workers.append(running)
     thread.start()
-    worker.post(Load(spec))
-    qtbot.waitUntil(lambda: bool(inbox.models), timeout=WAIT_MS)  # type: ignore[attr-defined]
-    return Running(worker, thread, inbox)
+    return running
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "infersight-load" and t.is_alive()]
 
 
 @pytest.fixture
@@ -91,12 +128,13 @@ def workers(qtbot: object, default_model: Path) -> Iterator[list[Running]]:
     for r in running:
         r.worker.post(Stop())
         assert r.thread.wait(30_000)
+    assert not loader_threads()
 
 
 def test_two_engines_stream_side_by_side(qtbot: object, workers: list[Running]) -> None:
     timeline: list[str] = []
-    workers.append(start(qtbot, LoadSpec("default", "fp32", "cpu", 64), timeline))
-    workers.append(start(qtbot, LoadSpec("default", "int8", "cpu", 64), timeline))
+    start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64), timeline)
+    start(qtbot, workers, LoadSpec("default", "int8", "cpu", 64), timeline)
     messages = [{"role": "user", "content": "Describe a harbour at dawn."}]
     for r in workers:
         r.worker.post(Send("ab", messages, GREEDY))
@@ -112,8 +150,9 @@ def test_two_engines_stream_side_by_side(qtbot: object, workers: list[Running]) 
 
 
 def test_scheduler_limits_change_on_a_live_engine(qtbot: object, workers: list[Running]) -> None:
-    r = start(qtbot, LoadSpec("default", "fp32", "cpu", 64))
-    workers.append(r)
+    r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64))
+    assert r.worker.engine is not None  # idle: safe to touch from here
+    r.worker.engine.collector.window_s = float("inf")  # keep every step, however slow the CPU
     r.worker.post(Configure(limits={"max_batch_size": 1}))
     messages = [{"role": "user", "content": "List some birds."}]
     r.worker.post(Send("n3", messages, GREEDY, candidates=3))
@@ -126,3 +165,69 @@ def test_scheduler_limits_change_on_a_live_engine(qtbot: object, workers: list[R
     assert sizes[0] == 1 and max(sizes) == 3  # one at a time, then all three together
     texts = {r.inbox.text("n3", c) for c in range(3)}
     assert len(texts) == 1  # greedy: the same reply three times, however it was batched
+
+
+class SlowLoader:
+    """Stands for a long download or conversion: reports progress until told to stop."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.cancelled = threading.Event()
+
+    def __call__(self, spec: LoadSpec, progress: Callable[[str, int, int], None]) -> LLMEngine:
+        self.started.set()
+        deadline = time.monotonic() + WAIT_MS / 1000
+        step = 0
+        try:
+            while time.monotonic() < deadline:
+                progress("write", step % 100, 100)
+                step += 1
+                time.sleep(0.01)
+        except CancelledError:
+            self.cancelled.set()
+            raise
+        raise AssertionError("the load was never cancelled")
+
+
+def test_stop_mid_load_cancels_it_and_leaves_no_thread(
+    qtbot: object, workers: list[Running]
+) -> None:
+    loader = SlowLoader()
+    r = launch(workers, loader, Inbox("slow", []))
+    r.worker.post(Load(LoadSpec("default", "fp32", "cpu", 64)))
+    assert loader.started.wait(30)
+    r.worker.post(Stop())
+    assert r.thread.wait(30_000), "the worker did not stop while a load ran"
+    assert loader.cancelled.is_set()
+    assert not loader_threads()
+    qtbot.waitUntil(lambda: r.inbox.stopped, timeout=5_000)  # type: ignore[attr-defined]
+    assert r.worker.engine is None and not r.inbox.models
+
+
+def test_a_failed_load_leaves_no_thread_and_the_worker_goes_on(
+    qtbot: object, workers: list[Running]
+) -> None:
+    def failing(spec: LoadSpec, progress: Callable[[str, int, int], None]) -> LLMEngine:
+        if spec.precision == "int8":
+            raise ModelLoadError("simulated: the weights are unreadable")
+        return load_engine(spec, progress)
+
+    r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64), loader=failing)
+    r.worker.post(Load(LoadSpec("default", "int8", "cpu", 64)))
+    qtbot.waitUntil(lambda: bool(r.inbox.failures), timeout=WAIT_MS)  # type: ignore[attr-defined]
+    assert "simulated" in r.inbox.failures[0]
+    qtbot.waitUntil(lambda: not loader_threads(), timeout=5_000)  # type: ignore[attr-defined]
+    assert r.worker.info is not None and r.worker.info.precision == "fp32"
+    r.worker.post(Send("after", [{"role": "user", "content": "Hi."}], GREEDY))
+    qtbot.waitUntil(lambda: len(r.inbox.stats) == 1, timeout=WAIT_MS)  # type: ignore[attr-defined]
+
+
+def test_stop_mid_step_returns_promptly(qtbot: object, workers: list[Running]) -> None:
+    r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64))
+    long = {"max_new_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
+    r.worker.post(Send("long", [{"role": "user", "content": "Tell a story."}], long))
+    qtbot.waitUntil(lambda: len(r.inbox.text("long")) > 20, timeout=WAIT_MS)  # type: ignore[attr-defined]
+    r.worker.post(Stop())
+    assert r.thread.wait(30_000), "the worker did not stop mid-reply"
+    qtbot.waitUntil(lambda: r.inbox.stopped, timeout=5_000)  # type: ignore[attr-defined]
+    assert r.worker.engine is None

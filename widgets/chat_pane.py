@@ -30,6 +30,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+#: While a reply streams its Markdown is rendered at most this often: each render parses the
+#: whole reply again, so rendering every delta (up to 60 a second) grows quadratically.
+STREAM_RENDER_MS = 50
+
 STATUS_MARKS = {
     "streaming": "…",
     "stopped": "■ stopped",
@@ -117,9 +121,12 @@ class MessageBubble(QFrame):
         layout.addWidget(self.tabs)
         self.body = MarkdownView()
         layout.addWidget(self.body)
+        self._render_timer = QTimer(self, singleShot=True, interval=STREAM_RENDER_MS)
+        self._render_timer.timeout.connect(self.refresh)
         self.refresh()
 
     def refresh(self) -> None:
+        self._render_timer.stop()  # whatever was pending is rendered now
         v = self.view
         while self.tabs.count() < len(v.candidates):
             self.tabs.addTab(f"Reply {self.tabs.count() + 1}")
@@ -136,9 +143,10 @@ class MessageBubble(QFrame):
         self.status_label.setToolTip(status)
 
     def append(self, candidate: int, text: str) -> None:
+        """Streamed text: kept at once, rendered within :data:`STREAM_RENDER_MS`."""
         self.view.candidates[candidate] += text
-        if candidate == self.view.selected:
-            self.refresh()
+        if candidate == self.view.selected and not self._render_timer.isActive():
+            self._render_timer.start()
 
     def _select(self, index: int) -> None:
         if 0 <= index < len(self.view.candidates) and index != self.view.selected:

@@ -1,0 +1,279 @@
+"""``make gpu-check``: every CUDA path on a real GPU, in one process, in a few minutes.
+
+Where torch sees no CUDA device it says so and exits 0. On a GPU it runs each check below,
+prints one line per result and exits 1 if any failed:
+
+1. kernels: the INT8 kernel probe, INT8 and INT4 layers against their dequantized reference,
+   and a tied INT4 head read back as embedding rows from the CUDA packing, exactly;
+2. the engine at every precision, tied ``int4-g32+head`` included: greedy text, decode speed
+   with and without layer timing, a timing for every layer, the memory figures the plot shows
+   (CUDA reserved, NVML used/total) and the peak of ``torch.cuda.max_memory_allocated``;
+3. fp32 on the GPU against fp32 on the CPU: the first greedy tokens must agree;
+4. the app's engine worker (Qt without a window): load ``int4-g32+head`` on the GPU, answer a
+   chat message with layer timing on, on a stream of its own on that device.
+
+Run: ``python -m tests.gpu_check [--model default|FOLDER] [--device cuda:N]`` (not collected by
+pytest: it needs a GPU and several minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int8+head", "int4-g32", "int4-g32+head")
+NEW_TOKENS = 64
+AGREE_TOKENS = 8  # fp32 on GPU and CPU: greedy ids that must match (later ones may tie-break)
+PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+BUDGET_S = 300
+MIB = 2**20
+
+
+class Check:
+    """Runs named checks, keeps going after a failure and remembers it."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def run(self, name: str, fn: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:
+            traceback.print_exc()
+            self.failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            print(f"FAIL {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+        else:
+            print(f"ok   {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+
+
+def expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm())
+
+
+# -- 1. kernels ---------------------------------------------------------------------------------
+
+
+def check_kernels(device: torch.device, int4: bool) -> None:
+    from engine import quant
+
+    runs = quant.int8_kernel_runs(device)
+    print(f"     int8 kernel on {device}: {'yes' if runs else 'no (converted per call)'}")
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(200, 576, device=device, generator=gen)
+    x = torch.randn(5, 576, device=device, generator=gen).to(torch.bfloat16)
+    int8 = quant.Int8Linear(w, None, torch.bfloat16)
+    ref8 = x.float() @ quant.dequantize_int8(int8.weight, int8.scales).T
+    expect(relative_error(int8(x), ref8) <= 1e-2, "Int8Linear disagrees with its reference")
+    if not int4:
+        return
+    for group in quant.INT4_GROUPS:
+        layer = quant.Int4Linear(w, None, group)
+        padded = F.pad(w, (0, layer.padded_k, 0, layer.padded_n))
+        dense = quant.dequantize_int4(*quant.quantize_int4(padded, group), group)[:200, :576]
+        err = relative_error(layer(x), x.float() @ dense.T)
+        expect(err <= 1e-2, f"Int4Linear g{group} disagrees with its reference ({err:.2e})")
+        embed = quant.QuantizedEmbedding(layer, torch.float32, torch.ones(576, device=device))
+        ids = torch.tensor([0, 1, 7, 8, 9, 63, 64, 199], device=device)
+        expect(torch.equal(embed(ids), dense[ids]), f"tied INT4 g{group} rows are wrong")
+        layout = embed.cuda_layout
+        assert layout is not None
+        print(f"     int4 g{group}: layout tiles {layout.tile_rows}×{layout.tile_cols}, rows exact")
+
+
+# -- 2. and 3. the engine -----------------------------------------------------------------------
+
+
+def check_precision(
+    model: Path, device: torch.device, precision: str, results: dict[str, list[int]]
+) -> None:
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.sampling import SamplingParams
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    config = EngineConfig(kv_memory=256 * MIB)
+    engine = LLMEngine.load(model, precision=precision, device=str(device), config=config)
+    load_s = time.perf_counter() - start
+    prompt = engine.chat_prompt_ids(PROMPT)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    engine.enable_layer_timing(True)
+    timed = engine.generate(prompt, params)
+    for _ in timed:
+        pass
+    snapshot = engine.metrics()
+    engine.enable_layer_timing(False)
+    plain = engine.generate(prompt, params)
+    for _ in plain:
+        pass
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+
+    result, layers = plain.result, snapshot.layer_timings
+    expect(len(result.token_ids) == NEW_TOKENS, f"{len(result.token_ids)} tokens, not {NEW_TOKENS}")
+    expect(bool(result.text.strip()), "empty text")
+    expect(len(layers) == engine.cfg.num_layers, f"{len(layers)} layer timings")
+    expect(all(t.attention_s > 0 and t.mlp_s > 0 for t in layers), "a layer timed 0 s")
+    mem = snapshot.memory
+    expect((mem.cuda_reserved_bytes or 0) > 0, "no CUDA reserved figure")
+    nvml = (
+        f"NVML {mem.nvml_used_bytes / MIB:.0f}/{mem.nvml_total_bytes / MIB:.0f} MiB"
+        if mem.nvml_used_bytes is not None and mem.nvml_total_bytes is not None
+        else "NVML n/a"
+    )
+    tps = 1 / result.tpot_s if result.tpot_s else float("nan")
+    timed_tps = 1 / timed.result.tpot_s if timed.result.tpot_s else float("nan")
+    layer_ms = sum(t.attention_s + t.mlp_s for t in layers) * 1e3
+    print(
+        f"     {precision:<14} load {load_s:4.1f} s, decode {tps:6.1f} tok/s "
+        f"({timed_tps:.1f} timed, layers {layer_ms:.1f} ms/step), peak allocated "
+        f"{peak / MIB:7.1f} MiB, reserved {(mem.cuda_reserved_bytes or 0) / MIB:.0f} MiB, "
+        f"{nvml}: {result.text[:48]!r}"
+    )
+    results[precision] = result.token_ids
+    results[f"peak {precision}"] = [peak]
+
+
+def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:
+    from engine.engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    expect("fp32" in results, "fp32 on the GPU did not run")
+    engine = LLMEngine.load(model, precision="fp32")
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    gen = engine.generate(engine.chat_prompt_ids(PROMPT), params)
+    for _ in gen:
+        pass
+    gpu, cpu = results["fp32"], gen.result.token_ids
+    same = next((i for i, (a, b) in enumerate(zip(gpu, cpu, strict=True)) if a != b), len(cpu))
+    print(f"     fp32 greedy ids: GPU and CPU agree on the first {same} of {len(cpu)}")
+    expect(same >= AGREE_TOKENS, f"GPU and CPU fp32 differ at token {same}")
+
+
+# -- 4. the worker ------------------------------------------------------------------------------
+
+
+def check_worker(model: Path, device: torch.device, int4: bool) -> None:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtCore import QCoreApplication, Qt, QThread
+
+    from app.gc_guard import GuiGarbageCollector
+    from app.worker import Configure, Delta, EngineView, EngineWorker, Load, LoadSpec, Send, Stop
+
+    app = QCoreApplication.instance() or QCoreApplication([])
+    collector = GuiGarbageCollector()
+    worker, thread = EngineWorker(), QThread()
+    worker.moveToThread(thread)
+    thread.started.connect(worker.run)
+    worker.stopped.connect(thread.quit, Qt.ConnectionType.DirectConnection)
+    deltas: list[Delta] = []
+    views: list[EngineView] = []
+    errors: list[str] = []
+    loaded: list[object] = []
+    # Plain callables run in the worker's thread; appending to a list is safe there.
+    worker.deltas.connect(lambda batch: deltas.extend(batch))
+    worker.metrics.connect(lambda view: views.append(view))
+    worker.loaded.connect(lambda info: loaded.append(info))
+    worker.load_failed.connect(lambda message: errors.append(message))
+    worker.error.connect(lambda message: errors.append(message))
+
+    def wait(done: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+        deadline = time.perf_counter() + timeout_s
+        while not done():
+            expect(not errors, f"worker error while waiting for {what}: {errors}")
+            expect(time.perf_counter() < deadline, f"no {what} within {timeout_s:.0f} s")
+            app.processEvents()
+            time.sleep(0.02)
+
+    precision = "int4-g32+head" if int4 else "int8+head"
+    thread.start()
+    try:
+        worker.post(Load(LoadSpec(str(model), precision, str(device), 256.0)))
+        wait(lambda: bool(loaded), "loaded model")
+        worker.post(Configure(layer_timing=True))
+        sampling = {"max_new_tokens": 32, "temperature": 0.0}
+        worker.post(Send("gpu-check", PROMPT, sampling))
+        wait(lambda: any(d.finish for d in deltas), "finished reply")
+        seen = len(views)
+        wait(lambda: len(views) > seen and bool(views[-1].snapshot.layer_timings), "metrics")
+        text = "".join(d.text for d in deltas)
+        expect(bool(text.strip()), "the worker's reply is empty")
+        finishes = [d.finish for d in deltas if d.finish]
+        expect(finishes in (["length"], ["stop"]), f"the reply finished with {finishes}")
+        mem = views[-1].snapshot.memory
+        expect((mem.cuda_reserved_bytes or 0) > 0, "no CUDA reserved figure from the worker")
+        streams = {index: stream.device for index, stream in worker._streams.items()}
+        expect(streams == {device.index: device}, f"worker streams {streams}, not on {device}")
+        print(f"     worker {precision} on {device}, own stream: {text[:60]!r}")
+    finally:
+        worker.post(Stop())
+        wait(lambda: thread.isFinished(), "worker stop", 60.0)
+        collector.stop()
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--model", default="default", help="default, or a model folder")
+    parser.add_argument("--device", default="cuda:0", help="the CUDA device to check")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        print(f"gpu-check skipped: torch {torch.__version__} ({build}) sees no CUDA device")
+        return 0
+    from engine.model_store import resolve_model
+
+    device = torch.device(args.device)
+    if device.index is None:  # "cuda": the current device, by its number
+        device = torch.device("cuda", torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(device)
+    int4 = major >= 8
+    print(f"gpu-check on {torch.cuda.get_device_name(device)} ({device}, sm{major}{minor}), "
+          f"torch {torch.__version__}, CUDA {torch.version.cuda}")  # fmt: skip
+    if not int4:
+        print("     INT4 needs sm80+: the int4 precisions are skipped on this GPU")
+    model = resolve_model(args.model)
+    start = time.perf_counter()
+    check = Check()
+    results: dict[str, list[int]] = {}
+    check.run("kernels", lambda: check_kernels(device, int4))
+    for precision in PRECISIONS:
+        if precision.startswith("int4") and not int4:
+            continue
+        check.run(
+            f"engine {precision}", partial(check_precision, model, device, precision, results)
+        )
+    check.run("fp32 GPU against CPU", lambda: check_fp32_against_cpu(model, results))
+    check.run("worker", lambda: check_worker(model, device, int4))
+    peaks = {k[5:]: v[0] for k, v in results.items() if k.startswith("peak ")}
+    if peaks:
+        worst = max(peaks, key=lambda k: peaks[k])
+        print(f"peak max_memory_allocated: {peaks[worst] / MIB:.1f} MiB ({worst})")
+    elapsed = time.perf_counter() - start
+    over = f" (over its {BUDGET_S} s budget)" if elapsed > BUDGET_S else ""
+    print(f"gpu-check took {elapsed:.0f} s{over}")
+    for failure in check.failures:
+        print(f"FAILED {failure}")
+    return 1 if check.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
