@@ -298,7 +298,13 @@ def test_switching_precision_keeps_the_chat_and_the_old_model_answers_meanwhile(
 
 
 def test_ui_stays_responsive_while_a_reply_streams(qtbot: object, window: MainWindow) -> None:
-    window.controls.max_new_tokens.set_value(96)
+    """A 10 ms heartbeat in the UI thread while a 200-token reply streams with every plot live.
+
+    Measured on the slowest CPU we have (2-core AVX2 AMD EPYC, fp32 decoding at ~13 tok/s in
+    the window), three runs: worst gap 38–48 ms, p99 20.5–21.4 ms; the code before the fixes,
+    same machine, two runs: worst 118–163 ms, p99 89 ms. The limits are the issue's targets,
+    25% and 40% above the worst of the runs after."""
+    window.controls.max_new_tokens.set_value(200)
     gaps: list[float] = []
     last = [time.perf_counter()]
 
@@ -310,12 +316,13 @@ def test_ui_stays_responsive_while_a_reply_streams(qtbot: object, window: MainWi
     heartbeat = QTimer(window, interval=10)
     heartbeat.timeout.connect(beat)
     heartbeat.start()
-    send(qtbot, window, "Write a paragraph about rain.")
+    send(qtbot, window, "Write a long paragraph about rain in the city.")
     heartbeat.stop()
-    worst = max(gaps[1:])
-    print(f"heartbeat: {len(gaps)} beats, worst gap {worst * 1e3:.1f} ms")
-    assert len(window.chat.last.view.text) > 40  # type: ignore[union-attr]
-    assert worst < 0.100
+    beats = sorted(gaps[1:])
+    worst, p99 = beats[-1], beats[int(0.99 * len(beats))]
+    print(f"heartbeat: {len(beats)} beats, worst gap {worst * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")
+    assert len(window.chat.last.view.text) > 400  # type: ignore[union-attr]
+    assert worst < 0.060 and p99 < 0.030
 
 
 def test_instruments_show_the_engines_figures(qtbot: object, window: MainWindow) -> None:
