@@ -12,6 +12,13 @@ TORCH_SPEC ?= torch==2.13.0
 BIN        := $(VENV)/bin
 PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
 
+# `make test` runs these again as if on an AVX2-only CPU where the CPU has AVX-512: the CPU-path
+# probes answer as there (engine/hardware.py) and torch dispatches its AVX2 kernels. On an AVX2
+# machine the main run already took those paths; tests/test_cpu_paths.py forces every level
+# in-process on every machine.
+AVX2_LEG := tests/test_cpu_paths.py tests/test_quant.py tests/test_exactness_tiny.py \
+            tests/test_generation.py tests/test_eval.py tests/test_real_model.py
+
 .PHONY: run chat test bench gpu-check screenshots package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
@@ -27,6 +34,13 @@ test: $(VENV)/.stamp-dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy engine app widgets
 	$(BIN)/infersight models pull
+	@cap=$$($(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'); \
+	if [ "$$cap" = AVX512 ]; then \
+	  echo "AVX2 leg: the engine's tests as if on an AVX2-only CPU"; \
+	  INFERSIGHT_CPU_CAPABILITY=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q $(AVX2_LEG); \
+	else \
+	  echo "AVX2 leg: not needed, this CPU's capability is $$cap (the main run takes its paths)"; \
+	fi
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
 
 # The main window mid-reply with the plots populated, rendered offscreen into docs/screenshots.

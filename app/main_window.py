@@ -288,6 +288,7 @@ class MainWindow(QMainWindow):
         self.controls.set_model_defaults(info.path, info.default_sampling)
         self.controls.kv_memory.set_value(info.kv_memory_mib)
         self.status_model.setText(model_label(info))
+        self.status_model.setToolTip("\n".join(("Model · precision · device", *info.paths)))
         self.settings.setValue("model", info.path)
         self.settings.setValue("precision", info.precision)
         self.settings.setValue("device", info.requested_device)  # "auto" stays "auto"

@@ -66,6 +66,8 @@ class ModelInfo:
     requested_device: str = "auto"  # as the user chose it ("auto", "cpu", "cuda:1" …)
     #: the model's own sampling (``SamplingParams`` keyword arguments, generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict, hash=False)
+    #: the CPU paths probed and each kind of weight's format and kernel (the load report)
+    paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,4 +575,14 @@ def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
         kv_memory_mib=spec.kv_memory_mib,
         requested_device=spec.device,
         default_sampling=dict(engine.default_sampling),
+        paths=compute_paths(engine),
     )
+
+
+def compute_paths(engine: LLMEngine) -> tuple[str, ...]:
+    """What the load report says about how the model computes: on a CPU which fast paths the
+    probe found, then each kind of weight with its format and path."""
+    from engine.hardware import cpu_paths
+
+    head = (cpu_paths().summary(),) if engine.device.type == "cpu" else ()
+    return head + tuple(f"{g.kind}: {g.form}" for g in engine.weight_groups)

@@ -27,6 +27,7 @@ from app.main_window import MainWindow, stats_text
 from app.store import ChatStore
 from app.worker import Delta, LoadSpec, Pause, ReplyStats, load_engine
 from engine.engine import LLMEngine
+from engine.hardware import cpu_paths
 from engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
@@ -349,6 +350,9 @@ def test_instruments_show_the_engines_figures(qtbot: object, window: MainWindow)
         f"context {m.prompt_tokens + m.output_tokens} / {engine.context_length}"
     )
     assert window.chat.last is not None and window.chat.last.view.stats == stats_text(s)
+    tip = window.status_model.toolTip()  # which CPU paths and kernels this model runs
+    assert cpu_paths().summary() in tip.splitlines()
+    assert {f"{g.kind}: {g.form}" for g in engine.weight_groups} <= set(tip.splitlines())
 
     # the block map, frozen mid-reply, against a recount of the block tables
     window.controls.max_new_tokens.set_value(300)
@@ -480,9 +484,8 @@ def test_candidates_are_batched_into_tabs(qtbot: object, window: MainWindow) -> 
 def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
     """Mid-reply with the plots populated; ``make screenshots`` keeps the PNGs. What was
     rendered is checked: the block map shows each of the three batched replies in its colour,
-    and the memory plot draws its curves."""
+    and each memory curve ends inside the plot's visible range at the latest frame's value."""
     from widgets.block_map import owner_colour
-    from widgets.instruments import COLOURS
 
     out = Path(os.environ.get("INFERSIGHT_SCREENSHOTS", tmp_path / "screenshots"))
     out.mkdir(parents=True, exist_ok=True)
@@ -509,14 +512,15 @@ def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
     }
     assert len(owners) == 3, owners
     assert {owner_colour(o).rgb() for o in owners} <= drawn
-    memory = window.instruments.memory_plot.grab().toImage()
-    memory_drawn = {
-        memory.pixelColor(x, y).name()
-        for x in range(memory.width())
-        for y in range(0, memory.height(), 2)
-    }
-    kinds = len(window.instruments.last_frame.memory_mib)  # type: ignore[union-attr]
-    assert {c.lower() for c in COLOURS[:kinds]} <= memory_drawn  # one curve per kind
+    plot = window.instruments.memory_plot  # every kind's curve drawn inside the visible range
+    (x_lo, x_hi), (y_lo, y_hi) = plot.getPlotItem().viewRange()
+    frame = window.instruments.last_frame
+    assert frame is not None
+    for kind, curve in window.instruments._memory_curves.items():
+        x, y = curve.getData()
+        assert x is not None and len(x) > 1, kind
+        assert x_lo <= x[-1] <= x_hi and y_lo <= y[-1] <= y_hi, (kind, x[-1], y[-1])
+        assert y[-1] == pytest.approx(frame.memory_mib[kind])
     window.grab().save(str(out / "main-window.png"))
     window.instruments.tabs.setCurrentIndex(1)
     window.instruments.redraw()
