@@ -100,7 +100,7 @@ def _level_allows(forced: str | None, needs: str) -> bool:
 
 def _probe(name: str, forced: str | None, needs: str, run: Callable[[], bool]) -> PathProbe:
     if not _level_allows(forced, needs):
-        return PathProbe(False, f"forced off ({FORCE_ENV}={forced}; needs {needs})")
+        return PathProbe(False, f"forced off by {FORCE_ENV}={forced}, needs {needs}")
     try:
         ok = run()
     except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:

@@ -537,3 +537,37 @@ def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
     qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
     for name in ("main-window.png", "latency.png", "layers.png", "controls.png"):
         assert (out / name).stat().st_size > 10_000
+
+
+def test_closing_mid_load_cancels_the_load_and_leaves_no_thread(
+    qtbot: object, tmp_path: Path
+) -> None:
+    from tests.test_worker import SlowLoader, loader_threads
+
+    loader = SlowLoader()  # a long conversion, reporting progress until cancelled
+    window = MainWindow(tmp_path / "data", spec=SPEC, loader=loader)
+    qtbot.addWidget(window)  # type: ignore[attr-defined]
+    assert loader.started.wait(30)
+    window.close()
+    assert not window.engine_thread.isRunning()
+    assert loader.cancelled.is_set() and not loader_threads()
+
+
+def test_closing_mid_reply_keeps_it_and_stops_the_engine_thread(
+    qtbot: object, window: MainWindow
+) -> None:
+    window.controls.max_new_tokens.set_value(400)
+    window.chat.input.setPlainText("Tell me a long story about a lighthouse keeper.")
+    window.chat._submit()
+    qtbot.waitUntil(lambda: len(window.chat.last.view.text) > 20, timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
+    shown = window.chat.last.view.text  # type: ignore[union-attr]
+    conversation = window.conversation_id
+    assert conversation is not None
+    window.close()
+    assert not window.engine_thread.isRunning()
+    store = ChatStore(window.data_dir / "chats.sqlite3")
+    try:
+        *_, reply = store.messages(conversation)
+        assert reply.status == "stopped" and reply.content.startswith(shown)
+    finally:
+        store.close()
