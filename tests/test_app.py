@@ -90,6 +90,14 @@ def send(qtbot: object, window: MainWindow, text: str) -> None:
     qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
 
 
+def start_long_reply(qtbot: object, window: MainWindow) -> None:
+    """Send a prompt with a long answer and return once some of it has streamed."""
+    window.controls.max_new_tokens.set_value(400)
+    window.chat.input.setPlainText("Tell me a long story about a lighthouse keeper.")
+    window.chat._submit()
+    qtbot.waitUntil(lambda: len(window.chat.last.view.text) > 20, timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
+
+
 def stored(window: MainWindow) -> list[tuple[str, str, str]]:
     assert window.conversation_id is not None
     return [(m.role, m.content, m.status) for m in window.store.messages(window.conversation_id)]
@@ -122,10 +130,7 @@ def test_reply_streams_in_several_updates_and_equals_the_engine_alone(
 def test_stop_ends_within_one_step_and_keeps_the_partial_reply(
     qtbot: object, window: MainWindow
 ) -> None:
-    window.controls.max_new_tokens.set_value(400)
-    window.chat.input.setPlainText("Tell me a long story about a lighthouse keeper.")
-    window.chat._submit()
-    qtbot.waitUntil(lambda: len(window.chat.last.view.text) > 20, timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
+    start_long_reply(qtbot, window)
     engine = window.worker.engine
     assert engine is not None
     (rid,) = list(window.worker._replies)
@@ -556,10 +561,7 @@ def test_closing_mid_load_cancels_the_load_and_leaves_no_thread(
 def test_closing_mid_reply_keeps_it_and_stops_the_engine_thread(
     qtbot: object, window: MainWindow
 ) -> None:
-    window.controls.max_new_tokens.set_value(400)
-    window.chat.input.setPlainText("Tell me a long story about a lighthouse keeper.")
-    window.chat._submit()
-    qtbot.waitUntil(lambda: len(window.chat.last.view.text) > 20, timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
+    start_long_reply(qtbot, window)
     shown = window.chat.last.view.text  # type: ignore[union-attr]
     conversation = window.conversation_id
     assert conversation is not None
