@@ -129,12 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--stride", type=int, default=256)
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_ppl)
-    ep = esub.add_parser("compare", help="precision A against B: KL, top-1 agreement, texts")
-    ep.add_argument("--model", default="default", help=MODEL_HELP)
+    ep = esub.add_parser(
+        "compare",
+        help="A against B token by token: KL, top-1 agreement, first divergence, noise floor",
+    )
+    ep.add_argument("--model", default="default", help=MODEL_HELP + " (A's model)")
+    ep.add_argument("--b-model", help="B's model, if not A's (it must share A's tokenizer)")
     ep.add_argument("--a", default="fp32", help="reference precision")
     ep.add_argument("--b", required=True, help="precision to judge, e.g. int4-g32")
-    ep.add_argument("--prompts", help="a file with one prompt per line")
+    source = ep.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="one prompt (default: eight built-in prompts)")
+    source.add_argument("--prompts", help="a file with one prompt per line")
     ep.add_argument("--new-tokens", type=int, default=48)
+    ep.add_argument("--temperature", type=float, default=0.0, help="both sides (0 = greedy)")
+    ep.add_argument("--seed", type=int, default=0, help="both sides' sampling seed")
+    ep.add_argument(
+        "--no-noise", action="store_true", help="skip the noise floor (A computed token by token)"
+    )
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
     ep.add_argument("--threads", type=int, default=None)
     ep.add_argument("--json", action="store_true")
@@ -433,8 +444,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 def cmd_eval_compare(args: argparse.Namespace) -> int:
     from app.loading import resolve_device
+    from engine.compare import Side, compare_prompt, document
     from engine.engine import parse_precision
-    from engine.evaluate import DEFAULT_PROMPTS, compare
+    from engine.evaluate import DEFAULT_PROMPTS
+    from engine.sampling import SamplingParams
 
     device = resolve_device(args.device)
     parse_precision(args.a, device)
@@ -442,28 +455,43 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
     if args.new_tokens < 1:
         raise InvalidRequestError("--new-tokens must be at least 1")
     prompts = DEFAULT_PROMPTS
-    if args.prompts:
+    if args.prompt is not None:
+        prompts = [args.prompt] if args.prompt.strip() else []
+    elif args.prompts:
         prompts = [line.strip() for line in _read_text_file(args.prompts).splitlines()]
         prompts = [p for p in prompts if p]
-        if not prompts:
-            raise InvalidRequestError(f"{args.prompts} holds no prompt (one per line)")
-    a = load_engine(args, args.a)
-    b = load_engine(args, args.b)
-    report = compare(
-        a, b, prompts, new_tokens=args.new_tokens,
-        progress=lambda i, n: print(f"compared {i}/{n}", file=sys.stderr),
+    if not prompts:
+        raise InvalidRequestError(f"{args.prompts or '--prompt'} holds no prompt (one per line)")
+    side = Side(
+        SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature,
+                       seed=args.seed)
     )  # fmt: skip
+    a = load_engine(args, args.a)
+    b = load_engine(argparse.Namespace(**{**vars(args), "model": args.b_model or args.model}),
+                    args.b)  # fmt: skip
+    reports = []
+    for i, prompt in enumerate(prompts):
+        reports.append(compare_prompt(a, b, prompt, side, side, noise=not args.no_noise))
+        print(f"compared {i + 1}/{len(prompts)}", file=sys.stderr)
     if args.json:
-        print(json.dumps(report, indent=2, ensure_ascii=False))
+        print(json.dumps(document(reports), indent=1, ensure_ascii=False))
         return 0
-    print(f"A = {report['a']}, B = {report['b']}, {report['new_tokens']} greedy tokens a prompt")
-    print(f"{'KL(A||B)':>9} {'top-1':>6} {'1st diff':>8}  prompt")
-    for row in report["prompts"]:
-        diff = "-" if row["first_difference"] is None else str(row["first_difference"])
-        print(f"{row['kl_mean']:9.4f} {row['top1_agreement']:6.1%} {diff:>8}  {row['prompt']}")
-    print(f"mean KL {report['kl_mean']:.4f} nats, top-1 agreement {report['top1_agreement']:.1%}")
-    for row in report["prompts"]:
-        print(f"\n## {row['prompt']}\nA: {row['text_a']!r}\nB: {row['text_b']!r}")
+    print(f"A = {reports[0]['a']['precision']}, B = {reports[0]['b']['precision']}, "
+          f"{args.new_tokens} tokens a prompt; figures on A's output, KL in nats")  # fmt: skip
+    print(f"{'KL mean':>9} {'KL p99':>9} {'noise':>9} {'top-1':>6} {'1st diff':>8}  prompt")
+    for r in reports:
+        s, d = r["summary"], r["divergence"]
+        diff = "-" if d["index"] is None else str(d["index"])
+        noise = "-" if s["noise_kl_mean"] is None else f"{s['noise_kl_mean']:9.2e}"
+        print(f"{s['kl_mean']:9.4f} {s['kl_p99']:9.4f} {noise:>9} {s['top1_agreement']:6.1%} "
+              f"{diff:>8}  {r['prompt']}")  # fmt: skip
+    n = len(reports)
+    mean_kl = sum(r["summary"]["kl_mean"] for r in reports) / n
+    top1 = sum(r["summary"]["top1_agreement"] for r in reports) / n
+    flips = sum(r["summary"]["flips"] for r in reports)
+    print(f"mean KL {mean_kl:.4f} nats, top-1 agreement {top1:.1%}, answers differ in {flips}/{n}")
+    for r in reports:
+        print(f"\n## {r['prompt']}\nA: {r['a']['text']!r}\nB: {r['b']['text']!r}")
     return 0
 
 

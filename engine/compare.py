@@ -1,0 +1,430 @@
+"""A/B comparison of two engines on one prompt, token by token: the data behind the app's A/B
+lab and ``infersight eval compare``.
+
+Both engines generate from the same prompt (each with its own sampling and cache window, the
+same seed). Then each model *scores* both outputs, teacher-forced: model M's log-probabilities
+at every position of sequence S, with S's tokens as the context. Everything per token follows
+from those four ``[n, vocab]`` tables:
+
+* ``kl``: KL(A‖B) = Σ p_A (log p_A − log p_B), in nats, at each position of a column's own
+  sequence: how far B's next-token distribution is from A's on that context;
+* ``p_a``, ``p_b``: each model's probability of the token that column holds;
+* ``top_a``, ``top_b``: each model's five likeliest next tokens there;
+* ``noise_kl``: KL(A‖A′), where A′ is A itself computed another way: the prompt in one pass,
+  then one token per forward (decode's batch of one) instead of the whole sequence in one
+  prefill. That is the run-to-run noise of A's own numbers; a B whose KL is no larger than it
+  is indistinguishable from A here.
+
+Distributions are the models' own (temperature 1, untruncated), whatever sampling generated
+the text: sampling changes which tokens are drawn, not what a model believes.
+
+The summary is taken on A's output (A is the reference, as the base model is in llama.cpp's
+``--kl-divergence``): mean and 99th-percentile KL, RMS Δp (the root mean square of
+p_B − p_A for A's token), top-1 agreement (both models' likeliest token is the same), and
+whether the two answers differ at all ("flips"). The first divergence follows vLLM's
+``check_logprobs_close``: the first index where the two generated tokens differ, and whether
+each side's token is among the other side's top-N there (both contexts are the common prefix).
+
+Speculative decoding with B drafting for A would accept, per drafted token, A's greedy token
+when B's likeliest agrees (greedy), or with probability Σ min(p_A, p_B) = 1 − TV(p_A, p_B)
+(rejection sampling); both are measured on A's output. A later speculative decoder is measured
+against these predictions.
+
+The report is plain JSON data (:data:`FORMAT`): the app shows it, saves it and opens it, and
+``infersight eval compare --json`` writes the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from engine.kv_cache import CacheWindow, SeqChunk
+from engine.sampling import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+FORMAT = "infersight-ab/1"
+TOP_N = 5  # top tokens kept per position, and vLLM's N for the divergence rule
+SCORE_ID = "__ab-score__"  # the scratch sequence a scoring pass holds blocks under
+
+
+def prompt_ids_for(engine: LLMEngine, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt both sides get: the chat template when the model has one, else the text."""
+    if engine.tokenizer.chat_template:
+        return engine.chat_prompt_ids(messages)
+    return engine.tokenizer.encode_prompt("\n".join(m["content"] for m in messages))
+
+
+def shared_prompt_ids(a: LLMEngine, b: LLMEngine, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt's ids, the same for both sides, or a clear error when the two models do not
+    share a tokenizer (their token-by-token figures would compare different things)."""
+    ids = prompt_ids_for(a, messages)
+    if a.cfg.vocab_size != b.cfg.vocab_size or prompt_ids_for(b, messages) != ids:
+        raise InvalidRequestError(
+            f"A ({a.name}) and B ({b.name}) do not share a tokenizer (vocabularies of "
+            f"{a.cfg.vocab_size} and {b.cfg.vocab_size} tokens, or the prompt tokenizes "
+            "differently); compare two precisions of one model, or models of one family"
+        )
+    return ids
+
+
+def score(
+    engine: LLMEngine,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    *,
+    window: CacheWindow | None = None,
+    decode_steps: bool = False,
+) -> Tensor:
+    """Log-probabilities ``[len(output_ids), vocab]`` (fp32, on the CPU) of ``engine``'s next
+    token at each output position, teacher-forced on ``prompt_ids + output_ids``.
+
+    It runs through the engine's own paged cache and attention, as generation does, with the
+    same cache window. ``decode_steps`` computes the outputs one token per forward after a
+    prefill of the prompt (as generation computed them) instead of in a single forward: the
+    two agree up to rounding, which is what the noise floor measures. The engine must be idle
+    and its pool must hold the whole sequence.
+    """
+    prompt, output = list(prompt_ids), list(output_ids)
+    if not prompt:
+        raise InvalidRequestError("scoring needs a prompt of at least one token")
+    vocab = engine.cfg.vocab_size
+    if not output:
+        return torch.empty(0, vocab)
+    seq = prompt + output
+    inputs = seq[:-1]  # the last token is a target only
+    first_row = len(prompt) - 1  # the position that predicts the first output token
+    if decode_steps:
+        spans = [(0, len(prompt))] + [(p, p + 1) for p in range(len(prompt), len(inputs))]
+    else:
+        spans = [(0, len(inputs))]
+    manager = engine.kv.manager
+    if not manager.can_grow(SCORE_ID, len(inputs)):
+        raise InvalidRequestError(
+            f"scoring {len(inputs)} tokens needs {manager.blocks_for(len(inputs))} KV blocks "
+            f"but {manager.num_free} are free; give the KV cache more memory"
+        )
+    manager.grow(SCORE_ID, len(inputs))
+    out: list[Tensor] = []
+    device = engine.device
+    try:
+        for start, end in spans:
+            rows = [r - start for r in range(max(start, first_row), end)]
+            if not rows:
+                continue
+            ctx = engine.kv.context([SeqChunk(SCORE_ID, start, end - start, window)])
+            logits = engine.model(
+                torch.tensor(inputs[start:end], device=device),
+                torch.arange(start, end, device=device),
+                ctx,
+                torch.tensor(rows, dtype=torch.long, device=device),
+            )
+            out.append(F.log_softmax(logits.float(), dim=-1).cpu())
+    finally:
+        manager.free(SCORE_ID)
+    return torch.cat(out)
+
+
+def token_pieces(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
+    """The text each token adds, as the streaming detokenizer releases it (a character split
+    over several tokens lands on the one that completes it); ``"".join`` is the full text."""
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(t) for t in ids]
+    if pieces:
+        pieces[-1] += detok.flush()
+    return pieces
+
+
+@dataclass(frozen=True, slots=True)
+class SideRun:
+    """One side's generation and what it ran as (the report's ``a`` / ``b``)."""
+
+    model: str
+    precision: str
+    device: str
+    sampling: dict[str, Any]
+    window: tuple[int, int] | None
+    token_ids: list[int]
+    finish_reason: str | None
+    ttft_s: float | None
+    tokens_per_s: float | None
+    weights_bytes: int
+    kv_bytes: int
+
+    @classmethod
+    def of(
+        cls,
+        engine: LLMEngine,
+        params: SamplingParams,
+        window: CacheWindow | None,
+        token_ids: list[int],
+        finish_reason: str | None,
+        ttft_s: float | None,
+        tokens_per_s: float | None,
+    ) -> SideRun:
+        sampling = {k: v for k, v in asdict(params).items() if k in SAMPLING_KEYS}
+        return cls(
+            model=engine.name,
+            precision=engine.precision.text,
+            device=str(engine.device),
+            sampling=sampling,
+            window=None if window is None else (window.sink, window.window),
+            token_ids=list(token_ids),
+            finish_reason=finish_reason,
+            ttft_s=ttft_s,
+            tokens_per_s=tokens_per_s,
+            weights_bytes=engine.weights_bytes,
+            kv_bytes=engine.kv.nbytes,
+        )
+
+
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                 "seed")  # fmt: skip
+
+
+def generate(
+    engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, window: CacheWindow | None
+) -> SideRun:
+    """One side's answer, alone on its engine (a script's or the command line's A/B)."""
+    engine.set_window(window)
+    gen = engine.generate(prompt_ids, params)
+    for _ in gen:
+        pass
+    r = gen.result
+    tps = 1.0 / r.tpot_s if r.tpot_s else None
+    return SideRun.of(engine, params, window, r.token_ids, r.finish_reason, r.ttft_s, tps)
+
+
+@dataclass(slots=True)
+class Scores:
+    """The four teacher-forced tables (``[model][sequence]``) and the noise floor's two
+    (A′ on each sequence; absent when not measured)."""
+
+    a_on_a: Tensor
+    a_on_b: Tensor
+    b_on_a: Tensor
+    b_on_b: Tensor
+    noise_on_a: Tensor | None = None
+    noise_on_b: Tensor | None = None
+
+
+def score_side(
+    engine: LLMEngine,
+    prompt_ids: list[int],
+    runs: tuple[SideRun, SideRun],
+    window: CacheWindow | None,
+    *,
+    noise: bool = False,
+    check: Callable[[], None] | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """One model's scores of A's and B's outputs, and (``noise``) its A′ scores of both.
+    ``check`` runs between passes: it may raise to cancel."""
+    out: list[Tensor | None] = []
+    for run in runs:
+        out.append(score(engine, prompt_ids, run.token_ids, window=window))
+        if check:
+            check()
+    for run in runs:
+        if noise:
+            out.append(score(engine, prompt_ids, run.token_ids, window=window, decode_steps=True))
+            if check:
+                check()
+        else:
+            out.append(None)
+    a, b, na, nb = out
+    assert a is not None and b is not None
+    return a, b, na, nb
+
+
+def _kl(logp: Tensor, logq: Tensor) -> Tensor:
+    """KL(p‖q) per row, in float64 over renormalised rows: the fp32 tables sum to 1 only up
+    to rounding, which would leave a KL of ~1e-7 (even negative) where p and q are equal."""
+    logp, logq = F.log_softmax(logp.double(), -1), F.log_softmax(logq.double(), -1)
+    return (logp.exp() * (logp - logq)).sum(-1).clamp(min=0.0)
+
+
+def _quantile(x: Tensor, q: float) -> float:
+    return float(torch.quantile(x.double(), q)) if len(x) else 0.0
+
+
+def _top(tokenizer: Tokenizer, logp: Tensor) -> list[list[list[Any]]]:
+    values, ids = logp.topk(min(TOP_N, logp.shape[-1]), dim=-1)
+    probs = values.exp().tolist()
+    return [
+        [
+            [tokenizer.decode([i], skip_special_tokens=False), p]
+            for i, p in zip(row, prow, strict=True)
+        ]
+        for row, prow in zip(ids.tolist(), probs, strict=True)
+    ]
+
+
+def _column(
+    tokenizer: Tokenizer, ids: list[int], logp_a: Tensor, logp_b: Tensor, noise: Tensor | None
+) -> dict[str, Any]:
+    target = torch.tensor(ids, dtype=torch.long)[:, None]
+    return {
+        "kl": _kl(logp_a, logp_b).tolist(),
+        "p_a": logp_a.gather(1, target).exp()[:, 0].tolist() if ids else [],
+        "p_b": logp_b.gather(1, target).exp()[:, 0].tolist() if ids else [],
+        "noise_kl": None if noise is None else _kl(logp_a, noise).tolist(),
+        "top_a": _top(tokenizer, logp_a),
+        "top_b": _top(tokenizer, logp_b),
+    }
+
+
+def divergence(
+    ids_a: list[int], ids_b: list[int], scores: Scores, tokenizer: Tokenizer
+) -> dict[str, Any]:
+    """vLLM's rule: the first index where the generated tokens differ, and whether each side's
+    token is among the other's top-N there. Up to that index the two contexts are the same, so
+    A's scores on A's output and B's on B's output describe the same context."""
+    index = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), None)
+    if index is None and len(ids_a) != len(ids_b):
+        index = min(len(ids_a), len(ids_b))  # one answer stopped where the other went on
+    out: dict[str, Any] = {"index": index, "top_n": TOP_N, "a_token": None, "b_token": None,
+                           "a_in_b_top": None, "b_in_a_top": None}  # fmt: skip
+    if index is None:
+        return out
+    if index < len(ids_a):
+        out["a_token"] = tokenizer.decode([ids_a[index]], skip_special_tokens=False)
+    if index < len(ids_b):
+        out["b_token"] = tokenizer.decode([ids_b[index]], skip_special_tokens=False)
+    if index < len(ids_a) and index < len(ids_b):
+        top_b = scores.b_on_b[index].topk(TOP_N).indices.tolist()
+        top_a = scores.a_on_a[index].topk(TOP_N).indices.tolist()
+        out["a_in_b_top"] = ids_a[index] in top_b
+        out["b_in_a_top"] = ids_b[index] in top_a
+    return out
+
+
+def summarize(run_a: SideRun, run_b: SideRun, scores: Scores) -> dict[str, Any]:
+    """The figures on A's output (see the module docstring)."""
+    ids = torch.tensor(run_a.token_ids, dtype=torch.long)
+    la, lb = scores.a_on_a, scores.b_on_a
+    kl = _kl(la, lb)
+    n = len(ids)
+    if n:
+        pa = la.gather(1, ids[:, None]).exp()[:, 0]
+        pb = lb.gather(1, ids[:, None]).exp()[:, 0]
+        rms_dp = float(((pb - pa) ** 2).mean().sqrt())
+        top1 = float((la.argmax(-1) == lb.argmax(-1)).double().mean())
+        greedy = float((lb.argmax(-1) == ids).double().mean())
+        sampled = float(torch.minimum(la.exp(), lb.exp()).sum(-1).double().mean())
+    else:
+        rms_dp = top1 = greedy = sampled = math.nan
+    noise = None if scores.noise_on_a is None else _kl(la, scores.noise_on_a)
+    return {
+        "tokens": n,
+        "kl_mean": float(kl.double().mean()) if n else math.nan,
+        "kl_p99": _quantile(kl, 0.99),
+        "kl_max": float(kl.max()) if n else math.nan,
+        "rms_dp": rms_dp,
+        "top1_agreement": top1,
+        "flips": run_a.token_ids != run_b.token_ids,
+        "noise_kl_mean": None if noise is None or not n else float(noise.double().mean()),
+        "noise_kl_p99": None if noise is None else _quantile(noise, 0.99),
+        "speculative": {
+            "greedy_acceptance": greedy,
+            "sampling_acceptance": sampled,
+            "mode": "greedy" if run_a.sampling.get("temperature", 0.0) == 0 else "sampling",
+        },
+    }
+
+
+def build_report(
+    prompt: str,
+    prompt_ids: list[int],
+    run_a: SideRun,
+    run_b: SideRun,
+    scores: Scores,
+    tokenizer: Tokenizer,
+    memory: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The comparison as plain JSON data (see the module docstring for each figure)."""
+    sides: dict[str, Any] = {}
+    for key, run in (("a", run_a), ("b", run_b)):
+        pieces = token_pieces(tokenizer, run.token_ids)
+        side = asdict(run)
+        side["window"] = None if run.window is None else list(run.window)
+        side["pieces"] = pieces
+        side["text"] = "".join(pieces)
+        sides[key] = side
+    return {
+        "prompt": prompt,
+        "prompt_tokens": len(prompt_ids),
+        "a": sides["a"],
+        "b": sides["b"],
+        "columns": {
+            "a": _column(
+                tokenizer, run_a.token_ids, scores.a_on_a, scores.b_on_a, scores.noise_on_a
+            ),
+            "b": _column(
+                tokenizer, run_b.token_ids, scores.a_on_b, scores.b_on_b, scores.noise_on_b
+            ),
+        },
+        "divergence": divergence(run_a.token_ids, run_b.token_ids, scores, tokenizer),
+        "summary": summarize(run_a, run_b, scores),
+        "memory": memory or {"mode": "side by side", "message": ""},
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """What one side runs with, besides its engine: sampling and cache window."""
+
+    params: SamplingParams
+    window: CacheWindow | None = None
+
+
+def compare_prompt(
+    a: LLMEngine,
+    b: LLMEngine,
+    prompt: str,
+    side_a: Side,
+    side_b: Side,
+    *,
+    noise: bool = True,
+) -> dict[str, Any]:
+    """The whole A/B of one prompt on two loaded engines, one after the other."""
+    prompt_ids = shared_prompt_ids(a, b, [{"role": "user", "content": prompt}])
+    run_a = generate(a, prompt_ids, side_a.params, side_a.window)
+    run_b = generate(b, prompt_ids, side_b.params, side_b.window)
+    runs = (run_a, run_b)
+    a_on_a, a_on_b, noise_a, noise_b = score_side(a, prompt_ids, runs, side_a.window, noise=noise)
+    b_on_a, b_on_b, _, _ = score_side(b, prompt_ids, runs, side_b.window)
+    scores = Scores(a_on_a, a_on_b, b_on_a, b_on_b, noise_a, noise_b)
+    return build_report(prompt, prompt_ids, run_a, run_b, scores, a.tokenizer)
+
+
+def document(comparisons: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a file holds: the format tag and one or more comparisons."""
+    return {"format": FORMAT, "comparisons": comparisons}
+
+
+def read_document(data: Any) -> list[dict[str, Any]]:
+    """The comparisons of a saved file's parsed JSON; a clear error for anything else."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise InvalidRequestError(
+            f"this is not an A/B comparison file (expected format {FORMAT!r}); save one from the "
+            "A/B lab or write one with `infersight eval compare --json`"
+        )
+    comparisons = data.get("comparisons")
+    if not isinstance(comparisons, list) or not comparisons:
+        raise InvalidRequestError("the comparison file holds no comparison")
+    needed = ("a", "b", "columns", "divergence", "summary")
+    for c in comparisons:
+        if not isinstance(c, dict) or any(k not in c for k in needed):
+            raise InvalidRequestError(
+                f"a comparison in the file lacks some of {', '.join(needed)}; the file is "
+                "damaged or from another program"
+            )
+    return comparisons

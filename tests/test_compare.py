@@ -1,0 +1,178 @@
+"""The A/B comparison (engine/compare.py): per-token figures against a direct computation
+from the two models' logits, the divergence rule, the summary, the file format and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.cli import main
+from engine.compare import (
+    FORMAT,
+    Side,
+    compare_prompt,
+    document,
+    prompt_ids_for,
+    read_document,
+    score,
+)
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from engine.kv_cache import CacheWindow
+from engine.sampling import SamplingParams
+
+PROMPT = "t1 t7 t3 t9 t2"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama", False)
+    return (
+        folder,
+        LLMEngine.load(folder, precision="fp32"),
+        LLMEngine.load(folder, precision="int4-g32"),
+    )
+
+
+def direct_logprobs(engine: LLMEngine, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Log-probs of each output position from one plain forward over the whole sequence."""
+    seq = prompt + output
+    logits = engine.forward_logits(seq, engine.new_cache(len(seq)), 0)
+    return F.log_softmax(logits[len(prompt) - 1 : len(seq) - 1].double(), dim=-1)
+
+
+def test_per_token_kl_equals_a_direct_computation_from_both_models_logits(engines):
+    _, a, b = engines
+    greedy = Side(SamplingParams(max_new_tokens=12))
+    report = compare_prompt(a, b, PROMPT, greedy, greedy)
+    prompt = prompt_ids_for(a, [{"role": "user", "content": PROMPT}])
+    assert report["prompt_tokens"] == len(prompt)
+    for key in ("a", "b"):
+        ids = report[key]["token_ids"]
+        la, lb = direct_logprobs(a, prompt, ids), direct_logprobs(b, prompt, ids)
+        kl = (la.exp() * (la - lb)).sum(-1)
+        column = report["columns"][key]
+        assert len(column["kl"]) == len(ids) == len(report[key]["pieces"])
+        assert torch.allclose(torch.tensor(column["kl"], dtype=torch.float64), kl, atol=1e-5)
+        target = torch.tensor(ids)[:, None]
+        p_a = la.gather(1, target).exp()[:, 0]
+        assert torch.allclose(torch.tensor(column["p_a"], dtype=torch.float64), p_a, atol=1e-5)
+        # the top-5 is A's five likeliest tokens, most likely first, with their probabilities
+        best = la[0].exp().topk(5)
+        assert [round(p, 6) for _, p in column["top_a"][0]] == [
+            round(float(p), 6) for p in best.values
+        ]
+    s = report["summary"]
+    kl_a = torch.tensor(report["columns"]["a"]["kl"], dtype=torch.float64)
+    assert s["kl_mean"] == pytest.approx(float(kl_a.mean()), abs=1e-9)
+    assert s["kl_max"] == pytest.approx(float(kl_a.max()), abs=1e-9)
+    assert s["kl_mean"] <= s["kl_p99"] <= s["kl_max"]
+    assert s["flips"] == (report["a"]["token_ids"] != report["b"]["token_ids"])
+    assert 0 <= s["speculative"]["greedy_acceptance"] <= 1
+    # greedy A: its tokens are its argmax, so B's greedy acceptance is the top-1 agreement
+    assert s["speculative"]["greedy_acceptance"] == pytest.approx(s["top1_agreement"])
+    assert 0 < s["speculative"]["sampling_acceptance"] <= 1
+
+
+def test_a_against_itself_is_zero_and_the_noise_floor_is_tiny(engines):
+    folder, a, _ = engines
+    same = LLMEngine.load(folder, precision="fp32")
+    greedy = Side(SamplingParams(max_new_tokens=10))
+    report = compare_prompt(a, same, PROMPT, greedy, greedy)
+    s = report["summary"]
+    assert s["kl_max"] == pytest.approx(0.0, abs=1e-6)
+    assert s["top1_agreement"] == 1.0 and not s["flips"]
+    assert report["divergence"]["index"] is None
+    assert s["speculative"]["sampling_acceptance"] == pytest.approx(1.0, abs=1e-5)
+    # A computed token by token instead of in one pass: rounding only
+    assert s["noise_kl_mean"] is not None and 0 <= s["noise_kl_mean"] < 1e-6
+    assert len(report["columns"]["b"]["noise_kl"]) == len(report["b"]["token_ids"])
+
+
+def test_decode_steps_score_equals_the_logits_generation_sampled_from(engines):
+    """A′ (token by token) is how generation computed A's logits: its argmax is A's greedy
+    output, and scoring agrees with a plain forward."""
+    _, a, _ = engines
+    prompt = a.tokenizer.encode(PROMPT)
+    gen = a.generate(prompt, SamplingParams(max_new_tokens=8))
+    list(gen)
+    ids = gen.result.token_ids
+    stepped = score(a, prompt, ids, decode_steps=True)
+    assert stepped.argmax(-1).tolist() == ids
+    whole = score(a, prompt, ids)
+    assert torch.allclose(whole.double(), direct_logprobs(a, prompt, ids), atol=1e-5)
+    assert a.kv.manager.num_free == a.kv.manager.num_blocks  # the scratch blocks went back
+
+
+def test_scoring_uses_the_sides_cache_window(engines):
+    _, a, _ = engines
+    prompt = a.tokenizer.encode(" ".join(f"t{i}" for i in range(40)))
+    ids = [5, 6, 7, 8]
+    full = score(a, prompt, ids)
+    windowed = score(a, prompt, ids, window=CacheWindow(sink=2, window=8))
+    assert not torch.allclose(full, windowed)
+    stepped = score(a, prompt, ids, window=CacheWindow(sink=2, window=8), decode_steps=True)
+    assert torch.allclose(windowed, stepped, atol=1e-4)
+
+
+def test_divergence_follows_vllms_rule(engines):
+    _, a, b = engines
+    hot = Side(SamplingParams(max_new_tokens=16, temperature=1.5, seed=3))
+    cold = Side(SamplingParams(max_new_tokens=16))
+    report = compare_prompt(a, b, PROMPT, cold, hot, noise=False)
+    d = report["divergence"]
+    ids_a, ids_b = report["a"]["token_ids"], report["b"]["token_ids"]
+    i = d["index"]
+    assert i is not None and ids_a[:i] == ids_b[:i] and ids_a[i] != ids_b[i]
+    top_b = [t for t, _ in report["columns"]["b"]["top_b"][i]]
+    top_a = [t for t, _ in report["columns"]["a"]["top_a"][i]]
+    assert d["a_in_b_top"] == (d["a_token"] in top_b)
+    assert d["b_in_a_top"] == (d["b_token"] in top_a)
+    assert report["summary"]["noise_kl_mean"] is None
+
+
+def test_document_round_trip_and_bad_files(engines):
+    _, a, b = engines
+    greedy = Side(SamplingParams(max_new_tokens=4))
+    report = compare_prompt(a, b, PROMPT, greedy, greedy, noise=False)
+    text = json.dumps(document([report]))
+    assert read_document(json.loads(text)) == [json.loads(json.dumps(report))]
+    for bad in (
+        {},
+        {"format": FORMAT, "comparisons": []},
+        {"format": FORMAT, "comparisons": [{}]},
+        [],
+    ):
+        with pytest.raises(InvalidRequestError):
+            read_document(bad)
+
+
+def test_models_that_do_not_share_a_tokenizer_are_refused(engines, tmp_path):
+    from tests.conftest import build_tiny_hf, save_tiny
+
+    _, a, _ = engines
+    other = LLMEngine.load(save_tiny(build_tiny_hf("llama", tied=True, vocab_size=300), tmp_path))
+    greedy = Side(SamplingParams(max_new_tokens=2))
+    with pytest.raises(InvalidRequestError, match="do not share a tokenizer"):
+        compare_prompt(a, other, PROMPT, greedy, greedy, noise=False)
+
+
+def test_eval_compare_json_is_the_apps_file_format(engines, tmp_path, capsys):
+    folder, a, b = engines
+    argv = ["eval", "compare", "--model", str(folder), "--a", "fp32", "--b", "int4-g32",
+            "--prompt", PROMPT, "--new-tokens", "6", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    comparisons = read_document(json.loads(capsys.readouterr().out))
+    assert len(comparisons) == 1
+    greedy = Side(SamplingParams(max_new_tokens=6))
+    direct = compare_prompt(a, b, PROMPT, greedy, greedy)
+    got = comparisons[0]
+    assert got["a"]["token_ids"] == direct["a"]["token_ids"]
+    assert got["b"]["token_ids"] == direct["b"]["token_ids"]
+    assert got["summary"]["kl_mean"] == pytest.approx(direct["summary"]["kl_mean"], abs=1e-9)
+    assert got["divergence"] == direct["divergence"]
+    assert math.isfinite(got["summary"]["rms_dp"])
