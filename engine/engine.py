@@ -42,7 +42,6 @@ from engine.quant import (
     QuantKind,
     dtype_name,
     parse_precision_spec,
-    part_of,
 )
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.scheduler import Scheduler, SchedulerLimits
@@ -208,6 +207,7 @@ class LLMEngine:
         if torch_device.type == "cpu" and dtype == torch.float16:
             log.warning("fp16 on CPU runs through slow fallback kernels; bf16 or fp32 is faster")
         cfg = ModelConfig.from_file(folder / "config.json")
+        spec.check_layers(cfg.num_layers)
         tokenizer = Tokenizer.from_folder(folder)
         model = load_transformer(
             folder, cfg, dtype, torch_device, quant=_quant_plan(spec) if spec.quantized else None
@@ -558,11 +558,8 @@ class Generation:
 
 
 def _quant_plan(spec: PrecisionSpec) -> Callable[[str], QuantKind | None]:
-    def plan(module_name: str) -> QuantKind | None:
-        part = part_of(module_name)
-        return spec.parts.get(part) if part else None
-
-    return plan
+    """Each linear's format by module name: its layer's override, else its part's default."""
+    return spec.kind_for
 
 
 def _history(seq: Seq) -> torch.Tensor:

@@ -218,3 +218,178 @@ def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
     forms = {g.form for g in report}
     if spec == "int4-g128+head":  # hidden 64 is padded to one group of 128
         assert "int4-g128 (int4 kernel), K padded +64" in forms
+
+
+# -- per-layer overrides in mixed specs, and the weight-byte estimate ------------------------
+
+from engine.quant import (  # noqa: E402
+    QuantKind,
+    block_bytes,
+    estimate_weight_bytes,
+    format_mixed_spec,
+)
+
+INT8, G32, G128 = QuantKind(8), QuantKind(4, 32), QuantKind(4, 128)
+
+
+def test_per_layer_overrides_beat_the_part_default():
+    spec = parse_precision_spec(
+        "mixed:attn=int4-g128,mlp=int4-g128,mlp.3=int8,attn.0-2=int8,mlp.7=none"
+    )
+    assert spec.layers == {
+        ("mlp", 3): INT8,
+        ("attn", 0): INT8,
+        ("attn", 1): INT8,
+        ("attn", 2): INT8,
+        ("mlp", 7): None,
+    }
+    assert spec.kind_for("layers.3.mlp.down_proj") == INT8
+    assert spec.kind_for("layers.3.attn.qkv_proj") == G128
+    assert spec.kind_for("layers.2.attn.o_proj") == INT8
+    assert spec.kind_for("layers.7.mlp.gate_up_proj") is None
+    assert spec.kind_for("layers.12.mlp.gate_up_proj") == G128
+    assert spec.kind_for("lm_head") is None
+    assert spec.kind_for("layers.0.input_norm") is None
+    assert spec.compute == torch.bfloat16
+
+
+def test_an_override_alone_quantizes():
+    spec = parse_precision_spec("mixed:attn=none,mlp=none,mlp.3=int8")
+    assert spec.quantized and spec.compute == torch.bfloat16 and not spec.parts
+    assert spec.kind_for("layers.3.mlp.down_proj") == INT8
+    assert spec.kind_for("layers.2.mlp.down_proj") is None
+    with pytest.raises(InvalidRequestError, match="quantizes nothing"):
+        parse_precision_spec("mixed:attn=none,mlp=none,mlp.3=none")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("mixed:attn=int8,ffn.3=int8", "'ffn' is no part"),
+        ("mixed:attn=int8,head.0=int8", "the LM head has no layers"),
+        ("mixed:attn=int8,mlp.x=int8", r"'x' in 'mlp.x=int8'.*is not a layer index.*mlp\.N-M"),
+        ("mixed:attn=int8,mlp.1.5=int8", "is not a layer index"),
+        ("mixed:attn=int8,mlp.-1=int8", "is not a layer index"),
+        ("mixed:attn=int8,mlp.5-2=int8", "runs backwards; write mlp.2-5"),
+        ("mixed:attn=int8,mlp.0-999999999=int8", "past any model's last layer"),
+        ("mixed:attn=int8,mlp.0-3=int8,mlp.3=none", "mlp.3 is given more than one format"),
+        ("mixed:attn=int8,mlp.3=int5", "unknown precision"),
+    ],
+)
+def test_bad_overrides_say_what_to_write(text, needle):
+    with pytest.raises(InvalidRequestError, match=needle):
+        parse_precision_spec(text)
+
+
+def test_overrides_beyond_the_model_are_refused_at_load(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama", True)  # 3 layers
+    with pytest.raises(InvalidRequestError, match=r"mlp\.3, but this model has 3 layers"):
+        LLMEngine.load(folder, precision="mixed:attn=int8,mlp=int8,mlp.1-3=none")
+
+
+def test_int4_in_an_override_needs_the_kernel(monkeypatch):
+    from types import SimpleNamespace
+
+    import engine.quant as quant
+    from engine.hardware import PathProbe
+
+    off = SimpleNamespace(int4_kernel=PathProbe(False, "switched off for the test"))
+    monkeypatch.setattr(quant, "cpu_paths", lambda: off)
+    with pytest.raises(InvalidRequestError, match="switched off for the test"):
+        parse_precision_spec("mixed:attn=int8,mlp=int8,mlp.2=int4-g32")
+    assert parse_precision_spec("mixed:attn=int8,mlp=int8,mlp.2=none").quantized
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(InvalidRequestError, match=r"compute capability 8\.0"):
+        parse_precision_spec("mixed:attn=int8,mlp=none,attn.1=int4-g64", "cuda")
+
+
+def test_a_loaded_model_follows_its_overrides(tiny_model_dir):
+    from torch import nn
+
+    folder, _ = tiny_model_dir("qwen2", False)
+    engine = LLMEngine.load(
+        folder, precision="mixed:attn=int4-g32,mlp=int4-g32,mlp.1=int8,attn.0-1=none"
+    )
+    layers = engine.model.layers
+    assert [type(layer.attn.qkv_proj) for layer in layers] == [nn.Linear, nn.Linear, Int4Linear]
+    assert [type(layer.mlp.down_proj) for layer in layers] == [Int4Linear, Int8Linear, Int4Linear]
+    assert layers[0].attn.qkv_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("attn", "mlp", "head", "overrides", "text"),
+    [
+        (G32, G32, None, {}, "mixed:attn=int4-g32,mlp=int4-g32"),
+        (
+            G32,
+            G32,
+            None,
+            {("mlp", 0): INT8, ("mlp", 1): INT8, ("attn", 5): INT8},
+            "mixed:attn=int4-g32,mlp=int4-g32,attn.5=int8,mlp.0-1=int8",
+        ),
+        (
+            G128,
+            None,
+            INT8,
+            {("attn", 0): INT8, ("attn", 1): None, ("attn", 2): None, ("attn", 4): None,
+             ("mlp", 2): G32, ("mlp", 3): G32, ("mlp", 4): None, ("mlp", 6): None},
+            "mixed:attn=int4-g128,mlp=none,head=int8,attn.0=int8,attn.1-2=none,attn.4=none,"
+            "mlp.2-3=int4-g32",
+        ),
+        # an override equal to its default says nothing, and is dropped
+        (INT8, None, None, {("attn", 1): INT8, ("mlp", 2): None}, "mixed:attn=int8,mlp=none"),
+    ],
+)  # fmt: skip
+def test_format_mixed_spec_round_trips(attn, mlp, head, overrides, text):
+    written = format_mixed_spec(attn, mlp, head, overrides)
+    assert written == text
+    spec = parse_precision_spec(written)
+    assert spec.parts == {k: v for k, v in {"attn": attn, "mlp": mlp, "head": head}.items() if v}
+    defaults = {"attn": attn, "mlp": mlp}
+    assert spec.layers == {key: k for key, k in overrides.items() if k != defaults[key[0]]}
+    again = format_mixed_spec(
+        spec.parts.get("attn"), spec.parts.get("mlp"), spec.parts.get("head"), spec.layers
+    )
+    assert again == written
+
+
+ESTIMATED_SPECS = [
+    "fp32",
+    "bf16",
+    "int8",
+    "int4-g32",
+    "int8+head",
+    "int4-g64+head",
+    "mixed:attn=int4-g128,mlp=int4-g32,head=int8,attn.0-1=none,mlp.1=int8",
+    "mixed:attn=none,mlp=none,mlp.2=int4-g64",
+]
+
+
+@pytest.mark.parametrize("spec", ESTIMATED_SPECS)
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False), ("qwen2", True)])
+def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied):
+    from engine.config import ModelConfig
+
+    folder, _ = tiny_model_dir(arch, tied)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    parsed = parse_precision_spec(spec)
+    # The default load packs float linears where this CPU's oneDNN path runs their dtype.
+    packed = LLMEngine.load(folder, precision=spec).weights_bytes
+    assert estimate_weight_bytes(cfg, parsed) == packed
+    unpacked = LLMEngine.load(folder, precision=spec, pack=False).weights_bytes
+    assert estimate_weight_bytes(cfg, parsed, packed=False) == unpacked
+
+
+@pytest.mark.parametrize("spec", ["bf16", "int8", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_block_bytes_is_one_block(tiny_model_dir, spec, arch):
+    from engine.config import ModelConfig
+    from engine.weights import weight_bytes
+
+    folder, _ = tiny_model_dir(arch, arch == "llama")
+    cfg = ModelConfig.from_file(folder / "config.json")
+    engine = LLMEngine.load(folder, precision=spec, pack=False)
+    kind = parse_precision_spec(spec).parts.get("attn")
+    layer = engine.model.layers[1]
+    assert weight_bytes(layer.attn) == block_bytes(cfg, "attn", kind, engine.dtype)
+    assert weight_bytes(layer.mlp) == block_bytes(cfg, "mlp", kind, engine.dtype)
