@@ -151,6 +151,31 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_compare)
 
+    ep = esub.add_parser(
+        "scan",
+        help="which layers cost the quality: quantize one block at a time, plan a mixed: spec",
+    )
+    ep.add_argument("--model", default="default", help=MODEL_HELP)
+    ep.add_argument("--low", required=True, help="each block's format: int8, int4-g32|g64|g128")
+    ep.add_argument("--high", help="the format kept blocks get (default: int8 above INT4, "
+                    "else none = bf16)")  # fmt: skip
+    budget = ep.add_mutually_exclusive_group()
+    budget.add_argument("--budget-mib", type=float, help="the weights' size limit in MiB")
+    budget.add_argument(
+        "--budget-like", metavar="SPEC", help="the size of this spec's weights, e.g. int4-g32"
+    )
+    ep.add_argument("--tokens", type=int, default=256, help="tokens of the held text to scan on")
+    ep.add_argument(
+        "--ppl",
+        action="store_true",
+        help="also measure the plan's perplexity (and --budget-like's) with eval ppl's protocol",
+    )
+    ep.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of text for --ppl")
+    ep.add_argument("--device", default="auto", help=DEVICE_HELP)
+    ep.add_argument("--threads", type=int, default=None)
+    ep.add_argument("--json", action="store_true")
+    ep.set_defaults(handler=cmd_eval_scan)
+
     p = sub.add_parser("models", help="the default model and the models in the cache")
     msub = p.add_subparsers(metavar="ACTION", required=True)
     mp = msub.add_parser("pull", help="fetch and convert the default model (once)")
@@ -172,7 +197,8 @@ def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
         p.add_argument(
             "--precision",
             default="fp32",
-            help="fp32, bf16, fp16, int8, int4-g32|g64|g128, or mixed:attn=int8,mlp=int4-g32",
+            help="fp32, bf16, fp16, int8, int4-g32|g64|g128 (+head), or mixed:attn=int8,"
+            "mlp=int4-g32 with per-layer overrides such as mlp.0-2=int8 (see eval scan)",
         )
         p.add_argument("--device", default="auto", help=DEVICE_HELP)
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
@@ -492,6 +518,74 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
     print(f"mean KL {mean_kl:.4f} nats, top-1 agreement {top1:.1%}, answers differ in {flips}/{n}")
     for r in reports:
         print(f"\n## {r['prompt']}\nA: {r['a']['text']!r}\nB: {r['b']['text']!r}")
+    return 0
+
+
+def cmd_eval_scan(args: argparse.Namespace) -> int:
+    from app.loading import resolve_device, resolve_model_folder
+    from engine.config import ModelConfig
+    from engine.engine import parse_precision
+    from engine.evaluate import default_text, perplexity
+    from engine.quant import estimate_weight_bytes
+    from engine.sensitivity import plan_mixed, scan_sensitivity
+    from engine.tokenizer import Tokenizer
+
+    if args.tokens < 2 or args.ppl_tokens < 2:
+        raise InvalidRequestError("--tokens and --ppl-tokens must be at least 2")
+    if args.ppl and not args.budget_like:
+        raise InvalidRequestError("--ppl compares the plan with --budget-like's spec; give both")
+    device = resolve_device(args.device)
+    _set_threads(args.threads)
+    folder = resolve_model_folder(args.model, progress_printer())
+    cfg = ModelConfig.from_file(folder / "config.json")
+    budget = None
+    if args.budget_mib is not None:
+        budget = int(args.budget_mib * 2**20)
+    elif args.budget_like:
+        budget = estimate_weight_bytes(cfg, parse_precision(args.budget_like, device))
+    text = default_text().read_text(encoding="utf-8")
+    ids = Tokenizer.from_folder(folder).encode(text)[: args.tokens]
+    scan = scan_sensitivity(
+        folder, args.low, high=args.high, text_ids=ids, device=device,
+        progress=lambda i, n: print(f"scanned {i}/{n}", file=sys.stderr),
+    )  # fmt: skip
+    out: dict[str, Any] = {"scan": scan.to_dict()}
+    plan = plan_mixed(scan, budget) if budget is not None else None
+    if plan is not None:
+        out["plan"] = plan.to_dict()
+    if args.ppl and plan is not None:
+        held = default_text()
+        ppl = {}
+        for spec in (plan.spec, args.budget_like):
+            engine = load_engine(argparse.Namespace(**{**vars(args), "model": str(folder)}), spec)
+            result = perplexity(engine, held.read_text(encoding="utf-8"), text_name=held.name,
+                                max_tokens=args.ppl_tokens)  # fmt: skip
+            ppl[spec] = {"perplexity": result.perplexity, "weights_bytes": engine.weights_bytes}
+            del engine
+        out["perplexity"] = ppl
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    mib = 2**-20
+    print(f"{scan.model}: KL(fp32 ‖ one block at {scan.low}) on {scan.text_tokens} tokens, nats")
+    print(f"{'layer':>5} {'attn':>10} {'mlp':>10}")
+    by_layer: dict[int, dict[str, float]] = {}
+    for b in scan.blocks:
+        by_layer.setdefault(b.layer, {})[b.part] = b.kl
+    for layer, kls in sorted(by_layer.items()):
+        print(f"{layer:5d} {kls.get('attn', 0.0):10.2e} {kls.get('mlp', 0.0):10.2e}")
+    print(f"every block at {scan.low}: KL {scan.all_low_kl:.4f}; sizes "
+          f"{scan.min_bytes * mib:.1f}–{scan.max_bytes * mib:.1f} MiB")  # fmt: skip
+    if plan is not None:
+        print(f"plan for {plan.budget_bytes * mib:.1f} MiB: {plan.spec}")
+        print(f"  {plan.bytes * mib:.1f} MiB, {len(plan.upgraded)} blocks at {scan.high}, "
+              f"predicted KL {plan.predicted_kl:.4f} (first-order)")  # fmt: skip
+    if "perplexity" in out and plan is not None:
+        mixed, uniform = (out["perplexity"][s]["perplexity"] for s in (plan.spec, args.budget_like))
+        verdict = "beats" if mixed < uniform else "does NOT beat"
+        print(f"perplexity over {args.ppl_tokens} tokens of {default_text().name}: plan "
+              f"{mixed:.3f}, {args.budget_like} {uniform:.3f}: the plan {verdict} the uniform "
+              "spec of its size")  # fmt: skip
     return 0
 
 

@@ -11,9 +11,17 @@ from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QEvent, QSettings, Qt, QThread, QTimer
 from PySide6.QtGui import QCloseEvent, QIcon
-from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QProgressDialog, QWidget
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QLabel,
+    QMainWindow,
+    QProgressDialog,
+    QTabWidget,
+    QWidget,
+)
 
 from app import gc_guard
+from app.lab import LabController
 from app.store import ChatStore, Message
 from app.worker import (
     LOAD_JOIN_S,
@@ -32,6 +40,7 @@ from app.worker import (
     load_engine,
 )
 from engine.kv_cache import CacheWindow
+from widgets.ab_view import ABView
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel
 from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint
@@ -124,9 +133,16 @@ class MainWindow(QMainWindow):
         self._tags = 0
         self._closed = False
         self.progress: QProgressDialog | None = None
+        self._lab_known: dict[str, str] = {}  # model path → name, for the lab's model lists
+        self._lab_set = False
 
         self.chat = ChatPane()
-        self.setCentralWidget(self.chat)
+        self.ab_view = ABView()
+        self.tabs = QTabWidget()
+        self.tabs.setObjectName("centralTabs")
+        self.tabs.addTab(self.chat, "Chat")
+        self.tabs.addTab(self.ab_view, "A/B lab")
+        self.setCentralWidget(self.tabs)
         self.controls = ControlsPanel()
         self.instruments = InstrumentsPanel()
         self.controls_dock = self._dock("Controls", self.controls, "controlsDock")
@@ -150,6 +166,8 @@ class MainWindow(QMainWindow):
         self.worker.post(Configure(limits=self.controls.limits()))
         self._on_window(self.controls.cache_window())
         self.engine_thread.start()
+        # the A/B lab: engines of its own on a thread of its own (app/lab.py)
+        self.lab = LabController(self.ab_view, self._lab_messages, loader=loader, parent=self)
         self._open_conversations()
         self.load(spec or self._saved_spec())
 
@@ -284,6 +302,7 @@ class MainWindow(QMainWindow):
         self._close_progress()
         self.model = info
         self.controls.add_model(info.name, info.path)
+        self._lab_models(info)
         self.controls.show_model(info.path, info.precision, info.requested_device, info.device)
         self.controls.set_model_defaults(info.path, info.default_sampling)
         self.controls.kv_memory.set_value(info.kv_memory_mib)
@@ -292,6 +311,19 @@ class MainWindow(QMainWindow):
         self.settings.setValue("model", info.path)
         self.settings.setValue("precision", info.precision)
         self.settings.setValue("device", info.requested_device)  # "auto" stays "auto"
+
+    def _lab_models(self, info: ModelInfo) -> None:
+        """The lab offers the models the chat knows; its A and B start at the first model
+        loaded (A fp32, B int8) and are the user's to change from then on."""
+        self._lab_known[info.path] = info.name
+        self.ab_view.set_models([(name, path) for path, name in self._lab_known.items()])
+        if not self._lab_set:
+            self._lab_set = True
+            self.ab_view.set_current(info.path, info.precision)
+
+    def _lab_messages(self) -> list[dict[str, str]]:
+        """The current conversation as the engine sees it (for "continue the conversation")."""
+        return self._engine_messages() if self.conversation_id is not None else []
 
     def _settle_garbage(self, _info: ModelInfo) -> None:
         """A load leaves many young objects that each later collection would traverse, in the
@@ -608,6 +640,7 @@ class MainWindow(QMainWindow):
         if self._closed:
             return
         self._closed = True
+        self.lab.shutdown()
         if self.engine_thread.isRunning():
             self.worker.post(Stop())
             deadline = time.monotonic() + LOAD_JOIN_S + timeout_s

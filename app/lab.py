@@ -1,0 +1,647 @@
+"""The A/B lab: its engine thread (:class:`LabWorker`) and the glue to its view
+(:class:`LabController`).
+
+The lab runs apart from the chat's worker, on engines of its own, so a comparison never
+disturbs a conversation and the chat's model keeps answering meanwhile. One job at a time:
+
+* **A/B** (:class:`ABRequest`): load A and B (kept for the next run when unchanged), give both
+  the same prompt and seed, step them in turns in this thread so that both columns stream
+  side by side, then let each model score both outputs (:mod:`engine.compare`). Each side's
+  TTFT and tokens/s count only its own steps' time, since the two take turns on one thread.
+  Before loading, the lab checks that A and B fit in memory together; if they do not, it
+  says how much is missing and runs them one after the other (A, then B, then A again to
+  score B's answer).
+* **Sensitivity scan** (:class:`ScanRequest`): :func:`engine.sensitivity.scan_sensitivity` on
+  a fixed text (the first tokens of the perplexity text, Twelfth Night).
+
+Every job can be cancelled (:meth:`LabWorker.cancel`, any thread): the job stops at its next
+step, scoring pass or scanned block. Signals carry plain data (dicts, lists, strings).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from PySide6.QtCore import QObject, Qt, QThread, Signal
+
+from app.loading import LoadSpec, load_engine, resolve_device, resolve_model_folder
+from app.worker import FRAME_S, Loader, yield_to_the_ui
+from engine.errors import CancelledError, InfersightError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.compare import SideRun
+    from engine.engine import LLMEngine
+    from engine.kv_cache import CacheWindow
+    from widgets.ab_view import ABView
+
+log = logging.getLogger(__name__)
+
+MEMORY_HEADROOM = 0.9  # A and B may take this share of the free memory together
+POOL_MIN_TOKENS = 1024  # a lab engine's KV pool holds at least this many tokens
+SCAN_TEXT_TOKENS = 256  # the scan's fixed text: the first tokens of the perplexity text
+SEQUENTIAL = "one after the other"
+TOGETHER = "side by side"
+
+
+@dataclass(frozen=True, slots=True)
+class LabSide:
+    """One side of an A/B: what to load and how it samples and caches."""
+
+    model: str = "default"
+    precision: str = "fp32"
+    device: str = "auto"
+    temperature: float = 0.0
+    window: tuple[int, int] | None = None  # (sink, window) of a sliding cache window
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.model, self.precision, resolve_device(self.device))
+
+
+@dataclass(frozen=True, slots=True)
+class ABRequest:
+    a: LabSide
+    b: LabSide
+    messages: list[dict[str, str]]
+    prompt: str  # as the report shows it (the last user message)
+    max_new_tokens: int = 64
+    seed: int = 0
+    noise: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ScanRequest:
+    model: str
+    low: str  # the format each block is quantized to, e.g. "int4-g32"
+    device: str = "auto"
+    text_tokens: int = SCAN_TEXT_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    pass
+
+
+Job = ABRequest | ScanRequest | _Stop
+#: ``available(device)`` → bytes free for models on that device
+MemoryProbe = Callable[[str], float]
+
+
+def free_memory(device: str) -> float:
+    """Bytes a new model could take on ``device``: the GPU's free memory, or the RAM the OS
+    reports available."""
+    import torch
+
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return float(free)
+    import psutil
+
+    return float(psutil.virtual_memory().available)
+
+
+@dataclass(slots=True)
+class _Streams:
+    """Text waiting to reach the view, flushed at most once per frame."""
+
+    pending: list[tuple[str, str]] = field(default_factory=list)
+    flushed: float = 0.0
+
+
+class LabWorker(QObject):
+    status = Signal(str)  # what the job is doing now
+    notice = Signal(str, str)  # text, level ("info" | "warning")
+    deltas = Signal(list)  # [(side, text)], at most once per frame
+    side_stats = Signal(str, str)  # side, its figures as a line
+    report_ready = Signal(dict)  # an engine.compare report
+    scan_progress = Signal(int, int)
+    scan_ready = Signal(dict)  # engine.sensitivity.Scan.to_dict()
+    failed = Signal(str)
+    finished = Signal()  # a job ended (done, failed or cancelled)
+    stopped = Signal()
+
+    def __init__(self, loader: Loader = load_engine, available: MemoryProbe = free_memory) -> None:
+        super().__init__()
+        self._loader = loader
+        self._available = available
+        self._jobs: queue.Queue[Job] = queue.Queue()
+        self._cancel = threading.Event()
+        self._engines: dict[tuple[str, str, str], LLMEngine] = {}
+        self._streams = _Streams()
+
+    # -- any thread ------------------------------------------------------------------------
+    def post(self, job: Job) -> None:
+        self._cancel.clear()
+        self._jobs.put(job)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def stop(self) -> None:
+        self._cancel.set()
+        self._jobs.put(_Stop())
+
+    # -- the lab's thread ------------------------------------------------------------------
+    def run(self) -> None:
+        yield_to_the_ui()
+        while True:
+            job = self._jobs.get()
+            if isinstance(job, _Stop):
+                break
+            try:
+                if isinstance(job, ABRequest):
+                    self._run_ab(job)
+                else:
+                    self._run_scan(job)
+            except CancelledError:
+                self.status.emit("cancelled")
+            except InfersightError as exc:
+                self.failed.emit(str(exc))
+            except MemoryError as exc:
+                self.failed.emit(f"out of memory: {exc}; try smaller models or fewer tokens")
+            except Exception as exc:  # a bug: say it, keep the lab alive
+                log.exception("lab job failed")
+                self.failed.emit(f"internal error: {type(exc).__name__}: {exc}")
+            finally:
+                self._flush(force=True)
+                self.finished.emit()
+        self._engines.clear()
+        self.stopped.emit()
+
+    def _check(self) -> None:
+        if self._cancel.is_set():
+            raise CancelledError("cancelled")
+
+    def _progress(self, stage: str, done: int, total: int) -> None:
+        self._check()
+        if total:
+            self.status.emit(f"{stage}: {done}/{total}")
+
+    # -- engines ---------------------------------------------------------------------------
+    def _engine(self, side: LabSide, tokens: int) -> LLMEngine:
+        """``side``'s engine, loaded once and kept, with a KV pool that holds ``tokens``."""
+        engine = self._engines.get(side.key)
+        blocks = _pool_blocks(tokens)
+        if engine is None:
+            self.status.emit(f"loading {_side_name(side)}…")
+            # a small pool at load, then one sized for this job around the same weights
+            spec = LoadSpec(side.model, side.precision, side.device, kv_memory_mib=16)
+            engine = self._engines[side.key] = _with_pool(
+                self._loader(spec, self._progress), blocks
+            )
+        elif engine.kv.manager.num_blocks < blocks:
+            engine = self._engines[side.key] = _with_pool(engine, blocks)
+        return engine
+
+    def _keep_only(self, keys: set[tuple[str, str, str]]) -> None:
+        for key in [k for k in self._engines if k not in keys]:
+            del self._engines[key]
+        _empty_cuda_cache()
+
+    def _plan_memory(self, job: ABRequest, tokens: int) -> tuple[bool, str]:
+        """Whether A and B fit together, and the sentence that says so."""
+        from engine.config import ModelConfig
+        from engine.engine import parse_precision
+        from engine.kv_cache import PagedKVCache
+        from engine.quant import estimate_weight_bytes
+
+        self._keep_only({job.a.key, job.b.key})
+        need: dict[str, float] = {}
+        devices = {resolve_device(job.a.device), resolve_device(job.b.device)}
+        for name, side in (("A", job.a), ("B", job.b)):
+            if side.key in self._engines or (name == "B" and job.b.key == job.a.key):
+                need[name] = 0.0
+                continue
+            folder = resolve_model_folder(side.model, self._progress)
+            cfg = ModelConfig.from_file(folder / "config.json")
+            spec = parse_precision(side.precision, resolve_device(side.device))
+            per_block = PagedKVCache.bytes_per_block(cfg, 16, spec.compute)
+            scores = 6 * tokens * cfg.vocab_size * 4  # the fp32 score tables of the comparison
+            need[name] = (
+                estimate_weight_bytes(cfg, spec) + _pool_blocks(tokens) * per_block + scores
+            )
+        if len(devices) > 1:  # each on its own device: each must fit there
+            fits = all(
+                need[n] <= MEMORY_HEADROOM * self._available(resolve_device(s.device))
+                for n, s in (("A", job.a), ("B", job.b))
+            )
+            return fits, "" if fits else "A or B does not fit on its device; they run in turn"
+        available = MEMORY_HEADROOM * self._available(devices.pop())
+        total = need["A"] + need["B"]
+        mib = 2**-20
+        sizes = f"A needs {need['A'] * mib:.0f} MiB more, B {need['B'] * mib:.0f} MiB"
+        if total <= available:
+            return True, (
+                f"A and B run side by side ({sizes}; {available * mib:.0f} MiB can be used)."
+            )
+        return False, (
+            f"A and B do not fit side by side: {sizes}, {available * mib:.0f} MiB can be used, "
+            f"{(total - available) * mib:.0f} MiB is missing. They run one after the other "
+            "(A, then B, then A again to score B's answer)."
+        )
+
+    # -- an A/B ------------------------------------------------------------------------------
+    def _run_ab(self, job: ABRequest) -> None:
+        from engine.compare import (
+            Scores,
+            build_report,
+            prompt_ids_for,
+            score_side,
+            shared_prompt_ids,
+        )
+        from engine.kv_cache import CacheWindow
+        from engine.sampling import SamplingParams
+
+        windows = {
+            "a": CacheWindow(*job.a.window) if job.a.window else None,
+            "b": CacheWindow(*job.b.window) if job.b.window else None,
+        }
+        params = {
+            key: SamplingParams(
+                max_new_tokens=job.max_new_tokens, temperature=side.temperature, seed=job.seed
+            )
+            for key, side in (("a", job.a), ("b", job.b))
+        }
+        # a bound on the prompt before it is tokenized: its UTF-8 bytes (+ the template)
+        tokens = sum(len(m["content"].encode()) for m in job.messages) + 256 + job.max_new_tokens
+        together, message = self._plan_memory(job, tokens)
+        if message:
+            self.notice.emit(message, "info" if together else "warning")
+        memory = {"mode": TOGETHER if together else SEQUENTIAL, "message": message}
+        if together:
+            a = self._engine(job.a, tokens)
+            # the same model and precision on both sides: B shares A's weights, not its pool
+            same = job.b.key == job.a.key
+            b = _with_pool(a, _pool_blocks(tokens)) if same else self._engine(job.b, tokens)
+            prompt_ids = shared_prompt_ids(a, b, job.messages)
+            runs = self._generate({"a": a, "b": b}, prompt_ids, params, windows)
+            run_a, run_b = runs["a"], runs["b"]
+            self.status.emit("scoring: A reads both answers…")
+            a_scores = score_side(a, prompt_ids, (run_a, run_b), windows["a"], noise=job.noise,
+                                  check=self._check)  # fmt: skip
+            self.status.emit("scoring: B reads both answers…")
+            b_scores = score_side(b, prompt_ids, (run_a, run_b), windows["b"], check=self._check)
+        else:
+            self._keep_only(set())
+            a = self._engine(job.a, tokens)
+            prompt_ids = prompt_ids_for(a, job.messages)
+            run_a = self._generate({"a": a}, prompt_ids, params, windows)["a"]
+            del a
+            self._keep_only(set())
+            b = self._engine(job.b, tokens)
+            if prompt_ids_for(b, job.messages) != prompt_ids:
+                raise InvalidRequestError(
+                    f"A ({job.a.model}) and B ({job.b.model}) do not share a tokenizer; compare "
+                    "two precisions of one model, or models of one family"
+                )
+            run_b = self._generate({"b": b}, prompt_ids, params, windows)["b"]
+            self.status.emit("scoring: B reads both answers…")
+            b_scores = score_side(b, prompt_ids, (run_a, run_b), windows["b"], check=self._check)
+            del b
+            self._keep_only(set())
+            a = self._engine(job.a, tokens)
+            self.status.emit("scoring: A reads both answers…")
+            a_scores = score_side(a, prompt_ids, (run_a, run_b), windows["a"], noise=job.noise,
+                                  check=self._check)  # fmt: skip
+        scores = Scores(a_scores[0], a_scores[1], b_scores[0], b_scores[1], a_scores[2],
+                        a_scores[3])  # fmt: skip
+        report = build_report(job.prompt, prompt_ids, run_a, run_b, scores, a.tokenizer, memory)
+        self.status.emit("done")
+        self.report_ready.emit(_json_safe(report))
+
+    def _generate(
+        self,
+        engines: dict[str, LLMEngine],
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        windows: dict[str, CacheWindow | None],
+    ) -> dict[str, SideRun]:
+        """Generate on each engine, a step of each in turn, streaming both."""
+        from engine.compare import SideRun
+
+        rids: dict[str, str] = {}
+        for side, engine in engines.items():
+            engine.set_window(windows[side])
+            rids[side] = engine.add_request(prompt_ids, params[side])
+        ids: dict[str, list[int]] = {side: [] for side in engines}
+        busy = dict.fromkeys(engines, 0.0)
+        first: dict[str, float | None] = dict.fromkeys(engines)
+        finish: dict[str, str] = {}
+        self.status.emit("generating…")
+        try:
+            while len(finish) < len(engines):
+                self._check()
+                for side, engine in engines.items():
+                    if side in finish:
+                        continue
+                    started = time.perf_counter()
+                    events = engine.step()
+                    busy[side] += time.perf_counter() - started
+                    for event in events:
+                        if event.request_id != rids[side]:
+                            continue
+                        if event.token_id is not None:
+                            ids[side].append(event.token_id)
+                            if first[side] is None:
+                                first[side] = busy[side]
+                        if event.text:
+                            self._streams.pending.append((side, event.text))
+                        if event.finish_reason is not None:
+                            finish[side] = event.finish_reason
+                self._flush()
+        finally:
+            for side, engine in engines.items():
+                if side not in finish:
+                    engine.cancel(rids[side])
+                    engine.step()
+        runs: dict[str, SideRun] = {}
+        for side, engine in engines.items():
+            n, ttft = len(ids[side]), first[side]
+            tps = (n - 1) / (busy[side] - ttft) if ttft is not None and n > 1 else None
+            runs[side] = SideRun.of(
+                engine, params[side], windows[side], ids[side], finish[side], ttft, tps
+            )
+            self.side_stats.emit(side, side_stats_text(runs[side]))
+        return runs
+
+    def _flush(self, *, force: bool = False) -> None:
+        s = self._streams
+        now = time.perf_counter()
+        if s.pending and (force or now - s.flushed >= FRAME_S):
+            merged: dict[str, str] = {}
+            for side, text in s.pending:
+                merged[side] = merged.get(side, "") + text
+            s.pending, s.flushed = [], now
+            self.deltas.emit(list(merged.items()))
+
+    # -- a sensitivity scan ------------------------------------------------------------------
+    def _run_scan(self, job: ScanRequest) -> None:
+        from engine.evaluate import default_text
+        from engine.sensitivity import scan_sensitivity
+        from engine.tokenizer import Tokenizer
+
+        self._keep_only(set())  # the scan holds the model in fp32 beside nothing else
+        self.status.emit("preparing the scan…")
+        folder = resolve_model_folder(job.model, self._progress)
+        text = default_text().read_text(encoding="utf-8")
+        ids = Tokenizer.from_folder(folder).encode(text)[: job.text_tokens]
+
+        def progress(done: int, total: int) -> None:
+            self._check()
+            self.scan_progress.emit(done, total)
+            self.status.emit(f"scanning: block {done}/{total}")
+
+        scan = scan_sensitivity(
+            folder, job.low, text_ids=ids, device=resolve_device(job.device), progress=progress
+        )
+        self.status.emit("scan done")
+        self.scan_ready.emit(_json_safe(scan.to_dict()))
+
+
+def _side_name(side: LabSide) -> str:
+    name = "the default model" if side.model == "default" else Path(side.model).name
+    return f"{name} ({side.precision})"
+
+
+def side_stats_text(run: SideRun) -> str:
+    """A column's figures: TTFT and speed (its own steps' time), weights and KV pool."""
+    parts = []
+    if run.ttft_s is not None:
+        parts.append(f"TTFT {run.ttft_s * 1e3:.0f} ms")
+    if run.tokens_per_s is not None:
+        parts.append(f"{run.tokens_per_s:.1f} tok/s")
+    parts.append(f"{len(run.token_ids)} tokens")
+    parts.append(f"weights {run.weights_bytes / 2**20:.0f} MiB")
+    parts.append(f"KV {run.kv_bytes / 2**20:.0f} MiB")
+    return " · ".join(parts)
+
+
+def _pool_blocks(tokens: int, block_size: int = 16) -> int:
+    return -(-max(tokens, POOL_MIN_TOKENS) // block_size) + 2
+
+
+def _with_pool(engine: LLMEngine, blocks: int) -> LLMEngine:
+    """The same model and tokenizer behind a new engine whose KV pool has ``blocks`` blocks
+    (the weights are shared, not loaded again)."""
+    from engine.engine import EngineConfig, LLMEngine
+
+    new = LLMEngine(
+        engine.model, engine.tokenizer, engine.cfg, eos_token_ids=sorted(engine.eos_token_ids),
+        dtype=engine.dtype, device=engine.device, name=engine.name,
+        num_parameters=engine.num_parameters, config=EngineConfig(num_blocks=blocks),
+        precision=engine.precision,
+    )  # fmt: skip
+    new.default_sampling = dict(getattr(engine, "default_sampling", {}))
+    return new
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _json_safe(data: Any) -> Any:
+    """NaN and infinities (no tokens, say) become ``null``, as JSON has no such numbers."""
+    return json.loads(json.dumps(data, allow_nan=True).replace("NaN", "null"))
+
+
+class LabController(QObject):
+    """Connects the :class:`~widgets.ab_view.ABView` to a :class:`LabWorker` in its own thread;
+    the main window gives it the current model and the conversation's messages."""
+
+    def __init__(
+        self,
+        view: ABView,
+        messages: Callable[[], list[dict[str, str]]],
+        *,
+        loader: Loader = load_engine,
+        available: MemoryProbe = free_memory,
+        parent: QObject | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.view = view
+        self._messages = messages
+        self.scan: dict[str, Any] | None = None
+        self.busy = False
+        self.worker = LabWorker(loader, available)
+        self.lab_thread = QThread(self)
+        self.lab_thread.setObjectName("infersight-lab")
+        self.worker.moveToThread(self.lab_thread)
+        self.lab_thread.started.connect(self.worker.run)
+        self.worker.stopped.connect(self.lab_thread.quit, Qt.ConnectionType.DirectConnection)
+        w = self.worker
+        w.status.connect(self._on_status)
+        w.notice.connect(self._on_notice)
+        w.deltas.connect(self._on_deltas)
+        w.side_stats.connect(self._on_side_stats)
+        w.report_ready.connect(self._on_report)
+        w.scan_progress.connect(self._on_scan_progress)
+        w.scan_ready.connect(self._on_scan)
+        w.failed.connect(self._on_failed)
+        w.finished.connect(self._on_finished)
+        view.run_requested.connect(self.run)
+        view.cancel_requested.connect(self.worker.cancel)
+        view.scan_requested.connect(self.start_scan)
+        view.scan_cancel_requested.connect(self.worker.cancel)
+        view.budget_changed.connect(self.plan)
+        view.open_requested.connect(self.open_file)
+        view.save_json_requested.connect(self.save_json)
+        view.save_png_requested.connect(self.save_png)
+        self.lab_thread.start()
+
+    # -- requests from the view ------------------------------------------------------------
+    def run(self, form: dict[str, Any]) -> None:
+        if self.busy:
+            self.view.set_notice("The lab is busy; cancel it or wait", "warning")
+            return
+        prompt = str(form.get("prompt", "")).strip()
+        messages = list(self._messages()) if form.get("continue_conversation") else []
+        if prompt:
+            messages.append({"role": "user", "content": prompt})
+        if not messages or messages[-1]["role"] != "user":
+            self.view.set_notice(
+                "Write a prompt (or continue a conversation whose last message is yours)",
+                "warning",
+            )
+            return
+        try:
+            sides = [_lab_side(form[k]) for k in ("a", "b")]
+        except (KeyError, TypeError, ValueError) as exc:
+            self.view.set_notice(f"Cannot read the A/B settings: {exc}", "warning")
+            return
+        job = ABRequest(sides[0], sides[1], messages, messages[-1]["content"],
+                        int(form.get("max_new_tokens", 64)), int(form.get("seed", 0)))  # fmt: skip
+        self._start()
+        self.view.begin_run(_title("A", sides[0]), _title("B", sides[1]))
+        self.worker.post(job)
+
+    def start_scan(self, form: dict[str, Any]) -> None:
+        if self.busy:
+            self.view.set_notice("The lab is busy; cancel it or wait", "warning")
+            return
+        self._start()
+        self.view.set_scan_progress(0, 1)
+        self.worker.post(ScanRequest(str(form["model"]), str(form["low"])))
+
+    def plan(self, budget: int) -> None:
+        from engine.sensitivity import Scan, plan_mixed
+
+        if self.scan is None:
+            return
+        try:
+            self.view.show_plan(plan_mixed(Scan.from_dict(self.scan), int(budget)).to_dict())
+        except InfersightError as exc:
+            self.view.set_notice(str(exc), "warning")
+
+    def open_file(self, path: str) -> None:
+        from engine.compare import read_document
+
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            comparisons = read_document(data)
+        except (OSError, ValueError, InfersightError) as exc:
+            self.view.set_notice(f"Could not open {path}: {exc}", "warning")
+            return
+        self.view.show_report(comparisons[0])
+        more = (
+            f"; it holds {len(comparisons)} comparisons, this is the first"
+            if len(comparisons) > 1
+            else ""
+        )
+        self.view.set_notice(f"Opened {path}{more}", "info")
+
+    def save_json(self, path: str) -> None:
+        from engine.compare import document
+
+        report = self.view.report()
+        if report is None:
+            self.view.set_notice("Nothing to save yet: run an A/B first", "warning")
+            return
+        try:
+            text = json.dumps(document([report]), indent=1, ensure_ascii=False)
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            self.view.set_notice(f"Could not save {path}: {exc}", "warning")
+            return
+        self.view.set_notice(f"Saved {path}", "info")
+
+    def save_png(self, path: str) -> None:
+        if not self.view.grab_png(path):
+            self.view.set_notice(f"Could not save {path}", "warning")
+
+    # -- from the worker ---------------------------------------------------------------------
+    def _start(self) -> None:
+        self.busy = True
+        self.view.set_busy(True)
+
+    def _on_status(self, text: str) -> None:
+        self.view.set_status(text)
+
+    def _on_notice(self, text: str, level: str) -> None:
+        self.view.set_notice(text, level)
+
+    def _on_deltas(self, deltas: list[tuple[str, str]]) -> None:
+        for side, text in deltas:
+            self.view.append(side, text)
+
+    def _on_side_stats(self, side: str, text: str) -> None:
+        self.view.set_side_stats(side, text)
+
+    def _on_report(self, report: dict[str, Any]) -> None:
+        self.view.show_report(report)
+
+    def _on_scan_progress(self, done: int, total: int) -> None:
+        self.view.set_scan_progress(done, total)
+
+    def _on_scan(self, scan: dict[str, Any]) -> None:
+        self.scan = scan
+        self.view.show_scan(scan)
+
+    def _on_failed(self, text: str) -> None:
+        self.view.set_notice(text, "warning")
+
+    def _on_finished(self) -> None:
+        self.busy = False
+        self.view.set_busy(False)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Cancel what runs and stop the lab's thread (the job stops at its next step)."""
+        if not self.lab_thread.isRunning():
+            return
+        self.worker.stop()
+        deadline = time.monotonic() + timeout_s
+        while self.lab_thread.isRunning() and time.monotonic() < deadline:
+            self.lab_thread.wait(50)
+        if self.lab_thread.isRunning():
+            log.warning("the lab's thread is still busy; leaving it to the process exit")
+            self.lab_thread.setParent(None)
+            _STRAY.append((self.lab_thread, self.worker))
+
+
+_STRAY: list[tuple[QThread, LabWorker]] = []
+
+
+def _lab_side(form: dict[str, Any]) -> LabSide:
+    window = form.get("window")
+    return LabSide(
+        model=str(form.get("model") or "default"),
+        precision=str(form.get("precision") or "fp32").strip(),
+        device=str(form.get("device") or "auto"),
+        temperature=float(form.get("temperature") or 0.0),
+        window=None if not window else (int(window[0]), int(window[1])),
+    )
+
+
+def _title(name: str, side: LabSide) -> str:
+    model = "default" if side.model == "default" else Path(side.model).name
+    return f"{name} · {model} · {side.precision}"

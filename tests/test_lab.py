@@ -1,0 +1,229 @@
+"""The A/B lab end to end: a real view, the lab's thread, real engines (app/lab.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PySide6.QtCore import Qt
+
+from app.cli import main
+from app.lab import LabController, free_memory
+from engine.compare import Side, compare_prompt, read_document
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+from widgets.ab_view import ABView
+
+pytestmark = pytest.mark.usefixtures("gui_gc")
+
+TINY_PROMPT = "t1 t7 t3 t9 t2"
+REAL_PROMPT = "Name three uses of a paperclip."
+LONG_WAIT_MS = 240_000
+
+
+def form(model: str, a: str, b: str, prompt: str, tokens: int, **extra: Any) -> dict[str, Any]:
+    side = {"model": model, "temperature": 0.0, "window": None}
+    return {
+        "a": {**side, "precision": a},
+        "b": {**side, "precision": b},
+        "seed": 0,
+        "max_new_tokens": tokens,
+        "prompt": prompt,
+        "continue_conversation": False,
+        **extra,
+    }
+
+
+class Lab:
+    """A view and its controller, with what the view was sent recorded."""
+
+    def __init__(self, qtbot: Any, available: Any = free_memory, messages: Any = None) -> None:
+        self.view = ABView()
+        qtbot.addWidget(self.view)
+        self.controller = LabController(self.view, messages or (lambda: []), available=available)
+        self.appends: dict[str, list[str]] = {"a": [], "b": []}
+        self.notices: list[str] = []
+        self.controller.worker.deltas.connect(self._record)
+        self.controller.worker.notice.connect(lambda text, _level: self.notices.append(text))
+        self.controller.worker.failed.connect(self.notices.append)
+        self.qtbot = qtbot
+
+    def _record(self, deltas: list[tuple[str, str]]) -> None:
+        for side, text in deltas:
+            self.appends[side].append(text)
+
+    def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.controller.run(request)
+        self.qtbot.waitUntil(lambda: not self.controller.busy, timeout=LONG_WAIT_MS)
+        report = self.view.report()
+        assert report is not None, self.notices
+        return report
+
+    def close(self) -> None:
+        self.controller.shutdown()
+
+
+@pytest.fixture
+def tiny(tiny_model_dir: Any) -> Path:
+    folder, _ = tiny_model_dir("llama", False)
+    return folder
+
+
+def test_an_ab_on_a_tiny_model_equals_the_engines_own_comparison(qtbot, tiny, tmp_path):
+    lab = Lab(qtbot)
+    try:
+        report = lab.run(form(str(tiny), "fp32", "int4-g32", TINY_PROMPT, 12))
+    finally:
+        lab.close()
+    a = LLMEngine.load(tiny, precision="fp32")
+    b = LLMEngine.load(tiny, precision="int4-g32")
+    greedy = Side(SamplingParams(max_new_tokens=12, seed=0))
+    direct = compare_prompt(a, b, TINY_PROMPT, greedy, greedy)
+    for key in ("a", "b"):
+        assert report[key]["token_ids"] == direct[key]["token_ids"]
+        assert report["columns"][key]["kl"] == pytest.approx(direct["columns"][key]["kl"], abs=1e-9)
+        assert lab.view.column_text(key) == direct[key]["text"]
+    assert report["divergence"] == direct["divergence"]
+    assert report["memory"]["mode"] == "side by side"
+
+
+def test_when_a_and_b_do_not_fit_they_run_one_after_the_other(qtbot, tiny):
+    together = Lab(qtbot)
+    apart = Lab(qtbot, available=lambda _device: 1.0)  # "1 byte free"
+    try:
+        request = form(str(tiny), "fp32", "int8", TINY_PROMPT, 10)
+        one = together.run(request)
+        two = apart.run(request)
+    finally:
+        together.close()
+        apart.close()
+    assert two["memory"]["mode"] == "one after the other"
+    assert any("do not fit side by side" in n and "missing" in n for n in apart.notices)
+    assert two["a"]["token_ids"] == one["a"]["token_ids"]
+    assert two["b"]["token_ids"] == one["b"]["token_ids"]
+    assert two["summary"]["kl_mean"] == pytest.approx(one["summary"]["kl_mean"], abs=1e-12)
+    assert two["summary"]["noise_kl_mean"] == pytest.approx(one["summary"]["noise_kl_mean"])
+
+
+def test_save_open_and_bad_files(qtbot, tiny, tmp_path):
+    lab = Lab(qtbot)
+    try:
+        report = lab.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 6))
+        path = tmp_path / "ab.json"
+        lab.controller.save_json(str(path))
+        saved = read_document(json.loads(path.read_text(encoding="utf-8")))
+        assert saved == [report]
+        png = tmp_path / "ab.png"
+        lab.controller.save_png(str(png))
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        lab.view.begin_run("A", "B")  # clears the shown report
+        lab.controller.open_file(str(path))
+        assert lab.view.report() == report
+        assert lab.view.column_text("b") == report["b"]["text"]
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"format": "something else"}')
+        lab.controller.open_file(str(bad))
+        lab.controller.open_file(str(tmp_path / "missing.json"))
+        assert lab.view.report() == report  # a bad file changes nothing
+    finally:
+        lab.close()
+
+
+def test_a_bad_request_says_why_and_the_lab_goes_on(qtbot, tiny):
+    lab = Lab(qtbot)
+    try:
+        lab.controller.run(form(str(tiny), "fp32", "int5", TINY_PROMPT, 4))
+        qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
+        assert any("unknown precision 'int5'" in n for n in lab.notices), lab.notices
+        lab.controller.run(form(str(tiny), "fp32", "int8", "", 4))  # no prompt
+        assert not lab.controller.busy
+        report = lab.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 4))
+        assert len(report["a"]["token_ids"]) == 4
+    finally:
+        lab.close()
+
+
+def test_cancel_stops_a_run_and_the_next_one_works(qtbot, tiny):
+    lab = Lab(qtbot)
+    try:
+        # the Cancel button, pressed the moment the first text is streamed (in the lab's
+        # thread, so that it lands mid-generation however fast the model is)
+        worker = lab.controller.worker
+        worker.deltas.connect(lambda _d: worker.cancel(), Qt.ConnectionType.DirectConnection)
+        lab.controller.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 200))
+        qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
+        assert lab.view.report() is None
+        assert 0 < len("".join(lab.appends["a"]).split()) < 200
+        worker.deltas.disconnect()
+        worker.deltas.connect(lab._record)
+        assert lab.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 3))["summary"]["tokens"] == 3
+    finally:
+        lab.close()
+
+
+def test_continuing_the_conversation_sends_its_messages(qtbot, tiny):
+    history = [{"role": "user", "content": "t4 t5"}, {"role": "assistant", "content": "t6"}]
+    lab = Lab(qtbot, messages=lambda: history)
+    try:
+        report = lab.run(form(str(tiny), "fp32", "fp32", "t8", 4, continue_conversation=True))
+    finally:
+        lab.close()
+    engine = LLMEngine.load(tiny)
+    words = "t4 t5\nt6\nt8"  # no chat template: the messages' texts, one per line
+    assert report["prompt_tokens"] == len(engine.tokenizer.encode_prompt(words))
+    assert report["summary"]["kl_max"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_scan_shows_bars_and_plans_a_spec_under_the_budget(qtbot, tiny):
+    lab = Lab(qtbot)
+    try:
+        lab.view.set_models([("tiny", str(tiny))])
+        lab.controller.start_scan({"model": str(tiny), "low": "int4-g32"})
+        qtbot.waitUntil(lambda: lab.controller.scan is not None, timeout=LONG_WAIT_MS)
+        scan = lab.controller.scan
+        assert scan is not None and len(scan["blocks"]) == 2 * 3
+        budget = (scan["min_bytes"] + scan["max_bytes"]) // 2
+        lab.controller.plan(budget)
+        spec = lab.view.spec_line.text()
+        assert spec.startswith("mixed:") and "int8" in spec
+        engine = LLMEngine.load(tiny, precision=spec)
+        assert engine.weights_bytes <= budget
+    finally:
+        lab.close()
+
+
+@pytest.mark.parametrize("b", ["int8"])
+def test_the_lab_on_the_default_model_matches_eval_compare_and_generate(
+    qtbot, default_model, capsys, b
+):
+    """fp32 against int8 streams into both columns; what the view shows equals
+    ``infersight eval compare --json`` for the same prompt, and each column equals a separate
+    engine's ``generate``."""
+    tokens = 24
+    lab = Lab(qtbot)
+    try:
+        report = lab.run(form("default", "fp32", b, REAL_PROMPT, tokens))
+    finally:
+        lab.close()
+    assert len(lab.appends["a"]) > 1 and len(lab.appends["b"]) > 1  # streamed, not at the end
+    argv = ["eval", "compare", "--model", "default", "--a", "fp32", "--b", b,
+            "--prompt", REAL_PROMPT, "--new-tokens", str(tokens), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    (cli,) = read_document(json.loads(capsys.readouterr().out))
+    assert report["divergence"]["index"] == cli["divergence"]["index"]
+    assert report["summary"]["kl_mean"] == pytest.approx(cli["summary"]["kl_mean"], rel=1e-6)
+    assert report["summary"]["top1_agreement"] == cli["summary"]["top1_agreement"]
+    shown = lab.view.summary_text()
+    assert f"{cli['summary']['top1_agreement']:.1%}" in shown, shown
+    from widgets.ab_view import format_kl
+
+    assert format_kl(cli["summary"]["kl_mean"]) in shown, shown
+    for key, precision in (("a", "fp32"), ("b", b)):
+        engine = LLMEngine.load(default_model, precision=precision)
+        prompt = engine.chat_prompt_ids([{"role": "user", "content": REAL_PROMPT}])
+        gen = engine.generate(prompt, SamplingParams(max_new_tokens=tokens, seed=0))
+        list(gen)
+        assert lab.view.column_text(key) == gen.result.text == report[key]["text"]
+        assert report[key]["token_ids"] == gen.result.token_ids
