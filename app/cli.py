@@ -584,8 +584,8 @@ def cmd_eval_scan(args: argparse.Namespace) -> int:
         mixed, uniform = (out["perplexity"][s]["perplexity"] for s in (plan.spec, args.budget_like))
         verdict = "beats" if mixed < uniform else "does NOT beat"
         print(f"perplexity over {args.ppl_tokens} tokens of {default_text().name}: plan "
-              f"{mixed:.3f}, {args.budget_like} {uniform:.3f}: the plan {verdict} the uniform "
-              "spec of its size")  # fmt: skip
+              f"{mixed:.3f}, {args.budget_like} {uniform:.3f}: the plan {verdict} "
+              f"{args.budget_like}, the spec of its size")  # fmt: skip
     return 0
 
 

@@ -207,45 +207,54 @@ class LabWorker(QObject):
         _empty_cuda_cache()
 
     def _plan_memory(self, job: ABRequest, tokens: int) -> tuple[bool, str]:
-        """Whether A and B fit together, and the sentence that says so."""
+        """Whether A and B fit in memory together, and the sentence that says so.
+
+        What loading adds: each side's weights (:func:`engine.quant.estimate_weight_bytes`,
+        exact) and KV pool, for a side not loaded yet, plus the comparison's score tables
+        (six ``[new tokens, vocab]`` fp32 tables, in host memory)."""
         from engine.config import ModelConfig
         from engine.engine import parse_precision
         from engine.kv_cache import PagedKVCache
         from engine.quant import estimate_weight_bytes
 
         self._keep_only({job.a.key, job.b.key})
-        need: dict[str, float] = {}
-        devices = {resolve_device(job.a.device), resolve_device(job.b.device)}
+        need: dict[str, float] = {"A": 0.0, "B": 0.0}
+        vocab = 0
         for name, side in (("A", job.a), ("B", job.b)):
-            if side.key in self._engines or (name == "B" and job.b.key == job.a.key):
-                need[name] = 0.0
-                continue
             folder = resolve_model_folder(side.model, self._progress)
             cfg = ModelConfig.from_file(folder / "config.json")
+            vocab = max(vocab, cfg.vocab_size)
+            if side.key in self._engines or (name == "B" and job.b.key == job.a.key):
+                continue  # loaded already, or B shares A's weights
             spec = parse_precision(side.precision, resolve_device(side.device))
             per_block = PagedKVCache.bytes_per_block(cfg, 16, spec.compute)
-            scores = 6 * tokens * cfg.vocab_size * 4  # the fp32 score tables of the comparison
-            need[name] = (
-                estimate_weight_bytes(cfg, spec) + _pool_blocks(tokens) * per_block + scores
-            )
-        if len(devices) > 1:  # each on its own device: each must fit there
-            fits = all(
-                need[n] <= MEMORY_HEADROOM * self._available(resolve_device(s.device))
-                for n, s in (("A", job.a), ("B", job.b))
-            )
-            return fits, "" if fits else "A or B does not fit on its device; they run in turn"
-        available = MEMORY_HEADROOM * self._available(devices.pop())
-        total = need["A"] + need["B"]
+            need[name] = estimate_weight_bytes(cfg, spec) + _pool_blocks(tokens) * per_block
+        tables = 6.0 * job.max_new_tokens * vocab * 4
+        devices = {"A": resolve_device(job.a.device), "B": resolve_device(job.b.device)}
+        on_device: dict[str, float] = {}
+        for name, device in devices.items():
+            on_device[device] = on_device.get(device, 0.0) + need[name]
+        on_device["cpu"] = on_device.get("cpu", 0.0) + tables
         mib = 2**-20
-        sizes = f"A needs {need['A'] * mib:.0f} MiB more, B {need['B'] * mib:.0f} MiB"
-        if total <= available:
-            return True, (
-                f"A and B run side by side ({sizes}; {available * mib:.0f} MiB can be used)."
+        missing = {
+            device: total - MEMORY_HEADROOM * self._available(device)
+            for device, total in on_device.items()
+        }
+        sizes = (
+            f"loading adds {need['A'] * mib:.0f} MiB for A and {need['B'] * mib:.0f} MiB for B, "
+            f"and the score tables take {tables * mib:.0f} MiB"
+        )
+        short = {d: m for d, m in missing.items() if m > 0}
+        if not short:
+            free = ", ".join(
+                f"{MEMORY_HEADROOM * self._available(d) * mib:.0f} MiB usable on {d}"
+                for d in on_device
             )
+            return True, f"A and B run side by side: {sizes}; {free}."
+        lacking = ", ".join(f"{m * mib:.0f} MiB on {d}" for d, m in short.items())
         return False, (
-            f"A and B do not fit side by side: {sizes}, {available * mib:.0f} MiB can be used, "
-            f"{(total - available) * mib:.0f} MiB is missing. They run one after the other "
-            "(A, then B, then A again to score B's answer)."
+            f"A and B do not fit side by side: {sizes}; {lacking} is missing. They run one "
+            "after the other (A, then B, then A again to score B's answer)."
         )
 
     # -- an A/B ------------------------------------------------------------------------------
@@ -315,7 +324,7 @@ class LabWorker(QObject):
                         a_scores[3])  # fmt: skip
         report = build_report(job.prompt, prompt_ids, run_a, run_b, scores, a.tokenizer, memory)
         self.status.emit("done")
-        self.report_ready.emit(_json_safe(report))
+        self.report_ready.emit(report)
 
     def _generate(
         self,
@@ -403,7 +412,7 @@ class LabWorker(QObject):
             folder, job.low, text_ids=ids, device=resolve_device(job.device), progress=progress
         )
         self.status.emit("scan done")
-        self.scan_ready.emit(_json_safe(scan.to_dict()))
+        self.scan_ready.emit(scan.to_dict())
 
 
 def _side_name(side: LabSide) -> str:
@@ -448,11 +457,6 @@ def _empty_cuda_cache() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _json_safe(data: Any) -> Any:
-    """NaN and infinities (no tokens, say) become ``null``, as JSON has no such numbers."""
-    return json.loads(json.dumps(data, allow_nan=True).replace("NaN", "null"))
 
 
 class LabController(QObject):

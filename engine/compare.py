@@ -36,7 +36,6 @@ The report is plain JSON data (:data:`FORMAT`): the app shows it, saves it and o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -251,8 +250,8 @@ def _kl(logp: Tensor, logq: Tensor) -> Tensor:
     return (logp.exp() * (logp - logq)).sum(-1).clamp(min=0.0)
 
 
-def _quantile(x: Tensor, q: float) -> float:
-    return float(torch.quantile(x.double(), q)) if len(x) else 0.0
+def _quantile(x: Tensor, q: float) -> float | None:
+    return float(torch.quantile(x.double(), q)) if len(x) else None
 
 
 def _top(tokenizer: Tokenizer, logp: Tensor) -> list[list[list[Any]]]:
@@ -312,6 +311,8 @@ def summarize(run_a: SideRun, run_b: SideRun, scores: Scores) -> dict[str, Any]:
     la, lb = scores.a_on_a, scores.b_on_a
     kl = _kl(la, lb)
     n = len(ids)
+    rms_dp: float | None = None  # None when there are no tokens: JSON has no NaN
+    top1 = greedy = sampled = rms_dp
     if n:
         pa = la.gather(1, ids[:, None]).exp()[:, 0]
         pb = lb.gather(1, ids[:, None]).exp()[:, 0]
@@ -319,14 +320,12 @@ def summarize(run_a: SideRun, run_b: SideRun, scores: Scores) -> dict[str, Any]:
         top1 = float((la.argmax(-1) == lb.argmax(-1)).double().mean())
         greedy = float((lb.argmax(-1) == ids).double().mean())
         sampled = float(torch.minimum(la.exp(), lb.exp()).sum(-1).double().mean())
-    else:
-        rms_dp = top1 = greedy = sampled = math.nan
     noise = None if scores.noise_on_a is None else _kl(la, scores.noise_on_a)
     return {
         "tokens": n,
-        "kl_mean": float(kl.double().mean()) if n else math.nan,
+        "kl_mean": float(kl.double().mean()) if n else None,
         "kl_p99": _quantile(kl, 0.99),
-        "kl_max": float(kl.max()) if n else math.nan,
+        "kl_max": float(kl.max()) if n else None,
         "rms_dp": rms_dp,
         "top1_agreement": top1,
         "flips": run_a.token_ids != run_b.token_ids,

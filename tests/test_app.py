@@ -544,6 +544,31 @@ def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 10_000
 
 
+@pytest.mark.skipif(
+    not os.environ.get("INFERSIGHT_SCREENSHOTS"), reason="renders for the README (make screenshots)"
+)
+def test_lab_screenshots(qtbot: object, window: MainWindow) -> None:
+    """The A/B lab on the default model, fp32 against int4-g32, and its layer sensitivity scan
+    (a real one: about two minutes on a 2-core CPU), at 1280×800."""
+    out = Path(os.environ["INFERSIGHT_SCREENSHOTS"])
+    lab, view = window.lab, window.ab_view
+    window.tabs.setCurrentWidget(view)
+    view.forms["b"].precision.setCurrentText("int4-g32")
+    view.max_new_tokens.setValue(64)
+    view.prompt.setPlainText("Explain in two sentences why the sky is blue.")
+    view.run_button.click()
+    qtbot.waitUntil(lambda: view.report() is not None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    qtbot.waitUntil(lambda: not lab.busy, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    window.grab().save(str(out / "ab-lab.png"))
+    view.tabs.setCurrentIndex(1)
+    view.scan_button.click()
+    qtbot.waitUntil(lambda: lab.scan is not None, timeout=10 * LONG_WAIT_MS)  # type: ignore[attr-defined]
+    qtbot.wait(600)  # type: ignore[attr-defined]  # the plan for the slider's first budget
+    window.grab().save(str(out / "sensitivity.png"))
+    for name in ("ab-lab.png", "sensitivity.png"):
+        assert (out / name).stat().st_size > 10_000
+
+
 def test_closing_mid_load_cancels_the_load_and_leaves_no_thread(
     qtbot: object, tmp_path: Path
 ) -> None:

@@ -107,7 +107,7 @@ def test_eval_scan_plans_under_the_budget_and_reports_both_perplexities(tiny_mod
     text = capsys.readouterr().out
     mixed, uniform = ppl[plan["spec"]]["perplexity"], ppl["int4-g32"]["perplexity"]
     verdict = "beats" if mixed < uniform else "does NOT beat"
-    assert f"the plan {verdict} the uniform spec of its size" in text
+    assert f"the plan {verdict} int4-g32, the spec of its size" in text
 
 
 def test_eval_scan_bad_input(tiny_model_dir, capsys):

@@ -69,17 +69,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from widgets.controls import PRECISIONS
+
 SIDES = ("a", "b")
-PRECISIONS = (
-    "fp32",
-    "bf16",
-    "int8",
-    "int8+head",
-    "int4-g32",
-    "int4-g64",
-    "int4-g128",
-    "int4-g32+head",
-)
 COLOUR_BY = ("KL(A‖B)", "A's probability of this token", "none")
 #: KL is coloured on a log scale between these (nats): below the low end a token is left
 #: plain, so the eye goes to the few tokens that matter rather than to rounding noise.
@@ -420,7 +412,7 @@ class _SideForm(QGroupBox):
         self.model.setSizeAdjustPolicy(
             QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon
         )
-        self.model.setMinimumContentsLength(16)
+        self.model.setMinimumContentsLength(10)
         self.model.setToolTip("A model folder (pick one, or type a path)")
         self.precision = QComboBox()
         self.precision.setEditable(True)
@@ -436,29 +428,28 @@ class _SideForm(QGroupBox):
         self.temperature.setSingleStep(0.1)
         self.temperature.setSpecialValueText("0 (greedy)")
         self.temperature.setToolTip("0 = greedy: differences then come from the weights alone")
-        self.window_on = QCheckBox("window")
+        self.window_on = QCheckBox("Window")
         self.window_on.setToolTip("Keep only the first sink tokens and the most recent ones")
         self.sinks = QSpinBox()
-        self.sinks.setRange(0, 1024)
+        self.sinks.setRange(0, 999)
         self.sinks.setValue(4)
         self.sinks.setToolTip("Sink tokens: the first tokens, always kept")
         self.recent = QSpinBox()
-        self.recent.setRange(16, 131072)
+        self.recent.setRange(16, 99999)
         self.recent.setValue(256)
         self.recent.setToolTip("Recent tokens kept in the cache")
         for spin in (self.sinks, self.recent):
             spin.setEnabled(False)
             self.window_on.toggled.connect(spin.setEnabled)
+        self.sinks.setPrefix("sink ")
+        self.recent.setPrefix("last ")
         window_row = QHBoxLayout()
-        window_row.addWidget(self.window_on)
-        window_row.addWidget(QLabel("sinks"))
         window_row.addWidget(self.sinks)
-        window_row.addWidget(QLabel("recent"))
         window_row.addWidget(self.recent)
         form.addRow("Model", self.model)
         form.addRow("Precision", self.precision)
         form.addRow("Temperature", self.temperature)
-        form.addRow("Cache", window_row)
+        form.addRow(self.window_on, window_row)  # the switch as the row's label: compact
 
     def model_path(self) -> str:
         """The chosen item's path, or the text typed in the box."""
@@ -527,9 +518,10 @@ class ABView(QWidget):
         self.max_new_tokens = QSpinBox()
         self.max_new_tokens.setRange(1, 32768)
         self.max_new_tokens.setValue(64)
-        self.continue_conversation = QCheckBox("Continue the current conversation")
+        self.continue_conversation = QCheckBox("Continue the chat")
         self.continue_conversation.setToolTip(
-            "Send the current chat's messages before the prompt (both sides get the same)"
+            "Continue the current conversation: send its messages before the prompt (both "
+            "sides get the same)"
         )
         self.run_button = QPushButton("Run")
         self.run_button.setDefault(True)
@@ -539,10 +531,13 @@ class ABView(QWidget):
         self.open_button = QPushButton("Open…")
         self.open_button.setToolTip("Open a saved A/B comparison (JSON)")
         self.open_button.clicked.connect(self._ask_open)
-        self.save_json_button = QPushButton("Save JSON…")
-        self.save_json_button.setToolTip("Save the comparison, every figure included")
+        self.save_json_button = QPushButton("Save…")
+        self.save_json_button.setToolTip(
+            "Save the comparison as JSON, every figure included (the format of "
+            "`infersight eval compare --json`)"
+        )
         self.save_json_button.clicked.connect(self._ask_save_json)
-        self.save_png_button = QPushButton("Save PNG…")
+        self.save_png_button = QPushButton("PNG…")
         self.save_png_button.setToolTip("Save a picture of this tab")
         self.save_png_button.clicked.connect(self._ask_save_png)
         run_box = QGroupBox("Both")
@@ -554,10 +549,6 @@ class ABView(QWidget):
         run_row.addWidget(self.run_button)
         run_row.addWidget(self.cancel_button)
         run_form.addRow(run_row)
-        file_row = QHBoxLayout()
-        for b in (self.open_button, self.save_json_button, self.save_png_button):
-            file_row.addWidget(b)
-        run_form.addRow(file_row)
         self.status = QLabel()
         self.status.setObjectName("statusLabel")
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -609,6 +600,8 @@ class ABView(QWidget):
         row.addWidget(QLabel("Plot column"))
         row.addWidget(self.plot_column)
         row.addStretch(1)
+        for button in (self.open_button, self.save_json_button, self.save_png_button):
+            row.addWidget(button)  # here rather than above: the tab must fit a 1280-px window
 
         self.columns = {side: _Column(side) for side in SIDES}
         for side, column in self.columns.items():
@@ -619,6 +612,8 @@ class ABView(QWidget):
 
         self.summary = QLabel("Run a comparison, or open a saved one")
         self.summary.setWordWrap(True)
+        # two lines always: a one-line label was cut where the columns took the height
+        self.summary.setMinimumHeight(2 * self.summary.fontMetrics().lineSpacing() + 4)
         self.summary.setTextFormat(Qt.TextFormat.PlainText)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.summary.setToolTip(
@@ -631,7 +626,8 @@ class ABView(QWidget):
         self.kl_plot = _plot("KL(A‖B) per token", "KL (nats)", "token")
         self.kl_plot.setLogMode(y=True)
         self.kl_plot.getAxis("left").setWidth(64)  # room for 10⁻⁶-style ticks and the label
-        self.kl_plot.getPlotItem().addLegend(offset=(6, 6), labelTextSize="8pt")
+        # bottom right: the curve runs along the top, the floor band along the bottom left
+        self.kl_plot.getPlotItem().addLegend(offset=(-6, -24), labelTextSize="8pt")
         floor_pen = pg.mkPen(0, 0, 0, 0)
         self.noise_bottom = pg.PlotDataItem(pen=floor_pen)
         self.noise_top = pg.PlotDataItem(pen=pg.mkPen(150, 160, 175, 90))
@@ -703,7 +699,8 @@ class ABView(QWidget):
         self.scan_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         self.scan_plot = _plot("KL with only this block quantized", "KL (nats)", "layer")
-        self.scan_plot.getPlotItem().addLegend(offset=(6, 6), labelTextSize="8pt")
+        # top right: the first layers' bars are often the tallest
+        self.scan_plot.getPlotItem().addLegend(offset=(-6, 6), labelTextSize="8pt")
         self.attn_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=BAR_COLOURS["attn"])
         self.mlp_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=BAR_COLOURS["mlp"])
         self.scan_plot.addItem(self.attn_bars)
@@ -1013,7 +1010,7 @@ class ABView(QWidget):
         self._draw_bars()
         low, high = scan.get("low", "?"), scan.get("high", "?")
         self.scan_plot.setTitle(
-            f"KL with only this block at {low} (the rest at {high})", color="#d0d4da", size="10pt"
+            f"KL with only this block at {low} (the rest at fp32)", color="#d0d4da", size="10pt"
         )
         self.scan_label.setText(
             f"{Path(str(scan.get('model', ''))).name}: every block at {low}: KL "

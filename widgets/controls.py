@@ -36,6 +36,7 @@ PRECISIONS = (
     "int8+head",
     "int4-g32",
     "int4-g32+head",
+    "int4-g64",
     "int4-g128",
     "mixed:attn=int8,mlp=int4-g32,head=int8",
 )
