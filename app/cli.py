@@ -309,15 +309,19 @@ def progress_printer(stream: Any = sys.stderr) -> Callable[[str, int, int], None
     return report
 
 
-def load_engine(args: argparse.Namespace, precision: str | None = None) -> LLMEngine:
+def load_engine(
+    args: argparse.Namespace, precision: str | None = None, config: Any = None
+) -> LLMEngine:
     """The command's model (``--model``: default, a folder or a .gguf file) through the one
-    loader the app uses too (:func:`app.loading.load_engine`)."""
+    loader the app uses too (:func:`app.loading.load_engine`). ``config`` (an
+    ``EngineConfig``) defaults to the command's KV and scheduling options."""
     from app.loading import LoadSpec
     from app.loading import load_engine as load
     from engine.engine import EngineConfig
 
     _set_threads(args.threads)
-    config = engine_config(args) if hasattr(args, "block_size") else EngineConfig()
+    if config is None:
+        config = engine_config(args) if hasattr(args, "block_size") else EngineConfig()
     spec = LoadSpec(args.model, precision or args.precision, args.device)
     return load(spec, progress_printer(), config=config)
 
@@ -492,9 +496,14 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
         SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature,
                        seed=args.seed)
     )  # fmt: skip
-    a = load_engine(args, args.a)
+    # a KV pool for the longest prompt's answer, not a share of memory: A leaves room for B
+    from engine.engine import EngineConfig
+
+    tokens = max(len(p.encode()) for p in prompts) + 256 + args.new_tokens
+    pool = EngineConfig(num_blocks=-(-tokens // 16) + 2)
+    a = load_engine(args, args.a, pool)
     b = load_engine(argparse.Namespace(**{**vars(args), "model": args.b_model or args.model}),
-                    args.b)  # fmt: skip
+                    args.b, pool)  # fmt: skip
     reports = []
     for i, prompt in enumerate(prompts):
         reports.append(compare_prompt(a, b, prompt, side, side, noise=not args.no_noise))
@@ -542,7 +551,10 @@ def cmd_eval_scan(args: argparse.Namespace) -> int:
     if args.budget_mib is not None:
         budget = int(args.budget_mib * 2**20)
     elif args.budget_like:
-        budget = estimate_weight_bytes(cfg, parse_precision(args.budget_like, device))
+        packed = None if device == "cpu" else False  # as the scan counts a tied head's copy
+        budget = estimate_weight_bytes(
+            cfg, parse_precision(args.budget_like, device), packed=packed
+        )
     text = default_text().read_text(encoding="utf-8")
     ids = Tokenizer.from_folder(folder).encode(text)[: args.tokens]
     scan = scan_sensitivity(

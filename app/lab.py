@@ -20,6 +20,7 @@ step, scoring pass or scanned block. Signals carry plain data (dicts, lists, str
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from PySide6.QtCore import QObject, Qt, QThread, Signal
 
 from app.loading import LoadSpec, load_engine, resolve_device, resolve_model_folder
-from app.worker import FRAME_S, Loader, yield_to_the_ui
+from app.worker import FRAME_S, yield_to_the_ui
 from engine.errors import CancelledError, InfersightError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -90,9 +91,16 @@ class _Stop:
     pass
 
 
-Job = ABRequest | ScanRequest | _Stop
+@dataclass(frozen=True, slots=True)
+class _Release:
+    pass
+
+
+Job = ABRequest | ScanRequest | _Stop | _Release
 #: ``available(device)`` → bytes free for models on that device
 MemoryProbe = Callable[[str], float]
+#: ``loader(spec, progress, config=…)`` → an engine (``app.loading.load_engine``)
+LabLoader = Callable[..., "LLMEngine"]
 
 
 def free_memory(device: str) -> float:
@@ -128,7 +136,9 @@ class LabWorker(QObject):
     finished = Signal()  # a job ended (done, failed or cancelled)
     stopped = Signal()
 
-    def __init__(self, loader: Loader = load_engine, available: MemoryProbe = free_memory) -> None:
+    def __init__(
+        self, loader: LabLoader = load_engine, available: MemoryProbe = free_memory
+    ) -> None:
         super().__init__()
         self._loader = loader
         self._available = available
@@ -136,6 +146,7 @@ class LabWorker(QObject):
         self._cancel = threading.Event()
         self._engines: dict[tuple[str, str, str], LLMEngine] = {}
         self._streams = _Streams()
+        self._cuda_streams: dict[int, Any] = {}  # CUDA device index → the lab's stream there
 
     # -- any thread ------------------------------------------------------------------------
     def post(self, job: Job) -> None:
@@ -149,6 +160,10 @@ class LabWorker(QObject):
         self._cancel.set()
         self._jobs.put(_Stop())
 
+    def release(self) -> None:
+        """Drop the kept engines once the job in flight (if any) is over."""
+        self._jobs.put(_Release())
+
     # -- the lab's thread ------------------------------------------------------------------
     def run(self) -> None:
         yield_to_the_ui()
@@ -156,6 +171,9 @@ class LabWorker(QObject):
             job = self._jobs.get()
             if isinstance(job, _Stop):
                 break
+            if isinstance(job, _Release):
+                self._keep_only(set())
+                continue
             try:
                 if isinstance(job, ABRequest):
                     self._run_ab(job)
@@ -165,15 +183,20 @@ class LabWorker(QObject):
                 self.status.emit("cancelled")
             except InfersightError as exc:
                 self.failed.emit(str(exc))
-            except MemoryError as exc:
-                self.failed.emit(f"out of memory: {exc}; try smaller models or fewer tokens")
-            except Exception as exc:  # a bug: say it, keep the lab alive
-                log.exception("lab job failed")
-                self.failed.emit(f"internal error: {type(exc).__name__}: {exc}")
+            except Exception as exc:
+                if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+                    self.failed.emit(
+                        f"out of memory ({exc}); try smaller precisions, fewer new tokens, or "
+                        "close the chat's model"
+                    )
+                else:  # a bug: say it, keep the lab alive
+                    log.exception("lab job failed")
+                    self.failed.emit(f"internal error: {type(exc).__name__}: {exc}")
             finally:
                 self._flush(force=True)
                 self.finished.emit()
         self._engines.clear()
+        self._restore_default_streams()
         self.stopped.emit()
 
     def _check(self) -> None:
@@ -191,15 +214,41 @@ class LabWorker(QObject):
         engine = self._engines.get(side.key)
         blocks = _pool_blocks(tokens)
         if engine is None:
+            from engine.engine import EngineConfig
+
             self.status.emit(f"loading {_side_name(side)}…")
-            # a small pool at load, then one sized for this job around the same weights
-            spec = LoadSpec(side.model, side.precision, side.device, kv_memory_mib=16)
-            engine = self._engines[side.key] = _with_pool(
-                self._loader(spec, self._progress), blocks
-            )
+            self._use_own_stream(side.key[2])
+            spec = LoadSpec(side.model, side.precision, side.device)
+            config = EngineConfig(num_blocks=blocks)
+            engine = self._engines[side.key] = self._loader(spec, self._progress, config=config)
         elif engine.kv.manager.num_blocks < blocks:
             engine = self._engines[side.key] = _with_pool(engine, blocks)
         return engine
+
+    def _use_own_stream(self, device: str) -> None:
+        """On CUDA the lab, like the chat's worker, runs on a stream of its own (made current
+        for this thread before anything of the device loads, so loads and steps share it)."""
+        if not device.startswith("cuda"):
+            return
+        import torch
+
+        dev = torch.device(device)
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index not in self._cuda_streams:
+            stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+            self._cuda_streams[index] = stream
+            with torch.cuda.device(index):
+                torch.cuda.set_stream(stream)
+
+    def _restore_default_streams(self) -> None:
+        if not self._cuda_streams:
+            return
+        import torch
+
+        for index in self._cuda_streams:
+            with torch.cuda.device(index):
+                torch.cuda.set_stream(torch.cuda.default_stream(index))
+        self._cuda_streams.clear()
 
     def _keep_only(self, keys: set[tuple[str, str, str]]) -> None:
         for key in [k for k in self._engines if k not in keys]:
@@ -224,12 +273,24 @@ class LabWorker(QObject):
             folder = resolve_model_folder(side.model, self._progress)
             cfg = ModelConfig.from_file(folder / "config.json")
             vocab = max(vocab, cfg.vocab_size)
+            device = resolve_device(side.device)
+            spec = parse_precision(side.precision, device)
+            pool = _pool_blocks(tokens) * PagedKVCache.bytes_per_block(cfg, 16, spec.compute)
             if side.key in self._engines or (name == "B" and job.b.key == job.a.key):
-                continue  # loaded already, or B shares A's weights
-            spec = parse_precision(side.precision, resolve_device(side.device))
-            per_block = PagedKVCache.bytes_per_block(cfg, 16, spec.compute)
-            need[name] = estimate_weight_bytes(cfg, spec) + _pool_blocks(tokens) * per_block
+                need[name] = pool  # loaded already, or B shares A's weights: a pool at most
+                continue
+            # a CPU may keep a oneDNN-packed copy of a tied head (the probe says); a GPU not
+            packed = None if device == "cpu" else False
+            need[name] = estimate_weight_bytes(cfg, spec, packed=packed) + pool
         tables = 6.0 * job.max_new_tokens * vocab * 4
+        # the tables are needed whichever way A and B run; their float64 work adds as much
+        host = MEMORY_HEADROOM * self._available("cpu")
+        if 2 * tables > host:
+            raise InvalidRequestError(
+                f"{job.max_new_tokens} new tokens need {2 * tables * 2**-20:.0f} MiB for the "
+                f"comparison's score tables ({vocab} tokens of vocabulary each) but "
+                f"{host * 2**-20:.0f} MiB is free; ask for fewer new tokens"
+            )
         devices = {"A": resolve_device(job.a.device), "B": resolve_device(job.b.device)}
         on_device: dict[str, float] = {}
         for name, device in devices.items():
@@ -262,6 +323,7 @@ class LabWorker(QObject):
         from engine.compare import (
             Scores,
             build_report,
+            check_same_tokenizer,
             prompt_ids_for,
             score_side,
             shared_prompt_ids,
@@ -301,16 +363,13 @@ class LabWorker(QObject):
         else:
             self._keep_only(set())
             a = self._engine(job.a, tokens)
-            prompt_ids = prompt_ids_for(a, job.messages)
+            prompt_ids, a_vocab = prompt_ids_for(a, job.messages), a.cfg.vocab_size
             run_a = self._generate({"a": a}, prompt_ids, params, windows)["a"]
             del a
             self._keep_only(set())
             b = self._engine(job.b, tokens)
-            if prompt_ids_for(b, job.messages) != prompt_ids:
-                raise InvalidRequestError(
-                    f"A ({job.a.model}) and B ({job.b.model}) do not share a tokenizer; compare "
-                    "two precisions of one model, or models of one family"
-                )
+            b_ids = prompt_ids_for(b, job.messages)
+            check_same_tokenizer(a_vocab, prompt_ids, b.cfg.vocab_size, b_ids)
             run_b = self._generate({"b": b}, prompt_ids, params, windows)["b"]
             self.status.emit("scoring: B reads both answers…")
             b_scores = score_side(b, prompt_ids, (run_a, run_b), windows["b"], check=self._check)
@@ -337,15 +396,15 @@ class LabWorker(QObject):
         from engine.compare import SideRun
 
         rids: dict[str, str] = {}
-        for side, engine in engines.items():
-            engine.set_window(windows[side])
-            rids[side] = engine.add_request(prompt_ids, params[side])
         ids: dict[str, list[int]] = {side: [] for side in engines}
         busy = dict.fromkeys(engines, 0.0)
         first: dict[str, float | None] = dict.fromkeys(engines)
         finish: dict[str, str] = {}
         self.status.emit("generating…")
         try:
+            for side, engine in engines.items():
+                engine.set_window(windows[side])
+                rids[side] = engine.add_request(prompt_ids, params[side])
             while len(finish) < len(engines):
                 self._check()
                 for side, engine in engines.items():
@@ -367,10 +426,13 @@ class LabWorker(QObject):
                             finish[side] = event.finish_reason
                 self._flush()
         finally:
-            for side, engine in engines.items():
-                if side not in finish:
-                    engine.cancel(rids[side])
-                    engine.step()
+            # the text so far reaches the view before anything else this job sends
+            self._flush(force=True)
+            for side, rid in rids.items():
+                if side not in finish:  # a kept engine must not carry this request on
+                    with contextlib.suppress(Exception):
+                        engines[side].cancel(rid)
+                        engines[side].step()
         runs: dict[str, SideRun] = {}
         for side, engine in engines.items():
             n, ttft = len(ids[side]), first[side]
@@ -468,7 +530,7 @@ class LabController(QObject):
         view: ABView,
         messages: Callable[[], list[dict[str, str]]],
         *,
-        loader: Loader = load_engine,
+        loader: LabLoader = load_engine,
         available: MemoryProbe = free_memory,
         parent: QObject | None = None,
     ) -> None:
@@ -494,9 +556,10 @@ class LabController(QObject):
         w.failed.connect(self._on_failed)
         w.finished.connect(self._on_finished)
         view.run_requested.connect(self.run)
-        view.cancel_requested.connect(self.worker.cancel)
+        # not to the worker's own slot: a queued call would wait for its busy thread
+        view.cancel_requested.connect(self.cancel)
         view.scan_requested.connect(self.start_scan)
-        view.scan_cancel_requested.connect(self.worker.cancel)
+        view.scan_cancel_requested.connect(self.cancel)
         view.budget_changed.connect(self.plan)
         view.open_requested.connect(self.open_file)
         view.save_json_requested.connect(self.save_json)
@@ -504,6 +567,14 @@ class LabController(QObject):
         self.lab_thread.start()
 
     # -- requests from the view ------------------------------------------------------------
+    def cancel(self) -> None:
+        """Cancel: the job stops at its next step, scoring pass or scanned block."""
+        self.worker.cancel()
+
+    def release(self) -> None:
+        """Give the lab's engines back (the user left the tab); the next run loads again."""
+        self.worker.release()
+
     def run(self, form: dict[str, Any]) -> None:
         if self.busy:
             self.view.set_notice("The lab is busy; cancel it or wait", "warning")
@@ -556,7 +627,15 @@ class LabController(QObject):
         except (OSError, ValueError, InfersightError) as exc:
             self.view.set_notice(f"Could not open {path}: {exc}", "warning")
             return
-        self.view.show_report(comparisons[0])
+        shown = self.view.report()
+        try:
+            self.view.show_report(comparisons[0])
+        except Exception as exc:  # a shape read_document let through: keep what was shown
+            log.exception("showing %s failed", path)
+            if shown is not None:
+                self.view.show_report(shown)
+            self.view.set_notice(f"Could not show {path}: {type(exc).__name__}: {exc}", "warning")
+            return
         more = (
             f"; it holds {len(comparisons)} comparisons, this is the first"
             if len(comparisons) > 1
@@ -618,8 +697,13 @@ class LabController(QObject):
         self.busy = False
         self.view.set_busy(False)
 
+    def request_stop(self) -> None:
+        """Cancel what runs and ask the lab's thread to end (see :meth:`shutdown`)."""
+        if self.lab_thread.isRunning():
+            self.worker.stop()
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Cancel what runs and stop the lab's thread (the job stops at its next step)."""
+        """Cancel what runs and wait for the lab's thread (the job stops at its next step)."""
         if not self.lab_thread.isRunning():
             return
         self.worker.stop()

@@ -167,7 +167,8 @@ class MainWindow(QMainWindow):
         self._on_window(self.controls.cache_window())
         self.engine_thread.start()
         # the A/B lab: engines of its own on a thread of its own (app/lab.py)
-        self.lab = LabController(self.ab_view, self._lab_messages, loader=loader, parent=self)
+        self.lab = LabController(self.ab_view, self._lab_messages, parent=self)
+        self.tabs.currentChanged.connect(self._on_tab)
         self._open_conversations()
         self.load(spec or self._saved_spec())
 
@@ -320,6 +321,12 @@ class MainWindow(QMainWindow):
         if not self._lab_set:
             self._lab_set = True
             self.ab_view.set_current(info.path, info.precision)
+
+    def _on_tab(self, index: int) -> None:
+        """Leaving the lab gives its engines back (the chat's model may need the memory); the
+        next run there loads them again."""
+        if self.tabs.widget(index) is not self.ab_view:
+            self.lab.release()
 
     def _lab_messages(self) -> list[dict[str, str]]:
         """The current conversation as the engine sees it (for "continue the conversation")."""
@@ -640,7 +647,7 @@ class MainWindow(QMainWindow):
         if self._closed:
             return
         self._closed = True
-        self.lab.shutdown()
+        self.lab.request_stop()  # both threads wind down together; the lab is waited for below
         if self.engine_thread.isRunning():
             self.worker.post(Stop())
             deadline = time.monotonic() + LOAD_JOIN_S + timeout_s
@@ -658,6 +665,7 @@ class MainWindow(QMainWindow):
             self.store.update_message(
                 reply.message_id, content=reply.candidates[selected], status="stopped", meta=meta
             )
+        self.lab.shutdown()
         self.settings.setValue("controls", json.dumps(self.controls.state()))
         self.settings.setValue("geometry", self.saveGeometry())
         self.settings.sync()

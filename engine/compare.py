@@ -25,10 +25,11 @@ whether the two answers differ at all ("flips"). The first divergence follows vL
 ``check_logprobs_close``: the first index where the two generated tokens differ, and whether
 each side's token is among the other side's top-N there (both contexts are the common prefix).
 
-Speculative decoding with B drafting for A would accept, per drafted token, A's greedy token
-when B's likeliest agrees (greedy), or with probability Σ min(p_A, p_B) = 1 − TV(p_A, p_B)
-(rejection sampling); both are measured on A's output. A later speculative decoder is measured
-against these predictions.
+Speculative decoding with B drafting for A would accept, per drafted token, B's likeliest
+token where it is A's likeliest (greedy: the top-1 agreement), or with probability
+Σ min(p_A, p_B) = 1 − TV(p_A, p_B) under rejection sampling, with each side's distribution at
+its sampling temperature (1 for a greedy side); both are measured on A's output. A later
+speculative decoder is measured against these predictions.
 
 The report is plain JSON data (:data:`FORMAT`): the app shows it, saves it and opens it, and
 ``infersight eval compare --json`` writes the same thing.
@@ -53,6 +54,8 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 FORMAT = "infersight-ab/1"
 TOP_N = 5  # top tokens kept per position, and vLLM's N for the divergence rule
 SCORE_ID = "__ab-score__"  # the scratch sequence a scoring pass holds blocks under
+SCORE_CHUNK = 512  # tokens per scoring forward: bounds the [tokens, vocab] logits on a device
+KL_ROWS = 256  # rows per float64 KL computation: bounds its temporaries
 
 
 def prompt_ids_for(engine: LLMEngine, messages: list[dict[str, str]]) -> list[int]:
@@ -64,15 +67,21 @@ def prompt_ids_for(engine: LLMEngine, messages: list[dict[str, str]]) -> list[in
 
 def shared_prompt_ids(a: LLMEngine, b: LLMEngine, messages: list[dict[str, str]]) -> list[int]:
     """The prompt's ids, the same for both sides, or a clear error when the two models do not
-    share a tokenizer (their token-by-token figures would compare different things)."""
+    share a tokenizer (see :func:`check_same_tokenizer`)."""
     ids = prompt_ids_for(a, messages)
-    if a.cfg.vocab_size != b.cfg.vocab_size or prompt_ids_for(b, messages) != ids:
-        raise InvalidRequestError(
-            f"A ({a.name}) and B ({b.name}) do not share a tokenizer (vocabularies of "
-            f"{a.cfg.vocab_size} and {b.cfg.vocab_size} tokens, or the prompt tokenizes "
-            "differently); compare two precisions of one model, or models of one family"
-        )
+    check_same_tokenizer(a.cfg.vocab_size, ids, b.cfg.vocab_size, prompt_ids_for(b, messages))
     return ids
+
+
+def check_same_tokenizer(vocab_a: int, ids_a: list[int], vocab_b: int, ids_b: list[int]) -> None:
+    """Token-by-token figures compare two distributions over one vocabulary: both models must
+    have the same vocabulary size and tokenize the prompt the same way."""
+    if vocab_a != vocab_b or ids_a != ids_b:
+        raise InvalidRequestError(
+            f"A and B do not share a tokenizer (vocabularies of {vocab_a} and {vocab_b} tokens, "
+            "or the prompt tokenizes differently); compare two precisions of one model, or "
+            "models of one family with the same vocabulary"
+        )
 
 
 def score(
@@ -82,15 +91,17 @@ def score(
     *,
     window: CacheWindow | None = None,
     decode_steps: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> Tensor:
     """Log-probabilities ``[len(output_ids), vocab]`` (fp32, on the CPU) of ``engine``'s next
     token at each output position, teacher-forced on ``prompt_ids + output_ids``.
 
     It runs through the engine's own paged cache and attention, as generation does, with the
-    same cache window. ``decode_steps`` computes the outputs one token per forward after a
-    prefill of the prompt (as generation computed them) instead of in a single forward: the
-    two agree up to rounding, which is what the noise floor measures. The engine must be idle
-    and its pool must hold the whole sequence.
+    same cache window, in forwards of up to :data:`SCORE_CHUNK` tokens. ``decode_steps``
+    computes the outputs one token per forward after a prefill of the prompt (as generation
+    computed them): the two agree up to rounding, which is what the noise floor measures.
+    The engine must be idle and its pool must hold the whole sequence. ``check`` runs before
+    each forward; it may raise to cancel.
     """
     prompt, output = list(prompt_ids), list(output_ids)
     if not prompt:
@@ -104,7 +115,7 @@ def score(
     if decode_steps:
         spans = [(0, len(prompt))] + [(p, p + 1) for p in range(len(prompt), len(inputs))]
     else:
-        spans = [(0, len(inputs))]
+        spans = [(p, min(p + SCORE_CHUNK, len(inputs))) for p in range(0, len(inputs), SCORE_CHUNK)]
     manager = engine.kv.manager
     if not manager.can_grow(SCORE_ID, len(inputs)):
         raise InvalidRequestError(
@@ -117,16 +128,17 @@ def score(
     try:
         for start, end in spans:
             rows = [r - start for r in range(max(start, first_row), end)]
-            if not rows:
-                continue
+            if check:
+                check()
             ctx = engine.kv.context([SeqChunk(SCORE_ID, start, end - start, window)])
             logits = engine.model(
                 torch.tensor(inputs[start:end], device=device),
                 torch.arange(start, end, device=device),
                 ctx,
                 torch.tensor(rows, dtype=torch.long, device=device),
-            )
-            out.append(F.log_softmax(logits.float(), dim=-1).cpu())
+            )  # every span runs: the prompt's too fill the cache the outputs attend to
+            if rows:
+                out.append(F.log_softmax(logits.float(), dim=-1).cpu())
     finally:
         manager.free(SCORE_ID)
     return torch.cat(out)
@@ -228,14 +240,13 @@ def score_side(
     ``check`` runs between passes: it may raise to cancel."""
     out: list[Tensor | None] = []
     for run in runs:
-        out.append(score(engine, prompt_ids, run.token_ids, window=window))
-        if check:
-            check()
+        out.append(score(engine, prompt_ids, run.token_ids, window=window, check=check))
     for run in runs:
         if noise:
-            out.append(score(engine, prompt_ids, run.token_ids, window=window, decode_steps=True))
-            if check:
-                check()
+            out.append(
+                score(engine, prompt_ids, run.token_ids, window=window, decode_steps=True,
+                      check=check)
+            )  # fmt: skip
         else:
             out.append(None)
     a, b, na, nb = out
@@ -245,9 +256,20 @@ def score_side(
 
 def _kl(logp: Tensor, logq: Tensor) -> Tensor:
     """KL(p‖q) per row, in float64 over renormalised rows: the fp32 tables sum to 1 only up
-    to rounding, which would leave a KL of ~1e-7 (even negative) where p and q are equal."""
-    logp, logq = F.log_softmax(logp.double(), -1), F.log_softmax(logq.double(), -1)
-    return (logp.exp() * (logp - logq)).sum(-1).clamp(min=0.0)
+    to rounding, which would leave a KL of ~1e-7 (even negative) where p and q are equal.
+    :data:`KL_ROWS` rows at a time, so the float64 copies stay small."""
+    out = []
+    for i in range(0, len(logp), KL_ROWS):
+        p = F.log_softmax(logp[i : i + KL_ROWS].double(), -1)
+        q = F.log_softmax(logq[i : i + KL_ROWS].double(), -1)
+        out.append((p.exp() * (p - q)).sum(-1).clamp(min=0.0))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.float64)
+
+
+def _tempered(logp: Tensor, temperature: float) -> Tensor:
+    """Probabilities at ``temperature`` (1 where the side is greedy)."""
+    t = temperature if temperature and temperature > 0 else 1.0
+    return F.softmax(logp / t, dim=-1)
 
 
 def _quantile(x: Tensor, q: float) -> float | None:
@@ -318,8 +340,13 @@ def summarize(run_a: SideRun, run_b: SideRun, scores: Scores) -> dict[str, Any]:
         pb = lb.gather(1, ids[:, None]).exp()[:, 0]
         rms_dp = float(((pb - pa) ** 2).mean().sqrt())
         top1 = float((la.argmax(-1) == lb.argmax(-1)).double().mean())
-        greedy = float((lb.argmax(-1) == ids).double().mean())
-        sampled = float(torch.minimum(la.exp(), lb.exp()).sum(-1).double().mean())
+        # greedy drafting: B's top token is accepted where it is A's top token
+        greedy = top1
+        # sampling (rejection sampling at each side's temperature; 1 for a greedy side):
+        # a drafted token is accepted with probability Σ min(p_A, p_B) = 1 − TV(p_A, p_B)
+        pa_t = _tempered(la, run_a.sampling.get("temperature", 0.0))
+        pb_t = _tempered(lb, run_b.sampling.get("temperature", 0.0))
+        sampled = float(torch.minimum(pa_t, pb_t).sum(-1).double().mean())
     noise = None if scores.noise_on_a is None else _kl(la, scores.noise_on_a)
     return {
         "tokens": n,
@@ -410,7 +437,8 @@ def document(comparisons: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def read_document(data: Any) -> list[dict[str, Any]]:
-    """The comparisons of a saved file's parsed JSON; a clear error for anything else."""
+    """The comparisons of a saved file's parsed JSON; a clear error for anything else,
+    checked deep enough that showing a comparison cannot fail on its shape."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InvalidRequestError(
             f"this is not an A/B comparison file (expected format {FORMAT!r}); save one from the "
@@ -419,11 +447,39 @@ def read_document(data: Any) -> list[dict[str, Any]]:
     comparisons = data.get("comparisons")
     if not isinstance(comparisons, list) or not comparisons:
         raise InvalidRequestError("the comparison file holds no comparison")
-    needed = ("a", "b", "columns", "divergence", "summary")
-    for c in comparisons:
-        if not isinstance(c, dict) or any(k not in c for k in needed):
+    for i, c in enumerate(comparisons):
+        problem = _shape_problem(c)
+        if problem:
             raise InvalidRequestError(
-                f"a comparison in the file lacks some of {', '.join(needed)}; the file is "
-                "damaged or from another program"
+                f"comparison {i + 1} of the file is damaged or from another program: {problem}"
             )
     return comparisons
+
+
+def _shape_problem(c: Any) -> str | None:
+    """What is wrong with one comparison's shape, or ``None``."""
+    if not isinstance(c, dict):
+        return "it is not an object"
+    for key in ("a", "b", "columns", "divergence", "summary"):
+        if not isinstance(c.get(key), dict):
+            return f"{key!r} is missing or not an object"
+    for side in ("a", "b"):
+        info, column = c[side], c["columns"].get(side)
+        pieces, ids = info.get("pieces"), info.get("token_ids")
+        if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
+            return f"{side}.pieces must be a list of strings"
+        if not isinstance(ids, list) or len(ids) != len(pieces):
+            return f"{side}.token_ids must be a list as long as {side}.pieces"
+        if not isinstance(column, dict):
+            return f"columns.{side} is missing"
+        for key in ("kl", "p_a", "p_b", "top_a", "top_b"):
+            values = column.get(key)
+            if not isinstance(values, list) or len(values) != len(pieces):
+                return f"columns.{side}.{key} must be a list with one entry per token"
+        noise = column.get("noise_kl")
+        if noise is not None and (not isinstance(noise, list) or len(noise) != len(pieces)):
+            return f"columns.{side}.noise_kl must be null or a list with one entry per token"
+        numbers = column["kl"] + column["p_a"] + column["p_b"] + (noise or [])
+        if not all(isinstance(v, (int, float)) for v in numbers):
+            return f"columns.{side} holds figures that are not numbers"
+    return None

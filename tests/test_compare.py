@@ -141,11 +141,22 @@ def test_document_round_trip_and_bad_files(engines):
     report = compare_prompt(a, b, PROMPT, greedy, greedy, noise=False)
     text = json.dumps(document([report]))
     assert read_document(json.loads(text)) == [json.loads(json.dumps(report))]
+
+    def damaged(change):  # the saved report with one nested value broken
+        copy = json.loads(text)
+        change(copy["comparisons"][0])
+        return copy
+
     for bad in (
         {},
         {"format": FORMAT, "comparisons": []},
         {"format": FORMAT, "comparisons": [{}]},
         [],
+        damaged(lambda c: c.update(a=[])),
+        damaged(lambda c: c["b"].update(pieces=[1, 2])),
+        damaged(lambda c: c["columns"]["a"].update(kl=c["columns"]["a"]["kl"][:-1])),
+        damaged(lambda c: c["columns"]["b"].update(noise_kl=5)),
+        damaged(lambda c: c["columns"]["a"]["p_b"].__setitem__(0, "x")),
     ):
         with pytest.raises(InvalidRequestError):
             read_document(bad)

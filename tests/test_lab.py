@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,15 @@ def form(model: str, a: str, b: str, prompt: str, tokens: int, **extra: Any) -> 
 class Lab:
     """A view and its controller, with what the view was sent recorded."""
 
-    def __init__(self, qtbot: Any, available: Any = free_memory, messages: Any = None) -> None:
+    def __init__(
+        self, qtbot: Any, available: Any = free_memory, messages: Any = None, loader: Any = None
+    ) -> None:
         self.view = ABView()
         qtbot.addWidget(self.view)
-        self.controller = LabController(self.view, messages or (lambda: []), available=available)
+        extra = {"loader": loader} if loader else {}
+        self.controller = LabController(
+            self.view, messages or (lambda: []), available=available, **extra
+        )
         self.appends: dict[str, list[str]] = {"a": [], "b": []}
         self.notices: list[str] = []
         self.controller.worker.deltas.connect(self._record)
@@ -91,7 +97,9 @@ def test_an_ab_on_a_tiny_model_equals_the_engines_own_comparison(qtbot, tiny, tm
 
 def test_when_a_and_b_do_not_fit_they_run_one_after_the_other(qtbot, tiny):
     together = Lab(qtbot)
-    apart = Lab(qtbot, available=lambda _device: 1.0)  # "1 byte free"
+    # 200 kB free: room for the score tables (2 × 6 × 10 tokens × 320 × 4 bytes = 154 kB), not
+    # for A and B (the fp32 weights alone are over 500 kB)
+    apart = Lab(qtbot, available=lambda _device: 200_000.0)
     try:
         request = form(str(tiny), "fp32", "int8", TINY_PROMPT, 10)
         one = together.run(request)
@@ -145,20 +153,34 @@ def test_a_bad_request_says_why_and_the_lab_goes_on(qtbot, tiny):
         lab.close()
 
 
-def test_cancel_stops_a_run_and_the_next_one_works(qtbot, tiny):
-    lab = Lab(qtbot)
+def slow_loader(spec: Any, progress: Any, config: Any = None) -> LLMEngine:
+    """The real loader, with every step 20 ms slower: a run long enough to cancel by hand."""
+    from app.loading import load_engine
+
+    engine = load_engine(spec, progress, config=config)
+    step = engine.step
+
+    def slow_step() -> Any:
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    return engine
+
+
+def test_the_cancel_button_stops_a_run_and_the_next_one_works(qtbot, tiny):
+    lab = Lab(qtbot, loader=slow_loader)
     try:
-        # the Cancel button, pressed the moment the first text is streamed (in the lab's
-        # thread, so that it lands mid-generation however fast the model is)
-        worker = lab.controller.worker
-        worker.deltas.connect(lambda _d: worker.cancel(), Qt.ConnectionType.DirectConnection)
         lab.controller.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 200))
-        qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
+        qtbot.waitUntil(lambda: bool(lab.appends["a"]), timeout=LONG_WAIT_MS)
+        lab.view.cancel_button.click()  # as the user does, from the UI thread
+        qtbot.waitUntil(lambda: not lab.controller.busy, timeout=10_000)
         assert lab.view.report() is None
         assert 0 < len("".join(lab.appends["a"]).split()) < 200
-        worker.deltas.disconnect()
-        worker.deltas.connect(lab._record)
+        assert "cancelled or failed" in lab.view.summary_text()
         assert lab.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 3))["summary"]["tokens"] == 3
+        lab.controller.release()  # the user left the tab: the engines go
+        qtbot.waitUntil(lambda: not lab.controller.worker._engines, timeout=10_000)
     finally:
         lab.close()
 
@@ -227,3 +249,34 @@ def test_the_lab_on_the_default_model_matches_eval_compare_and_generate(
         list(gen)
         assert lab.view.column_text(key) == gen.result.text == report[key]["text"]
         assert report[key]["token_ids"] == gen.result.token_ids
+
+
+def test_cancel_stops_a_scan_and_the_lab_goes_on(qtbot, tiny):
+    lab = Lab(qtbot)
+    worker = lab.controller.worker
+    progress: list[int] = []
+    # Cancel scan, pressed when the first block is done (in the lab's thread, so that it
+    # lands mid-scan however fast the model is)
+    worker.scan_progress.connect(
+        lambda done, _total: (progress.append(done), lab.controller.cancel()),
+        Qt.ConnectionType.DirectConnection,
+    )
+    try:
+        lab.controller.start_scan({"model": str(tiny), "low": "int8"})
+        qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
+        assert lab.controller.scan is None and progress == [1]
+        worker.scan_progress.disconnect()
+        assert lab.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 3))["summary"]["tokens"] == 3
+    finally:
+        lab.close()
+
+
+def test_a_run_whose_score_tables_cannot_fit_is_refused_with_the_figure(qtbot, tiny):
+    lab = Lab(qtbot, available=lambda _device: 1000.0)
+    try:
+        lab.controller.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 50))
+        qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
+        assert lab.view.report() is None
+        assert any("ask for fewer new tokens" in n for n in lab.notices), lab.notices
+    finally:
+        lab.close()

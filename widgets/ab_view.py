@@ -72,6 +72,7 @@ from PySide6.QtWidgets import (
 from widgets.controls import PRECISIONS
 
 SIDES = ("a", "b")
+RUNNING = "Running…"
 COLOUR_BY = ("KL(A‖B)", "A's probability of this token", "none")
 #: KL is coloured on a log scale between these (nats): below the low end a token is left
 #: plain, so the eye goes to the few tokens that matter rather than to rounding noise.
@@ -801,6 +802,8 @@ class ABView(QWidget):
         self.cancel_button.setEnabled(busy)
         self.scan_cancel_button.setEnabled(busy)
         self.save_json_button.setEnabled(not busy and self._report is not None)
+        if not busy and self._report is None and self.summary.text() == RUNNING:
+            self.summary.setText("No comparison: the run was cancelled or failed (see above)")
 
     def set_status(self, text: str) -> None:
         """What the lab is doing now (loading B…, generating…, done)."""
@@ -821,7 +824,7 @@ class ABView(QWidget):
         """A run starts: empty columns, and the last report's figures go (they belong to
         other text; :meth:`report` is ``None`` until the new one arrives)."""
         self._report = None
-        self.summary.setText("Running…")
+        self.summary.setText(RUNNING)
         self.kl_curve.setData([], [])
         self.noise_top.setData([], [])
         self.noise_bottom.setData([], [])
@@ -835,7 +838,8 @@ class ABView(QWidget):
         self.set_busy(True)
 
     def append(self, side: str, text: str) -> None:
-        self.columns[side].text.append_text(text)
+        if self._report is None:  # a shown report's columns are rendered from its pieces
+            self.columns[side].text.append_text(text)
 
     def set_side_stats(self, side: str, text: str) -> None:
         self.columns[side].stats.setText(text)
