@@ -166,6 +166,30 @@ def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:
     expect(same >= AGREE_TOKENS, f"GPU and CPU fp32 differ at token {same}")
 
 
+def check_ab(model: Path, device: torch.device) -> None:
+    """The A/B comparison on the GPU (fp32 against bf16): its scoring through the paged cache
+    on the device agrees with the CPU's scoring of the same tokens."""
+    from engine.compare import Side, compare_prompt, score
+    from engine.engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    a = LLMEngine.load(model, precision="fp32", device=str(device))
+    b = LLMEngine.load(model, precision="bf16", device=str(device))
+    greedy = Side(SamplingParams(max_new_tokens=16))
+    report = compare_prompt(a, b, PROMPT[-1]["content"], greedy, greedy)
+    s = report["summary"]
+    print(f"     fp32 vs bf16 on {device}: mean KL {s['kl_mean']:.2e}, top-1 "
+          f"{s['top1_agreement']:.0%}, noise {s['noise_kl_mean']:.1e}")  # fmt: skip
+    expect(s["kl_mean"] < 0.05 and s["top1_agreement"] >= 0.8, f"fp32 vs bf16 on GPU: {s}")
+    cpu = LLMEngine.load(model, precision="fp32")
+    prompt = a.chat_prompt_ids(PROMPT[-1:])
+    ids = report["a"]["token_ids"]
+    on_gpu, on_cpu = score(a, prompt, ids), score(cpu, prompt, ids)
+    worst = float((on_gpu.exp() - on_cpu.exp()).abs().max())
+    print(f"     fp32 scores, GPU against CPU: largest probability difference {worst:.1e}")
+    expect(worst < 1e-3, f"GPU and CPU fp32 scores differ by {worst}")
+
+
 # -- 4. the worker ------------------------------------------------------------------------------
 
 
@@ -262,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             f"engine {precision}", partial(check_precision, model, device, precision, results)
         )
     check.run("fp32 GPU against CPU", lambda: check_fp32_against_cpu(model, results))
+    check.run("A/B comparison", lambda: check_ab(model, device))
     check.run("worker", lambda: check_worker(model, device, int4))
     peaks = {k[5:]: v[0] for k, v in results.items() if k.startswith("peak ")}
     if peaks:
