@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from PySide6.QtCore import QObject, Qt, QThread, Signal
 
 from app.loading import LoadSpec, load_engine, resolve_device, resolve_model_folder
-from app.worker import FRAME_S, yield_to_the_ui
+from app.worker import FRAME_S, OwnStreams, yield_to_the_ui
 from engine.errors import CancelledError, InfersightError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -104,16 +104,12 @@ LabLoader = Callable[..., "LLMEngine"]
 
 
 def free_memory(device: str) -> float:
-    """Bytes a new model could take on ``device``: the GPU's free memory, or the RAM the OS
-    reports available."""
+    """Bytes a new model could take on ``device`` (:func:`engine.engine.free_memory`)."""
     import torch
 
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return float(free)
-    import psutil
+    from engine.engine import free_memory as free
 
-    return float(psutil.virtual_memory().available)
+    return free(torch.device(device))
 
 
 @dataclass(slots=True)
@@ -146,7 +142,7 @@ class LabWorker(QObject):
         self._cancel = threading.Event()
         self._engines: dict[tuple[str, str, str], LLMEngine] = {}
         self._streams = _Streams()
-        self._cuda_streams: dict[int, Any] = {}  # CUDA device index → the lab's stream there
+        self._cuda_streams = OwnStreams()  # the lab's own CUDA stream on each device
 
     # -- any thread ------------------------------------------------------------------------
     def post(self, job: Job) -> None:
@@ -196,7 +192,7 @@ class LabWorker(QObject):
                 self._flush(force=True)
                 self.finished.emit()
         self._engines.clear()
-        self._restore_default_streams()
+        self._cuda_streams.restore()
         self.stopped.emit()
 
     def _check(self) -> None:
@@ -217,38 +213,14 @@ class LabWorker(QObject):
             from engine.engine import EngineConfig
 
             self.status.emit(f"loading {_side_name(side)}…")
-            self._use_own_stream(side.key[2])
+            # made current before the load, so its copies and the steps share one stream
+            self._cuda_streams.use(side.key[2])
             spec = LoadSpec(side.model, side.precision, side.device)
             config = EngineConfig(num_blocks=blocks)
             engine = self._engines[side.key] = self._loader(spec, self._progress, config=config)
         elif engine.kv.manager.num_blocks < blocks:
             engine = self._engines[side.key] = _with_pool(engine, blocks)
         return engine
-
-    def _use_own_stream(self, device: str) -> None:
-        """On CUDA the lab, like the chat's worker, runs on a stream of its own (made current
-        for this thread before anything of the device loads, so loads and steps share it)."""
-        if not device.startswith("cuda"):
-            return
-        import torch
-
-        dev = torch.device(device)
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index not in self._cuda_streams:
-            stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
-            self._cuda_streams[index] = stream
-            with torch.cuda.device(index):
-                torch.cuda.set_stream(stream)
-
-    def _restore_default_streams(self) -> None:
-        if not self._cuda_streams:
-            return
-        import torch
-
-        for index in self._cuda_streams:
-            with torch.cuda.device(index):
-                torch.cuda.set_stream(torch.cuda.default_stream(index))
-        self._cuda_streams.clear()
 
     def _keep_only(self, keys: set[tuple[str, str, str]]) -> None:
         for key in [k for k in self._engines if k not in keys]:

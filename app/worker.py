@@ -210,7 +210,7 @@ class EngineWorker(QObject):
         self._running = False
         self._last_flush = 0.0
         self._last_metrics = 0.0
-        self._streams: dict[int, Any] = {}  # CUDA device index → this worker's stream there
+        self._streams = OwnStreams()  # this worker's CUDA stream on each device it uses
 
     # -- any thread ------------------------------------------------------------------------
     def post(self, command: Command) -> None:
@@ -240,36 +240,10 @@ class EngineWorker(QObject):
         try:
             yield
         finally:
-            if self._streams:
-                import torch
-
-                for index in self._streams:
-                    with torch.cuda.device(index):
-                        torch.cuda.set_stream(torch.cuda.default_stream(index))
-                self._streams.clear()
+            self._streams.restore()
 
     def _use_device_stream(self, engine: LLMEngine) -> None:
-        """Make a stream of the worker's own the current one on ``engine``'s device.
-
-        torch keeps a current stream per device and thread, so from here on everything this
-        thread runs on that device (steps, a new request's tensors, layer-timing events) goes
-        to that stream, whichever engine launches it; engines on one device share it. It is
-        created only for a CUDA engine and on its device: a CPU model creates no CUDA context,
-        and ``cuda:1`` work never lands on cuda:1's default stream. The current device is left
-        as it was (``set_stream`` alone would change it).
-        """
-        if engine.device.type != "cuda":
-            return
-        import torch
-
-        index = engine.device.index
-        index = torch.cuda.current_device() if index is None else index
-        if index in self._streams:
-            return
-        stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
-        self._streams[index] = stream
-        with torch.cuda.device(index):
-            torch.cuda.set_stream(stream)
+        self._streams.use(str(engine.device))
 
     def _has_work(self) -> bool:
         if self._paused:
@@ -514,6 +488,51 @@ class EngineWorker(QObject):
         if self.engine is None or self.info is None:
             return
         self.metrics.emit(EngineView(self.info, self.engine.metrics()))
+
+
+class OwnStreams:
+    """A thread's own CUDA stream on each device it works on (the engine worker's, the lab's).
+
+    torch keeps a current stream per device and thread, so once :meth:`use` has run for a
+    device everything this thread runs there (steps, a new request's tensors, layer-timing
+    events) goes to that stream, whichever engine launches it; engines on one device share
+    it. It is created only for a CUDA device: a CPU model creates no CUDA context, and
+    ``cuda:1`` work never lands on cuda:1's default stream. The current device is left as it
+    was (``set_stream`` alone would change it). Call from the thread itself.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[int, Any] = {}  # CUDA device index → the stream there
+
+    @property
+    def by_device(self) -> dict[int, Any]:
+        """CUDA device index → this thread's stream there."""
+        return dict(self._streams)
+
+    def use(self, device: str) -> None:
+        if not device.startswith("cuda"):
+            return
+        import torch
+
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        if index in self._streams:
+            return
+        stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+        self._streams[index] = stream
+        with torch.cuda.device(index):
+            torch.cuda.set_stream(stream)
+
+    def restore(self) -> None:
+        """Put each device's default stream back (the thread is ending)."""
+        if not self._streams:
+            return
+        import torch
+
+        for index in self._streams:
+            with torch.cuda.device(index):
+                torch.cuda.set_stream(torch.cuda.default_stream(index))
+        self._streams.clear()
 
 
 def _finish_loader_work(engine: LLMEngine) -> None:

@@ -252,7 +252,7 @@ class LLMEngine:
             fraction = (
                 budget if budget is not None else (0.5 if self.device.type == "cuda" else 0.1)
             )
-            budget = fraction * _free_memory(self.device)
+            budget = fraction * free_memory(self.device)
         useful = conf.limits.max_batch_size * -(
             -self.cfg.max_position_embeddings // conf.block_size
         )
@@ -590,7 +590,9 @@ def _request_metrics(seq: Seq) -> RequestMetrics:
     )
 
 
-def _free_memory(device: torch.device) -> float:
+def free_memory(device: torch.device) -> float:
+    """Bytes a new model or pool could take on ``device``: the GPU's free memory, or the RAM
+    the OS reports available."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free)

@@ -242,7 +242,7 @@ def check_worker(model: Path, device: torch.device, int4: bool) -> None:
         expect(finishes in (["length"], ["stop"]), f"the reply finished with {finishes}")
         mem = views[-1].snapshot.memory
         expect((mem.cuda_reserved_bytes or 0) > 0, "no CUDA reserved figure from the worker")
-        streams = {index: stream.device for index, stream in worker._streams.items()}
+        streams = {index: stream.device for index, stream in worker._streams.by_device.items()}
         expect(streams == {device.index: device}, f"worker streams {streams}, not on {device}")
         print(f"     worker {precision} on {device}, own stream: {text[:60]!r}")
     finally:
