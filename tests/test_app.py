@@ -494,6 +494,9 @@ def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
 
     out = Path(os.environ.get("INFERSIGHT_SCREENSHOTS", tmp_path / "screenshots"))
     out.mkdir(parents=True, exist_ok=True)
+    # every tab (the A/B lab's forms are the widest) fits a 1280×800 window with the docks
+    assert window.minimumSizeHint().width() <= 1280, window.minimumSizeHint()
+    assert (window.width(), window.height()) == (1280, 800)
     window.instruments.layer_switch.setChecked(True)
     send(qtbot, window, "What is a KV cache?")
     window.controls.max_new_tokens.set_value(200)

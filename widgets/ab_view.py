@@ -419,6 +419,11 @@ class _SideForm(QGroupBox):
         self.precision.setEditable(True)
         self.precision.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
         self.precision.addItems(PRECISIONS)
+        # long mixed specs must not widen the form (the tab fits a 1280-pixel window)
+        self.precision.setSizeAdjustPolicy(
+            QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon
+        )
+        self.precision.setMinimumContentsLength(10)
         self.precision.setToolTip(
             "Weights' precision; '+head' quantizes the LM head too. A mixed spec "
             "(from the layer sensitivity tab) can be typed here"
