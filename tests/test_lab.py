@@ -145,6 +145,12 @@ def test_a_bad_request_says_why_and_the_lab_goes_on(qtbot, tiny):
         lab.controller.run(form(str(tiny), "fp32", "int5", TINY_PROMPT, 4))
         qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
         assert any("unknown precision 'int5'" in n for n in lab.notices), lab.notices
+        request = form(str(tiny), "fp32", "int8", TINY_PROMPT, 4)
+        request["b"]["model"] = "/nonexistent/model"
+        lab.controller.run(request)
+        qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
+        assert any("/nonexistent/model" in n for n in lab.notices), lab.notices
+        assert not any("internal error" in n for n in lab.notices), lab.notices
         lab.controller.run(form(str(tiny), "fp32", "int8", "", 4))  # no prompt
         assert not lab.controller.busy
         report = lab.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 4))
