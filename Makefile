@@ -17,7 +17,8 @@ PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
 # machine the main run already took those paths; tests/test_cpu_paths.py forces every level
 # in-process on every machine.
 AVX2_LEG := tests/test_cpu_paths.py tests/test_quant.py tests/test_exactness_tiny.py \
-            tests/test_generation.py tests/test_eval.py tests/test_real_model.py
+            tests/test_generation.py tests/test_eval.py tests/test_real_model.py \
+            tests/test_compare.py tests/test_sensitivity.py
 
 .PHONY: run chat test bench gpu-check screenshots package venv dev clean
 
