@@ -255,34 +255,26 @@ class LabWorker(QObject):
             packed = None if device == "cpu" else False
             need[name] = estimate_weight_bytes(cfg, spec, packed=packed) + pool
         tables = 6.0 * job.max_new_tokens * vocab * 4
-        # the tables are needed whichever way A and B run; their float64 work adds as much
-        host = MEMORY_HEADROOM * self._available("cpu")
-        if 2 * tables > host:
-            raise InvalidRequestError(
-                f"{job.max_new_tokens} new tokens need {2 * tables * 2**-20:.0f} MiB for the "
-                f"comparison's score tables ({vocab} tokens of vocabulary each) but "
-                f"{host * 2**-20:.0f} MiB is free; ask for fewer new tokens"
-            )
         devices = {"A": resolve_device(job.a.device), "B": resolve_device(job.b.device)}
-        on_device: dict[str, float] = {}
+        on_device: dict[str, float] = {"cpu": tables}  # the tables live in host memory
         for name, device in devices.items():
             on_device[device] = on_device.get(device, 0.0) + need[name]
-        on_device["cpu"] = on_device.get("cpu", 0.0) + tables
+        usable = {d: MEMORY_HEADROOM * self._available(d) for d in on_device}
         mib = 2**-20
-        missing = {
-            device: total - MEMORY_HEADROOM * self._available(device)
-            for device, total in on_device.items()
-        }
+        # the tables are needed whichever way A and B run; their float64 work adds as much
+        if 2 * tables > usable["cpu"]:
+            raise InvalidRequestError(
+                f"{job.max_new_tokens} new tokens need {2 * tables * mib:.0f} MiB for the "
+                f"comparison's score tables ({vocab} tokens of vocabulary each) but "
+                f"{usable['cpu'] * mib:.0f} MiB is free; ask for fewer new tokens"
+            )
         sizes = (
             f"loading adds {need['A'] * mib:.0f} MiB for A and {need['B'] * mib:.0f} MiB for B, "
             f"and the score tables take {tables * mib:.0f} MiB"
         )
-        short = {d: m for d, m in missing.items() if m > 0}
+        short = {d: total - usable[d] for d, total in on_device.items() if total > usable[d]}
         if not short:
-            free = ", ".join(
-                f"{MEMORY_HEADROOM * self._available(d) * mib:.0f} MiB usable on {d}"
-                for d in on_device
-            )
+            free = ", ".join(f"{usable[d] * mib:.0f} MiB usable on {d}" for d in on_device)
             return True, f"A and B run side by side: {sizes}; {free}."
         lacking = ", ".join(f"{m * mib:.0f} MiB on {d}" for d, m in short.items())
         return False, (
