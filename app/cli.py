@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="mixed workload")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers' generate")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="where a decode step's time goes (matmul kernels, attention, other ops, "
+        "Python/dispatch) by part of the model, over --new-tokens steps of batch 1",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=cmd_bench)
 
@@ -399,6 +405,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = engine_config(args, max_batch_size=max(args.max_batch_size))
     folder = resolve_model_folder(args.model, progress_printer())
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if args.profile:
+        return _bench_profile(args, folder, device, config)
     if args.workload == "mixed":
         report = run_workload_bench(
             folder,
@@ -428,6 +436,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
         log=say,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _bench_profile(args: argparse.Namespace, folder: Any, device: str, config: Any) -> int:
+    import torch
+
+    from engine.bench import bench_prompt
+    from engine.engine import LLMEngine
+    from engine.profile import format_profile, profile_decode
+
+    engine = LLMEngine.load(folder, precision=args.precision, device=device, config=config)
+    prompt = bench_prompt(engine, args.prompt_len, args.seed)
+    result = profile_decode(engine, prompt, steps=args.new_tokens)
+    where = device
+    if device == "cpu":
+        where += f", {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    if args.json:
+        print(json.dumps({"model": engine.name, "precision": args.precision, "device": where,
+                          **result.as_dict()}, indent=2))  # fmt: skip
+    else:
+        print(format_profile(result, f"{engine.name} · {args.precision} · {where}"))
     return 0
 
 

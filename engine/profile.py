@@ -1,0 +1,211 @@
+"""Where a decode step's time goes: ``infersight bench --profile``.
+
+A request is prefilled, then ``steps`` decode steps of batch 1 run under ``torch.profiler``
+(CPU activity). Each part of the model is a scope (``record_function`` entered by forward
+hooks on its modules): the attention block of each layer, with the attention proper (the
+cache write, the scores and their softmax, the weighted sum: ``AttentionContext.attend``)
+as a scope inside it, the MLP block, the norms, the embedding and the LM head. What runs
+outside the model (scheduling, the sampler, detokenization, the engine's bookkeeping) is
+"engine". Every operator the profiler records falls into the innermost scope around it and
+into one of these kinds of time:
+
+* **matmul**: the self time of a matrix-product kernel (``aten::mm``, ``aten::addmm``,
+  oneDNN's packed linear, the INT8/INT4 kernels, …);
+* **attention**: every operator inside the attention proper;
+* **other ops**: the self time of every other operator (norms, RoPE, activations, copies,
+  views, index building, sampling, …);
+* **python/dispatch**: what is left of the step's wall time: Python in and around the model,
+  and torch's dispatch between operators (an operator's self time is its own C++ work).
+
+The profiler adds its own overhead to every operator, so the split is read as shares; the
+report also gives the unprofiled time of a decode step, measured just before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionContext
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+
+SCOPE = "infersight:"
+SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head", "engine")
+KINDS = ("matmul", "attention", "other ops", "python/dispatch")
+#: operators whose self time is a matrix-product kernel
+#: (not ``aten::matmul`` or ``aten::linear``: composites whose self time is dispatch, around
+#: one of these)
+MATMUL_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+    "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
+    "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+})  # fmt: skip
+
+
+@dataclass(slots=True)
+class StepProfile:
+    """Milliseconds per decode step, by scope and kind, and operator calls per step."""
+
+    steps: int
+    step_ms: float  # unprofiled, measured just before
+    profiled_step_ms: float
+    ms: dict[str, dict[str, float]] = field(default_factory=dict)  # scope → kind → ms/step
+    calls: dict[str, dict[str, float]] = field(default_factory=dict)  # scope → kind → calls
+
+    def kind_total(self, kind: str) -> float:
+        return sum(row.get(kind, 0.0) for row in self.ms.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "step_ms": self.step_ms,
+            "profiled_step_ms": self.profiled_step_ms,
+            "ms_per_step": self.ms,
+            "calls_per_step": self.calls,
+        }
+
+
+class _ScopedContext(AttentionContext):
+    """The step's attention context with its ``attend`` inside the "attention" scope."""
+
+    def __init__(self, inner: AttentionContext) -> None:
+        self.inner = inner
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        with torch.profiler.record_function(SCOPE + "attention"):
+            return self.inner.attend(layer, q, k, v)
+
+
+@contextmanager
+def _scopes(engine: LLMEngine) -> Iterator[None]:
+    """Forward hooks that open a scope around each part of the model, and the attention
+    context wrapped; all removed on the way out."""
+    model = engine.model
+    handles = []
+
+    def scoped(module: nn.Module, name: str) -> None:
+        open_scopes: list[Any] = []
+
+        def enter(_m: nn.Module, _args: Any) -> None:
+            scope = torch.profiler.record_function(SCOPE + name)
+            scope.__enter__()  # type: ignore[no-untyped-call]
+            open_scopes.append(scope)
+
+        def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
+            open_scopes.pop().__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+
+    scoped(model.embed, "embedding")
+    for layer in model.layers:
+        scoped(layer.get_submodule("attn"), "attention block")
+        scoped(layer.get_submodule("mlp"), "mlp")
+        scoped(layer.get_submodule("input_norm"), "norms")
+        scoped(layer.get_submodule("post_attn_norm"), "norms")
+    scoped(model.norm, "norms")
+    scoped(model.lm_head, "lm_head")
+    original = engine.kv.context
+    engine.kv.context = lambda chunks: _ScopedContext(original(chunks))  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        engine.kv.context = original  # type: ignore[method-assign]
+        for handle in handles:
+            handle.remove()
+
+
+def _scope_of(event: Any) -> str:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(SCOPE):
+            return str(parent.name[len(SCOPE) :])
+        parent = parent.cpu_parent
+    return "engine"
+
+
+def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> StepProfile:
+    """Profile ``steps`` decode steps of one request (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_new_tokens=2 * steps + 2, ignore_eos=True)
+    rid = engine.add_request(prompt, params)
+    try:
+        seq = engine.sequence(rid)
+        while not seq.output_ids:  # the prefill (in as many chunks as it takes)
+            engine.step()
+        started = time.perf_counter()
+        for _ in range(steps):  # unprofiled, for the real step time
+            engine.step()
+        step_ms = (time.perf_counter() - started) / steps * 1e3
+        with _scopes(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall_ms = (time.perf_counter() - started) * 1e3
+    finally:
+        engine.cancel(rid)
+        engine.step()
+
+    ms = {s: dict.fromkeys(KINDS, 0.0) for s in SCOPES}
+    calls = {s: dict.fromkeys(KINDS[:3], 0.0) for s in SCOPES}
+    accounted = 0.0
+    for event in prof.events():
+        if event.name.startswith(SCOPE):
+            continue
+        scope = _scope_of(event)
+        if scope == "attention":
+            kind = "attention"
+        elif event.name in MATMUL_OPS:
+            kind = "matmul"
+        else:
+            kind = "other ops"
+        self_ms = event.self_cpu_time_total / 1e3
+        ms[scope][kind] += self_ms / steps
+        calls[scope][kind] += 1 / steps
+        accounted += self_ms
+    # the rest of the wall time is Python and dispatch, shared out by scope in proportion to
+    # the scopes' own (self) time, which is exactly that: time in a scope outside its ops
+    scope_self = dict.fromkeys(SCOPES, 0.0)
+    for event in prof.events():
+        if event.name.startswith(SCOPE):
+            scope_self[event.name[len(SCOPE) :]] += event.self_cpu_time_total / 1e3
+    inside = sum(scope_self.values())
+    for scope in SCOPES:
+        ms[scope]["python/dispatch"] = scope_self[scope] / steps
+    outside = max(0.0, wall_ms - accounted - inside)
+    ms["engine"]["python/dispatch"] += outside / steps
+    return StepProfile(steps, step_ms, wall_ms / steps, ms, calls)
+
+
+def format_profile(p: StepProfile, title: str) -> str:
+    """The split as a table: scopes down, kinds across, ms per decode step."""
+    width = max(len(s) for s in SCOPES) + 2
+    lines = [
+        title,
+        f"decode step: {p.step_ms:.2f} ms unprofiled, {p.profiled_step_ms:.2f} ms under the "
+        f"profiler ({p.steps} steps, batch 1); ms per step:",
+        f"{'':<{width}}" + "".join(f"{k:>16}" for k in KINDS) + f"{'total':>10}",
+    ]
+    for scope in SCOPES:
+        row = p.ms[scope]
+        if not any(row.values()):
+            continue
+        lines.append(
+            f"{scope:<{width}}" + "".join(f"{row[k]:16.2f}" for k in KINDS)
+            + f"{sum(row.values()):10.2f}"
+        )  # fmt: skip
+    total = p.profiled_step_ms
+    lines.append(
+        f"{'all':<{width}}"
+        + "".join(f"{p.kind_total(k):9.2f} ({p.kind_total(k) / total:4.0%})" for k in KINDS)
+        + f"{sum(p.kind_total(k) for k in KINDS):10.2f}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""``bench --profile``: the decode-step split (engine/profile.py), by counts and invariants."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.engine import LLMEngine
+from engine.profile import KINDS, SCOPES, format_profile, profile_decode
+
+
+@pytest.mark.parametrize(("precision", "pack"), [("fp32", True), ("fp32", False), ("int8", True)])
+def test_every_matmul_and_attention_of_a_step_lands_in_its_scope(tiny_model_dir, precision, pack):
+    folder, _ = tiny_model_dir("llama", False)
+    engine = LLMEngine.load(folder, precision=precision, pack=pack)
+    layers = engine.cfg.num_layers
+    p = profile_decode(engine, list(range(5, 25)), steps=6)
+    calls = p.calls
+    # per decode step: qkv + o per layer, gate_up + down per layer, one LM head
+    assert calls["attention block"]["matmul"] == pytest.approx(2 * layers)
+    assert calls["mlp"]["matmul"] == pytest.approx(2 * layers)
+    assert calls["lm_head"]["matmul"] == pytest.approx(1)
+    assert calls["attention"]["attention"] > 0 and calls["attention"]["matmul"] == 0
+    assert calls["norms"]["matmul"] == 0 and calls["engine"]["matmul"] == 0
+    # the kinds share out the profiled wall time, nothing negative
+    total = sum(p.kind_total(k) for k in KINDS)
+    assert total == pytest.approx(p.profiled_step_ms, rel=0.02)
+    assert all(v >= 0 for row in p.ms.values() for v in row.values())
+    assert p.step_ms > 0
+    # the engine is left as it was: no hooks, its own attention context, no request
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.model.modules())
+    assert engine.kv.manager.num_free == engine.kv.manager.num_blocks and not engine.has_work()
+    text = format_profile(p, "tiny")
+    assert all(s in text for s in ("attention block", "mlp", "lm_head", "python/dispatch"))
+    assert set(p.as_dict()["ms_per_step"]) == set(SCOPES)
+
+
+def test_bench_profile_cli(tiny_model_dir, capsys):
+    import json
+
+    from app.cli import main
+
+    folder, _ = tiny_model_dir("llama", False)
+    argv = ["bench", "--profile", "--model", str(folder), "--new-tokens", "4",
+            "--prompt-len", "8", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 4 and out["step_ms"] > 0
+    assert out["calls_per_step"]["lm_head"]["matmul"] == pytest.approx(1)
+    assert main(argv[:-1]) == 0
+    assert "python/dispatch" in capsys.readouterr().out
