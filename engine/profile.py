@@ -156,9 +156,13 @@ def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> Ste
 
     ms = {s: dict.fromkeys(KINDS, 0.0) for s in SCOPES}
     calls = {s: dict.fromkeys(KINDS[:3], 0.0) for s in SCOPES}
-    accounted = 0.0
+    accounted = inside = 0.0
     for event in prof.events():
+        self_ms = event.self_cpu_time_total / 1e3
         if event.name.startswith(SCOPE):
+            # a scope's own time is time in it outside its ops: Python and dispatch
+            ms[event.name[len(SCOPE) :]]["python/dispatch"] += self_ms / steps
+            inside += self_ms
             continue
         scope = _scope_of(event)
         if scope == "attention":
@@ -167,19 +171,10 @@ def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> Ste
             kind = "matmul"
         else:
             kind = "other ops"
-        self_ms = event.self_cpu_time_total / 1e3
         ms[scope][kind] += self_ms / steps
         calls[scope][kind] += 1 / steps
         accounted += self_ms
-    # the rest of the wall time is Python and dispatch, shared out by scope in proportion to
-    # the scopes' own (self) time, which is exactly that: time in a scope outside its ops
-    scope_self = dict.fromkeys(SCOPES, 0.0)
-    for event in prof.events():
-        if event.name.startswith(SCOPE):
-            scope_self[event.name[len(SCOPE) :]] += event.self_cpu_time_total / 1e3
-    inside = sum(scope_self.values())
-    for scope in SCOPES:
-        ms[scope]["python/dispatch"] = scope_self[scope] / steps
+    # the rest of the wall time ran outside every scope and op: the engine's Python
     outside = max(0.0, wall_ms - accounted - inside)
     ms["engine"]["python/dispatch"] += outside / steps
     return StepProfile(steps, step_ms, wall_ms / steps, ms, calls)
