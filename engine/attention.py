@@ -1,12 +1,14 @@
 """Attention over the KV cache.
 
 The model never touches the cache itself: each attention layer hands its freshly projected
-q/k/v to an :class:`AttentionContext`, which stores k/v wherever its cache keeps them and
-returns the attention output. The contiguous cache of today and the paged pool of tomorrow
-are two implementations of the same seam, so the model does not change between them.
+q and its k/v (one tensor: k heads then v heads) to an :class:`AttentionContext`, which
+stores k/v wherever its cache keeps them and returns the attention output. The contiguous
+cache and the paged pool are two implementations of the same seam, so the model does not
+change between them.
 
 Shapes use the *flattened token* layout: the tokens of every sequence in a step are
-concatenated, ``q: [T, H, D]``, ``k, v: [T, Hkv, D]``, output ``[T, H * D]``.
+concatenated, ``q: [T, H, D]``, ``kv: [T, 2·Hkv, D]`` (K heads, then V heads), output
+``[T, H * D]``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ class AttentionContext(ABC):
     """What one forward pass needs for attention: where new K/V go and what each query sees."""
 
     @abstractmethod
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Store ``k``/``v`` of this step for ``layer`` and return attention output ``[T, H*D]``."""
+    def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        """Store ``kv`` of this step for ``layer`` and return attention output ``[T, H*D]``."""
 
 
 def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:

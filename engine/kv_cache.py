@@ -174,8 +174,12 @@ class SeqChunk:
 
 
 class PagedKVCache:
-    """The KV pool tensors (per layer ``[num_blocks*block_size + 1, kv_heads, head_dim]``; the
-    extra last slot stays zero and pads gathers) and the block manager that shares them out."""
+    """The KV pool tensors and the block manager that shares them out.
+
+    Each layer's pool is one ``[num_blocks*block_size + 1, 2·kv_heads, head_dim]`` tensor: a
+    slot holds the token's K heads, then its V heads, so that storing a step's K/V is one
+    write and gathering a sequence's is one read. ``k[layer]`` and ``v[layer]`` are views of
+    the two halves. The extra last slot stays zero and pads gathers."""
 
     def __init__(
         self,
@@ -190,13 +194,15 @@ class PagedKVCache:
         self.block_size = block_size
         slots = num_blocks * block_size + 1
         self.pad_slot = slots - 1
-        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_heads = heads = cfg.num_kv_heads
+        shape = (slots, 2 * heads, cfg.head_dim)
         # Uninitialised: a slot is read only after it was written, except the pad slot, which
         # masked gathers read and which must hold zeros (0 × garbage may be NaN).
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        for t in self.k + self.v:
+        self.kv = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        for t in self.kv:
             t[self.pad_slot].zero_()
+        self.k = [t[:, :heads] for t in self.kv]
+        self.v = [t[:, heads:] for t in self.kv]
         self.device = torch.device(device)
 
     @staticmethod
@@ -206,7 +212,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     def context(self, chunks: list[SeqChunk]) -> AttentionContext:
         """Per-step context. Chunks of one token (decode) must come first, in one run."""
@@ -247,6 +253,7 @@ class _PagedContext(AttentionContext):
             ).to(dev)
             mask = pad_sequence(mask_rows, batch_first=True, padding_value=False)
             self.decode_mask = mask[:, None, None, :].to(dev)
+        self.decode_only = self.num_decode == len(chunks)
         self.prefill: list[tuple[int, int, Tensor, Tensor]] = []  # (offset, length, slots, mask)
         offset = self.num_decode
         for c in chunks[self.num_decode :]:
@@ -255,30 +262,65 @@ class _PagedContext(AttentionContext):
             self.prefill.append((offset, c.length, slots.to(dev), mask.to(dev)))
             offset += c.length
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
-        k_pool.index_copy_(0, self.write_slots, k)
-        v_pool.index_copy_(0, self.write_slots, v)
+    def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        pool = self.cache.kv[layer]
         tokens, heads, dim = q.shape
-        kv_heads = k.shape[1]
+        kv_heads = self.cache.kv_heads
+        if self.decode_only:
+            assert self.decode_slots is not None and self.decode_mask is not None
+            if torch.compiler.is_compiling():  # one opaque op in a compiled decode step
+                return paged_decode_attention(
+                    q, kv, pool, self.write_slots, self.decode_slots, self.decode_mask
+                )
+            pool.index_copy_(0, self.write_slots, kv)
+            return _decode_attention(q, pool, self.decode_slots, self.decode_mask)
+        pool.index_copy_(0, self.write_slots, kv)
         out = q.new_empty(tokens, heads * dim)
         if self.decode_slots is not None:
-            b, width = self.decode_slots.shape
-            flat = self.decode_slots.view(-1)
-            keys = k_pool.index_select(0, flat).view(b, width, kv_heads, dim).transpose(1, 2)
-            values = v_pool.index_select(0, flat).view(b, width, kv_heads, dim).transpose(1, 2)
-            qd = q[:b].view(b, kv_heads, heads // kv_heads, dim)
-            att = torch.nn.functional.scaled_dot_product_attention(
-                qd, keys, values, attn_mask=self.decode_mask
+            assert self.decode_mask is not None
+            out[: self.num_decode] = _decode_attention(
+                q[: self.num_decode], pool, self.decode_slots, self.decode_mask
             )
-            out[:b] = att.reshape(b, heads * dim)
         for offset, length, slots, mask in self.prefill:
-            keys = k_pool.index_select(0, slots).transpose(0, 1)
-            values = v_pool.index_select(0, slots).transpose(0, 1)
+            rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
             out[offset : offset + length] = grouped_attention(
-                q[offset : offset + length], keys, values, mask
+                q[offset : offset + length], rows[:kv_heads], rows[kv_heads:], mask
             )
         return out
+
+
+def _decode_attention(q: Tensor, pool: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    """One query per sequence (``q: [B, H, D]``) over the keys in its row of ``slots: [B, W]``
+    (``mask: [B, 1, 1, W]``): one padded gather from ``pool``, one SDPA. Returns ``[B, H·D]``."""
+    b, width = slots.shape
+    _, heads, dim = q.shape
+    kv_heads = pool.shape[1] // 2
+    rows = pool.index_select(0, slots.view(-1))
+    rows = rows.view(b, width, 2 * kv_heads, dim).transpose(1, 2)  # [B, 2·Hkv, W, D]
+    att = torch.nn.functional.scaled_dot_product_attention(
+        q.view(b, kv_heads, heads // kv_heads, dim),
+        rows[:, :kv_heads],
+        rows[:, kv_heads:],
+        attn_mask=mask,
+    )
+    return att.reshape(b, heads * dim)
+
+
+@torch.library.custom_op("infersight::paged_decode_attention", mutates_args=("pool",))
+def paged_decode_attention(
+    q: Tensor, kv: Tensor, pool: Tensor, write_slots: Tensor, slots: Tensor, mask: Tensor
+) -> Tensor:
+    """A decode step's attention for one layer as one op: store ``kv`` at ``write_slots`` of
+    ``pool``, then :func:`_decode_attention`. Compiled graphs call it as an opaque kernel."""
+    pool.index_copy_(0, write_slots, kv)
+    return _decode_attention(q, pool, slots, mask)
+
+
+@paged_decode_attention.register_fake
+def _(
+    q: Tensor, kv: Tensor, pool: Tensor, write_slots: Tensor, slots: Tensor, mask: Tensor
+) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 def _visible(chunk: SeqChunk, key_pos: Tensor, query_pos: Tensor) -> Tensor:
@@ -328,8 +370,9 @@ class _ContiguousContext(AttentionContext):
     starts: list[int]
     lengths: list[int]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         k_buf, v_buf = self.cache.k[layer], self.cache.v[layer]
+        k, v = kv.chunk(2, dim=1)
         outputs = []
         offset = 0
         for slot, start, length in zip(self.slots, self.starts, self.lengths, strict=True):

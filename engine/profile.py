@@ -78,9 +78,9 @@ class _ScopedContext(AttentionContext):
     def __init__(self, inner: AttentionContext) -> None:
         self.inner = inner
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> Any:
         with torch.profiler.record_function(SCOPE + "attention"):
-            return self.inner.attend(layer, q, k, v)
+            return self.inner.attend(layer, q, kv)
 
 
 @contextmanager

@@ -360,9 +360,10 @@ class _Runner:
             x = model.embed(torch.tensor(list(text_ids), dtype=torch.long, device=device))
             self.inputs: list[Tensor] = []  # the residual stream entering each layer
             ctx = self._context()
+            self.angles = model.rope.angles(self.positions, x.dtype)
             for layer in model.layers:
                 self.inputs.append(x)
-                x = layer(x, self.positions, model.rope, ctx)
+                x = layer(x, *self.angles, ctx)
             self.ref_logp = self._logp(x)
             self.ref_p = self.ref_logp.exp()
 
@@ -373,7 +374,7 @@ class _Runner:
         with torch.inference_mode():
             x, ctx = self.inputs[first], self._context()
             for layer in model.layers[first:]:
-                x = layer(x, self.positions, model.rope, ctx)
+                x = layer(x, *self.angles, ctx)
             kl = (self.ref_p * (self.ref_logp - self._logp(x))).sum(-1).mean()
         # Rounding can leave a KL of (near) nothing a hair below zero.
         return max(float(kl), 0.0)

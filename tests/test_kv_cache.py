@@ -118,7 +118,7 @@ def test_paged_attention_equals_reference(seed, window):
     q = torch.randn(sum(new), 8, 16, generator=gen)
     k_new = torch.cat([full_k[i][history[i] :] for i in range(n)])
     v_new = torch.cat([full_v[i][history[i] :] for i in range(n)])
-    out = cache.context(chunks).attend(0, q, k_new, v_new)
+    out = cache.context(chunks).attend(0, q, torch.cat((k_new, v_new), dim=1))
 
     offset = 0
     for i in range(n):
