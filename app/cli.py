@@ -122,6 +122,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="where a decode step's time goes (matmul kernels, attention, other ops, "
         "Python/dispatch) by part of the model, over --new-tokens steps of batch 1",
     )
+    p.add_argument(
+        "--table",
+        nargs="+",
+        metavar="PRECISION",
+        default=None,
+        help="batch-1 decode of each precision (eager and compiled where the load compiles) "
+        "as a fraction of the memory-bandwidth limit, back to back in each repeat",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        metavar="PYTHON",
+        default=None,
+        help="with --table: also time llama.cpp on the default model's own GGUF, run by this "
+        "Python of an environment with llama-cpp-python (make bench-peers builds one)",
+    )
+    p.add_argument(
+        "--gguf-types",
+        nargs="+",
+        default=["Q4_1"],
+        choices=("Q4_1", "Q8_0", "F32"),
+        help="with --llama-cpp: the GGUF's Q4_1 as shipped, and llama.cpp's requantizations",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=cmd_bench)
 
@@ -229,6 +251,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="keep only the last N tokens (plus --sink first ones) in the KV cache",
     )
     g.add_argument("--sink", type=int, default=4, help="first tokens kept with --cache-window")
+    g.add_argument(
+        "--decode-graph",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="run decode steps as one TorchInductor graph: on, off, or auto (where measured "
+        "faster on this kind of CPU/GPU); default: $INFERSIGHT_DECODE_GRAPH or auto",
+    )
 
 
 def engine_config(args: argparse.Namespace, max_batch_size: int = 16) -> Any:
@@ -249,6 +278,7 @@ def engine_config(args: argparse.Namespace, max_batch_size: int = 16) -> Any:
             max_batch_size=max_batch_size, max_tokens_per_step=args.max_tokens_per_step
         ),
         window=window,
+        decode_graph=args.decode_graph,
     )
 
 
@@ -407,6 +437,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     if args.profile:
         return _bench_profile(args, folder, device, config)
+    if args.table:
+        return _bench_table(args, folder, config, say)
     if args.workload == "mixed":
         report = run_workload_bench(
             folder,
@@ -436,6 +468,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
         log=say,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -> int:
+    from engine.bench import BenchConfig, format_table, run_table
+    from engine.engine import parse_precision
+    from engine.model_store import default_gguf_path, fetch_default_gguf
+
+    for precision in args.table:
+        parse_precision(precision, "cpu")
+    gguf = None
+    if args.llama_cpp:
+        if args.model != "default":
+            raise InvalidRequestError(
+                "--llama-cpp runs the default model's GGUF; use --model default"
+            )
+        gguf = default_gguf_path() if default_gguf_path().is_file() else fetch_default_gguf()
+    report = run_table(
+        folder,
+        args.table,
+        BenchConfig(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats),
+        engine_config=config,
+        llama_python=args.llama_cpp,
+        gguf=gguf,
+        gguf_types=tuple(args.gguf_types),
+        log=say,
+    )
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0
 
 

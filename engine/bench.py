@@ -456,3 +456,195 @@ def format_workload_report(report: dict[str, Any]) -> str:
             parts = ", ".join(f"batch {b}: {v:.2f}x" for b, v in report[key].items())
             lines.append(f"output throughput {label}: {parts}")
     return "\n".join(lines)
+
+
+# -- the table: each precision against the bandwidth limit and llama.cpp, back to back ---------
+
+
+def measure_read_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: the best of ``repeats`` sums over a buffer far larger
+    than any cache, on the threads the engine uses (a sum is read-bound on every CPU here)."""
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    data.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+@dataclass(slots=True)
+class TableRow:
+    engine: str  # infersight | llama.cpp
+    precision: str
+    mode: str  # eager | compiled | the GGUF's file type
+    read_mib: float  # weights a decode step reads
+    decode_tok_s: float
+    limit_tok_s: float  # bandwidth / read bytes
+    fraction: float  # of the limit
+
+
+class LlamaCppPeer:
+    """llama.cpp in its own process and environment (:mod:`engine.llamacpp_peer`)."""
+
+    def __init__(self, python: str, gguf: Path, threads: int) -> None:
+        import subprocess
+
+        script = Path(__file__).with_name("llamacpp_peer.py")
+        self.proc = subprocess.Popen(
+            [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.gguf = gguf
+        self.info = self._ask(f"load {gguf} {threads}")["system_info"]
+
+    def _ask(self, line: str) -> dict[str, Any]:
+        import json
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise InfersightError(f"the llama.cpp process exited (asked: {line.split()[0]})")
+        answer: dict[str, Any] = json.loads(reply)
+        if "error" in answer:
+            raise InfersightError(f"llama.cpp: {answer['error']}")
+        return answer
+
+    def quantize(self, dst: Path, ftype: str) -> None:
+        self._ask(f"quantize {self.gguf} {dst} {ftype}")
+
+    def run(self, prompt: list[int], new_tokens: int) -> RunTiming:
+        import json
+
+        r = self._ask(f"run {json.dumps(prompt)} {new_tokens}")
+        return RunTiming(r["ttft_s"], r["decode_s"], r["new_tokens"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+
+
+def _decode_tok_s(runs: list[RunTiming]) -> float:
+    return statistics.median((r.new_tokens - r.batch) / r.decode_s for r in runs)
+
+
+def run_table(
+    folder: Path,
+    precisions: list[str],
+    cfg: BenchConfig,
+    *,
+    engine_config: Any = None,
+    llama_python: str | None = None,
+    gguf: Path | None = None,
+    gguf_types: tuple[str, ...] = ("Q4_1",),
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Batch-1 decode of each precision (eager and, where the load compiled it, compiled),
+    llama.cpp on ``gguf`` in each of ``gguf_types`` if ``llama_python`` is given, all in
+    turn within every repeat, with the memory read bandwidth measured before and after."""
+    from engine.weights import decode_read_bytes
+
+    bandwidth = [measure_read_bandwidth()]
+    runners: list[tuple[str, str, str, float, Callable[[list[int], int], RunTiming]]] = []
+    prompt: list[int] | None = None
+    for precision in precisions:
+        log(f"loading {precision}")
+        engine = LLMEngine.load(folder, precision=precision, config=engine_config)
+        prompt = prompt or bench_prompt(engine, cfg.prompt_len, cfg.seed)
+        read = float(decode_read_bytes(engine.model))
+        modes = ["compiled", "eager"] if engine.graph.compiled else ["eager"]
+        for mode in modes:
+            runners.append(("infersight", precision, mode, read, _mode_runner(engine, mode)))
+    peers: list[LlamaCppPeer] = []
+    info = None
+    if llama_python is not None:
+        if gguf is None:
+            raise InfersightError("the llama.cpp comparison needs the model's GGUF file")
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix="infersight-peers-"))
+        threads = torch.get_num_threads()
+        for ftype in gguf_types:
+            path = gguf
+            if ftype != "Q4_1":
+                log(f"llama.cpp: requantizing {gguf.name} to {ftype}")
+                LlamaCppPeer(llama_python, gguf, threads).quantize(tmp / f"{ftype}.gguf", ftype)
+                path = tmp / f"{ftype}.gguf"
+            peer = LlamaCppPeer(llama_python, path, threads)
+            info = peer.info
+            peers.append(peer)
+            size = float(path.stat().st_size)  # ≈ its weights, each read once per token
+            runners.append(("llama.cpp", ftype, "llama.cpp", size, peer.run))
+    assert prompt is not None
+    timings: list[list[RunTiming]] = [[] for _ in runners]
+    try:
+        for _, _, _, _, run in runners:  # warm-up
+            run(prompt, min(8, cfg.new_tokens))
+        for i in range(cfg.repeats):
+            for (name, precision, mode, _, run), runs in zip(runners, timings, strict=True):
+                log(f"repeat {i + 1}/{cfg.repeats}: {name} {precision} {mode}")
+                runs.append(run(prompt, cfg.new_tokens))
+    finally:
+        for peer in peers:
+            peer.close()
+    bandwidth.append(measure_read_bandwidth())
+    best = max(bandwidth)
+    rows = []
+    for (name, precision, mode, read, _), runs in zip(runners, timings, strict=True):
+        tok_s = _decode_tok_s(runs)
+        limit = best / read
+        rows.append(TableRow(name, precision, mode, read / 2**20, tok_s, limit, tok_s / limit))
+    return {
+        "model": str(folder),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "repeats": cfg.repeats,
+        "new_tokens": cfg.new_tokens,
+        "bandwidth_gb_s": [b / 1e9 for b in bandwidth],
+        "llama_cpp_system_info": info,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def _mode_runner(engine: LLMEngine, mode: str) -> Callable[[list[int], int], RunTiming]:
+    def run(prompt: list[int], new_tokens: int) -> RunTiming:
+        if mode == "eager":
+            engine.model.eager_reasons.add("bench: eager row")
+        try:
+            return run_ours(engine, prompt, new_tokens)
+        finally:
+            engine.model.eager_reasons.discard("bench: eager row")
+
+    return run
+
+
+def format_table(report: dict[str, Any]) -> str:
+    bw = report["bandwidth_gb_s"]
+    lines = [
+        f"model {report['model']}  CPU {report['cpu']}  threads {report['threads']}  "
+        f"batch 1, {report['new_tokens']} new tokens, median of {report['repeats']}",
+        f"memory read bandwidth {max(bw):.1f} GB/s (before {bw[0]:.1f}, after {bw[-1]:.1f}); "
+        "limit = bandwidth / weights read per token",
+    ]
+    q4 = [r for r in report["rows"] if r["engine"] == "llama.cpp" and r["precision"] == "Q4_1"]
+    cols = ["engine", "precision", "mode", "read MiB", "decode tok/s", "limit tok/s",
+            "of limit"] + (["vs llama.cpp Q4_1"] if q4 else [])  # fmt: skip
+    rows = []
+    for r in report["rows"]:
+        row = [r["engine"], r["precision"], r["mode"], f"{r['read_mib']:.0f}",
+               f"{r['decode_tok_s']:.1f}", f"{r['limit_tok_s']:.0f}",
+               f"{r['fraction']:.2f}"]  # fmt: skip
+        if q4:
+            row.append(f"{r['decode_tok_s'] / q4[0]['decode_tok_s']:.2f}x")
+        rows.append(row)
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    if report.get("llama_cpp_system_info"):
+        lines.append(f"llama.cpp: {report['llama_cpp_system_info']}")
+    return "\n".join(lines)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engine import decode_graph
 from engine.config import ModelConfig
 from engine.errors import InfersightError, InvalidRequestError, ModelLoadError
 from engine.hardware import cpu_paths
@@ -82,8 +83,14 @@ class EngineConfig:
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     window: CacheWindow | None = None
     metrics_window_s: float = 30.0
+    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.decode_graph`); None: INFERSIGHT_DECODE_GRAPH
+    decode_graph: str | None = None
 
     def __post_init__(self) -> None:
+        try:
+            decode_graph.requested_mode(self.decode_graph)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -182,6 +189,8 @@ class LLMEngine:
         self._pending: list[TokenEvent] = []
         self._ids = itertools.count()
         self.hold_s = 0.0
+        #: how decode steps run (eager or one compiled graph), settled by :meth:`load`
+        self.graph = decode_graph.GraphChoice(False, "not compiled (engine built directly)")
 
     @classmethod
     def load(
@@ -221,6 +230,7 @@ class LLMEngine:
             name=folder.name, num_parameters=num_parameters, config=config, precision=spec,
         )  # fmt: skip
         engine.default_sampling = generation_config_sampling(folder)
+        engine.graph = engine._settle_decode_graph()
         log.info(
             "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights, "
             "KV pool %d blocks × %d tokens (%.0f MiB)",
@@ -231,6 +241,7 @@ class LLMEngine:
         fp16 = 2 * num_parameters
         if torch_device.type == "cpu":
             log.info("  %s", cpu_paths().summary())
+        log.info("  %s", engine.graph.summary())
         for group in engine.weight_groups:
             log.info(
                 "  %-9s %-34s %7.1fM params %8.1f MiB", group.kind, group.form,
@@ -241,6 +252,53 @@ class LLMEngine:
             engine.weights_bytes / 2**20, engine.weights_bytes / fp16, fp16 / 2**20,
         )  # fmt: skip
         return engine
+
+    def _settle_decode_graph(self) -> decode_graph.GraphChoice:
+        """Compile the decode step where :func:`decode_graph.choose` says so, and compile it
+        now: a few warm-up steps on scratch sequences, so that no reply waits for it."""
+        choice = decode_graph.choose(self.config.decode_graph, self.device)
+        if not choice.compiled:
+            return choice
+        model = self.model
+        model.compiled_decode = decode_graph.compile_forward(model.body)
+        started = time.perf_counter()
+        try:
+            self._warm_decode()
+        except Exception as exc:  # an Inductor failure on this model: eager still works
+            model.compiled_decode = None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.warning("compiling the decode step failed, running eagerly: %s", first)
+            return decode_graph.GraphChoice(False, f"compiling failed ({first[:120]}); eager")
+        took = time.perf_counter() - started
+        return decode_graph.GraphChoice(True, f"{choice.why}, compiled in {took:.0f} s")
+
+    def _warm_decode(self) -> None:
+        """Decode steps of batch 2 and 1 on scratch sequences: the two graphs that every later
+        decode step uses (:func:`decode_graph.compile_forward`)."""
+        mgr = self.kv.manager
+        batch = 2 if mgr.num_free >= 2 else 1
+        ids = [f"\0warm{i}" for i in range(batch)]
+        try:
+            for rid in ids:
+                mgr.grow(rid, 2)
+            self.model(
+                torch.zeros(2 * batch, dtype=torch.long, device=self.device),
+                torch.arange(2, device=self.device).repeat(batch),
+                self.kv.context([SeqChunk(rid, 0, 2) for rid in ids]),
+            )
+            for b in range(batch, 0, -1):
+                for pos in (2, 3):
+                    for rid in ids[:b]:
+                        mgr.grow(rid, pos + 1)
+                    self.model(
+                        torch.zeros(b, dtype=torch.long, device=self.device),
+                        torch.full((b,), pos, device=self.device),
+                        self.kv.context([SeqChunk(rid, pos, 1) for rid in ids[:b]]),
+                        torch.arange(b, device=self.device),
+                    )
+        finally:
+            for rid in ids:
+                mgr.free(rid)
 
     def _pool_blocks(self) -> int:
         conf = self.config
@@ -464,10 +522,14 @@ class LLMEngine:
 
     # -- instruments ----------------------------------------------------------------------
     def enable_layer_timing(self, on: bool = True) -> None:
+        """Per-layer timings need every layer called eagerly: while they are on, a compiled
+        decode step runs eagerly."""
         if on:
             self.layer_timer.enable()
+            self.model.eager_reasons.add("layer timings")
         else:
             self.layer_timer.disable()
+            self.model.eager_reasons.discard("layer timings")
             self._layer_timings = ()
 
     def metrics(self) -> MetricsSnapshot:

@@ -25,6 +25,17 @@ log = logging.getLogger(__name__)
 PACK_BATCH_HINT = 16
 
 
+@torch.library.custom_op("infersight::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """oneDNN's packed linear as one opaque op for compiled graphs."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class PackedLinear(nn.Module):
     """``y = x Wᵀ + b`` with ``W`` held in oneDNN's blocked layout (CPU only)."""
 
@@ -44,6 +55,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # opaque to TorchInductor, which cannot lower it
+            return packed_linear(x, self.weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

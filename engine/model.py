@@ -89,7 +89,10 @@ class RotaryEmbedding(nn.Module):
 
 def rotate_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x: [T, heads, D]`` in place by the angles from :meth:`RotaryEmbedding.angles`."""
-    return torch.add(x * cos, x.roll(x.shape[-1] // 2, -1) * sin, out=x)
+    rotated = x.roll(x.shape[-1] // 2, -1) * sin
+    if torch.compiler.is_compiling():  # a graph has no ``out=`` into a strided view
+        return x.copy_(x * cos + rotated)
+    return torch.add(x * cos, rotated, out=x)
 
 
 class Attention(nn.Module):
@@ -151,7 +154,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        #: :meth:`forward_eager` compiled for decode-only steps (:mod:`engine.decode_graph`)
+        #: :meth:`body` compiled for decode-only steps (:mod:`engine.decode_graph`)
         self.compiled_decode: Callable[..., Tensor] | None = None
         #: why every module must run eagerly for now (hooks of layer timings, say)
         self.eager_reasons: set[str] = set()
@@ -169,22 +172,28 @@ class Transformer(nn.Module):
         single matmul of a small model, and the other rows would be thrown away. A
         decode-only step runs the compiled graph where the load made one.
         """
-        compiled = self.compiled_decode
-        if compiled is not None and not self.eager_reasons and getattr(ctx, "decode_only", False):
-            with torch.inference_mode():
-                return compiled(input_ids, positions, ctx, logits_indices)
-        return self.forward_eager(input_ids, positions, ctx, logits_indices)
+        with torch.inference_mode():
+            # The embedding stays out of the graph: a few rows, read by index (and, for a
+            # tied INT4 head, unpacked from its tiles), in one or two ops either way.
+            x = self.embed(input_ids)
+            compiled = self.compiled_decode
+            if (
+                compiled is not None
+                and not self.eager_reasons
+                and getattr(ctx, "decode_only", False)
+            ):
+                return compiled(x, positions, ctx, logits_indices)
+            return self.body(x, positions, ctx, logits_indices)
 
-    @torch.inference_mode()
-    def forward_eager(
+    def body(
         self,
-        input_ids: Tensor,
+        x: Tensor,
         positions: Tensor,
         ctx: AttentionContext,
         logits_indices: Tensor | None = None,
     ) -> Tensor:
-        """:meth:`forward`, one operator at a time."""
-        x = self.embed(input_ids)
+        """Everything after the embedding, one operator at a time (what the decode graph
+        compiles)."""
         cos, sin = self.rope.angles(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)

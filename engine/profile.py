@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,13 @@ from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 
 SCOPE = "infersight:"
-SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head", "engine")
+SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head",
+          "decode graph", "engine")  # fmt: skip
+#: the compiled decode step's attention op: the "attention" scope of a compiled step
+ATTENTION_OPS = frozenset({"infersight::paged_decode_attention"})
+#: what torch.compile records around a compiled call: guards, the graph's wrapper
+GRAPH_EVENTS = ("Torch-Compiled Region", "## Call CompiledFxGraph", "TorchDynamo Cache Lookup",
+                "Pregraph bytecode")  # fmt: skip
 KINDS = ("matmul", "attention", "other ops", "python/dispatch")
 #: operators whose self time is a matrix-product kernel
 #: (not ``aten::matmul`` or ``aten::linear``: composites whose self time is dispatch, around
@@ -123,10 +129,16 @@ def _scopes(engine: LLMEngine) -> Iterator[None]:
 
 
 def _scope_of(event: Any) -> str:
+    if event.name in ATTENTION_OPS:
+        return "attention"
     parent = event.cpu_parent
     while parent is not None:
         if parent.name.startswith(SCOPE):
             return str(parent.name[len(SCOPE) :])
+        if parent.name in ATTENTION_OPS:
+            return "attention"
+        if parent.name.startswith(GRAPH_EVENTS):
+            return "decode graph"
         parent = parent.cpu_parent
     return "engine"
 
@@ -145,7 +157,10 @@ def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> Ste
         for _ in range(steps):  # unprofiled, for the real step time
             engine.step()
         step_ms = (time.perf_counter() - started) / steps * 1e3
-        with _scopes(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
+        # A compiled step has no modules to hook: its parts are the graph's kernels, the
+        # opaque matmuls and the attention op (kernels are recorded, see decode_graph).
+        scopes = nullcontext() if engine.graph.compiled else _scopes(engine)
+        with scopes, profile(activities=[ProfilerActivity.CPU]) as prof:
             started = time.perf_counter()
             for _ in range(steps):
                 engine.step()
@@ -159,9 +174,10 @@ def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> Ste
     accounted = inside = 0.0
     for event in prof.events():
         self_ms = event.self_cpu_time_total / 1e3
-        if event.name.startswith(SCOPE):
+        if event.name.startswith(SCOPE) or event.name.startswith(GRAPH_EVENTS):
             # a scope's own time is time in it outside its ops: Python and dispatch
-            ms[event.name[len(SCOPE) :]]["python/dispatch"] += self_ms / steps
+            scope = event.name[len(SCOPE) :] if event.name.startswith(SCOPE) else "decode graph"
+            ms[scope]["python/dispatch"] += self_ms / steps
             inside += self_ms
             continue
         scope = _scope_of(event)

@@ -237,6 +237,29 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def decode_read_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads at least once: every linear (the LM head included,
+    also where it shares the embedding's tensor) and every norm, but of the embedding only its
+    few rows. Memory bandwidth ÷ this is the speed limit of batch-1 decode."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, QuantizedEmbedding)):
+            continue
+        nbytes = getattr(module, "nbytes", None)
+        tensors: list[object]
+        if isinstance(nbytes, int):  # PackedLinear, Int8Linear, Int4Linear
+            total += nbytes
+            tensors = [getattr(module, "bias", None)]
+        else:
+            tensors = list(module.parameters(recurse=False))
+        for t in tensors:
+            if isinstance(t, Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
 def parameter_count(model: nn.Module) -> int:
     """Distinct parameters (tied weights once), before any packing."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,117 @@
+"""The decode step as one compiled graph (TorchInductor), chosen at load.
+
+In eager PyTorch a decode step of a small model is hundreds of tiny operators, each paying
+Python and dispatch costs that dwarf its own work on a CPU (RMSNorm alone is ~10 operators).
+``torch.compile`` traces the whole forward of a decode-only step into one graph and
+TorchInductor fuses what lies between the matmuls (residual add + RMSNorm, RoPE on q and k,
+SiLU·mul, the dtype casts around INT4) into a few generated C++ loops. What it must not touch
+stays opaque: oneDNN's packed linears (:func:`engine.linear.packed_linear`) and the paged
+attention with its cache write (:func:`engine.kv_cache.paged_decode_attention`), so the data
+and memory flow are the engine's own in both modes.
+
+Only decode-only steps run compiled; prefill (long, one-off, shape-varied) stays eager, as
+does any step while hooks are on the model (layer timings, ``bench --profile`` scopes).
+
+The mode is settled at load (``--decode-graph`` or ``INFERSIGHT_DECODE_GRAPH``):
+
+* ``off``: eager;
+* ``on``: compiled, or eager with the reason in the load report when this machine cannot
+  compile (no C++ compiler, an Inductor error);
+* ``auto`` (default): compiled where it was measured to be faster on this kind of device
+  (:data:`FASTER_COMPILED`), else eager.
+
+Compiling costs tens of seconds once; Inductor's on-disk cache makes later loads quicker.
+The engine compiles at load (a few warm-up steps on a scratch sequence), never in the middle
+of a reply.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "INFERSIGHT_DECODE_GRAPH"
+MODES = ("auto", "on", "off")
+
+#: Where ``auto`` compiles: (device type, CPU capability or "*"), from side-by-side
+#: ``infersight bench --table`` runs (README, Performance). A kind not listed stays eager until
+#: it has been measured.
+FASTER_COMPILED: frozenset[tuple[str, str]] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class GraphChoice:
+    """What the load settled: ``compiled`` or not, and why (one line for the load report)."""
+
+    compiled: bool
+    why: str
+
+    def summary(self) -> str:
+        return f"decode step {'compiled (TorchInductor)' if self.compiled else 'eager'}: {self.why}"
+
+
+def requested_mode(mode: str | None) -> str:
+    """The mode to use: the argument, else ``INFERSIGHT_DECODE_GRAPH``, else ``auto``."""
+    chosen = (mode or os.environ.get(ENV) or "auto").strip().lower()
+    if chosen not in MODES:
+        raise ValueError(f"decode graph mode must be one of {', '.join(MODES)}, not {chosen!r}")
+    return chosen
+
+
+def device_kind(device: torch.device) -> tuple[str, str]:
+    if device.type == "cpu":
+        return ("cpu", torch.backends.cpu.get_cpu_capability())
+    return (device.type, "*")
+
+
+def choose(mode: str | None, device: torch.device) -> GraphChoice:
+    """Settle the mode for ``device`` before the model is compiled."""
+    mode = requested_mode(mode)
+    kind = device_kind(device)
+    if mode == "off":
+        return GraphChoice(False, "off as asked")
+    if mode == "auto" and kind not in FASTER_COMPILED:
+        return GraphChoice(False, f"eager measured faster on {'/'.join(kind)} (auto)")
+    problem = compiler_problem()
+    if problem:
+        return GraphChoice(False, f"cannot compile here ({problem}); eager instead")
+    how = "on as asked" if mode == "on" else f"measured faster on {'/'.join(kind)} (auto)"
+    return GraphChoice(True, how)
+
+
+@functools.cache
+def compiler_problem() -> str:
+    """Why TorchInductor cannot compile on this machine, or "" when it can: a tiny function
+    is compiled and run once per process (the probe, not a guess from ``PATH``)."""
+
+    def tiny(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x) * x + 1
+
+    try:
+        x = torch.linspace(-2, 2, 16)
+        ok = torch.allclose(torch.compile(tiny)(x), tiny(x))
+    except Exception as exc:  # any failure means "not here"; the reason goes to the report
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.info("TorchInductor unavailable: %s", first)
+        return first[:160]
+    return "" if ok else "a compiled probe gave wrong results"
+
+
+def compile_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` compiled for decode steps, every size symbolic from the start (the batch,
+    the keys per sequence, the KV pool's slots), so that one graph serves every step of
+    batch ≥ 2 and one every step of batch 1 (a size of 1 is always specialised), and the
+    on-disk caches find them again at the next load whatever the pool's size."""
+    # Generated kernels are recorded for the profiler (``bench --profile``); a cheap check
+    # when it is off.
+    return torch.compile(
+        forward, dynamic=True, fullgraph=True, options={"cpp.enable_kernel_profile": True}
+    )

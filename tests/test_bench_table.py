@@ -1,0 +1,135 @@
+"""``infersight bench --table``: weights read per token, the bandwidth limit, and llama.cpp in a
+process of its own (here a stand-in ``llama_cpp`` module speaking the same API)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from engine.bench import BenchConfig, LlamaCppPeer, format_table, measure_read_bandwidth, run_table
+from engine.engine import LLMEngine
+from engine.errors import InfersightError
+from engine.quant import QuantizedEmbedding
+from engine.weights import decode_read_bytes, weight_bytes
+
+FAKE_LLAMA_CPP = textwrap.dedent(
+    """
+    import time
+
+    class Llama:
+        def __init__(self, model_path, n_threads, **kwargs):
+            if not model_path.endswith(".gguf"):
+                raise ValueError(f"not a GGUF: {model_path}")
+            self.threads = n_threads
+
+        def reset(self):
+            pass
+
+        def generate(self, tokens, temp, reset):
+            token = len(tokens)
+            while True:
+                time.sleep(0.001)
+                token += 1
+                yield token
+
+    def llama_print_system_info():
+        return b"AVX2 = 1 | FAKE = 1 "
+    """
+)
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """This interpreter, with a stand-in ``llama_cpp`` first on its path."""
+    (tmp_path / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return sys.executable
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4-g32+head"])
+def test_decode_read_bytes_is_every_weight_but_the_embedding_rows(tiny_model_dir, precision):
+    folder, _ = tiny_model_dir("llama", True)
+    model = LLMEngine.load(folder, precision=precision).model
+    embed = model.embed
+    if isinstance(embed, QuantizedEmbedding):  # rows read from the head's tensors: no bytes
+        assert decode_read_bytes(model) == weight_bytes(model)
+    else:
+        assert isinstance(embed, nn.Embedding)
+        # A head that reads the embedding's own tensor counts it once, as the head's; a head
+        # with a copy of its own (packed, say) leaves the embedding's bytes unread.
+        shared = getattr(model.lm_head, "weight", None) is embed.weight
+        rows = 0 if shared else embed.weight.numel() * embed.weight.element_size()
+        assert decode_read_bytes(model) == weight_bytes(model) - rows
+
+
+def test_tied_unpacked_head_reads_the_embedding_once(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama", True)
+    model = LLMEngine.load(folder, precision="fp32", pack=False).model
+    assert model.lm_head.weight is model.embed.weight
+    assert decode_read_bytes(model) == weight_bytes(model)
+
+
+def test_read_bandwidth_is_a_plausible_rate():
+    rate = measure_read_bandwidth(mib=16, repeats=2)
+    assert 1e8 < rate < 1e13  # between 0.1 GB/s and 10 TB/s
+
+
+def test_table_rows_are_each_precision_against_its_limit_and_llama_cpp(
+    tiny_model_dir, fake_python, tmp_path
+):
+    folder, _ = tiny_model_dir("llama", True)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"\0" * 4096)
+    report = run_table(
+        folder, ["fp32", "int8"], BenchConfig(prompt_len=4, new_tokens=6, repeats=2),
+        llama_python=fake_python, gguf=gguf,
+    )  # fmt: skip
+    rows = report["rows"]
+    assert [(r["engine"], r["precision"]) for r in rows] == [
+        ("infersight", "fp32"), ("infersight", "int8"), ("llama.cpp", "Q4_1"),
+    ]  # fmt: skip
+    best = max(report["bandwidth_gb_s"]) * 1e9
+    for r in rows:
+        assert r["decode_tok_s"] > 0
+        assert r["limit_tok_s"] == pytest.approx(best / (r["read_mib"] * 2**20))
+        assert r["fraction"] == pytest.approx(r["decode_tok_s"] / r["limit_tok_s"])
+    assert rows[2]["read_mib"] == pytest.approx(4096 / 2**20)
+    assert rows[0]["read_mib"] > rows[1]["read_mib"]  # int8 reads fewer bytes
+    text = format_table(report)
+    assert "vs llama.cpp Q4_1" in text and "FAKE = 1" in text
+
+
+def test_a_peer_that_cannot_start_gives_a_clear_error(tmp_path):
+    # This interpreter has no llama_cpp: the peer exits at once.
+    with pytest.raises(InfersightError, match=r"llama\.cpp process exited"):
+        LlamaCppPeer(sys.executable, tmp_path / "model.gguf", 1)
+
+
+def test_a_peer_error_is_reported_and_the_peer_lives_on(fake_python, tmp_path):
+    peer = LlamaCppPeer(fake_python, tmp_path / "model.gguf", 2)
+    try:
+        with pytest.raises(InfersightError, match="unknown command"):
+            peer._ask("dance")
+        timing = peer.run([1, 2, 3], 5)
+        assert timing.new_tokens == 5 and timing.decode_s > 0
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0
+
+
+def test_a_peer_refusing_the_model_says_why(fake_python, tmp_path):
+    with pytest.raises(InfersightError, match="not a GGUF"):
+        LlamaCppPeer(fake_python, tmp_path / "model.bin", 1)
+
+
+def test_bench_table_needs_the_default_model_for_llama_cpp(tiny_model_dir, capsys):
+    from app.cli import main
+
+    folder, _ = tiny_model_dir("llama", True)
+    rc = main(["bench", "--model", str(folder), "--table", "fp32", "--llama-cpp", sys.executable])
+    assert rc != 0
+    assert "--model default" in capsys.readouterr().err

@@ -1,0 +1,147 @@
+"""The compiled decode step (engine/decode_graph.py): how the mode is settled, that a compiled
+step gives transformers' greedy ids and batch invariance, and every way back to eager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from engine import decode_graph
+from engine.decode_graph import GraphChoice, choose
+from engine.engine import EngineConfig, LLMEngine
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams
+
+STEPS = 24
+CPU = torch.device("cpu")
+
+
+def test_off_and_auto_on_an_unmeasured_kind_stay_eager(monkeypatch):
+    assert choose("off", CPU) == GraphChoice(False, "off as asked")
+    monkeypatch.setattr(decode_graph, "FASTER_COMPILED", frozenset())
+    auto = choose("auto", CPU)
+    assert not auto.compiled and "(auto)" in auto.why
+
+
+def test_auto_compiles_where_measured_faster(monkeypatch):
+    monkeypatch.setattr(decode_graph, "FASTER_COMPILED", frozenset({decode_graph.device_kind(CPU)}))
+    monkeypatch.setattr(decode_graph, "compiler_problem", lambda: "")
+    assert choose("auto", CPU).compiled
+
+
+def test_on_without_a_compiler_says_why_and_stays_eager(monkeypatch):
+    monkeypatch.setattr(decode_graph, "compiler_problem", lambda: "no C++ compiler found")
+    choice = choose("on", CPU)
+    assert not choice.compiled
+    assert "no C++ compiler found" in choice.summary()
+
+
+def test_the_environment_sets_the_mode_and_bad_modes_are_refused(monkeypatch):
+    monkeypatch.setenv(decode_graph.ENV, "off")
+    assert decode_graph.requested_mode(None) == "off"
+    assert decode_graph.requested_mode("on") == "on"  # the argument wins
+    with pytest.raises(InvalidRequestError, match="auto, on, off"):
+        EngineConfig(decode_graph="fast")
+
+
+def _counting(engine: LLMEngine) -> list[int]:
+    """Count the calls that reach the compiled graph."""
+    calls = [0]
+    compiled = engine.model.compiled_decode
+    assert compiled is not None
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return compiled(*args)
+
+    engine.model.compiled_decode = counted
+    return calls
+
+
+@pytest.fixture(scope="module")
+def compiled_llama(tiny_model_dir) -> tuple[LLMEngine, Any]:
+    folder, hf = tiny_model_dir("llama", True)
+    engine = LLMEngine.load(folder, config=EngineConfig(decode_graph="on", num_blocks=64))
+    if not engine.graph.compiled:
+        pytest.skip(f"this machine cannot compile: {engine.graph.why}")
+    return engine, hf
+
+
+def _hf_greedy(hf: Any, prompt: list[int], steps: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 13, 29)]
+
+
+def test_compiled_decode_gives_transformers_greedy_ids(compiled_llama):
+    engine, hf = compiled_llama
+    calls = _counting(engine)
+    params = SamplingParams(max_new_tokens=STEPS, ignore_eos=True)
+    for prompt in _prompts(hf.config.vocab_size):
+        ours = [e.token_id for e in engine.generate(prompt, params) if e.token_id is not None]
+        assert ours == _hf_greedy(hf, prompt, STEPS)
+    assert calls[0] == 3 * (STEPS - 1)  # every decode step ran compiled, prefill eager
+
+
+def test_compiled_batches_give_what_each_request_gives_alone(compiled_llama):
+    engine, hf = compiled_llama
+    calls = _counting(engine)
+    params = SamplingParams(max_new_tokens=STEPS, ignore_eos=True)
+    prompts = _prompts(hf.config.vocab_size)
+    ids = [engine.add_request(p, params) for p in prompts]  # ragged: a padded, masked batch
+    together: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_work():
+        for event in engine.step():
+            if event.token_id is not None:
+                together[event.request_id].append(event.token_id)
+    assert calls[0] > 0
+    for prompt, rid in zip(prompts, ids, strict=True):
+        assert together[rid] == _hf_greedy(hf, prompt, STEPS)
+
+
+def test_layer_timings_run_every_step_eagerly(compiled_llama):
+    engine, hf = compiled_llama
+    calls = _counting(engine)
+    engine.enable_layer_timing(True)
+    try:
+        prompt = _prompts(hf.config.vocab_size)[0]
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        ours = [e.token_id for e in engine.generate(prompt, params)]
+        assert calls[0] == 0
+        assert engine.metrics().layer_timings  # the hooks saw every layer
+    finally:
+        engine.enable_layer_timing(False)
+    again = [e.token_id for e in engine.generate(prompt, params)]
+    assert calls[0] == 3 and again == ours
+
+
+def test_a_failed_compile_leaves_a_working_eager_engine(tiny_model_dir, monkeypatch):
+    folder, hf = tiny_model_dir("qwen2", False)
+
+    def broken(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def fails(*args: Any) -> torch.Tensor:
+            raise RuntimeError("inductor fell over\nsecond line")
+
+        return fails
+
+    monkeypatch.setattr(decode_graph, "compiler_problem", lambda: "")
+    monkeypatch.setattr(decode_graph, "compile_forward", broken)
+    engine = LLMEngine.load(folder, config=EngineConfig(decode_graph="on", num_blocks=16))
+    assert not engine.graph.compiled
+    assert engine.graph.why == "compiling failed (inductor fell over); eager"
+    assert engine.model.compiled_decode is None
+    assert engine.kv.manager.num_free == 16  # the warm-up's blocks are back
+    prompt = _prompts(hf.config.vocab_size)[1]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert [e.token_id for e in engine.generate(prompt, params)] == _hf_greedy(hf, prompt, 8)
