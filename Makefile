@@ -20,7 +20,7 @@ AVX2_LEG := tests/test_cpu_paths.py tests/test_quant.py tests/test_exactness_tin
             tests/test_generation.py tests/test_eval.py tests/test_real_model.py \
             tests/test_compare.py tests/test_sensitivity.py
 
-.PHONY: run chat test bench gpu-check screenshots package venv dev clean
+.PHONY: run chat test bench bench-peers gpu-check screenshots package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
 run: $(VENV)/.stamp-run
@@ -58,6 +58,25 @@ package: $(VENV)/.stamp-run
 
 bench: $(VENV)/.stamp-dev
 	$(BIN)/infersight bench --model default --compare-hf
+
+# Our precisions next to llama.cpp on the default model's own GGUF (Q4_1 as shipped, and
+# llama.cpp's Q8_0/F32 requantizations of it: the very values our fp32 weights hold), back to
+# back in each repeat, as fractions of the memory-bandwidth limit measured in the same run.
+# llama-cpp-python is built from source for this CPU into $(PEERS) (several minutes, once);
+# it never enters $(VENV). DECODE_GRAPH=on adds compiled rows (minutes of compiling per
+# precision).
+PEERS        ?= .peers/venv
+PEER_SPEC    ?= llama-cpp-python==0.3.36
+DECODE_GRAPH ?= auto
+bench-peers: $(VENV)/.stamp-dev $(PEERS)/.stamp
+	$(BIN)/infersight models pull
+	$(BIN)/infersight bench --model default --table fp32 int8+head int4-g32+head \
+	  --decode-graph $(DECODE_GRAPH) --llama-cpp $(PEERS)/bin/python --gguf-types Q4_1 Q8_0 F32
+
+$(PEERS)/.stamp:
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip --disable-pip-version-check -q install "$(PEER_SPEC)"
+	touch $@
 
 # On an NVIDIA machine, with a CUDA build of torch in .venv (see TORCH_SPEC), in under five
 # minutes: the kernels, the engine at every precision (tied int4-g32+head included) with layer

@@ -483,6 +483,35 @@ class TableRow:
     decode_tok_s: float
     limit_tok_s: float  # bandwidth / read bytes
     fraction: float  # of the limit
+    kernels_tok_s: float | None = None  # the step's matmuls and attention alone
+
+
+def kernel_floor_ms(engine: LLMEngine, keys: int, repeats: int = 5) -> float:
+    """Milliseconds of one batch-1 decode step's kernels with nothing between them: every
+    linear of the model (the LM head included) on one token, and one SDPA per layer over
+    ``keys`` cached keys, back to back; the best of ``repeats``. No engine built this way can
+    decode faster with these kernels: the floor under the Python, dispatch and small ops."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from engine.weights import linear_modules
+
+    model, cfg = engine.model, engine.cfg
+    linears = linear_modules(model)
+    widths: list[int] = [getattr(m, "in_features") for m in linears]  # noqa: B009
+    inputs = [torch.randn(1, width, dtype=engine.dtype) for width in widths]
+    group = cfg.num_heads // cfg.num_kv_heads
+    q = torch.randn(1, cfg.num_kv_heads, group, cfg.head_dim, dtype=engine.dtype)
+    k = torch.randn(1, cfg.num_kv_heads, keys, cfg.head_dim, dtype=engine.dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first round warms up
+            started = time.perf_counter()
+            for module, x in zip(linears, inputs, strict=True):
+                module(x)
+            for _ in range(cfg.num_layers):
+                scaled_dot_product_attention(q, k, k)
+            best = min(best, time.perf_counter() - started)
+    return best * 1e3
 
 
 class LlamaCppPeer:
@@ -552,11 +581,13 @@ def run_table(
     bandwidth = [measure_read_bandwidth()]
     runners: list[tuple[str, str, str, float, Callable[[list[int], int], RunTiming]]] = []
     prompt: list[int] | None = None
+    floors: dict[str, float] = {}
     for precision in precisions:
         log(f"loading {precision}")
         engine = LLMEngine.load(folder, precision=precision, config=engine_config)
         prompt = prompt or bench_prompt(engine, cfg.prompt_len, cfg.seed)
         read = float(decode_read_bytes(engine.model))
+        floors[precision] = 1e3 / kernel_floor_ms(engine, cfg.prompt_len + cfg.new_tokens // 2)
         modes = ["compiled", "eager"] if engine.graph.compiled else ["eager"]
         for mode in modes:
             runners.append(("infersight", precision, mode, read, _mode_runner(engine, mode)))
@@ -598,7 +629,10 @@ def run_table(
     for (name, precision, mode, read, _), runs in zip(runners, timings, strict=True):
         tok_s = _decode_tok_s(runs)
         limit = best / read
-        rows.append(TableRow(name, precision, mode, read / 2**20, tok_s, limit, tok_s / limit))
+        floor = floors.get(precision) if name == "infersight" else None
+        rows.append(
+            TableRow(name, precision, mode, read / 2**20, tok_s, limit, tok_s / limit, floor)
+        )
     return {
         "model": str(folder),
         "cpu": torch.backends.cpu.get_cpu_capability(),
@@ -633,18 +667,23 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     q4 = [r for r in report["rows"] if r["engine"] == "llama.cpp" and r["precision"] == "Q4_1"]
     cols = ["engine", "precision", "mode", "read MiB", "decode tok/s", "limit tok/s",
-            "of limit"] + (["vs llama.cpp Q4_1"] if q4 else [])  # fmt: skip
+            "of limit", "kernels-only tok/s"] + (["vs llama.cpp Q4_1"] if q4 else [])  # fmt: skip
     rows = []
     for r in report["rows"]:
+        floor = r.get("kernels_tok_s")
         row = [r["engine"], r["precision"], r["mode"], f"{r['read_mib']:.0f}",
                f"{r['decode_tok_s']:.1f}", f"{r['limit_tok_s']:.0f}",
-               f"{r['fraction']:.2f}"]  # fmt: skip
+               f"{r['fraction']:.2f}", "-" if floor is None else f"{floor:.1f}"]  # fmt: skip
         if q4:
             row.append(f"{r['decode_tok_s'] / q4[0]['decode_tok_s']:.2f}x")
         rows.append(row)
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    lines.append(
+        "kernels-only: the step's matmuls and attention timed back to back with nothing "
+        "between them (the floor under Python, dispatch and small ops)"
+    )
     if report.get("llama_cpp_system_info"):
         lines.append(f"llama.cpp: {report['llama_cpp_system_info']}")
     return "\n".join(lines)

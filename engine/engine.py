@@ -199,11 +199,12 @@ class LLMEngine:
         *,
         precision: str = "fp32",
         device: str = "cpu",
-        pack: bool = True,
+        pack: bool | None = None,
         config: EngineConfig | None = None,
     ) -> LLMEngine:
-        """Load a HF-style model folder. ``pack`` lays CPU weights out for oneDNN
-        (:mod:`engine.linear`); turn it off to run plain ``nn.Linear``."""
+        """Load a HF-style model folder. CPU linears are laid out for oneDNN where that
+        measured faster on this machine (:func:`engine.linear.packs`); ``pack=True`` packs every
+        linear this CPU can pack, ``False`` none (plain ``nn.Linear``)."""
         folder = Path(folder)
         torch_device = torch.device(device)
         spec = parse_precision(precision, torch_device)
@@ -222,8 +223,8 @@ class LLMEngine:
             folder, cfg, dtype, torch_device, quant=_quant_plan(spec) if spec.quantized else None
         )
         num_parameters = parameter_count(model) + quantized_parameter_count(model)
-        if pack and torch_device.type == "cpu":
-            pack_linears(model)
+        if pack is not False and torch_device.type == "cpu":
+            pack_linears(model, timed=pack is None)
         eos = set(cfg.eos_token_ids) | set(_generation_config_eos(folder))
         engine = cls(
             model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype, device=torch_device,

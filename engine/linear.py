@@ -1,19 +1,30 @@
 """Linear layers laid out for the device they run on, chosen once at load.
 
 On a CPU, decode is a chain of matrix-vector products that stream every weight from memory
-once per token. oneDNN's blocked weight layout streams about 1.7× faster than the row-major
-``nn.Linear`` weight through MKL's GEMV here (measured: 40 vs 23 GB/s on a 2-core AMD EPYC), so
-the engine repacks fp32/bf16 weights into it at load time, where :func:`engine.hardware.cpu_paths`
-found that this CPU runs the packed op for that dtype (bf16 needs AVX-512 or AVX-NE-CONVERT).
-Elsewhere, and on other devices, the module stays ``nn.Linear``. The packed path uses
-``torch.ops.mkldnn``, the same private ops TorchInductor emits for CPU linears.
+once per token. oneDNN's blocked weight layout streamed about 1.7× faster than the row-major
+``nn.Linear`` weight through MKL's GEMV on one 2-core AMD EPYC (40 vs 23 GB/s), so the engine
+repacks fp32/bf16 weights into it at load time where :func:`engine.hardware.cpu_paths` found
+that this CPU runs the packed op for that dtype (bf16 needs AVX-512 or AVX-NE-CONVERT) *and*
+it measured faster for that shape on this machine (:func:`packs`): each (dtype, shape) is timed
+once, both layouts streaming from memory as in decode, and the verdict is kept per machine in
+``<cache>/kernels.json``. Elsewhere, and on other devices, the module stays ``nn.Linear``. The
+packed path uses ``torch.ops.mkldnn``, the same private ops TorchInductor emits for CPU
+linears.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.hardware import cpu_paths
@@ -63,17 +74,145 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every CPU ``nn.Linear`` in ``model`` whose dtype this CPU packs for a
-    :class:`PackedLinear`. Returns the number of modules swapped (0 where packing does not
-    apply)."""
+@dataclass(frozen=True, slots=True)
+class LayoutTiming:
+    """One shape's two layouts, timed streaming from memory: ms per matrix-vector product."""
+
+    packed_ms: float
+    plain_ms: float
+
+    @property
+    def packed(self) -> bool:
+        # Within 5% (noise on a shared machine) the packed layout, measured faster on the
+        # CPUs we have, keeps its place.
+        return self.packed_ms <= 1.05 * self.plain_ms
+
+
+#: bytes of weights each timing streams through: far beyond any last-level cache
+STREAM_BYTES = 96 * 2**20
+KERNELS_FILE = "kernels.json"
+
+
+def machine_key() -> str:
+    """What a layout verdict holds for: this CPU, its capability, torch and the threads."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            name = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                name,
+            )
+    except OSError:
+        pass
+    return (
+        f"{name} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads"
+    )
+
+
+def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
+    """Time ``y = x Wᵀ`` for one token in both layouts over enough distinct matrices of this
+    shape that every call reads its weights from memory, as decode does; the best of three."""
+    nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+    copies = max(2, min(64, STREAM_BYTES // max(nbytes, 1)))
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(copies)
+    ]
+    packed = [
+        torch.ops.mkldnn._reorder_linear_weight(w, batch_size=PACK_BATCH_HINT) for w in weights
+    ]
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+
+    def plain_run() -> None:
+        for w in weights:
+            F.linear(x, w)
+
+    def packed_run() -> None:
+        for w in packed:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    best = {plain_run: float("inf"), packed_run: float("inf")}
+    for _ in range(3):
+        for run in best:  # interleaved, so that a noisy moment hurts both
+            run()
+            started = time.perf_counter()
+            run()
+            best[run] = min(best[run], (time.perf_counter() - started) / copies * 1e3)
+    return LayoutTiming(packed_ms=best[packed_run], plain_ms=best[plain_run])
+
+
+@functools.cache
+def _verdicts() -> dict[str, dict[str, LayoutTiming]]:
+    """The per-machine verdicts on disk (read once per process)."""
+    path = _kernels_path()
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return {
+            machine: {shape: LayoutTiming(**t) for shape, t in shapes.items()}
+            for machine, shapes in raw.items()
+        }
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}  # none yet, or unreadable: time again
+
+
+def _kernels_path() -> Path:
+    from engine.model_store import home
+
+    return home() / KERNELS_FILE
+
+
+def _save_verdicts(verdicts: dict[str, dict[str, LayoutTiming]]) -> None:
+    path = _kernels_path()
+    raw = {m: {s: asdict(t) for s, t in shapes.items()} for m, shapes in verdicts.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(raw, indent=1, sort_keys=True), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache costs a timing at the next load, nothing more
+        log.warning("could not keep the layout timings in %s: %s", path, exc)
+
+
+def layout_timing(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
+    """This machine's verdict for one shape: from ``kernels.json``, else timed now and kept."""
+    verdicts = _verdicts()
+    machine = verdicts.setdefault(machine_key(), {})
+    shape = f"{str(dtype).removeprefix('torch.')} {out_features}x{in_features}"
+    if shape not in machine:
+        machine[shape] = time_layouts(dtype, out_features, in_features)
+        log.info(
+            "timed %s: oneDNN packed %.3f ms, nn.Linear %.3f ms per token",
+            shape, machine[shape].packed_ms, machine[shape].plain_ms,
+        )  # fmt: skip
+        _save_verdicts(verdicts)
+    return machine[shape]
+
+
+def packs(dtype: torch.dtype, out_features: int, in_features: int) -> bool:
+    """Whether a CPU linear of this dtype and shape is laid out for oneDNN at load: the CPU
+    runs the packed op (:func:`engine.hardware.cpu_paths`) and it measured faster here."""
+    if not cpu_paths().packed(dtype).ok:
+        return False
+    return layout_timing(dtype, out_features, in_features).packed
+
+
+def pack_linears(model: nn.Module, *, timed: bool = True) -> int:
+    """Swap every CPU ``nn.Linear`` in ``model`` that :func:`packs` (or, with ``timed=False``,
+    whose dtype this CPU packs at all) for a :class:`PackedLinear`. Returns the number of
+    modules swapped (0 where packing does not apply)."""
     paths = cpu_paths()
+
+    def chosen(m: nn.Linear) -> bool:
+        w = m.weight
+        if timed:
+            return packs(w.dtype, m.out_features, m.in_features)
+        return paths.packed(w.dtype).ok
+
     swaps = [
         (name, module)
         for name, module in model.named_modules()
-        if type(module) is nn.Linear
-        and module.weight.device.type == "cpu"
-        and paths.packed(module.weight.dtype).ok
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and chosen(module)
     ]
     for name, module in swaps:
         parent_name, _, attr = name.rpartition(".")

@@ -744,10 +744,10 @@ def estimate_weight_bytes(
     block at its format (:func:`block_bytes`), and the LM head. A tied head is stored once,
     as the embedding or, quantized, as the head that the embedding reads its rows from
     (:class:`QuantizedEmbedding`). One case depends on the machine: on a CPU whose oneDNN
-    path runs the compute dtype, the loader's packing (``pack=True``) lays a tied float head
-    out as a second, packed matrix beside the embedding. ``packed`` says whether it does:
-    ``None`` asks this CPU's probe, as a CPU load with the default ``pack=True`` would; pass
-    ``False`` for ``pack=False`` or a GPU.
+    path runs the compute dtype and measured faster for the head's shape, the loader lays a
+    tied float head out as a second, packed matrix beside the embedding. ``packed`` says whether
+    it does: ``None`` asks :func:`engine.linear.packs`, as a default CPU load does; pass
+    ``True`` for ``pack=True`` and ``False`` for ``pack=False`` or a GPU.
     """
     compute, size = spec.compute, _itemsize(spec.compute)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
@@ -762,7 +762,9 @@ def estimate_weight_bytes(
         total += linear_bytes(vocab, hidden, head, compute)
         return total + (0 if cfg.tie_word_embeddings else embedding)
     if packed is None:
-        packed = cpu_paths().packed(compute).ok
+        from engine.linear import packs
+
+        packed = packs(compute, vocab, hidden)
     tied_copies = 2 if packed else 1
     return total + (tied_copies * embedding if cfg.tie_word_embeddings else 2 * embedding)
 

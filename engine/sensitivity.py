@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from engine.attention import AttentionContext
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.hardware import cpu_paths
 from engine.kv_cache import ContiguousKVCache
+from engine.linear import packs
 from engine.model import Transformer
 from engine.quant import (
     LAYER_PARTS,
@@ -247,7 +247,7 @@ def scan_model(
         all_low_kl = runner.kl_from(0)
     if progress is not None:
         progress(total, total)
-    packed = device.type == "cpu" and cpu_paths().packed(COMPUTE).ok
+    packed = device.type == "cpu" and packs(COMPUTE, cfg.vocab_size, cfg.hidden_size)
     all_low = PrecisionSpec(format_mixed_spec(low, low), COMPUTE, {"attn": low, "mlp": low})
     fixed = estimate_weight_bytes(cfg, all_low, packed=packed) - sum(r.bytes_low for r in results)
     log.info(

@@ -237,6 +237,16 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def linear_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's linears in forward order (each layer's, then the LM head), whatever their
+    form: ``nn.Linear``, oneDNN-packed, INT8, INT4."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Linear) or isinstance(getattr(m, "nbytes", None), int)
+    ]
+
+
 def decode_read_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step reads at least once: every linear (the LM head included,
     also where it shares the embedding's tensor) and every norm, but of the embedding only its

@@ -10,7 +10,9 @@ prints one line per result and exits 1 if any failed:
    (CUDA reserved, NVML used/total) and the peak of ``torch.cuda.max_memory_allocated``;
 3. fp32 on the GPU against fp32 on the CPU: the first greedy tokens must agree;
 4. the app's engine worker (Qt without a window): load ``int4-g32+head`` on the GPU, answer a
-   chat message with layer timing on, on a stream of its own on that device.
+   chat message with layer timing on, on a stream of its own on that device;
+5. the compiled decode step (``--decode-graph on``, bf16): its compile time, decode speed
+   against the eager step of the same engine, and greedy ids against eager bf16's.
 
 Run: ``python -m tests.gpu_check [--model default|FOLDER] [--device cuda:N]`` (not collected by
 pytest: it needs a GPU and several minutes).
@@ -166,6 +168,33 @@ def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:
     expect(same >= AGREE_TOKENS, f"GPU and CPU fp32 differ at token {same}")
 
 
+def check_decode_graph(model: Path, device: torch.device, results: dict[str, list[int]]) -> None:
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.sampling import SamplingParams
+
+    config = EngineConfig(kv_memory=256 * MIB, decode_graph="on")
+    engine = LLMEngine.load(model, precision="bf16", device=str(device), config=config)
+    print(f"     {engine.graph.summary()}")
+    expect(engine.graph.compiled, "the decode step did not compile")
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    speeds = {}
+    for mode in ("compiled", "eager", "compiled"):
+        if mode == "eager":
+            engine.model.eager_reasons.add("gpu-check")
+        gen = engine.generate(engine.chat_prompt_ids(PROMPT), params)
+        for _ in gen:
+            pass
+        engine.model.eager_reasons.discard("gpu-check")
+        speeds[mode] = 1 / gen.result.tpot_s if gen.result.tpot_s else float("nan")
+        ids = gen.result.token_ids
+    print(f"     decode {speeds['compiled']:.1f} tok/s compiled, {speeds['eager']:.1f} eager")
+    if "bf16" in results:
+        pairs = enumerate(zip(ids, results["bf16"], strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), len(ids))
+        print(f"     greedy ids: compiled and eager bf16 agree on the first {same}")
+        expect(same >= AGREE_TOKENS, f"compiled and eager differ at token {same}")
+
+
 def check_ab(model: Path, device: torch.device) -> None:
     """The A/B comparison on the GPU (fp32 against bf16): its scoring through the paged cache
     on the device agrees with the CPU's scoring of the same tokens."""
@@ -288,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     check.run("fp32 GPU against CPU", lambda: check_fp32_against_cpu(model, results))
     check.run("A/B comparison", lambda: check_ab(model, device))
     check.run("worker", lambda: check_worker(model, device, int4))
+    check.run("decode graph", lambda: check_decode_graph(model, device, results))
     peaks = {k[5:]: v[0] for k, v in results.items() if k.startswith("peak ")}
     if peaks:
         worst = max(peaks, key=lambda k: peaks[k])

@@ -1,0 +1,92 @@
+"""The timed choice between oneDNN's packed layout and ``nn.Linear`` (engine/linear.py): timed
+once per (dtype, shape) and machine, kept in ``kernels.json``, obeyed by the loader."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from engine import linear
+from engine.engine import LLMEngine
+from engine.hardware import cpu_paths
+from engine.linear import LayoutTiming, PackedLinear, layout_timing, pack_linears, time_layouts
+
+needs_packing = pytest.mark.skipif(
+    not cpu_paths().packed_fp32.ok, reason="this CPU does not run oneDNN's packed fp32 linear"
+)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Iterator[object]:
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+    linear._verdicts.cache_clear()
+    yield tmp_path
+    linear._verdicts.cache_clear()
+
+
+@needs_packing
+def test_both_layouts_are_timed_streaming_from_memory():
+    t = time_layouts(torch.float32, 96, 64)
+    assert t.packed_ms > 0 and t.plain_ms > 0
+
+
+def test_a_verdict_is_timed_once_and_kept_per_machine(home, monkeypatch):
+    timed: list[tuple[int, int]] = []
+
+    def fake(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
+        timed.append((out_features, in_features))
+        return LayoutTiming(packed_ms=1.0, plain_ms=2.0)
+
+    monkeypatch.setattr(linear, "time_layouts", fake)
+    assert layout_timing(torch.float32, 96, 64).packed
+    assert layout_timing(torch.float32, 96, 64).packed
+    assert timed == [(96, 64)]
+    saved = json.loads((home / linear.KERNELS_FILE).read_text())
+    assert saved == {linear.machine_key(): {"float32 96x64": {"packed_ms": 1.0, "plain_ms": 2.0}}}
+
+    linear._verdicts.cache_clear()  # a new process reads the file instead of timing again
+    assert layout_timing(torch.float32, 96, 64).packed and timed == [(96, 64)]
+
+
+def test_an_unreadable_file_is_timed_again(home, monkeypatch):
+    (home / linear.KERNELS_FILE).write_text("{not json")
+    monkeypatch.setattr(linear, "time_layouts", lambda *a: LayoutTiming(3.0, 1.0))
+    assert not layout_timing(torch.float32, 32, 32).packed
+    assert "float32 32x32" in (home / linear.KERNELS_FILE).read_text()
+
+
+def test_noise_within_five_percent_keeps_the_packed_layout():
+    assert LayoutTiming(packed_ms=1.04, plain_ms=1.0).packed
+    assert not LayoutTiming(packed_ms=1.06, plain_ms=1.0).packed
+
+
+@needs_packing
+@pytest.mark.parametrize("packed_faster", [True, False])
+def test_the_loader_packs_only_where_packing_measured_faster(
+    tiny_model_dir, home, monkeypatch, packed_faster
+):
+    # The head (vocab 320) gets one verdict, every other shape the opposite.
+    def fake(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
+        faster = packed_faster == (out_features != 320)
+        return LayoutTiming(1.0, 2.0) if faster else LayoutTiming(2.0, 1.0)
+
+    monkeypatch.setattr(linear, "time_layouts", fake)
+    folder, _ = tiny_model_dir("llama", False)
+    model = LLMEngine.load(folder).model
+    assert isinstance(model.lm_head, PackedLinear) is not packed_faster
+    qkv = model.layers[0].attn.qkv_proj
+    assert isinstance(qkv, PackedLinear) is packed_faster
+    # pack=True packs every linear whatever the timings (the tests of the packed path)
+    forced = LLMEngine.load(folder, pack=True).model
+    assert all(type(m) is not nn.Linear for m in forced.modules())
+
+
+@needs_packing
+def test_untimed_packing_swaps_every_float_linear():
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 16))
+    assert pack_linears(model, timed=False) == 2
+    assert all(isinstance(m, PackedLinear) for m in model)
