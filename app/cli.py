@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-noise", action="store_true", help="skip the noise floor (A computed token by token)"
     )
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
-    ep.add_argument("--threads", type=int, default=None)
+    ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_compare)
 
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ep.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of text for --ppl")
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
-    ep.add_argument("--threads", type=int, default=None)
+    ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_scan)
 
@@ -219,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+THREADS_HELP = (
+    "CPU threads (default: $INFERSIGHT_THREADS, else the fastest count for the model, timed "
+    "once per machine)"
+)
+
+
 def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
     p.add_argument("--model", default="default", help=MODEL_HELP)
     if precision:
@@ -229,7 +235,7 @@ def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
             "mlp=int4-g32 with per-layer overrides such as mlp.0-2=int8 (see eval scan)",
         )
         p.add_argument("--device", default="auto", help=DEVICE_HELP)
-        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+        p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -363,12 +369,11 @@ def load_engine(
 
 
 def _set_threads(threads: int | None) -> None:
-    import torch
+    from engine.threads import set_threads
 
-    if threads is not None:
-        if threads < 1:
-            raise InvalidRequestError(f"--threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
+    if threads is not None and threads < 1:
+        raise InvalidRequestError(f"--threads must be at least 1, got {threads}")
+    set_threads(threads)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ from engine.sampling import SamplingParams, make_generator, sample
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Status
 from engine.sequence import Sequence as Seq
+from engine.threads import settle_threads
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import (
     load_transformer,
@@ -223,8 +224,12 @@ class LLMEngine:
             folder, cfg, dtype, torch_device, quant=_quant_plan(spec) if spec.quantized else None
         )
         num_parameters = parameter_count(model) + quantized_parameter_count(model)
-        if pack is not False and torch_device.type == "cpu":
-            pack_linears(model, timed=pack is None)
+        threads = ""
+        if torch_device.type == "cpu":
+            # Threads first: the layout timings below are kept per thread count.
+            threads = settle_threads(model, dtype)
+            if pack is not False:
+                pack_linears(model, timed=pack is None)
         eos = set(cfg.eos_token_ids) | set(_generation_config_eos(folder))
         engine = cls(
             model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype, device=torch_device,
@@ -241,7 +246,7 @@ class LLMEngine:
         )  # fmt: skip
         fp16 = 2 * num_parameters
         if torch_device.type == "cpu":
-            log.info("  %s", cpu_paths().summary())
+            log.info("  %s; %s", cpu_paths().summary(), threads)
         log.info("  %s", engine.graph.summary())
         for group in engine.weight_groups:
             log.info(

@@ -93,20 +93,25 @@ STREAM_BYTES = 96 * 2**20
 KERNELS_FILE = "kernels.json"
 
 
-def machine_key() -> str:
-    """What a layout verdict holds for: this CPU, its capability, torch and the threads."""
+@functools.cache
+def machine_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            name = next(
+            return next(
                 (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
                 name,
             )
     except OSError:
-        pass
+        return name
+
+
+def machine_key() -> str:
+    """What a layout verdict holds for: this CPU, its capability, torch and the threads."""
     return (
-        f"{name} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
-        f"{torch.get_num_threads()} threads"
+        f"{machine_name()} | {torch.backends.cpu.get_cpu_capability()} | "
+        f"torch {torch.__version__} | {torch.get_num_threads()} threads"
     )
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# A fixed count, as if asked for: loads do not time their own (tests/test_threads.py does).
+os.environ.setdefault("INFERSIGHT_THREADS", str(min(2, os.cpu_count() or 1)))
+torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
 
 TINY = dict(
     vocab_size=320,

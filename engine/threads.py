@@ -1,0 +1,140 @@
+"""How many threads a CPU model decodes with: asked for, or timed once per machine and model.
+
+torch starts with one intra-op thread per physical core. Batch-1 decode of a small model is a
+chain of small products: on a many-core CPU, waking every core for each of them can cost more
+than it gains, while a 2-core machine wants both. So where the user asked for no count
+(``--threads``, ``INFERSIGHT_THREADS``), the load times the model's own linears for one token
+at 1, 2, 4, … threads up to torch's default, keeps the fastest, and remembers the verdict in
+``<cache>/threads.json`` under the CPU, torch version and the model's shapes. Threads are a
+process-wide setting in torch: the last CPU load's choice holds for every engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ENV = "INFERSIGHT_THREADS"
+FILE = "threads.json"
+#: torch's own default (one thread per physical core), read before anything changes it
+DEFAULT_THREADS = torch.get_num_threads()
+_asked: int | None = None
+
+
+def set_threads(count: int | None) -> None:
+    """The user's choice (``--threads``), kept for every later load; ``None`` changes nothing."""
+    global _asked
+    if count is None:
+        return
+    if count < 1:
+        raise ValueError(f"threads must be at least 1, got {count}")
+    torch.set_num_threads(count)
+    _asked = count
+
+
+def asked_threads() -> int | None:
+    if _asked is not None:
+        return _asked
+    raw = os.environ.get(ENV, "").strip()
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    if raw:
+        log.warning("ignoring %s=%s: give a whole number of threads", ENV, raw)
+    return None
+
+
+def candidates(default: int | None = None) -> list[int]:
+    """1, 2, 4, … and torch's default itself, never above it."""
+    default = default or DEFAULT_THREADS
+    out = {default}
+    n = 1
+    while n < default:
+        out.add(n)
+        n *= 2
+    return sorted(out)
+
+
+def settle_threads(model: nn.Module, dtype: torch.dtype) -> str:
+    """Set torch's thread count for decoding ``model``; returns one line for the load report."""
+    asked = asked_threads()
+    if asked is not None:
+        torch.set_num_threads(asked)
+        return f"{asked} threads, as asked"
+    options = candidates()
+    if len(options) == 1:
+        torch.set_num_threads(options[0])
+        return f"{options[0]} thread, the only core"
+    from engine.linear import machine_name
+    from engine.weights import linear_modules
+
+    linears = linear_modules(model)
+    shapes = sorted({(m.out_features, m.in_features) for m in linears})
+    key = (
+        f"{machine_name()} | torch {torch.__version__} | {DEFAULT_THREADS} cores | "
+        f"{str(dtype).removeprefix('torch.')} {len(linears)} linears {shapes}"
+    )
+    verdicts = _verdicts()
+    timings = verdicts.get(key)
+    cached = timings is not None
+    if timings is None:
+        timings = {str(t): _time_linears(linears, dtype, t) for t in options}
+        verdicts[key] = timings
+        _save(verdicts)
+    best = int(min(timings, key=lambda t: timings[t]))
+    torch.set_num_threads(best)
+    spread = ", ".join(f"{t}: {ms:.1f} ms" for t, ms in timings.items())
+    kept = ", kept" if cached else ""
+    return f"{best} threads, the fastest for this model's matmuls ({spread}{kept})"
+
+
+def _time_linears(linears: list[nn.Module], dtype: torch.dtype, threads: int) -> float:
+    """ms for one token through every linear at ``threads`` threads, the best of three."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    inputs = [torch.randn(1, getattr(m, "in_features"), dtype=dtype) for m in linears]  # noqa: B009
+    best = float("inf")
+    try:
+        with torch.inference_mode():
+            for _ in range(4):  # the first round warms up
+                started = time.perf_counter()
+                for module, x in zip(linears, inputs, strict=True):
+                    module(x)
+                best = min(best, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(before)
+    return best * 1e3
+
+
+def _path() -> Path:
+    from engine.model_store import home
+
+    return home() / FILE
+
+
+@functools.cache
+def _verdicts() -> dict[str, dict[str, float]]:
+    try:
+        raw = json.loads(_path().read_text(encoding="utf-8"))
+        return {k: {t: float(ms) for t, ms in v.items()} for k, v in raw.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _save(verdicts: dict[str, dict[str, float]]) -> None:
+    path = _path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(verdicts, indent=1, sort_keys=True), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("could not keep the thread timings in %s: %s", path, exc)

@@ -1,0 +1,71 @@
+"""Thread counts (engine/threads.py): asked for, or timed once per machine and model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine import threads
+from engine.engine import LLMEngine
+
+
+@pytest.fixture
+def untimed(tmp_path, monkeypatch) -> Iterator[list[int]]:
+    """No count asked for, an empty cache, four cores; yields the counts that were timed."""
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+    monkeypatch.delenv(threads.ENV, raising=False)
+    monkeypatch.setattr(threads, "_asked", None)
+    monkeypatch.setattr(threads, "DEFAULT_THREADS", 4)
+    timed: list[int] = []
+    fake_ms = {1: 3.0, 2: 1.0, 4: 2.0}
+
+    def fake(linears, dtype, count):
+        timed.append(count)
+        return fake_ms[count]
+
+    monkeypatch.setattr(threads, "_time_linears", fake)
+    threads._verdicts.cache_clear()
+    before = torch.get_num_threads()
+    yield timed
+    torch.set_num_threads(before)
+    threads._verdicts.cache_clear()
+
+
+def test_candidates_double_up_to_the_default():
+    assert threads.candidates(1) == [1]
+    assert threads.candidates(2) == [1, 2]
+    assert threads.candidates(6) == [1, 2, 4, 6]
+
+
+def test_the_fastest_count_is_taken_and_kept(tiny_model_dir, untimed):
+    folder, _ = tiny_model_dir("llama", True)
+    engine = LLMEngine.load(folder)
+    assert torch.get_num_threads() == 2
+    assert untimed == [1, 2, 4]
+    report = threads.settle_threads(engine.model, torch.float32)
+    assert report.startswith("2 threads") and report.endswith("kept)")
+    assert untimed == [1, 2, 4]  # read back, not timed again
+    threads._verdicts.cache_clear()
+    threads.settle_threads(engine.model, torch.float32)  # a new process reads the file
+    assert untimed == [1, 2, 4]
+
+
+def test_a_count_asked_for_is_never_timed(tiny_model_dir, untimed, monkeypatch):
+    monkeypatch.setenv(threads.ENV, "1")
+    folder, _ = tiny_model_dir("llama", True)
+    LLMEngine.load(folder)
+    assert torch.get_num_threads() == 1 and untimed == []
+    monkeypatch.delenv(threads.ENV)
+    threads.set_threads(3)  # --threads wins over the timing too
+    LLMEngine.load(folder)
+    assert torch.get_num_threads() == 3 and untimed == []
+
+
+def test_real_timing_gives_a_time_per_count(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama", True)
+    model = LLMEngine.load(folder).model
+    from engine.weights import linear_modules
+
+    assert threads._time_linears(linear_modules(model), torch.float32, 1) > 0
