@@ -39,6 +39,8 @@ from engine.sampling import SamplingParams
 SCOPE = "infersight:"
 SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head",
           "decode graph", "engine")  # fmt: skip
+#: the profiler events of the scopes (not ``infersight::…`` ops, which share the prefix)
+SCOPE_EVENTS = {SCOPE + s: s for s in SCOPES}
 #: the compiled decode step's attention op: the "attention" scope of a compiled step
 ATTENTION_OPS = frozenset({"infersight::paged_decode_attention"})
 #: what torch.compile records around a compiled call: guards, the graph's wrapper
@@ -133,8 +135,8 @@ def _scope_of(event: Any) -> str:
         return "attention"
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith(SCOPE):
-            return str(parent.name[len(SCOPE) :])
+        if parent.name in SCOPE_EVENTS:
+            return SCOPE_EVENTS[parent.name]
         if parent.name in ATTENTION_OPS:
             return "attention"
         if parent.name.startswith(GRAPH_EVENTS):
@@ -174,9 +176,9 @@ def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> Ste
     accounted = inside = 0.0
     for event in prof.events():
         self_ms = event.self_cpu_time_total / 1e3
-        if event.name.startswith(SCOPE) or event.name.startswith(GRAPH_EVENTS):
+        if event.name in SCOPE_EVENTS or event.name.startswith(GRAPH_EVENTS):
             # a scope's own time is time in it outside its ops: Python and dispatch
-            scope = event.name[len(SCOPE) :] if event.name.startswith(SCOPE) else "decode graph"
+            scope = SCOPE_EVENTS.get(event.name, "decode graph")
             ms[scope]["python/dispatch"] += self_ms / steps
             inside += self_ms
             continue
