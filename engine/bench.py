@@ -7,9 +7,11 @@ alike, and each figure is the median over the repeats.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -515,47 +517,84 @@ def kernel_floor_ms(engine: LLMEngine, keys: int, repeats: int = 5) -> float:
 
 
 class LlamaCppPeer:
-    """llama.cpp in its own process and environment (:mod:`engine.llamacpp_peer`)."""
+    """llama.cpp in its own process and environment (:mod:`engine.llamacpp_peer`): one JSON
+    command per line in, one JSON object per line back (other output is passed over); every
+    answer has a deadline, and a peer that fails to start or answer is killed."""
 
-    def __init__(self, python: str, gguf: Path, threads: int) -> None:
+    def __init__(self, python: str, gguf: Path, threads: int, timeout_s: float = 600) -> None:
+        import queue
         import subprocess
+        import threading
 
         script = Path(__file__).with_name("llamacpp_peer.py")
+        self.timeout_s = timeout_s
         self.proc = subprocess.Popen(
             [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
         self.gguf = gguf
-        self.info = self._ask(f"load {gguf} {threads}")["system_info"]
+        try:
+            self.info = str(self._ask("load", str(gguf), threads)["system_info"])
+        except BaseException:
+            self.close()
+            raise
 
-    def _ask(self, line: str) -> dict[str, Any]:
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # end of output: the process exited
+
+    def _ask(self, *command: Any) -> dict[str, Any]:
         import json
+        import queue
+        import time as clock
 
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        if not reply:
-            raise InfersightError(f"the llama.cpp process exited (asked: {line.split()[0]})")
-        answer: dict[str, Any] = json.loads(reply)
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # a broken pipe: it has exited already
+            raise InfersightError(f"the llama.cpp process exited (asked: {command[0]})") from None
+        deadline = clock.monotonic() + self.timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - clock.monotonic()))
+            except queue.Empty:
+                self.close()
+                raise InfersightError(
+                    f"llama.cpp did not answer {command[0]!r} in {self.timeout_s:.0f} s"
+                ) from None
+            if line is None:
+                raise InfersightError(f"the llama.cpp process exited (asked: {command[0]})")
+            if line.startswith("{"):
+                answer: dict[str, Any] = json.loads(line)
+                break
         if "error" in answer:
             raise InfersightError(f"llama.cpp: {answer['error']}")
         return answer
 
     def quantize(self, dst: Path, ftype: str) -> None:
-        self._ask(f"quantize {self.gguf} {dst} {ftype}")
+        self._ask("quantize", str(self.gguf), str(dst), ftype)
 
     def run(self, prompt: list[int], new_tokens: int) -> RunTiming:
-        import json
-
-        r = self._ask(f"run {json.dumps(prompt)} {new_tokens}")
+        r = self._ask("run", prompt, new_tokens)
         return RunTiming(r["ttft_s"], r["decode_s"], r["new_tokens"])
 
     def close(self) -> None:
+        """Ask it to quit; kill it if it does not within a few seconds."""
+        import subprocess
+
         if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=30)
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('["quit"]\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
 
 
 def _decode_tok_s(runs: list[RunTiming]) -> float:
@@ -591,38 +630,36 @@ def run_table(
         modes = ["compiled", "eager"] if engine.graph.compiled else ["eager"]
         for mode in modes:
             runners.append(("infersight", precision, mode, read, _mode_runner(engine, mode)))
-    peers: list[LlamaCppPeer] = []
     info = None
-    if llama_python is not None:
-        if gguf is None:
-            raise InfersightError("the llama.cpp comparison needs the model's GGUF file")
-        import tempfile
-
-        tmp = Path(tempfile.mkdtemp(prefix="infersight-peers-"))
-        threads = torch.get_num_threads()
-        for ftype in gguf_types:
-            path = gguf
-            if ftype != "Q4_1":
-                log(f"llama.cpp: requantizing {gguf.name} to {ftype}")
-                LlamaCppPeer(llama_python, gguf, threads).quantize(tmp / f"{ftype}.gguf", ftype)
-                path = tmp / f"{ftype}.gguf"
-            peer = LlamaCppPeer(llama_python, path, threads)
-            info = peer.info
-            peers.append(peer)
-            size = float(path.stat().st_size)  # ≈ its weights, each read once per token
-            runners.append(("llama.cpp", ftype, "llama.cpp", size, peer.run))
-    assert prompt is not None
-    timings: list[list[RunTiming]] = [[] for _ in runners]
-    try:
+    with contextlib.ExitStack() as stack:
+        if llama_python is not None:
+            if gguf is None:
+                raise InfersightError("the llama.cpp comparison needs the model's GGUF file")
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="infersight-")))
+            threads = torch.get_num_threads()
+            for ftype in gguf_types:
+                path = gguf
+                if ftype != "Q4_1":
+                    log(f"llama.cpp: requantizing {gguf.name} to {ftype}")
+                    path = tmp / f"{ftype}.gguf"
+                    quantizer = LlamaCppPeer(llama_python, gguf, threads)
+                    try:
+                        quantizer.quantize(path, ftype)
+                    finally:
+                        quantizer.close()
+                peer = LlamaCppPeer(llama_python, path, threads)
+                stack.callback(peer.close)
+                info = peer.info
+                size = float(path.stat().st_size)  # ≈ its weights, each read once per token
+                runners.append(("llama.cpp", ftype, "llama.cpp", size, peer.run))
+        assert prompt is not None
+        timings: list[list[RunTiming]] = [[] for _ in runners]
         for _, _, _, _, run in runners:  # warm-up
             run(prompt, min(8, cfg.new_tokens))
         for i in range(cfg.repeats):
             for (name, precision, mode, _, run), runs in zip(runners, timings, strict=True):
                 log(f"repeat {i + 1}/{cfg.repeats}: {name} {precision} {mode}")
                 runs.append(run(prompt, cfg.new_tokens))
-    finally:
-        for peer in peers:
-            peer.close()
     bandwidth.append(measure_read_bandwidth())
     best = max(bandwidth)
     rows = []

@@ -80,7 +80,7 @@ def choose(mode: str | None, device: torch.device) -> GraphChoice:
         return GraphChoice(False, "off as asked")
     if mode == "auto" and kind not in FASTER_COMPILED:
         return GraphChoice(False, f"eager measured faster on {'/'.join(kind)} (auto)")
-    problem = compiler_problem()
+    problem = compiler_problem(device.type)
     if problem:
         return GraphChoice(False, f"cannot compile here ({problem}); eager instead")
     how = "on as asked" if mode == "on" else f"measured faster on {'/'.join(kind)} (auto)"
@@ -88,21 +88,40 @@ def choose(mode: str | None, device: torch.device) -> GraphChoice:
 
 
 @functools.cache
-def compiler_problem() -> str:
-    """Why TorchInductor cannot compile on this machine, or "" when it can: a tiny function
-    is compiled and run once per process (the probe, not a guess from ``PATH``)."""
+def compiler_problem(device_type: str = "cpu") -> str:
+    """Why TorchInductor cannot compile for this kind of device here (a C++ compiler on a CPU,
+    Triton on a GPU), or "" when it can: a tiny function is compiled and run on such a device
+    once per process (the probe, not a guess from ``PATH``)."""
 
     def tiny(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(x) * x + 1
 
     try:
-        x = torch.linspace(-2, 2, 16)
+        x = torch.linspace(-2, 2, 16, device=device_type)
         ok = torch.allclose(torch.compile(tiny)(x), tiny(x))
     except Exception as exc:  # any failure means "not here"; the reason goes to the report
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.info("TorchInductor unavailable: %s", first)
         return first[:160]
     return "" if ok else "a compiled probe gave wrong results"
+
+
+class CompiledDecode:
+    """The compiled decode step: compiles while :attr:`warm` is false (the load's warm-up),
+    then never again: a step whose shapes no compiled graph covers (a first token at
+    position 0 has one key, a size TorchInductor specialises) runs eagerly instead of
+    stalling a reply for a compile."""
+
+    def __init__(self, body: Callable[..., Any]) -> None:
+        self.body = body
+        self.graph = compile_forward(body)
+        self.warm = False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.warm:
+            return self.graph(*args)
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return self.graph(*args)
 
 
 def compile_forward(forward: Callable[..., Any]) -> Callable[..., Any]:

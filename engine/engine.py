@@ -266,10 +266,12 @@ class LLMEngine:
         if not choice.compiled:
             return choice
         model = self.model
-        model.compiled_decode = decode_graph.compile_forward(model.body)
+        compiled = decode_graph.CompiledDecode(model.body)
+        model.compiled_decode = compiled
         started = time.perf_counter()
         try:
-            self._warm_decode()
+            self._warm_decode(compiled)
+            compiled.warm = True
         except Exception as exc:  # an Inductor failure on this model: eager still works
             model.compiled_decode = None
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -278,12 +280,17 @@ class LLMEngine:
         took = time.perf_counter() - started
         return decode_graph.GraphChoice(True, f"{choice.why}, compiled in {took:.0f} s")
 
-    def _warm_decode(self) -> None:
+    def _warm_decode(self, compiled: decode_graph.CompiledDecode) -> None:
         """Decode steps of batch 2 and 1 on scratch sequences: the two graphs that every later
-        decode step uses (:func:`decode_graph.compile_forward`)."""
+        decode step uses (:func:`decode_graph.compile_forward`). Errors propagate (the
+        model's forward would fall back to eager and hide them)."""
         mgr = self.kv.manager
-        batch = 2 if mgr.num_free >= 2 else 1
+        per_seq = mgr.blocks_for(4)
+        if mgr.num_free < per_seq:
+            raise RuntimeError("the KV pool has no room for the warm-up's scratch sequence")
+        batch = 2 if mgr.num_free >= 2 * per_seq else 1
         ids = [f"\0warm{i}" for i in range(batch)]
+        model = self.model
         try:
             for rid in ids:
                 mgr.grow(rid, 2)
@@ -296,12 +303,13 @@ class LLMEngine:
                 for pos in (2, 3):
                     for rid in ids[:b]:
                         mgr.grow(rid, pos + 1)
-                    self.model(
-                        torch.zeros(b, dtype=torch.long, device=self.device),
-                        torch.full((b,), pos, device=self.device),
-                        self.kv.context([SeqChunk(rid, pos, 1) for rid in ids[:b]]),
-                        torch.arange(b, device=self.device),
-                    )
+                    with torch.inference_mode():
+                        compiled(
+                            model.embed(torch.zeros(b, dtype=torch.long, device=self.device)),
+                            torch.full((b,), pos, device=self.device),
+                            self.kv.context([SeqChunk(rid, pos, 1) for rid in ids[:b]]),
+                            torch.arange(b, device=self.device),
+                        )
         finally:
             for rid in ids:
                 mgr.free(rid)
@@ -531,8 +539,8 @@ class LLMEngine:
         """Per-layer timings need every layer called eagerly: while they are on, a compiled
         decode step runs eagerly."""
         if on:
-            self.layer_timer.enable()
             self.model.eager_reasons.add("layer timings")
+            self.layer_timer.enable()
         else:
             self.layer_timer.disable()
             self.model.eager_reasons.discard("layer timings")

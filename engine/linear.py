@@ -19,9 +19,11 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,18 +110,17 @@ def machine_name() -> str:
 
 
 def machine_key() -> str:
-    """What a layout verdict holds for: this CPU, its capability, torch and the threads."""
-    return (
-        f"{machine_name()} | {torch.backends.cpu.get_cpu_capability()} | "
-        f"torch {torch.__version__} | {torch.get_num_threads()} threads"
-    )
+    """What a layout verdict holds for: this CPU, its capability and torch. (Not the thread
+    count: a memory estimate asks before a load has settled it.)"""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{machine_name()} | {capability} | torch {torch.__version__}"
 
 
 def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
     """Time ``y = x Wᵀ`` for one token in both layouts over enough distinct matrices of this
     shape that every call reads its weights from memory, as decode does; the best of three."""
     nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
-    copies = max(2, min(64, STREAM_BYTES // max(nbytes, 1)))
+    copies = max(1, min(64, STREAM_BYTES // max(nbytes, 1)))
     gen = torch.Generator().manual_seed(0)
     weights = [
         torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(copies)
@@ -168,8 +169,17 @@ def _kernels_path() -> Path:
 
 
 def _save_verdicts(verdicts: dict[str, dict[str, LayoutTiming]]) -> None:
+    """Write the verdicts, merged over what another process may have written meanwhile."""
     path = _kernels_path()
-    raw = {m: {s: asdict(t) for s, t in shapes.items()} for m, shapes in verdicts.items()}
+    raw: dict[str, dict[str, Any]] = {}
+    try:
+        on_disk = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(on_disk, dict):
+            raw = {m: dict(s) for m, s in on_disk.items() if isinstance(s, dict)}
+    except (OSError, ValueError):
+        pass
+    for machine, shapes in verdicts.items():
+        raw.setdefault(machine, {}).update({s: asdict(t) for s, t in shapes.items()})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -179,26 +189,38 @@ def _save_verdicts(verdicts: dict[str, dict[str, LayoutTiming]]) -> None:
         log.warning("could not keep the layout timings in %s: %s", path, exc)
 
 
+_LOCK = threading.Lock()  # the app loads models on a thread of its own
+
+
 def layout_timing(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
     """This machine's verdict for one shape: from ``kernels.json``, else timed now and kept."""
-    verdicts = _verdicts()
-    machine = verdicts.setdefault(machine_key(), {})
     shape = f"{str(dtype).removeprefix('torch.')} {out_features}x{in_features}"
-    if shape not in machine:
-        machine[shape] = time_layouts(dtype, out_features, in_features)
-        log.info(
-            "timed %s: oneDNN packed %.3f ms, nn.Linear %.3f ms per token",
-            shape, machine[shape].packed_ms, machine[shape].plain_ms,
-        )  # fmt: skip
-        _save_verdicts(verdicts)
-    return machine[shape]
+    with _LOCK:
+        verdicts = _verdicts()
+        machine = verdicts.setdefault(machine_key(), {})
+        if shape not in machine:
+            machine[shape] = time_layouts(dtype, out_features, in_features)
+            log.info(
+                "timed %s: oneDNN packed %.3f ms, nn.Linear %.3f ms per token",
+                shape, machine[shape].packed_ms, machine[shape].plain_ms,
+            )  # fmt: skip
+            _save_verdicts(verdicts)
+        return machine[shape]
+
+
+LAYOUT_ENV = "INFERSIGHT_LAYOUT"
 
 
 def packs(dtype: torch.dtype, out_features: int, in_features: int) -> bool:
     """Whether a CPU linear of this dtype and shape is laid out for oneDNN at load: the CPU
-    runs the packed op (:func:`engine.hardware.cpu_paths`) and it measured faster here."""
+    runs the packed op (:func:`engine.hardware.cpu_paths`) and it measured faster here.
+    ``INFERSIGHT_LAYOUT=packed`` (or ``plain``) skips the timing: every packable linear is
+    packed (or none is), as the tests do to take one path whatever the machine's noise."""
     if not cpu_paths().packed(dtype).ok:
         return False
+    forced = os.environ.get(LAYOUT_ENV, "").strip().lower()
+    if forced in ("packed", "plain"):
+        return forced == "packed"
     return layout_timing(dtype, out_features, in_features).packed
 
 

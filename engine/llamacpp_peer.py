@@ -2,15 +2,17 @@
 
 This file is run as a script by the Python of a separate environment that has
 ``llama-cpp-python`` (``make bench-peers`` builds it); it imports nothing from Infersight and
-nothing from that environment ever enters the product's. It reads commands from stdin and
-answers one JSON line on stdout for each:
+nothing from that environment ever enters the product's. It reads one JSON array per line
+on stdin and answers one JSON object per line on stdout:
 
-* ``load PATH THREADS`` → ``{"loaded": PATH, "system_info": …}``
-* ``quantize SRC DST FTYPE`` → ``{"quantized": DST}`` (llama.cpp's own requantizer, so that
-  its F32/Q8_0 rows hold the very values of the Q4_1 file, as the engine's do)
-* ``run TOKENS_JSON NEW_TOKENS`` → ``{"ttft_s", "decode_s", "new_tokens"}``: greedy, EOS not
+* ``["load", PATH, THREADS]`` → ``{"loaded": PATH, "system_info": …}``
+* ``["quantize", SRC, DST, FTYPE]`` → ``{"quantized": DST}`` (llama.cpp's own requantizer, so
+  that its F32/Q8_0 rows hold the very values of the Q4_1 file, as the engine's do)
+* ``["run", TOKENS, NEW_TOKENS]`` → ``{"ttft_s", "decode_s", "new_tokens"}``: greedy, EOS not
   checked, the clock read as each token arrives (the engine's bench does the same)
-* ``quit``
+* ``["quit"]``
+
+A failed command answers ``{"error": …}`` and the process lives on.
 """
 
 from __future__ import annotations
@@ -29,18 +31,18 @@ def main() -> int:
 
     llm: Any = None
     for line in sys.stdin:
-        cmd, _, rest = line.strip().partition(" ")
         try:
+            cmd, *args = json.loads(line)
             if cmd == "load":
-                path, threads = rest.rsplit(" ", 1)
+                path, threads = args
                 llm = llama_cpp.Llama(
-                    model_path=path, n_ctx=2048, n_threads=int(threads),
-                    n_threads_batch=int(threads), n_batch=512, verbose=False,
+                    model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                    n_batch=512, verbose=False,
                 )  # fmt: skip
                 info = llama_cpp.llama_print_system_info().decode(errors="replace")
                 reply: dict[str, Any] = {"loaded": path, "system_info": info.strip()}
             elif cmd == "quantize":
-                src, dst, ftype = rest.split(" ")
+                src, dst, ftype = args
                 params = llama_cpp.llama_model_quantize_default_params()
                 params.ftype = FTYPES[ftype]
                 params.allow_requantize = True
@@ -49,8 +51,8 @@ def main() -> int:
                     raise RuntimeError(f"llama_model_quantize returned {rc}")
                 reply = {"quantized": dst}
             elif cmd == "run":
-                tokens_json, new_tokens = rest.rsplit(" ", 1)
-                reply = _run(llm, json.loads(tokens_json), int(new_tokens))
+                tokens, new_tokens = args
+                reply = _run(llm, tokens, new_tokens)
             elif cmd == "quit":
                 return 0
             else:

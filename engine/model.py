@@ -10,6 +10,7 @@ gate/up are one matmul (``gate_up_proj``). :mod:`engine.weights` builds them fro
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -19,6 +20,8 @@ from torch import Tensor, nn
 
 from engine.attention import AttentionContext
 from engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -182,7 +185,12 @@ class Transformer(nn.Module):
                 and not self.eager_reasons
                 and getattr(ctx, "decode_only", False)
             ):
-                return compiled(x, positions, ctx, logits_indices)
+                try:
+                    return compiled(x, positions, ctx, logits_indices)
+                except Exception as exc:  # the graph broke: this step and every later one
+                    # run eagerly (a cache write the graph made is made again, the same)
+                    log.warning("the compiled decode step failed, running eagerly: %s", exc)
+                    self.compiled_decode = None
             return self.body(x, positions, ctx, logits_indices)
 
     def body(

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -76,23 +77,24 @@ def settle_threads(model: nn.Module, dtype: torch.dtype) -> str:
     from engine.linear import machine_name
     from engine.weights import linear_modules
 
-    linears = linear_modules(model)
+    linears = _streaming_prefix(linear_modules(model))
     shapes = sorted({(m.out_features, m.in_features) for m in linears})
     key = (
         f"{machine_name()} | torch {torch.__version__} | {DEFAULT_THREADS} cores | "
         f"{str(dtype).removeprefix('torch.')} {len(linears)} linears {shapes}"
     )
-    verdicts = _verdicts()
-    timings = verdicts.get(key)
-    cached = timings is not None
-    if timings is None:
-        best_ms = dict.fromkeys(options, float("inf"))
-        for _ in range(3):  # interleaved, so that a noisy moment hurts every count alike
-            for t in options:
-                best_ms[t] = min(best_ms[t], _time_linears(linears, dtype, t))
-        timings = {str(t): ms for t, ms in best_ms.items()}
-        verdicts[key] = timings
-        _save(verdicts)
+    with _LOCK:
+        verdicts = _verdicts()
+        timings = verdicts.get(key)
+        cached = timings is not None
+        if timings is None:
+            best_ms = dict.fromkeys(options, float("inf"))
+            for _ in range(3):  # interleaved, so that a noisy moment hurts every count alike
+                for t in options:
+                    best_ms[t] = min(best_ms[t], _time_linears(linears, dtype, t))
+            timings = {str(t): ms for t, ms in best_ms.items()}
+            verdicts[key] = timings
+            _save(verdicts)
     # torch's default holds unless another count is clearly (10%) faster.
     fastest = min(timings, key=lambda t: timings[t])
     best = (
@@ -102,6 +104,28 @@ def settle_threads(model: nn.Module, dtype: torch.dtype) -> str:
     spread = ", ".join(f"{t}: {ms:.1f} ms" for t, ms in timings.items())
     kept = ", kept" if cached else ""
     return f"{best} threads, the fastest for this model's matmuls ({spread}{kept})"
+
+
+#: weights the timing streams through: beyond any cache, yet a fraction of a big model
+STREAM_BYTES = 96 * 2**20
+_LOCK = threading.Lock()  # the app loads models on a thread of its own
+
+
+def _streaming_prefix(linears: list[nn.Module]) -> list[nn.Module]:
+    """The first linears in forward order that hold :data:`STREAM_BYTES` (all of a small
+    model): a big model's first layers time the same shapes as its whole stack."""
+    out: list[nn.Module] = []
+    total = 0
+    for module in linears:
+        out.append(module)
+        nbytes = getattr(module, "nbytes", None)
+        if not isinstance(nbytes, int):
+            weight = getattr(module, "weight")  # noqa: B009
+            nbytes = weight.numel() * weight.element_size()
+        total += nbytes
+        if total >= STREAM_BYTES:
+            break
+    return out
 
 
 def _time_linears(linears: list[nn.Module], dtype: torch.dtype, threads: int) -> float:
@@ -138,11 +162,19 @@ def _verdicts() -> dict[str, dict[str, float]]:
 
 
 def _save(verdicts: dict[str, dict[str, float]]) -> None:
+    """Write the verdicts, merged over what another process may have written meanwhile."""
     path = _path()
+    merged: dict[str, object] = {}
+    try:
+        on_disk = json.loads(path.read_text(encoding="utf-8"))
+        merged = on_disk if isinstance(on_disk, dict) else {}
+    except (OSError, ValueError):
+        pass
+    merged.update(verdicts)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(verdicts, indent=1, sort_keys=True), encoding="utf-8")
+        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True), encoding="utf-8")
         tmp.replace(path)
     except OSError as exc:
         log.warning("could not keep the thread timings in %s: %s", path, exc)

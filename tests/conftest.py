@@ -12,6 +12,9 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A fixed count, as if asked for: loads do not time their own (tests/test_threads.py does).
 os.environ.setdefault("INFERSIGHT_THREADS", str(min(2, os.cpu_count() or 1)))
+# Every packable linear packed, as loads did before layouts were timed: one path whatever the
+# machine's noise (tests/test_linear_layout.py times them).
+os.environ.setdefault("INFERSIGHT_LAYOUT", "packed")
 torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
 
 TINY = dict(

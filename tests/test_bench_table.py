@@ -24,12 +24,15 @@ FAKE_LLAMA_CPP = textwrap.dedent(
         def __init__(self, model_path, n_threads, **kwargs):
             if not model_path.endswith(".gguf"):
                 raise ValueError(f"not a GGUF: {model_path}")
+            print("llama_model_loader: a line the C library wrote", flush=True)
             self.threads = n_threads
 
         def reset(self):
             pass
 
         def generate(self, tokens, temp, reset):
+            if tokens == [999]:  # hangs
+                time.sleep(60)
             token = len(tokens)
             while True:
                 time.sleep(0.001)
@@ -121,9 +124,17 @@ def test_a_peer_error_is_reported_and_the_peer_lives_on(fake_python, tmp_path):
     assert peer.proc.returncode == 0
 
 
+def test_a_peer_that_hangs_is_killed_at_its_deadline(fake_python, tmp_path):
+    peer = LlamaCppPeer(fake_python, tmp_path / "model.gguf", 1, timeout_s=1)
+    with pytest.raises(InfersightError, match="did not answer 'run' in 1 s"):
+        peer.run([999], 4)
+    assert peer.proc.poll() is not None  # killed, not left behind
+
+
 def test_a_peer_refusing_the_model_says_why(fake_python, tmp_path):
     with pytest.raises(InfersightError, match="not a GGUF"):
         LlamaCppPeer(fake_python, tmp_path / "model.bin", 1)
+    # (the failed peer was closed: no process of this test is left running)
 
 
 def test_bench_table_needs_the_default_model_for_llama_cpp(tiny_model_dir, capsys):

@@ -28,12 +28,12 @@ def test_off_and_auto_on_an_unmeasured_kind_stay_eager(monkeypatch):
 
 def test_auto_compiles_where_measured_faster(monkeypatch):
     monkeypatch.setattr(decode_graph, "FASTER_COMPILED", frozenset({decode_graph.device_kind(CPU)}))
-    monkeypatch.setattr(decode_graph, "compiler_problem", lambda: "")
+    monkeypatch.setattr(decode_graph, "compiler_problem", lambda _device: "")
     assert choose("auto", CPU).compiled
 
 
 def test_on_without_a_compiler_says_why_and_stays_eager(monkeypatch):
-    monkeypatch.setattr(decode_graph, "compiler_problem", lambda: "no C++ compiler found")
+    monkeypatch.setattr(decode_graph, "compiler_problem", lambda _device: "no C++ compiler found")
     choice = choose("on", CPU)
     assert not choice.compiled
     assert "no C++ compiler found" in choice.summary()
@@ -101,13 +101,56 @@ def test_compiled_batches_give_what_each_request_gives_alone(compiled_llama):
     prompts = _prompts(hf.config.vocab_size)
     ids = [engine.add_request(p, params) for p in prompts]  # ragged: a padded, masked batch
     together: dict[str, list[int]] = {rid: [] for rid in ids}
+    decode_only = 0
+    context = engine.kv.context
     while engine.has_work():
+        ctx = context  # count the steps that take the compiled path
+
+        def counted(chunks, ctx=ctx):
+            nonlocal decode_only
+            made = ctx(chunks)
+            decode_only += made.decode_only
+            return made
+
+        engine.kv.context = counted
         for event in engine.step():
             if event.token_id is not None:
                 together[event.request_id].append(event.token_id)
-    assert calls[0] > 0
+    engine.kv.context = context
+    assert decode_only >= STEPS - 1 and calls[0] == decode_only
     for prompt, rid in zip(prompts, ids, strict=True):
         assert together[rid] == _hf_greedy(hf, prompt, STEPS)
+
+
+def test_shapes_no_graph_covers_run_eagerly_instead_of_compiling(compiled_llama):
+    from torch._dynamo.utils import counters
+
+    engine, hf = compiled_llama
+    calls = _counting(engine)
+    graphs = counters["stats"]["unique_graphs"]
+    prompt = [7]  # its first decode step has one key: a size Inductor specialises
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    ours = [e.token_id for e in engine.generate(prompt, params) if e.token_id is not None]
+    assert ours == _hf_greedy(hf, prompt, 6)
+    # the one-token prompt is itself a decode-shaped step: six steps, none compiled anew
+    assert calls[0] == 6 and counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_graph_that_fails_mid_reply_hands_over_to_eager(tiny_model_dir):
+    folder, hf = tiny_model_dir("llama", True)
+    engine = LLMEngine.load(folder, config=EngineConfig(decode_graph="off", num_blocks=16))
+    calls = [0]
+
+    def breaks(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        raise RuntimeError("a kernel fell over")
+
+    engine.model.compiled_decode = breaks
+    prompt = _prompts(hf.config.vocab_size)[0]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    ours = [e.token_id for e in engine.generate(prompt, params) if e.token_id is not None]
+    assert ours == _hf_greedy(hf, prompt, 6)
+    assert calls[0] == 1 and engine.model.compiled_decode is None
 
 
 def test_layer_timings_run_every_step_eagerly(compiled_llama):
@@ -135,7 +178,7 @@ def test_a_failed_compile_leaves_a_working_eager_engine(tiny_model_dir, monkeypa
 
         return fails
 
-    monkeypatch.setattr(decode_graph, "compiler_problem", lambda: "")
+    monkeypatch.setattr(decode_graph, "compiler_problem", lambda _device: "")
     monkeypatch.setattr(decode_graph, "compile_forward", broken)
     engine = LLMEngine.load(folder, config=EngineConfig(decode_graph="on", num_blocks=16))
     assert not engine.graph.compiled

@@ -23,6 +23,7 @@ needs_packing = pytest.mark.skipif(
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Iterator[object]:
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+    monkeypatch.delenv(linear.LAYOUT_ENV, raising=False)
     linear._verdicts.cache_clear()
     yield tmp_path
     linear._verdicts.cache_clear()
@@ -83,6 +84,15 @@ def test_the_loader_packs_only_where_packing_measured_faster(
     # pack=True packs every linear whatever the timings (the tests of the packed path)
     forced = LLMEngine.load(folder, pack=True).model
     assert all(type(m) is not nn.Linear for m in forced.modules())
+
+
+@needs_packing
+def test_the_layout_switch_skips_the_timing(monkeypatch):
+    monkeypatch.setattr(linear, "layout_timing", lambda *a: pytest.fail("timed"))
+    monkeypatch.setenv(linear.LAYOUT_ENV, "plain")
+    assert not linear.packs(torch.float32, 96, 64)
+    monkeypatch.setenv(linear.LAYOUT_ENV, "packed")
+    assert linear.packs(torch.float32, 96, 64)
 
 
 @needs_packing
