@@ -15,20 +15,18 @@ linears.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import platform
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import measured
 from engine.hardware import cpu_paths
 
 log = logging.getLogger(__name__)
@@ -150,43 +148,22 @@ def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> Lay
 
 @functools.cache
 def _verdicts() -> dict[str, dict[str, LayoutTiming]]:
-    """The per-machine verdicts on disk (read once per process)."""
-    path = _kernels_path()
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return {
-            machine: {shape: LayoutTiming(**t) for shape, t in shapes.items()}
-            for machine, shapes in raw.items()
-        }
-    except (OSError, ValueError, TypeError, AttributeError):
-        return {}  # none yet, or unreadable: time again
-
-
-def _kernels_path() -> Path:
-    from engine.model_store import home
-
-    return home() / KERNELS_FILE
+    """The per-machine verdicts on disk (read once per process; unreadable ones are timed
+    again)."""
+    verdicts: dict[str, dict[str, LayoutTiming]] = {}
+    for machine, shapes in measured.read(KERNELS_FILE).items():
+        try:
+            verdicts[machine] = {shape: LayoutTiming(**t) for shape, t in shapes.items()}
+        except TypeError:
+            continue
+    return verdicts
 
 
 def _save_verdicts(verdicts: dict[str, dict[str, LayoutTiming]]) -> None:
-    """Write the verdicts, merged over what another process may have written meanwhile."""
-    path = _kernels_path()
-    raw: dict[str, dict[str, Any]] = {}
-    try:
-        on_disk = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(on_disk, dict):
-            raw = {m: dict(s) for m, s in on_disk.items() if isinstance(s, dict)}
-    except (OSError, ValueError):
-        pass
-    for machine, shapes in verdicts.items():
-        raw.setdefault(machine, {}).update({s: asdict(t) for s, t in shapes.items()})
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(raw, indent=1, sort_keys=True), encoding="utf-8")
-        tmp.replace(path)
-    except OSError as exc:  # a read-only cache costs a timing at the next load, nothing more
-        log.warning("could not keep the layout timings in %s: %s", path, exc)
+    measured.write(
+        KERNELS_FILE,
+        {m: {s: asdict(t) for s, t in shapes.items()} for m, shapes in verdicts.items()},
+    )
 
 
 _LOCK = threading.Lock()  # the app loads models on a thread of its own

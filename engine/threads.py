@@ -12,15 +12,15 @@ process-wide setting in torch: the last CPU load's choice holds for every engine
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import threading
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from engine import measured
 
 log = logging.getLogger(__name__)
 
@@ -146,35 +146,16 @@ def _time_linears(linears: list[nn.Module], dtype: torch.dtype, threads: int) ->
     return best * 1e3
 
 
-def _path() -> Path:
-    from engine.model_store import home
-
-    return home() / FILE
-
-
 @functools.cache
 def _verdicts() -> dict[str, dict[str, float]]:
-    try:
-        raw = json.loads(_path().read_text(encoding="utf-8"))
-        return {k: {t: float(ms) for t, ms in v.items()} for k, v in raw.items()}
-    except (OSError, ValueError, TypeError, AttributeError):
-        return {}
+    out = {}
+    for key, timings in measured.read(FILE).items():
+        try:
+            out[key] = {t: float(ms) for t, ms in timings.items()}
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def _save(verdicts: dict[str, dict[str, float]]) -> None:
-    """Write the verdicts, merged over what another process may have written meanwhile."""
-    path = _path()
-    merged: dict[str, object] = {}
-    try:
-        on_disk = json.loads(path.read_text(encoding="utf-8"))
-        merged = on_disk if isinstance(on_disk, dict) else {}
-    except (OSError, ValueError):
-        pass
-    merged.update(verdicts)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True), encoding="utf-8")
-        tmp.replace(path)
-    except OSError as exc:
-        log.warning("could not keep the thread timings in %s: %s", path, exc)
+    measured.write(FILE, dict(verdicts))
