@@ -600,8 +600,12 @@ def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
 
 def compute_paths(engine: LLMEngine) -> tuple[str, ...]:
     """What the load report says about how the model computes: on a CPU which fast paths the
-    probe found, then each kind of weight with its format and path."""
+    probe found and the thread count, whether decode steps run compiled, then each kind of
+    weight with its format and path."""
     from engine.hardware import cpu_paths
 
-    head = (cpu_paths().summary(),) if engine.device.type == "cpu" else ()
+    head: tuple[str, ...] = ()
+    if engine.device.type == "cpu":
+        head = (cpu_paths().summary(), engine.threads_report)
+    head += (engine.graph.summary(),)
     return head + tuple(f"{g.kind}: {g.form}" for g in engine.weight_groups)

@@ -192,6 +192,8 @@ class LLMEngine:
         self.hold_s = 0.0
         #: how decode steps run (eager or one compiled graph), settled by :meth:`load`
         self.graph = decode_graph.GraphChoice(False, "not compiled (engine built directly)")
+        #: the CPU thread count :meth:`load` settled, and why (one line)
+        self.threads_report = ""
 
     @classmethod
     def load(
@@ -236,6 +238,7 @@ class LLMEngine:
             name=folder.name, num_parameters=num_parameters, config=config, precision=spec,
         )  # fmt: skip
         engine.default_sampling = generation_config_sampling(folder)
+        engine.threads_report = threads
         engine.graph = engine._settle_decode_graph()
         log.info(
             "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights, "

@@ -357,6 +357,8 @@ def test_instruments_show_the_engines_figures(qtbot: object, window: MainWindow)
     assert window.chat.last is not None and window.chat.last.view.stats == stats_text(s)
     tip = window.status_model.toolTip()  # which CPU paths and kernels this model runs
     assert cpu_paths().summary() in tip.splitlines()
+    assert engine.threads_report.endswith(", as asked")  # the tests fix the count
+    assert {engine.threads_report, engine.graph.summary()} <= set(tip.splitlines())
     assert {f"{g.kind}: {g.form}" for g in engine.weight_groups} <= set(tip.splitlines())
 
     # the block map, frozen mid-reply, against a recount of the block tables
