@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -438,6 +439,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     parse_precision(args.precision, device)
     _set_threads(args.threads)
     config = engine_config(args, max_batch_size=max(args.max_batch_size))
+    if args.table:
+        _check_table_args(args)
     folder = resolve_model_folder(args.model, progress_printer())
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     if args.profile:
@@ -476,19 +479,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -> int:
-    from engine.bench import BenchConfig, format_table, run_table
+def _check_table_args(args: argparse.Namespace) -> None:
+    """``bench --table``'s arguments, checked before anything loads."""
     from engine.engine import parse_precision
-    from engine.model_store import default_gguf_path, fetch_default_gguf
 
     for precision in args.table:
         parse_precision(precision, "cpu")
+    if args.llama_cpp is None:
+        return
+    if args.model != "default":
+        raise InvalidRequestError("--llama-cpp runs the default model's GGUF; use --model default")
+    if shutil.which(args.llama_cpp) is None:
+        raise InvalidRequestError(
+            f"--llama-cpp {args.llama_cpp}: no such program; give the Python of an environment "
+            "with llama-cpp-python (`make bench-peers` builds .peers/venv)"
+        )
+
+
+def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -> int:
+    from engine.bench import BenchConfig, format_table, run_table
+    from engine.model_store import default_gguf_path, fetch_default_gguf
+
     gguf = None
     if args.llama_cpp:
-        if args.model != "default":
-            raise InvalidRequestError(
-                "--llama-cpp runs the default model's GGUF; use --model default"
-            )
         gguf = default_gguf_path() if default_gguf_path().is_file() else fetch_default_gguf()
     report = run_table(
         folder,

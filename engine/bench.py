@@ -528,9 +528,15 @@ class LlamaCppPeer:
 
         script = Path(__file__).with_name("llamacpp_peer.py")
         self.timeout_s = timeout_s
-        self.proc = subprocess.Popen(
-            [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+        except OSError as exc:
+            raise InfersightError(
+                f"cannot start {python} for llama.cpp ({exc.strerror}); give the Python of an "
+                "environment with llama-cpp-python (`make bench-peers` builds .peers/venv)"
+            ) from None
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.gguf = gguf
@@ -567,7 +573,10 @@ class LlamaCppPeer:
                     f"llama.cpp did not answer {command[0]!r} in {self.timeout_s:.0f} s"
                 ) from None
             if line is None:
-                raise InfersightError(f"the llama.cpp process exited (asked: {command[0]})")
+                raise InfersightError(
+                    f"the llama.cpp process exited (asked: {command[0]}); does its Python have "
+                    "llama-cpp-python? (`make bench-peers` builds .peers/venv)"
+                )
             if line.startswith("{"):
                 answer: dict[str, Any] = json.loads(line)
                 break

@@ -100,10 +100,18 @@ def compiler_problem(device_type: str = "cpu") -> str:
         x = torch.linspace(-2, 2, 16, device=device_type)
         ok = torch.allclose(torch.compile(tiny)(x), tiny(x))
     except Exception as exc:  # any failure means "not here"; the reason goes to the report
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.info("TorchInductor unavailable: %s", first)
-        return first[:160]
+        why = reason(exc)
+        log.info("TorchInductor unavailable: %s", why)
+        return why
     return "" if ok else "a compiled probe gave wrong results"
+
+
+def reason(exc: BaseException) -> str:
+    """One line for the load report: the first line of ``exc`` that says what went wrong
+    (Dynamo wraps a backend's error under a "backend='inductor' raised:" line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.endswith("raised:")] or [type(exc).__name__]
+    return lines[0][:160]
 
 
 class CompiledDecode:

@@ -277,9 +277,9 @@ class LLMEngine:
             compiled.warm = True
         except Exception as exc:  # an Inductor failure on this model: eager still works
             model.compiled_decode = None
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            log.warning("compiling the decode step failed, running eagerly: %s", first)
-            return decode_graph.GraphChoice(False, f"compiling failed ({first[:120]}); eager")
+            why = decode_graph.reason(exc)
+            log.warning("compiling the decode step failed, running eagerly: %s", why)
+            return decode_graph.GraphChoice(False, f"compiling failed ({why}); eager")
         took = time.perf_counter() - started
         return decode_graph.GraphChoice(True, f"{choice.why}, compiled in {took:.0f} s")
 

@@ -144,3 +144,14 @@ def test_bench_table_needs_the_default_model_for_llama_cpp(tiny_model_dir, capsy
     rc = main(["bench", "--model", str(folder), "--table", "fp32", "--llama-cpp", sys.executable])
     assert rc != 0
     assert "--model default" in capsys.readouterr().err
+
+
+def test_a_missing_peer_python_is_refused_before_anything_loads(capsys):
+    from app.cli import main
+
+    rc = main(["bench", "--table", "fp32", "--llama-cpp", "/no/such/python"])
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert "no such program" in err and "make bench-peers" in err
+    with pytest.raises(InfersightError, match="cannot start /no/such/python"):
+        LlamaCppPeer("/no/such/python", Path("model.gguf"), 1)

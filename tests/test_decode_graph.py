@@ -188,3 +188,9 @@ def test_a_failed_compile_leaves_a_working_eager_engine(tiny_model_dir, monkeypa
     prompt = _prompts(hf.config.vocab_size)[1]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     assert [e.token_id for e in engine.generate(prompt, params)] == _hf_greedy(hf, prompt, 8)
+
+
+def test_the_reason_is_the_line_that_says_what_went_wrong():
+    wrapped = RuntimeError("backend='inductor' raised:\nCppCompileError: C++ compile error\n\nmore")
+    assert decode_graph.reason(wrapped) == "CppCompileError: C++ compile error"
+    assert decode_graph.reason(RuntimeError("")) == "RuntimeError"
