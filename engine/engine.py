@@ -228,7 +228,7 @@ class LLMEngine:
         num_parameters = parameter_count(model) + quantized_parameter_count(model)
         threads = ""
         if torch_device.type == "cpu":
-            # Threads first: the layout timings below are kept per thread count.
+            # Threads first: the layout timings below then run at the count decode will use.
             threads = settle_threads(model, dtype)
             if pack is not False:
                 pack_linears(model, timed=pack is None)
@@ -297,7 +297,7 @@ class LLMEngine:
         try:
             for rid in ids:
                 mgr.grow(rid, 2)
-            self.model(
+            model(
                 torch.zeros(2 * batch, dtype=torch.long, device=self.device),
                 torch.arange(2, device=self.device).repeat(batch),
                 self.kv.context([SeqChunk(rid, 0, 2) for rid in ids]),

@@ -22,8 +22,11 @@ CPU = torch.device("cpu")
 def test_off_and_auto_on_an_unmeasured_kind_stay_eager(monkeypatch):
     assert choose("off", CPU) == GraphChoice(False, "off as asked")
     monkeypatch.setattr(decode_graph, "FASTER_COMPILED", frozenset())
+    monkeypatch.setattr(decode_graph, "EAGER_MEASURED", frozenset())
     auto = choose("auto", CPU)
-    assert not auto.compiled and "(auto)" in auto.why
+    assert not auto.compiled and auto.why.startswith("not yet measured on cpu/")
+    monkeypatch.setattr(decode_graph, "EAGER_MEASURED", frozenset({decode_graph.device_kind(CPU)}))
+    assert "compiling costs more at load than it saves" in choose("auto", CPU).why
 
 
 def test_auto_compiles_where_measured_faster(monkeypatch):
