@@ -148,6 +148,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=cmd_bench)
 
+    p = sub.add_parser(
+        "tune",
+        help="the batching tuner: load (closed or open loop) under one setting of the "
+        "scheduler limits or a sweep over a grid of them",
+        description="Runs the load generator (engine/loadgen.py) against the model under each "
+        "combination of the limits and loads given, and prints vLLM-bench figures per setting, "
+        "the Pareto front of throughput against p95 latency, the best setting for the SLO and "
+        "where latency starts to grow faster than the load (the knee).",
+    )
+    _model_args(p)
+    _engine_args(p, limits=False)
+    g = p.add_argument_group("load")
+    g.add_argument(
+        "--mode", choices=("closed", "constant", "poisson"), default="closed",
+        help="closed: --users concurrent users; constant or poisson: --rate requests/s",
+    )  # fmt: skip
+    g.add_argument("--users", type=int, nargs="+", default=[8], help="closed loop: users")
+    g.add_argument("--rate", type=float, nargs="+", default=[1.0], help="open loop: requests/s")
+    g.add_argument("--burstiness", type=float, default=1.0, help="poisson: gamma shape")
+    g.add_argument("--requests", type=int, default=32, help="requests per setting")
+    g.add_argument(
+        "--duration", type=float, default=None, help="seconds per setting (instead of a count)"
+    )
+    g.add_argument("--output-median", type=int, default=96, help="output tokens, median")
+    g.add_argument("--output-max", type=int, default=320, help="output tokens, at most")
+    g.add_argument("--documents", type=float, default=0.25, help="share of document prompts")
+    g.add_argument("--conversations", type=float, default=0.15, help="share of long conversations")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("limits (each a list: the sweep runs every combination)")
+    g.add_argument("--max-batch-size", type=int, nargs="+", default=[16])
+    g.add_argument("--max-tokens-per-step", type=int, nargs="+", default=[512])
+    g.add_argument("--max-wait-ms", type=float, nargs="+", default=[0.0])
+    g.add_argument(
+        "--kv-blocks", type=int, nargs="+", default=None, help="usable KV blocks (default: all)"
+    )
+    g = p.add_argument_group("reading the sweep")
+    g.add_argument(
+        "--slo", default="ttft=2s,tpot=150ms", help="per-request SLO for goodput and the best "
+        "setting, e.g. ttft=500ms,tpot=100ms",
+    )  # fmt: skip
+    g.add_argument(
+        "--capacity", type=float, default=None, metavar="RATE",
+        help="machines like this one needed for RATE requests/s on average, from the knee",
+    )  # fmt: skip
+    g.add_argument("--peak-factor", type=float, default=3.0)
+    g.add_argument("--headroom", type=float, default=1.5)
+    g.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(handler=cmd_tune)
+
     p = sub.add_parser("eval", help="quality: perplexity, or two precisions compared")
     esub = p.add_subparsers(metavar="ACTION", required=True)
     ep = esub.add_parser("ppl", help="perplexity on a held text (default: Twelfth Night)")
@@ -239,7 +288,7 @@ def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
         p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
     g = p.add_argument_group("KV cache and scheduling")
     g.add_argument(
         "--kv-memory",
@@ -249,7 +298,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-tokens-per-step", type=int, default=512, help="prefill chunk budget")
+    if limits:
+        g.add_argument("--max-tokens-per-step", type=int, default=512, help="prefill chunk budget")
     g.add_argument(
         "--cache-window",
         type=int,
@@ -267,11 +317,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config(args: argparse.Namespace, max_batch_size: int = 16) -> Any:
+def engine_config(
+    args: argparse.Namespace, max_batch_size: int = 16, max_tokens_per_step: int | None = None
+) -> Any:
     from engine.engine import EngineConfig
     from engine.kv_cache import CacheWindow
     from engine.scheduler import SchedulerLimits
 
+    if max_tokens_per_step is None:
+        max_tokens_per_step = args.max_tokens_per_step
     window = None
     if args.cache_window is not None:
         if args.cache_window < 1 or args.sink < 0:
@@ -282,7 +336,7 @@ def engine_config(args: argparse.Namespace, max_batch_size: int = 16) -> Any:
         num_blocks=args.num_blocks,
         kv_memory=args.kv_memory,
         limits=SchedulerLimits(
-            max_batch_size=max_batch_size, max_tokens_per_step=args.max_tokens_per_step
+            max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step
         ),
         window=window,
         decode_graph=args.decode_graph,
@@ -547,6 +601,99 @@ def _read_text_file(path: str) -> str:
         raise InvalidRequestError(f"{path} does not exist; give a UTF-8 text file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"cannot read {path} as UTF-8 text: {exc}") from exc
+
+
+def tune_settings(args: argparse.Namespace) -> tuple[list[Any], Any]:
+    """``tune``'s grid and SLO from its arguments, every value checked before a load."""
+    from engine.loadgen import SLO, LoadSpec, PromptMix
+    from engine.tuning import grid
+
+    mix = PromptMix(
+        documents=args.documents, conversations=args.conversations,
+        output_median=args.output_median, output_max=args.output_max,
+        output_min=min(16, args.output_median),
+    )  # fmt: skip
+    base = LoadSpec(
+        mode=args.mode, burstiness=args.burstiness, seed=args.seed, mix=mix,
+        requests=None if args.duration is not None else args.requests,
+        duration_s=args.duration,
+    )  # fmt: skip
+    loads = args.users if args.mode == "closed" else args.rate
+    for value in loads:
+        LoadSpec(mode=args.mode, users=int(value), rate=float(value))  # checks each one
+    for name in ("max_batch_size", "max_tokens_per_step", "kv_blocks"):
+        if any(v < 1 for v in getattr(args, name) or ()):
+            raise InvalidRequestError(f"--{name.replace('_', '-')} values must be at least 1")
+    if any(not w >= 0 for w in args.max_wait_ms):
+        raise InvalidRequestError("--max-wait-ms values must be >= 0")
+    settings = grid(
+        base, max_batch_size=args.max_batch_size, max_tokens_per_step=args.max_tokens_per_step,
+        max_wait_ms=args.max_wait_ms, kv_blocks=args.kv_blocks or (), loads=loads,
+    )  # fmt: skip
+    slo = SLO.parse(args.slo) if args.slo else None
+    return settings, slo
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from app.loading import resolve_device, resolve_model_folder
+    from engine.engine import LLMEngine, parse_precision
+    from engine.loadgen import drive
+    from engine.tuning import Sweep, format_points, sweep_report
+
+    settings, slo = tune_settings(args)
+    device = resolve_device(args.device)
+    parse_precision(args.precision, device)
+    _set_threads(args.threads)
+    config = engine_config(
+        args, max_batch_size=max(args.max_batch_size),
+        max_tokens_per_step=max(args.max_tokens_per_step),
+    )  # fmt: skip
+    folder = resolve_model_folder(args.model, progress_printer())
+    engine = LLMEngine.load(folder, precision=args.precision, device=device, config=config)
+    sweep = Sweep(engine, settings, slo=slo)
+    shown = [0]
+
+    def progress() -> None:
+        if len(sweep.points) > shown[0]:
+            shown[0] = len(sweep.points)
+            p = sweep.points[-1]
+            r = p.result
+            line = f"{r.output_throughput:.1f} out tok/s, p95 TTFT {r.ttft_ms['p95']:.0f} ms"
+            print(f"[{shown[0]}/{len(settings)}] {p.label}: {line}", file=sys.stderr)
+
+    try:
+        drive(engine, sweep, on_step=progress)
+    except KeyboardInterrupt:
+        sweep.stop()
+        print("stopped: the settings measured so far follow", file=sys.stderr)
+    progress()
+    report = sweep_report(
+        sweep.points, slo, target_rate=args.capacity, peak_factor=args.peak_factor,
+        headroom=args.headroom,
+    )  # fmt: skip
+    where = str(device)
+    if engine.device.type == "cpu":
+        where += f", {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    report = {"model": engine.name, "precision": args.precision, "device": where,
+              "kv_blocks": engine.kv.manager.num_blocks, **report}  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{engine.name} · {args.precision} · {where} · KV pool {engine.kv.manager.num_blocks} "
+          f"blocks × {engine.kv.block_size}")  # fmt: skip
+    print(format_points(sweep.points, slo))
+    print("Pareto front (output tok/s vs p95 TTFT): " + ", ".join(report["pareto_ttft"]))
+    if slo is not None:
+        print(f"best for {slo.describe()} at p95: {report['best_for_slo'] or 'none meets it'}")
+    for name, k in report["knees"].items():
+        print(f"knee of {name}: {k['label']} ({k['request_throughput']:.2f} req/s)")
+        if "capacity" in k:
+            print("  " + k["capacity"]["text"])
+    if args.capacity is not None and not report["knees"]:
+        print("no knee: sweep at least three loads of one setting, up to where latency grows")
+    return 0
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:

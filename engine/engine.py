@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from engine.quant import (
     parse_precision_spec,
 )
 from engine.sampling import SamplingParams, make_generator, sample
-from engine.scheduler import Scheduler, SchedulerLimits
+from engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from engine.sequence import FinishReason, Status
 from engine.sequence import Sequence as Seq
 from engine.threads import settle_threads
@@ -355,9 +355,12 @@ class LLMEngine:
         priority: int = 0,
         timeout_s: float | None = None,
         request_id: str | None = None,
+        arrival: float | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises at once for a request that can never run
-        and :class:`EngineBusyError` when the waiting queue is full."""
+        and :class:`EngineBusyError` when the waiting queue is full. ``arrival`` (a
+        ``time.perf_counter()`` time, default now) is when the request was due: a load
+        generator that adds it late still counts its queue time and TTFT from then."""
         prompt = list(prompt_ids)
         self._validate_prompt(prompt)
         limits = self.scheduler.limits
@@ -371,7 +374,8 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        seq = Seq(rid, prompt, params, time.perf_counter(), priority, timeout_s)
+        arrived = time.perf_counter() if arrival is None else arrival
+        seq = Seq(rid, prompt, params, arrived, priority, timeout_s)
         seq.max_new_tokens = max_new
         seq.generator = make_generator(params.seed, self.device)
         seq.history = torch.empty(len(prompt) + max_new, dtype=torch.long, device=self.device)
@@ -395,17 +399,22 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
 
-    def _check_fits(self, tokens: int) -> None:
-        mgr = self.kv.manager
+    def _kv_tokens(self, tokens: int) -> int:
+        """KV slots a request of ``tokens`` tokens holds at most at once."""
         if self.window is not None:  # blocks outside sink + window are given back as it runs
             w = self.window
             chunk = self.scheduler.limits.max_tokens_per_step
-            tokens = min(tokens, w.sink + w.window + chunk + 2 * mgr.block_size)
+            tokens = min(tokens, w.sink + w.window + chunk + 2 * self.kv.manager.block_size)
+        return tokens
+
+    def _check_fits(self, tokens: int) -> None:
+        mgr = self.kv.manager
+        tokens = self._kv_tokens(tokens)
         needed = mgr.blocks_for(tokens)
-        if needed > mgr.num_blocks:
+        if needed > mgr.capacity:
             raise InvalidRequestError(
                 f"this request needs up to {tokens} tokens of KV cache ({needed} blocks) but the "
-                f"pool holds {mgr.num_blocks} blocks ({mgr.num_blocks * mgr.block_size} tokens); "
+                f"pool holds {mgr.capacity} blocks ({mgr.capacity * mgr.block_size} tokens); "
                 "shorten the prompt, lower max_new_tokens or give the KV cache more memory"
             )
 
@@ -420,9 +429,34 @@ class LLMEngine:
         return True
 
     def update_limits(self, **changes: float) -> SchedulerLimits:
-        """Change scheduler limits on a live engine; they apply from the next step."""
-        self.scheduler.limits = self.scheduler.limits.updated(**changes)
-        return self.scheduler.limits
+        """Change scheduler limits on a live engine; they apply from the next step.
+        ``kv_blocks`` caps the blocks in use at once (at most the pool's size): lowering it
+        below what runs makes the scheduler preempt, and it is refused below what the
+        largest live request needs on its own."""
+        blocks = changes.pop("kv_blocks", None)
+        limits = self.scheduler.limits.updated(**changes)
+        if blocks is not None:
+            self._set_kv_capacity(int(blocks))
+        self.scheduler.limits = limits
+        return limits
+
+    def _set_kv_capacity(self, blocks: int) -> None:
+        mgr = self.kv.manager
+        if not 1 <= blocks <= mgr.num_blocks:
+            raise InvalidRequestError(
+                f"kv_blocks must be in [1, {mgr.num_blocks}] (the pool's size), got {blocks}"
+            )
+        need = max(
+            (mgr.blocks_for(self._kv_tokens(len(s.prompt_ids) + s.max_new_tokens))
+             for s in self._seqs.values()),
+            default=1,
+        )  # fmt: skip
+        if blocks < need:
+            raise InvalidRequestError(
+                f"a KV pool of {blocks} blocks cannot hold a running request that needs "
+                f"{need}; give it at least {need} blocks"
+            )
+        mgr.set_capacity(blocks)
 
     def set_window(self, window: CacheWindow | None) -> None:
         """Turn the cache window on, off or change it; applies from the next step."""
@@ -444,6 +478,8 @@ class LLMEngine:
         for seq in out.timed_out:
             events.append(self._finish(seq, FinishReason.TIMEOUT, started))
         if not out.chunks:
+            if out.preempted:  # everything running was preempted: the step did no work
+                self._record_step(out, started, started, prompt_tokens=0, generated=0)
             return events
 
         ids: list[int] = []
@@ -485,18 +521,29 @@ class LLMEngine:
         prompt_tokens = sum(
             max(0, min(c.start + c.length, len(c.seq.prompt_ids)) - c.start) for c in out.chunks
         )
-        mgr = self.kv.manager
+        self._record_step(out, started, now, prompt_tokens=prompt_tokens, generated=len(tokens))
+        return events
+
+    def _record_step(
+        self, out: SchedulerOutput, started: float, now: float, *, prompt_tokens: int,
+        generated: int,
+    ) -> None:  # fmt: skip
+        decode = sum(1 for c in out.chunks if c.length == 1)
         self.collector.record_step(
             StepRecord(
                 end=now,
                 duration_s=now - started,
                 batch_size=len(out.chunks),
                 prompt_tokens=prompt_tokens,
-                generated_tokens=len(tokens),
-                kv_used_blocks=mgr.num_blocks - mgr.num_free,
+                generated_tokens=generated,
+                kv_used_blocks=self.kv.manager.num_used,
+                decode_tokens=decode,
+                prefill_tokens=sum(c.length for c in out.chunks) - decode,
+                token_budget=self.scheduler.limits.max_tokens_per_step,
+                preempted=len(out.preempted),
+                waiting=len(self.scheduler.waiting),
             )
         )
-        return events
 
     def _append(self, seq: Seq, token: int, now: float) -> TokenEvent:
         seq.output_ids.append(token)
@@ -568,6 +615,9 @@ class LLMEngine:
             total_prompt_tokens=self.collector.total_prompt_tokens,
             total_generated_tokens=self.collector.total_generated_tokens,
             kv_block_owners=tuple(self.kv.manager.owners()),
+            limits={**asdict(self.scheduler.limits), "kv_blocks": self.kv.manager.capacity},
+            recent_steps=tuple(self.collector.recent),
+            total_preemptions=self.collector.total_preemptions,
             **summary,
         )
 

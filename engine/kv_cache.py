@@ -65,6 +65,9 @@ class BlockManager:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV pool needs at least one block of at least one token")
         self.num_blocks = num_blocks
+        #: blocks that may be in use at once (<= num_blocks): the KV-pool limit a user can
+        #: lower on a live engine (the tuner's slider) without reallocating the tensors
+        self.capacity = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
@@ -74,7 +77,19 @@ class BlockManager:
     # -- questions ---------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can still be handed out under :attr:`capacity`."""
+        return max(0, len(self._free) - (self.num_blocks - self.capacity))
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def set_capacity(self, blocks: int) -> None:
+        """Let at most ``blocks`` blocks be in use. Lowering it below what is in use takes
+        nothing away: the scheduler preempts as sequences try to grow."""
+        if not 1 <= blocks <= self.num_blocks:
+            raise ValueError(f"the KV pool capacity must be in [1, {self.num_blocks}] blocks")
+        self.capacity = blocks
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -85,13 +100,13 @@ class BlockManager:
         return max(0, self.blocks_for(new_length) - have)
 
     def can_grow(self, seq_id: str, new_length: int) -> bool:
-        return self.blocks_needed(seq_id, new_length) <= len(self._free)
+        return self.blocks_needed(seq_id, new_length) <= self.num_free
 
     # -- changes -----------------------------------------------------------------------------
     def grow(self, seq_id: str, new_length: int) -> None:
         """Give ``seq_id`` slots for tokens ``[0, new_length)`` (allocates on admission too)."""
         needed = self.blocks_needed(seq_id, new_length)
-        if needed > len(self._free):
+        if needed > self.num_free:
             raise MemoryError(f"KV pool exhausted: {seq_id} needs {needed} more block(s)")
         table = self.tables.setdefault(seq_id, [])
         table.extend(self._free.popleft() for _ in range(needed))
@@ -154,13 +169,13 @@ class BlockManager:
         return out
 
     def occupancy(self) -> Occupancy:
-        used = self.num_blocks - len(self._free)
+        used = self.num_used
         stored = 0
         for seq_id, table in self.tables.items():
             held = sum(1 for b in table if b != RELEASED) * self.block_size
             partial = len(table) * self.block_size - self.lengths[seq_id]  # tail of last block
             stored += held - partial
-        return Occupancy(self.num_blocks, used, stored, used * self.block_size - stored)
+        return Occupancy(self.capacity, used, stored, used * self.block_size - stored)
 
 
 @dataclass(frozen=True, slots=True)

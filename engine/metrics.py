@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,12 +43,21 @@ class RequestMetrics:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
+    """One step, and how its token budget was spent: ``decode_tokens`` (one per decoding
+    sequence) + ``prefill_tokens`` (prompt chunks, recomputation after a preemption included)
+    out of ``token_budget`` (``max_tokens_per_step``); the rest went unused."""
+
     end: float
     duration_s: float
     batch_size: int
-    prompt_tokens: int  # tokens prefilled (recomputation included)
+    prompt_tokens: int  # tokens of prompts prefilled (recomputation included)
     generated_tokens: int
     kv_used_blocks: int
+    decode_tokens: int = 0
+    prefill_tokens: int = 0  # tokens in chunks longer than one (prompt and recomputed output)
+    token_budget: int = 0
+    preempted: int = 0  # sequences preempted by recompute while scheduling this step
+    waiting: int = 0  # requests left waiting after scheduling
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +102,11 @@ class MetricsSnapshot:
     total_prompt_tokens: int = 0
     total_generated_tokens: int = 0
     kv_block_owners: tuple[str | None, ...] = ()  # request id owning each pool block
+    #: the scheduler limits in force (``SchedulerLimits`` fields) and the KV pool's usable cap
+    limits: dict[str, float] = field(default_factory=dict)
+    #: the last steps, oldest first (what the tuner's per-step strip draws)
+    recent_steps: tuple[StepRecord, ...] = ()
+    total_preemptions: int = 0
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -106,15 +120,25 @@ def percentiles(values: list[float]) -> dict[str, float]:
 class MetricsCollector:
     """Rolling records of steps and finished requests; :meth:`snapshot` summarises them."""
 
+    RECENT_STEPS = 256
+
     def __init__(self, window_s: float = 30.0, max_requests: int = 4096) -> None:
         self.window_s = window_s
         self.steps: deque[StepRecord] = deque()
+        self.recent: deque[StepRecord] = deque(maxlen=self.RECENT_STEPS)
+        self.total_preemptions = 0
+        self.steps_recorded = 0
+        self.batch_size_total = 0
         self.requests: deque[tuple[float, RequestMetrics]] = deque(maxlen=max_requests)
         self.total_prompt_tokens = 0
         self.total_generated_tokens = 0
 
     def record_step(self, record: StepRecord) -> None:
         self.steps.append(record)
+        self.recent.append(record)
+        self.total_preemptions += record.preempted
+        self.steps_recorded += 1
+        self.batch_size_total += record.batch_size
         self.total_prompt_tokens += record.prompt_tokens
         self.total_generated_tokens += record.generated_tokens
         self._trim(record.end)

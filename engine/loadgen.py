@@ -1,0 +1,519 @@
+"""Load for the batching tuner: requests arriving as users would send them.
+
+Two ways to make load, as in GuideLLM and ``vllm bench serve``:
+
+* **closed loop**: ``users`` concurrent users, each sending its next request as soon as its
+  last one finished (a fixed concurrency);
+* **open loop**: requests arriving at ``rate`` per second whatever the engine does, evenly
+  spaced (``constant``) or with gamma-distributed gaps (``poisson``; ``burstiness`` is the
+  gamma shape: 1 is a Poisson process, below 1 burstier, above 1 steadier, vLLM's meaning).
+
+Prompts come from the chat-like set in ``resources/prompts/chat.json``: single questions, a
+document with a question about it, and long conversations (earlier turns stitched from the
+set to a sampled length), in shares a :class:`PromptMix` sets; output lengths are drawn from a
+clipped log-normal around a mean. Everything is seeded, so a sweep's settings see the same
+requests. Requests ignore EOS and run to their drawn length (benchmark convention).
+
+:class:`LoadGenerator` does not step the engine: its owner calls :meth:`~LoadGenerator.tick`
+before each ``engine.step()`` (due requests join) and :meth:`~LoadGenerator.observe` with the
+step's events (finished requests are recorded; a closed-loop user sends its next one). So the
+CLI (:func:`drive`) and the app's engine thread run the same generator. :meth:`stop` cancels
+every request it sent, which hands their blocks back at once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from engine.engine import EngineBusyError, LLMEngine, TokenEvent
+from engine.errors import InfersightError, InvalidRequestError
+from engine.metrics import RequestMetrics
+from engine.sampling import SamplingParams
+
+PROMPT_SET = Path(__file__).resolve().parent.parent / "resources" / "prompts" / "chat.json"
+
+Mode = Literal["closed", "constant", "poisson"]
+MODES: tuple[Mode, ...] = ("closed", "constant", "poisson")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptMix:
+    """What the requests look like. Shares not given to documents or conversations are
+    single questions. Conversations are sampled uniformly in ``conversation_tokens``; output
+    lengths from a log-normal with median ``output_median`` and shape ``output_sigma``,
+    clipped to ``[output_min, output_max]``."""
+
+    documents: float = 0.25
+    conversations: float = 0.15
+    conversation_tokens: tuple[int, int] = (500, 1200)
+    output_median: int = 96
+    output_sigma: float = 0.6
+    output_min: int = 16
+    output_max: int = 320
+
+    def __post_init__(self) -> None:
+        shares = (self.documents, self.conversations)
+        if min(shares) < 0 or sum(shares) > 1:
+            raise InvalidRequestError("the document and conversation shares must sum to <= 1")
+        lo, hi = self.conversation_tokens
+        if not 0 < lo <= hi:
+            raise InvalidRequestError("conversation_tokens must be (low, high), 0 < low <= high")
+        if not 1 <= self.output_min <= self.output_median <= self.output_max:
+            raise InvalidRequestError("need 1 <= output_min <= output_median <= output_max")
+        if not self.output_sigma >= 0:
+            raise InvalidRequestError("output_sigma must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """How much load and for how long. With neither ``requests`` nor ``duration_s`` the load
+    runs until stopped (the app's live tuning). After ``duration_s`` no new request is sent
+    and the ones in flight finish."""
+
+    mode: Mode = "closed"
+    users: int = 8
+    rate: float = 1.0  # requests per second, open loop
+    burstiness: float = 1.0
+    requests: int | None = 64
+    duration_s: float | None = None
+    seed: int = 0
+    mix: PromptMix = field(default_factory=PromptMix)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"load mode must be one of {', '.join(MODES)}")
+        if self.users < 1:
+            raise InvalidRequestError(f"users must be >= 1, got {self.users}")
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise InvalidRequestError(f"rate must be > 0 requests/s, got {self.rate}")
+        if not self.burstiness > 0:
+            raise InvalidRequestError(f"burstiness must be > 0, got {self.burstiness}")
+        if self.requests is not None and self.requests < 1:
+            raise InvalidRequestError(f"requests must be >= 1, got {self.requests}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise InvalidRequestError(f"duration must be > 0 s, got {self.duration_s}")
+
+    @property
+    def load(self) -> float:
+        """The offered load on one axis: users (closed loop) or requests/s (open loop)."""
+        return float(self.users) if self.mode == "closed" else self.rate
+
+    def describe(self) -> str:
+        if self.mode == "closed":
+            return f"{self.users} users"
+        shape = "" if self.mode == "constant" or self.burstiness == 1 else f" b{self.burstiness:g}"
+        return f"{self.rate:g} req/s {self.mode}{shape}"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    kind: str  # question | document | conversation
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """A per-request service level: TTFT and TPOT at most these (seconds). A request that
+    meets both counts towards goodput (vLLM's ``--goodput``)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met_by(self, m: RequestMetrics) -> bool:
+        if self.ttft_s is not None and (m.time_to_first_token_seconds or 0.0) > self.ttft_s:
+            return False
+        tpot = m.time_per_output_token_seconds
+        return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """``ttft=500ms,tpot=100ms`` (units ms or s; a bare number is milliseconds)."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = part.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in ("ttft", "tpot"):
+                raise InvalidRequestError(
+                    f"cannot read the SLO {text!r}: give e.g. ttft=500ms,tpot=100ms"
+                )
+            values[key] = _seconds(raw.strip(), text)
+        if not values:
+            raise InvalidRequestError("the SLO is empty: give e.g. ttft=500ms,tpot=100ms")
+        return cls(values.get("ttft"), values.get("tpot"))
+
+    def describe(self) -> str:
+        parts = []
+        if self.ttft_s is not None:
+            parts.append(f"ttft<={self.ttft_s * 1e3:g}ms")
+        if self.tpot_s is not None:
+            parts.append(f"tpot<={self.tpot_s * 1e3:g}ms")
+        return ",".join(parts)
+
+
+def _seconds(raw: str, text: str) -> float:
+    scale = 1e-3
+    for suffix, unit in (("ms", 1e-3), ("s", 1.0)):
+        if raw.endswith(suffix):
+            raw, scale = raw[: -len(suffix)], unit
+            break
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise InvalidRequestError(
+            f"cannot read the SLO {text!r}: give e.g. ttft=500ms,tpot=100ms"
+        ) from None
+    if not value > 0:
+        raise InvalidRequestError(f"SLO times must be > 0 in {text!r}")
+    return value
+
+
+# -- the prompts ----------------------------------------------------------------------------
+
+
+@cache
+def prompt_set(path: Path = PROMPT_SET) -> dict[str, list[str]]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InfersightError(f"cannot read the tuner's prompt set {path}: {exc}") from exc
+    keys = ("questions", "answers", "documents", "document_questions")
+    if not all(isinstance(raw.get(k), list) and raw[k] for k in keys):
+        raise InfersightError(f"{path} needs non-empty lists {', '.join(keys)}")
+    return {k: [str(x) for x in raw[k]] for k in keys}
+
+
+def request_stream(engine: LLMEngine, spec: LoadSpec) -> Iterator[LoadRequest]:
+    """The seeded, endless sequence of requests ``spec`` sends to ``engine``: every request
+    fits the model's context and the KV pool's usable blocks."""
+    rng = random.Random(spec.seed)
+    texts = prompt_set()
+    mix = spec.mix
+    mgr = engine.kv.manager
+    room = min(engine.context_length, mgr.capacity * mgr.block_size) - 1
+    mu = math.log(mix.output_median)
+    while True:
+        out = round(math.exp(rng.gauss(mu, mix.output_sigma)))
+        out = max(mix.output_min, min(mix.output_max, out, room // 2))
+        draw = rng.random()
+        if draw < mix.documents:
+            kind = "document"
+            content = (
+                rng.choice(texts["documents"]) + "\n\n" + rng.choice(texts["document_questions"])
+            )
+            messages = [{"role": "user", "content": content}]
+        elif draw < mix.documents + mix.conversations:
+            kind = "conversation"
+            target = rng.randint(*mix.conversation_tokens)
+            messages = _conversation(engine, rng, texts, min(target, room - out))
+        else:
+            kind = "question"
+            messages = [{"role": "user", "content": rng.choice(texts["questions"])}]
+        ids = engine.chat_prompt_ids(messages)[: room - out]
+        yield LoadRequest(ids, out, kind)
+
+
+def _conversation(
+    engine: LLMEngine, rng: random.Random, texts: dict[str, list[str]], target: int
+) -> list[dict[str, str]]:
+    """Turns of questions and answers until the templated conversation reaches ``target``
+    tokens (estimated from each turn's own length), ending on a user's question."""
+    messages: list[dict[str, str]] = []
+    tokens = 0
+    while True:
+        question = rng.choice(texts["questions"] + texts["documents"])
+        messages.append({"role": "user", "content": question})
+        tokens += len(engine.tokenizer.encode(question)) + 5
+        if tokens >= target:
+            return messages
+        answer = rng.choice(texts["answers"])
+        messages.append({"role": "assistant", "content": answer})
+        tokens += len(engine.tokenizer.encode(answer)) + 5
+
+
+# -- the generator --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """One run's figures, keyed as ``vllm bench serve`` keys its result JSON (times in ms,
+    throughputs per second), plus what the tuner explains them with."""
+
+    setting: dict[str, Any]
+    load: str
+    completed: int
+    failed: int  # refused (queue full) or ended by an error or a timeout
+    duration: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft_ms: dict[str, float]  # mean, median, p95, p99
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2el_ms: dict[str, float]
+    queue_ms: dict[str, float]
+    preemptions: int
+    mean_batch_size: float
+    mean_tokens_per_request: float
+    slo: str = ""
+    request_goodput: float | None = None  # requests/s that met the SLO
+    slo_attainment: float | None = None  # share of completed requests that met it
+    stopped: bool = False  # Stop ended it before its requests or duration were done
+
+    def as_json(self) -> dict[str, Any]:
+        """Flat vLLM-bench keys: ``mean_ttft_ms``, ``median_ttft_ms``, ``p99_ttft_ms`` …"""
+        out: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            if isinstance(value, dict) and key.endswith("_ms"):
+                name = key[:-3]
+                for stat, v in value.items():
+                    out[f"{stat}_{name}_ms"] = v
+            else:
+                out[key] = value
+        return out
+
+
+class Driver(Protocol):
+    """What an engine loop runs alongside its own requests (:func:`drive`, the app worker)."""
+
+    @property
+    def finished(self) -> bool: ...
+
+    def tick(self, now: float) -> None: ...
+
+    def observe(self, events: list[TokenEvent]) -> None: ...
+
+    def next_arrival_in(self, now: float) -> float | None: ...
+
+    def stop(self) -> None: ...
+
+
+class LoadGenerator:
+    """Sends ``spec``'s requests to ``engine`` and records how each one went."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        spec: LoadSpec,
+        *,
+        slo: SLO | None = None,
+        setting: dict[str, Any] | None = None,
+        id_prefix: str = "load",
+    ) -> None:
+        self.engine = engine
+        self.spec = spec
+        self.slo = slo
+        self.setting = dict(setting or {})
+        self._requests = request_stream(engine, spec)
+        self._prefix = id_prefix
+        self._rng = random.Random(spec.seed + 1)  # arrival gaps, apart from the prompts
+        self._sent = 0
+        self._outstanding: set[str] = set()
+        self.records: list[RequestMetrics] = []
+        self.failed = 0
+        self.started: float | None = None
+        self.ended: float | None = None
+        self.stopped = False
+        self._next_arrival: float | None = None
+        self._ready = 0  # closed loop: users free to send
+        self._refused = 0  # closed loop: users whose request the full queue refused
+        self._first_step = (0, 0)
+
+    # -- the protocol ---------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.ended is not None
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._outstanding)
+
+    @property
+    def sent(self) -> int:
+        return self._sent
+
+    def _may_send(self, now: float) -> bool:
+        spec = self.spec
+        if self.stopped or (spec.requests is not None and self._sent >= spec.requests):
+            return False
+        assert self.started is not None
+        return spec.duration_s is None or now - self.started < spec.duration_s
+
+    def _start(self, now: float) -> None:
+        self.started = now
+        collector = self.engine.collector
+        self._first_step = (collector.steps_recorded, collector.batch_size_total)
+        if self.spec.mode == "closed":
+            self._ready = self.spec.users
+        else:
+            self._next_arrival = now
+
+    def tick(self, now: float) -> None:
+        """Send what is due at ``now``."""
+        if self.finished:
+            return
+        if self.started is None:
+            self._start(now)
+        if self.spec.mode == "closed":
+            while self._ready and self._may_send(now):
+                self._ready -= 1
+                self._send(now)
+        else:
+            while self._next_arrival is not None and self._next_arrival <= now:
+                if not self._may_send(self._next_arrival):
+                    self._next_arrival = None
+                    break
+                self._send(self._next_arrival)
+                self._next_arrival += self._gap()
+        self._check_done(now)
+
+    def _gap(self) -> float:
+        spec = self.spec
+        if spec.mode == "constant":
+            return 1.0 / spec.rate
+        return self._rng.gammavariate(spec.burstiness, 1.0 / (spec.rate * spec.burstiness))
+
+    def _send(self, due: float) -> None:
+        request = next(self._requests)
+        params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
+        rid = f"{self._prefix}-{self._sent}"
+        self._sent += 1
+        try:
+            self.engine.add_request(request.prompt_ids, params, request_id=rid, arrival=due)
+        except EngineBusyError:
+            self.failed += 1
+            self._refused += self.spec.mode == "closed"  # that user tries again after a step
+            return
+        self._outstanding.add(rid)
+
+    def observe(self, events: list[TokenEvent]) -> None:
+        """Record the requests that finished in a step (other requests' events are ignored)."""
+        self._ready += self._refused
+        self._refused = 0
+        for event in events:
+            if event.finish_reason is None or event.request_id not in self._outstanding:
+                continue
+            self._outstanding.discard(event.request_id)
+            metrics = self.engine.request_metrics(event.request_id)
+            if event.finish_reason in ("stop", "length") and metrics is not None:
+                self.records.append(metrics)
+            elif event.finish_reason != "cancelled":
+                self.failed += 1
+            self._ready += self.spec.mode == "closed"
+        self._check_done(time.perf_counter())
+
+    def _check_done(self, now: float) -> None:
+        idle = self.ended is None and self.started is not None and not self._outstanding
+        if idle and (self.stopped or not self._may_send(now)):
+            self.ended = now
+
+    def next_arrival_in(self, now: float) -> float | None:
+        """Seconds until the next open-loop arrival (``None``: nothing is scheduled)."""
+        if self.finished or self._next_arrival is None:
+            return None
+        return max(0.0, self._next_arrival - now)
+
+    def stop(self) -> None:
+        """Cancel every request in flight (their blocks go back at once) and send no more."""
+        self.stopped = True
+        self._next_arrival = None
+        for rid in list(self._outstanding):
+            self.engine.cancel(rid)
+        self._outstanding.clear()
+        self._check_done(time.perf_counter())
+
+    # -- figures --------------------------------------------------------------------------
+    def result(self, now: float | None = None) -> LoadResult:
+        """The figures so far (final once :attr:`finished`)."""
+        end = self.ended or now or time.perf_counter()
+        start = self.started if self.started is not None else end
+        duration = max(end - start, 1e-9)
+        done = self.records
+        ttft = [m.time_to_first_token_seconds for m in done if m.time_to_first_token_seconds]
+        tpot = [m.time_per_output_token_seconds for m in done if m.time_per_output_token_seconds]
+        itl = [g for m in done for g in m.inter_token_latency_seconds]
+        e2e = [m.e2e_request_latency_seconds for m in done]
+        queue = [m.request_queue_time_seconds for m in done if m.request_queue_time_seconds]
+        input_tokens = sum(m.prompt_tokens for m in done)
+        output_tokens = sum(m.output_tokens for m in done)
+        collector = self.engine.collector
+        steps = collector.steps_recorded - self._first_step[0]
+        batched = collector.batch_size_total - self._first_step[1]
+        good: float | None = None
+        attained: float | None = None
+        if self.slo is not None:
+            met = sum(1 for m in done if self.slo.met_by(m))
+            good = met / duration
+            attained = met / len(done) if done else 0.0
+        return LoadResult(
+            setting=self.setting, load=self.spec.describe(), completed=len(done),
+            failed=self.failed, duration=duration, total_input_tokens=input_tokens,
+            total_output_tokens=output_tokens, request_throughput=len(done) / duration,
+            output_throughput=output_tokens / duration,
+            total_token_throughput=(input_tokens + output_tokens) / duration,
+            ttft_ms=_stats_ms(ttft), tpot_ms=_stats_ms(tpot), itl_ms=_stats_ms(itl),
+            e2el_ms=_stats_ms(e2e), queue_ms=_stats_ms(queue),
+            preemptions=sum(m.preemptions for m in done),
+            mean_batch_size=batched / steps if steps else 0.0,
+            mean_tokens_per_request=(input_tokens + output_tokens) / len(done) if done else 0.0,
+            slo=self.slo.describe() if self.slo else "", request_goodput=good,
+            slo_attainment=attained, stopped=self.stopped,
+        )  # fmt: skip
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "median": math.nan, "p95": math.nan, "p99": math.nan}
+    ordered = sorted(values)
+    return {
+        "mean": statistics.fmean(ordered) * 1e3,
+        "median": statistics.median(ordered) * 1e3,
+        "p95": _quantile(ordered, 0.95) * 1e3,
+        "p99": _quantile(ordered, 0.99) * 1e3,
+    }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, what vLLM reports)."""
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def drive(
+    engine: LLMEngine,
+    driver: Driver,
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_step: Callable[[], None] = lambda: None,
+) -> None:
+    """Step ``engine`` until ``driver`` is finished (or ``should_stop`` says so, which stops
+    it): the command line's loop. Between arrivals with nothing to do it sleeps."""
+    while not driver.finished:
+        if should_stop():
+            driver.stop()
+            break
+        now = time.perf_counter()
+        driver.tick(now)
+        if engine.has_work():
+            driver.observe(engine.step())
+            on_step()
+            if engine.hold_s > 0 and not engine.scheduler.running:
+                time.sleep(min(engine.hold_s, 0.01))
+            continue
+        wait = driver.next_arrival_in(time.perf_counter())
+        if wait is not None and not driver.finished:
+            time.sleep(min(wait, 0.05))
+    engine.step()  # collect the cancellations a stop left, so the engine ends idle
