@@ -44,11 +44,12 @@ test: $(VENV)/.stamp-dev
 	fi
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
 
-# The main window mid-reply with the plots populated, rendered offscreen into docs/screenshots.
+# The main window mid-reply with the plots populated, the A/B lab and the batching tuner,
+# rendered offscreen into docs/screenshots.
 screenshots: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull
 	QT_QPA_PLATFORM=offscreen INFERSIGHT_SCREENSHOTS=docs/screenshots \
-	  $(BIN)/python -m pytest -q tests/test_app.py -k screenshots
+	  $(BIN)/python -m pytest -q tests/test_app.py tests/test_tuner_app.py -k screenshots
 
 # A runnable folder, dist/infersight/ (PyInstaller; the model is fetched on first start).
 package: $(VENV)/.stamp-run

@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Python/dispatch) by part of the model, over --new-tokens steps of batch 1",
     )
     p.add_argument(
+        "--attention",
+        choices=("auto", "compare"),
+        default="auto",
+        help="with --profile: compare profiles the decode step with the paged attention "
+        "kernel and with gather + SDPA, taking turns on the same requests (--repeats times)",
+    )
+    p.add_argument(
         "--table",
         nargs="+",
         metavar="PRECISION",
@@ -580,15 +587,72 @@ def _bench_profile(args: argparse.Namespace, folder: Any, device: str, config: A
 
     engine = LLMEngine.load(folder, precision=args.precision, device=device, config=config)
     prompt = bench_prompt(engine, args.prompt_len, args.seed)
-    result = profile_decode(engine, prompt, steps=args.new_tokens)
     where = device
     if device == "cpu":
         where += f", {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    title = f"{engine.name} · {args.precision} · {where}"
+    if args.attention == "compare":
+        return _profile_attention_paths(args, engine, prompt, title)
+    result = profile_decode(engine, prompt, steps=args.new_tokens, batch=args.batch)
     if args.json:
         print(json.dumps({"model": engine.name, "precision": args.precision, "device": where,
                           **result.as_dict()}, indent=2))  # fmt: skip
     else:
-        print(format_profile(result, f"{engine.name} · {args.precision} · {where}"))
+        print(format_profile(result, title))
+    return 0
+
+
+def _profile_attention_paths(args: argparse.Namespace, engine: Any, prompt: Any, title: str) -> int:
+    """``bench --profile --attention compare``: the decode step with the paged kernel and
+    with the portable gather + SDPA, taking turns on the same requests."""
+    import statistics
+    from contextlib import nullcontext
+
+    from engine import paged_attention
+    from engine.profile import format_profile, profile_decode_variants
+
+    if not paged_attention.kernel().available:
+        raise InvalidRequestError(
+            f"the paged decode kernel is not available here: {paged_attention.status()}"
+        )
+    runs = profile_decode_variants(
+        engine, prompt, {"paged": nullcontext, "gather": paged_attention.portable},
+        steps=args.new_tokens, batch=args.batch, repeats=args.repeats,
+    )  # fmt: skip
+    # the fastest repeat of each: the one least disturbed by the machine's other work; the
+    # ratio is the median of each repeat's own (the two paths ran back to back in it)
+    best = {name: min(ps, key=lambda p: p.step_ms) for name, ps in runs.items()}
+    attention = {name: p.kind_total("attention") for name, p in best.items()}
+    ratios = [
+        paged.kind_total("attention") / gather.kind_total("attention")
+        for paged, gather in zip(runs["paged"], runs["gather"], strict=True)
+    ]
+    report = {
+        "title": title, "batch": args.batch, "context": args.prompt_len,
+        "paths": {name: p.as_dict() for name, p in best.items()},
+        "attention_ms": attention,
+        "attention_ms_each_repeat": {
+            name: [p.kind_total("attention") for p in ps] for name, ps in runs.items()
+        },
+        "step_ms": {name: p.step_ms for name, p in best.items()},
+        "attention_ratio": statistics.median(ratios),
+        "attention_ratio_each_repeat": ratios,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for name, p in best.items():
+        path = "paged kernel" if name == "paged" else "gather + SDPA"
+        print(format_profile(p, f"{title} · attention: {path}"), end="\n\n")
+    print(
+        f"attention incl. its K/V reads: {attention['paged']:.1f} ms per step with the paged "
+        f"kernel, {attention['gather']:.1f} ms with gather + SDPA "
+        f"(fastest of {args.repeats} each); paged / gather in each repeat: "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f" (median {report['attention_ratio']:.2f}); decode step "
+        f"{best['paged'].step_ms:.1f} against {best['gather'].step_ms:.1f} ms (batch "
+        f"{args.batch}, {args.prompt_len}-token contexts)"
+    )
     return 0
 
 

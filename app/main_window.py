@@ -37,6 +37,9 @@ from app.worker import (
     ReplyStats,
     Send,
     Stop,
+    StopTune,
+    Tune,
+    TuneStatus,
     load_engine,
 )
 from engine.kv_cache import CacheWindow
@@ -44,6 +47,7 @@ from widgets.ab_view import ABView
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel
 from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint
+from widgets.tuner import TunerView
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +146,8 @@ class MainWindow(QMainWindow):
         self.tabs.setObjectName("centralTabs")
         self.tabs.addTab(self.chat, "Chat")
         self.tabs.addTab(self.ab_view, "A/B lab")
+        self.tuner = TunerView()
+        self.tabs.addTab(self.tuner, "Batching tuner")
         self.setCentralWidget(self.tabs)
         self.controls = ControlsPanel()
         self.instruments = InstrumentsPanel()
@@ -228,6 +234,28 @@ class MainWindow(QMainWindow):
         self.instruments.layer_timing_toggled.connect(
             lambda on: self.worker.post(Configure(layer_timing=on))
         )
+        tuner = self.tuner
+        w.tune_status.connect(self._on_tune_status)
+        tuner.limits_changed.connect(self._set_limits)
+        tuner.apply_limits.connect(self._set_limits)
+        tuner.start_load.connect(lambda spec: self.worker.post(Tune(load=spec)))
+        tuner.start_sweep.connect(
+            lambda settings, slo: self.worker.post(Tune(settings=tuple(settings), slo=slo))
+        )
+        tuner.stop_requested.connect(lambda: self.worker.post(StopTune()))
+
+    # -- the batching tuner ------------------------------------------------------------------
+    def _set_limits(self, limits: dict[str, float]) -> None:
+        """Limits from the tuner (a slider, or a sweep's best setting): the engine takes them
+        at its next step, and the controls panel shows the same values."""
+        for key, value in limits.items():
+            field = getattr(self.controls, key, None)
+            if field is not None:
+                field.set_value(value)
+        self.worker.post(Configure(limits=dict(limits)))
+
+    def _on_tune_status(self, status: TuneStatus) -> None:
+        self.tuner.set_status(status.running, status.load, status.sweep, status.message)
 
     # -- model -------------------------------------------------------------------------------
     def _model_path(self) -> str:
@@ -302,6 +330,10 @@ class MainWindow(QMainWindow):
         self.loading = None
         self._close_progress()
         self.model = info
+        self.tuner.set_engine(
+            {**self.controls.limits(), "kv_blocks": info.kv_blocks}, info.kv_blocks,
+            info.block_size,
+        )  # fmt: skip
         self.controls.add_model(info.name, info.path)
         self._lab_models(info)
         self.controls.show_model(info.path, info.precision, info.requested_device, info.device)
@@ -593,6 +625,7 @@ class MainWindow(QMainWindow):
     # -- instruments -------------------------------------------------------------------------
     def _on_metrics(self, view: EngineView) -> None:
         s = view.snapshot
+        self.tuner.add_snapshot(s)
         mem = s.memory
         mib = 2**-20
         memory = {"weights": mem.weights_bytes * mib, "KV pool": mem.kv_pool_bytes * mib}

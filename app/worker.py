@@ -34,8 +34,11 @@ from app.loading import load_engine as load_engine
 from engine.engine import LLMEngine
 from engine.errors import CancelledError, InfersightError
 from engine.kv_cache import CacheWindow
+from engine.loadgen import SLO, Driver, LoadGenerator, LoadResult
+from engine.loadgen import LoadSpec as LoadGen
 from engine.metrics import MetricsSnapshot, RequestMetrics
 from engine.sampling import SamplingParams
+from engine.tuning import Setting, Sweep, SweepProgress
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,35 @@ class Stop:
 
 
 @dataclass(frozen=True, slots=True)
+class Tune:
+    """Start the tuner's load on the current engine: one :class:`LoadGen` spec (live tuning,
+    limits moved by :class:`Configure` as it runs) or a sweep over ``settings``. A tune
+    already running is stopped first."""
+
+    load: LoadGen | None = None
+    settings: tuple[Setting, ...] = ()
+    slo: SLO | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StopTune:
+    """Cancel every request of the running tune; its blocks go back at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class TuneStatus:
+    """The tuner's progress, a few times a second and once at the end (``running`` False).
+    ``load`` is the live load's figures so far; ``sweep`` a sweep's points and position."""
+
+    running: bool
+    load: LoadResult | None = None
+    sweep: SweepProgress | None = None
+    sent: int = 0
+    outstanding: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class _Loaded:
     engine: LLMEngine
     info: ModelInfo
@@ -158,7 +190,7 @@ class _LoadFailed:
     message: str
 
 
-Command = Send | Cancel | Load | Configure | Pause | Stop | _Loaded | _LoadFailed
+Command = Send | Cancel | Load | Configure | Pause | Stop | Tune | StopTune | _Loaded | _LoadFailed
 
 #: ``loader(spec, progress)`` → a loaded engine. ``progress(stage, done, total)``.
 Loader = Callable[[LoadSpec, Callable[[str, int, int], None]], LLMEngine]
@@ -191,6 +223,7 @@ class EngineWorker(QObject):
     load_failed = Signal(str)
     error = Signal(str)  # a command that could not be done; the worker goes on
     paused = Signal(bool)
+    tune_status = Signal(object)  # TuneStatus
     stopped = Signal()
 
     def __init__(self, loader: Loader = load_engine) -> None:
@@ -211,6 +244,8 @@ class EngineWorker(QObject):
         self._last_flush = 0.0
         self._last_metrics = 0.0
         self._streams = OwnStreams()  # this worker's CUDA stream on each device it uses
+        self._tune: Driver | None = None  # the tuner's load on the current engine
+        self._tune_engine: LLMEngine | None = None
 
     # -- any thread ------------------------------------------------------------------------
     def post(self, command: Command) -> None:
@@ -250,11 +285,20 @@ class EngineWorker(QObject):
             return False
         return any(e.has_work() for e in self._engines())
 
+    def _idle_wait(self) -> float:
+        """How long the loop may wait for a command: until the tuner's next arrival."""
+        wait = IDLE_METRICS_S / 4
+        if self._tune is not None and not self._paused:
+            due = self._tune.next_arrival_in(time.perf_counter())
+            if due is not None:
+                wait = min(wait, due)
+        return wait
+
     def _engines(self) -> list[LLMEngine]:
         return ([self.engine] if self.engine is not None else []) + self._retiring
 
     def _drain(self, *, wait: bool) -> None:
-        timeout = IDLE_METRICS_S / 4 if wait else None
+        timeout = self._idle_wait() if wait else None
         while True:
             try:
                 command = (
@@ -284,7 +328,12 @@ class EngineWorker(QObject):
             self._paused = command.paused
             self._emit_metrics()
             self.paused.emit(command.paused)
+        elif isinstance(command, Tune):
+            self._start_tune(command)
+        elif isinstance(command, StopTune):
+            self._end_tune("stopped")
         elif isinstance(command, Stop):
+            self._end_tune("the engine stopped")
             for rid in list(self._replies):
                 self._replies[rid].engine.cancel(rid)
             self._running = False
@@ -332,6 +381,48 @@ class EngineWorker(QObject):
         if self.engine is not None:
             self._apply_settings(self.engine)
         self._emit_metrics()
+
+    # -- the tuner -------------------------------------------------------------------------
+    def _start_tune(self, command: Tune) -> None:
+        engine = self.engine
+        if engine is None:
+            raise InfersightError("no model is loaded yet; wait until loading has finished")
+        self._end_tune("replaced by a new run")
+        driver: Driver
+        if command.settings:
+            driver = Sweep(engine, command.settings, slo=command.slo)
+        elif command.load is not None:
+            driver = LoadGenerator(engine, command.load, slo=command.slo, id_prefix="tune")
+        else:
+            raise InfersightError("a tune needs a load or sweep settings")
+        self._tune, self._tune_engine = driver, engine
+        self._emit_tune()
+
+    def _end_tune(self, why: str) -> None:
+        """Stop the tune (every request it sent is cancelled) and say so."""
+        driver = self._tune
+        if driver is None:
+            return
+        driver.stop()
+        self._emit_tune(message=why)
+        self._tune = self._tune_engine = None
+
+    def _emit_tune(self, message: str = "") -> None:
+        driver = self._tune
+        if driver is None:
+            return
+        now = time.perf_counter()
+        running = not driver.finished and not message
+        if isinstance(driver, Sweep):
+            status = TuneStatus(running, sweep=driver.progress(), message=message)
+        else:
+            assert isinstance(driver, LoadGenerator)
+            result = driver.result(now) if driver.started is not None else None
+            status = TuneStatus(
+                running, load=result, sent=driver.sent, outstanding=driver.outstanding,
+                message=message,
+            )  # fmt: skip
+        self.tune_status.emit(status)
 
     def _apply_settings(self, engine: LLMEngine) -> None:
         s = self._settings
@@ -389,6 +480,8 @@ class EngineWorker(QObject):
 
     def _swap_in(self, engine: LLMEngine, info: ModelInfo) -> None:
         self._loading = None
+        self._end_tune("a new model was loaded")
+        self._settings.limits.pop("kv_blocks", None)  # a cap on the old pool; the new has its own
         try:
             self._apply_settings(engine)
         except InfersightError as exc:
@@ -419,6 +512,9 @@ class EngineWorker(QObject):
 
     # -- stepping ----------------------------------------------------------------------------
     def _step_all(self) -> None:
+        tune = self._tune
+        if tune is not None and self._tune_engine is self.engine:
+            tune.tick(time.perf_counter())
         for engine in self._engines():
             if not engine.has_work():
                 continue
@@ -428,6 +524,11 @@ class EngineWorker(QObject):
                 log.exception("engine step failed")
                 self._fail_engine(engine, exc)
                 continue
+            if tune is not None and engine is self._tune_engine:
+                tune.observe(events)
+                if tune.finished:
+                    self._emit_tune()
+                    self._tune = self._tune_engine = None
             for event in events:
                 reply = self._replies.get(event.request_id)
                 if reply is None:
@@ -456,6 +557,8 @@ class EngineWorker(QObject):
     def _fail_engine(self, engine: LLMEngine, exc: Exception) -> None:
         """End every reply of ``engine`` with an error; its blocks go back to the pool."""
         message = f"the engine failed: {type(exc).__name__}: {exc}"
+        if engine is self._tune_engine:
+            self._end_tune(message)
         for rid, reply in list(self._replies.items()):
             if reply.engine is engine:
                 with contextlib.suppress(Exception):
@@ -488,6 +591,7 @@ class EngineWorker(QObject):
         if self.engine is None or self.info is None:
             return
         self.metrics.emit(EngineView(self.info, self.engine.metrics()))
+        self._emit_tune()
 
 
 class OwnStreams:

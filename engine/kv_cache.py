@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from engine import paged_attention
 from engine.attention import AttentionContext, grouped_attention, sequence_attention
 from engine.config import ModelConfig
 
@@ -256,6 +257,7 @@ class _PagedContext(AttentionContext):
         if any(c.length == 1 for c in chunks[self.num_decode :]):
             raise ValueError("decode chunks must come first in a step")
         self.decode_slots: Tensor | None = None
+        self.decode_lens: Tensor | None = None  # real (unpadded) columns of each slot row
         self.decode_mask: Tensor | None = None
         self.mask_needed = False
         if self.num_decode:
@@ -267,6 +269,7 @@ class _PagedContext(AttentionContext):
             self.decode_slots = pad_sequence(
                 slot_rows, batch_first=True, padding_value=cache.pad_slot
             ).to(dev)
+            self.decode_lens = torch.tensor([len(r) for r in slot_rows], device=dev)
             mask = pad_sequence(mask_rows, batch_first=True, padding_value=False)
             # Additive (0 / -inf, what SDPA makes of a boolean mask in every call), built once
             # per step for every layer. Eager steps leave it out where every key is visible
@@ -291,18 +294,23 @@ class _PagedContext(AttentionContext):
         kv_heads = self.cache.kv_heads
         if self.decode_only:
             assert self.decode_slots is not None
+            assert self.decode_lens is not None
             if torch.compiler.is_compiling():  # one opaque op in a compiled decode step
                 return paged_decode_attention(
-                    q, kv, pool, self.write_slots, self.decode_slots, self.decode_mask
-                )
+                    q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens,
+                    self.decode_mask,
+                )  # fmt: skip
             mask = self.decode_mask if self.mask_needed else None
-            return _paged_decode_attention(q, kv, pool, self.write_slots, self.decode_slots, mask)
+            return _paged_decode_attention(
+                q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens, mask
+            )
         pool.index_copy_(0, self.write_slots, kv)
         out = q.new_empty(tokens, heads * dim)
         if self.decode_slots is not None:
+            assert self.decode_lens is not None
             mask = self.decode_mask if self.mask_needed else None
             out[: self.num_decode] = _decode_attention(
-                q[: self.num_decode], pool, self.decode_slots, mask
+                q[: self.num_decode], pool, self.decode_slots, self.decode_lens, mask
             )
         for offset, length, slots, mask in self.prefill:
             rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
@@ -312,10 +320,21 @@ class _PagedContext(AttentionContext):
         return out
 
 
-def _decode_attention(q: Tensor, pool: Tensor, slots: Tensor, mask: Tensor | None) -> Tensor:
-    """One query per sequence (``q: [B, H, D]``) over the keys in its row of ``slots: [B, W]``
-    (``mask: [B, 1, 1, W]``, additive, or None): one padded gather from ``pool``, one SDPA.
-    Returns ``[B, H·D]``."""
+def _decode_attention(
+    q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None
+) -> Tensor:
+    """One query per sequence (``q: [B, H, D]``) over the keys in the first ``lens[b]``
+    columns of its row of ``slots: [B, W]`` (``mask: [B, 1, 1, W]``, additive, or None).
+    Returns ``[B, H·D]``. On CPU the paged kernel reads K/V straight from the pool
+    (:mod:`engine.paged_attention`); elsewhere, or where it is not available, one padded
+    gather and one SDPA."""
+    if paged_attention.usable(q, pool):
+        return paged_attention.paged_attention(q, pool, slots, lens, mask)
+    return _gather_attention(q, pool, slots, mask)
+
+
+def _gather_attention(q: Tensor, pool: Tensor, slots: Tensor, mask: Tensor | None) -> Tensor:
+    """The portable decode attention: one padded gather from ``pool``, one SDPA."""
     b, width = slots.shape
     _, heads, dim = q.shape
     kv_heads = pool.shape[1] // 2
@@ -336,16 +355,22 @@ def _decode_attention(q: Tensor, pool: Tensor, slots: Tensor, mask: Tensor | Non
 _LIB = torch.library.Library("infersight", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIB.define(  # type: ignore[no-untyped-call]
     "paged_decode_attention(Tensor q, Tensor kv, Tensor(a!) pool, Tensor write_slots, "
-    "Tensor slots, Tensor? mask) -> Tensor"
+    "Tensor slots, Tensor lens, Tensor? mask) -> Tensor"
 )
 
 
 def _paged_decode_attention(
-    q: Tensor, kv: Tensor, pool: Tensor, write_slots: Tensor, slots: Tensor, mask: Tensor | None
+    q: Tensor,
+    kv: Tensor,
+    pool: Tensor,
+    write_slots: Tensor,
+    slots: Tensor,
+    lens: Tensor,
+    mask: Tensor | None,
 ) -> Tensor:
     """Store ``kv`` at ``write_slots`` of ``pool``, then :func:`_decode_attention`."""
     pool.index_copy_(0, write_slots, kv)
-    return _decode_attention(q, pool, slots, mask)
+    return _decode_attention(q, pool, slots, lens, mask)
 
 
 _LIB.impl(  # type: ignore[no-untyped-call]
@@ -355,7 +380,13 @@ _LIB.impl(  # type: ignore[no-untyped-call]
 
 @torch.library.register_fake("infersight::paged_decode_attention", lib=_LIB)  # type: ignore[untyped-decorator]
 def _(
-    q: Tensor, kv: Tensor, pool: Tensor, write_slots: Tensor, slots: Tensor, mask: Tensor | None
+    q: Tensor,
+    kv: Tensor,
+    pool: Tensor,
+    write_slots: Tensor,
+    slots: Tensor,
+    lens: Tensor,
+    mask: Tensor | None,
 ) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 

@@ -1,13 +1,13 @@
 """Where a decode step's time goes: ``infersight bench --profile``.
 
-A request is prefilled, then ``steps`` decode steps of batch 1 run under ``torch.profiler``
-(CPU activity). Each part of the model is a scope (``record_function`` entered by forward
-hooks on its modules): the attention block of each layer, with the attention proper (the
-cache write, the scores and their softmax, the weighted sum: ``AttentionContext.attend``)
-as a scope inside it, the MLP block, the norms, the embedding and the LM head. What runs
-outside the model (scheduling, the sampler, detokenization, the engine's bookkeeping) is
-"engine". Every operator the profiler records falls into the innermost scope around it and
-into one of these kinds of time:
+A request is prefilled (``batch`` copies of it), then ``steps`` decode steps run under
+``torch.profiler`` (CPU activity). Each part of the model is a scope (``record_function``
+entered by forward hooks on its modules): the attention block of each layer, with the attention
+proper (the cache write, the scores and their softmax, the weighted sum:
+``AttentionContext.attend``) as a scope inside it, the MLP block, the norms, the embedding and
+the LM head. What runs outside the model (scheduling, the sampler, detokenization, the engine's
+bookkeeping) is "engine". Every operator the profiler records falls into the innermost scope
+around it and into one of these kinds of time:
 
 * **matmul**: the self time of a matrix-product kernel (``aten::mm``, ``aten::addmm``,
   oneDNN's packed linear, the INT8/INT4 kernels, …);
@@ -24,8 +24,8 @@ report also gives the unprofiled time of a decode step, measured just before.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,8 @@ SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head"
 SCOPE_EVENTS = {SCOPE + s: s for s in SCOPES}
 #: the compiled decode step's attention op: the "attention" scope of a compiled step
 ATTENTION_OPS = frozenset({"infersight::paged_decode_attention"})
+#: the paged decode kernel (engine/paged_attention.py), attention wherever it is called
+ATTENTION_KERNELS = frozenset({"infersight::paged_attention_kernel"})
 #: what torch.compile records around a compiled call: guards, the graph's wrapper
 GRAPH_EVENTS = ("Torch-Compiled Region", "## Call CompiledFxGraph", "TorchDynamo Cache Lookup",
                 "Pregraph bytecode")  # fmt: skip
@@ -66,6 +68,7 @@ class StepProfile:
     profiled_step_ms: float
     ms: dict[str, dict[str, float]] = field(default_factory=dict)  # scope → kind → ms/step
     calls: dict[str, dict[str, float]] = field(default_factory=dict)  # scope → kind → calls
+    batch: int = 1
 
     def kind_total(self, kind: str) -> float:
         return sum(row.get(kind, 0.0) for row in self.ms.values())
@@ -77,6 +80,7 @@ class StepProfile:
             "profiled_step_ms": self.profiled_step_ms,
             "ms_per_step": self.ms,
             "calls_per_step": self.calls,
+            "batch": self.batch,
         }
 
 
@@ -145,31 +149,59 @@ def _scope_of(event: Any) -> str:
     return "engine"
 
 
-def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> StepProfile:
-    """Profile ``steps`` decode steps of one request (see the module docstring)."""
+def profile_decode(
+    engine: LLMEngine, prompt: list[int], steps: int = 32, batch: int = 1
+) -> StepProfile:
+    """Profile ``steps`` decode steps of ``batch`` copies of one request (see the module
+    docstring); every copy is prefilled before the first step is timed."""
+    return profile_decode_variants(engine, prompt, {"": nullcontext}, steps, batch)[""][0]
+
+
+def profile_decode_variants(
+    engine: LLMEngine,
+    prompt: list[int],
+    variants: dict[str, Callable[[], AbstractContextManager[Any]]],
+    steps: int = 32,
+    batch: int = 1,
+    repeats: int = 1,
+) -> dict[str, list[StepProfile]]:
+    """:func:`profile_decode` of each variant (a context a step runs in, e.g. one attention
+    path or the other), on the same prefilled requests, the variants taking turns
+    ``repeats`` times: a side-by-side measurement in one run."""
+    params = SamplingParams(max_new_tokens=2 * steps * repeats * len(variants) + 2,
+                            ignore_eos=True)  # fmt: skip
+    rids = [engine.add_request(prompt, params) for _ in range(batch)]
+    out: dict[str, list[StepProfile]] = {name: [] for name in variants}
+    try:
+        seqs = [engine.sequence(rid) for rid in rids]
+        while not all(seq.output_ids for seq in seqs):  # the prefills, in chunks
+            engine.step()
+        for _ in range(repeats):
+            for name, variant in variants.items():
+                with variant():
+                    out[name].append(_profile_steps(engine, steps, batch))
+    finally:
+        for rid in rids:
+            engine.cancel(rid)
+        engine.step()
+    return out
+
+
+def _profile_steps(engine: LLMEngine, steps: int, batch: int) -> StepProfile:
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(max_new_tokens=2 * steps + 2, ignore_eos=True)
-    rid = engine.add_request(prompt, params)
-    try:
-        seq = engine.sequence(rid)
-        while not seq.output_ids:  # the prefill (in as many chunks as it takes)
-            engine.step()
-        started = time.perf_counter()
-        for _ in range(steps):  # unprofiled, for the real step time
-            engine.step()
-        step_ms = (time.perf_counter() - started) / steps * 1e3
-        # A compiled step has no modules to hook: its parts are the graph's kernels, the
-        # opaque matmuls and the attention op (kernels are recorded, see decode_graph).
-        scopes = nullcontext() if engine.graph.compiled else _scopes(engine)
-        with scopes, profile(activities=[ProfilerActivity.CPU]) as prof:
-            started = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            wall_ms = (time.perf_counter() - started) * 1e3
-    finally:
-        engine.cancel(rid)
+    started = time.perf_counter()
+    for _ in range(steps):  # unprofiled, for the real step time
         engine.step()
+    step_ms = (time.perf_counter() - started) / steps * 1e3
+    # A compiled step has no modules to hook: its parts are the graph's kernels, the
+    # opaque matmuls and the attention op (kernels are recorded, see decode_graph).
+    scopes = nullcontext() if engine.graph.compiled else _scopes(engine)
+    with scopes, profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall_ms = (time.perf_counter() - started) * 1e3
 
     ms = {s: dict.fromkeys(KINDS, 0.0) for s in SCOPES}
     calls = {s: dict.fromkeys(KINDS[:3], 0.0) for s in SCOPES}
@@ -183,7 +215,7 @@ def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> Ste
             inside += self_ms
             continue
         scope = _scope_of(event)
-        if scope == "attention":
+        if scope == "attention" or event.name in ATTENTION_KERNELS:
             kind = "attention"
         elif event.name in MATMUL_OPS:
             kind = "matmul"
@@ -195,7 +227,7 @@ def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 32) -> Ste
     # the rest of the wall time ran outside every scope and op: the engine's Python
     outside = max(0.0, wall_ms - accounted - inside)
     ms["engine"]["python/dispatch"] += outside / steps
-    return StepProfile(steps, step_ms, wall_ms / steps, ms, calls)
+    return StepProfile(steps, step_ms, wall_ms / steps, ms, calls, batch)
 
 
 def format_profile(p: StepProfile, title: str) -> str:
@@ -204,7 +236,7 @@ def format_profile(p: StepProfile, title: str) -> str:
     lines = [
         title,
         f"decode step: {p.step_ms:.2f} ms unprofiled, {p.profiled_step_ms:.2f} ms under the "
-        f"profiler ({p.steps} steps, batch 1); ms per step:",
+        f"profiler ({p.steps} steps, batch {p.batch}); ms per step:",
         f"{'':<{width}}" + "".join(f"{k:>16}" for k in KINDS) + f"{'total':>10}",
     ]
     for scope in SCOPES:

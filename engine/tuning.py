@@ -1,6 +1,6 @@
 """The batching tuner's analysis: sweeps over scheduler limits and loads, the Pareto front of
 throughput against latency, the best setting for an SLO, the knee (where latency starts to
-grow faster than the load) and the capacity it implies.
+grow faster than throughput) and the capacity it implies.
 
 A :class:`Sweep` is a :class:`~engine.loadgen.Driver` like a single
 :class:`~engine.loadgen.LoadGenerator`: it runs one generator per :class:`Setting` in turn on
@@ -235,8 +235,8 @@ def series(points: Iterable[SweepPoint]) -> dict[str, list[SweepPoint]]:
 
 @dataclass(frozen=True, slots=True)
 class Knee:
-    """Where a load series saturates: ``point`` is the last load before latency grows
-    faster than linearly (Kneedle on load against p95 TTFT)."""
+    """Where a load series saturates: ``point`` is the last load at which throughput still
+    grows at least as fast as latency; beyond it latency grows faster (non-linearly)."""
 
     point: SweepPoint
     load: float
@@ -245,22 +245,23 @@ class Knee:
 
 
 def knee(points: Sequence[SweepPoint], latency: str = "ttft_ms", stat: str = "p95") -> Knee | None:
-    """Kneedle (Satopää et al. 2011) for a convex increasing curve: normalise load and
-    latency to [0, 1] and take the point furthest below the chord from the first to the last
-    point. Needs three loads of one series and a latency that grows; ``None`` otherwise."""
+    """The load that maximises Kleinrock's *power*, throughput / latency (request throughput
+    over p95 TTFT by default): power rises while throughput grows faster than latency and
+    falls once the machine saturates and queueing makes latency outgrow it. Needs three loads
+    of one series and a maximum before the last of them (else latency has not bent within
+    the range swept: ``None``, sweep further)."""
     pts = sorted(points, key=lambda p: p.setting.load.load)
-    xs = [p.setting.load.load for p in pts]
-    ys = [getattr(p.result, latency)[stat] for p in pts]
-    if len(pts) < 3 or any(math.isnan(y) for y in ys) or max(ys) <= min(ys) or xs[-1] <= xs[0]:
+    power = []
+    for p in pts:
+        lat = getattr(p.result, latency)[stat]
+        power.append(p.result.request_throughput / lat if lat > 0 else math.nan)
+    if len(pts) < 3 or any(math.isnan(x) for x in power):
         return None
-    xn = [(x - xs[0]) / (xs[-1] - xs[0]) for x in xs]
-    yn = [(y - min(ys)) / (max(ys) - min(ys)) for y in ys]
-    gaps = [x - y for x, y in zip(xn, yn, strict=True)]
-    i = max(range(len(pts)), key=lambda k: gaps[k])
-    if gaps[i] <= 0:  # latency grows no faster than the load: no knee within this range
+    i = max(range(len(pts)), key=lambda k: power[k])
+    if i == len(pts) - 1 or power[i] <= min(power) * (1 + 1e-6):
         return None
     r = pts[i].result
-    return Knee(pts[i], xs[i], r.request_throughput, r.output_throughput)
+    return Knee(pts[i], pts[i].setting.load.load, r.request_throughput, r.output_throughput)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,238 @@
+"""Decode attention that reads K/V through the block tables, with no padded copy.
+
+The portable decode path (:func:`engine.kv_cache._gather_attention`) gathers every decoding
+sequence's keys and values into a padded ``[B, W, 2·Hkv, D]`` tensor, then runs SDPA over it:
+each step writes a copy of every K/V it reads and reads it again. At batch 16 with 512-token
+contexts that copy is most of the attention's time. ``csrc/paged_decode.c`` reads each key and
+value once, straight from the pool, for all the query heads that share it (GQA).
+
+It is C, compiled once per machine with the system's C compiler (``$CC``, else ``cc``,
+``gcc`` or ``clang``) for this CPU (``-O3 -march=native``, OpenMP where the compiler has
+it), cached under the user cache by a hash of the source, the flags and the compiler, and
+called through ``ctypes`` (which releases the GIL). Like every fast path it is probed: the
+build, then one call checked against the portable path; a machine without a compiler, or a
+failed check, runs the portable path, and :func:`status` says why. ``INFERSIGHT_ATTENTION``
+picks by hand: ``paged`` (this kernel, an error if it is not available) or ``gather``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
+ENV = "INFERSIGHT_ATTENTION"
+MODES = ("auto", "paged", "gather")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """The loaded kernel, or why there is none."""
+
+    fn: Any  # the ctypes function, or None
+    why: str
+
+    @property
+    def available(self) -> bool:
+        return self.fn is not None
+
+
+def requested() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r}: use one of {', '.join(MODES)}")
+    return mode
+
+
+def _compiler() -> str | None:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _build(cc: str, out: Path) -> str | None:
+    """Compile the kernel into ``out``; returns the flags used, or None."""
+    base = ["-O3", "-shared", "-fPIC", "-std=c11"]
+    native = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
+    for extra in (["-fopenmp"], []):  # without OpenMP (e.g. Apple clang): one thread
+        flags = [*base, *native, *extra]
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.debug("compiling the paged decode kernel failed: %s", exc)
+            continue
+        if done.returncode == 0:
+            tmp.replace(out)
+            return " ".join(flags)
+        log.debug("compiling with %s failed: %s", flags, done.stderr[-2000:])
+        tmp.unlink(missing_ok=True)
+    return None
+
+
+def _library_path(cc: str) -> Path:
+    from engine.model_store import home
+
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = cc
+    from engine.linear import machine_name
+
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + version.encode() + machine_name().encode()
+    ).hexdigest()[:16]
+    return home() / "kernels" / f"paged_decode-{key}{_suffix()}"
+
+
+def _suffix() -> str:
+    return ".dll" if os.name == "nt" else (".dylib" if platform.system() == "Darwin" else ".so")
+
+
+@cache
+def kernel() -> Kernel:
+    """Build (once per machine), load and check the kernel."""
+    if requested() == "gather":
+        return Kernel(None, f"gather + SDPA ({ENV}=gather)")
+    cc = _compiler()
+    if cc is None:
+        return Kernel(None, "gather + SDPA (no C compiler found for the paged kernel)")
+    path = _library_path(cc)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if _build(cc, path) is None:
+            return Kernel(None, "gather + SDPA (the paged kernel did not compile here)")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return Kernel(None, f"gather + SDPA (the paged kernel did not load: {exc})")
+    fn = lib.infersight_paged_decode
+    fn.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
+                   ctypes.c_int]  # fmt: skip
+    found = Kernel(fn, "paged kernel (K/V read through the block tables)")
+    problem = _check(found)
+    if problem:
+        log.warning("the paged decode kernel disagrees with SDPA (%s); not using it", problem)
+        return Kernel(None, f"gather + SDPA (the paged kernel failed its check: {problem})")
+    return found
+
+
+def _check(k: Kernel) -> str:
+    """One small call of each dtype against the portable path: '' if they agree."""
+    from engine.kv_cache import _gather_attention
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        pool = torch.randn(70, 6, 32, generator=gen).to(dtype)
+        slots = torch.randint(0, 69, (3, 21), generator=gen)
+        lens = torch.tensor([21, 5, 13])
+        slots[1, 5:] = slots[2, 13:] = 69
+        mask = torch.zeros(3, 21)
+        mask[1, 5:] = mask[2, 13:] = float("-inf")
+        mask[0, 2:7] = float("-inf")
+        q = torch.randn(3, 6, 32, generator=gen).to(dtype)
+        want = _gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
+        got = _call(k, q, pool, slots, lens, mask)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+            err = (got.float() - want.float()).abs().max().item()
+            return f"{dtype}: max difference {err:.3g}"
+    return ""
+
+
+_off = False  # set by :func:`portable`, for side-by-side measurements
+
+
+@contextlib.contextmanager
+def portable() -> Iterator[None]:
+    """Run the portable gather + SDPA path inside this block (``bench --attention``)."""
+    global _off
+    before, _off = _off, True
+    try:
+        yield
+    finally:
+        _off = before
+
+
+# The kernel as a torch op, so that the profiler records it by name (inside the "attention"
+# scope of ``bench --profile``) and a compiled graph calls it as one opaque kernel.
+_LIB = torch.library.Library("infersight", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIB.define(  # type: ignore[no-untyped-call]
+    "paged_attention_kernel(Tensor q, Tensor pool, Tensor slots, Tensor lens, Tensor? mask) "
+    "-> Tensor"
+)
+
+
+def _kernel_op(q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None) -> Tensor:
+    return _call(kernel(), q, pool, slots, lens, mask)
+
+
+_LIB.impl("paged_attention_kernel", _kernel_op, "CPU")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("infersight::paged_attention_kernel", lib=_LIB)  # type: ignore[untyped-decorator]
+def _(q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def usable(q: Tensor, pool: Tensor) -> bool:
+    return not _off and q.device.type == "cpu" and pool.dtype in DTYPES and kernel().available
+
+
+def paged_attention(
+    q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None
+) -> Tensor:
+    """``q: [B, H, D]`` over the keys in the first ``lens[b]`` columns of ``slots[b]``
+    (``mask``: additive, ``[B, W]`` or ``[B, 1, 1, W]``, or None). Returns ``[B, H·D]`` in
+    ``q``'s dtype. Call where :func:`usable` said yes."""
+    return torch.ops.infersight.paged_attention_kernel(q, pool, slots, lens, mask)
+
+
+def _call(
+    k: Kernel, q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None
+) -> Tensor:
+    assert k.fn is not None
+    b, heads, dim = q.shape
+    kv_heads = pool.shape[1] // 2
+    qf = q.float().contiguous()
+    out = torch.empty_like(qf)
+    slots = slots.contiguous()
+    lens = lens.contiguous()
+    m = None if mask is None else mask.reshape(b, -1).float().contiguous()
+    rc = k.fn(
+        qf.data_ptr(), pool.data_ptr(), int(pool.dtype == torch.bfloat16), slots.data_ptr(),
+        lens.data_ptr(), None if m is None else m.data_ptr(), out.data_ptr(), b,
+        slots.shape[1], heads, kv_heads, dim, dim**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the paged decode kernel ran out of memory for its scratch space")
+    return out.view(b, heads * dim).to(q.dtype)
+
+
+def status() -> str:
+    """One line for the load report: which decode attention runs and why."""
+    return kernel().why
