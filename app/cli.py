@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="mixed workload")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers' generate")
     p.add_argument(
+        "--hf-batch-sizes", type=int, nargs="+", default=None,
+        help="mixed workload: transformers' static batch sizes (default: --max-batch-size)",
+    )  # fmt: skip
+    p.add_argument(
         "--profile",
         action="store_true",
         help="where a decode step's time goes (matmul kernels, attention, other ops, "
@@ -494,8 +498,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name in ("prompt_len", "new_tokens", "repeats", "requests", "batch"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
-    if any(b < 1 for b in args.max_batch_size):
-        raise InvalidRequestError("--max-batch-size values must be at least 1")
+    if any(b < 1 for b in [*args.max_batch_size, *(args.hf_batch_sizes or [])]):
+        raise InvalidRequestError("--max-batch-size and --hf-batch-sizes values must be >= 1")
     device = resolve_device(args.device)
     parse_precision(args.precision, device)
     _set_threads(args.threads)
@@ -516,6 +520,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             precision=args.precision,
             device=device,
             compare_hf=args.compare_hf,
+            hf_batch_sizes=args.hf_batch_sizes,
             seed=args.seed,
             engine_config=config,
             log=say,

@@ -419,8 +419,14 @@ class LoadGenerator:
             self.ended = now
 
     def next_arrival_in(self, now: float) -> float | None:
-        """Seconds until the next open-loop arrival (``None``: nothing is scheduled)."""
-        if self.finished or self._next_arrival is None:
+        """Seconds until the next request is due: 0 before the start and while a closed-loop
+        user is ready to send, the time to the next open-loop arrival, ``None`` when nothing
+        is due (every user waits for an answer, or the load is over)."""
+        if self.finished:
+            return None
+        if self.started is None or (self._ready + self._refused and self._may_send(now)):
+            return 0.0
+        if self._next_arrival is None:
             return None
         return max(0.0, self._next_arrival - now)
 

@@ -2,7 +2,8 @@
 
 Every step, finished sequences have left and waiting ones may join. The budgets:
 
-* ``max_batch_size``: sequences in the running set;
+* ``max_batch_size``: sequences computed in one step (and admitted to the running set; when
+  it is lowered on a live engine, the running sequences beyond it wait, keeping their KV);
 * ``max_tokens_per_step``: tokens computed in one forward (long prompts are prefilled in
   chunks, so one long prompt does not stall everyone else's decode);
 * ``max_wait_ms``: how long a lone request may be held hoping for company (0 = never);
@@ -133,6 +134,9 @@ class Scheduler:
         ordered = self._order(self.running, now)
         queue = [s for s in ordered if s.num_tokens - s.num_computed == 1]
         queue += [s for s in ordered if s.num_tokens - s.num_computed != 1]
+        # A max batch size lowered on a live engine takes effect at once: the sequences
+        # beyond it (lowest priority, latest arrivals) sit this step out, keeping their KV.
+        del queue[limits.max_batch_size :]
         while queue:
             seq = queue.pop(0)
             need = min(seq.num_tokens - seq.num_computed, budget)

@@ -159,6 +159,7 @@ class Sweep:
             self._next()
 
     def next_arrival_in(self, now: float) -> float | None:
+        """The running point's (a point that has not started yet is due at once)."""
         return None if self._current is None else self._current.next_arrival_in(now)
 
     def stop(self) -> None:

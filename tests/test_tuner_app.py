@@ -54,7 +54,7 @@ def test_a_slider_reaches_the_engine_at_the_next_step_and_stop_frees_everything(
     tuner.output_spin.setValue(64)
     tuner.start_button.click()
     qtbot.waitUntil(  # type: ignore[attr-defined]
-        lambda: views.values and latest(views).snapshot.num_requests_running >= 4,
+        lambda: bool(views.values) and latest(views).snapshot.num_requests_running >= 4,
         timeout=LONG_WAIT_MS,
     )
     tuner.sliders["max_batch_size"].slider.setValue(2)  # as a user's drag ends there
