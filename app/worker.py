@@ -47,6 +47,7 @@ METRICS_S = 0.25  # metrics while working
 IDLE_METRICS_S = 1.0  # metrics while idle
 ENGINE_NICENESS = 5  # how much lower than the UI the engine thread (and its helpers) runs
 LOAD_JOIN_S = 120.0  # a stopping worker waits this long for a load to notice its cancel
+LIVE_RESULT_S = 1.0  # a running live load's figures are recomputed at most this often
 
 # -- what crosses the thread boundary (plain data) ---------------------------------------------
 
@@ -246,6 +247,8 @@ class EngineWorker(QObject):
         self._streams = OwnStreams()  # this worker's CUDA stream on each device it uses
         self._tune: Driver | None = None  # the tuner's load on the current engine
         self._tune_engine: LLMEngine | None = None
+        self._live_result: LoadResult | None = None
+        self._live_result_at = 0.0
 
     # -- any thread ------------------------------------------------------------------------
     def post(self, command: Command) -> None:
@@ -325,6 +328,8 @@ class EngineWorker(QObject):
         elif isinstance(command, Configure):
             self._configure(command)
         elif isinstance(command, Pause):
+            if command.paused:  # a paused engine would stretch every figure of the load
+                self._end_tune("stopped: the engine was paused")
             self._paused = command.paused
             self._emit_metrics()
             self.paused.emit(command.paused)
@@ -371,16 +376,24 @@ class EngineWorker(QObject):
                 reply.engine.cancel(rid)  # its event arrives with that engine's next step
 
     def _configure(self, command: Configure) -> None:
+        """Apply live settings; they are kept (for the next engine too) only if the engine
+        took them. While a sweep runs, its settings own the limits: limits asked for then
+        are kept and applied when it ends."""
         s = self._settings
+        new = _Settings(dict(s.limits), s.window, s.layer_timing)
         if command.limits is not None:
-            s.limits = {**s.limits, **command.limits}
+            new.limits.update(command.limits)
         if command.window is not None:
-            s.window = command.window if isinstance(command.window, CacheWindow) else None
+            new.window = command.window if isinstance(command.window, CacheWindow) else None
         if command.layer_timing is not None:
-            s.layer_timing = command.layer_timing
+            new.layer_timing = command.layer_timing
         if self.engine is not None:
-            self._apply_settings(self.engine)
+            self._apply_settings(self.engine, new, limits=not self._sweeping())
+        self._settings = new
         self._emit_metrics()
+
+    def _sweeping(self) -> bool:
+        return isinstance(self._tune, Sweep) and self._tune_engine is self.engine
 
     # -- the tuner -------------------------------------------------------------------------
     def _start_tune(self, command: Tune) -> None:
@@ -405,7 +418,34 @@ class EngineWorker(QObject):
             return
         driver.stop()
         self._emit_tune(message=why)
+        self._tune_done()
+
+    def _tune_done(self) -> None:
+        """The tune is over: a sweep has put its limits back; the user's own apply again."""
+        engine, sweep = self._tune_engine, self._sweeping()
         self._tune = self._tune_engine = None
+        self._live_result = None
+        if sweep and engine is not None:
+            try:
+                self._apply_settings(engine)
+            except InfersightError as exc:
+                self.error.emit(f"{exc}; the engine keeps the limits it had before the sweep")
+
+    def _tune_step(self, action: Callable[[Driver], None]) -> None:
+        """Run one of the tune's calls; an error ends the tune with its message, never the
+        worker."""
+        driver = self._tune
+        if driver is None:
+            return
+        try:
+            action(driver)
+        except Exception as exc:
+            log.exception("the tuner's load failed")
+            self._end_tune(f"the load stopped: {type(exc).__name__}: {exc}")
+            return
+        if driver.finished:
+            self._emit_tune()
+            self._tune_done()
 
     def _emit_tune(self, message: str = "") -> None:
         driver = self._tune
@@ -417,16 +457,25 @@ class EngineWorker(QObject):
             status = TuneStatus(running, sweep=driver.progress(), message=message)
         else:
             assert isinstance(driver, LoadGenerator)
-            result = driver.result(now) if driver.started is not None else None
+            # A live load's figures cover everything it has done so far: recomputed at most
+            # once a second while it runs (its records only grow), always at the end.
+            result = self._live_result
+            if driver.started is not None and (
+                not running or result is None or now - self._live_result_at >= LIVE_RESULT_S
+            ):
+                result = self._live_result = driver.result(now)
+                self._live_result_at = now
             status = TuneStatus(
                 running, load=result, sent=driver.sent, outstanding=driver.outstanding,
                 message=message,
             )  # fmt: skip
         self.tune_status.emit(status)
 
-    def _apply_settings(self, engine: LLMEngine) -> None:
-        s = self._settings
-        if s.limits:
+    def _apply_settings(
+        self, engine: LLMEngine, settings: _Settings | None = None, *, limits: bool = True
+    ) -> None:
+        s = settings or self._settings
+        if s.limits and limits:
             engine.update_limits(**s.limits)  # raises on an invalid limit; nothing changes
         engine.set_window(s.window)
         engine.enable_layer_timing(s.layer_timing)
@@ -512,9 +561,9 @@ class EngineWorker(QObject):
 
     # -- stepping ----------------------------------------------------------------------------
     def _step_all(self) -> None:
+        if self._tune is not None and self._tune_engine is self.engine:
+            self._tune_step(lambda d: d.tick(time.perf_counter()))
         tune = self._tune
-        if tune is not None and self._tune_engine is self.engine:
-            tune.tick(time.perf_counter())
         for engine in self._engines():
             if not engine.has_work():
                 continue
@@ -525,10 +574,7 @@ class EngineWorker(QObject):
                 self._fail_engine(engine, exc)
                 continue
             if tune is not None and engine is self._tune_engine:
-                tune.observe(events)
-                if tune.finished:
-                    self._emit_tune()
-                    self._tune = self._tune_engine = None
+                self._tune_step(lambda d: d.observe(events))  # noqa: B023 (called at once)
             for event in events:
                 reply = self._replies.get(event.request_id)
                 if reply is None:

@@ -399,11 +399,15 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
 
-    def _kv_tokens(self, tokens: int) -> int:
-        """KV slots a request of ``tokens`` tokens holds at most at once."""
-        if self.window is not None:  # blocks outside sink + window are given back as it runs
-            w = self.window
-            chunk = self.scheduler.limits.max_tokens_per_step
+    def _kv_tokens(
+        self, tokens: int, limits: SchedulerLimits | None = None,
+        window: CacheWindow | bool | None = True,
+    ) -> int:  # fmt: skip
+        """KV slots a request of ``tokens`` tokens holds at most at once (under ``limits``
+        and ``window``; default: the engine's own)."""
+        w = self.window if window is True else window
+        if isinstance(w, CacheWindow):  # blocks outside sink + window go back as it runs
+            chunk = (limits or self.scheduler.limits).max_tokens_per_step
             tokens = min(tokens, w.sink + w.window + chunk + 2 * self.kv.manager.block_size)
         return tokens
 
@@ -433,33 +437,39 @@ class LLMEngine:
         ``kv_blocks`` caps the blocks in use at once (at most the pool's size): lowering it
         below what runs makes the scheduler preempt, and it is refused below what the
         largest live request needs on its own."""
-        blocks = changes.pop("kv_blocks", None)
-        limits = self.scheduler.limits.updated(**changes)
-        if blocks is not None:
-            self._set_kv_capacity(int(blocks))
-        self.scheduler.limits = limits
-        return limits
-
-    def _set_kv_capacity(self, blocks: int) -> None:
         mgr = self.kv.manager
+        blocks = int(changes.pop("kv_blocks", mgr.capacity))
+        limits = self.scheduler.limits.updated(**changes)
         if not 1 <= blocks <= mgr.num_blocks:
             raise InvalidRequestError(
                 f"kv_blocks must be in [1, {mgr.num_blocks}] (the pool's size), got {blocks}"
             )
+        self._check_live_requests(blocks, limits, self.window)
+        mgr.set_capacity(blocks)
+        self.scheduler.limits = limits
+        return limits
+
+    def _check_live_requests(
+        self, blocks: int, limits: SchedulerLimits, window: CacheWindow | None
+    ) -> None:
+        """Refuse a KV cap, limits or window under which a request already queued or running
+        could no longer fit on its own (it would wait, or preempt itself, for ever)."""
         need = max(
-            (mgr.blocks_for(self._kv_tokens(len(s.prompt_ids) + s.max_new_tokens))
+            (self.kv.manager.blocks_for(
+                self._kv_tokens(len(s.prompt_ids) + s.max_new_tokens, limits, window))
              for s in self._seqs.values()),
             default=1,
         )  # fmt: skip
         if blocks < need:
             raise InvalidRequestError(
-                f"a KV pool of {blocks} blocks cannot hold a running request that needs "
-                f"{need}; give it at least {need} blocks"
+                f"a KV pool of {blocks} blocks cannot hold a live request that needs {need}; "
+                f"give it at least {need} blocks, or wait until the long requests finish"
             )
-        mgr.set_capacity(blocks)
 
     def set_window(self, window: CacheWindow | None) -> None:
-        """Turn the cache window on, off or change it; applies from the next step."""
+        """Turn the cache window on, off or change it; applies from the next step. Refused
+        when a live request would no longer fit the KV pool's usable blocks without it."""
+        self._check_live_requests(self.kv.manager.capacity, self.scheduler.limits, window)
         self.window = window
 
     def has_work(self) -> bool:

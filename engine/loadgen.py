@@ -199,11 +199,12 @@ def request_stream(engine: LLMEngine, spec: LoadSpec) -> Iterator[LoadRequest]:
     texts = prompt_set()
     mix = spec.mix
     mgr = engine.kv.manager
-    room = min(engine.context_length, mgr.capacity * mgr.block_size) - 1
     mu = math.log(mix.output_median)
     while True:
+        # the room as it is now: the KV cap can change while the load runs
+        room = min(engine.context_length, mgr.capacity * mgr.block_size) - 1
         out = round(math.exp(rng.gauss(mu, mix.output_sigma)))
-        out = max(mix.output_min, min(mix.output_max, out, room // 2))
+        out = max(1, min(max(mix.output_min, min(mix.output_max, out)), room // 2))
         draw = rng.random()
         if draw < mix.documents:
             kind = "document"
@@ -251,7 +252,7 @@ class LoadResult:
     setting: dict[str, Any]
     load: str
     completed: int
-    failed: int  # refused (queue full) or ended by an error or a timeout
+    failed: int  # turned away (open loop), could not run, or ended by an error or a timeout
     duration: float
     total_input_tokens: int
     total_output_tokens: int
@@ -270,6 +271,7 @@ class LoadResult:
     request_goodput: float | None = None  # requests/s that met the SLO
     slo_attainment: float | None = None  # share of completed requests that met it
     stopped: bool = False  # Stop ended it before its requests or duration were done
+    refused: int = 0  # times the full waiting queue turned a request away (closed loop: resent)
 
     def as_json(self) -> dict[str, Any]:
         """Flat vLLM-bench keys: ``mean_ttft_ms``, ``median_ttft_ms``, ``p99_ttft_ms`` …"""
@@ -328,6 +330,8 @@ class LoadGenerator:
         self._next_arrival: float | None = None
         self._ready = 0  # closed loop: users free to send
         self._refused = 0  # closed loop: users whose request the full queue refused
+        self._retry: LoadRequest | None = None  # the request a refused closed-loop user resends
+        self.refused = 0  # times the full waiting queue turned a request away
         self._first_step = (0, 0)
 
     # -- the protocol ---------------------------------------------------------------------
@@ -385,16 +389,27 @@ class LoadGenerator:
         return self._rng.gammavariate(spec.burstiness, 1.0 / (spec.rate * spec.burstiness))
 
     def _send(self, due: float) -> None:
-        request = next(self._requests)
+        request = self._retry or next(self._requests)
+        self._retry = None
         params = SamplingParams(max_new_tokens=request.max_new_tokens, ignore_eos=True)
         rid = f"{self._prefix}-{self._sent}"
-        self._sent += 1
         try:
             self.engine.add_request(request.prompt_ids, params, request_id=rid, arrival=due)
-        except EngineBusyError:
+        except EngineBusyError:  # the waiting queue is full
+            self.refused += 1
+            if self.spec.mode == "closed":  # that user sends the same request after a step
+                self._refused += 1
+                self._retry = request
+                return
+            self._sent += 1  # open loop: the arrival happened, and it was turned away
             self.failed += 1
-            self._refused += self.spec.mode == "closed"  # that user tries again after a step
             return
+        except InfersightError:  # it cannot run here (e.g. the KV cap was lowered under it)
+            self._sent += 1
+            self.failed += 1
+            self._refused += self.spec.mode == "closed"
+            return
+        self._sent += 1
         self._outstanding.add(rid)
 
     def observe(self, events: list[TokenEvent]) -> None:
@@ -474,7 +489,7 @@ class LoadGenerator:
             mean_batch_size=batched / steps if steps else 0.0,
             mean_tokens_per_request=(input_tokens + output_tokens) / len(done) if done else 0.0,
             slo=self.slo.describe() if self.slo else "", request_goodput=good,
-            slo_attainment=attained, stopped=self.stopped,
+            slo_attainment=attained, stopped=self.stopped, refused=self.refused,
         )  # fmt: skip
 
 

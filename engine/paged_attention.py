@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.errors import InfersightError
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
@@ -99,12 +101,22 @@ def _library_path(cc: str) -> Path:
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         version = cc
+    # -march=native: the build holds for this CPU's instruction sets, not just its name
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu().encode()).hexdigest()
+    return home() / "kernels" / f"paged_decode-{key[:16]}{_suffix()}"
+
+
+def _cpu() -> str:
+    """The CPU's name and instruction-set flags (``/proc/cpuinfo``), else ``platform``'s."""
     from engine.linear import machine_name
 
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + version.encode() + machine_name().encode()
-    ).hexdigest()[:16]
-    return home() / "kernels" / f"paged_decode-{key}{_suffix()}"
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.platform()
+    return machine_name() + "|" + flags
 
 
 def _suffix() -> str:
@@ -113,7 +125,15 @@ def _suffix() -> str:
 
 @cache
 def kernel() -> Kernel:
-    """Build (once per machine), load and check the kernel."""
+    """Build (once per machine), load and check the kernel. With ``INFERSIGHT_ATTENTION=
+    paged`` a kernel that cannot run here is an error, not a fallback."""
+    found = _kernel()
+    if requested() == "paged" and not found.available:
+        raise InfersightError(f"{ENV}=paged, but {found.why}; unset it to fall back")
+    return found
+
+
+def _kernel() -> Kernel:
     if requested() == "gather":
         return Kernel(None, f"gather + SDPA ({ENV}=gather)")
     cc = _compiler()
@@ -216,6 +236,9 @@ def _call(
     k: Kernel, q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None
 ) -> Tensor:
     assert k.fn is not None
+    # raw pointers cross into C: the layouts it assumes are checked here
+    if slots.dtype != torch.long or lens.dtype != torch.long or not pool.is_contiguous():
+        raise ValueError("paged attention needs int64 slots and lens and a contiguous pool")
     b, heads, dim = q.shape
     kv_heads = pool.shape[1] // 2
     qf = q.float().contiguous()

@@ -145,16 +145,44 @@ def test_duration_stops_sending_and_lets_the_rest_finish(engine: LLMEngine) -> N
     idle(engine)
 
 
-def test_a_full_queue_counts_as_failed_and_the_user_tries_again(engine: LLMEngine) -> None:
-    engine.update_limits(max_waiting=1)
+def test_a_full_queue_makes_a_closed_loop_user_send_the_same_request_again(
+    engine: LLMEngine,
+) -> None:
+    engine.update_limits(max_batch_size=1, max_waiting=1)
     try:
         gen = LoadGenerator(engine, LoadSpec(users=3, requests=6, mix=SHORT))
         drive(engine, gen)
     finally:
-        engine.update_limits(max_waiting=1024)
+        engine.update_limits(max_batch_size=8, max_waiting=1024)
     result = gen.result()
-    assert result.failed > 0
-    assert result.completed + result.failed == 6
+    assert result.refused > 0  # turned away, and sent again: not a failure
+    assert (result.completed, result.failed) == (6, 0)
+    alone = LoadGenerator(engine, LoadSpec(users=1, requests=6, mix=SHORT))
+    drive(engine, alone)
+    assert alone.result().total_input_tokens == result.total_input_tokens  # the same requests
+    idle(engine)
+
+
+def test_limits_a_live_request_could_not_fit_under_are_refused(engine: LLMEngine) -> None:
+    from engine.kv_cache import CacheWindow
+    from engine.sampling import SamplingParams
+
+    rid = engine.add_request(list(range(10, 500)), SamplingParams(max_new_tokens=200))
+    try:
+        with pytest.raises(InvalidRequestError, match="at least 44 blocks"):
+            engine.update_limits(kv_blocks=20)  # 690 tokens: 44 blocks of 16
+        engine.set_window(CacheWindow(sink=4, window=64))  # it holds at most ~400 tokens now
+        engine.update_limits(kv_blocks=30)
+        with pytest.raises(InvalidRequestError, match="at least 44 blocks"):
+            engine.set_window(None)  # without the window it would need 44
+        with pytest.raises(InvalidRequestError):
+            engine.update_limits(max_tokens_per_step=2048)  # a longer chunk holds more
+        assert engine.window is not None and engine.kv.manager.capacity == 30
+    finally:
+        engine.cancel(rid)
+        engine.step()
+        engine.set_window(None)
+        engine.update_limits(kv_blocks=engine.kv.manager.num_blocks)
     idle(engine)
 
 

@@ -86,6 +86,27 @@ def test_a_slider_reaches_the_engine_at_the_next_step_and_stop_frees_everything(
     assert window.chat.last is not None and window.chat.last.view.text.strip()
 
 
+def test_a_load_that_fails_ends_with_its_message_and_the_chat_goes_on(
+    qtbot: object, window: MainWindow, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.loadgen import LoadGenerator
+
+    def broken(self: LoadGenerator, events: object) -> None:
+        raise RuntimeError("a bug in the load generator")
+
+    monkeypatch.setattr(LoadGenerator, "observe", broken)
+    window.tuner.users_spin.setValue(2)
+    window.tuner.start_button.click()
+    qtbot.waitUntil(  # type: ignore[attr-defined]
+        lambda: "a bug in the load generator" in window.tuner.status_label.text(),
+        timeout=LONG_WAIT_MS,
+    )
+    assert window.tuner.start_button.isEnabled()
+    send(qtbot, window, "Hello!")
+    assert window.chat.last is not None and window.chat.last.view.text.strip()
+    assert window.engine_thread.isRunning()
+
+
 def test_a_sweep_in_the_app_measures_what_the_command_line_measures(
     qtbot: object, window: MainWindow, tmp_path: Path
 ) -> None:
