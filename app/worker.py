@@ -752,10 +752,12 @@ def compute_paths(engine: LLMEngine) -> tuple[str, ...]:
     """What the load report says about how the model computes: on a CPU which fast paths the
     probe found and the thread count, whether decode steps run compiled, then each kind of
     weight with its format and path."""
+    from engine import paged_attention
     from engine.hardware import cpu_paths
 
     head: tuple[str, ...] = ()
     if engine.device.type == "cpu":
-        head = (cpu_paths().summary(), engine.threads_report)
+        attention = f"decode attention: {paged_attention.status()}"
+        head = (cpu_paths().summary(), engine.threads_report, attention)
     head += (engine.graph.summary(),)
     return head + tuple(f"{g.kind}: {g.form}" for g in engine.weight_groups)

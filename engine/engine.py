@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine import decode_graph
+from engine import decode_graph, paged_attention
 from engine.config import ModelConfig
 from engine.errors import InfersightError, InvalidRequestError, ModelLoadError
 from engine.hardware import cpu_paths
@@ -250,6 +250,7 @@ class LLMEngine:
         fp16 = 2 * num_parameters
         if torch_device.type == "cpu":
             log.info("  %s; %s", cpu_paths().summary(), threads)
+            log.info("  decode attention: %s", paged_attention.status())
         log.info("  %s", engine.graph.summary())
         for group in engine.weight_groups:
             log.info(

@@ -139,6 +139,8 @@ def _kernel() -> Kernel:
     cc = _compiler()
     if cc is None:
         return Kernel(None, "gather + SDPA (no C compiler found for the paged kernel)")
+    if not SOURCE.is_file():
+        return Kernel(None, f"gather + SDPA (the paged kernel's source {SOURCE} is missing)")
     path = _library_path(cc)
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
