@@ -18,7 +18,8 @@ PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
 # in-process on every machine.
 AVX2_LEG := tests/test_cpu_paths.py tests/test_quant.py tests/test_exactness_tiny.py \
             tests/test_generation.py tests/test_eval.py tests/test_real_model.py \
-            tests/test_compare.py tests/test_sensitivity.py tests/test_decode_graph.py
+            tests/test_compare.py tests/test_sensitivity.py tests/test_decode_graph.py \
+            tests/test_paged_attention.py
 
 .PHONY: run chat test bench bench-peers gpu-check screenshots package venv dev clean
 

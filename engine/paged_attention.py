@@ -6,14 +6,15 @@ each step writes a copy of every K/V it reads and reads it again. At batch 16 wi
 contexts that copy is most of the attention's time. ``csrc/paged_decode.c`` reads each key and
 value once, straight from the pool, for all the query heads that share it (GQA).
 
-It is C, compiled once per machine with the system's C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``) for this CPU (``-O3 -march=native``, OpenMP where the compiler has
-it), cached under the user cache by a hash of the source, the flags and the compiler, and
-called through ``ctypes`` (which releases the GIL). Like every fast path it is probed: the
-build, then one call checked against the portable path; a machine without a compiler, or a
-failed check, runs the portable path, and :func:`status` says why. ``INFERSIGHT_ATTENTION``
-picks by hand: ``paged`` (this kernel, an error if it is not available) or ``gather``.
-"""
+It is C, compiled once per machine with the system's C compiler (``$CC``, else ``cc``, ``gcc``
+or ``clang``) for this CPU (``-O3 -march=native``, or ``-mavx2 -mfma`` where
+``INFERSIGHT_CPU_CAPABILITY=AVX2`` caps the level, off under ``DEFAULT``; OpenMP where the
+compiler has it), cached under the user cache by a hash of the source, the flags and the
+compiler, and called through ``ctypes`` (which releases the GIL). Like every fast path it is
+probed: the build, then one call checked against the portable path; a machine without a
+compiler, or a failed check, runs the portable path, and :func:`status` says why.
+``INFERSIGHT_ATTENTION`` picks by hand: ``paged`` (this kernel, an error if it is not
+available) or ``gather``."""
 
 from __future__ import annotations
 
@@ -71,12 +72,21 @@ def _compiler() -> str | None:
     return None
 
 
+def _isa_flags() -> list[str]:
+    """Instruction sets to build for: this CPU's, or AVX2 where ``INFERSIGHT_CPU_CAPABILITY``
+    caps the level there (so an AVX-512 machine proves the AVX2 build)."""
+    from engine.hardware import forced_level
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    return ["-mavx2", "-mfma"] if forced_level() == "AVX2" else ["-march=native"]
+
+
 def _build(cc: str, out: Path) -> str | None:
     """Compile the kernel into ``out``; returns the flags used, or None."""
     base = ["-O3", "-shared", "-fPIC", "-std=c11"]
-    native = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
     for extra in (["-fopenmp"], []):  # without OpenMP (e.g. Apple clang): one thread
-        flags = [*base, *native, *extra]
+        flags = [*base, *_isa_flags(), *extra]
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         cmd = [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"]
         try:
@@ -102,7 +112,9 @@ def _library_path(cc: str) -> Path:
     except (OSError, subprocess.TimeoutExpired):
         version = cc
     # -march=native: the build holds for this CPU's instruction sets, not just its name
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu().encode()).hexdigest()
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + version.encode() + _cpu().encode() + str(_isa_flags()).encode()
+    ).hexdigest()
     return home() / "kernels" / f"paged_decode-{key[:16]}{_suffix()}"
 
 
@@ -134,8 +146,12 @@ def kernel() -> Kernel:
 
 
 def _kernel() -> Kernel:
+    from engine.hardware import FORCE_ENV, forced_level
+
     if requested() == "gather":
         return Kernel(None, f"gather + SDPA ({ENV}=gather)")
+    if forced_level() == "DEFAULT":
+        return Kernel(None, f"gather + SDPA (forced off by {FORCE_ENV}=DEFAULT)")
     cc = _compiler()
     if cc is None:
         return Kernel(None, "gather + SDPA (no C compiler found for the paged kernel)")

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from engine import paged_attention
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.hardware import FORCE_ENV, CpuPaths, cpu_paths
@@ -26,8 +27,10 @@ def paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     else:
         monkeypatch.setenv(FORCE_ENV, request.param)
     cpu_paths.cache_clear()
+    paged_attention.kernel.cache_clear()  # the decode attention kernel follows the level too
     yield cpu_paths()
     cpu_paths.cache_clear()  # the next test probes under its own environment
+    paged_attention.kernel.cache_clear()
 
 
 def test_the_switch_only_lowers_what_the_cpu_has(paths: CpuPaths) -> None:

@@ -138,3 +138,21 @@ def test_built_once_per_machine(tmp_path: Path, monkeypatch) -> None:
     paged_attention.kernel.cache_clear()
     assert paged_attention.kernel().available
     assert built.stat().st_mtime_ns == stamp
+
+
+@needs_compiler
+def test_the_forced_cpu_level_decides_the_build(tmp_path: Path, monkeypatch) -> None:
+    from engine.hardware import FORCE_ENV
+
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+    monkeypatch.setenv(FORCE_ENV, "DEFAULT")
+    assert "DEFAULT" in paged_attention.status() and not paged_attention.kernel().available
+    paged_attention.kernel.cache_clear()
+    monkeypatch.setenv(FORCE_ENV, "AVX2")
+    if paged_attention._isa_flags():  # x86-64: an AVX2 build, apart from the native one
+        assert paged_attention._isa_flags() == ["-mavx2", "-mfma"]
+    assert paged_attention.kernel().available
+    q, pool, slots, lens, mask = case(4, 50, 3, 3, 64, torch.float32, seed=2)
+    want = _gather_attention(q, pool, slots, mask[:, None, None, :])
+    torch.testing.assert_close(paged_attention.paged_attention(q, pool, slots, lens, mask), want,
+                               atol=2e-6, rtol=2e-6)  # fmt: skip
