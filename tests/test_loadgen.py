@@ -281,14 +281,15 @@ def test_kv_cap_is_checked_and_forces_preemption(engine: LLMEngine) -> None:
     mgr = engine.kv.manager
     with pytest.raises(InvalidRequestError, match="pool's size"):
         engine.update_limits(kv_blocks=mgr.num_blocks + 1)
-    engine.update_limits(kv_blocks=12)
+    engine.update_limits(kv_blocks=40)  # 640 tokens; a document prompt holds ~15 blocks
     try:
-        assert engine.metrics().limits["kv_blocks"] == 12
-        gen = LoadGenerator(
-            engine, LoadSpec(users=6, requests=12, mix=PromptMix(conversations=0.0))
-        )
+        assert engine.metrics().limits["kv_blocks"] == 40
+        mix = PromptMix(documents=0.6, conversations=0.0, output_median=24, output_min=16,
+                        output_max=32)  # fmt: skip
+        gen = LoadGenerator(engine, LoadSpec(users=6, requests=8, mix=mix))
         drive(engine, gen)
-        assert max(s.kv_used_blocks for s in engine.collector.recent) <= 12
+        assert gen.result().completed == 8
+        assert max(s.kv_used_blocks for s in engine.collector.recent) <= 40
         assert gen.result().preemptions > 0
         assert engine.metrics().total_preemptions > 0
     finally:
