@@ -10,9 +10,11 @@ Every step, finished sequences have left and waiting ones may join. The budgets:
 * ``max_waiting``: the waiting queue's length; beyond it new requests are refused as busy.
 
 Waiting requests are ordered by priority plus an aging credit (``aging_per_s`` priority units
-per second waited), so nothing starves. When the KV pool runs out, the running sequence with
-the lowest priority is *preempted by recompute*: its blocks are freed and it goes back to the
-queue, to be prefilled again (prompt and generated tokens) when it is readmitted.
+per second waited), so nothing starves. One is admitted when its whole prompt fits beside the
+running set with a 1% watermark (not just its first chunk). When the KV pool runs out, the
+running sequence with the lowest priority is *preempted by recompute*: its blocks are freed and
+it goes back to the queue, to be prefilled again (prompt and generated tokens) when it is
+readmitted.
 """
 
 from __future__ import annotations
@@ -153,11 +155,20 @@ class Scheduler:
                 budget -= need
 
         if not out.preempted:  # admitting right after preempting would only thrash
+            mgr = self.manager
+            watermark = max(1, mgr.capacity // 100)
             for seq in self._order(self.waiting, now):
                 if len(self.running) >= limits.max_batch_size or budget <= 0:
                     break
                 need = min(seq.num_tokens - seq.num_computed, budget)
-                if not self.manager.can_grow(seq.request_id, need):
+                if not mgr.can_grow(seq.request_id, need):
+                    break
+                # Admitted only if its whole prompt and first new token fit beside what runs,
+                # with a watermark for their growth (vLLM's rule): admitting on the first
+                # chunk alone let later chunks preempt the running sequences, which were then
+                # recomputed and preempted in turn (thrashing, seen in the tuner).
+                whole = mgr.blocks_needed(seq.request_id, seq.num_tokens + 1)
+                if self.running and whole + watermark > mgr.num_free:
                     break
                 self.waiting.remove(seq)
                 self.running.append(seq)

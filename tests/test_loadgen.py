@@ -277,21 +277,24 @@ def test_stopping_a_sweep_keeps_its_points_and_frees_everything(engine: LLMEngin
     idle(engine)
 
 
-def test_kv_cap_is_checked_and_forces_preemption(engine: LLMEngine) -> None:
+def test_kv_cap_is_checked_and_lowering_it_mid_run_preempts(engine: LLMEngine) -> None:
     mgr = engine.kv.manager
     with pytest.raises(InvalidRequestError, match="pool's size"):
         engine.update_limits(kv_blocks=mgr.num_blocks + 1)
-    engine.update_limits(kv_blocks=40)  # 640 tokens; a document prompt holds ~15 blocks
+    mix = PromptMix(documents=0.6, conversations=0.0, output_median=24, output_min=16,
+                    output_max=32)  # fmt: skip
+    gen = LoadGenerator(engine, LoadSpec(users=6, requests=8, mix=mix))
     try:
-        assert engine.metrics().limits["kv_blocks"] == 40
-        mix = PromptMix(documents=0.6, conversations=0.0, output_median=24, output_min=16,
-                        output_max=32)  # fmt: skip
-        gen = LoadGenerator(engine, LoadSpec(users=6, requests=8, mix=mix))
+        while mgr.num_used < 30:  # documents of ~15 blocks each are running
+            gen.tick(0.0)
+            gen.observe(engine.step())
+        engine.update_limits(kv_blocks=20)  # as the tuner's slider does, under what is in use
+        assert engine.metrics().limits["kv_blocks"] == 20
         drive(engine, gen)
-        assert gen.result().completed == 8
-        assert max(s.kv_used_blocks for s in engine.collector.recent) <= 40
-        assert gen.result().preemptions > 0
-        assert engine.metrics().total_preemptions > 0
+        result = gen.result()
+        assert result.completed == 8
+        assert result.preemptions > 0 and engine.metrics().total_preemptions > 0
+        assert engine.collector.recent[-1].kv_used_blocks <= 20
     finally:
         engine.update_limits(kv_blocks=mgr.num_blocks)
     idle(engine)

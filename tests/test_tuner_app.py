@@ -159,7 +159,7 @@ def test_a_sweep_in_the_app_measures_what_the_command_line_measures(
 )
 def test_tuner_screenshots(qtbot: object, window: MainWindow) -> None:
     """The tuner mid-run (a live closed loop of 8 users with long conversations, the per-step
-    strip filling) and a finished sweep (3 batch sizes × 4 loads), at 1280×800."""
+    strip filling) and a finished sweep (2 batch sizes × 4 loads), at 1280×800."""
     out = Path(os.environ["INFERSIGHT_SCREENSHOTS"])
     tuner = window.tuner
     tuner.tabs.setCurrentIndex(0)
@@ -173,13 +173,13 @@ def test_tuner_screenshots(qtbot: object, window: MainWindow) -> None:
     tuner.stop_button.click()
     tuner.tabs.setCurrentIndex(1)
     tuner.loads_edit.setText("1 2 4 8")
-    tuner.batch_edit.setText("2 8 16")
+    tuner.batch_edit.setText("4 16")
     tuner.tokens_edit.setText("256")
     tuner.requests_spin.setValue(8)
     tuner.sweep_output_spin.setValue(32)
     tuner.conversations_spin.setValue(0.1)
     tuner.run_button.click()
-    qtbot.waitUntil(lambda: len(tuner.sweep_points()) == 12, timeout=30 * LONG_WAIT_MS)  # type: ignore[attr-defined]
+    qtbot.waitUntil(lambda: len(tuner.sweep_points()) == 8, timeout=30 * LONG_WAIT_MS)  # type: ignore[attr-defined]
     tuner.target_rate.setValue(2.0)
     tuner.redraw()
     window.grab().save(str(out / "tuner-sweep.png"))
