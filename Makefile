@@ -43,7 +43,7 @@ test: $(VENV)/.stamp-dev
 	else \
 	  echo "AVX2 leg: not needed, this CPU's capability is $$cap (the main run takes its paths)"; \
 	fi
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q --durations=15
 
 # The main window mid-reply with the plots populated, the A/B lab and the batching tuner,
 # rendered offscreen into docs/screenshots.

@@ -171,6 +171,7 @@ def test_tuner_screenshots(qtbot: object, window: MainWindow) -> None:
     tuner.redraw()
     window.grab().save(str(out / "tuner-live.png"))
     tuner.stop_button.click()
+    qtbot.waitUntil(tuner.run_button.isEnabled, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
     tuner.tabs.setCurrentIndex(1)
     tuner.loads_edit.setText("1 2 4 8")
     tuner.batch_edit.setText("4 16")
