@@ -498,8 +498,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name in ("prompt_len", "new_tokens", "repeats", "requests", "batch"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
-    if any(b < 1 for b in [*args.max_batch_size, *(args.hf_batch_sizes or [])]):
-        raise InvalidRequestError("--max-batch-size and --hf-batch-sizes values must be >= 1")
+    if any(b < 1 for b in args.max_batch_size):
+        raise InvalidRequestError("--max-batch-size values must be at least 1")
+    if any(b < 1 for b in args.hf_batch_sizes or ()):
+        raise InvalidRequestError("--hf-batch-sizes values must be at least 1")
     device = resolve_device(args.device)
     parse_precision(args.precision, device)
     _set_threads(args.threads)

@@ -826,12 +826,16 @@ class TunerView(QWidget):
         self.loads_label.setText("Users" if mode == "closed" else "Rates (req/s)")
 
     def live_spec(self) -> LoadSpec:
-        """The live load's spec (runs until stopped)."""
+        """The live load's spec (runs until stopped; its share of long conversations is the
+        sweep form's)."""
         mode: Mode = _mode(self.mode_combo.currentText())
         return LoadSpec(
             mode=mode, users=self.users_spin.value(), rate=self.rate_spin.value(),
             requests=None, duration_s=None,
-            mix=PromptMix(output_median=self.output_spin.value()),
+            mix=PromptMix(
+                output_median=self.output_spin.value(),
+                conversations=self.conversations_spin.value(),
+            ),
         )  # fmt: skip
 
     def _start_clicked(self) -> None:
