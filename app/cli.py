@@ -690,8 +690,11 @@ def tune_settings(args: argparse.Namespace) -> tuple[list[Any], Any]:
         duration_s=args.duration,
     )  # fmt: skip
     loads = args.users if args.mode == "closed" else args.rate
-    for value in loads:
-        LoadSpec(mode=args.mode, users=int(value), rate=float(value))  # checks each one
+    for value in loads:  # checks each one, as users or as a rate
+        if args.mode == "closed":
+            LoadSpec(mode="closed", users=int(value))
+        else:
+            LoadSpec(mode=args.mode, rate=float(value))
     for name in ("max_batch_size", "max_tokens_per_step", "kv_blocks"):
         if any(v < 1 for v in getattr(args, name) or ()):
             raise InvalidRequestError(f"--{name.replace('_', '-')} values must be at least 1")

@@ -316,3 +316,18 @@ def test_chat_and_cli_do_not_import_each_other():
     code = "import sys, app.chat; print('app.cli' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--slo", "nonsense"], "cannot read the SLO 'nonsense'"),
+        (["--users", "0"], "users must be >= 1"),
+        (["--mode", "poisson", "--rate", "-1"], "rate must be > 0"),
+        (["--kv-blocks", "0"], "--kv-blocks values must be at least 1"),
+        (["--documents", "0.9", "--conversations", "0.5"], "shares must sum to <= 1"),
+    ],
+)
+def test_tune_rejects_bad_settings_before_loading(capsys, args, needle):
+    code, _, err = run_cli(capsys, "tune", "--model", "/nonexistent", *args)
+    assert_clean_error(code, err, needle)
