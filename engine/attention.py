@@ -49,14 +49,22 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | No
     return out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3).reshape(length, heads * dim)
 
 
-def sequence_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
+def sequence_attention(
+    q: Tensor, keys: Tensor, values: Tensor, start: int, window: int | None = None
+) -> Tensor:
     """Causal :func:`grouped_attention` for queries at positions ``start .. start+L-1`` over
-    keys ``0 .. start+L-1``."""
+    keys ``0 .. start+L-1``; with a sliding ``window``, query ``p`` sees keys ``> p - window``
+    only (keys older than the first query's window are not read at all)."""
     length, total = q.shape[0], keys.shape[1]
+    first = 0 if window is None else max(0, start - window + 1)
+    keys, values = keys[:, first:], values[:, first:]
     mask = None
     if length > 1:
-        q_pos = torch.arange(start, start + length, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+        q_pos = torch.arange(start, start + length, device=q.device)[:, None]
+        k_pos = torch.arange(first, total, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
     return grouped_attention(q, keys, values, mask)
 
 

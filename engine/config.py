@@ -5,12 +5,29 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 
-#: HF ``model_type`` values whose checkpoints this engine runs, and whether q/k/v carry biases.
-SUPPORTED_ARCHITECTURES: dict[str, bool] = {"llama": False, "mistral": False, "qwen2": True}
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """What sets a supported ``model_type`` apart from Llama."""
+
+    qkv_bias: bool = False  # q/k/v projections carry biases unless ``attention_bias`` says
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    #: how the config's ``sliding_window`` applies: not at all, to every layer (Mistral), or
+    #: to the layers it marks behind ``use_sliding_window`` (Qwen2, Qwen3)
+    window: Literal["ignored", "every_layer", "opt_in"] = "ignored"
+
+
+#: HF ``model_type`` values whose checkpoints this engine runs.
+SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(),
+    "mistral": Architecture(window="every_layer"),
+    "qwen2": Architecture(qkv_bias=True, window="opt_in"),
+    "qwen3": Architecture(qk_norm=True, window="opt_in"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +59,10 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm: bool = False
+    #: attention sees only the last ``sliding_window`` keys (Mistral); None: every key
+    sliding_window: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -69,6 +90,8 @@ class ModelConfig:
             # top-level `rope_theta` and `rope_scaling`.
             rope = raw.get("rope_parameters") or {}
             theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+            arch = SUPPORTED_ARCHITECTURES[model_type]
+            context = int(raw.get("max_position_embeddings", 2048))
             cfg = cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -78,14 +101,16 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=context,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[model_type])),
+                attention_bias=bool(raw.get("attention_bias", arch.qkv_bias)),
                 rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
                 bos_token_id=_opt_int(raw.get("bos_token_id")),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+                qk_norm=arch.qk_norm,
+                sliding_window=_sliding_window(raw, arch, context),
             )
         except KeyError as exc:
             raise ModelLoadError(
@@ -133,6 +158,10 @@ class ModelConfig:
             raise ModelLoadError(
                 f"config.json: head_dim must be even for RoPE, got {self.head_dim}"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(
+                f"config.json: sliding_window must be positive, got {self.sliding_window}"
+            )
 
 
 def _opt_int(value: Any) -> int | None:
@@ -145,6 +174,37 @@ def _int_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, list):
         return tuple(int(v) for v in value)
     return (int(value),)
+
+
+def _sliding_window(raw: dict[str, Any], arch: Architecture, context: int) -> int | None:
+    """The model's own attention window, as transformers applies it, or None for none.
+
+    Mistral applies ``sliding_window`` (null for none) to every layer. Qwen2/Qwen3 configs
+    carry one too but apply it only with ``use_sliding_window``, and then only to the layers
+    ``layer_types`` (or, before it, ``max_window_layers``) marks: a window on every layer or
+    on none runs here, a mix of the two does not. A window no shorter than the context is none.
+    """
+    window = _opt_int(raw.get("sliding_window"))
+    if window is None or arch.window == "ignored":
+        return None
+    if arch.window == "opt_in":
+        if not raw.get("use_sliding_window"):
+            return None
+        layers = int(raw["num_hidden_layers"])
+        first = int(raw.get("max_window_layers", layers))
+        kinds = set(
+            raw.get("layer_types")
+            or ("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+        )
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            raise UnsupportedModelError(
+                "this model uses a sliding window on some layers and full attention on others "
+                "(use_sliding_window with max_window_layers / layer_types); Infersight runs a "
+                "window on every layer or on none"
+            )
+    return None if window >= context else window
 
 
 def _rope_scaling(raw: Any) -> RopeScaling:

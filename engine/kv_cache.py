@@ -11,6 +11,11 @@ releases blocks that fell wholly between the ``sink`` first tokens and the last 
 tokens. It only does bookkeeping; :class:`PagedKVCache` owns the tensors and builds the
 per-step :class:`~engine.attention.AttentionContext`.
 
+A model with a sliding window of its own (Mistral's ``sliding_window``: query ``p`` sees keys
+``> p - W``) is a hard limit under any cache window: both caches mask every key older than it,
+whatever window a step asks for, and :func:`effective_window` is the window the engine runs
+(and releases blocks) under.
+
 :class:`ContiguousKVCache` (one contiguous buffer per sequence) is kept as the simplest possible
 cache, for tests and for scoring a single long text.
 """
@@ -27,6 +32,7 @@ from torch.nn.utils.rnn import pad_sequence
 from engine import paged_attention
 from engine.attention import AttentionContext, grouped_attention, sequence_attention
 from engine.config import ModelConfig
+from engine.errors import InvalidRequestError
 
 RELEASED = -1  # table entry of a block given back by the cache window
 
@@ -47,6 +53,24 @@ class CacheWindow:
         causal = key_pos[None, :] <= query_pos[:, None]
         recent = key_pos[None, :] > query_pos[:, None] - self.window
         return causal & ((key_pos[None, :] < self.sink) | recent)
+
+
+def effective_window(user: CacheWindow | None, sliding_window: int | None) -> CacheWindow | None:
+    """The cache window a model with ``sliding_window`` (None: none) runs under when its user
+    asks for ``user``: the user's, which must lie within the model's (no sink: a Mistral never
+    sees its first tokens again; at most ``sliding_window`` recent tokens), or, with none, the
+    model's own, ``CacheWindow(sink=0, window=sliding_window)``."""
+    if sliding_window is None:
+        return user
+    if user is None:
+        return CacheWindow(sink=0, window=sliding_window)
+    if user.sink or user.window > sliding_window:
+        raise InvalidRequestError(
+            f"this model attends to its last {sliding_window} tokens only (its sliding window); "
+            f"a cache window can only narrow that: use sink 0 and a window of at most "
+            f"{sliding_window} tokens (not sink {user.sink}, window {user.window}), or none"
+        )
+    return user
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +232,10 @@ class PagedKVCache:
     ) -> None:
         self.manager = BlockManager(num_blocks, block_size)
         self.block_size = block_size
+        #: the model's own sliding window, masked in every step whatever its chunks ask
+        self.model_window = (
+            None if cfg.sliding_window is None else CacheWindow(0, cfg.sliding_window)
+        )
         slots = num_blocks * block_size + 1
         self.pad_slot = slots - 1
         self.kv_heads = heads = cfg.num_kv_heads
@@ -265,7 +293,9 @@ class _PagedContext(AttentionContext):
             for c in chunks[: self.num_decode]:
                 positions, slots = mgr.held(c.seq_id, c.start + 1)
                 slot_rows.append(slots)
-                mask_rows.append(_visible(c, positions, torch.tensor([c.start]))[0])
+                mask_rows.append(
+                    _visible(c, cache.model_window, positions, torch.tensor([c.start]))[0]
+                )
             self.decode_slots = pad_sequence(
                 slot_rows, batch_first=True, padding_value=cache.pad_slot
             ).to(dev)
@@ -284,7 +314,8 @@ class _PagedContext(AttentionContext):
         offset = self.num_decode
         for c in chunks[self.num_decode :]:
             positions, slots = mgr.held(c.seq_id, c.start + c.length)
-            mask = _visible(c, positions, torch.arange(c.start, c.start + c.length))
+            queries = torch.arange(c.start, c.start + c.length)
+            mask = _visible(c, cache.model_window, positions, queries)
             self.prefill.append((offset, c.length, slots.to(dev), mask.to(dev)))
             offset += c.length
 
@@ -394,15 +425,23 @@ def _(
 paged_decode_attention = torch.ops.infersight.paged_decode_attention
 
 
-def _visible(chunk: SeqChunk, key_pos: Tensor, query_pos: Tensor) -> Tensor:
+def _visible(
+    chunk: SeqChunk, model_window: CacheWindow | None, key_pos: Tensor, query_pos: Tensor
+) -> Tensor:
+    """Mask ``[Q, K]``: causal, within the chunk's cache window and the model's own."""
     if chunk.window is None:
-        return key_pos[None, :] <= query_pos[:, None]
-    return chunk.window.visible(key_pos, query_pos)
+        mask = key_pos[None, :] <= query_pos[:, None]
+    else:
+        mask = chunk.window.visible(key_pos, query_pos)
+    if model_window is not None and model_window != chunk.window:
+        mask &= model_window.visible(key_pos, query_pos)
+    return mask
 
 
 class ContiguousKVCache:
     """One contiguous ``[kv_heads, capacity, head_dim]`` buffer per slot and layer: the
-    simplest cache, for tests and single-sequence scoring."""
+    simplest cache, for tests and single-sequence scoring. It keeps every token; attention
+    honours the model's sliding window."""
 
     def __init__(
         self,
@@ -417,6 +456,7 @@ class ContiguousKVCache:
             raise ValueError("a KV cache needs at least one slot and a positive capacity")
         shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.capacity = capacity
+        self.sliding_window = cfg.sliding_window
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
@@ -444,16 +484,16 @@ class _ContiguousContext(AttentionContext):
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         k_buf, v_buf = self.cache.k[layer], self.cache.v[layer]
         k, v = kv.chunk(2, dim=1)
+        window = self.cache.sliding_window
         outputs = []
         offset = 0
         for slot, start, length in zip(self.slots, self.starts, self.lengths, strict=True):
             end = start + length
             k_buf[slot, :, start:end] = k[offset : offset + length].transpose(0, 1)
             v_buf[slot, :, start:end] = v[offset : offset + length].transpose(0, 1)
+            keys, values = k_buf[slot, :, :end], v_buf[slot, :, :end]
             outputs.append(
-                sequence_attention(
-                    q[offset : offset + length], k_buf[slot, :, :end], v_buf[slot, :, :end], start
-                )
+                sequence_attention(q[offset : offset + length], keys, values, start, window)
             )
             offset += length
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

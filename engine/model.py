@@ -1,4 +1,4 @@
-"""The Llama-family transformer (Llama, Mistral-style, Qwen2) as one plain ``nn.Module``.
+"""The Llama-family transformer (Llama, Mistral, Qwen2, Qwen3) as one plain ``nn.Module``.
 
 Tokens travel flattened: ``input_ids: [T]`` holds the new tokens of every sequence in this
 step, ``positions: [T]`` their absolute positions. Attention goes through an
@@ -24,6 +24,14 @@ from engine.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of ``x`` over its last dimension, scaled by ``weight``, as HF computes it."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Half precision: normalise in fp32, scale in the activation dtype (as HF does).
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -31,10 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Half precision: normalise in fp32, scale in the activation dtype (as HF does).
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> Tensor:
@@ -99,6 +104,12 @@ def rotate_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    #: Qwen3's per-head RMSNorm weights of q and k (``[D]`` each), or None. Parameters of this
+    #: module, not ``RMSNorm`` submodules: the quantization plan reads every ``….attn.*.weight``
+    #: as a linear of the attention block.
+    q_norm_weight: nn.Parameter | None
+    k_norm_weight: nn.Parameter | None
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -108,6 +119,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.norm_eps = cfg.rms_norm_eps
+        self.q_norm_weight = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.k_norm_weight = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
         tokens = x.shape[0]
@@ -117,10 +131,19 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
+        if self.q_norm_weight is not None and self.k_norm_weight is not None:
+            self.norm_heads_(qk, self.q_norm_weight, self.k_norm_weight)
         rotate_(qk, cos, sin)
         q = qk[:, : self.num_heads]
         kv = qkv[:, self.q_size :].view(tokens, 2 * self.num_kv_heads, self.head_dim)
         return self.o_proj(ctx.attend(self.layer, q, kv))
+
+    def norm_heads_(self, qk: Tensor, q_weight: Tensor, k_weight: Tensor) -> None:
+        """RMSNorm each head of ``qk: [T, H + Hkv, D]`` in place: q heads by ``q_weight``,
+        k heads by ``k_weight`` (Qwen3; before RoPE)."""
+        heads = self.num_heads
+        qk[:, :heads] = rms_norm(qk[:, :heads], q_weight, self.norm_eps)
+        qk[:, heads:] = rms_norm(qk[:, heads:], k_weight, self.norm_eps)
 
 
 class MLP(nn.Module):

@@ -36,18 +36,34 @@ def rope_theta(config: object) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A random transformers model of ``arch`` (``llama`` or ``qwen2``) with GQA."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+#: What each architecture's tiny model sets beyond :data:`TINY`: Qwen3 an explicit head_dim
+#: (its default is 128), so that q (8 × 16) is wider than the hidden size; Mistral a sliding
+#: window short enough that a test's prompt and decode run far past it.
+TINY_ARCH: dict[str, dict[str, object]] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "mistral": {"sliding_window": 8},
+}
 
-    torch.manual_seed(seed)
-    kwargs = {**TINY, "tie_word_embeddings": tied, **overrides}
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**kwargs))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
-    else:
+
+def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A random transformers model of ``arch`` (``llama``, ``qwen2``, ``qwen3`` or
+    ``mistral``) with GQA."""
+    import transformers
+
+    classes = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+    }
+    if arch not in classes:
         raise ValueError(arch)
+    config_class, model_class = (getattr(transformers, name) for name in classes[arch])
+    torch.manual_seed(seed)
+    kwargs = {**TINY, **TINY_ARCH[arch], "tie_word_embeddings": tied, **overrides}
+    model = model_class(config_class(**kwargs))
     with torch.no_grad():  # larger than the default init, so logits are far from uniform
         for p in model.parameters():
             p.normal_(0.0, 0.08)

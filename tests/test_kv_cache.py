@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -89,9 +91,12 @@ TINY = ModelConfig(
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("window", [None, CacheWindow(sink=3, window=9)])
-def test_paged_attention_equals_reference(seed, window):
+@pytest.mark.parametrize("sliding", [None, 6], ids=["full", "model-window-6"])
+def test_paged_attention_equals_reference(seed, window, sliding):
+    """With a model window of its own, keys older than it stay masked whatever window a
+    chunk asks for (the intersection of the two)."""
     gen = torch.Generator().manual_seed(seed)
-    cache = PagedKVCache(TINY, num_blocks=64, block_size=4)
+    cache = PagedKVCache(replace(TINY, sliding_window=sliding), num_blocks=64, block_size=4)
     mgr = cache.manager
     n = 5
     # Ragged sequences: some decode one token, some prefill a chunk, each with history.
@@ -124,20 +129,23 @@ def test_paged_attention_equals_reference(seed, window):
     for i in range(n):
         qi = q[offset : offset + new[i]]
         keys, values = full_k[i].transpose(0, 1), full_v[i].transpose(0, 1)
-        if window is None:
+        windows = [w for w in (window, sliding and CacheWindow(0, sliding)) if w]
+        if not windows:
             expected = reference_attention(qi, keys, values, history[i])
         else:
-            expected = _windowed_reference(qi, keys, values, history[i], window)
+            expected = _windowed_reference(qi, keys, values, history[i], windows)
         assert (out[offset : offset + new[i]] - expected).abs().max().item() <= 1e-5
         offset += new[i]
 
 
-def _windowed_reference(q, keys, values, start, window):
+def _windowed_reference(q, keys, values, start, windows):
+    """Attention where a key is visible under every one of ``windows``."""
     length, heads, dim = q.shape
     group = heads // keys.shape[0]
     k = keys.repeat_interleave(group, dim=0)
     v = values.repeat_interleave(group, dim=0)
     scores = torch.einsum("lhd,htd->hlt", q, k) / dim**0.5
-    mask = window.visible(torch.arange(keys.shape[1]), torch.arange(start, start + length))
+    key_pos, query_pos = torch.arange(keys.shape[1]), torch.arange(start, start + length)
+    mask = torch.stack([w.visible(key_pos, query_pos) for w in windows]).all(0)
     out = torch.einsum("hlt,htd->lhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
     return out.reshape(length, heads * dim)
