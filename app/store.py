@@ -5,6 +5,8 @@ of the reply being streamed: a user message is stored when it is sent, an assist
 when its reply starts (empty, ``streaming``), then with its text so far about once a second
 while it streams, and again when it finishes or is stopped. A reply still marked
 ``streaming`` when the store is opened again was cut off; it is marked ``interrupted``.
+
+It also keeps the folders the user added to the model picker (``model_folders``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ CREATE TABLE IF NOT EXISTS messages (
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+CREATE TABLE IF NOT EXISTS model_folders (
+    path TEXT PRIMARY KEY,
+    added REAL NOT NULL
+);
 """
 
 #: ``done`` (finished normally), ``streaming`` (being written), ``stopped`` (by the user),
@@ -172,6 +178,20 @@ class ChatStore:
             self._db.execute(
                 "DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (row[0], message_id)
             )
+
+    # -- folders the model picker scans ------------------------------------------------------
+    def model_folders(self) -> list[str]:
+        """The folders the user added, oldest first."""
+        rows = self._db.execute("SELECT path FROM model_folders ORDER BY added, path").fetchall()
+        return [str(row[0]) for row in rows]
+
+    def add_model_folder(self, path: str) -> None:
+        self._db.execute(
+            "INSERT OR IGNORE INTO model_folders (path, added) VALUES (?, ?)", (path, time.time())
+        )
+
+    def remove_model_folder(self, path: str) -> None:
+        self._db.execute("DELETE FROM model_folders WHERE path = ?", (path,))
 
     def _touch(self, conversation_id: int, now: float) -> None:
         self._db.execute(

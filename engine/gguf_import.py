@@ -6,7 +6,12 @@ load like any other: ``model.safetensors``, ``config.json``, ``generation_config
 ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template).
 
 The folder is built next to its destination and renamed into place at the end, so an
-interrupted import never leaves a half model that later loads.
+interrupted import never leaves a half model that later loads. Before writing, the import
+checks that the destination's disk has room for everything it will write; a progress callback
+that raises (say :class:`~engine.errors.CancelledError`) cancels it, leaving nothing behind.
+
+:func:`read_gguf_header` reads what a file's header says (architecture, parameter count, the
+``config.json`` an import would write) without touching its tensor data.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from engine.config import ModelConfig
 from engine.errors import ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -76,6 +82,9 @@ _LAYER_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _SHARD_BYTES = 2 * 2**30
+#: an import needs this much free space beyond what it writes, or this share of it if more
+DISK_MARGIN_BYTES = 64 * 2**20
+DISK_MARGIN_SHARE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +124,90 @@ def _array(reader: Any, key: str) -> list[Any]:
     return [] if field is None else list(field.contents())
 
 
+def _array_length(reader: Any, key: str) -> int:
+    """Elements of an array field, without decoding them (a vocabulary has 100k+ strings)."""
+    field = reader.fields.get(key)
+    return 0 if field is None else len(field.data)
+
+
+def _architecture(meta: dict[str, Any], src: Path) -> str:
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{src.name} holds a {arch or 'unknown'!r} model; GGUF import supports the "
+            f"architectures {', '.join(SUPPORTED_ARCHS)}"
+        )
+    return arch
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """What a GGUF file's header says; its tensor data is never read."""
+
+    path: Path
+    architecture: str
+    name: str
+    parameters: int  # elements of every tensor in this file
+    split_count: int  # 1, or how many files a split GGUF spans
+    config: dict[str, Any]  # the HF-style config.json an fp16 import writes
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config)
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """The header of the GGUF ``path``; raises :class:`UnsupportedModelError` for an
+    architecture the import does not support, :class:`ModelLoadError` for an unreadable file."""
+    reader = _open(path)
+    meta = _fields(reader)
+    arch = _architecture(meta, path)
+    return GGUFHeader(
+        path=path,
+        architecture=arch,
+        name=str(meta.get("general.name", path.stem)),
+        parameters=sum(int(t.n_elements) for t in reader.tensors),
+        split_count=int(meta.get("split.count", 1) or 1),
+        config=_config(meta, arch, reader, "fp16"),
+    )
+
+
+def count_gguf_parameters(path: Path) -> int:
+    """Elements of every tensor in a GGUF file (any architecture; say, a split file's
+    second part, whose header holds no model metadata)."""
+    return sum(int(t.n_elements) for t in _open(path).tensors)
+
+
+def gguf_model_config(path: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of the model a GGUF file holds, from its header alone."""
+    return read_gguf_header(path).model_config()
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    """Refuse, with :class:`ModelLoadError`, to write ``needed`` bytes into ``folder`` (which
+    may not exist yet) when its disk lacks that much free space plus a margin."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    wanted = needed + max(DISK_MARGIN_BYTES, int(needed * DISK_MARGIN_SHARE))
+    if free < wanted:
+        raise ModelLoadError(
+            f"not enough disk space in {folder}: the import writes {_size_text(needed)} and "
+            f"needs {_size_text(wanted)} free (with a margin), but {_size_text(free)} is free "
+            f"there; free some space, or point INFERSIGHT_HOME at a larger disk"
+        )
+
+
+def _size_text(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _output_bytes(reader: Any, dtype: torch.dtype) -> int:
+    """Bytes of the tensors an import writes, in ``dtype`` (safetensors headers aside)."""
+    elements = sum(int(t.n_elements) for t in reader.tensors if hf_tensor_name(t.name))
+    return elements * dtype.itemsize
+
+
 def import_gguf(
     src: Path,
     dest: Path,
@@ -136,12 +229,8 @@ def import_gguf(
         raise ModelLoadError(f"{dest} already exists and is not empty; remove it or pick another")
     reader = _open(src)
     meta = _fields(reader)
-    arch = str(meta.get("general.architecture", ""))
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedModelError(
-            f"{src.name} holds a {arch or 'unknown'!r} model; GGUF import supports the "
-            f"architectures {', '.join(SUPPORTED_ARCHS)}"
-        )
+    arch = _architecture(meta, src)
+    _refuse_split(meta, src)
     types: dict[str, int] = {}
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -160,6 +249,8 @@ def import_gguf(
         **(gguf_sampling(meta) if sampling is None else sampling),
     }
     config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    json_bytes = len(tokenizer_json.encode()) + 2**20  # tokenizer.json, then the small JSONs
+    check_free_space(dest.parent, _output_bytes(reader, OUTPUT_DTYPES[dtype]) + json_bytes)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
@@ -178,6 +269,16 @@ def import_gguf(
     return GGUFSummary(arch, str(meta.get("general.name", src.stem)), types, config)
 
 
+def _refuse_split(meta: dict[str, Any], src: Path) -> None:
+    count = int(meta.get("split.count", 1) or 1)
+    if count > 1:
+        raise UnsupportedModelError(
+            f"{src.name} is one of {count} files of a split GGUF, which the import does not "
+            "read; merge them into one file first (llama.cpp: llama-gguf-split --merge "
+            "FIRST.gguf OUT.gguf)"
+        )
+
+
 def _config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[str, Any]:
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -188,7 +289,7 @@ def _config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[st
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     names = {t.name for t in reader.tensors}
-    vocab = len(_array(reader, "tokenizer.ggml.tokens")) or int(key("vocab_size"))
+    vocab = _array_length(reader, "tokenizer.ggml.tokens") or int(key("vocab_size"))
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
         "model_type": arch,
@@ -273,6 +374,8 @@ def _write_tensors(
             shards.append({})
             shard, shard_bytes = {}, 0
 
+    if progress:  # a cancel requested before the first (possibly huge) tensor stops here
+        progress("dequantize", 0, len(tensors))
     for i, t in enumerate(tensors):
         name = hf_tensor_name(t.name)
         assert name is not None

@@ -220,10 +220,11 @@ def describe(path: Path, name: str | None = None) -> ModelInfo:
     except (OSError, json.JSONDecodeError):
         arch = "?"
     disk = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    return ModelInfo(name, path, True, arch, _count_parameters(path), disk)
+    return ModelInfo(name, path, True, arch, count_parameters(path), disk)
 
 
-def _count_parameters(path: Path) -> int:
+def count_parameters(path: Path) -> int:
+    """Elements of every tensor in the folder's ``*.safetensors`` files, read from headers."""
     from safetensors import safe_open
 
     total = 0

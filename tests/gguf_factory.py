@@ -82,12 +82,14 @@ def write_gguf(
     quant: str = "F32",
     pre: str = "smollm",
     tensor_type_override: str | None = None,
+    extra_uint16: dict[str, int] | None = None,
 ) -> Path:
     """Write ``hf_model`` (a tiny transformers Llama/Qwen2) as a GGUF of ``arch``.
 
     ``quant`` is the type of 2-D weight matrices (``F32``, ``F16``, ``Q8_0``, ``Q4_0`` …);
     norms stay F32 as in llama.cpp. ``arch`` may name an architecture we do not support.
     ``tensor_type_override`` stores one tensor with that raw type, to test refusals.
+    ``extra_uint16`` adds metadata keys (say ``split.count``, as llama.cpp's splitter writes).
     """
     import gguf
 
@@ -112,6 +114,8 @@ def write_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra_uint16 or {}).items():
+        writer.add_uint16(key, value)
 
     qtype = gguf.GGMLQuantizationType[quant]
     names = {
