@@ -21,7 +21,7 @@ AVX2_LEG := tests/test_cpu_paths.py tests/test_quant.py tests/test_exactness_tin
             tests/test_compare.py tests/test_sensitivity.py tests/test_decode_graph.py \
             tests/test_paged_attention.py
 
-.PHONY: run chat test bench bench-peers gpu-check screenshots package venv dev clean
+.PHONY: run chat test bench bench-peers gpu-check load-peak screenshots package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
 run: $(VENV)/.stamp-run
@@ -87,6 +87,15 @@ $(PEERS)/.stamp:
 gpu-check: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m tests.gpu_check
+
+# The load's peak memory against the memory plan's bound, on a synthetic checkpoint with
+# Llama-3.2-3B's shapes (6.4 GB of random bf16, written once under build/load-peak; needs
+# ~7 GB of disk and ~10 GB of RAM), at int8, int4-g32 and int4-g32+head. Not part of `make
+# test` (minutes). LOAD_PEAK_DEVICE=cuda measures max_memory_allocated on a GPU instead.
+LOAD_PEAK_DEVICE ?= cpu
+load-peak: $(VENV)/.stamp-dev
+	$(BIN)/infersight models pull
+	$(BIN)/python -m tests.load_peak --device $(LOAD_PEAK_DEVICE)
 
 venv: $(VENV)/.stamp-run
 dev: $(VENV)/.stamp-dev

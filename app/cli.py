@@ -272,6 +272,36 @@ def build_parser() -> argparse.ArgumentParser:
     mp = msub.add_parser("list", help="known models: size on disk, parameters, architecture")
     mp.set_defaults(handler=cmd_models_list)
 
+    p = sub.add_parser(
+        "plan",
+        help="the memory plan of a model before loading it: weights, KV, peak, what fits",
+    )
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default', an HF model folder, a .gguf file, or a config.json (shapes only)",
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        help="one precision for the whole plan, or several, comma-separated, for a table "
+        f"(default: {','.join(PLAN_PRECISIONS)})",
+    )
+    p.add_argument("--device", default="auto", help=DEVICE_HELP + " (any, with --memory)")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="plan for this much device memory (12GiB, 24GB …) instead of what is free here",
+    )
+    p.add_argument(
+        "--kv-memory",
+        type=float,
+        default=None,
+        help="the KV pool a load would allocate: bytes (> 1) or a fraction of what is left",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
+    p.set_defaults(handler=cmd_plan)
+
     p = sub.add_parser("import-gguf", help="convert a llama.cpp GGUF into an HF-style folder")
     p.add_argument("gguf", help="the .gguf file")
     p.add_argument("outdir", help="the model folder to create")
@@ -958,6 +988,47 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
     return 0
+
+
+PLAN_PRECISIONS = ("fp16", "int8", "int8+head", "int4-g32", "int4-g32+head", "int4-g128+head")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from app.loading import resolve_device, resolve_model_folder
+    from engine.config import ModelConfig
+    from engine.engine import EngineConfig
+    from engine.loading import parse_bytes, plan_memory
+
+    memory = parse_bytes(args.memory) if args.memory else None
+    device = args.device if memory is not None and args.device != "auto" else None
+    device = device or resolve_device(args.device)
+    path = Path(args.model).expanduser()
+    if path.suffix.lower() == ".json" and path.is_file():
+        cfg, name = ModelConfig.from_file(path), path.stem
+    else:
+        folder = resolve_model_folder(args.model, progress_printer())
+        cfg, name = ModelConfig.from_file(folder / "config.json"), folder.name
+    config = EngineConfig(kv_memory=args.kv_memory)
+    texts = [t.strip() for t in (args.precision or ",".join(PLAN_PRECISIONS)).split(",")]
+    plans = [
+        plan_memory(cfg, text, device, memory=memory, config=config, name=name)
+        for text in texts
+        if text
+    ]
+    if args.json:
+        print(json.dumps([p.as_json() for p in plans], indent=2))
+    elif len(plans) == 1:
+        print("\n".join(plans[0].lines()))
+    else:
+        print(
+            f"Memory plan: {name} on {plans[0].device}, {plans[0].budget_source} "
+            f"{plans[0].budget_bytes / 2**30:.2f} GiB"
+        )
+        for plan in plans:
+            print(f"  {plan.one_line()}")
+    return 0 if any(p.fits for p in plans) else 3
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:

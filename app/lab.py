@@ -104,10 +104,10 @@ LabLoader = Callable[..., "LLMEngine"]
 
 
 def free_memory(device: str) -> float:
-    """Bytes a new model could take on ``device`` (:func:`engine.engine.free_memory`)."""
+    """Bytes a new model could take on ``device`` (:func:`engine.loading.free_memory`)."""
     import torch
 
-    from engine.engine import free_memory as free
+    from engine.loading import free_memory as free
 
     return free(torch.device(device))
 

@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from engine.engine import EngineConfig, LLMEngine
+    from engine.loading import MemoryPlan
 
 #: ``progress(stage, done, total)``: download, dequantize, write, load
 Progress = Callable[[str, int, int], None]
@@ -79,24 +80,59 @@ def resolve_model_folder(model: str, progress: Progress | None = None) -> Path:
     return resolve_model(model, progress=progress)
 
 
+def engine_config(spec: LoadSpec) -> EngineConfig:
+    """The engine config a load of ``spec`` uses: a KV pool of ``spec.kv_memory_mib``."""
+    from engine.engine import EngineConfig
+
+    return EngineConfig(kv_memory=spec.kv_memory_mib * 2**20)
+
+
+def plan_load(
+    spec: LoadSpec,
+    progress: Progress | None = None,
+    *,
+    config: EngineConfig | None = None,
+    reclaimable: int = 0,
+) -> MemoryPlan:
+    """The memory plan of loading ``spec`` here (:func:`engine.loading.plan_memory`), with
+    ``reclaimable`` bytes added to what the device has free (a model that would be unloaded
+    first). Resolves the model (a pull or an import, once) but reads only its config."""
+    from engine.engine import parse_precision
+    from engine.loading import plan_for_folder
+
+    device = resolve_device(spec.device)
+    parse_precision(spec.precision, device)  # fail on a bad precision before any download
+    folder = resolve_model_folder(spec.model, progress)
+    return plan_for_folder(
+        folder,
+        spec.precision,
+        device,
+        config=config or engine_config(spec),
+        reclaimable=reclaimable,
+    )
+
+
 def load_engine(
     spec: LoadSpec,
     progress: Progress | None = None,
     *,
     config: EngineConfig | None = None,
 ) -> LLMEngine:
-    """Resolve the device and the model, then load. ``config`` (KV pool, limits, window)
-    defaults to a pool of ``spec.kv_memory_mib``. The precision and device are checked before
-    any download or conversion."""
-    from engine.engine import EngineConfig, LLMEngine, parse_precision
+    """Resolve the device and the model, plan its memory, then load. ``config`` (KV pool,
+    limits, window) defaults to a pool of ``spec.kv_memory_mib``. The precision and device are
+    checked before any download or conversion, and a load that the plan says cannot fit is
+    refused before it starts (:class:`engine.errors.OutOfMemoryError`, with the numbers and
+    a precision or context that would fit)."""
+    from engine.engine import LLMEngine
+    from engine.loading import check_plan
 
-    device = resolve_device(spec.device)
-    parse_precision(spec.precision, device)  # fail on a bad precision before any download
-    folder = resolve_model_folder(spec.model, progress)
+    config = config or engine_config(spec)
+    plan = plan_load(spec, progress, config=config)
+    check_plan(plan)
+    folder = resolve_model_folder(spec.model)
     if progress:
         progress("load", 0, 1)
-    if config is None:
-        config = EngineConfig(kv_memory=spec.kv_memory_mib * 2**20)
+    device = resolve_device(spec.device)
     engine = LLMEngine.load(folder, precision=spec.precision, device=device, config=config)
     if progress:
         progress("load", 1, 1)

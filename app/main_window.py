@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 
 from app import gc_guard
 from app.lab import LabController
+from app.loading import resolve_device
 from app.store import ChatStore, Message
 from app.worker import (
     LOAD_JOIN_S,
@@ -35,6 +36,7 @@ from app.worker import (
     LoadSpec,
     ModelInfo,
     ReplyStats,
+    Resize,
     Send,
     Stop,
     StopTune,
@@ -42,11 +44,13 @@ from app.worker import (
     TuneStatus,
     load_engine,
 )
+from engine.discovery import Discovery
 from engine.kv_cache import CacheWindow
 from widgets.ab_view import ABView
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel
 from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint
+from widgets.model_picker import ModelPicker
 from widgets.tuner import TunerView
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,14 @@ def available_devices() -> list[str]:
 
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return ["auto", "cpu"] + [f"cuda:{i}" for i in range(cuda)]
+
+
+def scan_models(folders: list[Path], precision: str, device: str) -> Discovery:
+    """The model picker's scan (off the UI thread): every model found, planned on the device
+    as chosen (``auto`` resolved)."""
+    from engine.discovery import discover_and_plan
+
+    return discover_and_plan(folders, precision, resolve_device(device))
 
 
 def style_sheet() -> str:
@@ -137,6 +149,7 @@ class MainWindow(QMainWindow):
         self._tags = 0
         self._closed = False
         self.progress: QProgressDialog | None = None
+        self.picker: ModelPicker | None = None  # made when first opened
         self._lab_known: dict[str, str] = {}  # model path → name, for the lab's model lists
         self._lab_set = False
 
@@ -215,6 +228,8 @@ class MainWindow(QMainWindow):
         # Worker signals go to methods of this window only: a bound QObject method runs in
         # the receiver's (UI) thread, while a plain lambda would run in the worker's.
         w.error.connect(self._on_worker_error)
+        w.notice.connect(self._on_worker_notice)
+        w.unloaded.connect(self._on_unloaded)
         chat.send_requested.connect(self.send)
         chat.stop_requested.connect(self.stop)
         chat.regenerate_requested.connect(self.regenerate)
@@ -225,9 +240,11 @@ class MainWindow(QMainWindow):
         chat.rename_requested.connect(self.rename_conversation)
         chat.delete_requested.connect(self.delete_conversation)
         controls.model_requested.connect(lambda path: self.load(self._spec(model=path)))
+        controls.browse_requested.connect(self.browse_models)
         controls.precision_requested.connect(lambda p: self.load(self._spec(precision=p)))
         controls.device_requested.connect(lambda d: self.load(self._spec(device=d)))
         controls.reload_requested.connect(lambda: self.load(self._spec()))
+        controls.kv_pool_requested.connect(self._on_kv_pool)
         controls.limits_changed.connect(lambda limits: self.worker.post(Configure(limits=limits)))
         controls.window_changed.connect(self._on_window)
         controls.invalid_input.connect(lambda text: self.chat.show_notice(text, "warning"))
@@ -280,6 +297,18 @@ class MainWindow(QMainWindow):
             self.controls.kv_memory_mib(),
         )
 
+    def browse_models(self) -> None:
+        """Show the model picker and scan (in the background) for the current precision and
+        device; folders added there are kept in the store."""
+        if self.picker is None:
+            self.picker = ModelPicker(scan_models, self.store.model_folders(), self)
+            self.picker.model_requested.connect(lambda path: self.load(self._spec(model=path)))
+            self.picker.folder_added.connect(self.store.add_model_folder)
+        self.picker.set_target(self._precision(), self._device())
+        self.picker.show()
+        self.picker.raise_()
+        self.picker.refresh()
+
     def load(self, spec: LoadSpec) -> None:
         if self.loading is not None:
             self.chat.show_notice(
@@ -291,6 +320,20 @@ class MainWindow(QMainWindow):
             return
         self.loading = spec
         self.worker.post(Load(spec))
+
+    def _on_worker_notice(self, text: str) -> None:
+        self.chat.show_notice(text, "info")
+
+    def _on_unloaded(self, text: str) -> None:
+        """The model went first, so that the one loading fits; the conversation stays."""
+        self.model = None
+        self.status_model.setText("no model (loading the next)")
+        self.chat.show_notice(text, "info")
+
+    def _on_kv_pool(self, mib: float) -> None:
+        if self.model is None:  # nothing to resize: the next load takes the new size
+            return
+        self.worker.post(Resize(mib))
 
     def _on_worker_error(self, text: str) -> None:
         self.chat.show_notice(text)
@@ -680,6 +723,8 @@ class MainWindow(QMainWindow):
         if self._closed:
             return
         self._closed = True
+        if self.picker is not None:
+            self.picker.shutdown()
         self.lab.request_stop()  # both threads wind down together; the lab is waited for below
         if self.engine_thread.isRunning():
             self.worker.post(Stop())

@@ -17,6 +17,7 @@ Two workers can run side by side (one engine each), which is what an A/B view ne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -31,6 +32,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.loading import LoadSpec as LoadSpec  # re-exported: the UI and tests use it
 from app.loading import load_engine as load_engine
+from app.loading import plan_load
 from engine.engine import LLMEngine
 from engine.errors import CancelledError, InfersightError
 from engine.kv_cache import CacheWindow
@@ -180,9 +182,28 @@ class TuneStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class Resize:
+    """A KV pool of ``kv_memory_mib`` for the current model: the same weights behind a new
+    pool (no reload), once the replies in progress have finished."""
+
+    kv_memory_mib: float
+
+
+@dataclass(frozen=True, slots=True)
 class _Loaded:
     engine: LLMEngine
     info: ModelInfo
+    spec: LoadSpec
+
+
+@dataclass(frozen=True, slots=True)
+class _Unload:
+    """The loader thread asks for the current model to go before it loads ``spec``: the plan
+    says both do not fit at once. ``done`` is set once it is gone."""
+
+    spec: LoadSpec
+    why: str
+    done: threading.Event
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +212,15 @@ class _LoadFailed:
     message: str
 
 
-Command = Send | Cancel | Load | Configure | Pause | Stop | Tune | StopTune | _Loaded | _LoadFailed
+Command = (
+    Send | Cancel | Load | Configure | Pause | Stop | Tune | StopTune | Resize
+    | _Loaded | _LoadFailed | _Unload
+)  # fmt: skip
 
 #: ``loader(spec, progress)`` → a loaded engine. ``progress(stage, done, total)``.
 Loader = Callable[[LoadSpec, Callable[[str, int, int], None]], LLMEngine]
+#: ``planner(spec, reclaimable=N)`` → the memory plan (:func:`app.loading.plan_load`)
+Planner = Callable[..., Any]
 
 
 @dataclass(slots=True)
@@ -222,14 +248,20 @@ class EngineWorker(QObject):
     load_progress = Signal(str, int, int)  # stage, done, total
     loaded = Signal(object)  # ModelInfo
     load_failed = Signal(str)
+    unloaded = Signal(str)  # the model went before a load that needs its memory; why
+    notice = Signal(str)  # something the user should know that is not an error
     error = Signal(str)  # a command that could not be done; the worker goes on
     paused = Signal(bool)
     tune_status = Signal(object)  # TuneStatus
     stopped = Signal()
 
-    def __init__(self, loader: Loader = load_engine) -> None:
+    def __init__(self, loader: Loader = load_engine, planner: Planner = plan_load) -> None:
         super().__init__()
         self._loader = loader
+        self._planner = planner
+        self._spec: LoadSpec | None = None  # what the current engine was loaded from
+        self._unloaded_for: LoadSpec | None = None  # the spec of a model unloaded for a load
+        self._resize_to: float | None = None  # a KV pool (MiB) waiting for the replies to end
         self._commands: queue.Queue[Command] = queue.Queue()
         self.engine: LLMEngine | None = None
         self.info: ModelInfo | None = None
@@ -342,11 +374,17 @@ class EngineWorker(QObject):
             for rid in list(self._replies):
                 self._replies[rid].engine.cancel(rid)
             self._running = False
+        elif isinstance(command, Resize):
+            self._resize_to = command.kv_memory_mib
+            self._maybe_resize()
         elif isinstance(command, _Loaded):
+            self._spec = command.spec
+            self._unloaded_for = None
             self._swap_in(command.engine, command.info)
         elif isinstance(command, _LoadFailed):
-            self._loading = None
-            self.load_failed.emit(command.message)
+            self._load_failed(command)
+        elif isinstance(command, _Unload):
+            self._unload(command)
 
     def _send(self, command: Send) -> None:
         """Queue every candidate of a reply, or none: a refusal ends the reply with an error."""
@@ -491,7 +529,10 @@ class EngineWorker(QObject):
         self.loading.emit(spec)
         self._load_cancel = threading.Event()
         self._load_thread = threading.Thread(
-            target=self._load_in_background, args=(spec,), name="infersight-load", daemon=True
+            target=self._load_in_background,
+            args=(spec, self._reclaimable()),
+            name="infersight-load",
+            daemon=True,
         )
         self._load_thread.start()
 
@@ -512,8 +553,13 @@ class EngineWorker(QObject):
         if thread.is_alive():
             log.warning("the model loader did not stop within %.0f s", LOAD_JOIN_S)
 
-    def _load_in_background(self, spec: LoadSpec) -> None:
+    def _reclaimable(self) -> int:
+        """Bytes that unloading the current model (and any retiring one) would give back."""
+        return sum(e.weights_bytes + e.kv.nbytes for e in self._engines())
+
+    def _load_in_background(self, spec: LoadSpec, reclaimable: int) -> None:
         try:
+            self._unload_first_if_needed(spec, reclaimable)
             engine = self._loader(spec, self._report_progress)
             _finish_loader_work(engine)
             info = model_info(engine, spec)
@@ -525,7 +571,86 @@ class EngineWorker(QObject):
                 _LoadFailed(spec, f"could not load {spec.model}: {type(exc).__name__}: {exc}")
             )
         else:
-            self.post(_Loaded(engine, info))
+            self.post(_Loaded(engine, info, spec))
+
+    def _unload_first_if_needed(self, spec: LoadSpec, reclaimable: int) -> None:
+        """(Loader thread.) When the plan says the new model fits only once the current one
+        is gone, have the worker unload it first, and wait for that. A model that would not
+        fit either way is left running: the loader refuses the load with the plan's
+        numbers."""
+        if not reclaimable:
+            return
+        try:
+            now = self._planner(spec, self._report_progress)
+            if now.fits:
+                return
+            later = self._planner(spec, reclaimable=reclaimable)
+        except CancelledError:
+            raise
+        except InfersightError:  # the loader says what is wrong with this spec
+            return
+        if not later.fits:
+            return
+        done = threading.Event()
+        self.post(_Unload(spec, now.refusal() or "", done))
+        while not done.wait(0.05):
+            if self._load_cancel.is_set():
+                raise CancelledError("the load was cancelled because the engine is stopping")
+
+    def _unload(self, command: _Unload) -> None:
+        """Let the current model go so that ``command.spec`` can load; its replies end
+        (cancelled), the conversation stays in the window."""
+        info = self.info
+        if info is not None:
+            self._unloaded_for = self._spec
+            for rid in list(self._replies):
+                self._replies[rid].engine.cancel(rid)
+            self._step_all()  # the cancellations reach their replies before the engine goes
+            self._flush()
+            self._end_tune("the model was unloaded")
+            self.engine, self.info, self._retiring = None, None, []
+            self._free_memory()
+            self.unloaded.emit(
+                f"Unloaded {info.name} ({info.precision}) first: it and "
+                f"{command.spec.model} ({command.spec.precision}) do not fit in memory "
+                "together. The conversation is kept."
+            )
+        command.done.set()
+
+    def _load_failed(self, command: _LoadFailed) -> None:
+        """A failed load leaves the previous model running; if it was unloaded for this one,
+        it is loaded again."""
+        self._loading = None
+        self.load_failed.emit(command.message)
+        previous, self._unloaded_for = self._unloaded_for, None
+        if previous is not None and self.engine is None:
+            self.notice.emit(f"Loading {previous.model} ({previous.precision}) again")
+            self._start_load(previous)
+
+    def _maybe_resize(self) -> None:
+        """Give the current model a KV pool of the size asked for, once it has no replies in
+        progress: the same weights behind a new pool; nothing is loaded again."""
+        engine, mib = self.engine, self._resize_to
+        if engine is None or mib is None or engine.has_work() or self._retiring:
+            return
+        self._resize_to = None
+        try:
+            resized = engine.with_pool(kv_memory=mib * 2**20)
+        except InfersightError as exc:
+            self.error.emit(f"{exc}; the KV pool stays as it was")
+            return
+        self._end_tune("the KV pool was resized")
+        self._spec = _with_pool_size(self._spec, mib)
+        spec = self._spec or LoadSpec(engine.name, engine.precision.text, str(engine.device), mib)
+        del engine
+        self.engine = None
+        self._free_memory()
+        self._settings.limits.pop("kv_blocks", None)
+        self._swap_in(resized, model_info(resized, spec))
+        self.notice.emit(
+            f"KV pool resized to {resized.kv.nbytes / 2**20:.0f} MiB "
+            f"({resized.kv.manager.num_blocks} blocks); the weights were not reloaded"
+        )
 
     def _swap_in(self, engine: LLMEngine, info: ModelInfo) -> None:
         self._loading = None
@@ -588,6 +713,8 @@ class EngineWorker(QObject):
         if idle:
             self._retiring = [e for e in self._retiring if e not in idle]
             self._free_memory()
+        if self._resize_to is not None:
+            self._maybe_resize()
 
     def _finished(self, request_id: str, reply: _Reply) -> None:
         del self._replies[request_id]
@@ -728,6 +855,10 @@ def _coalesce(deltas: list[Delta]) -> list[Delta]:
             d = Delta(d.tag, d.candidate, prev.text + d.text, d.finish, d.error)
         merged[key] = d
     return list(merged.values())
+
+
+def _with_pool_size(spec: LoadSpec | None, mib: float) -> LoadSpec | None:
+    return None if spec is None else dataclasses.replace(spec, kv_memory_mib=mib)
 
 
 def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:

@@ -12,22 +12,26 @@ request finishes (other requests advance too).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine import decode_graph, paged_attention
+from engine import decode_graph
 from engine.config import ModelConfig
-from engine.errors import InfersightError, InvalidRequestError, ModelLoadError
-from engine.hardware import cpu_paths
-from engine.kv_cache import CacheWindow, ContiguousKVCache, PagedKVCache, SeqChunk
-from engine.linear import pack_linears
+from engine.errors import InfersightError, InvalidRequestError, OutOfMemoryError
+from engine.kv_cache import (
+    CacheWindow,
+    ContiguousKVCache,
+    PagedKVCache,
+    SeqChunk,
+    effective_window,
+)
+from engine.loading import kv_pool_blocks
 from engine.metrics import (
     LayerTimer,
     LayerTiming,
@@ -40,7 +44,6 @@ from engine.metrics import (
 from engine.model import Transformer
 from engine.quant import (
     PrecisionSpec,
-    QuantKind,
     dtype_name,
     parse_precision_spec,
 )
@@ -48,12 +51,8 @@ from engine.sampling import SamplingParams, make_generator, sample
 from engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from engine.sequence import FinishReason, Status
 from engine.sequence import Sequence as Seq
-from engine.threads import settle_threads
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import (
-    load_transformer,
-    parameter_count,
-    quantized_parameter_count,
     weight_bytes,
     weight_report,
 )
@@ -181,7 +180,9 @@ class LLMEngine:
             device=device,
         )
         self.scheduler = Scheduler(self.kv.manager, self.config.limits)
-        self.window = self.config.window
+        #: the window every sequence runs under: the user's within the model's own sliding
+        #: window, or the model's where the user set none (:func:`effective_window`)
+        self.window = effective_window(self.config.window, cfg.sliding_window)
         self.collector = MetricsCollector(self.config.metrics_window_s)
         self.layer_timer = LayerTimer(model.layers, device)
         self._layer_timings: tuple[LayerTiming, ...] = ()
@@ -205,63 +206,48 @@ class LLMEngine:
         pack: bool | None = None,
         config: EngineConfig | None = None,
     ) -> LLMEngine:
-        """Load a HF-style model folder. CPU linears are laid out for oneDNN where that
-        measured faster on this machine (:func:`engine.linear.packs`); ``pack=True`` packs every
-        linear this CPU can pack, ``False`` none (plain ``nn.Linear``)."""
-        folder = Path(folder)
-        torch_device = torch.device(device)
-        spec = parse_precision(precision, torch_device)
-        dtype = spec.compute
-        if not folder.is_dir():
-            raise ModelLoadError(
-                f"model folder {folder} does not exist; pass a Hugging Face model folder "
-                "(config.json, *.safetensors, tokenizer.json) or --model default"
+        """Load a HF-style model folder (:func:`engine.loading.load_model`)."""
+        from engine.loading import load_model
+
+        return load_model(folder, precision=precision, device=device, pack=pack, config=config)
+
+    def with_pool(
+        self, *, kv_memory: float | None = None, num_blocks: int | None = None
+    ) -> LLMEngine:
+        """The same model, tokenizer and settings behind a new KV pool (``kv_memory`` bytes or
+        ``num_blocks`` blocks): resizing the pool never loads the weights again. Refused while
+        this engine has requests (they live in its pool) or when the new pool would not fit
+        in the memory free now plus this engine's pool."""
+        from dataclasses import replace
+
+        from engine.loading import free_memory, kv_pool_blocks
+
+        if self.has_work():
+            raise InvalidRequestError(
+                "the KV pool can change only when no request is running; wait for the "
+                "replies to finish or stop them"
             )
-        if torch_device.type == "cpu" and dtype == torch.float16:
-            log.warning("fp16 on CPU runs through slow fallback kernels; bf16 or fp32 is faster")
-        cfg = ModelConfig.from_file(folder / "config.json")
-        spec.check_layers(cfg.num_layers)
-        tokenizer = Tokenizer.from_folder(folder)
-        model = load_transformer(
-            folder, cfg, dtype, torch_device, quant=_quant_plan(spec) if spec.quantized else None
-        )
-        num_parameters = parameter_count(model) + quantized_parameter_count(model)
-        threads = ""
-        if torch_device.type == "cpu":
-            # Threads first: the layout timings below then run at the count decode will use.
-            threads = settle_threads(model, dtype)
-            if pack is not False:
-                pack_linears(model, timed=pack is None)
-        eos = set(cfg.eos_token_ids) | set(_generation_config_eos(folder))
-        engine = cls(
-            model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype, device=torch_device,
-            name=folder.name, num_parameters=num_parameters, config=config, precision=spec,
+        config = replace(self.config, kv_memory=kv_memory, num_blocks=num_blocks)
+        blocks = kv_pool_blocks(self.cfg, config, self.dtype, self.device)
+        per_block = PagedKVCache.bytes_per_block(self.cfg, config.block_size, self.dtype)
+        grow = (blocks - self.kv.manager.num_blocks) * per_block
+        free = free_memory(self.device)
+        if grow > 0.9 * free:
+            raise OutOfMemoryError(
+                f"a KV pool of {blocks * per_block / 2**20:.0f} MiB needs "
+                f"{grow / 2**20:.0f} MiB more than the current one and {self.device} has "
+                f"{free / 2**20:.0f} MiB free; choose at most "
+                f"{(self.kv.nbytes + 0.9 * free) / 2**20:.0f} MiB"
+            )
+        self.kv = None  # type: ignore[assignment]  # the old pool goes before the new comes
+        new = LLMEngine(
+            self.model, self.tokenizer, self.cfg, eos_token_ids=sorted(self.eos_token_ids),
+            dtype=self.dtype, device=self.device, name=self.name,
+            num_parameters=self.num_parameters, config=config, precision=self.precision,
         )  # fmt: skip
-        engine.default_sampling = generation_config_sampling(folder)
-        engine.threads_report = threads
-        engine.graph = engine._settle_decode_graph()
-        log.info(
-            "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights, "
-            "KV pool %d blocks × %d tokens (%.0f MiB)",
-            folder.name, cfg.model_type, cfg.num_layers, num_parameters / 1e6, precision,
-            engine.weights_bytes / 2**20, engine.kv.manager.num_blocks, engine.kv.block_size,
-            engine.kv.nbytes / 2**20,
-        )  # fmt: skip
-        fp16 = 2 * num_parameters
-        if torch_device.type == "cpu":
-            log.info("  %s; %s", cpu_paths().summary(), threads)
-            log.info("  decode attention: %s", paged_attention.status())
-        log.info("  %s", engine.graph.summary())
-        for group in engine.weight_groups:
-            log.info(
-                "  %-9s %-34s %7.1fM params %8.1f MiB", group.kind, group.form,
-                group.parameters / 1e6, group.nbytes / 2**20,
-            )  # fmt: skip
-        log.info(
-            "  weights %.1f MiB = %.2f× their fp16 size (%.1f MiB)",
-            engine.weights_bytes / 2**20, engine.weights_bytes / fp16, fp16 / 2**20,
-        )  # fmt: skip
-        return engine
+        new.default_sampling = dict(getattr(self, "default_sampling", {}))
+        new.graph, new.threads_report = self.graph, self.threads_report
+        return new
 
     def _settle_decode_graph(self) -> decode_graph.GraphChoice:
         """Compile the decode step where :func:`decode_graph.choose` says so, and compile it
@@ -320,23 +306,12 @@ class LLMEngine:
 
     def _pool_blocks(self) -> int:
         conf = self.config
-        if conf.num_blocks is not None:
-            return conf.num_blocks
-        per_block = PagedKVCache.bytes_per_block(self.cfg, conf.block_size, self.dtype)
-        budget = conf.kv_memory
-        if budget is None or budget <= 1:
-            fraction = (
-                budget if budget is not None else (0.5 if self.device.type == "cuda" else 0.1)
-            )
-            budget = fraction * free_memory(self.device)
-        useful = conf.limits.max_batch_size * -(
-            -self.cfg.max_position_embeddings // conf.block_size
-        )
-        blocks = min(int(budget // per_block), useful)
+        blocks = kv_pool_blocks(self.cfg, conf, self.dtype, self.device)
         if blocks < 1:
+            per_block = PagedKVCache.bytes_per_block(self.cfg, conf.block_size, self.dtype)
             raise InvalidRequestError(
-                f"a KV budget of {budget / 2**20:.1f} MiB holds no block "
-                f"({per_block / 2**20:.2f} MiB each); give --kv-memory more"
+                f"the KV budget holds no block ({per_block / 2**20:.2f} MiB each); "
+                "give --kv-memory more"
             )
         return blocks
 
@@ -469,7 +444,10 @@ class LLMEngine:
 
     def set_window(self, window: CacheWindow | None) -> None:
         """Turn the cache window on, off or change it; applies from the next step. Refused
-        when a live request would no longer fit the KV pool's usable blocks without it."""
+        when a live request would no longer fit the KV pool's usable blocks without it, and,
+        for a model with a sliding window of its own, when it reaches beyond that window
+        (``None`` then means the model's window)."""
+        window = effective_window(window, self.cfg.sliding_window)
         self._check_live_requests(self.kv.manager.capacity, self.scheduler.limits, window)
         self.window = window
 
@@ -697,11 +675,6 @@ class Generation:
                 engine.cancel(self.request_id)
 
 
-def _quant_plan(spec: PrecisionSpec) -> Callable[[str], QuantKind | None]:
-    """Each linear's format by module name: its layer's override, else its part's default."""
-    return spec.kind_for
-
-
 def _history(seq: Seq) -> torch.Tensor:
     assert seq.history is not None
     return seq.history[: seq.num_tokens]
@@ -728,17 +701,6 @@ def _request_metrics(seq: Seq) -> RequestMetrics:
         inter_token_latency_seconds=gaps,
         preemptions=seq.num_preemptions,
     )
-
-
-def free_memory(device: torch.device) -> float:
-    """Bytes a new model or pool could take on ``device``: the GPU's free memory, or the RAM
-    the OS reports available."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return float(free)
-    import psutil
-
-    return float(psutil.virtual_memory().available)
 
 
 class StopStringMatcher:
@@ -774,66 +736,3 @@ def _overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:n]):
             return n
     return 0
-
-
-def _read_generation_config(folder: Path) -> dict[str, Any]:
-    """``generation_config.json`` as a dict; ``{}`` when the folder has none."""
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    return raw if isinstance(raw, dict) else {}
-
-
-def _generation_config_eos(folder: Path) -> list[int]:
-    eos = _read_generation_config(folder).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
-
-
-#: what transformers' ``generate`` uses for a key that ``generation_config.json`` leaves out
-HF_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
-
-def generation_config_sampling(folder: Path) -> dict[str, Any]:
-    """The model's own sampling defaults as :class:`SamplingParams` keyword arguments
-    (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, and
-    ``max_new_tokens`` when the file sets it), read the way transformers' ``generate`` reads
-    ``generation_config.json``:
-
-    * no file, or ``do_sample`` false or absent: greedy (temperature 0), as in transformers;
-      a ``repetition_penalty`` still applies;
-    * ``do_sample`` true: the file's values, and for a key it leaves out (or sets to null)
-      transformers' default: temperature 1.0, top-k 50, top-p 1.0. So top-k 50 applies only
-      when the file asks for sampling, exactly when transformers would apply it; ``top_k: 0``
-      turns it off.
-
-    Values out of range are ignored with a warning (the model then runs greedy)."""
-    raw = _read_generation_config(folder)
-    greedy: dict[str, Any] = {
-        "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0
-    }  # fmt: skip
-
-    def value(key: str, default: Any) -> Any:
-        v = raw.get(key)
-        return default if v is None else v
-
-    try:
-        out = {**greedy, "repetition_penalty": float(value("repetition_penalty", 1.0))}
-        if raw.get("do_sample") is True:
-            hf = HF_SAMPLING_DEFAULTS
-            out["temperature"] = float(value("temperature", hf["temperature"]))
-            out["top_k"] = int(value("top_k", hf["top_k"]))
-            out["top_p"] = float(value("top_p", hf["top_p"]))
-            out["min_p"] = float(value("min_p", 0.0))
-        if isinstance(raw.get("max_new_tokens"), int):
-            out["max_new_tokens"] = raw["max_new_tokens"]
-        SamplingParams(**out)
-    except (InvalidRequestError, TypeError, ValueError) as exc:
-        log.warning("ignoring the sampling in %s: %s", folder / "generation_config.json", exc)
-        return greedy
-    return out

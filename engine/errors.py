@@ -23,3 +23,8 @@ class ModelPullError(InfersightError):
 
 class CancelledError(InfersightError):
     """Work was stopped on request (a load cancelled because the app is closing)."""
+
+
+class OutOfMemoryError(ModelLoadError):
+    """A load or a KV pool would not fit in the device's memory; the message gives the numbers
+    and what would fit."""

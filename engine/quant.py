@@ -287,12 +287,33 @@ def _kind_text(kind: QuantKind | None) -> str:
 # -- INT8 -------------------------------------------------------------------------------------
 
 
-def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row symmetric INT8: ``(q int8 [N, K], scale fp32 [N])`` with ``w ≈ q · scale``."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+def quantize_int8(w: Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Per-row symmetric INT8: ``(q int8 [N, K], scale [N])`` with ``w ≈ q · scale``.
+
+    The scale is rounded to ``scale_dtype`` *before* ``q`` is computed against it, so that
+    dequantization in that dtype is exactly ``q · scale``. Rows are quantized a chunk at a
+    time (:func:`row_chunks`): beside ``w``, only the int8 result and one chunk's fp32
+    temporaries exist."""
+    n = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, dtype=scale_dtype, device=w.device)
+    for rows in row_chunks(n, w.shape[1]):
+        chunk = w[rows].float()
+        s = (chunk.abs().amax(dim=1) / 127).clamp(min=1e-12).to(scale_dtype)
+        q[rows] = torch.round(chunk / s.float()[:, None]).clamp_(-127, 127)
+        scale[rows] = s
     return q, scale
+
+
+#: fp32 bytes of weight rows quantized at once: bounds a quantization's temporaries
+QUANT_CHUNK_BYTES = 32 * 2**20
+
+
+def row_chunks(n: int, k: int, multiple: int = 1) -> list[slice]:
+    """Slices of ``n`` rows of width ``k``, each about :data:`QUANT_CHUNK_BYTES` in fp32 and
+    a multiple of ``multiple`` rows long (the last one may be shorter)."""
+    rows = max(multiple, QUANT_CHUNK_BYTES // (4 * k) // multiple * multiple)
+    return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
 def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
@@ -338,11 +359,9 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        q, scale = quantize_int8(weight)
-        # The kernel applies scales in the activation dtype: round them first, then quantize
-        # against the rounded values, so that dequantization is exactly q · scale.
-        scale = scale.to(dtype)
-        q = torch.round(weight.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        # The kernel applies scales in the activation dtype, so q is computed against the
+        # scales rounded to it (once: quantize_int8 rounds before it divides).
+        q, scale = quantize_int8(weight, dtype)
         self.register_buffer("weight", q)
         self.register_buffer("scales", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
@@ -426,20 +445,44 @@ class Int4Linear(nn.Module):
         self.padded_k = k - self.in_features
         # The CPU packing also wants N divisible by 16: extra zero rows, sliced off the output.
         self.padded_n = -(-self.out_features // 16) * 16 - self.out_features
-        if self.padded_k or self.padded_n:
-            weight = F.pad(weight.float(), (0, self.padded_k, 0, self.padded_n))
-        q, scale, zero = quantize_int4(weight, group)
         self.on_cuda = weight.device.type == "cuda"
         tiles = self.inner_k_tiles = _inner_k_tiles(k)
-        if self.on_cuda:
-            packed = pack_int4_cuda(q, tiles)
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles)
+        packed, scale, zero = self._quantize_and_pack(weight, k, tiles)
         # [K/group, N, 2]: (scale, zero) per group and output channel, as the kernels want.
         sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+
+    def _quantize_and_pack(self, weight: Tensor, k: int, tiles: int) -> tuple[Tensor, ...]:
+        """Quantize ``weight`` (padded to ``[N + padded_n, k]`` with zeros) a chunk of rows at a
+        time and pack it for the kernel: beside ``weight``, only the packed result and one
+        chunk's temporaries exist. The CPU packing lays rows out in independent blocks
+        (``cpu_paths().int4_block_rows``), so chunks of whole blocks are packed one by one;
+        for CUDA the 4-bit values are kept a byte each (a quarter of fp32) and packed once."""
+        n = self.out_features + self.padded_n
+        block = None if self.on_cuda else cpu_paths().int4_block_rows
+        chunks = row_chunks(n, k, block or 1) if self.on_cuda or block else [slice(0, n)]
+        values = None
+        if self.on_cuda:
+            values = torch.empty((n, k), dtype=torch.uint8, device=weight.device)
+        packed_rows: list[Tensor] = []
+        scales: list[Tensor] = []
+        zeros: list[Tensor] = []
+        for rows in chunks:
+            chunk = weight[rows].float()
+            pad_rows = rows.stop - rows.start - chunk.shape[0]
+            if self.padded_k or pad_rows:
+                chunk = F.pad(chunk, (0, self.padded_k, 0, pad_rows))
+            q, scale, zero = quantize_int4(chunk, self.group)
+            if values is not None:
+                values[rows] = q
+            else:
+                packed_rows.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles))
+            scales.append(scale)
+            zeros.append(zero)
+        packed = pack_int4_cuda(values, tiles) if values is not None else torch.cat(packed_rows)
+        return packed, torch.cat(scales), torch.cat(zeros)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -749,24 +792,36 @@ def estimate_weight_bytes(
     it does: ``None`` asks :func:`engine.linear.packs`, as a default CPU load does; pass
     ``True`` for ``pack=True`` and ``False`` for ``pack=False`` or a GPU.
     """
+    return sum(weight_bytes_by_kind(cfg, spec, packed=packed).values())
+
+
+def weight_bytes_by_kind(
+    cfg: ModelConfig, spec: PrecisionSpec, *, packed: bool | None = None
+) -> dict[str, int]:
+    """:func:`estimate_weight_bytes` by the kinds of the load report
+    (:func:`engine.weights.weight_report`): ``embedding``, ``attention`` (Qwen3's q/k norms
+    included), ``mlp``, ``norm`` and ``lm_head``."""
     compute, size = spec.compute, _itemsize(spec.compute)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
-    total = hidden * size  # the final norm
+    kinds = {"embedding": 0, "attention": 0, "mlp": 0, "norm": hidden * size, "lm_head": 0}
     for layer in range(cfg.num_layers):
-        total += 2 * hidden * size  # input and post-attention norms
-        for part in LAYER_PARTS:
-            total += block_bytes(cfg, part, spec.block_kind(part, layer), compute)
+        kinds["norm"] += 2 * hidden * size  # input and post-attention norms
+        kinds["attention"] += 2 * cfg.head_dim * size if cfg.qk_norm else 0  # Qwen3
+        kinds["attention"] += block_bytes(cfg, "attn", spec.block_kind("attn", layer), compute)
+        kinds["mlp"] += block_bytes(cfg, "mlp", spec.block_kind("mlp", layer), compute)
     head = spec.parts.get("head")
     embedding = vocab * hidden * size
-    if head is not None:
-        total += linear_bytes(vocab, hidden, head, compute)
-        return total + (0 if cfg.tie_word_embeddings else embedding)
+    if head is not None:  # a tied embedding reads its rows from the quantized head
+        kinds["lm_head"] = linear_bytes(vocab, hidden, head, compute)
+        kinds["embedding"] = 0 if cfg.tie_word_embeddings else embedding
+        return kinds
     if packed is None:
         from engine.linear import packs
 
         packed = packs(compute, vocab, hidden)
-    tied_copies = 2 if packed else 1
-    return total + (tied_copies * embedding if cfg.tie_word_embeddings else 2 * embedding)
+    kinds["embedding"] = embedding
+    kinds["lm_head"] = embedding if packed or not cfg.tie_word_embeddings else 0
+    return kinds
 
 
 def _itemsize(dtype: torch.dtype) -> int:

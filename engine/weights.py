@@ -47,8 +47,9 @@ _LAYER_NAMES: dict[str, tuple[str, int | None]] = {
     "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
     "input_layernorm.weight": ("input_norm.weight", None),
     "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
+    "self_attn.q_norm.weight": ("attn.q_norm_weight", None),  # Qwen3
+    "self_attn.k_norm.weight": ("attn.k_norm_weight", None),
 }
-_PARTS = {"attn.qkv_proj.weight": 3, "attn.qkv_proj.bias": 3, "mlp.gate_up_proj.weight": 2}
 _TOP_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -95,18 +96,29 @@ def load_transformer(
 
     With ``quant``, each linear it names is quantized as soon as its (fused) weight is
     complete, straight from the checkpoint's values in fp32: the model never exists in full
-    precision beside its quantized form.
+    precision beside its quantized form. The load is bounded: beside the weights loaded so far,
+    the device holds at most one fused tensor being assembled (fp32 where it will be
+    quantized) and one chunk of quantization temporaries (:data:`engine.quant.QUANT_CHUNK_BYTES`);
+    the host, one checkpoint tensor read from the mapped file.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
     model.rope = RotaryEmbedding(cfg).to(device)  # real buffers, not meta
 
+    files = checkpoint_files(folder)
     expected = _expected_parameters(model, cfg)
-    pending: dict[str, list[Tensor | None]] = {}
+    fusing: dict[str, _Fused] = {}
     loaded: set[str] = set()
     head_kind = quant("lm_head") if quant else None
-    head_weight = torch.empty(0)
-    for hf_name, tensor in iter_checkpoint(checkpoint_files(folder)):
+    # Activation-aware channel scaling of a quantized head: its input channels are scaled up
+    # where the final norm makes activations large, and the inverse is folded into that norm.
+    # Read first, so the head is quantized the moment it arrives, never held in fp32.
+    head_scale = (
+        head_channel_scale(_read_tensor(files, "model.norm.weight").float())
+        if head_kind is not None
+        else None
+    )
+    for hf_name, tensor in iter_checkpoint(files):
         target = _map_name(hf_name)
         if target is None:
             continue
@@ -120,28 +132,38 @@ def load_transformer(
             )
         module_name, _, attr = ours.rpartition(".")
         kind = quant(module_name) if quant and attr == "weight" else None
-        head_source = head_kind is not None and (
+        is_head = head_scale is not None and (
             ours == "lm_head.weight" or (ours == "embed.weight" and cfg.tie_word_embeddings)
         )
-        # The final norm's fp32 values set the head's channel scale (cast after, below).
-        full = kind is not None or head_source or (head_kind is not None and ours == "norm.weight")
-        tensor = tensor.to(device=device, dtype=torch.float32 if full else dtype)
+        # fp32 where it will be quantized or divided by the head's channel scale
+        scaled_norm = ours == "norm.weight" and head_scale is not None
+        store = torch.float32 if kind is not None or is_head or scaled_norm else dtype
         if part is not None:
-            parts = pending.setdefault(ours, [None] * _PARTS[ours.split(".", 2)[2]])
-            parts[part] = tensor
-            if any(p is None for p in parts):
+            fused = fusing.get(ours) or fusing.setdefault(
+                ours, _Fused(_fused_sizes(ours, cfg), expected[ours], store, device)
+            )
+            fused.put(part, tensor, hf_name)
+            del tensor
+            if not fused.complete:
                 continue
-            tensor = torch.cat([p for p in parts if p is not None])
-            del pending[ours]
-        if head_source:  # quantized at the end: it needs the final norm's weights
-            head_weight = tensor
+            tensor = fusing.pop(ours).tensor
+        else:
+            # converted on the host, then moved: the device never holds a second copy
+            tensor = tensor.to(dtype=store).to(device)
+        if is_head:
+            assert head_kind is not None and head_scale is not None
+            _load_quantized_head(model, cfg, tensor, head_kind, head_scale.to(device), dtype)
             loaded.add(ours)
             continue
+        if scaled_norm:
+            assert head_scale is not None
+            tensor = (tensor / head_scale.to(device)).to(dtype)
         if kind is not None:
             _quantize_into(model, module_name, tensor, kind)
         else:
             _assign(model, ours, tensor)
         loaded.add(ours)
+        del tensor
 
     missing = sorted(set(expected) - loaded)
     if missing:
@@ -150,21 +172,75 @@ def load_transformer(
             f"the checkpoint in {folder} lacks {len(missing)} tensor(s): {shown}; "
             "the download or conversion is incomplete"
         )
-    if head_kind is not None:
-        # Activation-aware channel scaling: scale the head's input channels up where the final
-        # norm makes activations large, and fold the inverse into that norm's weight.
-        scale = head_channel_scale(model.norm.weight)
-        _quantize_into(model, "lm_head", head_weight * scale, head_kind)
-        norm_weight = model.norm.weight.detach().float() / scale
-        model.norm.weight = nn.Parameter(norm_weight.to(dtype), requires_grad=False)
-        if cfg.tie_word_embeddings:  # one quantized matrix serves the head and the embedding
-            head = model.lm_head
-            assert isinstance(head, (Int8Linear, Int4Linear))
-            model.embed = QuantizedEmbedding(head, dtype, 1.0 / scale)
-    elif cfg.tie_word_embeddings:
+    if head_kind is None and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.eval()
     return model
+
+
+def _load_quantized_head(
+    model: Transformer,
+    cfg: ModelConfig,
+    weight: Tensor,
+    kind: QuantKind,
+    scale: Tensor,
+    dtype: torch.dtype,
+) -> None:
+    """Quantize the LM head ``weight`` (fp32, the checkpoint's values) as ``W·diag(scale)``;
+    with tied embeddings the same quantized matrix serves the embedding lookup."""
+    _quantize_into(model, "lm_head", weight.mul_(scale), kind)
+    if cfg.tie_word_embeddings:  # one quantized matrix serves the head and the embedding
+        head = model.lm_head
+        assert isinstance(head, (Int8Linear, Int4Linear))
+        model.embed = QuantizedEmbedding(head, dtype, 1.0 / scale)
+
+
+def _read_tensor(files: list[Path], name: str) -> Tensor:
+    """One tensor by its checkpoint name, from whichever file holds it."""
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    return f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(
+                f"{path.name} is truncated or corrupt ({exc}); re-download or re-convert the model"
+            ) from exc
+    raise ModelLoadError(f"the checkpoint lacks {name}; the download or conversion is incomplete")
+
+
+def _fused_sizes(ours: str, cfg: ModelConfig) -> list[int]:
+    """Rows each checkpoint part contributes to a fused parameter (q, k, v or gate, up)."""
+    if ".qkv_proj." in ours:
+        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+class _Fused:
+    """A fused parameter (``qkv_proj``, ``gate_up_proj``) assembled in place: allocated once
+    at its final size and dtype, each checkpoint part copied into its rows as it arrives (no
+    list of parts, no concatenation: one tensor's worth of memory)."""
+
+    def __init__(
+        self, sizes: list[int], shape: torch.Size, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.tensor = torch.empty(shape, dtype=dtype, device=device)
+        self.missing = set(range(len(sizes)))
+
+    def put(self, part: int, tensor: Tensor, hf_name: str) -> None:
+        rows = self.tensor[self.offsets[part] : self.offsets[part + 1]]
+        if rows.shape != tensor.shape:
+            raise ModelLoadError(
+                f"tensor {hf_name} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{tuple(rows.shape)}; config and weights disagree"
+            )
+        rows.copy_(tensor.to(rows.dtype))  # converted on the host, then copied in
+        self.missing.discard(part)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
 
 
 def _quantize_into(model: nn.Module, module_name: str, weight: Tensor, kind: QuantKind) -> None:

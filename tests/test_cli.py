@@ -236,7 +236,7 @@ def _with_generation_config(folder: Path, **keys: object) -> Path:
     ],
 )  # fmt: skip
 def test_generation_config_sampling_reads_it_as_transformers_does(tmp_path, keys, expected):
-    from engine.engine import generation_config_sampling
+    from engine.loading import generation_config_sampling
 
     defaults = generation_config_sampling(_with_generation_config(tmp_path, **keys))
     assert {k: defaults[k] for k in expected} == expected

@@ -366,7 +366,9 @@ ESTIMATED_SPECS = [
 
 
 @pytest.mark.parametrize("spec", ESTIMATED_SPECS)
-@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False), ("qwen2", True)])
+@pytest.mark.parametrize(
+    ("arch", "tied"), [("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
+)
 def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied):
     from engine.config import ModelConfig
 

@@ -28,6 +28,7 @@ from app.worker import (
     LoadSpec,
     ModelInfo,
     ReplyStats,
+    Resize,
     Send,
     Stop,
     load_engine,
@@ -231,3 +232,93 @@ def test_stop_mid_step_returns_promptly(qtbot: object, workers: list[Running]) -
     assert r.thread.wait(30_000), "the worker did not stop mid-reply"
     qtbot.waitUntil(lambda: r.inbox.stopped, timeout=5_000)  # type: ignore[attr-defined]
     assert r.worker.engine is None
+
+
+class Notes(QObject):
+    """The worker's notices and unload messages, received in the UI thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notices: list[str] = []
+        self.unloaded: list[str] = []
+
+    @Slot(str)
+    def on_notice(self, text: str) -> None:
+        self.notices.append(text)
+
+    @Slot(str)
+    def on_unloaded(self, text: str) -> None:
+        self.unloaded.append(text)
+
+
+def listen(r: Running) -> Notes:
+    notes = Notes()
+    r.worker.notice.connect(notes.on_notice)
+    r.worker.unloaded.connect(notes.on_unloaded)
+    r.notes = notes  # type: ignore[attr-defined]  # kept alive with the worker
+    return notes
+
+
+def only_fits_alone(monkeypatch: pytest.MonkeyPatch, spec: LoadSpec, r: Running) -> None:
+    """Free memory such that ``spec`` fits only once the model ``r`` holds is gone (as free
+    memory grows when it goes)."""
+    from app.loading import plan_load
+    from engine import loading
+
+    need, real = plan_load(spec).peak_bytes, loading.free_memory
+    monkeypatch.setattr(
+        loading,
+        "free_memory",
+        lambda device: real(device) if r.worker.info is None else float(need - 100 * 2**20),
+    )
+
+
+def test_a_model_that_fits_only_alone_is_loaded_after_the_old_one_goes(
+    qtbot: object, workers: list[Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64))
+    notes = listen(r)
+    old = id(r.worker.engine)
+    int8 = LoadSpec("default", "int8", "cpu", 64)
+    only_fits_alone(monkeypatch, int8, r)
+    r.worker.post(Load(int8))
+    qtbot.waitUntil(lambda: len(r.inbox.models) == 2, timeout=WAIT_MS)  # type: ignore[attr-defined]
+    assert len(notes.unloaded) == 1 and "do not fit in memory together" in notes.unloaded[0]
+    assert "conversation is kept" in notes.unloaded[0]
+    assert id(r.worker.engine) != old and r.inbox.models[-1].precision == "int8"
+
+
+def test_when_the_load_after_an_unload_fails_the_old_model_comes_back(
+    qtbot: object, workers: list[Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(spec: LoadSpec, progress: Callable[[str, int, int], None]) -> LLMEngine:
+        if spec.precision == "int8":
+            raise ModelLoadError("simulated: the weights are unreadable")
+        return load_engine(spec, progress)
+
+    r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64), loader=failing)
+    notes = listen(r)
+    int8 = LoadSpec("default", "int8", "cpu", 64)
+    only_fits_alone(monkeypatch, int8, r)
+    r.worker.post(Load(int8))
+    qtbot.waitUntil(lambda: len(r.inbox.models) == 2, timeout=WAIT_MS)  # type: ignore[attr-defined]
+    assert notes.unloaded and "simulated" in r.inbox.failures[0]
+    assert any("again" in n for n in notes.notices)
+    assert r.worker.info is not None and r.worker.info.precision == "fp32"
+
+
+def test_a_new_kv_pool_keeps_the_weights(qtbot: object, workers: list[Running]) -> None:
+    r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64))
+    notes = listen(r)
+    old = r.worker.engine
+    assert old is not None
+    r.worker.post(Resize(32))
+    qtbot.waitUntil(lambda: bool(notes.notices), timeout=WAIT_MS)  # type: ignore[attr-defined]
+    new = r.worker.engine
+    assert new is not None and new is not old
+    assert new.model is old.model  # the very same weights: nothing was loaded again
+    assert new.kv.nbytes == pytest.approx(32 * 2**20, rel=0.01)
+    assert r.worker.info is not None and r.worker.info.kv_memory_mib == 32
+    assert "not reloaded" in notes.notices[0]
+    r.worker.post(Send("after", [{"role": "user", "content": "Hi."}], GREEDY))
+    qtbot.waitUntil(lambda: len(r.inbox.stats) == 1, timeout=WAIT_MS)  # type: ignore[attr-defined]

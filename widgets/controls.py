@@ -134,9 +134,11 @@ class NumberField(QLineEdit):
 
 class ControlsPanel(QScrollArea):
     model_requested = Signal(str)  # "default", a folder or a .gguf file
+    browse_requested = Signal()  # open the model picker (models already on this machine)
     precision_requested = Signal(str)
     device_requested = Signal(str)
-    reload_requested = Signal()  # a load-time setting (KV pool size) changed
+    reload_requested = Signal()  # a load-time setting changed
+    kv_pool_requested = Signal(float)  # a KV pool of this many MiB (no reload of the weights)
     sampling_changed = Signal()
     limits_changed = Signal(dict)
     window_changed = Signal(object)  # (sink, window) or None
@@ -172,9 +174,16 @@ class ControlsPanel(QScrollArea):
         open_gguf = QPushButton("GGUF…")
         open_gguf.setToolTip("Import a .gguf file once into the model store, then load it")
         open_gguf.clicked.connect(self._pick_gguf)
+        browse = QPushButton("Browse models…")
+        browse.setToolTip(
+            "Models already on this machine: the model store, the Hugging Face cache, LM "
+            "Studio and folders you add, each with whether it fits in memory"
+        )
+        browse.clicked.connect(self.browse_requested)
         row = QHBoxLayout()
         row.addWidget(open_folder)
         row.addWidget(open_gguf)
+        row.addWidget(browse)
         self.precision_combo = QComboBox()
         self.precision_combo.addItems(PRECISIONS)
         self.precision_combo.setToolTip(
@@ -200,11 +209,12 @@ class ControlsPanel(QScrollArea):
         form.addRow("Device", self.device_combo)
         self.kv_memory = NumberField(
             "KV pool", 512, lo=16, hi=1_048_576, tip="Memory (MiB) set aside for the paged KV "
-            "cache when a model loads: it bounds how many tokens all replies together can hold. "
-            "Changing it reloads the model",
+            "cache: it bounds how many tokens all replies together can hold. Changing it "
+            "gives the model a new pool once the replies in progress end; the weights are "
+            "not reloaded",
         )  # fmt: skip
         self.kv_memory.invalid.connect(self.invalid_input)
-        self.kv_memory.changed.connect(self.reload_requested)
+        self.kv_memory.changed.connect(lambda: self.kv_pool_requested.emit(self.kv_memory_mib()))
         form.addRow("KV pool (MiB)", self.kv_memory)
         return box
 
