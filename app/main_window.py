@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QCoreApplication, QEvent, QSettings, Qt, QThread, QTimer
 from PySide6.QtGui import QCloseEvent, QIcon
@@ -52,6 +53,9 @@ from widgets.controls import ControlsPanel
 from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint
 from widgets.model_picker import ModelPicker
 from widgets.tuner import TunerView
+
+if TYPE_CHECKING:
+    from engine.loading import MemoryPlan
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +234,7 @@ class MainWindow(QMainWindow):
         w.error.connect(self._on_worker_error)
         w.notice.connect(self._on_worker_notice)
         w.unloaded.connect(self._on_unloaded)
+        w.planned.connect(self._on_planned)
         chat.send_requested.connect(self.send)
         chat.stop_requested.connect(self.stop)
         chat.regenerate_requested.connect(self.regenerate)
@@ -323,6 +328,10 @@ class MainWindow(QMainWindow):
 
     def _on_worker_notice(self, text: str) -> None:
         self.chat.show_notice(text, "info")
+
+    def _on_planned(self, plan: MemoryPlan) -> None:
+        """The memory plan of the load starting, beside the model controls."""
+        self.controls.show_plan(plan.one_line(), "\n".join(plan.lines()), plan.fits)
 
     def _on_unloaded(self, text: str) -> None:
         """The model went first, so that the one loading fits; the conversation stays."""

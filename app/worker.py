@@ -249,6 +249,7 @@ class EngineWorker(QObject):
     loaded = Signal(object)  # ModelInfo
     load_failed = Signal(str)
     unloaded = Signal(str)  # the model went before a load that needs its memory; why
+    planned = Signal(object)  # the memory plan of the load starting (engine.loading.MemoryPlan)
     notice = Signal(str)  # something the user should know that is not an error
     error = Signal(str)  # a command that could not be done; the worker goes on
     paused = Signal(bool)
@@ -559,7 +560,7 @@ class EngineWorker(QObject):
 
     def _load_in_background(self, spec: LoadSpec, reclaimable: int) -> None:
         try:
-            self._unload_first_if_needed(spec, reclaimable)
+            self._plan_and_make_room(spec, reclaimable)
             engine = self._loader(spec, self._report_progress)
             _finish_loader_work(engine)
             info = model_info(engine, spec)
@@ -573,23 +574,20 @@ class EngineWorker(QObject):
         else:
             self.post(_Loaded(engine, info, spec))
 
-    def _unload_first_if_needed(self, spec: LoadSpec, reclaimable: int) -> None:
-        """(Loader thread.) When the plan says the new model fits only once the current one
-        is gone, have the worker unload it first, and wait for that. A model that would not
-        fit either way is left running: the loader refuses the load with the plan's
-        numbers."""
-        if not reclaimable:
-            return
+    def _plan_and_make_room(self, spec: LoadSpec, reclaimable: int) -> None:
+        """(Loader thread.) Plan the load and show the plan. When it says the new model fits
+        only once the current one is gone, have the worker unload it first, and wait for
+        that. A model that would not fit either way is left running: the loader refuses the
+        load with the plan's numbers."""
         try:
             now = self._planner(spec, self._report_progress)
-            if now.fits:
-                return
-            later = self._planner(spec, reclaimable=reclaimable)
+            later = self._planner(spec, reclaimable=reclaimable) if reclaimable else now
         except CancelledError:
             raise
         except InfersightError:  # the loader says what is wrong with this spec
             return
-        if not later.fits:
+        self.planned.emit(later if not now.fits and later.fits else now)
+        if now.fits or not later.fits:
             return
         done = threading.Event()
         self.post(_Unload(spec, now.refusal() or "", done))

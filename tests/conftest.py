@@ -126,3 +126,15 @@ def default_gguf(default_model: Path) -> Path:
     from engine.model_store import fetch_default_gguf
 
     return fetch_default_gguf()
+
+
+@pytest.fixture()
+def user_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user home of its own: HOME, the hub's cache, LM Studio's folder and the store."""
+    user = tmp_path / "user"
+    user.mkdir()
+    monkeypatch.setenv("HOME", str(user))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path / "infersight"))
+    monkeypatch.delenv("INFERSIGHT_LMSTUDIO_DIR", raising=False)
+    return user

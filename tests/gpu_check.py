@@ -112,6 +112,7 @@ def check_precision(
     config = EngineConfig(kv_memory=256 * MIB)
     engine = LLMEngine.load(model, precision=precision, device=str(device), config=config)
     load_s = time.perf_counter() - start
+    check_load_plan(model, device, precision, config, engine)
     prompt = engine.chat_prompt_ids(PROMPT)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -150,6 +151,34 @@ def check_precision(
     )
     results[precision] = result.token_ids
     results[f"peak {precision}"] = [peak]
+
+
+def check_load_plan(
+    model: Path, device: torch.device, precision: str, config: object, engine: object
+) -> None:
+    """The memory plan against this load: weights within 1%, the load's peak
+    (``max_memory_allocated`` since the reset before it) within the plan's bound, and what
+    the CUDA runtime takes beside the allocator (NVML used − reserved), the figure the plan
+    estimates as ``CUDA_RUNTIME_BYTES``."""
+    from engine.loading import CUDA_RUNTIME_BYTES, plan_for_folder
+    from engine.nvml import device_memory
+
+    plan = plan_for_folder(model, precision, str(device), config=config)  # type: ignore[arg-type]
+    weights, pool = engine.weights_bytes, engine.kv.nbytes  # type: ignore[attr-defined]
+    peak = torch.cuda.max_memory_allocated(device)
+    bound = plan.weight_bytes + plan.load_overhead_bytes + pool
+    expect(abs(plan.weight_bytes - weights) <= 0.01 * weights,
+           f"plan {plan.weight_bytes} B of weights, load {weights} B")  # fmt: skip
+    expect(peak <= bound, f"load peak {peak / MIB:.0f} MiB > bound {bound / MIB:.0f} MiB")
+    nvml = device_memory(device)  # every process on the GPU: alone there, this one
+    runtime = "n/a"
+    if nvml is not None:
+        runtime = f"{(nvml.used_bytes - torch.cuda.memory_reserved(device)) / MIB:.0f} MiB"
+    print(
+        f"     {precision:<14} plan: weights {plan.weight_bytes / MIB:.1f} MiB (loaded "
+        f"{weights / MIB:.1f}), load peak {peak / MIB:.0f} MiB ≤ bound {bound / MIB:.0f} MiB; "
+        f"CUDA runtime beside the allocator {runtime} (planned {CUDA_RUNTIME_BYTES / MIB:.0f})"
+    )
 
 
 def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:

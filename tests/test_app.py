@@ -26,6 +26,7 @@ from PySide6.QtCore import QObject, QTimer, Slot
 from app.main_window import MainWindow, stats_text
 from app.store import ChatStore
 from app.worker import Delta, LoadSpec, Pause, ReplyStats, load_engine
+from engine import loading
 from engine.engine import LLMEngine
 from engine.hardware import cpu_paths
 from engine.sampling import SamplingParams
@@ -296,6 +297,9 @@ def test_switching_precision_keeps_the_chat_and_the_old_model_answers_meanwhile(
         qtbot.waitUntil(lambda: window.model.precision == "int8", timeout=LONG_WAIT_MS)  # type: ignore[union-attr, attr-defined]
         send(qtbot, window, "Thanks.")
         assert [s.precision for s in stats] == ["fp32", "fp32", "int8"]
+        plan = window.controls.plan_label  # the plan of the int8 load, shown as it started
+        assert plan.text().startswith("int8: ") and "fits" in plan.text()
+        assert "Memory plan: SmolLM2-135M-Instruct at int8 on cpu" in plan.toolTip()
         assert [r for r, _, _ in stored(window)] == ["user", "assistant"] * 3
         assert len(window.chat.bubbles) == 6
     finally:
@@ -402,6 +406,14 @@ def test_bad_model_folder_and_gguf_keep_the_current_model(
         qtbot.waitUntil(lambda: window.loading is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
         assert "Still using" in window.chat.notice.text() and window.model == before
         assert window.controls.device_combo.currentText() == "cpu"
+    with pytest.MonkeyPatch.context() as mp:  # a load the plan says cannot fit: refused
+        mp.setattr(loading, "free_memory", lambda device: float(2**20))
+        mp.setattr(window.worker, "_reclaimable", lambda: 0)  # not even once the old one goes
+        window.controls.precision_requested.emit("bf16")
+        qtbot.waitUntil(lambda: window.loading is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    text = window.chat.notice.text()
+    assert "does not fit on cpu" in text and "MiB" in text and "Still using" in text
+    assert window.model == before and "⚠ bf16" in window.controls.plan_label.text()
     send(qtbot, window, "Still there?")
     assert window.chat.last is not None and window.chat.last.view.status == "done"
 

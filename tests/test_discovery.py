@@ -33,18 +33,6 @@ TinyDir = Callable[[str, bool], tuple[Path, torch.nn.Module]]
 REVISION = "4f2a9c0d" * 5
 
 
-@pytest.fixture()
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A user home of its own: HOME, the hub's cache, LM Studio's folder and the store."""
-    user = tmp_path / "user"
-    user.mkdir()
-    monkeypatch.setenv("HOME", str(user))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path / "infersight"))
-    monkeypatch.delenv("INFERSIGHT_LMSTUDIO_DIR", raising=False)
-    return user
-
-
 def add_to_hf_cache(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
     """Lay ``files`` out the way the hub does: content-addressed blobs, a snapshot of
     relative symlinks to them, and ``refs/main`` naming the snapshot's revision."""
@@ -91,12 +79,12 @@ def tiny_gguf(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
 
 
 def test_the_hub_cache_and_lm_studio_are_found_with_architecture_parameters_and_size(
-    home: Path, tiny_model_dir: TinyDir, tiny_gguf: tuple[Path, torch.nn.Module]
+    user_home: Path, tiny_model_dir: TinyDir, tiny_gguf: tuple[Path, torch.nn.Module]
 ) -> None:
     folder, _ = tiny_model_dir("llama", False)
     snapshot = add_to_hf_cache(hf_cache_dir(), "tester/tiny-llama", folder_files(folder))
     gguf, hf = tiny_gguf
-    lms = home / ".lmstudio" / "models" / "tester" / "tiny-GGUF"
+    lms = user_home / ".lmstudio" / "models" / "tester" / "tiny-GGUF"
     lms.mkdir(parents=True)
     shutil.copy(gguf, lms / "tiny-f16.gguf")
 
@@ -123,7 +111,7 @@ def test_the_hub_cache_and_lm_studio_are_found_with_architecture_parameters_and_
 
 
 def test_a_broken_or_unsupported_snapshot_is_skipped_and_hides_nothing(
-    home: Path, tiny_model_dir: TinyDir
+    user_home: Path, tiny_model_dir: TinyDir
 ) -> None:
     folder, _ = tiny_model_dir("llama", False)
     files = folder_files(folder)
@@ -147,10 +135,10 @@ def test_a_broken_or_unsupported_snapshot_is_skipped_and_hides_nothing(
 
 
 def test_lm_studio_skips_split_parts_vision_projectors_unreadable_and_unsupported_files(
-    home: Path, tiny_gguf: tuple[Path, torch.nn.Module]
+    user_home: Path, tiny_gguf: tuple[Path, torch.nn.Module]
 ) -> None:
     gguf, hf = tiny_gguf
-    lms = home / ".cache" / "lm-studio" / "models" / "pub" / "repo"  # the older location
+    lms = user_home / ".cache" / "lm-studio" / "models" / "pub" / "repo"  # the older location
     lms.mkdir(parents=True)
     for name in ("mmproj-tiny-f16.gguf", "tiny-00001-of-00002.gguf", "tiny-00002-of-00002.gguf"):
         shutil.copy(gguf, lms / name)
@@ -159,11 +147,11 @@ def test_lm_studio_skips_split_parts_vision_projectors_unreadable_and_unsupporte
 
     found = discover_models()
     assert [(m.name, m.path.name) for m in found] == [("tiny", "tiny-00001-of-00002.gguf")]
-    assert lmstudio_dirs() == [home / ".cache" / "lm-studio" / "models"]
+    assert lmstudio_dirs() == [user_home / ".cache" / "lm-studio" / "models"]
 
 
 def test_a_split_gguf_counts_every_part_and_its_import_is_refused(
-    home: Path, tmp_path: Path
+    user_home: Path, tmp_path: Path
 ) -> None:
     hf = build_tiny_hf("llama", tied=True)
     mine = tmp_path / "mine"
@@ -184,7 +172,10 @@ def test_a_split_gguf_counts_every_part_and_its_import_is_refused(
 
 
 def test_the_store_and_the_users_folders_are_listed_once_each(
-    home: Path, tmp_path: Path, tiny_model_dir: TinyDir, tiny_gguf: tuple[Path, torch.nn.Module]
+    user_home: Path,
+    tmp_path: Path,
+    tiny_model_dir: TinyDir,
+    tiny_gguf: tuple[Path, torch.nn.Module],
 ) -> None:
     gguf, _ = tiny_gguf
     stored = import_into_store(gguf)
@@ -219,12 +210,14 @@ def test_the_hub_cache_follows_the_hubs_environment_variables(
     assert hf_cache_dir() == tmp_path / "elsewhere"
 
 
-def test_the_lm_studio_folder_can_be_overridden(home: Path, tmp_path: Path, monkeypatch) -> None:
-    (home / ".lmstudio" / "models").mkdir(parents=True)
-    assert lmstudio_dirs() == [home / ".lmstudio" / "models"]
-    (tmp_path / "moved" / "models").mkdir(parents=True)  # LM Studio's home, moved elsewhere
-    (home / ".lmstudio-home-pointer").write_text(f"{tmp_path / 'moved'}\n")
-    assert lmstudio_dirs() == [tmp_path / "moved" / "models", home / ".lmstudio" / "models"]
+def test_the_lm_studio_folder_can_be_overridden(
+    user_home: Path, tmp_path: Path, monkeypatch
+) -> None:
+    (user_home / ".lmstudio" / "models").mkdir(parents=True)
+    assert lmstudio_dirs() == [user_home / ".lmstudio" / "models"]
+    (tmp_path / "moved" / "models").mkdir(parents=True)  # LM Studio's user_home, moved elsewhere
+    (user_home / ".lmstudio-user_home-pointer").write_text(f"{tmp_path / 'moved'}\n")
+    assert lmstudio_dirs() == [tmp_path / "moved" / "models", user_home / ".lmstudio" / "models"]
     monkeypatch.setenv("INFERSIGHT_LMSTUDIO_DIR", str(tmp_path / "lms"))
     assert lmstudio_dirs() == []  # the override alone, and it does not exist
     (tmp_path / "lms").mkdir()
@@ -243,10 +236,10 @@ def test_a_gguf_header_gives_the_model_config(tiny_gguf: tuple[Path, torch.nn.Mo
 
 
 def test_each_model_gets_a_memory_plan_for_the_device(
-    home: Path, tiny_gguf: tuple[Path, torch.nn.Module]
+    user_home: Path, tiny_gguf: tuple[Path, torch.nn.Module]
 ) -> None:
     gguf, _ = tiny_gguf
-    lms = home / ".lmstudio" / "models" / "p" / "r"
+    lms = user_home / ".lmstudio" / "models" / "p" / "r"
     lms.mkdir(parents=True)
     shutil.copy(gguf, lms / "tiny.gguf")
     roomy = discover_and_plan([], "fp32", "cpu", memory=2**30)
@@ -267,7 +260,7 @@ class Usage(NamedTuple):
 
 
 def test_an_import_without_the_disk_space_is_refused_before_writing(
-    home: Path, tiny_gguf: tuple[Path, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
+    user_home: Path, tiny_gguf: tuple[Path, torch.nn.Module], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gguf, hf = tiny_gguf
     probed: list[Path] = []
@@ -291,7 +284,7 @@ def test_an_import_without_the_disk_space_is_refused_before_writing(
 
 
 def test_a_cancelled_import_leaves_nothing_behind(
-    home: Path, tiny_gguf: tuple[Path, torch.nn.Module]
+    user_home: Path, tiny_gguf: tuple[Path, torch.nn.Module]
 ) -> None:
     gguf, _ = tiny_gguf
     seen: list[tuple[str, int, int]] = []

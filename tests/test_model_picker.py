@@ -174,25 +174,14 @@ def test_formatting() -> None:
 # -- on real discovery -------------------------------------------------------------------------
 
 
-@pytest.fixture()
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    user = tmp_path / "user"
-    user.mkdir()
-    monkeypatch.setenv("HOME", str(user))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path / "infersight"))
-    monkeypatch.delenv("INFERSIGHT_LMSTUDIO_DIR", raising=False)
-    return user
-
-
 def test_the_picker_lists_the_hub_cache_and_lm_studio_and_loads_either(
-    qtbot: Any, home: Path, tmp_path: Path, tiny_model_dir: Any
+    qtbot: Any, user_home: Path, tmp_path: Path, tiny_model_dir: Any
 ) -> None:
     folder, _ = tiny_model_dir("llama", False)
     from engine.discovery import hf_cache_dir
 
     snapshot = add_to_hf_cache(hf_cache_dir(), "tester/tiny-llama", folder_files(folder))
-    lms = home / ".lmstudio" / "models" / "tester" / "tiny-GGUF"
+    lms = user_home / ".lmstudio" / "models" / "tester" / "tiny-GGUF"
     lms.mkdir(parents=True)
     gguf = write_gguf(build_tiny_hf("llama", tied=True), lms / "tiny.gguf", arch="llama")
 
@@ -240,7 +229,7 @@ def test_added_folders_are_kept_in_the_store(tmp_path: Path) -> None:
 
 
 def test_the_window_opens_the_picker_keeps_its_folders_and_loads_its_choice(
-    qtbot: Any, home: Path, tmp_path: Path
+    qtbot: Any, user_home: Path, tmp_path: Path
 ) -> None:
     from app.main_window import MainWindow
     from app.worker import LoadSpec
@@ -251,7 +240,7 @@ def test_the_window_opens_the_picker_keeps_its_folders_and_loads_its_choice(
         asked.append(spec.model)
         raise ModelLoadError("not in this test")
 
-    lms = home / ".lmstudio" / "models" / "p" / "r"
+    lms = user_home / ".lmstudio" / "models" / "p" / "r"
     lms.mkdir(parents=True)
     gguf = write_gguf(build_tiny_hf("llama", tied=True), lms / "tiny.gguf", arch="llama")
     window = MainWindow(tmp_path / "data", spec=LoadSpec("default", "fp32", "cpu"), loader=refuse)

@@ -207,6 +207,10 @@ class ControlsPanel(QScrollArea):
         form.addRow("", row)
         form.addRow("Precision", self.precision_combo)
         form.addRow("Device", self.device_combo)
+        self.plan_label = QLabel("")
+        self.plan_label.setWordWrap(True)
+        self.plan_label.setObjectName("plan")
+        form.addRow("Memory", self.plan_label)
         self.kv_memory = NumberField(
             "KV pool", 512, lo=16, hi=1_048_576, tip="Memory (MiB) set aside for the paged KV "
             "cache: it bounds how many tokens all replies together can hold. Changing it "
@@ -451,6 +455,11 @@ class ControlsPanel(QScrollArea):
             self.device_combo.addItem(name, name)
         index = self.device_combo.findData(current)
         self.device_combo.setCurrentIndex(max(index, 0))
+
+    def show_plan(self, line: str, detail: str, fits: bool) -> None:
+        """The memory plan of the model loading: one line, the whole plan in its tooltip."""
+        self.plan_label.setText(line if fits else f"⚠ {line}")
+        self.plan_label.setToolTip(detail)
 
     def show_model(
         self, path: str, precision: str, device: str | None = None, resolved: str | None = None
