@@ -80,6 +80,13 @@ def resolve_model_folder(model: str, progress: Progress | None = None) -> Path:
     return resolve_model(model, progress=progress)
 
 
+def needs_download(model: str) -> bool:
+    """Whether resolving ``model`` would download it first (the default model, not pulled)."""
+    from engine.model_store import default_model_path
+
+    return model == "default" and not (default_model_path() / "config.json").is_file()
+
+
 def engine_config(spec: LoadSpec) -> EngineConfig:
     """The engine config a load of ``spec`` uses: a KV pool of ``spec.kv_memory_mib``."""
     from engine.engine import EngineConfig
@@ -96,19 +103,29 @@ def plan_load(
 ) -> MemoryPlan:
     """The memory plan of loading ``spec`` here (:func:`engine.loading.plan_memory`), with
     ``reclaimable`` bytes added to what the device has free (a model that would be unloaded
-    first). Resolves the model (a pull or an import, once) but reads only its config."""
+    first). Reads only the model's config: a GGUF file's header (so that a model that cannot
+    fit is refused before it is imported), a folder's ``config.json`` (the default model is
+    pulled once)."""
+    from engine.config import ModelConfig
     from engine.engine import parse_precision
-    from engine.loading import plan_for_folder
+    from engine.gguf_import import gguf_model_config
+    from engine.loading import plan_memory
 
     device = resolve_device(spec.device)
     parse_precision(spec.precision, device)  # fail on a bad precision before any download
-    folder = resolve_model_folder(spec.model, progress)
-    return plan_for_folder(
-        folder,
+    path = Path(spec.model).expanduser()
+    if spec.model != "default" and path.suffix.lower() == ".gguf":
+        cfg, name = gguf_model_config(path), path.stem
+    else:
+        folder = resolve_model_folder(spec.model, progress)
+        cfg, name = ModelConfig.from_file(folder / "config.json"), folder.name
+    return plan_memory(
+        cfg,
         spec.precision,
         device,
         config=config or engine_config(spec),
         reclaimable=reclaimable,
+        name=name,
     )
 
 
@@ -127,9 +144,8 @@ def load_engine(
     from engine.loading import check_plan
 
     config = config or engine_config(spec)
-    plan = plan_load(spec, progress, config=config)
-    check_plan(plan)
-    folder = resolve_model_folder(spec.model)
+    check_plan(plan_load(spec, progress, config=config))
+    folder = resolve_model_folder(spec.model, progress)
     if progress:
         progress("load", 0, 1)
     device = resolve_device(spec.device)

@@ -83,12 +83,15 @@ def available_devices() -> list[str]:
     return ["auto", "cpu"] + [f"cuda:{i}" for i in range(cuda)]
 
 
-def scan_models(folders: list[Path], precision: str, device: str) -> Discovery:
+def scan_models(
+    folders: list[Path], precision: str, device: str, reclaimable: int = 0
+) -> Discovery:
     """The model picker's scan (off the UI thread): every model found, planned on the device
-    as chosen (``auto`` resolved)."""
+    as chosen (``auto`` resolved), counting the memory that unloading the current model
+    (``reclaimable`` bytes) would give back, as a load does."""
     from engine.discovery import discover_and_plan
 
-    return discover_and_plan(folders, precision, resolve_device(device))
+    return discover_and_plan(folders, precision, resolve_device(device), reclaimable=reclaimable)
 
 
 def style_sheet() -> str:
@@ -306,13 +309,20 @@ class MainWindow(QMainWindow):
         """Show the model picker and scan (in the background) for the current precision and
         device; folders added there are kept in the store."""
         if self.picker is None:
-            self.picker = ModelPicker(scan_models, self.store.model_folders(), self)
+            self.picker = ModelPicker(self._scan_models, self.store.model_folders(), self)
             self.picker.model_requested.connect(lambda path: self.load(self._spec(model=path)))
             self.picker.folder_added.connect(self.store.add_model_folder)
         self.picker.set_target(self._precision(), self._device())
         self.picker.show()
         self.picker.raise_()
         self.picker.refresh()
+
+    def _scan_models(self, folders: list[Path], precision: str, device: str) -> Discovery:
+        """(The picker's scan thread.) :func:`scan_models` with what the model loaded now
+        would give back: its weights and KV pool."""
+        model = self.model
+        held = 0 if model is None else model.weights_bytes + int(model.kv_memory_mib * 2**20)
+        return scan_models(folders, precision, device, held)
 
     def load(self, spec: LoadSpec) -> None:
         if self.loading is not None:

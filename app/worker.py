@@ -32,7 +32,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.loading import LoadSpec as LoadSpec  # re-exported: the UI and tests use it
 from app.loading import load_engine as load_engine
-from app.loading import plan_load
+from app.loading import needs_download, plan_load
 from engine.engine import LLMEngine
 from engine.errors import CancelledError, InfersightError
 from engine.kv_cache import CacheWindow
@@ -558,7 +558,7 @@ class EngineWorker(QObject):
         """Bytes that unloading the current model (and any retiring one) would give back."""
         return sum(e.weights_bytes + e.kv.nbytes for e in self._engines())
 
-    def _load_in_background(self, spec: LoadSpec, reclaimable: int) -> None:
+    def _load_in_background(self, spec: LoadSpec, reclaimable: int = 0) -> None:
         try:
             self._plan_and_make_room(spec, reclaimable)
             engine = self._loader(spec, self._report_progress)
@@ -578,7 +578,10 @@ class EngineWorker(QObject):
         """(Loader thread.) Plan the load and show the plan. When it says the new model fits
         only once the current one is gone, have the worker unload it first, and wait for
         that. A model that would not fit either way is left running: the loader refuses the
-        load with the plan's numbers."""
+        load with the plan's numbers. A model still to be downloaded is planned by the loader
+        once it is here (the download reports its own progress)."""
+        if needs_download(spec.model):
+            return
         try:
             now = self._planner(spec, self._report_progress)
             later = self._planner(spec, reclaimable=reclaimable) if reclaimable else now

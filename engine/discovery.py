@@ -352,10 +352,12 @@ def plan_models(
     device: str,
     *,
     memory: int | None = None,
+    reclaimable: int = 0,
 ) -> list[PlannedModel]:
     """Each model with its memory plan on ``device`` (``"cpu"``, ``"cuda:0"`` …; not
-    ``"auto"``) at ``precision``. A model whose plan fails gets ``plan=None`` and the reason;
-    an engine without :func:`engine.loading.plan_memory` raises ``ImportError``."""
+    ``"auto"``) at ``precision`` (:func:`engine.loading.plan_memory`). A model whose plan
+    fails gets ``plan=None`` and the reason. ``reclaimable``: bytes the model loaded now
+    would give back (the app unloads it first when a new one fits only alone)."""
     from engine.loading import plan_memory
 
     out = []
@@ -364,7 +366,10 @@ def plan_models(
             out.append(PlannedModel(model, None, "no config to plan from"))
             continue
         try:
-            plan = plan_memory(model.config, precision, device, memory=memory, name=model.name)
+            plan = plan_memory(
+                model.config, precision, device, memory=memory, name=model.name,
+                reclaimable=reclaimable,
+            )  # fmt: skip
         except Exception as exc:  # one model's plan failing must not hide the others
             log.debug("discovery: no plan for %s: %s", model.name, exc)
             out.append(PlannedModel(model, None, str(exc)))
@@ -385,15 +390,15 @@ class Discovery:
 
 
 def discover_and_plan(
-    folders: Iterable[Path], precision: str, device: str, *, memory: int | None = None
+    folders: Iterable[Path],
+    precision: str,
+    device: str,
+    *,
+    memory: int | None = None,
+    reclaimable: int = 0,
 ) -> Discovery:
     """:func:`discover_models` then :func:`plan_models`: the model picker's one call, made off
-    the UI thread. Without a planner in the engine the models are listed without plans."""
+    the UI thread."""
     models = discover_models(folders)
-    try:
-        planned = plan_models(models, precision, device, memory=memory)
-    except ImportError as exc:
-        log.warning("discovery: no memory plans: %s", exc)
-        planned = [PlannedModel(m, None, "no memory planner") for m in models]
-        return Discovery(planned, precision, device, f"no memory plans: {exc}")
+    planned = plan_models(models, precision, device, memory=memory, reclaimable=reclaimable)
     return Discovery(planned, precision, device)

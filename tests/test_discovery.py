@@ -215,8 +215,8 @@ def test_the_lm_studio_folder_can_be_overridden(
 ) -> None:
     (user_home / ".lmstudio" / "models").mkdir(parents=True)
     assert lmstudio_dirs() == [user_home / ".lmstudio" / "models"]
-    (tmp_path / "moved" / "models").mkdir(parents=True)  # LM Studio's user_home, moved elsewhere
-    (user_home / ".lmstudio-user_home-pointer").write_text(f"{tmp_path / 'moved'}\n")
+    (tmp_path / "moved" / "models").mkdir(parents=True)  # LM Studio's home, moved elsewhere
+    (user_home / ".lmstudio-home-pointer").write_text(f"{tmp_path / 'moved'}\n")
     assert lmstudio_dirs() == [tmp_path / "moved" / "models", user_home / ".lmstudio" / "models"]
     monkeypatch.setenv("INFERSIGHT_LMSTUDIO_DIR", str(tmp_path / "lms"))
     assert lmstudio_dirs() == []  # the override alone, and it does not exist

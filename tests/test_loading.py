@@ -46,7 +46,8 @@ def test_the_plan_of_the_default_model_is_what_its_load_reports(default_model, p
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "int4-g32+head"])
 @pytest.mark.parametrize(
-    ("arch", "tied"), [("llama", True), ("llama", False), ("qwen2", False), ("qwen2", True)]
+    ("arch", "tied"),
+    [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", False)],
 )
 def test_the_plan_of_tiny_models_is_what_their_load_reports(tiny_model_dir, arch, tied, precision):
     folder, _ = tiny_model_dir(arch, tied)
@@ -120,3 +121,17 @@ def test_infersight_plan_prints_json_and_says_when_nothing_fits(capsys):
     assert all(p["budget_bytes"] == 12 * 2**30 for p in plans)
     assert main(["plan", "--model", shapes, "--device", "cuda", "--memory", "4GiB"]) == 3
     assert "does not fit" in capsys.readouterr().out
+
+
+def test_a_gguf_that_cannot_fit_is_refused_before_it_is_imported(
+    user_home: Path, tmp_path: Path, monkeypatch
+):
+    from engine.model_store import models_dir
+    from tests.conftest import build_tiny_hf
+    from tests.gguf_factory import write_gguf
+
+    gguf = write_gguf(build_tiny_hf("llama", tied=True), tmp_path / "tiny.gguf", arch="llama")
+    monkeypatch.setattr(loading, "free_memory", lambda device: 2**20)
+    with pytest.raises(OutOfMemoryError, match="tiny at fp32 does not fit on cpu"):
+        load_engine(LoadSpec(str(gguf), "fp32", "cpu", kv_memory_mib=16))
+    assert not models_dir().exists() or not any(models_dir().iterdir())
