@@ -123,6 +123,9 @@ def test_a_sweep_in_the_app_measures_what_the_command_line_measures(
     tuner.requests_spin.setValue(4)
     tuner.sweep_output_spin.setValue(16)
     tuner.conversations_spin.setValue(0.0)
+    # An SLO every point meets on any CPU (this test compares the app with the CLI, not
+    # speeds): the best point is then the highest throughput, and must be one of the sweep's.
+    tuner.slo_edit.setText("ttft=600s,tpot=60s")
     tuner.run_button.click()
     qtbot.waitUntil(lambda: tuner.progress.maximum() == 3, timeout=10_000)  # type: ignore[attr-defined]
     qtbot.waitUntil(lambda: len(tuner.sweep_points()) == 3, timeout=3 * LONG_WAIT_MS)  # type: ignore[attr-defined]
