@@ -116,7 +116,7 @@ def test_a_sweep_in_the_app_measures_what_the_command_line_measures(
 ) -> None:
     tuner = window.tuner
     tuner.sweep_mode.setCurrentText("closed")
-    tuner.loads_edit.setText("1 2 4")
+    tuner.loads_edit.setText("1 4")
     tuner.batch_edit.setText("4")
     tuner.tokens_edit.setText("256")
     tuner.wait_edit.setText("0")
@@ -127,18 +127,18 @@ def test_a_sweep_in_the_app_measures_what_the_command_line_measures(
     # speeds): the best point is then the highest throughput, and must be one of the sweep's.
     tuner.slo_edit.setText("ttft=600s,tpot=60s")
     tuner.run_button.click()
-    qtbot.waitUntil(lambda: tuner.progress.maximum() == 3, timeout=10_000)  # type: ignore[attr-defined]
-    qtbot.waitUntil(lambda: len(tuner.sweep_points()) == 3, timeout=3 * LONG_WAIT_MS)  # type: ignore[attr-defined]
+    qtbot.waitUntil(lambda: tuner.progress.maximum() == 2, timeout=10_000)  # type: ignore[attr-defined]
+    qtbot.waitUntil(lambda: len(tuner.sweep_points()) == 2, timeout=3 * LONG_WAIT_MS)  # type: ignore[attr-defined]
     app_points = {p.label: p.result for p in tuner.sweep_points()}
     assert tuner.best_label() in app_points
     csv_path, png_path = tmp_path / "sweep.csv", tmp_path / "sweep.png"
     tuner.export_sweep_csv(csv_path)
     tuner.export_sweep_png(png_path)
-    assert len(csv_path.read_text().splitlines()) == 4 and png_path.stat().st_size > 5_000
+    assert len(csv_path.read_text().splitlines()) == 3 and png_path.stat().st_size > 5_000
 
     cli = subprocess.run(
         [sys.executable, "-m", "app.cli", "tune", "--model", "default", "--kv-memory",
-         str(64 * 2**20), "--users", "1", "2", "4", "--max-batch-size", "4",
+         str(64 * 2**20), "--users", "1", "4", "--max-batch-size", "4",
          "--max-tokens-per-step", "256", "--requests", "4", "--output-median", "16",
          "--conversations", "0", "--json"],
         capture_output=True, text=True, timeout=600, check=True,
