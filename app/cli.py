@@ -1007,6 +1007,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     path = Path(args.model).expanduser()
     if path.suffix.lower() == ".json" and path.is_file():
         cfg, name = ModelConfig.from_file(path), path.stem
+    elif path.suffix.lower() == ".gguf":  # its header: nothing is imported to plan it
+        from engine.gguf_import import gguf_model_config
+
+        cfg, name = gguf_model_config(path), path.stem
     else:
         folder = resolve_model_folder(args.model, progress_printer())
         cfg, name = ModelConfig.from_file(folder / "config.json"), folder.name

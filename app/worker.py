@@ -632,7 +632,8 @@ class EngineWorker(QObject):
         """Give the current model a KV pool of the size asked for, once it has no replies in
         progress: the same weights behind a new pool; nothing is loaded again."""
         engine, mib = self.engine, self._resize_to
-        if engine is None or mib is None or engine.has_work() or self._retiring:
+        busy = self._tune is not None or self._retiring  # a tune owns the engine until it ends
+        if engine is None or mib is None or engine.has_work() or busy:
             return
         self._resize_to = None
         try:
@@ -640,7 +641,10 @@ class EngineWorker(QObject):
         except InfersightError as exc:
             self.error.emit(f"{exc}; the KV pool stays as it was")
             return
-        self._end_tune("the KV pool was resized")
+        except Exception as exc:  # torch out of memory, say: the engine keeps its pool
+            log.exception("resizing the KV pool failed")
+            self.error.emit(f"could not resize the KV pool ({exc}); it stays as it was")
+            return
         self._spec = _with_pool_size(self._spec, mib)
         spec = self._spec or LoadSpec(engine.name, engine.precision.text, str(engine.device), mib)
         del engine
@@ -655,6 +659,7 @@ class EngineWorker(QObject):
 
     def _swap_in(self, engine: LLMEngine, info: ModelInfo) -> None:
         self._loading = None
+        self._resize_to = None  # a resize asked for the old model: the new one has its pool
         self._end_tune("a new model was loaded")
         self._settings.limits.pop("kv_blocks", None)  # a cap on the old pool; the new has its own
         try:

@@ -59,6 +59,9 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: the checkpoint's dtype as the config states it (``bfloat16`` …; transformers 5 writes
+    #: ``dtype``), for the memory plan; None when it does not say
+    torch_dtype: str | None = None
     #: per-head RMSNorm of q and k before RoPE (Qwen3)
     qk_norm: bool = False
     #: attention sees only the last ``sliding_window`` keys (Mistral); None: every key
@@ -109,6 +112,7 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
                 bos_token_id=_opt_int(raw.get("bos_token_id")),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "") or None,
                 qk_norm=arch.qk_norm,
                 sliding_window=_sliding_window(raw, arch, context),
             )

@@ -228,6 +228,8 @@ class LLMEngine:
                 "replies to finish or stop them"
             )
         config = replace(self.config, kv_memory=kv_memory, num_blocks=num_blocks)
+        if self.device.type == "cuda":  # what the allocator caches counts as free here
+            torch.cuda.empty_cache()
         blocks = kv_pool_blocks(self.cfg, config, self.dtype, self.device)
         per_block = PagedKVCache.bytes_per_block(self.cfg, config.block_size, self.dtype)
         grow = (blocks - self.kv.manager.num_blocks) * per_block
@@ -239,12 +241,17 @@ class LLMEngine:
                 f"{free / 2**20:.0f} MiB free; choose at most "
                 f"{(self.kv.nbytes + 0.9 * free) / 2**20:.0f} MiB"
             )
-        self.kv = None  # type: ignore[assignment]  # the old pool goes before the new comes
-        new = LLMEngine(
-            self.model, self.tokenizer, self.cfg, eos_token_ids=sorted(self.eos_token_ids),
-            dtype=self.dtype, device=self.device, name=self.name,
-            num_parameters=self.num_parameters, config=config, precision=self.precision,
-        )  # fmt: skip
+        self.enable_layer_timing(False)  # its hooks are on the shared model
+        old, self.kv = self.kv, None  # type: ignore[assignment]  # the old pool goes first
+        try:
+            new = LLMEngine(
+                self.model, self.tokenizer, self.cfg, eos_token_ids=sorted(self.eos_token_ids),
+                dtype=self.dtype, device=self.device, name=self.name,
+                num_parameters=self.num_parameters, config=config, precision=self.precision,
+            )  # fmt: skip
+        except BaseException:
+            self.kv = old  # this engine goes on as it was
+            raise
         new.default_sampling = dict(getattr(self, "default_sampling", {}))
         new.graph, new.threads_report = self.graph, self.threads_report
         return new

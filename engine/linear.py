@@ -188,16 +188,23 @@ def layout_timing(dtype: torch.dtype, out_features: int, in_features: int) -> La
 LAYOUT_ENV = "INFERSIGHT_LAYOUT"
 
 
-def packs(dtype: torch.dtype, out_features: int, in_features: int) -> bool:
+def packs(dtype: torch.dtype, out_features: int, in_features: int, *, measure: bool = True) -> bool:
     """Whether a CPU linear of this dtype and shape is laid out for oneDNN at load: the CPU
     runs the packed op (:func:`engine.hardware.cpu_paths`) and it measured faster here.
     ``INFERSIGHT_LAYOUT=packed`` (or ``plain``) skips the timing: every packable linear is
-    packed (or none is), as the tests do to take one path whatever the machine's noise."""
+    packed (or none is), as the tests do to take one path whatever the machine's noise.
+    ``measure=False`` (a memory plan) never times: a shape not timed yet counts as packed,
+    the layout that takes more memory where it copies a tied head."""
     if not cpu_paths().packed(dtype).ok:
         return False
     forced = os.environ.get(LAYOUT_ENV, "").strip().lower()
     if forced in ("packed", "plain"):
         return forced == "packed"
+    if not measure:
+        shape = f"{str(dtype).removeprefix('torch.')} {out_features}x{in_features}"
+        with _LOCK:
+            known = _verdicts().get(machine_key(), {}).get(shape)
+        return True if known is None else known.packed
     return layout_timing(dtype, out_features, in_features).packed
 
 

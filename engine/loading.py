@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,8 +122,10 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.budget_bytes and self.max_context >= min(
-            MIN_CONTEXT, self.max_position
+        return (
+            self.peak_bytes <= self.budget_bytes
+            and self.max_context >= min(MIN_CONTEXT, self.max_position)
+            and self.pool_tokens > 1  # a pool of at least one block beside its pad slot
         )
 
     def refusal(self) -> str | None:
@@ -131,6 +133,14 @@ class MemoryPlan:
         if self.fits:
             return None
         load = self.weight_bytes + self.runtime_bytes + self.load_overhead_bytes
+        if self.peak_bytes <= self.budget_bytes:  # the weights fit; the context does not
+            why = (
+                f"{self.model} at {self.precision} leaves room for {_tokens(self.max_context)} "
+                f"of context on {self.device} ({_gib(self.kv_room_bytes)} for the KV cache "
+                f"beside {_gib(self.weight_bytes)} of weights in {self.budget_source}, "
+                f"{_gib(self.budget_bytes)})"
+            )
+            return f"{why}; {self.suggestion}" if self.suggestion else why
         parts = [
             f"{self.model} at {self.precision} does not fit on {self.device}: it needs "
             f"{_gib(self.peak_bytes)} at its peak ({_gib(self.weight_bytes)} of weights, "
@@ -213,15 +223,16 @@ def plan_memory(
     ``device`` has free now plus ``reclaimable`` (what unloading the current model would give
     back). ``config``: the engine config the load would use (its KV pool); by default the
     engine's own default pool. ``packed``: whether a CPU lays a tied float head out again
-    (:func:`engine.quant.estimate_weight_bytes`); ``None`` asks this machine, and planning
-    for another device (``memory`` given) assumes it does not.
+    (:func:`engine.quant.estimate_weight_bytes`); ``None`` takes this machine's measured
+    verdict (never timing now), and planning for another device assumes it does not.
     """
     from engine.engine import EngineConfig
 
     torch_device = torch.device(device)
     # A plan for memory of another machine does not ask this one's device (which may be
     # absent: a plan for a 12 GiB GPU made on a laptop) which kernels it runs.
-    spec = parse_precision_spec(precision, torch.device("meta") if memory else torch_device)
+    probe = torch.device("meta") if memory is not None else torch_device
+    spec = parse_precision_spec(precision, probe)
     spec.check_layers(cfg.num_layers)
     config = config or EngineConfig()
     if memory is not None:
@@ -233,89 +244,76 @@ def plan_memory(
         )
     if torch_device.type != "cpu" or memory is not None:
         packed = False if packed is None else packed
-    weights = weight_bytes_by_kind(cfg, spec, packed=packed)
-    per_token = kv_bytes_per_token(cfg, spec.compute)
-    workspace = workspace_bytes(cfg, spec.compute, config)
-    runtime = CUDA_RUNTIME_BYTES if torch_device.type == "cuda" else 0
-    room = max(0, budget - sum(weights.values()) - runtime - workspace)
-    blocks = kv_pool_blocks(cfg, config, spec.compute, torch_device, float(room))
-    notes: list[str] = []
-    window = getattr(cfg, "sliding_window", None)
-    if window:
-        notes.append(f"sliding window of {window} tokens: KV beyond it is released")
-    plan = MemoryPlan(
-        model=name,
-        device=str(torch_device),
-        precision=spec.text,
-        weights=weights,
-        kv_bytes_per_token=per_token,
-        kv_pool_bytes=(blocks * config.block_size + 1) * per_token,  # + the zero pad slot
-        workspace_bytes=workspace,
-        runtime_bytes=runtime,
-        load_overhead_bytes=load_overhead_bytes(cfg, torch_device),
-        budget_bytes=budget,
-        budget_source=source,
-        max_position=cfg.max_position_embeddings,
-        notes=tuple(notes),
-    )
+    elif packed is None:  # what this machine measured, never a timing now
+        from engine.linear import packs
+
+        packed = packs(spec.compute, cfg.vocab_size, cfg.hidden_size, measure=False)
+    # On a GPU measured now the context already exists: its free memory leaves it out.
+    runtime = CUDA_RUNTIME_BYTES if torch_device.type == "cuda" and memory is not None else 0
+    target = _Target(cfg, torch_device, config, budget, source, runtime, packed, name)
+    plan = target.plan(spec)
     if plan.fits:
         return plan
-    return _with_suggestion(plan, cfg, spec, torch_device, config, budget, source, packed)
+    return replace(plan, suggestion=target.suggestion(plan, probe))
 
 
-def _with_suggestion(
-    plan: MemoryPlan,
-    cfg: ModelConfig,
-    spec: PrecisionSpec,
-    device: torch.device,
-    config: EngineConfig,
-    budget: int,
-    source: str,
-    packed: bool | None,
-) -> MemoryPlan:
-    """``plan`` with the best-quality precision that would fit, or the context that does."""
-    from dataclasses import replace
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What a plan is made for, whatever the precision: the model, the device and its
+    budget, the engine config."""
 
-    current = plan.weight_bytes
-    for text in (dtype_name(spec.compute), *SUGGESTIONS):
-        try:
-            other = parse_precision_spec(
-                text, device if source.startswith("the memory free") else torch.device("meta")
-            )
-        except InvalidRequestError:  # not available on this device
-            continue
-        weights = sum(weight_bytes_by_kind(cfg, other, packed=packed).values())
-        if weights >= current:
-            continue
-        candidate = replace(
-            plan,
-            precision=other.text,
-            weights=weight_bytes_by_kind(cfg, other, packed=packed),
-            kv_bytes_per_token=kv_bytes_per_token(cfg, other.compute),
-            suggestion="",
+    cfg: ModelConfig
+    device: torch.device
+    config: EngineConfig
+    budget: int
+    source: str
+    runtime: int
+    packed: bool | None
+    name: str
+
+    def plan(self, spec: PrecisionSpec) -> MemoryPlan:
+        cfg, config = self.cfg, self.config
+        weights = weight_bytes_by_kind(cfg, spec, packed=self.packed)
+        per_token = kv_bytes_per_token(cfg, spec.compute)
+        workspace = workspace_bytes(cfg, spec.compute, config)
+        room = max(0, self.budget - sum(weights.values()) - self.runtime - workspace)
+        blocks = kv_pool_blocks(cfg, config, spec.compute, self.device, float(room))
+        window = cfg.sliding_window
+        notes = (f"sliding window of {window} tokens: KV beyond it is released",) if window else ()
+        return MemoryPlan(
+            model=self.name,
+            device=str(self.device),
+            precision=spec.text,
+            weights=weights,
+            kv_bytes_per_token=per_token,
+            kv_pool_bytes=(blocks * config.block_size + 1) * per_token,  # + the zero pad slot
+            workspace_bytes=workspace,
+            runtime_bytes=self.runtime,
+            load_overhead_bytes=load_overhead_bytes(cfg, spec, self.device),
+            budget_bytes=self.budget,
+            budget_source=self.source,
+            max_position=cfg.max_position_embeddings,
+            notes=notes,
         )
-        candidate = replace(
-            candidate,
-            kv_pool_bytes=min(
-                plan.kv_pool_bytes,
-                candidate.kv_room_bytes
-                // (candidate.kv_bytes_per_token * config.block_size)
-                * candidate.kv_bytes_per_token
-                * config.block_size,
-            ),
-        )
-        if candidate.fits:
-            hint = (
-                f"{other.text} fits ({_gib(candidate.peak_bytes)} at its peak, context up to "
-                f"{_tokens(candidate.max_context)})"
-            )
-            return replace(plan, suggestion=f"try {hint}")
-    if plan.weight_bytes + plan.runtime_bytes + plan.load_overhead_bytes <= budget:
-        return replace(plan, suggestion=f"a KV pool under {_gib(plan.kv_room_bytes)} would fit")
-    return replace(
-        plan,
-        suggestion=f"no precision fits in {source}; free memory or use a smaller model",
-    )
+
+    def suggestion(self, plan: MemoryPlan, probe: torch.device) -> str:
+        """The best-quality smaller precision that fits with the same engine config, else
+        what else would help."""
+        for text in (dtype_name(parse_precision_spec(plan.precision, probe).compute),
+                     *SUGGESTIONS):  # fmt: skip
+            try:
+                other = self.plan(parse_precision_spec(text, probe))
+            except InvalidRequestError:  # not available on this device
+                continue
+            if other.weight_bytes < plan.weight_bytes and other.fits:
+                return (
+                    f"try {other.precision}: it fits ({_gib(other.peak_bytes)} at its peak, "
+                    f"context up to {_tokens(other.max_context)})"
+                )
+        load = plan.weight_bytes + plan.runtime_bytes + plan.load_overhead_bytes
+        if load <= plan.budget_bytes and plan.kv_pool_bytes > plan.kv_room_bytes:
+            return f"a KV pool under {_gib(plan.kv_room_bytes)} would fit"
+        return f"no precision fits in {self.source}; free memory or use a smaller model"
 
 
 def plan_for_folder(
@@ -353,18 +351,41 @@ def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, config: EngineConfig) 
     return activations + scores + gathered + logits
 
 
-def load_overhead_bytes(cfg: ModelConfig, device: torch.device) -> int:
+def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, device: torch.device) -> int:
     """The most :func:`engine.weights.load_transformer` holds beside the weights already
-    loaded: the largest tensor being assembled in fp32 (the embedding/head or a fused
-    gate/up projection), on the host as well its copy read from the checkpoint (at most fp32
-    too), four chunks of quantization temporaries, and allocator slack."""
-    largest = 4 * max(
-        cfg.vocab_size * cfg.hidden_size,
+    loaded: the largest tensor being assembled (the embedding or head, or a fused gate/up or
+    q/k/v projection) in fp32 where it will be quantized, else in the compute dtype; on a CPU
+    also its copy read from the checkpoint (in the checkpoint's dtype, fp32 when the config
+    does not say); on a GPU, where INT4 packs a whole matrix's 4-bit values at once, 0.75 of
+    that tensor's fp32 size; and four chunks of quantization temporaries with allocator
+    slack."""
+    compute = torch.empty((), dtype=spec.compute).element_size()
+    layer_elems = max(
         2 * cfg.intermediate_size * cfg.hidden_size,
         (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size,
     )
-    source = largest if device.type == "cpu" else 0  # on CUDA, the copy is in host memory
-    return largest + source + 4 * QUANT_CHUNK_BYTES + LOAD_SLACK_BYTES
+    head_elems = cfg.vocab_size * cfg.hidden_size
+    layer_kinds = {spec.block_kind(p, i) for p in ("attn", "mlp") for i in range(cfg.num_layers)}
+    head = spec.parts.get("head")
+    largest = max(
+        layer_elems * (4 if layer_kinds - {None} else compute),
+        head_elems * (4 if head is not None else compute),
+    )
+    if device.type == "cpu":
+        file_itemsize = CHECKPOINT_ITEMSIZE.get(cfg.torch_dtype or "", 4)
+        extra = max(layer_elems, head_elems) * file_itemsize
+    else:  # INT4's 4-bit values, a byte each, and the packing's temporaries
+        int4_layers = any(k is not None and k.bits == 4 for k in layer_kinds)
+        int4_elems = max(
+            layer_elems if int4_layers else 0,
+            head_elems if head is not None and head.bits == 4 else 0,
+        )
+        extra = int4_elems * 3
+    return largest + extra + 4 * QUANT_CHUNK_BYTES + LOAD_SLACK_BYTES
+
+
+#: bytes per value of a checkpoint by its config's ``torch_dtype``
+CHECKPOINT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def kv_pool_blocks(
@@ -574,19 +595,14 @@ def _tokens(n: int) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """``12GiB``, ``12 GB``, ``800MiB``, ``1.5T`` or a plain number of bytes."""
-    units = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    raw = text.strip().lower().replace(" ", "")
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number) :].removesuffix("ib").removesuffix("b")
-    try:
-        value = float(number)
-    except ValueError:
-        raise InvalidRequestError(
-            f"memory {text!r} is not a size; write it like 12GiB, 800MiB or 1.5T"
-        ) from None
-    if unit not in units or value <= 0:
+    """``12GiB``, ``12 GB``, ``800MiB``, ``1.5T`` or a plain number of bytes (binary units:
+    a GB here is a GiB, as memory is sold)."""
+    import re
+
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?", text.strip().lower())
+    value = float(match.group(1)) * 1024 ** " kmgt".index(match.group(2) or " ") if match else 0.0
+    if value < 1:
         raise InvalidRequestError(
             f"memory {text!r} is not a size; write it like 12GiB, 800MiB or 1.5T"
         )
-    return int(value * units[unit])
+    return int(value)

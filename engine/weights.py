@@ -188,6 +188,12 @@ def _load_quantized_head(
 ) -> None:
     """Quantize the LM head ``weight`` (fp32, the checkpoint's values) as ``W·diag(scale)``;
     with tied embeddings the same quantized matrix serves the embedding lookup."""
+    expected = (cfg.vocab_size, cfg.hidden_size)
+    if tuple(weight.shape) != expected:
+        raise ModelLoadError(
+            f"the LM head has shape {tuple(weight.shape)}, config.json implies {expected}; "
+            "config and weights disagree"
+        )
     _quantize_into(model, "lm_head", weight.mul_(scale), kind)
     if cfg.tie_word_embeddings:  # one quantized matrix serves the head and the embedding
         head = model.lm_head

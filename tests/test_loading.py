@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.loading import LoadSpec, load_engine
 from engine import loading
@@ -85,12 +86,15 @@ def test_a_load_that_cannot_fit_is_refused_before_it_starts(tiny_model_dir, monk
 
 def test_the_plan_suggests_what_would_fit():
     cfg = ModelConfig.from_file(CONFIGS / "llama-3.2-3b.json")
-    int4 = plan_memory(cfg, "int4-g32+head", "cuda", memory=12 * 2**30)
-    budget = int4.peak_bytes + 2**20  # just enough for INT4 with its tied head
-    fp16 = plan_memory(cfg, "fp16", "cuda", memory=budget, config=EngineConfig(kv_memory=0.5))
-    assert not fp16.fits
-    assert "try int" in fp16.suggestion
-    nothing = plan_memory(cfg, "fp16", "cuda", memory=2**30)
+    pool = EngineConfig(kv_memory=256 * 2**20)
+    fp16 = plan_memory(cfg, "fp16", "cuda", memory=64 * 2**30, config=pool)
+    budget = fp16.peak_bytes - 2**30  # fp16 misses by a GiB; INT8 and INT4 need far less
+    short = plan_memory(cfg, "fp16", "cuda", memory=budget, config=pool)
+    assert not short.fits
+    assert short.suggestion.startswith("try int8: it fits")  # the best quality that fits
+    why = short.refusal()
+    assert why is not None and "does not fit on cuda" in why and "try int8" in why
+    nothing = plan_memory(cfg, "fp16", "cuda", memory=2**30, config=pool)
     assert "no precision fits" in nothing.suggestion
 
 
@@ -103,7 +107,7 @@ def test_memory_sizes_parse(text, expected):
     assert parse_bytes(text) == int(expected)
 
 
-@pytest.mark.parametrize("text", ["twelve", "-1G", "12 parsecs", ""])
+@pytest.mark.parametrize("text", ["twelve", "-1G", "12 parsecs", "", "12ib", "5bb", "0.5"])
 def test_a_bad_memory_size_says_how_to_write_one(text):
     with pytest.raises(InvalidRequestError, match="12GiB"):
         parse_bytes(text)
@@ -135,3 +139,81 @@ def test_a_gguf_that_cannot_fit_is_refused_before_it_is_imported(
     with pytest.raises(OutOfMemoryError, match="tiny at fp32 does not fit on cpu"):
         load_engine(LoadSpec(str(gguf), "fp32", "cpu", kv_memory_mib=16))
     assert not models_dir().exists() or not any(models_dir().iterdir())
+
+
+def test_a_plan_never_times_the_weight_layout(tiny_model_dir, monkeypatch):
+    """Planning (in the loader thread beside a decoding model, in the picker's scan) reads
+    this machine's measured layout verdicts; a shape never timed counts as packed (the
+    layout that takes more memory)."""
+    from engine import linear
+
+    folder, _ = tiny_model_dir("llama", True)
+    monkeypatch.delenv(linear.LAYOUT_ENV, raising=False)
+    monkeypatch.setattr(linear, "time_layouts", lambda *a: pytest.fail("a plan timed a layout"))
+    monkeypatch.setattr(linear, "_verdicts", lambda: {})
+    plan = plan_for_folder(folder, "fp32", "cpu")
+    cfg = ModelConfig.from_file(folder / "config.json")
+    packed = linear.cpu_paths().packed(torch.float32).ok
+    assert plan.weights["lm_head"] == (cfg.vocab_size * cfg.hidden_size * 4 if packed else 0)
+
+
+def test_the_load_bound_follows_the_precision():
+    """A float load holds its largest tensor in the compute dtype; a quantized head holds it in
+    fp32 (the head/embedding being quantized); a GPU holds no checkpoint copy."""
+    cfg = ModelConfig.from_file(CONFIGS / "llama-3.2-3b.json")
+    overhead = {
+        p: plan_memory(cfg, p, "cpu", memory=64 * 2**30).load_overhead_bytes
+        for p in ("bf16", "int8", "int4-g32+head")
+    }
+    # Llama-3.2-3B's largest tensor is its tied embedding, in bf16 unless the head is quantized
+    embedding = cfg.vocab_size * cfg.hidden_size
+    assert overhead["bf16"] == overhead["int8"] < overhead["int4-g32+head"]
+    assert overhead["int4-g32+head"] - overhead["int8"] == embedding * (4 - 2)
+    gpu = plan_memory(cfg, "int8", "cuda", memory=64 * 2**30).load_overhead_bytes
+    assert gpu == overhead["int8"] - embedding * 2  # no bf16 checkpoint copy on the device
+
+
+def test_a_plan_whose_weights_fit_but_not_its_context_says_so():
+    """A model with a huge KV cache per token (8 MiB) and small weights: the load fits, the
+    room left holds fewer than 256 tokens."""
+    cfg = ModelConfig.from_dict(
+        {"model_type": "llama", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 256, "num_attention_heads": 32, "num_key_value_heads": 32,
+         "head_dim": 256, "max_position_embeddings": 4096}
+    )  # fmt: skip
+    pool = EngineConfig(num_blocks=1, block_size=1)
+    roomy = plan_memory(cfg, "bf16", "cpu", memory=64 * 2**30, config=pool)
+    budget = roomy.peak_bytes + 16 * 2**20
+    tight = plan_memory(cfg, "bf16", "cpu", memory=budget, config=pool)
+    assert tight.peak_bytes <= tight.budget_bytes and tight.max_context < 256
+    assert not tight.fits
+    why = tight.refusal()
+    assert why is not None and f"leaves room for {tight.max_context} tokens of context" in why
+
+
+def test_a_new_pool_keeps_the_weights_and_a_failed_one_keeps_the_old(tiny_model_dir, monkeypatch):
+    from engine import engine as engine_module
+    from engine.sampling import SamplingParams
+
+    folder, _ = tiny_model_dir("llama", True)
+    old = LLMEngine.load(folder, precision="fp32", config=EngineConfig(num_blocks=8, block_size=4))
+    rid = old.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(InvalidRequestError, match="no request is running"):
+        old.with_pool(num_blocks=16)
+    while old.has_work():
+        old.step()
+    assert old.request_metrics(rid) is not None
+
+    class Broken(engine_module.PagedKVCache):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("simulated: out of memory while allocating the pool")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(engine_module, "PagedKVCache", Broken)
+        with pytest.raises(RuntimeError, match="simulated"):
+            old.with_pool(num_blocks=16)
+    assert old.kv.manager.num_blocks == 8  # the old engine goes on with its pool
+    list(old.generate([1, 2, 3], SamplingParams(max_new_tokens=2)))
+    new = old.with_pool(num_blocks=16)
+    assert new.model is old.model and new.kv.manager.num_blocks == 16
+    assert len(list(new.generate([1, 2, 3], SamplingParams(max_new_tokens=3)))) == 3
