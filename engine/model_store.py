@@ -76,6 +76,11 @@ def resolve_model(spec: str, *, progress: Progress | None = None) -> Path:
             f"model folder {path} does not exist; pass a Hugging Face model folder "
             "(config.json, *.safetensors, tokenizer.json) or --model default"
         )
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"{path} is a file, not a model folder; pass a Hugging Face model folder "
+            "(config.json, *.safetensors, tokenizer.json), a .gguf file or --model default"
+        )
     return path
 
 

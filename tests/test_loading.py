@@ -217,3 +217,12 @@ def test_a_new_pool_keeps_the_weights_and_a_failed_one_keeps_the_old(tiny_model_
     new = old.with_pool(num_blocks=16)
     assert new.model is old.model and new.kv.manager.num_blocks == 16
     assert len(list(new.generate([1, 2, 3], SamplingParams(max_new_tokens=3)))) == 3
+
+
+def test_a_file_that_is_no_model_is_refused_by_name(tmp_path, capsys):
+    from app.cli import main
+
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    assert main(["plan", "--model", str(text)]) == 2
+    assert "is a file, not a model folder" in capsys.readouterr().err
