@@ -52,6 +52,8 @@ class Inbox(QObject):
         self.stats: list[ReplyStats] = []
         self.models: list[ModelInfo] = []
         self.failures: list[str] = []
+        self.notices: list[str] = []
+        self.unloaded: list[str] = []
         self.stopped = False
 
     @Slot(list)
@@ -70,6 +72,14 @@ class Inbox(QObject):
     @Slot(str)
     def on_failed(self, message: str) -> None:
         self.failures.append(message)
+
+    @Slot(str)
+    def on_notice(self, text: str) -> None:
+        self.notices.append(text)
+
+    @Slot(str)
+    def on_unloaded(self, text: str) -> None:
+        self.unloaded.append(text)
 
     @Slot()
     def on_stopped(self) -> None:
@@ -111,6 +121,8 @@ def launch(workers: list[Running], loader: Loader, inbox: Inbox) -> Running:
     worker.reply_stats.connect(inbox.on_stats)
     worker.loaded.connect(inbox.on_loaded)
     worker.load_failed.connect(inbox.on_failed)
+    worker.notice.connect(inbox.on_notice)
+    worker.unloaded.connect(inbox.on_unloaded)
     worker.stopped.connect(inbox.on_stopped)
     running = Running(worker, thread, inbox)
     workers.append(running)
@@ -234,31 +246,6 @@ def test_stop_mid_step_returns_promptly(qtbot: object, workers: list[Running]) -
     assert r.worker.engine is None
 
 
-class Notes(QObject):
-    """The worker's notices and unload messages, received in the UI thread."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.notices: list[str] = []
-        self.unloaded: list[str] = []
-
-    @Slot(str)
-    def on_notice(self, text: str) -> None:
-        self.notices.append(text)
-
-    @Slot(str)
-    def on_unloaded(self, text: str) -> None:
-        self.unloaded.append(text)
-
-
-def listen(r: Running) -> Notes:
-    notes = Notes()
-    r.worker.notice.connect(notes.on_notice)
-    r.worker.unloaded.connect(notes.on_unloaded)
-    r.notes = notes  # type: ignore[attr-defined]  # kept alive with the worker
-    return notes
-
-
 def only_fits_alone(monkeypatch: pytest.MonkeyPatch, spec: LoadSpec, r: Running) -> None:
     """Free memory such that ``spec`` fits only once the model ``r`` holds is gone (as free
     memory grows when it goes)."""
@@ -277,7 +264,7 @@ def test_a_model_that_fits_only_alone_is_loaded_after_the_old_one_goes(
     qtbot: object, workers: list[Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64))
-    notes = listen(r)
+    notes = r.inbox
     old = id(r.worker.engine)
     int8 = LoadSpec("default", "int8", "cpu", 64)
     only_fits_alone(monkeypatch, int8, r)
@@ -297,7 +284,7 @@ def test_when_the_load_after_an_unload_fails_the_old_model_comes_back(
         return load_engine(spec, progress)
 
     r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64), loader=failing)
-    notes = listen(r)
+    notes = r.inbox
     int8 = LoadSpec("default", "int8", "cpu", 64)
     only_fits_alone(monkeypatch, int8, r)
     r.worker.post(Load(int8))
@@ -309,7 +296,7 @@ def test_when_the_load_after_an_unload_fails_the_old_model_comes_back(
 
 def test_a_new_kv_pool_keeps_the_weights(qtbot: object, workers: list[Running]) -> None:
     r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64))
-    notes = listen(r)
+    notes = r.inbox
     old = r.worker.engine
     assert old is not None
     r.worker.post(Resize(32))
