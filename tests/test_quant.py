@@ -395,3 +395,21 @@ def test_block_bytes_is_one_block(tiny_model_dir, spec, arch):
     layer = engine.model.layers[1]
     assert weight_bytes(layer.attn) == block_bytes(cfg, "attn", kind, engine.dtype)
     assert weight_bytes(layer.mlp) == block_bytes(cfg, "mlp", kind, engine.dtype)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(1040, 576, 32), (200, 100, 64), (1000, 96, 128)])
+def test_quantizing_a_chunk_of_rows_at_a_time_equals_the_whole_matrix(monkeypatch, n, k, group):
+    """The bounded load quantizes 32 MiB of rows at a time and packs INT4 per block of rows
+    (the CPU layout's blocks, probed on this CPU kind): bit for bit what one whole-matrix
+    pass gives, padding rows and columns included."""
+    from engine import quant
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    monkeypatch.setattr(quant, "QUANT_CHUNK_BYTES", 1 << 40)
+    whole4, whole8 = Int4Linear(w, None, group), Int8Linear(w, None, torch.bfloat16)
+    monkeypatch.setattr(quant, "QUANT_CHUNK_BYTES", 64 * 1024)  # many chunks
+    assert len(quant.row_chunks(n, k)) > 1
+    part4, part8 = Int4Linear(w, None, group), Int8Linear(w, None, torch.bfloat16)
+    assert torch.equal(whole4.weight, part4.weight)
+    assert torch.equal(whole4.scales_and_zeros, part4.scales_and_zeros)
+    assert torch.equal(whole8.weight, part8.weight) and torch.equal(whole8.scales, part8.scales)
