@@ -189,7 +189,9 @@ class MainWindow(QMainWindow):
         self.controls.set_devices(available_devices())
         self._restore_settings()
         # the restored limits and window; the worker applies them to every engine it loads
-        self.worker.post(Configure(limits=self.controls.limits()))
+        self.worker.post(
+            Configure(limits=self.controls.limits(), prefix_caching=self.controls.prefix_cache())
+        )
         self._on_window(self.controls.cache_window())
         self.engine_thread.start()
         # the A/B lab: engines of its own on a thread of its own (app/lab.py)
@@ -255,6 +257,12 @@ class MainWindow(QMainWindow):
         controls.kv_pool_requested.connect(self._on_kv_pool)
         controls.limits_changed.connect(lambda limits: self.worker.post(Configure(limits=limits)))
         controls.window_changed.connect(self._on_window)
+        controls.prefix_cache_toggled.connect(
+            lambda on: self.worker.post(Configure(prefix_caching=on))
+        )
+        controls.prefix_cache_clear_requested.connect(
+            lambda: self.worker.post(Configure(clear_prefix_cache=True))
+        )
         controls.invalid_input.connect(lambda text: self.chat.show_notice(text, "warning"))
         self.instruments.layer_timing_toggled.connect(
             lambda on: self.worker.post(Configure(layer_timing=on))
@@ -690,7 +698,13 @@ class MainWindow(QMainWindow):
         self.tuner.add_snapshot(s)
         mem = s.memory
         mib = 2**-20
-        memory = {"weights": mem.weights_bytes * mib, "KV pool": mem.kv_pool_bytes * mib}
+        memory = {
+            "weights": mem.weights_bytes * mib,
+            "KV pool": mem.kv_pool_bytes * mib,
+            # of the pool: blocks held by requests, and free blocks keeping a cached prefix
+            "KV in use": s.kv_blocks_used * s.kv_block_bytes * mib,
+            "KV cached (reusable)": s.kv_blocks_cached * s.kv_block_bytes * mib,
+        }
         if mem.workspace_bytes is not None:
             memory["workspace"] = mem.workspace_bytes * mib
         if mem.cuda_reserved_bytes is not None:  # a GPU model: the GPU's memory, not the host's
@@ -702,6 +716,9 @@ class MainWindow(QMainWindow):
                 memory["GPU total (NVML)"] = mem.nvml_total_bytes * mib
         elif mem.process_rss_bytes is not None:
             memory["process RSS"] = mem.process_rss_bytes * mib
+        self.controls.show_prefix_cache(
+            s.prefix_cache_hit_rate if s.prefix_caching else None, s.kv_blocks_cached
+        )
         self.instruments.add_frame(
             InstrumentFrame(
                 t=s.time,
@@ -710,6 +727,10 @@ class MainWindow(QMainWindow):
                 kv_blocks_used=s.kv_blocks_used,
                 kv_blocks_total=s.kv_blocks_total,
                 block_owners=s.kv_block_owners,
+                block_cached=s.kv_block_cached,
+                kv_blocks_cached=s.kv_blocks_cached,
+                kv_blocks_shared=s.kv_blocks_shared,
+                prefix_hit_rate=s.prefix_cache_hit_rate if s.prefix_caching else None,
                 generation_tps=s.generation_throughput_tps,
                 layer_attention_ms=tuple(t.attention_s * 1e3 for t in s.layer_timings),
                 layer_mlp_ms=tuple(t.mlp_s * 1e3 for t in s.layer_timings),

@@ -135,11 +135,14 @@ class Load:
 
 @dataclass(frozen=True, slots=True)
 class Configure:
-    """Live settings; ``None`` leaves a setting as it is. ``window=False`` turns it off."""
+    """Live settings; ``None`` leaves a setting as it is. ``window=False`` turns it off.
+    ``clear_prefix_cache`` forgets the current engine's cached prefixes (once)."""
 
     limits: dict[str, float] | None = None
     window: CacheWindow | bool | None = None
     layer_timing: bool | None = None
+    prefix_caching: bool | None = None
+    clear_prefix_cache: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +239,7 @@ class _Settings:
     limits: dict[str, float] = field(default_factory=dict)
     window: CacheWindow | None = None
     layer_timing: bool = False
+    prefix_caching: bool = True
 
 
 class EngineWorker(QObject):
@@ -419,15 +423,19 @@ class EngineWorker(QObject):
         took them. While a sweep runs, its settings own the limits: limits asked for then
         are kept and applied when it ends."""
         s = self._settings
-        new = _Settings(dict(s.limits), s.window, s.layer_timing)
+        new = _Settings(dict(s.limits), s.window, s.layer_timing, s.prefix_caching)
         if command.limits is not None:
             new.limits.update(command.limits)
         if command.window is not None:
             new.window = command.window if isinstance(command.window, CacheWindow) else None
         if command.layer_timing is not None:
             new.layer_timing = command.layer_timing
+        if command.prefix_caching is not None:
+            new.prefix_caching = command.prefix_caching
         if self.engine is not None:
             self._apply_settings(self.engine, new, limits=not self._sweeping())
+            if command.clear_prefix_cache:
+                self.engine.clear_prefix_cache()
         self._settings = new
         self._emit_metrics()
 
@@ -518,6 +526,7 @@ class EngineWorker(QObject):
             engine.update_limits(**s.limits)  # raises on an invalid limit; nothing changes
         engine.set_window(s.window)
         engine.enable_layer_timing(s.layer_timing)
+        engine.set_prefix_caching(s.prefix_caching)
 
     # -- loading -----------------------------------------------------------------------------
     def _start_load(self, spec: LoadSpec) -> None:

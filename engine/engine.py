@@ -75,7 +75,8 @@ class EngineConfig:
     """KV pool size and scheduling. The pool is ``num_blocks`` blocks if given, else
     ``kv_memory`` bytes (> 1) or that fraction of free memory (<= 1), else a default share
     (10% of available RAM on CPU, 50% of free GPU memory), never more than the running set
-    can use at full context."""
+    can use at full context. ``prefix_caching``: full KV blocks of a prefix already computed
+    are shared by the requests that start with it (:class:`~engine.kv_cache.BlockManager`)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -85,6 +86,7 @@ class EngineConfig:
     metrics_window_s: float = 30.0
     #: ``auto`` / ``on`` / ``off`` (:mod:`engine.decode_graph`); None: INFERSIGHT_DECODE_GRAPH
     decode_graph: str | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -178,11 +180,13 @@ class LLMEngine:
             block_size=self.config.block_size,
             dtype=dtype,
             device=device,
+            prefix_caching=self.config.prefix_caching,
         )
         self.scheduler = Scheduler(self.kv.manager, self.config.limits)
         #: the window every sequence runs under: the user's within the model's own sliding
         #: window, or the model's where the user set none (:func:`effective_window`)
         self.window = effective_window(self.config.window, cfg.sliding_window)
+        self.kv.manager.set_context(_cache_context(self.window))
         self.collector = MetricsCollector(self.config.metrics_window_s)
         self.layer_timer = LayerTimer(model.layers, device)
         self._layer_timings: tuple[LayerTiming, ...] = ()
@@ -457,6 +461,19 @@ class LLMEngine:
         window = effective_window(window, self.cfg.sliding_window)
         self._check_live_requests(self.kv.manager.capacity, self.scheduler.limits, window)
         self.window = window
+        self.kv.manager.set_context(_cache_context(window))
+
+    def set_prefix_caching(self, on: bool) -> None:
+        """Share cached prefixes between requests, or not (off also forgets them): for
+        measuring what caching saves. Applies to the requests admitted from now on."""
+        from dataclasses import replace
+
+        self.kv.manager.set_prefix_caching(on)
+        self.config = replace(self.config, prefix_caching=on)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix; the blocks of running requests stay theirs."""
+        self.kv.manager.clear_cache()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -497,8 +514,10 @@ class LLMEngine:
             ctx,
             torch.tensor(rows, dtype=torch.long, device=self.device),
         )
+        mgr = self.kv.manager
         for c in out.chunks:
             c.seq.num_computed = c.start + c.length
+            mgr.commit(c.seq.request_id, c.seq.num_computed, c.seq.tokens)
         tokens = sample(
             logits,
             [s.params for s in samplers],
@@ -510,7 +529,7 @@ class LLMEngine:
             events.append(self._append(seq, token, now))
         if self.window is not None:
             for seq in self.scheduler.running:
-                self.kv.manager.release_outside_window(seq.request_id, self.window)
+                mgr.release_outside_window(seq.request_id, self.window)
         if self.layer_timer.enabled:
             self._layer_timings = self.layer_timer.collect()
 
@@ -594,7 +613,8 @@ class LLMEngine:
 
     def metrics(self) -> MetricsSnapshot:
         now = time.perf_counter()
-        occ = self.kv.manager.occupancy()
+        mgr = self.kv.manager
+        occ = mgr.occupancy()
         summary = self.collector.summary(now)
         return MetricsSnapshot(
             time=now,
@@ -610,8 +630,15 @@ class LLMEngine:
             layer_timings=self._layer_timings,
             total_prompt_tokens=self.collector.total_prompt_tokens,
             total_generated_tokens=self.collector.total_generated_tokens,
-            kv_block_owners=tuple(self.kv.manager.owners()),
-            limits={**asdict(self.scheduler.limits), "kv_blocks": self.kv.manager.capacity},
+            kv_block_owners=tuple(mgr.owners()),
+            kv_block_cached=tuple(mgr.cached_blocks()),
+            kv_blocks_cached=occ.cached_blocks,
+            kv_blocks_shared=occ.shared_blocks,
+            kv_block_bytes=PagedKVCache.bytes_per_block(self.cfg, mgr.block_size, self.dtype),
+            prefix_caching=mgr.prefix_caching,
+            prefix_cache_query_tokens=mgr.stats.query_tokens,
+            prefix_cache_hit_tokens=mgr.stats.hit_tokens,
+            limits={**asdict(self.scheduler.limits), "kv_blocks": mgr.capacity},
             recent_steps=tuple(self.collector.recent),
             total_preemptions=self.collector.total_preemptions,
             **summary,
@@ -682,6 +709,12 @@ class Generation:
                 engine.cancel(self.request_id)
 
 
+def _cache_context(window: CacheWindow | None) -> str:
+    """What, besides the tokens, decides a KV block's contents in this engine: the window its
+    tokens attended through (the model, precision and pool are fixed per engine)."""
+    return "full" if window is None else f"sink={window.sink},window={window.window}"
+
+
 def _history(seq: Seq) -> torch.Tensor:
     assert seq.history is not None
     return seq.history[: seq.num_tokens]
@@ -699,6 +732,10 @@ def _request_metrics(seq: Seq) -> RequestMetrics:
         output_tokens=n,
         request_queue_time_seconds=None if t.scheduled is None else t.scheduled - t.arrival,
         time_to_first_token_seconds=None if t.first_token is None else t.first_token - t.arrival,
+        prefill_time_seconds=(
+            None if t.first_token is None or t.scheduled is None else t.first_token - t.scheduled
+        ),
+        cached_prompt_tokens=seq.num_cached,
         time_per_output_token_seconds=(
             (t.last_token - t.first_token) / (n - 1)
             if n > 1 and t.first_token is not None and t.last_token is not None

@@ -39,6 +39,14 @@ class RequestMetrics:
     e2e_request_latency_seconds: float
     inter_token_latency_seconds: tuple[float, ...]
     preemptions: int = 0
+    #: TTFT = queue time + prefill time (admission to first token), in which the
+    #: ``cached_prompt_tokens`` found in the prefix cache cost nothing; the rest was computed
+    prefill_time_seconds: float | None = None
+    cached_prompt_tokens: int = 0
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +109,28 @@ class MetricsSnapshot:
     finished_requests: tuple[RequestMetrics, ...] = ()
     total_prompt_tokens: int = 0
     total_generated_tokens: int = 0
-    kv_block_owners: tuple[str | None, ...] = ()  # request id owning each pool block
+    #: the request ids holding each pool block (two or more: shared by prefix caching)
+    kv_block_owners: tuple[tuple[str, ...], ...] = ()
+    kv_block_cached: tuple[bool, ...] = ()  # held by none, keeping a reusable prefix
+    kv_blocks_cached: int = 0
+    kv_blocks_shared: int = 0
+    kv_block_bytes: int = 0  # K and V of one block, every layer
+    prefix_caching: bool = False
+    #: tokens of the requests admitted while prefix caching was on, and of those, the tokens
+    #: found cached (vLLM's prefix_cache_queries / prefix_cache_hits)
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     #: the scheduler limits in force (``SchedulerLimits`` fields) and the KV pool's usable cap
     limits: dict[str, float] = field(default_factory=dict)
     #: the last steps, oldest first (what the tuner's per-step strip draws)
     recent_steps: tuple[StepRecord, ...] = ()
     total_preemptions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens reused / prompt tokens, since the engine started (None: none yet)."""
+        q = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / q if q else None
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

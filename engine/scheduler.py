@@ -11,10 +11,13 @@ Every step, finished sequences have left and waiting ones may join. The budgets:
 
 Waiting requests are ordered by priority plus an aging credit (``aging_per_s`` priority units
 per second waited), so nothing starves. One is admitted when its whole prompt fits beside the
-running set with a 1% watermark (not just its first chunk). When the KV pool runs out, the
-running sequence with the lowest priority is *preempted by recompute*: its blocks are freed and
-it goes back to the queue, to be prefilled again (prompt and generated tokens) when it is
-readmitted.
+running set with a 1% watermark (not just its first chunk), starting from the longest prefix
+of it already in the KV cache (prefix caching, :class:`~engine.kv_cache.BlockManager`); one
+whose next block a running sequence is computing waits for it rather than computing it too.
+When the KV pool runs out, the running sequence with the lowest priority is *preempted by
+recompute*: its blocks are freed (and stay cached until the pool needs them) and it goes back to
+the queue, to be prefilled again (prompt and generated tokens, less what is still cached) when
+it is readmitted.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.manager.free(seq.request_id)
+        self.manager.free(seq.request_id, keep_keys=True)  # its blocks may still be cached
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -155,29 +158,43 @@ class Scheduler:
                 budget -= need
 
         if not out.preempted:  # admitting right after preempting would only thrash
-            mgr = self.manager
-            watermark = max(1, mgr.capacity // 100)
-            for seq in self._order(self.waiting, now):
-                if len(self.running) >= limits.max_batch_size or budget <= 0:
-                    break
-                need = min(seq.num_tokens - seq.num_computed, budget)
-                if not mgr.can_grow(seq.request_id, need):
-                    break
-                # Admitted only if its whole prompt and first new token fit beside what runs,
-                # with a watermark for their growth (vLLM's rule): admitting on the first
-                # chunk alone let later chunks preempt the running sequences, which were then
-                # recomputed and preempted in turn (thrashing, seen in the tuner).
-                whole = mgr.blocks_needed(seq.request_id, seq.num_tokens + 1)
-                if self.running and whole + watermark > mgr.num_free:
-                    break
-                self.waiting.remove(seq)
-                self.running.append(seq)
-                seq.status = Status.RUNNING
-                if seq.times.scheduled is None:
-                    seq.times.scheduled = now
-                self.manager.grow(seq.request_id, need)
-                out.chunks.append(ScheduledChunk(seq, 0, need))
-                budget -= need
+            self._admit(out, budget, now)
 
         out.chunks.sort(key=lambda c: c.length != 1)  # decode chunks first (stable)
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Move waiting sequences to the running set, best first, while they fit. A sequence
+        starts with the blocks of its longest cached prefix (:meth:`BlockManager.cached_prefix`)
+        and computes only the rest."""
+        mgr, limits = self.manager, self.limits
+        watermark = max(1, mgr.capacity // 100)
+        for seq in self._order(self.waiting, now):
+            if len(self.running) >= limits.max_batch_size or budget <= 0:
+                break
+            rid, read = seq.request_id, seq.tokens
+            hit = mgr.cached_prefix(rid, seq.num_tokens, read)
+            if mgr.computing(rid, len(hit), read, seq.num_tokens):
+                continue  # a running sequence is computing its next block: share it instead
+            cached = len(hit) * mgr.block_size
+            need = min(seq.num_tokens - cached, budget)
+            if mgr.blocks_to_admit(hit, cached + need) > mgr.num_free:
+                break
+            # Admitted only if its whole prompt and first new token fit beside what runs, with
+            # a watermark for their growth (vLLM's rule): admitting on the first chunk alone
+            # let later chunks preempt the running sequences, which were then recomputed and
+            # preempted in turn (thrashing, seen in the tuner).
+            whole = mgr.blocks_to_admit(hit, seq.num_tokens + 1)
+            if self.running and whole + watermark > mgr.num_free:
+                break
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.status = Status.RUNNING
+            if seq.times.scheduled is None:
+                seq.times.scheduled = now
+            seq.num_computed = mgr.admit(rid, hit, seq.num_tokens)
+            if seq.times.first_token is None:
+                seq.num_cached = seq.num_computed
+            mgr.grow(rid, seq.num_computed + need)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, need))
+            budget -= need

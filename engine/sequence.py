@@ -47,6 +47,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # prompt tokens found in the prefix cache (not computed) for its reply
     num_preemptions: int = 0
     max_new_tokens: int = 0  # params.max_new_tokens capped by the context length
     times: Timestamps = field(init=False)

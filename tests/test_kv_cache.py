@@ -13,62 +13,205 @@ from engine.attention import reference_attention
 from engine.config import ModelConfig
 from engine.kv_cache import RELEASED, BlockManager, CacheWindow, PagedKVCache, SeqChunk
 
+PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5], [1, 2])
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("grow"), st.integers(0, 5), st.integers(1, 40)),
+        st.tuples(st.just("admit"), st.integers(0, 5), st.integers(0, len(PREFIXES) - 1)),
+        st.tuples(st.just("compute"), st.integers(0, 5), st.integers(1, 12)),
         st.tuples(st.just("free"), st.integers(0, 5), st.just(0)),
-        st.tuples(st.just("window"), st.integers(0, 5), st.integers(1, 48)),
+        st.tuples(st.just("preempt"), st.integers(0, 5), st.just(0)),
+        st.tuples(st.just("window"), st.integers(0, 5), st.integers(1, 16)),
+        st.tuples(st.just("capacity"), st.just(0), st.integers(1, 24)),
+        st.tuples(st.just("clear"), st.just(0), st.just(0)),
+        st.tuples(st.just("caching"), st.just(0), st.booleans()),
+        st.tuples(st.just("context"), st.just(0), st.integers(0, 1)),
     ),
     max_size=80,
 )
 
 
 def check_invariants(mgr: BlockManager) -> None:
-    owned = [b for table in mgr.tables.values() for b in table if b != RELEASED]
-    free = list(mgr._free)
-    assert len(owned) == len(set(owned)), "a block is owned twice"
-    assert not set(owned) & set(free), "a block is both owned and free"
-    assert len(owned) + len(free) == mgr.num_blocks
-    assert len(set(free)) == len(free)
+    """Every block is held, cached or empty, exactly once; reference counts are the number of
+    table entries naming the block; the key maps are each other's inverse; occupancy counts a
+    shared block once."""
+    refs = [0] * mgr.num_blocks
+    for table in mgr.tables.values():
+        for b in table:
+            if b != RELEASED:
+                refs[b] += 1
+    assert refs == mgr._refs
+    held = {b for b, r in enumerate(refs) if r}
+    cached, empty = list(mgr._cached), list(mgr._empty)
+    assert len(set(cached)) == len(cached) and len(set(empty)) == len(empty)
+    assert not held & set(cached) and not held & set(empty) and not set(cached) & set(empty)
+    assert len(held) + len(cached) + len(empty) == mgr.num_blocks
+    assert set(cached) <= set(mgr._key_of), "a cached block has no key"
+    assert {b: k for k, b in mgr._block_of.items()} == mgr._key_of
+    assert not set(mgr._key_of) & set(empty), "an empty block still has a key"
 
-    stored = 0
+    filled: dict[int, int] = {}
     for seq_id, table in mgr.tables.items():
         length = mgr.lengths[seq_id]
         assert len(table) == mgr.blocks_for(length)
         for index, block in enumerate(table):
             if block != RELEASED:
-                stored += min(mgr.block_size, length - index * mgr.block_size)
+                tokens = min(mgr.block_size, length - index * mgr.block_size)
+                filled[block] = max(filled.get(block, 0), tokens)
     occ = mgr.occupancy()
-    assert occ.used_blocks == len(owned)
-    assert occ.tokens_stored == stored
-    assert occ.waste_slots == len(owned) * mgr.block_size - stored
-    assert occ.usage == len(owned) / mgr.num_blocks
+    assert occ.used_blocks == mgr.num_used == len(held)
+    assert occ.tokens_stored == sum(filled.values())
+    assert occ.waste_slots == len(held) * mgr.block_size - occ.tokens_stored
+    assert occ.usage == len(held) / mgr.capacity
+    assert occ.cached_blocks == len(cached)
+    assert occ.shared_blocks == sum(1 for r in refs if r > 1)
+    assert [bool(o) for o in mgr.owners()] == [b in held for b in range(mgr.num_blocks)]
+    assert mgr.cached_blocks() == [b in cached for b in range(mgr.num_blocks)]
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=OPS, block_size=st.sampled_from([1, 4, 16]), num_blocks=st.integers(1, 24))
-def test_block_manager_invariants(ops, block_size, num_blocks):
+@given(ops=OPS, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 24))
+def test_block_manager_shares_prefixes_without_losing_a_block(ops, block_size, num_blocks):
+    """Sequences are admitted with the cached prefix the manager offers, compute tokens into
+    their blocks, are freed, preempted, windowed; the pool is capped, cleared, switched off and
+    given a new context. A shadow of the pool records what each slot holds (the context it was
+    computed under and every token up to it): a block offered to a new sequence must hold
+    exactly that sequence's prefix, and no step ever writes into a block another sequence
+    holds."""
     mgr = BlockManager(num_blocks, block_size)
+    shadow: dict[int, tuple[object, ...]] = {}  # slot → (context, tokens up to and including it)
+    tokens: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    context = 0
+    born: dict[str, object] = {}  # the context each running sequence's K/V is computed under
     for op, seq, amount in ops:
         seq_id = f"s{seq}"
-        if op == "grow":
-            new_length = mgr.lengths.get(seq_id, 0) + amount
-            if mgr.can_grow(seq_id, new_length):
-                mgr.grow(seq_id, new_length)
-            else:
+        if op == "admit" and seq_id not in mgr.tables:
+            toks = tokens.setdefault(seq_id, [*PREFIXES[amount], seq])
+            read = _reader(toks)
+            hit = mgr.cached_prefix(seq_id, len(toks), read)
+            assert len(hit) * block_size < len(toks), "the last token must be computed"
+            for index, block in enumerate(hit):
+                for offset in range(block_size):
+                    pos = index * block_size + offset
+                    expected = (context, tuple(toks[: pos + 1]))
+                    assert shadow.get(block * block_size + offset) == expected
+            if mgr.blocks_to_admit(hit, len(hit) * block_size + 1) <= mgr.num_free:
+                computed[seq_id] = mgr.admit(seq_id, hit, len(toks))
+                assert computed[seq_id] == len(hit) * block_size
+                born[seq_id] = context
+        elif op == "compute" and seq_id in mgr.tables:
+            toks, start = tokens[seq_id], computed[seq_id]
+            end = start + amount
+            toks.extend([seq] * max(0, end - len(toks)))  # generated tokens
+            if not mgr.can_grow(seq_id, end):
                 with pytest.raises(MemoryError):
-                    mgr.grow(seq_id, new_length)
-        elif op == "free":  # finish, cancel and preemption all free the whole table
-            mgr.free(seq_id)
-        elif seq_id in mgr.tables:
+                    mgr.grow(seq_id, end)
+                continue
+            mgr.grow(seq_id, end)
+            table = mgr.tables[seq_id]
+            for pos in range(start, end):
+                block = table[pos // block_size]
+                assert block != RELEASED and mgr._refs[block] == 1, "wrote a shared block"
+                assert block not in mgr._key_of, "wrote a keyed block"
+                shadow[block * block_size + pos % block_size] = (
+                    born[seq_id],
+                    tuple(toks[: pos + 1]),
+                )
+            computed[seq_id] = end
+            mgr.commit(seq_id, end, _reader(toks))
+        elif op in ("free", "preempt"):
+            mgr.free(seq_id, keep_keys=op == "preempt")
+            if op == "free":
+                tokens.pop(seq_id, None)
+        elif op == "window" and seq_id in mgr.tables:
             mgr.release_outside_window(seq_id, CacheWindow(sink=2, window=amount))
+        elif op == "capacity":
+            mgr.set_capacity(min(amount, num_blocks))
+        elif op == "clear":
+            mgr.clear_cache()
+        elif op == "caching":
+            mgr.set_prefix_caching(bool(amount))
+        elif op == "context" and amount != context:
+            context = amount
+            mgr.set_context(f"ctx{context}")
+            born = {s: ("mixed", s) for s in born}  # their later blocks mix two contexts
         check_invariants(mgr)
     for seq_id in list(mgr.tables):
         mgr.free(seq_id)
     check_invariants(mgr)
+    mgr.set_capacity(num_blocks)
     mgr.grow("everything", num_blocks * block_size)  # every freed block is reusable
     check_invariants(mgr)
-    assert mgr.num_free == 0
+    assert mgr.num_free == 0 and not mgr._key_of
+
+
+def _reader(tokens: list[int]):
+    return lambda a, b: tokens[a:b]
+
+
+def _run(mgr: BlockManager, seq_id: str, tokens: list[int]) -> int:
+    """Admit ``seq_id`` with its cached prefix, compute the rest; returns the tokens reused."""
+    read = _reader(tokens)
+    cached = mgr.admit(seq_id, mgr.cached_prefix(seq_id, len(tokens), read), len(tokens))
+    mgr.grow(seq_id, len(tokens))
+    mgr.commit(seq_id, len(tokens), read)
+    return cached
+
+
+def test_prefix_cache_reuses_full_blocks_and_evicts_least_recent_first():
+    mgr = BlockManager(8, 4)
+    system = list(range(100, 108))  # two full blocks
+    assert _run(mgr, "a", [*system, 1, 2, 3, 4]) == 0
+    assert _run(mgr, "b", [*system, 4, 5]) == 8  # both blocks shared
+    assert mgr.tables["a"][:2] == mgr.tables["b"][:2] and mgr.num_shared == 2
+    # a prompt that is all cached still computes its last token, in a block of its own (which,
+    # a duplicate of a's second block, is never keyed)
+    assert _run(mgr, "c", system) == 4
+    a, c = mgr.tables["a"], mgr.tables["c"]
+    assert c[0] == a[0] and c[1] not in a
+    assert mgr.stats.query_tokens == 12 + 10 + 8 and mgr.stats.hit_tokens == 12
+    for seq_id in ("a", "b", "c"):
+        mgr.free(seq_id)
+    # a's three full blocks stay cached; b's partial block and c's duplicate do not
+    assert mgr.num_used == 0 and mgr.num_cached == 3
+    # a different prompt takes the empty blocks first, then evicts the LRU cached one: a's
+    # last block (freed tail first), not the system prompt's blocks
+    _run(mgr, "d", list(range(200, 200 + 4 * 6)))
+    assert mgr.stats.evicted_blocks == 1
+    mgr.free("d")
+    assert _run(mgr, "e", [*system, 9]) == 8
+
+
+def test_a_new_context_or_a_cleared_cache_shares_nothing():
+    mgr = BlockManager(8, 4)
+    prompt = list(range(9))
+    _run(mgr, "a", prompt)
+    mgr.set_context("sink=4,window=8")
+    assert _run(mgr, "b", prompt) == 0  # computed under the old window: not reusable
+    mgr.commit("a", 9, _reader(prompt))
+    mgr.free("b")
+    mgr.clear_cache()
+    assert mgr.num_cached == 0
+    assert _run(mgr, "c", prompt) == 0
+    mgr.set_prefix_caching(False)
+    mgr.free("c")
+    assert mgr.num_cached == 0 and _run(mgr, "d", prompt) == 0
+
+
+def test_a_block_being_computed_is_waited_for_not_computed_twice():
+    mgr = BlockManager(16, 4)
+    prompt = list(range(20))
+    read = _reader(prompt)
+    mgr.admit("a", mgr.cached_prefix("a", 20, read), 20)
+    mgr.grow("a", 8)  # a's first chunk: blocks 0 and 1
+    assert mgr.computing("b", 0, read, 20)  # b would share a's first block: wait for it
+    mgr.commit("a", 8, read)
+    hit = mgr.cached_prefix("b", 20, read)
+    assert len(hit) == 2
+    assert mgr.computing("b", 2, read, 20)  # a is computing block 2 next
+    assert not mgr.computing("b", 4, read, 20)  # block 4 holds b's last token: b computes it
+    mgr.free("a")
+    assert not mgr.computing("b", 2, read, 20)  # nobody computes it any more
 
 
 def test_window_releases_only_blocks_wholly_outside():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+import numpy as np
 import pytest
 
 pytest.importorskip("PySide6")
@@ -19,11 +20,11 @@ pytest.importorskip("pytestqt")
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PySide6.QtCore import QPoint
+from PySide6.QtCore import QPoint, QRect
 
 from app.worker import Delta, _coalesce
 from engine.sampling import SamplingParams
-from widgets.block_map import KVBlockMap
+from widgets.block_map import CACHED, FREE, KVBlockMap, owner_colour
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel, NumberField
 from widgets.instruments import InstrumentFrame, InstrumentsPanel, RequestPoint, RingBuffer
@@ -139,9 +140,10 @@ def test_block_map_counts_and_hit_testing(qtbot: object) -> None:
     m = KVBlockMap()
     qtbot.addWidget(m)  # type: ignore[attr-defined]
     m.resize(300, 100)
-    owners = [None, "a", "a", None, "b"] * 20
-    m.set_owners(owners)
+    owners: list[tuple[str, ...]] = [(), ("a",), ("a",), (), ("b",)] * 20
+    m.set_blocks(owners)
     assert m.used_cells == 60 and m.total_cells == 100
+    assert m.shared_cells == m.cached_cells == 0 and m.cached() == [False] * 100
     cols, _, cell = m._grid()
     for index in range(len(owners)):
         row, col = divmod(index, cols)
@@ -158,13 +160,81 @@ def test_block_map_counts_and_hit_testing(qtbot: object) -> None:
 )
 def test_block_map_grid_fits_every_block(n: int, width: int, height: int) -> None:
     m = KVBlockMap()
-    m.set_owners([None] * n)
+    m.set_blocks([()] * n)
     m.resize(width, height)
     width, height = m.width(), m.height()  # the widget has a minimum size
     cols, rows, cell = m._grid()
     assert cols * rows >= n
     assert cols * cell <= width
     assert cell == 1 or rows * cell <= height  # below one pixel a cell, the map may overflow
+
+
+def _cell_colours(m: KVBlockMap, index: int) -> set[int]:
+    """The colours (RGB) drawn inside block ``index``'s cell, its gap left out."""
+    cols, _, cell = m._grid()
+    row, col = divmod(index, cols)
+    image = m.grab().toImage()
+    rect = QRect(col * cell, row * cell, cell - 1, cell - 1)
+    return {
+        image.pixelColor(x, y).rgb()
+        for x in range(rect.left(), rect.right() + 1)
+        for y in range(rect.top(), rect.bottom() + 1)
+    }
+
+
+def test_block_map_draws_shared_blocks_striped_and_cached_ones_apart(qtbot: object) -> None:
+    m = KVBlockMap()
+    qtbot.addWidget(m)  # type: ignore[attr-defined]
+    m.resize(240, 120)
+    m.set_blocks(
+        [("a",), ("b", "a"), ("c", "a", "b"), (), (), ("b",)],
+        [False, True, False, True, False, False],  # a held block's flag changes nothing
+    )
+    m.show()
+    assert m._grid()[2] >= 8
+    assert (m.total_cells, m.used_cells, m.shared_cells, m.cached_cells) == (6, 4, 2, 1)
+    assert m.owners()[1] == ("a", "b")  # sorted, so the stripes come out the same each time
+    a, b, c = (owner_colour(o).rgb() for o in "abc")
+    assert _cell_colours(m, 0) == {a}
+    assert _cell_colours(m, 1) == {a, b}
+    assert _cell_colours(m, 2) == {a, b, c}
+    assert _cell_colours(m, 3) == {CACHED.rgb()}
+    assert _cell_colours(m, 4) == {FREE.rgb()} != {CACHED.rgb()}
+    assert all(CACHED.rgb() != owner_colour(o).rgb() for o in "abc")
+    assert [m.describe(i) for i in range(6)] == [
+        "block 0: a",
+        "block 1: shared by a, b",
+        "block 2: shared by a, b, c",
+        "block 3: cached prefix (free, reusable)",
+        "block 4: empty",
+        "block 5: b",
+    ]
+    before = m._image
+    m.set_blocks([("a",), ("a", "b"), ("a", "b", "c"), (), (), ("b",)], m.cached())
+    assert m._image is before  # the same blocks: nothing to draw again
+    m.set_blocks([("a", "b")] * 6)
+    assert m._image.isNull() and m.cached_cells == 0
+    with pytest.raises(ValueError, match="2 cached flags for 6 blocks"):
+        m.set_blocks([()] * 6, [True, False])
+
+
+@pytest.mark.parametrize(("width", "n", "cell"), [(200, 2_000, 2), (130, 7_000, 1)])
+def test_block_map_shows_shared_blocks_in_tiny_cells(
+    qtbot: object, width: int, n: int, cell: int
+) -> None:
+    m = KVBlockMap()
+    qtbot.addWidget(m)  # type: ignore[attr-defined]
+    m.resize(width, 60)
+    m.set_blocks([("a", "b")] * n)
+    m.show()
+    assert m._grid()[2] == cell
+    image = m.grab().toImage()
+    drawn = {image.pixelColor(x, y).rgb() for x in range(4) for y in range(4)}
+    a, b = owner_colour("a").rgb(), owner_colour("b").rgb()
+    if cell > 1:  # one-pixel stripes
+        assert drawn == {a, b}
+    else:  # one pixel a block: the first owner's colour, lightened
+        assert len(drawn) == 1 and not drawn & {a, b, FREE.rgb(), CACHED.rgb()}
 
 
 def test_ring_buffer_keeps_the_last_points_in_order() -> None:
@@ -175,16 +245,22 @@ def test_ring_buffer_keeps_the_last_points_in_order() -> None:
     assert r.view()[:, 1].tolist() == [60, 70, 80, 90]
 
 
-def _frame(t: float, used: int) -> InstrumentFrame:
-    owners = tuple(["r1"] * used + [None] * (10 - used))
+def _frame(t: float, used: int, hit_rate: float | None = None) -> InstrumentFrame:
+    """``used`` of 10 blocks held, the first by two requests; the next two free but cached."""
+    owners: list[tuple[str, ...]] = [("r1", "r2"), *[("r1",)] * (used - 1)] if used else []
+    owners += [()] * (10 - used)
     return InstrumentFrame(
         t=t,
         memory_mib={"weights": 100.0, "KV pool": 10.0, "process RSS": 300.0 + t},
         kv_usage=used / 10,
         kv_blocks_used=used,
         kv_blocks_total=10,
-        block_owners=owners,
+        block_owners=tuple(owners),
         generation_tps=5.0 * t,
+        block_cached=tuple(used <= i < used + 2 for i in range(10)),
+        kv_blocks_cached=2,
+        kv_blocks_shared=min(used, 1),
+        prefix_hit_rate=hit_rate,
         layer_attention_ms=(1.0, 2.0),
         layer_mlp_ms=(3.0, 4.0),
     )
@@ -200,18 +276,37 @@ def test_instruments_export_png_and_csv(qtbot: object, tmp_path: Path) -> None:
     qtbot.addWidget(panel)  # type: ignore[attr-defined]
     panel.resize(500, 700)
     panel.show()
-    for t in range(5):
-        panel.add_frame(_frame(100.0 + t, t))
+    panel.add_frame(_frame(100.0, 0))
+    assert panel.block_label.text() == "KV blocks: 0 / 10 used (0.0%) · 0 shared · 2 cached"
+    for t in range(1, 5):  # the hit rate unknown at first (no prompt yet), then 40…80%
+        panel.add_frame(_frame(100.0 + t, t, None if t < 2 else t / 5))
     panel.add_request(RequestPoint(0.25, 0.02))
     panel.add_request(RequestPoint(0.5, None))
-    assert panel.block_map.used_cells == 4
+    assert panel.block_label.text() == (
+        "KV blocks: 4 / 10 used (40.0%) · 1 shared · 2 cached · prefix hits 80%"
+    )
+    block_map = panel.block_map
+    assert (block_map.used_cells, block_map.shared_cells, block_map.cached_cells) == (4, 1, 2)
+    assert block_map.owners()[:2] == [("r1", "r2"), ("r1",)]
+    panel.redraw()
+    x, y = panel.prefix_curve.getData()
+    assert x.tolist() == [0, 1, 2, 3, 4] and y[2:].tolist() == pytest.approx([40, 60, 80])
+    assert np.isnan(y[:2]).all()
     panel.export_png(tmp_path / "memory.png")
     assert (tmp_path / "memory.png").stat().st_size > 1000
     panel.export_csv(tmp_path / "memory.csv")
     rows = read_csv(tmp_path / "memory.csv")
-    assert rows[0] == ["time_s", "weights_mib", "KV pool_mib", "process RSS_mib", "kv_usage_perc"]
+    assert rows[0] == [
+        "time_s",
+        "weights_mib",
+        "KV pool_mib",
+        "process RSS_mib",
+        "kv_usage_perc",
+        "prefix_hit_perc",
+    ]
     assert [float(r[0]) for r in rows[1:]] == [0, 1, 2, 3, 4]
-    assert [float(r[-1]) for r in rows[1:]] == [0, 10, 20, 30, 40]
+    assert [float(r[-2]) for r in rows[1:]] == [0, 10, 20, 30, 40]
+    assert [r[-1] for r in rows[1:]] == ["", "", "40", "60", "80"]  # unknown: left empty
     panel.tabs.setCurrentIndex(1)
     panel.export_csv(tmp_path / "latency.csv")
     rows = read_csv(tmp_path / "latency.csv")
@@ -366,3 +461,42 @@ def test_emitting_signals_keeps_reference_counts() -> None:
     assert len(seen) == 400
     # other threads may take or drop a few references meanwhile; a leak per emit is hundreds
     assert all(abs(after[k] - before[k]) < 50 for k in before), (before, after)
+
+
+def test_controls_prefix_cache_switch_clear_button_and_label(qtbot: object) -> None:
+    c = ControlsPanel()
+    qtbot.addWidget(c)  # type: ignore[attr-defined]
+    assert c.prefix_cache() and c.clear_prefix_cache.isEnabled()  # on by default
+    assert c.prefix_cache_label.text() == "no prompts yet"
+    toggled: list[bool] = []
+    cleared: list[bool] = []
+    c.prefix_cache_toggled.connect(toggled.append)
+    c.prefix_cache_clear_requested.connect(lambda: cleared.append(True))
+    c.clear_prefix_cache.click()
+    assert cleared == [True]
+    c.show_prefix_cache(0.64, 20)
+    assert c.prefix_cache_label.text() == "hits 64% · 20 blocks cached"
+    c.show_prefix_cache(1.0, 1)
+    assert c.prefix_cache_label.text() == "hits 100% · 1 block cached"
+    c.prefix_cache_on.click()  # off: no clearing, the label says so
+    assert toggled == [False] and not c.prefix_cache()
+    assert not c.clear_prefix_cache.isEnabled() and c.prefix_cache_label.text() == "off"
+    c.show_prefix_cache(None, 0)  # a snapshot while off keeps saying off
+    assert c.prefix_cache_label.text() == "off"
+    c.prefix_cache_on.click()
+    assert toggled == [False, True] and c.clear_prefix_cache.isEnabled()
+    assert c.prefix_cache_label.text() == "no prompts yet"
+
+    c.prefix_cache_on.setChecked(False)
+    saved = c.state()
+    other = ControlsPanel()
+    qtbot.addWidget(other)  # type: ignore[attr-defined]
+    restored: list[bool] = []
+    other.prefix_cache_toggled.connect(restored.append)
+    other.restore(saved)  # a saved 'off' reaches whoever listens: the engine follows it
+    assert not other.prefix_cache() and restored == [False]
+    assert not other.clear_prefix_cache.isEnabled()
+    other.restore({"temperature": "0.5"})  # saved before the prefix cache existed: on
+    assert other.prefix_cache() and other.clear_prefix_cache.isEnabled()
+    other.restore({"prefix_cache": "false"})  # as a settings store may hand it back
+    assert not other.prefix_cache()

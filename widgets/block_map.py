@@ -1,5 +1,21 @@
-"""The KV block map: every block of the paged pool as a cell, coloured by the request that owns
-it. Free blocks are dark. It takes a plain list of owners, one per block (``None`` = free)."""
+"""The KV block map: every block of the paged pool as a cell.
+
+With prefix caching a block can be held by several requests at once (a shared prompt prefix,
+read-only), and a block no request holds may still keep a cached prefix that a later request
+can reuse until the pool evicts it. So a cell is one of four kinds:
+
+* held by one request: that request's colour (:func:`owner_colour`);
+* shared by several: diagonal stripes of its owners' colours, owners sorted so the drawing is
+  stable. Cells of 2–3 px get one-pixel stripes (the owners' colours alternate pixel by
+  pixel); a 1 px cell cannot hold two colours, so it takes its first owner's colour lightened
+  towards white, which no single-owner cell has;
+* free but cached: :data:`CACHED`, a muted slate teal, darker and greyer than any owner colour
+  and lighter than an empty cell;
+* empty: :data:`FREE`, dark.
+
+It takes plain data, one entry per block: the tuple of request ids holding it and whether a
+block held by none still holds a cached prefix.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +23,11 @@ import zlib
 from collections.abc import Sequence
 
 from PySide6.QtCore import QPoint, QRect, QSize, Qt
-from PySide6.QtGui import QColor, QHelpEvent, QImage, QPainter, QPaintEvent
+from PySide6.QtGui import QBrush, QColor, QHelpEvent, QImage, QPainter, QPaintEvent
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
 FREE = QColor(40, 44, 52)
+CACHED = QColor(64, 104, 112)
 BORDER = QColor(24, 26, 30)
 
 
@@ -20,21 +37,50 @@ def owner_colour(owner: str) -> QColor:
     return QColor.fromHsvF(hue, 0.65, 0.95)
 
 
+def _stripes(colours: Sequence[QColor], band: int) -> QImage:
+    """A tile of 45° stripes ``band`` px wide cycling through ``colours``. Its side is one
+    full cycle, so the tile repeats seamlessly in both directions."""
+    side = band * len(colours)
+    tile = QImage(side, side, QImage.Format.Format_RGB32)
+    for y in range(side):
+        for x in range(side):
+            tile.setPixelColor(x, y, colours[(x + y) // band % len(colours)])
+    return tile
+
+
+def _lightened(colour: QColor) -> QColor:
+    """``colour`` halfway to white: a shared block drawn in a single pixel."""
+    return QColor(
+        (colour.red() + 255) // 2, (colour.green() + 255) // 2, (colour.blue() + 255) // 2
+    )
+
+
 class KVBlockMap(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self._owners: list[str | None] = []
+        self._owners: list[tuple[str, ...]] = []
+        self._cached: list[bool] = []
         self._image = QImage()
         self.setMinimumSize(120, 60)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
-        self.setToolTip("KV cache blocks; each cell is one block, coloured by its request")
+        self.setToolTip(
+            "KV cache blocks, one cell each: coloured by the request holding it, striped in "
+            "its owners' colours when several share it (a cached prefix), slate teal when "
+            "free but still holding a reusable cached prefix, dark when empty"
+        )
 
     # -- data ------------------------------------------------------------------------------
-    def set_owners(self, owners: Sequence[str | None]) -> None:
-        owners = list(owners)
-        if owners == self._owners:
+    def set_blocks(self, owners: Sequence[tuple[str, ...]], cached: Sequence[bool] = ()) -> None:
+        """``owners[i]``: the requests holding block i (empty: none); ``cached[i]``: whether
+        block i, if held by none, still holds a reusable prefix (an empty ``cached``: none
+        does). A held block's flag is kept but does not change how it is drawn."""
+        new_owners = [tuple(sorted(o)) for o in owners]
+        new_cached = [bool(c) for c in cached] if cached else [False] * len(new_owners)
+        if len(new_cached) != len(new_owners):
+            raise ValueError(f"{len(new_cached)} cached flags for {len(new_owners)} blocks")
+        if new_owners == self._owners and new_cached == self._cached:
             return
-        self._owners = owners
+        self._owners, self._cached = new_owners, new_cached
         self._image = QImage()  # re-rendered lazily at the current size
         self.update()
 
@@ -44,10 +90,35 @@ class KVBlockMap(QWidget):
 
     @property
     def used_cells(self) -> int:
-        return sum(1 for o in self._owners if o is not None)
+        """Blocks held by at least one request."""
+        return sum(1 for o in self._owners if o)
 
-    def owners(self) -> list[str | None]:
+    @property
+    def shared_cells(self) -> int:
+        """Blocks held by two or more requests."""
+        return sum(1 for o in self._owners if len(o) > 1)
+
+    @property
+    def cached_cells(self) -> int:
+        """Blocks held by none that still hold a reusable cached prefix."""
+        return sum(1 for o, c in zip(self._owners, self._cached, strict=True) if c and not o)
+
+    def owners(self) -> list[tuple[str, ...]]:
         return list(self._owners)
+
+    def cached(self) -> list[bool]:
+        return list(self._cached)
+
+    def describe(self, index: int) -> str:
+        """What the tooltip says about block ``index``."""
+        owners = self._owners[index]
+        if len(owners) > 1:
+            return f"block {index}: shared by {', '.join(owners)}"
+        if owners:
+            return f"block {index}: {owners[0]}"
+        if self._cached[index]:
+            return f"block {index}: cached prefix (free, reusable)"
+        return f"block {index}: empty"
 
     # -- geometry --------------------------------------------------------------------------
     def _grid(self) -> tuple[int, int, int]:
@@ -85,22 +156,34 @@ class KVBlockMap(QWidget):
         image.fill(BORDER)
         cols, _, cell = self._grid()
         gap = 1 if cell >= 4 else 0
+        band = max(2, (cell - gap) // 4) if cell >= 4 else 1  # stripe width, see the docstring
         painter = QPainter(image)
         colours: dict[str, QColor] = {}
-        for index, owner in enumerate(self._owners):
+        shared: dict[tuple[str, ...], QBrush | QColor] = {}
+        for index, (owners, cached) in enumerate(zip(self._owners, self._cached, strict=True)):
             row, col = divmod(index, cols)
-            colour = FREE if owner is None else colours.setdefault(owner, owner_colour(owner))
-            painter.fillRect(QRect(col * cell, row * cell, cell - gap, cell - gap), colour)
+            rect = QRect(col * cell, row * cell, cell - gap, cell - gap)
+            if len(owners) > 1:
+                fill = shared.get(owners)
+                if fill is None:
+                    owned = [colours.setdefault(o, owner_colour(o)) for o in owners]
+                    fill = shared[owners] = (
+                        QBrush(_stripes(owned, band)) if cell > 1 else _lightened(owned[0])
+                    )
+                if isinstance(fill, QBrush):
+                    painter.setBrushOrigin(rect.topLeft())  # every cell's stripes alike
+                painter.fillRect(rect, fill)
+            elif owners:
+                painter.fillRect(rect, colours.setdefault(owners[0], owner_colour(owners[0])))
+            else:
+                painter.fillRect(rect, CACHED if cached else FREE)
         painter.end()
         return image
 
     def event(self, event: object) -> bool:
         if isinstance(event, QHelpEvent) and event.type() == QHelpEvent.Type.ToolTip:
             index = self.block_at(event.pos())
-            if index is None:
-                QToolTip.showText(event.globalPos(), self.toolTip(), self)
-            else:
-                owner = self._owners[index] or "free"
-                QToolTip.showText(event.globalPos(), f"block {index}: {owner}", self)
+            text = self.toolTip() if index is None else self.describe(index)
+            QToolTip.showText(event.globalPos(), text, self)
             return True
         return super().event(event)  # type: ignore[arg-type]

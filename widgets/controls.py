@@ -1,5 +1,5 @@
-"""The controls dock: model and precision, sampling, replies per prompt, cache window and
-scheduler limits. Each control says in its tooltip what it does to memory and speed.
+"""The controls dock: model and precision, sampling, replies per prompt, prefix cache, cache
+window and scheduler limits. Each control says in its tooltip what it does to memory and speed.
 
 Numbers are typed into :class:`NumberField`s: a value out of range is refused with a message
 (the ``invalid`` signal) and the field goes back to its last good value, so the panel always
@@ -142,6 +142,8 @@ class ControlsPanel(QScrollArea):
     sampling_changed = Signal()
     limits_changed = Signal(dict)
     window_changed = Signal(object)  # (sink, window) or None
+    prefix_cache_toggled = Signal(bool)  # reuse cached prompt prefixes, or not
+    prefix_cache_clear_requested = Signal()  # forget every cached prefix
     invalid_input = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -320,8 +322,32 @@ class ControlsPanel(QScrollArea):
         return box
 
     def _batching_group(self) -> QGroupBox:
-        box = QGroupBox("Cache window and scheduler")
+        box = QGroupBox("KV cache and scheduler")
         form = QFormLayout(box)
+        self.prefix_cache_on = QCheckBox("Prefix cache")
+        self.prefix_cache_on.setChecked(True)
+        self.prefix_cache_on.setToolTip(
+            "Reuses the KV of a prompt's prefix already computed (earlier turns of a chat, a "
+            "shared system prompt, the n candidates of one prompt), so only the new tokens are "
+            "prefilled. Turn it off to measure what it saves"
+        )
+        # toggled, not clicked: restore() reports a saved 'off' too, so the engine follows it
+        self.prefix_cache_on.toggled.connect(self.prefix_cache_toggled)
+        self.prefix_cache_on.toggled.connect(self._show_prefix_cache_state)
+        self.clear_prefix_cache = QPushButton("Clear cache")
+        self.clear_prefix_cache.setToolTip("Forget every cached prefix; blocks in use are kept")
+        self.clear_prefix_cache.clicked.connect(self.prefix_cache_clear_requested)
+        self.prefix_cache_label = QLabel()
+        self.prefix_cache_label.setToolTip(
+            "hits: the share of prompt tokens whose KV came from the cache; blocks cached: "
+            "full KV blocks a later prompt can reuse (the pool takes them back when it needs)"
+        )
+        self._prefix_stats: tuple[float | None, int] = (None, 0)  # the last snapshot's
+        self._show_prefix_cache_state()
+        row = QHBoxLayout()
+        row.addWidget(self.clear_prefix_cache)
+        row.addWidget(self.prefix_cache_label, 1)
+        form.addRow(self.prefix_cache_on, row)  # the switch as the row's label: compact
         self.window_on = QCheckBox("Keep only sinks + recent tokens")
         self.window_on.setToolTip(
             "A long chat then runs in bounded KV memory: blocks that fall out of the window go "
@@ -431,6 +457,28 @@ class ControlsPanel(QScrollArea):
         if not self.window_on.isChecked():
             return None
         return int(self.sink_tokens.value() or 0), int(self.window_tokens.value() or 1)
+
+    def prefix_cache(self) -> bool:
+        return self.prefix_cache_on.isChecked()
+
+    def show_prefix_cache(self, hit_rate: float | None, cached_blocks: int) -> None:
+        """The engine's prefix cache, from a metrics snapshot: ``hit_rate`` the share of
+        prompt tokens found cached (None before any prompt), ``cached_blocks`` the full
+        blocks held for reuse."""
+        self._prefix_stats = (hit_rate, cached_blocks)
+        self._show_prefix_cache_state()
+
+    def _show_prefix_cache_state(self, *_: object) -> None:
+        on = self.prefix_cache()
+        self.clear_prefix_cache.setEnabled(on)
+        hit_rate, blocks = self._prefix_stats
+        if not on:
+            text = "off"
+        elif hit_rate is None:
+            text = "no prompts yet"
+        else:
+            text = f"hits {hit_rate:.0%} · {blocks} block{'' if blocks == 1 else 's'} cached"
+        self.prefix_cache_label.setText(text)
 
     def _limits_edited(self) -> None:
         self.limits_changed.emit(self.limits())
@@ -558,6 +606,7 @@ class ControlsPanel(QScrollArea):
         out: dict[str, Any] = {k: f.text() for k, f in self.fields().items()}
         out["stop_strings"] = self.stop_strings.text()
         out["window_on"] = self.window_on.isChecked()
+        out["prefix_cache"] = self.prefix_cache()
         if self._defaults_model is not None:  # so the user's own values survive a restart
             out["model_sampling"] = {"model": self._defaults_model, "defaults": self._defaults}
         return out
@@ -572,6 +621,8 @@ class ControlsPanel(QScrollArea):
         if isinstance(state.get("stop_strings"), str):
             self.stop_strings.setText(state["stop_strings"])
         self.window_on.setChecked(state.get("window_on") in (True, "true"))
+        # on unless saved off: settings from before the prefix cache have no key
+        self.prefix_cache_on.setChecked(state.get("prefix_cache") not in (False, "false"))
         saved = state.get("model_sampling")
         if isinstance(saved, dict) and isinstance(saved.get("model"), str):
             defaults = saved.get("defaults")

@@ -1,5 +1,5 @@
-"""Live instruments: memory by kind, KV occupancy and the block map, latency per request,
-throughput and per-layer timings, drawn with pyqtgraph.
+"""Live instruments: memory by kind, KV occupancy, prefix-cache hits and the block map,
+latency per request, throughput and per-layer timings, drawn with pyqtgraph.
 
 Frames (plain data) go into fixed-size ring buffers as they arrive; a timer redraws a few
 times a second with ``setData``, so plotting never grows without end. The live plots keep
@@ -47,8 +47,14 @@ class InstrumentFrame:
     kv_usage: float  # 0..1
     kv_blocks_used: int
     kv_blocks_total: int
-    block_owners: tuple[str | None, ...]
+    block_owners: tuple[tuple[str, ...], ...]  # per block, the requests holding it (2+: shared)
     generation_tps: float
+    block_cached: tuple[bool, ...] = ()  # per block, free but a reusable prefix; (): none
+    kv_blocks_cached: int = 0
+    kv_blocks_shared: int = 0
+    # prompt tokens reused from the prefix cache / prompt tokens so far; None while caching is
+    # off or no prompt came yet
+    prefix_hit_rate: float | None = None
     layer_attention_ms: tuple[float, ...] = ()
     layer_mlp_ms: tuple[float, ...] = ()
 
@@ -149,7 +155,7 @@ class InstrumentsPanel(QWidget):
         self._t0: float | None = None
         self._kinds: list[str] = []
         self._memory: RingBuffer | None = None
-        self._kv = RingBuffer(HISTORY, 3)  # t, usage %, generation tok/s
+        self._kv = RingBuffer(HISTORY, 4)  # t, usage %, generation tok/s, prefix hits %
         self._requests: list[RequestPoint] = []
         self._layers: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
         self._dirty = False
@@ -160,6 +166,9 @@ class InstrumentsPanel(QWidget):
         self._memory_curves: dict[str, pg.PlotDataItem] = {}
         self.kv_plot = _plot("KV cache", "% of blocks")
         self.kv_curve = self.kv_plot.plot(name="KV usage", pen=pg.mkPen(COLOURS[1], width=2))
+        self.prefix_curve = self.kv_plot.plot(  # % of prompt tokens reused; gaps while unknown
+            name="prefix hits", pen=pg.mkPen(COLOURS[4], width=2), connect="finite"
+        )
         self.block_map = KVBlockMap()
         self.block_label = QLabel("KV blocks: –")
         # Its text changes four times a second; a width that followed the text would lay the
@@ -267,11 +276,15 @@ class InstrumentsPanel(QWidget):
                 for i, k in enumerate(kinds)
             }
         self._memory.append([t, *(frame.memory_mib[k] for k in kinds)])
-        self._kv.append([t, 100.0 * frame.kv_usage, frame.generation_tps])
-        self.block_map.set_owners(frame.block_owners)
+        hits = frame.prefix_hit_rate
+        hits_perc = np.nan if hits is None else 100.0 * hits
+        self._kv.append([t, 100.0 * frame.kv_usage, frame.generation_tps, hits_perc])
+        self.block_map.set_blocks(frame.block_owners, frame.block_cached)
         self.block_label.setText(
             f"KV blocks: {frame.kv_blocks_used} / {frame.kv_blocks_total} used "
-            f"({100 * frame.kv_usage:.1f}%)"
+            f"({100 * frame.kv_usage:.1f}%) · {frame.kv_blocks_shared} shared · "
+            f"{frame.kv_blocks_cached} cached"
+            + ("" if hits is None else f" · prefix hits {hits_perc:.0f}%")
         )
         if frame.layer_attention_ms:
             self._layers = (frame.layer_attention_ms, frame.layer_mlp_ms)
@@ -294,6 +307,7 @@ class InstrumentsPanel(QWidget):
             self._ranges["memory"].follow(m[-1, 0], _visible_max(m, m[-1, 0]))
         kv = self._kv.view()
         self.kv_curve.setData(kv[:, 0], kv[:, 1])
+        self.prefix_curve.setData(kv[:, 0], kv[:, 3])
         self.tps_curve.setData(kv[:, 0], kv[:, 2])
         if len(kv):
             self._ranges["kv"].follow(kv[-1, 0], 100.0)
@@ -331,11 +345,20 @@ class InstrumentsPanel(QWidget):
         with open(path, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
             if index == 0:
-                w.writerow(["time_s", *(f"{k}_mib" for k in self._kinds), "kv_usage_perc"])
+                w.writerow(
+                    [
+                        "time_s",
+                        *(f"{k}_mib" for k in self._kinds),
+                        "kv_usage_perc",
+                        "prefix_hit_perc",
+                    ]
+                )
                 m = self._memory.view() if self._memory is not None else np.empty((0, 1))
                 kv = self._kv.view()
-                for row_m, row_kv in zip(m, kv, strict=False):
-                    w.writerow([f"{v:.6g}" for v in (*row_m, row_kv[1])])
+                for row_m, row_kv in zip(m, kv, strict=False):  # an unknown hit rate: empty
+                    w.writerow(
+                        ["" if np.isnan(v) else f"{v:.6g}" for v in (*row_m, *row_kv[[1, 3]])]
+                    )
             elif index == 1:
                 w.writerow(
                     ["request", "time_to_first_token_seconds", "time_per_output_token_seconds"]
