@@ -100,10 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.add_argument(
         "--workload",
-        choices=("single", "mixed"),
+        choices=("single", "mixed", "chat"),
         default="single",
         help="single: one request, prefill and decode speed (default); mixed: many requests "
-        "of seeded random lengths through continuous batching",
+        "of seeded random lengths through continuous batching; chat: a scripted conversation, "
+        "each turn's TTFT with prefix caching off and on",
     )
     p.add_argument("--prompt-len", type=int, default=32, help="single workload")
     p.add_argument("--new-tokens", type=int, default=128, help="single workload")
@@ -115,7 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batch-size", type=int, nargs="+", default=[1, 4, 16, 32], help="mixed workload"
     )
-    p.add_argument("--seed", type=int, default=0, help="mixed workload")
+    p.add_argument("--seed", type=int, default=0, help="mixed and chat workloads")
+    p.add_argument(
+        "--shared-prefix", type=int, default=0, metavar="N",
+        help="mixed workload: every prompt starts with the same N tokens (a system prompt)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-cache", choices=("on", "off", "both"), default="on",
+        help="mixed workload: run with prefix caching on, off, or both (off then on, at each "
+        "batch size)",
+    )  # fmt: skip
+    p.add_argument("--turns", type=int, default=10, help="chat workload")
+    p.add_argument("--message-tokens", type=int, default=150, help="chat: tokens per message")
+    p.add_argument("--reply-tokens", type=int, default=64, help="chat: longest reply")
+    p.add_argument("--system-tokens", type=int, default=100, help="chat: system prompt tokens")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers' generate")
     p.add_argument(
         "--hf-batch-sizes", type=int, nargs="+", default=None,
@@ -350,6 +364,11 @@ def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
     )
     g.add_argument("--sink", type=int, default=4, help="first tokens kept with --cache-window")
     g.add_argument(
+        "--no-prefix-cache", dest="prefix_caching", action="store_false",
+        help="compute every prompt in full (prefix caching shares the KV of prefixes already "
+        "computed: earlier turns, a shared system prompt)",
+    )  # fmt: skip
+    g.add_argument(
         "--decode-graph",
         choices=("auto", "on", "off"),
         default=None,
@@ -381,6 +400,7 @@ def engine_config(
         ),
         window=window,
         decode_graph=args.decode_graph,
+        prefix_caching=args.prefix_caching,
     )
 
 
@@ -525,9 +545,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     from engine.engine import parse_precision
 
-    for name in ("prompt_len", "new_tokens", "repeats", "requests", "batch"):
+    for name in ("prompt_len", "new_tokens", "repeats", "requests", "batch", "turns",
+                 "message_tokens", "reply_tokens"):  # fmt: skip
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.shared_prefix < 0 or args.system_tokens < 0:
+        raise InvalidRequestError("--shared-prefix and --system-tokens must be at least 0")
     if any(b < 1 for b in args.max_batch_size):
         raise InvalidRequestError("--max-batch-size values must be at least 1")
     if any(b < 1 for b in args.hf_batch_sizes or ()):
@@ -544,6 +567,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_profile(args, folder, device, config)
     if args.table:
         return _bench_table(args, folder, config, say)
+    if args.workload == "chat":
+        from engine.bench_chat import format_chat_report, run_chat_bench
+
+        report = run_chat_bench(
+            folder, turns=args.turns, message_tokens=args.message_tokens,
+            reply_tokens=args.reply_tokens, system_tokens=args.system_tokens, seed=args.seed,
+            precision=args.precision, device=device, engine_config=config, log=say,
+        )  # fmt: skip
+        print(json.dumps(report, indent=2) if args.json else format_chat_report(report))
+        return 0
     if args.workload == "mixed":
         report = run_workload_bench(
             folder,
@@ -555,6 +588,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             hf_batch_sizes=args.hf_batch_sizes,
             seed=args.seed,
             engine_config=config,
+            shared_prefix=args.shared_prefix,
+            prefix_cache=args.prefix_cache,
             log=say,
         )
         print(json.dumps(report, indent=2) if args.json else format_workload_report(report))

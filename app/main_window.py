@@ -47,6 +47,7 @@ from app.worker import (
 )
 from engine.discovery import Discovery
 from engine.kv_cache import CacheWindow
+from engine.metrics import RequestMetrics
 from widgets.ab_view import ABView
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel
@@ -126,9 +127,22 @@ def stats_text(stats: ReplyStats) -> str:
     if stats.tokens_per_s is not None:
         parts.append(f"{stats.tokens_per_s:.1f} tok/s")
     if m.time_to_first_token_seconds is not None:
-        parts.append(f"TTFT {m.time_to_first_token_seconds * 1e3:.0f} ms")
+        parts.append(ttft_text(m))
     parts.append(f"{m.output_tokens} tokens")
     return " · ".join(parts)
+
+
+def ttft_text(m: RequestMetrics) -> str:
+    """TTFT and what it was spent on: the queue, then the prefill, which computed some of the
+    prompt and found the rest in the prefix cache."""
+    text = f"TTFT {(m.time_to_first_token_seconds or 0.0) * 1e3:.0f} ms"
+    if m.request_queue_time_seconds is None or m.prefill_time_seconds is None:
+        return text
+    return (
+        f"{text} (queue {m.request_queue_time_seconds * 1e3:.0f} ms, prefill "
+        f"{m.prefill_time_seconds * 1e3:.0f} ms: {m.computed_prompt_tokens} prompt tokens "
+        f"computed, {m.cached_prompt_tokens} cached)"
+    )
 
 
 class MainWindow(QMainWindow):
@@ -678,6 +692,7 @@ class MainWindow(QMainWindow):
             self.status_speed.setText("– tok/s" if tps is None else f"{tps:.1f} tok/s")
             ttft = m.time_to_first_token_seconds
             self.status_ttft.setText("TTFT –" if ttft is None else f"TTFT {ttft * 1e3:.0f} ms")
+            self.status_ttft.setToolTip(f"The last reply's {ttft_text(m)}")
             if self.model is not None:
                 used = m.prompt_tokens + m.output_tokens
                 self.status_context.setText(f"context {used} / {self.model.context_length}")

@@ -264,22 +264,30 @@ def mixed_workload(
     seed: int = 0,
     prompt_range: tuple[int, int] = (16, 512),
     output_range: tuple[int, int] = (16, 256),
+    shared_prefix: int = 0,
 ) -> list[WorkloadRequest]:
-    """``requests`` requests with prompt and output lengths drawn uniformly (seeded)."""
+    """``requests`` requests with prompt and output lengths drawn uniformly (seeded); with
+    ``shared_prefix``, every prompt starts with the same that many tokens (a system prompt)."""
     gen = torch.Generator().manual_seed(seed)
     low = max(engine.eos_token_ids | {engine.cfg.bos_token_id or 0}) + 1
     # Small-context models: shrink the ranges so that every request fits its context.
     ctx = engine.context_length
     out_hi = min(output_range[1], ctx // 2)
     output_range = (min(output_range[0], out_hi), out_hi)
-    prompt_hi = min(prompt_range[1], ctx - out_hi - 1)
+    if shared_prefix > ctx - out_hi - 2:
+        raise InfersightError(
+            f"a shared prefix of {shared_prefix} tokens leaves no room for prompts and outputs "
+            f"in a {ctx}-token context; use at most {ctx - out_hi - 2}"
+        )
+    prompt_hi = min(prompt_range[1], ctx - out_hi - 1 - shared_prefix)
     prompt_range = (min(prompt_range[0], prompt_hi), prompt_hi)
+    prefix = torch.randint(low, engine.cfg.vocab_size, (shared_prefix,), generator=gen).tolist()
     out = []
     for _ in range(requests):
         n_prompt = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=gen))
         n_out = int(torch.randint(output_range[0], output_range[1] + 1, (1,), generator=gen))
         ids = torch.randint(low, engine.cfg.vocab_size, (n_prompt,), generator=gen).tolist()
-        out.append(WorkloadRequest(ids, n_out))
+        out.append(WorkloadRequest(prefix + ids, n_out))
     return out
 
 
@@ -302,6 +310,8 @@ class WorkloadResult:
     mean_kv_waste: float | None = None  # reserved-but-empty share of used blocks
     mean_contiguous_utilisation: float | None = None  # same tokens in max_len × batch slots
     preemptions: int = 0
+    prefix_caching: bool | None = None
+    cached_prompt_tokens: int = 0  # found in the prefix cache, not computed
 
 
 def _pcts(values: list[float]) -> tuple[float, float, float]:
@@ -312,8 +322,10 @@ def _pcts(values: list[float]) -> tuple[float, float, float]:
 def run_workload(
     engine: LLMEngine, workload: list[WorkloadRequest], max_batch_size: int
 ) -> WorkloadResult:
-    """All requests arrive at once; continuous batching with ``max_batch_size``."""
+    """All requests arrive at once; continuous batching with ``max_batch_size``. The prefix
+    cache starts empty: a run does not reuse the previous run's prompts."""
     engine.update_limits(max_batch_size=max_batch_size)
+    engine.clear_prefix_cache()
     max_len = max(len(r.prompt_ids) + r.output_tokens for r in workload)
     mgr = engine.kv.manager
     ids: dict[str, WorkloadRequest] = {}
@@ -345,6 +357,8 @@ def run_workload(
         peak_kv_usage=peak, mean_kv_waste=statistics.fmean(waste) if waste else 0.0,
         mean_contiguous_utilisation=statistics.fmean(contiguous) if contiguous else 0.0,
         preemptions=sum(m.preemptions for m in finished),
+        prefix_caching=engine.kv.manager.prefix_caching,
+        cached_prompt_tokens=sum(m.cached_prompt_tokens for m in finished),
     )  # fmt: skip
 
 
@@ -393,20 +407,26 @@ def run_workload_bench(
     hf_batch_sizes: list[int] | None = None,
     seed: int = 0,
     engine_config: Any = None,
+    shared_prefix: int = 0,
+    prefix_cache: str = "on",
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """The mixed workload through our continuous batching at each of ``batch_sizes`` and,
     with ``compare_hf``, through transformers' static batching at each of ``hf_batch_sizes``
-    (default: the same sizes), the two taking turns."""
+    (default: the same sizes), the two taking turns. ``prefix_cache``: ``on``, ``off`` or
+    ``both`` (off, then on, at each batch size)."""
     engine = LLMEngine.load(folder, precision=precision, device=device, config=engine_config)
-    workload = mixed_workload(engine, requests, seed=seed)
+    workload = mixed_workload(engine, requests, seed=seed, shared_prefix=shared_prefix)
+    caching = {"on": [True], "off": [False], "both": [False, True]}[prefix_cache]
     hf = _HFRunner(folder, precision, torch.device(device)) if compare_hf else None
     hf_sizes = list(batch_sizes if hf_batch_sizes is None else hf_batch_sizes)
     results: list[WorkloadResult] = []
     for b in sorted(set(batch_sizes) | (set(hf_sizes) if hf is not None else set())):
         if b in batch_sizes:
-            log(f"infersight, max batch size {b}")
-            results.append(run_workload(engine, workload, b))
+            for on in caching:
+                log(f"infersight, max batch size {b}, prefix cache {'on' if on else 'off'}")
+                engine.set_prefix_caching(on)
+                results.append(run_workload(engine, workload, b))
         if hf is not None and b in hf_sizes:
             log(f"transformers, static batches of {b}")
             results.append(run_workload_hf(hf, workload, b))
@@ -417,10 +437,22 @@ def run_workload_bench(
         "threads": torch.get_num_threads(),
         "requests": requests,
         "seed": seed,
+        "shared_prefix": shared_prefix,
         "kv_blocks": engine.kv.manager.num_blocks,
         "block_size": engine.kv.block_size,
         "results": [asdict(r) for r in results],
     }
+    if prefix_cache == "both":  # on / off at each batch size, measured one after the other
+        off = {r.max_batch_size: r for r in results if r.prefix_caching is False}
+        report["prefix_cache_on_vs_off"] = {
+            r.max_batch_size: {
+                "output_tok_s": r.output_tok_s / off[r.max_batch_size].output_tok_s,
+                "ttft_p50": r.ttft_p50_s / off[r.max_batch_size].ttft_p50_s,
+            }
+            for r in results
+            if r.prefix_caching
+        }
+    # the comparisons below take our runs with the cache as set last (on, with "both")
     ours = {r.max_batch_size: r for r in results if r.engine == "infersight"}
     if 1 in ours:
         report["speedup_vs_batch1"] = {
@@ -450,14 +482,20 @@ def format_workload_report(report: dict[str, Any]) -> str:
         f"model {report['model']}  precision {report['precision']}  device {report['device']}  "
         f"threads {report['threads']}  {report['requests']} requests (seed {report['seed']}), "
         f"KV pool {report['kv_blocks']} blocks × {report['block_size']}"
-    ]
-    cols = ["engine", "batch", "out tok/s", "total tok/s", "TTFT p50/p95/p99 s",
+        + (f", a shared prefix of {report['shared_prefix']} tokens"
+           if report.get("shared_prefix") else "")
+    ]  # fmt: skip
+    cols = ["engine", "batch", "prefix cache", "out tok/s", "total tok/s", "TTFT p50/p95/p99 s",
             "TPOT p50/p95/p99 ms", "peak KV", "KV waste", "contig. util", "preempt"]  # fmt: skip
     rows = []
     for r in report["results"]:
         kv = r["peak_kv_usage"] is not None
+        cache = "-"
+        if r["prefix_caching"] is not None:
+            hits = r["cached_prompt_tokens"] / r["prompt_tokens"]
+            cache = f"on, {hits:.0%} hit" if r["prefix_caching"] else "off"
         rows.append([
-            r["engine"], str(r["max_batch_size"]), f"{r['output_tok_s']:.1f}",
+            r["engine"], str(r["max_batch_size"]), cache, f"{r['output_tok_s']:.1f}",
             f"{r['total_tok_s']:.1f}",
             f"{r['ttft_p50_s']:.2f}/{r['ttft_p95_s']:.2f}/{r['ttft_p99_s']:.2f}",
             f"{r['tpot_p50_s'] * 1e3:.0f}/{r['tpot_p95_s'] * 1e3:.0f}/{r['tpot_p99_s'] * 1e3:.0f}",
@@ -474,6 +512,11 @@ def format_workload_report(report: dict[str, Any]) -> str:
         if key in report:
             parts = ", ".join(f"batch {b}: {v:.2f}x" for b, v in report[key].items())
             lines.append(f"output throughput {label}: {parts}")
+    for b, ratio in report.get("prefix_cache_on_vs_off", {}).items():
+        lines.append(
+            f"prefix cache on vs off, batch {b}: output throughput {ratio['output_tok_s']:.2f}x, "
+            f"TTFT p50 {ratio['ttft_p50']:.2f}x"
+        )
     if "best_vs_batch1" in report:
         b = report["best_vs_batch1"]
         lines.append(f"our best (batch {b['batch']}) vs our batch 1: {b['ratio']:.2f}x")

@@ -248,14 +248,19 @@ class LLMEngine:
         self.enable_layer_timing(False)  # its hooks are on the shared model
         old, self.kv = self.kv, None  # type: ignore[assignment]  # the old pool goes first
         try:
-            new = LLMEngine(
-                self.model, self.tokenizer, self.cfg, eos_token_ids=sorted(self.eos_token_ids),
-                dtype=self.dtype, device=self.device, name=self.name,
-                num_parameters=self.num_parameters, config=config, precision=self.precision,
-            )  # fmt: skip
+            return self.sibling(config)
         except BaseException:
             self.kv = old  # this engine goes on as it was
             raise
+
+    def sibling(self, config: EngineConfig) -> LLMEngine:
+        """Another engine on this one's weights (shared, not copied), with a KV pool and
+        settings of its own: two engines to compare side by side on one model."""
+        new = LLMEngine(
+            self.model, self.tokenizer, self.cfg, eos_token_ids=sorted(self.eos_token_ids),
+            dtype=self.dtype, device=self.device, name=self.name,
+            num_parameters=self.num_parameters, config=config, precision=self.precision,
+        )  # fmt: skip
         new.default_sampling = dict(getattr(self, "default_sampling", {}))
         new.graph, new.threads_report = self.graph, self.threads_report
         return new

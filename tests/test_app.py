@@ -359,6 +359,16 @@ def test_instruments_show_the_engines_figures(qtbot: object, window: MainWindow)
         f"context {m.prompt_tokens + m.output_tokens} / {engine.context_length}"
     )
     assert window.chat.last is not None and window.chat.last.view.stats == stats_text(s)
+    # the second turn finds the first in the prefix cache, and says so
+    send(qtbot, window, "And to ten.")
+    second = stats[1].metrics
+    assert second.cached_prompt_tokens >= m.prompt_tokens // 16 * 16 > 0
+    assert second.cached_prompt_tokens + second.computed_prompt_tokens == second.prompt_tokens
+    assert f"{second.cached_prompt_tokens} cached)" in window.chat.last.view.stats
+    assert f"{second.cached_prompt_tokens} cached)" in window.status_ttft.toolTip()
+    qtbot.waitUntil(  # type: ignore[attr-defined]
+        lambda: window.controls.prefix_cache_label.text().startswith("hits "), timeout=5_000
+    )
     tip = window.status_model.toolTip()  # which CPU paths and kernels this model runs
     assert cpu_paths().summary() in tip.splitlines()
     assert engine.threads_report.endswith(", as asked")  # the tests fix the count

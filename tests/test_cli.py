@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import shutil
 import subprocess
@@ -178,9 +179,42 @@ def test_bench_single_and_mixed_workloads_report_json(capsys, tiny):
     assert set(report["speedup_vs_batch1"]) == {"1", "3"}  # JSON object keys are strings
 
 
+def test_bench_mixed_with_a_shared_prefix_runs_prefix_caching_off_and_on(capsys, tiny):
+    code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--workload", "mixed",
+                           "--requests", "5", "--max-batch-size", "4", "--shared-prefix", "40",
+                           "--prefix-cache", "both", "--json")  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    off, on = report["results"]
+    assert (off["prefix_caching"], on["prefix_caching"]) == (False, True)
+    assert off["output_tokens"] == on["output_tokens"] and off["cached_prompt_tokens"] == 0
+    # the first request computes the 40-token prefix; the four others share its two full
+    # blocks of 16 (they wait for them rather than compute them too)
+    assert on["cached_prompt_tokens"] == 4 * 32
+    assert set(report["prefix_cache_on_vs_off"]) == {"4"}
+
+
+def test_bench_chat_reuses_earlier_turns_and_replies_alike(capsys, default_model):
+    code, out, _ = run_cli(capsys, "bench", "--workload", "chat", "--turns", "3",
+                           "--message-tokens", "24", "--reply-tokens", "6",
+                           "--system-tokens", "20", "--json")  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    turns = report["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    assert turns[0]["cached_tokens"] == 0
+    for before, t in itertools.pairwise(turns):
+        assert t["cached_tokens"] + t["computed_tokens"] == t["prompt_tokens"]
+        # at least every full block of the last turn's prompt is reused
+        assert t["cached_tokens"] >= before["prompt_tokens"] // 16 * 16
+    assert report["replies_identical"]
+    assert set(report["last_vs_first_ttft"]) == {"off", "on"}
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
+        (["--shared-prefix", "500"], "leaves no room for prompts"),
         (["--max-batch-size", "0"], "--max-batch-size values must be at least 1"),
         (["--requests", "0"], "--requests must be at least 1"),
         (["--max-tokens-per-step", "0"], "max_tokens_per_step must be >= 1"),

@@ -168,6 +168,9 @@ def test_switching_off_and_clearing_forget_the_cache(tiny):
     assert on.kv.manager.num_cached == 8  # 21 + 12 tokens, all computed but the last
     run(on, [(0, prompt, GREEDY)])
     assert cached_tokens(on, 1) == 20
+    # another engine on the same weights (a new precision or pool is a new engine) has a
+    # cache of its own, empty
+    assert on.sibling(on.config).kv.manager.num_cached == 0 < on.kv.manager.num_cached
     on.clear_prefix_cache()
     assert on.kv.manager.num_cached == 0
     run(on, [(0, prompt, GREEDY)])
