@@ -273,7 +273,6 @@ class EngineWorker(QObject):
         self._retiring: list[LLMEngine] = []
         self._replies: dict[str, _Reply] = {}  # request id → reply
         self._pending: list[Delta] = []
-        self._finished_stats: list[ReplyStats] = []  # sent after the deltas they end
         self._settings = _Settings()
         self._loading: LoadSpec | None = None
         self._load_thread: threading.Thread | None = None
@@ -736,7 +735,7 @@ class EngineWorker(QObject):
         del self._replies[request_id]
         metrics = reply.engine.request_metrics(request_id)
         if metrics is not None:
-            self._finished_stats.append(
+            self.reply_stats.emit(
                 ReplyStats(
                     reply.tag, reply.candidate, request_id, reply.info.name,
                     reply.info.precision, metrics,
@@ -767,10 +766,6 @@ class EngineWorker(QObject):
         pending, self._pending = self._pending, []
         self._last_flush = now
         self.deltas.emit(_coalesce(pending))
-        # a reply's figures arrive after its last text: whoever reads the text on them has it
-        stats, self._finished_stats = self._finished_stats, []
-        for s in stats:
-            self.reply_stats.emit(s)
 
     def _maybe_emit_metrics(self) -> None:
         if self._paused:

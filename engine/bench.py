@@ -344,7 +344,8 @@ def run_workload(
             if running:
                 contiguous.append(occ.tokens_stored / (running * max_len))
     wall = time.perf_counter() - started
-    finished = [m for m in engine.metrics().finished_requests if m.request_id in ids]
+    # every request's own figures (the snapshot's list covers only its last 30 s)
+    finished = [m for m in map(engine.request_metrics, ids) if m is not None]
     ttft = _pcts([m.time_to_first_token_seconds or 0.0 for m in finished])
     tpot = _pcts([m.time_per_output_token_seconds or 0.0 for m in finished])
     prompt = sum(len(r.prompt_ids) for r in workload)

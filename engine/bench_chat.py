@@ -69,7 +69,8 @@ def run_chat_bench(
 ) -> dict[str, Any]:
     on = LLMEngine.load(folder, precision=precision, device=device, config=engine_config)
     on.set_prefix_caching(True)
-    off = on.sibling(replace(on.config, prefix_caching=False))
+    pool = on.kv.manager.num_blocks
+    off = on.sibling(replace(on.config, prefix_caching=False, num_blocks=pool, kv_memory=None))
     rng = random.Random(seed)
     words = message_words(on)
     if not words:
@@ -80,6 +81,9 @@ def run_chat_bench(
 
     messages = [{"role": "system", "content": text(system_tokens).strip()}] if system_tokens else []
     params = SamplingParams(max_new_tokens=reply_tokens, temperature=0.0)
+    for engine in (off, on):  # warm both up, so that turn 1 times no first-call costs
+        _reply(engine, on.tokenizer.encode(text(16)), SamplingParams(max_new_tokens=4))
+    on.clear_prefix_cache()
     results: list[TurnResult] = []
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": text(message_tokens).strip()})

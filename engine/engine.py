@@ -186,7 +186,7 @@ class LLMEngine:
         #: the window every sequence runs under: the user's within the model's own sliding
         #: window, or the model's where the user set none (:func:`effective_window`)
         self.window = effective_window(self.config.window, cfg.sliding_window)
-        self.kv.manager.set_context(_cache_context(self.window))
+        self.kv.manager.set_window(self.window)
         self.collector = MetricsCollector(self.config.metrics_window_s)
         self.layer_timer = LayerTimer(model.layers, device)
         self._layer_timings: tuple[LayerTiming, ...] = ()
@@ -466,7 +466,7 @@ class LLMEngine:
         window = effective_window(window, self.cfg.sliding_window)
         self._check_live_requests(self.kv.manager.capacity, self.scheduler.limits, window)
         self.window = window
-        self.kv.manager.set_context(_cache_context(window))
+        self.kv.manager.set_window(window)
 
     def set_prefix_caching(self, on: bool) -> None:
         """Share cached prefixes between requests, or not (off also forgets them): for
@@ -712,12 +712,6 @@ class Generation:
         finally:
             if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
                 engine.cancel(self.request_id)
-
-
-def _cache_context(window: CacheWindow | None) -> str:
-    """What, besides the tokens, decides a KV block's contents in this engine: the window its
-    tokens attended through (the model, precision and pool are fixed per engine)."""
-    return "full" if window is None else f"sink={window.sink},window={window.window}"
 
 
 def _history(seq: Seq) -> torch.Tensor:

@@ -156,8 +156,8 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}
         self.tables: dict[str, list[int]] = {}
         self.lengths: dict[str, int] = {}  # tokens whose slots exist (stored or being written)
-        self._released_tokens: dict[str, int] = {}
-        self._context = b""
+        self.window: CacheWindow | None = None
+        self._context = b"full"
         self._root = _root_key(self._context)
         self._chains: dict[str, list[bytes]] = {}  # keys of each sequence's full blocks
         self._committed: dict[str, int] = {}  # leading blocks of each table already keyed
@@ -203,11 +203,13 @@ class BlockManager:
         return self.blocks_needed(seq_id, new_length) <= self.num_free
 
     # -- prefix cache ------------------------------------------------------------------------
-    def set_context(self, context: str) -> None:
-        """What, besides its tokens, decides a block's K/V (the engine's cache window). A new
-        context forgets every cached block, and the blocks the running sequences compute from
-        now on are never shared: their earlier tokens were computed under the old one."""
-        encoded = context.encode()
+    def set_window(self, window: CacheWindow | None) -> None:
+        """The cache window every sequence runs under, which decides a block's K/V besides its
+        tokens (the model, precision and pool are fixed per engine). A new window forgets
+        every cached block, and the blocks the running sequences compute from now on are never
+        shared: their earlier tokens were computed under the old one."""
+        self.window = window
+        encoded = b"full" if window is None else f"sink={window.sink},{window.window}".encode()
         if encoded == self._context:
             return
         self._context = encoded
@@ -283,28 +285,42 @@ class BlockManager:
         return chain[:blocks]
 
     # -- changes -----------------------------------------------------------------------------
-    def admit(self, seq_id: str, hit: list[int], num_tokens: int) -> int:
+    def admit(self, seq_id: str, hit: list[int], num_tokens: int, *, first: bool = True) -> int:
         """Start the table of ``seq_id`` with the cached blocks ``hit`` (from
         :meth:`cached_prefix`, just before); returns the tokens they hold, which need no
-        computing. ``num_tokens`` (the sequence's) feeds the hit rate."""
+        computing. Under a cache window, the blocks of the hit that the window leaves out are
+        not taken at all (:meth:`_outside_window`). ``num_tokens`` (the sequence's) feeds the
+        hit rate on its ``first`` admission (not again after a preemption)."""
         if seq_id in self.tables:
             raise ValueError(f"{seq_id} already holds blocks")
-        for block in hit:
-            self._hold(block)
-        self.tables[seq_id] = list(hit)
         cached = len(hit) * self.block_size
+        table = [RELEASED if self._outside_window(i, cached) else b for i, b in enumerate(hit)]
+        for block in table:
+            if block != RELEASED:
+                self._hold(block)
+        self.tables[seq_id] = table
         self.lengths[seq_id] = cached
         self._committed[seq_id] = len(hit)
-        if self.prefix_caching:
+        if self.prefix_caching and first:
             self.stats.query_tokens += num_tokens
             self.stats.hit_tokens += cached
         return cached
 
     def blocks_to_admit(self, hit: list[int], new_length: int) -> int:
         """Free blocks that admitting a sequence with ``hit`` for ``new_length`` tokens takes:
-        its new blocks, and the cached blocks of the hit that no one holds (they leave the
-        free pool)."""
-        return self.blocks_for(new_length) - len(hit) + sum(1 for b in hit if not self._refs[b])
+        its new blocks, and the cached blocks of the hit that no one holds and the window
+        keeps (they leave the free pool)."""
+        cached = len(hit) * self.block_size
+        kept = (b for i, b in enumerate(hit) if not self._outside_window(i, cached))
+        taken = sum(1 for b in kept if not self._refs[b])
+        return self.blocks_for(new_length) - len(hit) + taken
+
+    def _outside_window(self, index: int, length: int) -> bool:
+        """Block ``index`` of a sequence of ``length`` tokens lies wholly after the window's
+        sink and before its last ``window`` tokens (what :meth:`release_outside_window`
+        frees)."""
+        w, bs = self.window, self.block_size
+        return w is not None and index * bs >= w.sink and (index + 1) * bs <= length - w.window
 
     def grow(self, seq_id: str, new_length: int) -> None:
         """Give ``seq_id`` slots for tokens ``[0, new_length)`` (allocates on admission too)."""
@@ -321,7 +337,6 @@ class BlockManager:
         its block keys are kept for its next lookup."""
         table = self.tables.pop(seq_id, [])
         self.lengths.pop(seq_id, None)
-        self._released_tokens.pop(seq_id, None)
         self._committed.pop(seq_id, None)
         self._unkeyable.discard(seq_id)
         if not keep_keys:
@@ -344,8 +359,6 @@ class BlockManager:
                 table[index] = RELEASED
                 self._drop(block)
                 released += 1
-        if released:
-            self._released_tokens[seq_id] = self._released_tokens.get(seq_id, 0) + released * bs
         return released
 
     def _take(self) -> int:

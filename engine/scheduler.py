@@ -90,6 +90,7 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
+        self.manager.free(seq.request_id)  # an id used before: nothing of the old one is kept
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -123,6 +124,7 @@ class Scheduler:
             never_ran = seq.times.scheduled is None
             if never_ran and seq.timeout_s is not None and now - seq.arrival > seq.timeout_s:
                 self.waiting.remove(seq)
+                self.manager.free(seq.request_id)  # the block keys of its lookups
                 seq.status, seq.finish_reason = Status.FINISHED, FinishReason.TIMEOUT
                 out.timed_out.append(seq)
 
@@ -190,10 +192,11 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = Status.RUNNING
-            if seq.times.scheduled is None:
+            first = seq.times.scheduled is None
+            if first:
                 seq.times.scheduled = now
-            seq.num_computed = mgr.admit(rid, hit, seq.num_tokens)
-            if seq.times.first_token is None:
+            seq.num_computed = mgr.admit(rid, hit, seq.num_tokens, first=first)
+            if first:
                 seq.num_cached = seq.num_computed
             mgr.grow(rid, seq.num_computed + need)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, need))

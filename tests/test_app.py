@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
 
-from PySide6.QtCore import QObject, QTimer, Slot
+from PySide6.QtCore import QObject, Qt, QTimer, Slot
 
 from app.main_window import MainWindow, stats_text
 from app.store import ChatStore
@@ -557,6 +557,10 @@ def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
         assert x_lo <= x[-1] <= x_hi and y_lo <= y[-1] <= y_hi, (kind, x[-1], y[-1])
         assert y[-1] == pytest.approx(frame.memory_mib[kind])
     window.grab().save(str(out / "main-window.png"))
+    cells = window.instruments.block_map.grab()  # three times over, so the stripes show
+    cells.scaled(cells.size() * 3, mode=Qt.TransformationMode.FastTransformation).save(
+        str(out / "kv-blocks.png")
+    )
     window.instruments.tabs.setCurrentIndex(1)
     window.instruments.redraw()
     window.instruments_dock.grab().save(str(out / "latency.png"))
@@ -572,6 +576,7 @@ def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
     qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
     for name in ("main-window.png", "latency.png", "layers.png", "controls.png"):
         assert (out / name).stat().st_size > 10_000
+    assert (out / "kv-blocks.png").stat().st_size > 1_000  # cells of flat colour compress well
 
 
 @pytest.mark.skipif(

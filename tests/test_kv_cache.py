@@ -13,6 +13,7 @@ from engine.attention import reference_attention
 from engine.config import ModelConfig
 from engine.kv_cache import RELEASED, BlockManager, CacheWindow, PagedKVCache, SeqChunk
 
+CONTEXTS = (None, CacheWindow(sink=2, window=6))  # the windows the whole pool runs under
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5], [1, 2])
 OPS = st.lists(
     st.one_of(
@@ -133,7 +134,7 @@ def test_block_manager_shares_prefixes_without_losing_a_block(ops, block_size, n
             mgr.set_prefix_caching(bool(amount))
         elif op == "context" and amount != context:
             context = amount
-            mgr.set_context(f"ctx{context}")
+            mgr.set_window(CONTEXTS[context])
             born = {s: ("mixed", s) for s in born}  # their later blocks mix two contexts
         check_invariants(mgr)
     for seq_id in list(mgr.tables):
@@ -186,7 +187,7 @@ def test_a_new_context_or_a_cleared_cache_shares_nothing():
     mgr = BlockManager(8, 4)
     prompt = list(range(9))
     _run(mgr, "a", prompt)
-    mgr.set_context("sink=4,window=8")
+    mgr.set_window(CacheWindow(sink=4, window=8))
     assert _run(mgr, "b", prompt) == 0  # computed under the old window: not reusable
     mgr.commit("a", 9, _reader(prompt))
     mgr.free("b")

@@ -22,7 +22,8 @@ def engine(default_model: Path) -> LLMEngine:
 
 def test_throughput_ttft_and_kv_usage_match_outside_measurements(engine):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    prompts = [list(range(100, 100 + n)) for n in (5, 40, 17, 60)]
+    # no two share a prefix: every prompt token is computed (prompt throughput counts them)
+    prompts = [list(range(1000 * i, 1000 * i + n)) for i, n in enumerate((5, 40, 17, 60), 1)]
     added: dict[str, float] = {}
     first_seen: dict[str, float] = {}
     generated = 0
@@ -40,7 +41,7 @@ def test_throughput_ttft_and_kv_usage_match_outside_measurements(engine):
                 first_seen.setdefault(event.request_id, seen_at)
         snap = engine.metrics()
         tables = engine.kv.manager.tables.values()
-        held = sum(1 for table in tables for b in table if b != RELEASED)
+        held = len({b for table in tables for b in table if b != RELEASED})
         assert snap.kv_blocks_used == held
         assert snap.kv_cache_usage_perc == pytest.approx(held / snap.kv_blocks_total)
         usage_checked += held > 0

@@ -66,6 +66,7 @@ def run(
                 finish[i] = event.finish_reason
         shared = max(shared, engine.kv.manager.num_shared)
         step += 1
+        assert step < 5_000, "the engine stopped making progress"
     mgr = engine.kv.manager
     assert mgr.num_used == 0 and mgr.num_free == mgr.num_blocks  # every block came back
     return out, finish, shared
@@ -159,6 +160,24 @@ def test_the_cache_window_reuses_only_what_it_computed_under_the_same_window(tin
     got, _, _ = run(on, [(0, prompt, GREEDY)])
     want, _, _ = run(off, [(0, prompt, GREEDY)])
     assert got == want and cached_tokens(on, 4) == 0
+
+
+def test_a_windowed_chat_longer_than_the_pool_is_admitted_with_its_cached_prefix(tiny):
+    """Under a cache window a request only ever holds sink + window + a chunk, so a chat may
+    outgrow the pool; the blocks of its cached prefix that the window leaves out are not taken
+    again (taking them all would not fit, and it would wait for ever)."""
+    window = CacheWindow(sink=4, window=8)
+    limits = SchedulerLimits(max_tokens_per_step=8)
+    on, off = engines(tiny, num_blocks=10, window=window, limits=limits)
+    first = tokens(30, 36)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    got, _, _ = run(on, [(0, first, params)])
+    want, _, _ = run(off, [(0, first, params)])
+    assert got == want and on.kv.manager.num_cached > 0
+    second = first + got[0] + tokens(31, 8)  # 48 tokens: 12 blocks, more than the pool
+    got, _, _ = run(on, [(0, second, params)])
+    want, _, _ = run(off, [(0, second, params)])
+    assert got == want and cached_tokens(on, 1) > 0
 
 
 def test_switching_off_and_clearing_forget_the_cache(tiny):

@@ -171,7 +171,9 @@ def test_scheduler_limits_change_on_a_live_engine(qtbot: object, workers: list[R
     r.worker.post(Send("n3", messages, GREEDY, candidates=3))
     qtbot.waitUntil(lambda: bool(r.inbox.deltas), timeout=WAIT_MS)  # type: ignore[attr-defined]
     r.worker.post(Configure(limits={"max_batch_size": 3}))
-    qtbot.waitUntil(lambda: len(r.inbox.stats) == 3, timeout=WAIT_MS)  # type: ignore[attr-defined]
+    # each reply's figures come before its last text (the window files them with the reply)
+    ended = lambda: sum(1 for d in r.inbox.deltas if d.tag == "n3" and d.finish)  # noqa: E731
+    qtbot.waitUntil(lambda: len(r.inbox.stats) == 3 and ended() == 3, timeout=WAIT_MS)  # type: ignore[attr-defined]
     engine = r.worker.engine
     assert engine is not None and engine.scheduler.limits.max_batch_size == 3
     sizes = [s.batch_size for s in engine.collector.steps]
