@@ -231,9 +231,7 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         for r in report["results"]
     ]  # fmt: skip
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    lines = [head, *text_table(cols, rows)]
     peak_name = "peak CUDA allocated" if report["device"].startswith("cuda") else "peak RSS"
     lines.append(
         f"weights {report['weights_mib']:.0f} MiB ({report['weights_vs_fp16']:.2f}× fp16); "
@@ -246,6 +244,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"prefill {report['ratio_prefill']:.2f}x"
         )
     return "\n".join(lines)
+
+
+def text_table(cols: list[str], rows: list[list[str]]) -> list[str]:
+    """A header line and one line per row, every column right-aligned to its widest cell."""
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    return ["  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True))
+            for line in (cols, *rows)]  # fmt: skip
 
 
 # -- the mixed workload: continuous batching vs batch 1 vs transformers' static batching -------
@@ -505,9 +510,7 @@ def format_workload_report(report: dict[str, Any]) -> str:
             f"{r['mean_contiguous_utilisation']:.0%}" if kv else "-",
             str(r["preemptions"]) if kv else "-",
         ])  # fmt: skip
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    lines += text_table(cols, rows)
     for key, label in (("speedup_vs_batch1", "vs our batch 1"),
                        ("ratio_vs_transformers", "vs transformers")):  # fmt: skip
         if key in report:
@@ -793,9 +796,7 @@ def format_table(report: dict[str, Any]) -> str:
         if q4:
             row.append(f"{r['decode_tok_s'] / q4[0]['decode_tok_s']:.2f}x")
         rows.append(row)
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    lines += text_table(cols, rows)
     lines.append(
         "kernels-only: the step's matmuls and attention timed back to back with nothing "
         "between them (the floor under Python, dispatch and small ops)"

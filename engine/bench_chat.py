@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine.bench import text_table
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 
@@ -143,9 +144,7 @@ def format_chat_report(report: dict[str, Any]) -> str:
         ]
         for r in report["turns"]
     ]  # fmt: skip
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    lines += text_table(cols, rows)
     if "last_vs_first_ttft" in report:
         ratio = report["last_vs_first_ttft"]
         n = len(report["turns"])

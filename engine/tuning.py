@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from engine.bench import text_table
 from engine.engine import LLMEngine, TokenEvent
 from engine.errors import InvalidRequestError
 from engine.loadgen import SLO, LoadGenerator, LoadResult, LoadSpec
@@ -325,10 +326,7 @@ def format_points(points: Sequence[SweepPoint], slo: SLO | None = None) -> str:
         if slo is not None:
             row.append(f"{r.request_goodput or 0:.2f} req/s ({r.slo_attainment or 0:.0%})")
         rows.append(row)
-    widths = [max(len(c), *(len(row[k]) for row in rows)) for k, c in enumerate(cols)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
+    return "\n".join(text_table(cols, rows))
 
 
 def sweep_report(
