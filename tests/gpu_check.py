@@ -12,7 +12,9 @@ prints one line per result and exits 1 if any failed:
 4. the app's engine worker (Qt without a window): load ``int4-g32+head`` on the GPU, answer a
    chat message with layer timing on, on a stream of its own on that device;
 5. the compiled decode step (``--decode-graph on``, bf16): its compile time, decode speed
-   against the eager step of the same engine, and greedy ids against eager bf16's.
+   against the eager step of the same engine, and greedy ids against eager bf16's;
+6. prefix caching (bf16): a five-turn chat through two engines, caching off and on, replies
+   alike and each turn's TTFT (``bench --workload chat``'s harness).
 
 Run: ``python -m tests.gpu_check [--model default|FOLDER] [--device cuda:N]`` (not collected by
 pytest: it needs a GPU and several minutes).
@@ -248,6 +250,19 @@ def check_ab(model: Path, device: torch.device) -> None:
     expect(worst < 1e-3, f"GPU and CPU fp32 scores differ by {worst}")
 
 
+def check_prefix_cache(model: Path, device: torch.device) -> None:
+    from engine.bench_chat import format_chat_report, run_chat_bench
+
+    report = run_chat_bench(
+        model, turns=5, message_tokens=100, reply_tokens=32, system_tokens=64,
+        precision="bf16", device=str(device),
+    )  # fmt: skip
+    print("     " + format_chat_report(report).replace("\n", "\n     "))
+    turns = report["turns"]
+    expect(all(t["cached_tokens"] > 0 for t in turns[1:]), "a later turn reused nothing")
+    expect(report["replies_identical"], "caching changed a greedy reply on the GPU")
+
+
 # -- 4. the worker ------------------------------------------------------------------------------
 
 
@@ -347,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     check.run("A/B comparison", lambda: check_ab(model, device))
     check.run("worker", lambda: check_worker(model, device, int4))
     check.run("decode graph", lambda: check_decode_graph(model, device, results))
+    check.run("prefix caching", lambda: check_prefix_cache(model, device))
     peaks = {k[5:]: v[0] for k, v in results.items() if k.startswith("peak ")}
     if peaks:
         worst = max(peaks, key=lambda k: peaks[k])
