@@ -54,6 +54,7 @@ def test_greedy_ids_identical_to_transformers(engines, prompt):
     assert len(ref) >= 8  # a real answer, not an immediate stop
 
 
+@pytest.mark.no_engine_paths  # files against files: the same on every CPU kind
 def test_converter_matches_transformers_gguf_dequantization(
     default_model: Path, default_gguf: Path
 ):
