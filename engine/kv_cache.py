@@ -315,11 +315,10 @@ class BlockManager:
         taken = sum(1 for b in kept if not self._refs[b])
         return self.blocks_for(new_length) - len(hit) + taken
 
-    def _outside_window(self, index: int, length: int) -> bool:
-        """Block ``index`` of a sequence of ``length`` tokens lies wholly after the window's
-        sink and before its last ``window`` tokens (what :meth:`release_outside_window`
-        frees)."""
-        w, bs = self.window, self.block_size
+    def _outside_window(self, index: int, length: int, window: CacheWindow | None = None) -> bool:
+        """Block ``index`` of a sequence of ``length`` tokens lies wholly after the sink and
+        before the last ``window.window`` tokens of ``window`` (default: :attr:`window`)."""
+        w, bs = window or self.window, self.block_size
         return w is not None and index * bs >= w.sink and (index + 1) * bs <= length - w.window
 
     def grow(self, seq_id: str, new_length: int) -> None:
@@ -351,11 +350,10 @@ class BlockManager:
         table = self.tables.get(seq_id)
         if not table:
             return 0
-        length, bs = self.lengths[seq_id], self.block_size
+        length = self.lengths[seq_id]
         released = 0
         for index, block in enumerate(table):
-            start, end = index * bs, (index + 1) * bs
-            if block != RELEASED and start >= window.sink and end <= length - window.window:
+            if block != RELEASED and self._outside_window(index, length, window):
                 table[index] = RELEASED
                 self._drop(block)
                 released += 1
