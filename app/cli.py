@@ -80,6 +80,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt")
     p.set_defaults(handler=cmd_chat)
 
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server, with /metrics")
+    _model_args(p)
+    _engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-key", default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $INFERSIGHT_API_KEY; none: no key)",
+    )  # fmt: skip
+    g.add_argument("--served-model-name", default=None, help="the model id clients name")
+    g.add_argument("--max-batch-size", type=int, default=16)
+    g.add_argument("--max-waiting", type=int, default=64, help="requests queued before 503")
+    g.add_argument("--max-waiting-tokens", type=int, default=65_536, help="their prompt tokens")
+    g.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait")
+    g.add_argument("--max-n", type=int, default=8, help="largest n (choices per request)")
+    g.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
+    p.set_defaults(handler=cmd_serve)
+
     p = sub.add_parser("generate", help="generate text from one prompt, streamed to stdout")
     _model_args(p)
     _engine_args(p)
@@ -513,6 +534,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(generation.result.as_dict(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from app.server import Server, ServerLimits
+
+    for name in ("port", "max_batch_size", "max_waiting", "max_waiting_tokens", "max_n",
+                 "max_tokens", "max_body_bytes"):  # fmt: skip
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.queue_timeout > 0:
+        raise InvalidRequestError("--queue-timeout must be > 0 seconds")
+    limits = ServerLimits(
+        max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
+        queue_timeout_s=args.queue_timeout, max_n=args.max_n, max_tokens=args.max_tokens,
+        max_body_bytes=args.max_body_bytes,
+    )  # fmt: skip
+    import uvicorn
+
+    engine = load_engine(args, config=engine_config(args, max_batch_size=args.max_batch_size))
+    api_key = args.api_key or os.environ.get("INFERSIGHT_API_KEY") or None
+    name = args.served_model_name or engine.name
+    server = Server(engine, name=name, limits=limits, api_key=api_key)
+    where = f"http://{args.host}:{args.port}"
+    print(f"serving {name} ({engine.precision.text}, {engine.device}) on {where}/v1"
+          + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)  # fmt: skip
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -354,15 +354,13 @@ class LLMEngine:
         ``time.perf_counter()`` time, default now) is when the request was due: a load
         generator that adds it late still counts its queue time and TTFT from then."""
         prompt = list(prompt_ids)
-        self._validate_prompt(prompt)
+        max_new = self.check_request(prompt, params)
         limits = self.scheduler.limits
         if len(self.scheduler.waiting) >= limits.max_waiting:
             raise EngineBusyError(
                 f"the engine is busy: {len(self.scheduler.waiting)} requests are waiting "
                 f"(max_waiting={limits.max_waiting}); try again when some have finished"
             )
-        max_new = min(params.max_new_tokens, self.context_length - len(prompt))
-        self._check_fits(len(prompt) + max_new)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -378,6 +376,16 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
         return rid
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """Raise :class:`InvalidRequestError` for a request that could never run here (empty
+        or too long a prompt, unknown token ids, more KV than the pool holds); return the new
+        tokens it may have (``max_new_tokens`` capped by the context). Reads only settings,
+        so a server may ask it from another thread before queueing the request."""
+        self._validate_prompt(prompt)
+        max_new = min(params.max_new_tokens, self.context_length - len(prompt))
+        self._check_fits(len(prompt) + max_new)
+        return max_new
 
     def _validate_prompt(self, prompt: list[int]) -> None:
         if not prompt:

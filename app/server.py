@@ -1,0 +1,634 @@
+"""``infersight serve``: an OpenAI-compatible HTTP server over one :class:`LLMEngine`.
+
+One thread, :class:`EngineLoop`, owns the engine and steps it while it has work: handlers never
+touch it. A request's handler (on the asyncio loop) checks the request, takes a place in the
+bounded queue (:class:`Admission`, decided and taken with no ``await`` in between, so a burst
+cannot slip past the check), and posts it to the loop; the loop hands each of its
+:class:`~engine.engine.TokenEvent` back to the handler's asyncio queue. A client that goes
+away cancels its request at the next step, which frees its blocks.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as Server-Sent
+Events, or whole), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text,
+vLLM's names and buckets, :mod:`app.server_metrics`). Errors take OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import secrets
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.server_metrics import ServerMetrics
+from engine.engine import LLMEngine, TokenEvent
+from engine.errors import InfersightError, InvalidRequestError
+from engine.sampling import SamplingParams
+
+log = logging.getLogger("infersight.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one server accepts: requests waiting for their first token (count and prompt
+    tokens), how long one may wait, and the caps on ``n``, ``max_tokens`` and body size."""
+
+    max_waiting: int = 64
+    max_waiting_tokens: int = 65_536
+    queue_timeout_s: float = 60.0
+    max_n: int = 8
+    max_tokens: int = 4096
+    max_body_bytes: int = 1 << 20
+    retry_after_s: int = 1
+
+
+class HTTPError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            error_body(self.message, self.kind, self.param, self.code),
+            status_code=self.status,
+            headers=self.headers,
+        )
+
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- the engine's thread ---------------------------------------------------------------------
+
+Sink = Callable[[TokenEvent | BaseException], None]
+
+
+class EngineLoop:
+    """Steps one engine on a thread of its own. ``submit`` and ``cancel`` may be called from
+    any thread; each request's events go to its sink (called on this thread), and an engine
+    error goes to the sink of every request it ended."""
+
+    SNAPSHOT_S = 0.25
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="infersight-engine", daemon=True)
+        self._last_snapshot = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float,
+        sink: Sink,
+    ) -> None:  # fmt: skip
+        self._commands.put(("add", (request_id, prompt, params, timeout_s, sink)))
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Cancel what runs, let the loop send the cancellations, and end it."""
+        self._commands.put(("stop", None))
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                kind, arg = self._commands.get(timeout=0.05 if not engine.has_work() else 0)
+            except queue.Empty:
+                kind, arg = "", None
+            if kind == "stop":
+                for rid in list(self._sinks):
+                    engine.cancel(rid)
+                self._step()
+                self._snapshot(force=True)
+                return
+            if kind == "add":
+                self._add(*arg)
+                continue  # take every command waiting before the next step
+            if kind == "cancel":
+                engine.cancel(arg)
+                continue
+            if engine.has_work():
+                self._step()
+                if engine.hold_s > 0:
+                    time.sleep(min(engine.hold_s, 0.01))
+            self._snapshot()
+
+    def _add(
+        self, rid: str, prompt: list[int], params: SamplingParams, timeout_s: float, sink: Sink
+    ) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id=rid, timeout_s=timeout_s)
+        except InfersightError as exc:
+            sink(exc)
+            return
+        self._sinks[rid] = sink
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as exc:  # the step's requests end with the error; serving goes on
+            log.exception("engine step failed")
+            self.metrics.engine_errors.inc()
+            for rid, failed in list(self._sinks.items()):
+                self.engine.cancel(rid)
+                failed(exc)
+            self._sinks.clear()
+            with contextlib.suppress(Exception):
+                self.engine.step()  # collect the cancellations: the engine is idle and clean
+            return
+        for event in events:
+            sink = self._sinks.get(event.request_id)
+            if sink is None:
+                continue
+            if event.finish_reason is not None:
+                del self._sinks[event.request_id]
+                finished = self.engine.request_metrics(event.request_id)
+                if finished is not None:
+                    self.metrics.observe_request(finished)
+            sink(event)
+
+    def _snapshot(self, *, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self._last_snapshot >= self.SNAPSHOT_S:
+            self._last_snapshot = now
+            self.metrics.observe_engine(self.engine.metrics())
+
+
+class Admission:
+    """The bounded queue: requests accepted but without a first token yet, by count and by
+    prompt tokens. Used from the asyncio loop's thread only, so checking and taking a place
+    is one uninterrupted step."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+        self.requests = 0
+        self.tokens = 0
+
+    def take(self, requests: int, tokens: int) -> None:
+        lim = self.limits
+        if self.requests + requests > lim.max_waiting or (
+            self.requests and self.tokens + tokens > lim.max_waiting_tokens
+        ):
+            raise HTTPError(
+                503,
+                f"the server is busy: {self.requests} requests ({self.tokens} prompt tokens) "
+                "are waiting; try again shortly",
+                code="server_busy",
+                headers={"Retry-After": str(lim.retry_after_s)},
+            )
+        self.requests += requests
+        self.tokens += tokens
+
+    def give_back(self, tokens: int) -> None:
+        self.requests -= 1
+        self.tokens -= tokens
+
+
+# -- request bodies ----------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    """The sampling fields both routes share; unknown fields are ignored, as OpenAI's are."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return value
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise HTTPError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatBody(_Body):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    request_id: str
+    text: str = ""
+    tokens: int = 0
+    finish: str | None = None
+
+
+class Server:
+    """The routes over one :class:`EngineLoop`."""
+
+    def __init__(
+        self, engine: LLMEngine, *, name: str, limits: ServerLimits | None = None,
+        api_key: str | None = None,
+    ) -> None:  # fmt: skip
+        self.engine = engine
+        self.name = name
+        self.limits = limits or ServerLimits()
+        self.api_key = api_key
+        self.metrics = ServerMetrics(name, engine.context_length)
+        self.loop = EngineLoop(engine, self.metrics)
+        self.admission = Admission(self.limits)
+        self.created = int(time.time())
+        self.app = self._build()
+
+    # -- routes ----------------------------------------------------------------------------
+    def _build(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            self.loop.start()
+            try:
+                yield
+            finally:  # graceful shutdown: what runs is cancelled, the loop ends
+                self.loop.stop()
+                print("infersight serve: stopped", file=sys.stderr, flush=True)
+
+        app = FastAPI(
+            title="Infersight", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        )
+
+        @app.exception_handler(HTTPError)
+        async def _http_error(_: Request, exc: HTTPError) -> Response:
+            self.metrics.reject(exc.status)
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            param = ".".join(loc) or None
+            message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+            self.metrics.reject(400)
+            return HTTPError(400, message, param=param).response()
+
+        @app.get("/health")
+        async def health() -> Response:
+            ok = self.loop.alive and self.admission.requests < self.limits.max_waiting
+            body = {
+                "status": "ok" if ok else "unavailable",
+                "model": self.name,
+                "engine_running": self.loop.alive,
+                "waiting": self.admission.requests,
+                "max_waiting": self.limits.max_waiting,
+            }
+            return JSONResponse(body, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            body, content_type = self.metrics.render()
+            return Response(body, media_type=content_type)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{
+                "id": self.name, "object": "model", "created": self.created,
+                "owned_by": "infersight", "max_model_len": self.engine.context_length,
+            }]}  # fmt: skip
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatBody, request: Request) -> Response:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                prompt = self.engine.chat_prompt_ids(messages)
+            except InvalidRequestError as exc:
+                raise HTTPError(400, str(exc), param="messages") from None
+            limit = body.max_completion_tokens or body.max_tokens
+            return await self._complete(body, request, prompt, limit, chat=True)
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionBody, request: Request) -> Response:
+            if isinstance(body.prompt, str):
+                prompt = self.engine.tokenizer.encode_prompt(body.prompt)
+            else:
+                prompt = list(body.prompt)
+            return await self._complete(body, request, prompt, body.max_tokens, chat=False)
+
+        app.add_middleware(_Guard, server=self)
+        return app
+
+    # -- one request -----------------------------------------------------------------------
+    def _params(self, body: _Body, limit: int | None) -> list[SamplingParams]:
+        lim = self.limits
+        if body.model is not None and body.model != self.name:
+            raise HTTPError(
+                400, f"unknown model {body.model!r}; this server serves {self.name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        if body.n > lim.max_n:
+            raise HTTPError(400, f"n must be at most {lim.max_n}", param="n")
+        max_new = limit if limit is not None else lim.max_tokens
+        if max_new > lim.max_tokens:
+            raise HTTPError(400, f"max_tokens must be at most {lim.max_tokens}", param="max_tokens")
+        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        return [
+            SamplingParams(
+                max_new_tokens=max_new, temperature=body.temperature,
+                top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty,
+                seed=None if body.seed is None else body.seed + i, stop=stops,
+            )
+            for i in range(body.n)
+        ]  # fmt: skip
+
+    async def _complete(
+        self, body: _Body, request: Request, prompt: list[int], limit: int | None, *, chat: bool
+    ) -> Response:
+        params = self._params(body, limit)
+        try:
+            self.engine.check_request(prompt, params[0])
+        except InvalidRequestError as exc:
+            raise HTTPError(400, str(exc), param="messages" if chat else "prompt") from None
+        self.admission.take(len(params), len(prompt) * len(params))  # may raise 503
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[int, TokenEvent | BaseException]] = asyncio.Queue()
+        prefix = "chatcmpl" if chat else "cmpl"
+        base = f"{prefix}-{secrets.token_hex(12)}"
+        choices = [_Choice(i, f"{base}-{i}") for i in range(len(params))]
+        for choice, p in zip(choices, params, strict=True):
+            sink = _sink(loop, events, choice.index)
+            self.loop.submit(choice.request_id, prompt, p, self.limits.queue_timeout_s, sink)
+        run = _Run(self, events, choices, len(prompt))
+        reply = _Reply(base, self.name, chat, len(prompt), int(time.time()))
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(
+                run.stream(reply, usage, request), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )  # fmt: skip
+        await run.wait(request)
+        return JSONResponse(reply.whole(choices))
+
+
+def _sink(
+    loop: asyncio.AbstractEventLoop,
+    events: asyncio.Queue[tuple[int, TokenEvent | BaseException]],
+    index: int,
+) -> Sink:
+    def put(event: TokenEvent | BaseException) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+    return put
+
+
+class _Run:
+    """The engine requests behind one HTTP request (its ``n`` choices): their events, the
+    queue places they hold until their first token, and their cancellation if the client
+    leaves."""
+
+    def __init__(
+        self, server: Server, events: asyncio.Queue[tuple[int, TokenEvent | BaseException]],
+        choices: list[_Choice], prompt_tokens: int,
+    ) -> None:  # fmt: skip
+        self.server, self.events, self.choices = server, events, choices
+        self.prompt_tokens = prompt_tokens
+        self.waiting = {c.index for c in choices}  # without a first event yet
+
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices)
+
+    async def next(self) -> tuple[_Choice, TokenEvent]:
+        index, event = await self.events.get()
+        choice = self.choices[index]
+        if index in self.waiting:
+            self.waiting.discard(index)
+            self.server.admission.give_back(self.prompt_tokens)
+        if isinstance(event, BaseException):
+            choice.finish = "error"
+            self.cancel()
+            raise _failure(event)
+        if event.token_id is not None:
+            choice.tokens += 1
+        choice.text += event.text
+        if event.finish_reason == "timeout":
+            choice.finish = "error"
+            self.cancel()
+            raise HTTPError(
+                503, "the request waited longer than the server's queue timeout; try again",
+                code="queue_timeout", headers={"Retry-After": "1"},
+            )  # fmt: skip
+        choice.finish = event.finish_reason
+        return choice, event
+
+    def cancel(self) -> None:
+        """Cancel every choice still going (the engine frees their blocks at its next step)
+        and give back their queue places."""
+        for choice in self.choices:
+            if choice.finish is None:
+                self.server.loop.cancel(choice.request_id)
+                choice.finish = "cancelled"
+        for _ in self.waiting:
+            self.server.admission.give_back(self.prompt_tokens)
+        self.waiting.clear()
+
+    async def wait(self, request: Request) -> None:
+        """Collect every choice, cancelling them if the client disconnects meanwhile."""
+        try:
+            while not self.done():
+                getter = asyncio.ensure_future(self.next())
+                while not getter.done():
+                    await asyncio.wait({getter}, timeout=0.1)
+                    if not getter.done() and await request.is_disconnected():
+                        getter.cancel()
+                        self.cancel()
+                        return
+                getter.result()
+        finally:
+            if not self.done():
+                self.cancel()
+
+    async def stream(self, reply: _Reply, usage: bool, request: Request) -> AsyncIterator[str]:
+        try:
+            if reply.chat:  # the first delta of each choice carries its role
+                for choice in self.choices:
+                    yield reply.chunk(choice.index, "", None, first=True)
+            while not self.done():
+                try:
+                    choice, event = await self.next()
+                except HTTPError as exc:
+                    yield _sse(error_body(exc.message, exc.kind, exc.param, exc.code))
+                    break
+                if event.text or choice.finish is not None:
+                    finish = choice.finish if choice.finish != "cancelled" else None
+                    yield reply.chunk(choice.index, event.text, finish)
+            else:
+                if usage:
+                    yield _sse(reply.usage_chunk(self.choices))
+            yield "data: [DONE]\n\n"
+        finally:  # the client left (the task is cancelled) or the stream ended
+            if not self.done():
+                self.cancel()
+
+
+def _failure(exc: BaseException) -> HTTPError:
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return HTTPError(400, str(exc))
+    return HTTPError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error")
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """OpenAI's response and chunk shapes for one request."""
+
+    id: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+    created: int = 0
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created or int(time.time()),
+                "model": self.model}  # fmt: skip
+
+    def chunk(self, index: int, text: str, finish: str | None, *, first: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {
+                "content": text}  # fmt: skip
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return _sse({**self._head("chat.completion.chunk"), "choices": [choice]})
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return _sse({**self._head("text_completion"), "choices": [choice]})
+
+    def usage(self, choices: list[_Choice]) -> dict[str, int]:
+        completion = sum(c.tokens for c in choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}  # fmt: skip
+
+    def usage_chunk(self, choices: list[_Choice]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": self.usage(choices)}
+
+    def whole(self, choices: list[_Choice]) -> dict[str, Any]:
+        if self.chat:
+            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None, "finish_reason": c.finish} for c in choices]  # fmt: skip
+            return {**self._head("chat.completion"), "choices": out, "usage": self.usage(choices)}
+        out = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish}
+               for c in choices]  # fmt: skip
+        return {**self._head("text_completion"), "choices": out, "usage": self.usage(choices)}
+
+
+class _Guard:
+    """ASGI middleware before every route: the API key (all routes but ``/health``) and the
+    body size limit, both answered in OpenAI's error shape."""
+
+    def __init__(self, app: ASGIApp, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        server = self.server
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if server.api_key and scope["path"] != "/health":
+            given = headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), server.api_key.encode()):
+                server.metrics.reject(401)
+                await HTTPError(
+                    401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
+                    code="invalid_api_key",
+                ).response()(scope, receive, send)  # fmt: skip
+                return
+        limit = server.limits.max_body_bytes
+        too_big = HTTPError(413, f"the request body is larger than {limit} bytes")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            server.metrics.reject(413)
+            await too_big.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:  # a body sent without a length, in chunks
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise too_big
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except HTTPError as exc:
+            server.metrics.reject(exc.status)
+            await exc.response()(scope, receive, send)

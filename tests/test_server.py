@@ -1,0 +1,336 @@
+"""``infersight serve`` as a user runs it: a subprocess on a free loopback port, spoken to with
+the real ``openai`` SDK and, where the SDK hides the wire (``[DONE]``, headers, a client that
+vanishes), with raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+
+KEY = "test-key-123"
+MAX_WAITING = 64
+MAX_N = 4
+MAX_TOKENS = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(default_model: Path) -> Iterator[str]:
+    """The server's base URL; it runs for the whole module."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--model", "default", "--port", str(port),
+         "--api-key", KEY, "--max-waiting", str(MAX_WAITING), "--max-n", str(MAX_N),
+         "--max-tokens", str(MAX_TOKENS), "--max-batch-size", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            status, _, _ = request(base, "GET", "/health")
+            if status == 200:
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"the server did not start:\n{out}")
+        time.sleep(0.2)
+    yield base
+    proc.terminate()  # uvicorn's graceful shutdown: the engine loop cancels and ends
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    # uvicorn raises the signal again once it has shut down, as the default handler would
+    assert proc.returncode in (0, -15) and "infersight serve: stopped" in out, out
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model: Path) -> LLMEngine:
+    return LLMEngine.load(default_model)
+
+
+def request(
+    base: str, method: str, path: str, body: object = None, *, key: str | None = KEY,
+    raw: bytes | None = None,
+) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    conn.request(method, path, body=data, headers=headers)
+    resp = conn.getresponse()
+    out = resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    conn.close()
+    return out
+
+
+def metrics(base: str) -> dict[str, float]:
+    """Every sample of ``/metrics`` by name (labels other than the model folded into the name)."""
+    _, _, body = request(base, "GET", "/metrics")
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return out
+
+
+def greedy(engine: LLMEngine, content: str, tokens: int) -> str:
+    prompt = engine.chat_prompt_ids([{"role": "user", "content": content}])
+    gen = engine.generate(prompt, SamplingParams(max_new_tokens=tokens))
+    list(gen)
+    return gen.result.text
+
+
+def test_chat_streams_what_the_engine_generates_chunk_by_chunk(client, engine):
+    question = "Name three rivers in Europe."
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+        max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    *content, usage = chunks
+    assert usage.choices == [] and usage.usage is not None
+    assert content[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in content]
+    assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in content)
+    assert text == greedy(engine, question, 24)
+    assert usage.usage.completion_tokens <= 24
+    assert usage.usage.total_tokens == usage.usage.prompt_tokens + usage.usage.completion_tokens
+    whole = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+        max_completion_tokens=24, temperature=0,
+    )  # fmt: skip
+    assert whole.choices[0].message.content == text
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == usage.usage.completion_tokens
+
+
+def test_completions_stop_strings_n_and_seeds(client, engine):
+    prompt = "The days of the week are Monday, Tuesday,"
+    whole = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=20, temperature=0, stop=["Friday"]
+    )
+    text = whole.choices[0].text
+    assert "Friday" not in text and whole.choices[0].finish_reason == "stop", text
+    streamed = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=20, temperature=0,
+        stop=["Friday"], stream=True,
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == text
+    ids = engine.tokenizer.encode_prompt(prompt)
+    gen = engine.generate(ids, SamplingParams(max_new_tokens=20, stop=("Friday",)))
+    list(gen)
+    assert gen.result.text == text
+
+    def sample() -> list[str]:
+        out = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "A color?"}],
+            max_tokens=8, temperature=1.0, seed=7, n=3,
+        )  # fmt: skip
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        return [c.message.content or "" for c in out.choices]
+
+    first = sample()
+    assert sample() == first  # a seed makes n choices reproducible
+
+
+def test_the_stream_ends_with_done_as_server_sent_events(server):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    status, headers, data = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [e for e in data.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    json.loads(events[-2].removeprefix("data: "))
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 3}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": MAX_N + 1}, "n"),
+        ({"max_tokens": MAX_TOKENS + 1}, "max_tokens"),
+        ({"model": "gpt-4"}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_field(server, change, param):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **change}
+    status, _, data = request(server, "POST", "/v1/chat/completions", body)
+    error = json.loads(data)["error"]
+    assert status == 400, data
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert error["message"]
+
+
+def test_a_key_is_needed_and_the_body_is_bounded(server):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    status, _, data = request(server, "POST", "/v1/chat/completions", body, key=None)
+    assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
+    status, _, _ = request(server, "GET", "/v1/models", key="wrong")
+    assert status == 401
+    status, _, _ = request(server, "GET", "/health", key=None)  # health needs no key
+    assert status == 200
+    status, _, data = request(server, "POST", "/v1/chat/completions", raw=b"x" * (2 << 20))
+    assert status == 413 and "larger than" in json.loads(data)["error"]["message"]
+
+
+def test_metrics_parse_and_count_the_finished_requests(server, client):
+    before = metrics(server)
+    for i in range(3):
+        client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=f"Count: {i}", max_tokens=3, temperature=0
+        )
+    after = metrics(server)
+    ttft = "vllm:time_to_first_token_seconds_count"
+    done = "vllm:request_success_total{finished_reason=length}"
+    assert after[ttft] - before.get(ttft, 0) == 3
+    assert after[done] - before.get(done, 0) == 3
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 9
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total"):  # fmt: skip
+        assert name in after
+
+
+def wait_idle(server: str) -> dict[str, float]:
+    """``/metrics`` once nothing runs, waits or holds a KV block (the engine's snapshot lags
+    the engine by at most a quarter second)."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(server)
+        idle = m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
+        if (idle and m["vllm:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_a_client_that_disconnects_cancels_its_request(server):
+    cancelled = "vllm:request_success_total{finished_reason=cancelled}"
+    before = metrics(server).get(cancelled, 0)
+    host, port = server.removeprefix("http://").split(":")
+    cases = [
+        ("Write a very long story about the sea.", True, True),  # mid-stream
+        ("word " * 3000, True, False),  # mid-prefill: gone before its first token
+        ("Write a very long poem about the wind.", False, False),  # waiting for a whole answer
+    ]
+    for content, stream, read in cases:
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 400,
+                "stream": stream}  # fmt: skip
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        )
+        if read:
+            resp = conn.getresponse()
+            for _ in range(4):
+                assert resp.fp.readline()
+        else:
+            time.sleep(0.5)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    m = wait_idle(server)
+    assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
+    assert m[cancelled] - before == len(cases)
+
+
+def test_a_burst_beyond_the_queue_gets_503_and_loses_no_accepted_request(server, engine):
+    """Three times the queue's clients at once: the first are accepted and all finish with
+    the engine's text, the rest get 503 with Retry-After."""
+    question = "What is the capital of Italy?"
+    want = greedy(engine, question, 8)
+    results: list[tuple[int, dict[str, str], bytes]] = []
+    lock = threading.Lock()
+    clients = 3 * MAX_WAITING
+    go = threading.Barrier(clients)
+
+    def one() -> None:
+        body = {"messages": [{"role": "user", "content": question}], "max_tokens": 8,
+                "temperature": 0}  # fmt: skip
+        go.wait()
+        out = request(server, "POST", "/v1/chat/completions", body)
+        with lock:
+            results.append(out)
+
+    threads = [threading.Thread(target=one) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    ok = [json.loads(b) for s, _, b in results if s == 200]
+    busy = [(h, json.loads(b)) for s, h, b in results if s == 503]
+    assert len(ok) + len(busy) == clients
+    assert MAX_WAITING <= len(ok) < clients and busy
+    assert all(r["choices"][0]["message"]["content"] == want for r in ok)
+    assert all(h["retry-after"] and e["error"]["code"] == "server_busy" for h, e in busy)
+    m = wait_idle(server)
+    assert m["vllm:kv_cache_usage_perc"] == 0
+    assert m["infersight:rejected_requests_total{status=503}"] >= len(busy)
+
+
+def test_64_streaming_clients_of_mixed_lengths_all_get_their_text(server, client, engine):
+    questions = [f"Tell me one fact about the number {i}." for i in range(8)]
+    lengths = [4 + 4 * (i % 4) for i in range(8)]  # 4 … 16 new tokens
+    want = {i: greedy(engine, questions[i], lengths[i]) for i in range(8)}
+    got: dict[int, list[str]] = {i: [] for i in range(8)}
+    lock = threading.Lock()
+    wide = openai.OpenAI(base_url=str(client.base_url), api_key=KEY, max_retries=0, timeout=300)
+
+    def one(k: int) -> None:
+        i = k % 8
+        stream = wide.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": questions[i]}],
+            max_tokens=lengths[i], temperature=0, stream=True,
+        )  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        with lock:
+            got[i].append(text)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert {i: len(v) for i, v in got.items()} == dict.fromkeys(range(8), 8)
+    assert all(text == want[i] for i, texts in got.items() for text in texts)
+    assert wait_idle(server)["vllm:kv_cache_usage_perc"] == 0
