@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.server_metrics import ServerMetrics
 from engine.engine import LLMEngine, TokenEvent
 from engine.errors import InfersightError, InvalidRequestError
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("infersight.server")
 
@@ -270,11 +270,20 @@ class _Message(BaseModel):
 class ChatBody(_Body):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(_Body):
     prompt: str | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -287,6 +296,8 @@ class _Choice:
     text: str = ""
     tokens: int = 0
     finish: str | None = None
+    scored: list[TokenEvent] = field(default_factory=list)  # events with logprobs
+    offset: int = 0  # characters of the scored tokens streamed so far (completions' offsets)
 
 
 class Server:
@@ -367,7 +378,9 @@ class Server:
             except InvalidRequestError as exc:
                 raise HTTPError(400, str(exc), param="messages") from None
             limit = body.max_completion_tokens or body.max_tokens
-            return await self._complete(body, request, prompt, limit, chat=True)
+            return await self._complete(
+                body, request, prompt, limit, body.wanted_logprobs(), chat=True
+            )
 
         @app.post("/v1/completions")
         async def completions(body: CompletionBody, request: Request) -> Response:
@@ -375,13 +388,18 @@ class Server:
                 prompt = self.engine.tokenizer.encode_prompt(body.prompt)
             else:
                 prompt = list(body.prompt)
-            return await self._complete(body, request, prompt, body.max_tokens, chat=False)
+            return await self._complete(
+                body, request, prompt, body.max_tokens, body.wanted_logprobs(), chat=False
+            )
 
         app.add_middleware(_Guard, server=self)
         return app
 
     # -- one request -----------------------------------------------------------------------
-    def _params(self, body: _Body, limit: int | None) -> list[SamplingParams]:
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _params(self, body: _Body, limit: int | None, logprobs: int | None) -> list[SamplingParams]:
         lim = self.limits
         if body.model is not None and body.model != self.name:
             raise HTTPError(
@@ -400,14 +418,16 @@ class Server:
                 top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
                 repetition_penalty=body.repetition_penalty,
                 seed=None if body.seed is None else body.seed + i, stop=stops,
+                logprobs=logprobs,
             )
             for i in range(body.n)
         ]  # fmt: skip
 
     async def _complete(
-        self, body: _Body, request: Request, prompt: list[int], limit: int | None, *, chat: bool
-    ) -> Response:
-        params = self._params(body, limit)
+        self, body: _Body, request: Request, prompt: list[int], limit: int | None,
+        logprobs: int | None, *, chat: bool,
+    ) -> Response:  # fmt: skip
+        params = self._params(body, limit, logprobs)
         try:
             self.engine.check_request(prompt, params[0])
         except InvalidRequestError as exc:
@@ -422,7 +442,8 @@ class Server:
             sink = _sink(loop, events, choice.index)
             self.loop.submit(choice.request_id, prompt, p, self.limits.queue_timeout_s, sink)
         run = _Run(self, events, choices, len(prompt))
-        reply = _Reply(base, self.name, chat, len(prompt), int(time.time()))
+        token_text = None if logprobs is None else self._token_text
+        reply = _Reply(base, self.name, chat, len(prompt), int(time.time()), token_text)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
@@ -472,6 +493,8 @@ class _Run:
             raise _failure(event)
         if event.token_id is not None:
             choice.tokens += 1
+            if event.logprob is not None:
+                choice.scored.append(event)
         choice.text += event.text
         if event.finish_reason == "timeout":
             choice.finish = "error"
@@ -521,9 +544,14 @@ class _Run:
                 except HTTPError as exc:
                     yield _sse(error_body(exc.message, exc.kind, exc.param, exc.code))
                     break
-                if event.text or choice.finish is not None:
+                scored = [event] if event.logprob is not None else []
+                if event.text or choice.finish is not None or scored:
                     finish = choice.finish if choice.finish != "cancelled" else None
-                    yield reply.chunk(choice.index, event.text, finish)
+                    yield reply.chunk(
+                        choice.index, event.text, finish, scored=scored, offset=choice.offset
+                    )
+                    if scored and reply.token_text is not None:
+                        choice.offset += len(reply.token_text(event.token_id or 0))
             else:
                 if usage:
                     yield _sse(reply.usage_chunk(self.choices))
@@ -554,19 +582,55 @@ class _Reply:
     chat: bool
     prompt_tokens: int
     created: int = 0
+    #: decodes one token id, where log-probabilities were asked for (None: they were not)
+    token_text: Callable[[int], str] | None = None
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created or int(time.time()),
                 "model": self.model}  # fmt: skip
 
-    def chunk(self, index: int, text: str, finish: str | None, *, first: bool = False) -> str:
+    def chunk(
+        self, index: int, text: str, finish: str | None, *, first: bool = False,
+        scored: list[TokenEvent] | None = None, offset: int = 0,
+    ) -> str:  # fmt: skip
+        logprobs = self.logprobs(scored or [], offset)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {
                 "content": text}  # fmt: skip
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish}  # fmt: skip
             return _sse({**self._head("chat.completion.chunk"), "choices": [choice]})
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return _sse({**self._head("text_completion"), "choices": [choice]})
+
+    def logprobs(self, scored: list[TokenEvent], offset: int) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object for these tokens: chat's ``content`` list, or the
+        completions' parallel lists (``text_offset`` counted from ``offset``)."""
+        name = self.token_text
+        if name is None or not scored:
+            return None
+        if self.chat:
+
+            def entry(tid: int, lp: float) -> dict[str, Any]:
+                text = name(tid)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+            return {"content": [
+                {**entry(e.token_id or 0, e.logprob or 0.0),
+                 "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
+                for e in scored
+            ]}  # fmt: skip
+        tokens = [name(e.token_id or 0) for e in scored]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in scored],
+            "top_logprobs": [{name(t): lp for t, lp in e.top_logprobs} for e in scored],
+            "text_offset": offsets,
+        }
 
     def usage(self, choices: list[_Choice]) -> dict[str, int]:
         completion = sum(c.tokens for c in choices)
@@ -580,10 +644,11 @@ class _Reply:
     def whole(self, choices: list[_Choice]) -> dict[str, Any]:
         if self.chat:
             out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None, "finish_reason": c.finish} for c in choices]  # fmt: skip
+                    "logprobs": self.logprobs(c.scored, 0), "finish_reason": c.finish}
+                   for c in choices]  # fmt: skip
             return {**self._head("chat.completion"), "choices": out, "usage": self.usage(choices)}
-        out = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish}
-               for c in choices]  # fmt: skip
+        out = [{"index": c.index, "text": c.text, "logprobs": self.logprobs(c.scored, 0),
+                "finish_reason": c.finish} for c in choices]  # fmt: skip
         return {**self._head("text_completion"), "choices": out, "usage": self.usage(choices)}
 
 

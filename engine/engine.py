@@ -112,6 +112,10 @@ class TokenEvent:
     token_id: int | None
     text: str
     finish_reason: str | None = None
+    #: with ``SamplingParams.logprobs``: the token's log-probability and ``(id, logprob)`` of
+    #: the likeliest tokens at its step, best first
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -531,6 +535,9 @@ class LLMEngine:
         for c in out.chunks:
             c.seq.num_computed = c.start + c.length
             mgr.commit(c.seq.request_id, c.seq.num_computed, c.seq.tokens)
+        # log-probabilities of the model's own distribution, before sampling touches the rows
+        wanted = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+        logprobs = torch.log_softmax(logits[wanted].float(), dim=-1) if wanted else None
         tokens = sample(
             logits,
             [s.params for s in samplers],
@@ -538,8 +545,16 @@ class LLMEngine:
             [s.generator for s in samplers if s.generator is not None],
         )
         now = time.perf_counter()
-        for seq, token in zip(samplers, tokens, strict=True):
-            events.append(self._append(seq, token, now))
+        for i, (seq, token) in enumerate(zip(samplers, tokens, strict=True)):
+            event = self._append(seq, token, now)
+            if logprobs is not None and seq.params.logprobs is not None:
+                row = logprobs[wanted.index(i)]
+                event.logprob = float(row[token])
+                if seq.params.logprobs:
+                    best = row.topk(seq.params.logprobs)
+                    pairs = zip(best.indices.tolist(), best.values.tolist(), strict=True)
+                    event.top_logprobs = tuple(pairs)
+            events.append(event)
         if self.window is not None:
             for seq in self.scheduler.running:
                 mgr.release_outside_window(seq.request_id, self.window)

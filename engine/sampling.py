@@ -16,6 +16,8 @@ from torch import Tensor
 
 from engine.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -29,6 +31,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     extra_stop_token_ids: tuple[int, ...] = field(default=())
+    #: None: no log-probabilities; k >= 0: each token's, and the k likeliest at its step
+    #: (of the model's own distribution, before penalties, temperature or filters)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -51,6 +56,10 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -167,6 +167,41 @@ def test_completions_stop_strings_n_and_seeds(client, engine):
     assert sample() == first  # a seed makes n choices reproducible
 
 
+def test_logprobs_are_the_models_own_and_name_the_chosen_tokens(client, engine):
+    import torch
+
+    question = "What is 2 + 2?"
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+        max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert choice.logprobs is not None and out.usage is not None
+    entries = choice.logprobs.content or []
+    assert len(entries) == out.usage.completion_tokens
+    for e in entries:  # greedy: the chosen token is the likeliest one
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert e.token == e.top_logprobs[0].token and e.logprob == pytest.approx(tops[0])
+    assert "".join(e.token for e in entries) == choice.message.content
+    # the first one is the log-softmax of the model's logits after the prompt
+    prompt = engine.chat_prompt_ids([{"role": "user", "content": question}])
+    logits = engine.forward_logits(prompt, engine.new_cache(len(prompt)), 0)[-1]
+    assert entries[0].logprob == pytest.approx(float(torch.log_softmax(logits, -1).max()), abs=1e-4)
+
+    text = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="One, two, three,", max_tokens=4, temperature=0,
+        logprobs=2, stream=True,
+    )  # fmt: skip
+    chunks = [c.choices[0] for c in text if c.choices]
+    scored = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert len(scored) == 4
+    offsets = [lp.text_offset[0] for lp in scored]
+    lengths = [len(lp.tokens[0]) for lp in scored]
+    assert offsets == [sum(lengths[:i]) for i in range(4)]
+    assert all(len(lp.top_logprobs[0]) == 2 for lp in scored)
+
+
 def test_the_stream_ends_with_done_as_server_sent_events(server):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
     status, headers, data = request(server, "POST", "/v1/chat/completions", body)
@@ -190,6 +225,7 @@ def test_the_stream_ends_with_done_as_server_sent_events(server):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(server, change, param):
