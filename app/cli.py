@@ -556,6 +556,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     engine = load_engine(args, config=engine_config(args, max_batch_size=args.max_batch_size))
+    import logging
+
+    from app.server import JsonLines
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLines())
+    server_log = logging.getLogger("infersight.server")
+    server_log.addHandler(handler)
+    server_log.setLevel(logging.INFO)
+    server_log.propagate = False
     api_key = args.api_key or os.environ.get("INFERSIGHT_API_KEY") or None
     name = args.served_model_name or engine.name
     server = Server(engine, name=name, limits=limits, api_key=api_key)

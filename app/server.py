@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.server_metrics import ServerMetrics
 from engine.engine import LLMEngine, TokenEvent
 from engine.errors import InfersightError, InvalidRequestError
+from engine.metrics import RequestMetrics
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("infersight.server")
@@ -80,6 +81,40 @@ def error_body(
     message: str, kind: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- logs ---------------------------------------------------------------------------------------
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per line: time, level, event and the event's fields (a request's id
+    through its life: arrival, end or error), for log collectors to parse."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                "event": record.getMessage(), **getattr(record, "fields", {})}  # fmt: skip
+        if record.exc_info:
+            line["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
+    log.log(level, event, extra={"fields": fields})
+
+
+def _figures(m: RequestMetrics) -> dict[str, Any]:
+    """What a finished request's ``end`` line says: its counts and times, not its text."""
+
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 4)
+
+    return {
+        "request_id": m.request_id, "finish_reason": m.finish_reason,
+        "prompt_tokens": m.prompt_tokens, "cached_prompt_tokens": m.cached_prompt_tokens,
+        "output_tokens": m.output_tokens, "queue_s": r(m.request_queue_time_seconds),
+        "ttft_s": r(m.time_to_first_token_seconds), "tpot_s": r(m.time_per_output_token_seconds),
+        "e2e_s": r(m.e2e_request_latency_seconds), "preemptions": m.preemptions,
+    }  # fmt: skip
 
 
 # -- the engine's thread ---------------------------------------------------------------------
@@ -166,6 +201,7 @@ class EngineLoop:
             log.exception("engine step failed")
             self.metrics.engine_errors.inc()
             for rid, failed in list(self._sinks.items()):
+                log_event("error", logging.ERROR, **self._context(rid, exc))
                 self.engine.cancel(rid)
                 failed(exc)
             self._sinks.clear()
@@ -181,7 +217,20 @@ class EngineLoop:
                 finished = self.engine.request_metrics(event.request_id)
                 if finished is not None:
                     self.metrics.observe_request(finished)
+                    log_event("end", **_figures(finished))
             sink(event)
+
+    def _context(self, rid: str, exc: BaseException) -> dict[str, Any]:
+        """A failed request's whole story for its log line: the error, its prompt and output
+        so far (as token ids), where it was and how it was sampled."""
+        fields: dict[str, Any] = {"request_id": rid, "error": f"{type(exc).__name__}: {exc}"}
+        with contextlib.suppress(KeyError):
+            seq = self.engine.sequence(rid)
+            fields.update(
+                prompt_ids=seq.prompt_ids, output_ids=seq.output_ids, status=seq.status.value,
+                num_computed=seq.num_computed, params=repr(seq.params),
+            )  # fmt: skip
+        return fields
 
     def _snapshot(self, *, force: bool = False) -> None:
         now = time.perf_counter()
@@ -333,18 +382,21 @@ class Server:
         )
 
         @app.exception_handler(HTTPError)
-        async def _http_error(_: Request, exc: HTTPError) -> Response:
+        async def _http_error(request: Request, exc: HTTPError) -> Response:
             self.metrics.reject(exc.status)
+            await self._log_refusal(request, exc)
             return exc.response()
 
         @app.exception_handler(RequestValidationError)
-        async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        async def _invalid(request: Request, exc: RequestValidationError) -> Response:
             first = exc.errors()[0] if exc.errors() else {}
             loc = [str(p) for p in first.get("loc", ()) if p != "body"]
             param = ".".join(loc) or None
             message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
             self.metrics.reject(400)
-            return HTTPError(400, message, param=param).response()
+            error = HTTPError(400, message, param=param)
+            await self._log_refusal(request, error)
+            return error.response()
 
         @app.get("/health")
         async def health() -> Response:
@@ -396,6 +448,16 @@ class Server:
         return app
 
     # -- one request -----------------------------------------------------------------------
+    async def _log_refusal(self, request: Request, exc: HTTPError) -> None:
+        """A refused request is logged with its context: route, status, message and (for a
+        client's mistake) the body it sent, cut at 2 kB. Never its headers (the key)."""
+        fields: dict[str, Any] = {"route": request.url.path, "status": exc.status,
+                                  "message": exc.message, "param": exc.param}  # fmt: skip
+        if 400 <= exc.status < 500 and exc.status != 413:
+            body = await request.body()
+            fields["body"] = body[:2048].decode("utf-8", "replace")
+        log_event("refused", logging.WARNING, **fields)
+
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -438,6 +500,10 @@ class Server:
         prefix = "chatcmpl" if chat else "cmpl"
         base = f"{prefix}-{secrets.token_hex(12)}"
         choices = [_Choice(i, f"{base}-{i}") for i in range(len(params))]
+        log_event(
+            "arrival", request_id=base, route=request.url.path, prompt_tokens=len(prompt),
+            n=len(params), max_tokens=params[0].max_new_tokens, stream=body.stream,
+        )  # fmt: skip
         for choice, p in zip(choices, params, strict=True):
             sink = _sink(loop, events, choice.index)
             self.loop.submit(choice.request_id, prompt, p, self.limits.queue_timeout_s, sink)

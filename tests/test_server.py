@@ -34,14 +34,21 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(default_model: Path) -> Iterator[str]:
-    """The server's base URL; it runs for the whole module."""
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def server(default_model: Path, server_log: Path) -> Iterator[str]:
+    """The server's base URL; it runs for the whole module, its output going to a file (a pipe
+    nobody reads would fill and stall it)."""
     port = free_port()
+    out = open(server_log, "w", encoding="utf-8")  # noqa: SIM115 (closed at the end)
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--model", "default", "--port", str(port),
          "--api-key", KEY, "--max-waiting", str(MAX_WAITING), "--max-n", str(MAX_N),
          "--max-tokens", str(MAX_TOKENS), "--max-batch-size", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=out, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -54,17 +61,18 @@ def server(default_model: Path) -> Iterator[str]:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            out = proc.stdout.read() if proc.stdout else ""
-            pytest.fail(f"the server did not start:\n{out}")
+            pytest.fail(f"the server did not start:\n{server_log.read_text()}")
         time.sleep(0.2)
     yield base
     proc.terminate()  # uvicorn's graceful shutdown: the engine loop cancels and ends
     try:
-        out, _ = proc.communicate(timeout=30)
+        proc.wait(30)
     finally:
         proc.kill()
+        out.close()
     # uvicorn raises the signal again once it has shut down, as the default handler would
-    assert proc.returncode in (0, -15) and "infersight serve: stopped" in out, out
+    text = server_log.read_text()
+    assert proc.returncode in (0, -15) and "infersight serve: stopped" in text, text[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +350,27 @@ def test_a_burst_beyond_the_queue_gets_503_and_loses_no_accepted_request(server,
     m = wait_idle(server)
     assert m["vllm:kv_cache_usage_perc"] == 0
     assert m["infersight:rejected_requests_total{status=503}"] >= len(busy)
+
+
+def test_the_log_is_json_lines_following_each_request_and_never_the_key(client, server_log):
+    client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Log me", max_tokens=2, temperature=0
+    )
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", temperature=9)
+    time.sleep(0.5)  # the end line is written by the engine's thread
+    text = server_log.read_text()
+    assert KEY not in text
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    arrival = next(e for e in reversed(lines) if e["event"] == "arrival")
+    ends = [e for e in lines if e["event"] == "end" and e["request_id"].startswith(
+        arrival["request_id"])]  # fmt: skip
+    assert arrival["prompt_tokens"] > 0 and arrival["route"] == "/v1/completions"
+    (end,) = ends
+    assert end["output_tokens"] == 2 and end["ttft_s"] > 0 and "text" not in end
+    refused = next(e for e in reversed(lines) if e["event"] == "refused")
+    assert refused["status"] == 400 and refused["param"] == "temperature"
+    assert json.loads(refused["body"])["temperature"] == 9  # a failure logs its context
 
 
 def test_64_streaming_clients_of_mixed_lengths_all_get_their_text(server, client, engine):
