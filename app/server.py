@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,6 +56,8 @@ class ServerLimits:
     max_tokens: int = 4096
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
+    self_test_s: float = 300.0  # between self-tests (0: only the one at start)
+    oom_margin_mib: int = 256  # GPU memory held back for recovering from running out
 
 
 class HTTPError(Exception):
@@ -117,6 +120,45 @@ def _figures(m: RequestMetrics) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# -- health -------------------------------------------------------------------------------------
+
+SELF_TEST_PROMPT = [{"role": "user", "content": "What is 2 + 2? Answer with one number."}]
+SELF_TEST_TOKENS = 8
+
+
+@dataclass(slots=True)
+class SelfTest:
+    """The known answer (the first run's) and how the last run compared."""
+
+    answer: str | None = None
+    ok: bool | None = None
+    runs: int = 0
+    error: str | None = None
+
+    def record(self, text: str, error: str | None) -> None:
+        self.runs += 1
+        if error is None and not text:
+            error = "the answer was empty"
+        if error is None and self.answer is not None and text != self.answer:
+            error = f"answered {text!r}, not {self.answer!r}"
+        if error is None and self.answer is None:
+            self.answer = text
+        self.ok, self.error = error is None, error
+
+
+def _memory(device: torch.device) -> dict[str, Any]:
+    """Free and total memory where the engine runs; within bounds while 2% of it is free
+    (CUDA: what the driver says is free; CPU: what the OS says is available)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        free, total = vm.available, vm.total
+    return {"free_bytes": int(free), "total_bytes": int(total), "ok": free >= 0.02 * total}
+
+
 # -- the engine's thread ---------------------------------------------------------------------
 
 Sink = Callable[[TokenEvent | BaseException], None]
@@ -129,7 +171,7 @@ class EngineLoop:
 
     SNAPSHOT_S = 0.25
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, margin_bytes: int = 0) -> None:
         self.engine = engine
         self.metrics = metrics
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -137,6 +179,12 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="infersight-engine", daemon=True)
         self._last_snapshot = 0.0
+        #: memory held back from the allocator and let go when a step runs out of memory, so
+        #: that failing its requests and serving the next ones has room (taken again when idle)
+        self.margin_bytes = margin_bytes
+        self._margin: torch.Tensor | None = None
+        self.out_of_memory = 0  # steps that ran out of memory
+        self._reserve()
 
     @property
     def alive(self) -> bool:
@@ -182,6 +230,8 @@ class EngineLoop:
                 self._step()
                 if engine.hold_s > 0:
                     time.sleep(min(engine.hold_s, 0.01))
+            elif self._margin is None:
+                self._reserve()
             self._snapshot()
 
     def _add(
@@ -198,8 +248,14 @@ class EngineLoop:
         try:
             events = self.engine.step()
         except Exception as exc:  # the step's requests end with the error; serving goes on
+            if isinstance(exc, torch.OutOfMemoryError):
+                self.out_of_memory += 1
+                self._margin = None  # the room to fail them in and go on
+                if self.engine.device.type == "cuda":
+                    torch.cuda.empty_cache()
             log.exception("engine step failed")
             self.metrics.engine_errors.inc()
+            self.metrics.request_errors.inc(len(self._sinks))
             for rid, failed in list(self._sinks.items()):
                 log_event("error", logging.ERROR, **self._context(rid, exc))
                 self.engine.cancel(rid)
@@ -220,6 +276,17 @@ class EngineLoop:
                     log_event("end", **_figures(finished))
             sink(event)
 
+    def _reserve(self) -> None:
+        if self.margin_bytes and self._margin is None:
+            with contextlib.suppress(torch.OutOfMemoryError):
+                self._margin = torch.empty(
+                    self.margin_bytes, dtype=torch.uint8, device=self.engine.device
+                )
+
+    @property
+    def margin_held(self) -> bool:
+        return self._margin is not None
+
     def _context(self, rid: str, exc: BaseException) -> dict[str, Any]:
         """A failed request's whole story for its log line: the error, its prompt and output
         so far (as token ids), where it was and how it was sampled."""
@@ -237,6 +304,7 @@ class EngineLoop:
         if force or now - self._last_snapshot >= self.SNAPSHOT_S:
             self._last_snapshot = now
             self.metrics.observe_engine(self.engine.metrics())
+            self.metrics.observe_gpu(self.engine.device)
 
 
 class Admission:
@@ -361,7 +429,9 @@ class Server:
         self.limits = limits or ServerLimits()
         self.api_key = api_key
         self.metrics = ServerMetrics(name, engine.context_length)
-        self.loop = EngineLoop(engine, self.metrics)
+        margin = self.limits.oom_margin_mib << 20 if engine.device.type == "cuda" else 0
+        self.loop = EngineLoop(engine, self.metrics, margin)
+        self.self_test = SelfTest()
         self.admission = Admission(self.limits)
         self.created = int(time.time())
         self.app = self._build()
@@ -371,9 +441,12 @@ class Server:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             self.loop.start()
+            await self.run_self_test()  # the answer later self-tests must give again
+            tests = asyncio.create_task(self._self_tests())
             try:
                 yield
             finally:  # graceful shutdown: what runs is cancelled, the loop ends
+                tests.cancel()
                 self.loop.stop()
                 print("infersight serve: stopped", file=sys.stderr, flush=True)
 
@@ -400,15 +473,8 @@ class Server:
 
         @app.get("/health")
         async def health() -> Response:
-            ok = self.loop.alive and self.admission.requests < self.limits.max_waiting
-            body = {
-                "status": "ok" if ok else "unavailable",
-                "model": self.name,
-                "engine_running": self.loop.alive,
-                "waiting": self.admission.requests,
-                "max_waiting": self.limits.max_waiting,
-            }
-            return JSONResponse(body, status_code=200 if ok else 503)
+            body = self.health()
+            return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -446,6 +512,66 @@ class Server:
 
         app.add_middleware(_Guard, server=self)
         return app
+
+    # -- health ----------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """Serving is healthy when the engine's thread runs, the queue has room, memory is
+        within bounds and the last self-test gave the known answer; each part says why not."""
+        memory = _memory(self.engine.device)
+        problems = [
+            text for failed, text in (
+                (not self.loop.alive, "the engine's thread has stopped"),
+                (self.admission.requests >= self.limits.max_waiting, "the queue is full"),
+                (not memory["ok"], "memory is nearly exhausted"),
+                (self.self_test.ok is False, f"the self-test failed: {self.self_test.error}"),
+            ) if failed
+        ]  # fmt: skip
+        return {
+            "status": "ok" if not problems else "unavailable",
+            "problems": problems,
+            "model": self.name,
+            "engine_running": self.loop.alive,
+            "waiting": self.admission.requests,
+            "max_waiting": self.limits.max_waiting,
+            "memory": memory,
+            "self_test": {"ok": self.self_test.ok, "runs": self.self_test.runs,
+                          "answer": self.self_test.answer, "error": self.self_test.error},
+            "out_of_memory_steps": self.loop.out_of_memory,
+        }  # fmt: skip
+
+    async def run_self_test(self) -> None:
+        """A fixed greedy prompt through the engine (not the queue); its answer must equal the
+        first run's, or /health turns 503."""
+        engine, test = self.engine, self.self_test
+        if engine.tokenizer.chat_template:
+            prompt = engine.chat_prompt_ids(SELF_TEST_PROMPT)
+        else:
+            prompt = engine.tokenizer.encode_prompt(SELF_TEST_PROMPT[0]["content"])
+        events: asyncio.Queue[tuple[int, TokenEvent | BaseException]] = asyncio.Queue()
+        rid = f"selftest-{test.runs}"
+        params = SamplingParams(max_new_tokens=SELF_TEST_TOKENS, temperature=0.0)
+        self.loop.submit(rid, prompt, params, 60.0, _sink(asyncio.get_running_loop(), events, 0))
+        text, error = "", None
+        try:
+            while True:
+                _, event = await asyncio.wait_for(events.get(), timeout=120)
+                if isinstance(event, BaseException):
+                    error = f"{type(event).__name__}: {event}"
+                    break
+                text += event.text
+                if event.finish_reason is not None:
+                    break
+        except TimeoutError:
+            self.loop.cancel(rid)
+            error = "no answer within 120 s"
+        test.record(text, error)
+        log_event("self_test", logging.INFO if test.ok else logging.ERROR,
+                  ok=test.ok, runs=test.runs, error=test.error)  # fmt: skip
+
+    async def _self_tests(self) -> None:
+        while self.limits.self_test_s > 0:
+            await asyncio.sleep(self.limits.self_test_s)
+            await self.run_self_test()
 
     # -- one request -----------------------------------------------------------------------
     async def _log_refusal(self, request: Request, exc: HTTPError) -> None:

@@ -5,6 +5,7 @@ times a second, histograms from each request's figures as it finishes."""
 
 from __future__ import annotations
 
+import torch
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -15,6 +16,7 @@ from prometheus_client import (
 )
 
 from engine.metrics import MetricsSnapshot, RequestMetrics
+from engine.nvml import device_utilization
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -102,6 +104,13 @@ class ServerMetrics:
             ["model_name", "status"], registry=registry,
         )  # fmt: skip
         self.engine_errors = counter("infersight:engine_errors", "Engine steps that failed.")
+        # the error rate is rate(request_errors) / rate(vllm:request_success + request_errors)
+        self.request_errors = counter(
+            "infersight:request_errors", "Requests ended by an engine error."
+        )
+        self.gpu_utilization = gauge(
+            "infersight:gpu_utilization_perc", "GPU busy share over NVML's last sample (0-100)."
+        )
         self._totals = (0, 0, 0, 0, 0)
 
     def reject(self, status: int) -> None:
@@ -121,6 +130,11 @@ class ServerMetrics:
             if new > old:
                 c.inc(new - old)
         self._totals = totals
+
+    def observe_gpu(self, device: torch.device) -> None:
+        busy = device_utilization(device)
+        if busy is not None:
+            self.gpu_utilization.set(busy)
 
     def observe_request(self, m: RequestMetrics) -> None:
         self.success.labels(self.model_name, m.finish_reason).inc()

@@ -60,6 +60,24 @@ def device_memory(device: torch.device) -> NvmlMemory | None:
     return NvmlMemory(int(info.used), int(info.total))
 
 
+def device_utilization(device: torch.device) -> int | None:
+    """Percent of NVML's last sample period the GPU behind ``device`` was busy; ``None``
+    where NVML cannot say (no GPU, no driver, a lost device)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _STATE.lock:
+        handle = _handle(index)
+        if handle is None:
+            return None
+        import pynvml
+
+        try:
+            return int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except pynvml.NVMLError:
+            return None
+
+
 def _handle(index: int) -> Any:
     """NVML's handle for torch's device ``index`` (cached, ``None`` included)."""
     if index not in _STATE.handles:

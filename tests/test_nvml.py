@@ -54,6 +54,7 @@ class FakeNvml:
         monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByPciBusId", self.by_bus)
         monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", self.by_index)
         monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", self.memory)
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", self.utilization)
 
     def init(self) -> None:
         self.init_calls += 1
@@ -81,6 +82,11 @@ class FakeNvml:
         _, used, total = self.gpus[handle]
         return SimpleNamespace(used=used, total=total, free=total - used)
 
+    def utilization(self, handle: str) -> SimpleNamespace:
+        if handle in self.lost:
+            raise pynvml.NVMLError_GpuIsLost()
+        return SimpleNamespace(gpu=37 if handle == f"GPU-{A}" else 91, memory=0)
+
 
 def torch_sees(monkeypatch: pytest.MonkeyPatch, *props: SimpleNamespace) -> None:
     """torch.cuda as it looks with ``props[i]`` for cuda:i."""
@@ -97,6 +103,17 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
     fake = FakeNvml()
     fake.install(monkeypatch)
     return fake
+
+
+def test_utilization_is_read_for_the_torch_device_and_absent_where_nvml_cannot_say(
+    fake, monkeypatch
+):
+    torch_sees(monkeypatch, gpu(B), gpu(A))
+    assert nvml.device_utilization(torch.device("cuda", 0)) == 91
+    assert nvml.device_utilization(torch.device("cuda", 1)) == 37
+    assert nvml.device_utilization(torch.device("cpu")) is None
+    fake.lost.add(f"GPU-{B}")
+    assert nvml.device_utilization(torch.device("cuda", 0)) is None
 
 
 def test_torch_devices_are_found_by_uuid_under_a_reordering_of_visible_devices(fake, monkeypatch):

@@ -251,19 +251,28 @@ def test_a_key_is_needed_and_the_body_is_bounded(server):
     assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
     status, _, _ = request(server, "GET", "/v1/models", key="wrong")
     assert status == 401
-    status, _, _ = request(server, "GET", "/health", key=None)  # health needs no key
-    assert status == 200
+    status, _, data = request(server, "GET", "/health", key=None)  # health needs no key
+    health = json.loads(data)
+    assert status == 200 and health["status"] == "ok" and not health["problems"]
+    assert health["self_test"]["ok"] and health["self_test"]["answer"]  # run at start
+    assert health["memory"]["ok"] and health["memory"]["total_bytes"] > 0
     status, _, data = request(server, "POST", "/v1/chat/completions", raw=b"x" * (2 << 20))
     assert status == 413 and "larger than" in json.loads(data)["error"]["message"]
 
 
+def settled(server: str) -> dict[str, float]:
+    """``/metrics`` once the engine's last snapshot (a quarter second apart) is in."""
+    time.sleep(0.4)
+    return metrics(server)
+
+
 def test_metrics_parse_and_count_the_finished_requests(server, client):
-    before = metrics(server)
+    before = settled(server)
     for i in range(3):
         client.completions.create(
             model="SmolLM2-135M-Instruct", prompt=f"Count: {i}", max_tokens=3, temperature=0
         )
-    after = metrics(server)
+    after = settled(server)
     ttft = "vllm:time_to_first_token_seconds_count"
     done = "vllm:request_success_total{finished_reason=length}"
     assert after[ttft] - before.get(ttft, 0) == 3
@@ -309,8 +318,13 @@ def test_a_client_that_disconnects_cancels_its_request(server):
             resp = conn.getresponse()
             for _ in range(4):
                 assert resp.fp.readline()
-        else:
-            time.sleep(0.5)
+        else:  # gone once the engine has it, before any token
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                m = metrics(server)
+                if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] > 0:
+                    break
+                time.sleep(0.02)
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
     m = wait_idle(server)
