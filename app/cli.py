@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-n", type=int, default=8, help="largest n (choices per request)")
     g.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
+    g.add_argument(
+        "--self-test-interval", type=float, default=300.0, metavar="S",
+        help="seconds between self-tests (a fixed greedy prompt that must keep its first "
+        "answer; 0: only at start)",
+    )  # fmt: skip
+    g.add_argument(
+        "--oom-margin-mib", type=int, default=256,
+        help="GPU memory held back and let go when a step runs out of memory",
+    )  # fmt: skip
     p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from one prompt, streamed to stdout")
@@ -548,10 +557,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
     if not args.queue_timeout > 0:
         raise InvalidRequestError("--queue-timeout must be > 0 seconds")
+    if args.self_test_interval < 0 or args.oom_margin_mib < 0:
+        raise InvalidRequestError("--self-test-interval and --oom-margin-mib must be >= 0")
     limits = ServerLimits(
         max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
         queue_timeout_s=args.queue_timeout, max_n=args.max_n, max_tokens=args.max_tokens,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, self_test_s=args.self_test_interval,
+        oom_margin_mib=args.oom_margin_mib,
     )  # fmt: skip
     import uvicorn
 
