@@ -584,7 +584,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     where = f"http://{args.host}:{args.port}"
     print(f"serving {name} ({engine.precision.text}, {engine.device}) on {where}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)  # fmt: skip
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
+    # On SIGTERM streams get 5 s to end before the lifespan cancels what still runs.
+    uvicorn.run(
+        server.app, host=args.host, port=args.port, log_level="warning",
+        timeout_graceful_shutdown=5,
+    )  # fmt: skip
     return 0
 
 

@@ -158,6 +158,11 @@ def test_completions_stop_strings_n_and_seeds(client, engine):
         stop=["Friday"], stream=True,
     )  # fmt: skip
     assert "".join(c.choices[0].text for c in streamed) == text
+    listed = client.completions.create(  # one prompt in a list, as LangChain sends it
+        model="SmolLM2-135M-Instruct", prompt=[prompt], max_tokens=20, temperature=0,
+        stop=["Friday"],
+    )  # fmt: skip
+    assert listed.choices[0].text == text
     ids = engine.tokenizer.encode_prompt(prompt)
     gen = engine.generate(ids, SamplingParams(max_new_tokens=20, stop=("Friday",)))
     list(gen)
@@ -234,6 +239,7 @@ def test_the_stream_ends_with_done_as_server_sent_events(server):
         ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"seed": 2**64}, "seed"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(server, change, param):
@@ -258,6 +264,15 @@ def test_a_key_is_needed_and_the_body_is_bounded(server):
     assert health["memory"]["ok"] and health["memory"]["total_bytes"] > 0
     status, _, data = request(server, "POST", "/v1/chat/completions", raw=b"x" * (2 << 20))
     assert status == 413 and "larger than" in json.loads(data)["error"]["message"]
+    # the same without a Content-Length (chunked), and a small chunked body still works
+    host, port = server.removeprefix("http://").split(":")
+    for chunks, want in (([b"x" * (1 << 16)] * 40, 413), ([json.dumps(body).encode()], 200)):
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", "/v1/chat/completions", body=iter(chunks), encode_chunked=True,
+                     headers={"Authorization": f"Bearer {KEY}",
+                              "Content-Type": "application/json"})  # fmt: skip
+        assert conn.getresponse().status == want
+        conn.close()
 
 
 def settled(server: str) -> dict[str, float]:
