@@ -14,7 +14,10 @@ prints one line per result and exits 1 if any failed:
 5. the compiled decode step (``--decode-graph on``, bf16): its compile time, decode speed
    against the eager step of the same engine, and greedy ids against eager bf16's;
 6. prefix caching (bf16): a five-turn chat through two engines, caching off and on, replies
-   alike and each turn's TTFT (``bench --workload chat``'s harness).
+   alike and each turn's TTFT (``bench --workload chat``'s harness);
+7. the server's engine loop on the GPU: its memory margin held, a request served, then a step
+   that runs out of memory for real (a tensor larger than the device) failing its request,
+   the margin let go and the next request served.
 
 Run: ``python -m tests.gpu_check [--model default|FOLDER] [--device cuda:N]`` (not collected by
 pytest: it needs a GPU and several minutes).
@@ -263,6 +266,52 @@ def check_prefix_cache(model: Path, device: torch.device) -> None:
     expect(report["replies_identical"], "caching changed a greedy reply on the GPU")
 
 
+def check_server_loop(model: Path, device: torch.device) -> None:
+    import queue as queue_module
+
+    from app.server import EngineLoop
+    from app.server_metrics import ServerMetrics
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.sampling import SamplingParams
+
+    engine = LLMEngine.load(
+        model, precision="bf16", device=str(device), config=EngineConfig(kv_memory=256 * MIB)
+    )
+    loop = EngineLoop(engine, ServerMetrics("gpu-check"), margin_bytes=256 * MIB)
+    expect(loop.margin_held, "the OOM margin was not taken")
+    real_step, calls = engine.step, []
+
+    def step() -> list:
+        calls.append(1)
+        if len(calls) == 2:  # really out of memory: more than the device holds
+            torch.empty(torch.cuda.get_device_properties(device).total_memory * 2,
+                        dtype=torch.uint8, device=device)  # fmt: skip
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+
+    def served(rid: str) -> object:
+        got: queue_module.Queue[object] = queue_module.Queue()
+        prompt = engine.chat_prompt_ids(PROMPT)
+        loop.submit(rid, prompt, SamplingParams(max_new_tokens=8), 60.0, got.put)
+        while True:
+            item = got.get(timeout=120)
+            if isinstance(item, BaseException) or getattr(item, "finish_reason", None):
+                return item
+
+    loop.start()
+    try:
+        failed = served("a")
+        expect(isinstance(failed, torch.OutOfMemoryError), f"expected an OOM, got {failed!r}")
+        after = served("b")
+        expect(getattr(after, "finish_reason", None) == "length", f"not served after: {after!r}")
+        print(f"     OOM steps {loop.out_of_memory}, KV blocks in use "
+              f"{engine.kv.manager.num_used}, margin held again: {loop.margin_held}")  # fmt: skip
+        expect(engine.kv.manager.num_used == 0, "blocks were left in use")
+    finally:
+        loop.stop()
+
+
 # -- 4. the worker ------------------------------------------------------------------------------
 
 
@@ -363,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     check.run("worker", lambda: check_worker(model, device, int4))
     check.run("decode graph", lambda: check_decode_graph(model, device, results))
     check.run("prefix caching", lambda: check_prefix_cache(model, device))
+    check.run("server loop", lambda: check_server_loop(model, device))
     peaks = {k[5:]: v[0] for k, v in results.items() if k.startswith("peak ")}
     if peaks:
         worst = max(peaks, key=lambda k: peaks[k])
