@@ -559,6 +559,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--queue-timeout must be > 0 seconds")
     if args.self_test_interval < 0 or args.oom_margin_mib < 0:
         raise InvalidRequestError("--self-test-interval and --oom-margin-mib must be >= 0")
+    _check_port(args.host, args.port)  # before minutes of loading, not after
     limits = ServerLimits(
         max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
         queue_timeout_s=args.queue_timeout, max_n=args.max_n, max_tokens=args.max_tokens,
@@ -590,6 +591,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )  # fmt: skip
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise InvalidRequestError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); another program may be "
+            "using it: choose another --port, or check --host"
+        ) from None
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:

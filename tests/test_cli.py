@@ -211,6 +211,17 @@ def test_bench_chat_reuses_earlier_turns_and_replies_alike(capsys, default_model
     assert set(report["last_vs_first_ttft"]) == {"off", "on"}
 
 
+def test_serve_refuses_a_port_in_use_before_loading_anything(capsys):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        code, _, err = run_cli(capsys, "serve", "--model", "/nonexistent", "--port", port)
+    assert_clean_error(code, err, f"cannot listen on 127.0.0.1:{port}", "--port")
+    code, _, err = run_cli(capsys, "serve", "--max-waiting", "0")
+    assert_clean_error(code, err, "--max-waiting must be at least 1")
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
