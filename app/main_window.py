@@ -56,6 +56,7 @@ from widgets.model_picker import ModelPicker
 from widgets.tuner import TunerView
 
 if TYPE_CHECKING:
+    from app.serve_host import ServeHost
     from engine.loading import MemoryPlan
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ class MainWindow(QMainWindow):
         self._closed = False
         self.progress: QProgressDialog | None = None
         self.picker: ModelPicker | None = None  # made when first opened
+        self.serve_host: ServeHost | None = None  # serving this engine on localhost
         self._lab_known: dict[str, str] = {}  # model path → name, for the lab's model lists
         self._lab_set = False
 
@@ -271,6 +273,7 @@ class MainWindow(QMainWindow):
         controls.kv_pool_requested.connect(self._on_kv_pool)
         controls.limits_changed.connect(lambda limits: self.worker.post(Configure(limits=limits)))
         controls.window_changed.connect(self._on_window)
+        controls.serve_toggled.connect(self._on_serve)
         controls.prefix_cache_toggled.connect(
             lambda on: self.worker.post(Configure(prefix_caching=on))
         )
@@ -703,6 +706,30 @@ class MainWindow(QMainWindow):
             )
         )
 
+    def _on_serve(self, on: bool) -> None:
+        """Serve this engine on localhost (OpenAI-compatible), or stop serving."""
+        if not on:
+            self._stop_serving()
+            return
+        from app.serve_host import ServeHost
+
+        try:
+            host = ServeHost(self.worker, int(self.controls.serve_port.value() or 8000))
+            host.start()
+        except (OSError, RuntimeError) as exc:
+            self.chat.show_notice(f"Could not start serving: {exc}", "warning")
+            self.controls.show_serving(None)
+            return
+        self.serve_host = host
+        ex = host.examples()
+        self.controls.show_serving(f"{host.url}\nkey: {host.key}\n\n{ex['curl']}\n\n{ex['python']}")
+
+    def _stop_serving(self) -> None:
+        host, self.serve_host = self.serve_host, None
+        if host is not None:
+            host.stop()
+            self.controls.show_serving(None)
+
     def _on_window(self, window: tuple[int, int] | None) -> None:
         value: CacheWindow | bool = False if window is None else CacheWindow(*window)
         self.worker.post(Configure(window=value))
@@ -778,6 +805,7 @@ class MainWindow(QMainWindow):
         if self._closed:
             return
         self._closed = True
+        self._stop_serving()  # before the worker: its requests end while it still steps
         if self.picker is not None:
             self.picker.shutdown()
         self.lab.request_stop()  # both threads wind down together; the lab is waited for below

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from fastapi import FastAPI, Request
@@ -429,31 +429,63 @@ class _Choice:
     offset: int = 0  # characters of the scored tokens streamed so far (completions' offsets)
 
 
+class EngineFront(Protocol):
+    """What the routes need of whoever steps the engine: :class:`EngineLoop` for
+    ``infersight serve``, the app's worker when the app serves (:mod:`app.serve_host`)."""
+
+    @property
+    def engine(self) -> LLMEngine | None: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def out_of_memory(self) -> int: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float,
+        sink: Sink, priority: int = 0,
+    ) -> None: ...  # fmt: skip
+    def cancel(self, request_id: str) -> None: ...
+
+
 class Server:
-    """The routes over one :class:`EngineLoop`."""
+    """The routes over one engine, stepped by an :class:`EngineLoop` of its own or by the
+    ``front`` given (which then observes ``server.metrics`` as its requests finish)."""
 
     def __init__(
-        self, engine: LLMEngine, *, name: str, limits: ServerLimits | None = None,
-        api_key: str | None = None,
+        self, engine: LLMEngine, *, name: str | None = None, limits: ServerLimits | None = None,
+        api_key: str | None = None, front: EngineFront | None = None,
     ) -> None:  # fmt: skip
-        self.engine = engine
-        self.name = name
+        self._name = name
         self.limits = limits or ServerLimits()
         self.api_key = api_key
-        self.metrics = ServerMetrics(name, engine.context_length)
+        self.metrics = ServerMetrics(name or engine.name, engine.context_length)
         margin = self.limits.oom_margin_mib << 20 if engine.device.type == "cuda" else 0
-        self.loop = EngineLoop(engine, self.metrics, margin)
+        self.loop: EngineFront = front or EngineLoop(engine, self.metrics, margin)
         self.self_test = SelfTest()
         self.admission = Admission(self.limits)
         self.created = int(time.time())
         self.app = self._build()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine serving now (the app's follows the model its user loads)."""
+        engine = self.loop.engine
+        if engine is None:
+            raise HTTPError(503, "no model is loaded yet; try again shortly", code="no_model")
+        return engine
+
+    @property
+    def name(self) -> str:
+        return self._name or self.engine.name
 
     # -- routes ----------------------------------------------------------------------------
     def _build(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             self.loop.start()
-            await self.run_self_test()  # the answer later self-tests must give again
+            with contextlib.suppress(HTTPError):  # no model yet: /health says so
+                await self.run_self_test()  # the answer later self-tests must give again
             tests = asyncio.create_task(self._self_tests())
             try:
                 yield
@@ -534,10 +566,12 @@ class Server:
     def health(self) -> dict[str, Any]:
         """Serving is healthy when the engine's thread runs, the queue has room, memory is
         within bounds and the last self-test gave the known answer; each part says why not."""
-        memory = _memory(self.engine.device)
+        engine = self.loop.engine
+        memory = _memory(engine.device if engine is not None else torch.device("cpu"))
         problems = [
             text for failed, text in (
                 (not self.loop.alive, "the engine's thread has stopped"),
+                (engine is None, "no model is loaded"),
                 (self.admission.requests >= self.limits.max_waiting, "the queue is full"),
                 (not memory["ok"], "memory is nearly exhausted"),
                 (self.self_test.ok is False, f"the self-test failed: {self.self_test.error}"),
@@ -546,7 +580,7 @@ class Server:
         return {
             "status": "ok" if not problems else "unavailable",
             "problems": problems,
-            "model": self.name,
+            "model": self._name or (engine.name if engine is not None else None),
             "engine_running": self.loop.alive,
             "waiting": self.admission.requests,
             "max_waiting": self.limits.max_waiting,
@@ -657,7 +691,9 @@ class Server:
         events: asyncio.Queue[tuple[int, TokenEvent | BaseException]] = asyncio.Queue()
         prefix = "chatcmpl" if chat else "cmpl"
         base = f"{prefix}-{secrets.token_hex(12)}"
-        choices = [_Choice(i, f"{base}-{i}") for i in range(len(params))]
+        # the engine's ids name the client: the app's instruments show whose blocks are whose
+        client = f"{request.client.host}:{request.client.port}" if request.client else "client"
+        choices = [_Choice(i, f"{base}-{i}@{client}") for i in range(len(params))]
         log_event(
             "arrival", request_id=base, route=request.url.path, prompt_tokens=len(prompt),
             n=len(params), max_tokens=params[0].max_new_tokens, stream=body.stream,

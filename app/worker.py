@@ -215,9 +215,27 @@ class _LoadFailed:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Serve:
+    """A request from outside (the app's OpenAI-compatible server): queued on the current
+    engine beside the chat's, its events handed to ``sink`` on this thread (an error, too)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    timeout_s: float
+    sink: Callable[[Any], None]
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CancelServe:
+    request_id: str
+
+
 Command = (
     Send | Cancel | Load | Configure | Pause | Stop | Tune | StopTune | Resize
-    | _Loaded | _LoadFailed | _Unload
+    | Serve | CancelServe | _Loaded | _LoadFailed | _Unload
 )  # fmt: skip
 
 #: ``loader(spec, progress)`` → a loaded engine. ``progress(stage, done, total)``.
@@ -272,6 +290,7 @@ class EngineWorker(QObject):
         self.info: ModelInfo | None = None
         self._retiring: list[LLMEngine] = []
         self._replies: dict[str, _Reply] = {}  # request id → reply
+        self._served: dict[str, tuple[LLMEngine, Callable[[Any], None]]] = {}  # from outside
         self._pending: list[Delta] = []
         self._settings = _Settings()
         self._loading: LoadSpec | None = None
@@ -378,6 +397,7 @@ class EngineWorker(QObject):
             self._end_tune("the engine stopped")
             for rid in list(self._replies):
                 self._replies[rid].engine.cancel(rid)
+            self._cancel_served()
             self._running = False
         elif isinstance(command, Resize):
             self._resize_to = command.kv_memory_mib
@@ -390,6 +410,12 @@ class EngineWorker(QObject):
             self._load_failed(command)
         elif isinstance(command, _Unload):
             self._unload(command)
+        elif isinstance(command, Serve):
+            self._serve(command)
+        elif isinstance(command, CancelServe):
+            served = self._served.get(command.request_id)
+            if served is not None:
+                served[0].cancel(command.request_id)
 
     def _send(self, command: Send) -> None:
         """Queue every candidate of a reply, or none: a refusal ends the reply with an error."""
@@ -412,6 +438,29 @@ class EngineWorker(QObject):
             for candidate in range(command.candidates):
                 self._pending.append(Delta(command.tag, candidate, "", "error", str(exc)))
             raise
+
+    @property
+    def running(self) -> bool:
+        """Its loop runs (between ``started`` and a :class:`Stop`)."""
+        return self._running
+
+    def _serve(self, command: Serve) -> None:
+        engine = self.engine
+        try:
+            if engine is None:
+                raise InfersightError("no model is loaded yet; try again once it has loaded")
+            engine.add_request(
+                command.prompt, command.params, request_id=command.request_id,
+                timeout_s=command.timeout_s, priority=command.priority,
+            )  # fmt: skip
+        except Exception as exc:  # refused: that request fails, nothing else
+            command.sink(exc)
+            return
+        self._served[command.request_id] = (engine, command.sink)
+
+    def _cancel_served(self) -> None:
+        for rid, (engine, _) in list(self._served.items()):
+            engine.cancel(rid)
 
     def _cancel(self, tag: str) -> None:
         for rid, reply in list(self._replies.items()):
@@ -615,6 +664,7 @@ class EngineWorker(QObject):
             self._unloaded_for = self._spec
             for rid in list(self._replies):
                 self._replies[rid].engine.cancel(rid)
+            self._cancel_served()
             self._step_all()  # the cancellations reach their replies before the engine goes
             self._flush()
             self._end_tune("the model was unloaded")
@@ -718,6 +768,11 @@ class EngineWorker(QObject):
             for event in events:
                 reply = self._replies.get(event.request_id)
                 if reply is None:
+                    served = self._served.get(event.request_id)
+                    if served is not None:
+                        if event.finish_reason is not None:
+                            del self._served[event.request_id]
+                        served[1](event)
                     continue
                 self._pending.append(
                     Delta(reply.tag, reply.candidate, event.text, event.finish_reason)
@@ -753,6 +808,12 @@ class EngineWorker(QObject):
                     engine.cancel(rid)
                 del self._replies[rid]
                 self._pending.append(Delta(reply.tag, reply.candidate, "", "error", message))
+        for rid, (served_by, sink) in list(self._served.items()):
+            if served_by is engine:
+                with contextlib.suppress(Exception):
+                    engine.cancel(rid)
+                del self._served[rid]
+                sink(exc)
         with contextlib.suppress(Exception):
             engine.step()  # collect the cancellations so the engine is idle and clean
         self.error.emit(message)

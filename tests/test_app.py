@@ -633,3 +633,65 @@ def test_closing_mid_reply_keeps_it_and_stops_the_engine_thread(
         assert reply.status == "stopped" and reply.content.startswith(shown)
     finally:
         store.close()
+
+
+def test_serving_the_apps_engine_streams_beside_the_chat(
+    qtbot: object, window: MainWindow, oracle: LLMEngine
+) -> None:
+    """An openai SDK client streams from the app's own engine while the chat streams its own
+    reply: both are batched by the one worker, both equal what the engine gives alone."""
+    import socket
+    import threading
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    engine = window.worker.engine
+    assert engine is not None
+    engine.collector.window_s = float("inf")  # keep every step's batch size
+    window.controls.serve_port.set_value(port)
+    window.controls.serve_on.setChecked(True)
+    host = window.serve_host
+    assert host is not None
+    shown = window.controls.serve_info.toPlainText()
+    assert host.url in shown and host.key in shown and "from openai import OpenAI" in shown
+
+    question, result = "Name a large city in Asia.", {}
+
+    def call() -> None:
+        client = openai.OpenAI(base_url=host.url, api_key=host.key, max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model=host.server.name, messages=[{"role": "user", "content": question}],
+            max_tokens=24, temperature=0, stream=True,
+        )  # fmt: skip
+        result["text"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    owners: set[str] = set()  # who held KV blocks, as the instruments were told
+    recorder = Recorder(lambda view: owners.update(  # type: ignore[attr-defined]
+        o for held in view.snapshot.kv_block_owners for o in held))  # fmt: skip
+    window.worker.metrics.connect(recorder.record)
+    caller = threading.Thread(target=call)
+    caller.start()
+    send(qtbot, window, "Name three colours of the sea.")
+    qtbot.waitUntil(lambda: not caller.is_alive(), timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+
+    def alone(content: str) -> str:
+        gen = oracle.generate(
+            oracle.chat_prompt_ids([{"role": "user", "content": content}]),
+            SamplingParams(max_new_tokens=24),
+        )
+        for _ in gen:
+            pass
+        return gen.result.text
+
+    assert result["text"] == alone(question)
+    assert window.chat.last is not None
+    assert window.chat.last.view.text == alone("Name three colours of the sea.")
+    assert max(s.batch_size for s in engine.collector.steps) >= 2  # batched together
+    assert any("@127.0.0.1:" in o for o in owners), owners  # the API's request, by client
+    window.controls.serve_on.setChecked(False)
+    assert window.serve_host is None and not window.controls.serve_info.toPlainText()
+    with socket.socket() as s:  # the port is free again
+        s.bind(("127.0.0.1", port))

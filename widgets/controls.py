@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -22,6 +23,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
+    QPlainTextEdit,
     QPushButton,
     QScrollArea,
     QVBoxLayout,
@@ -142,6 +144,7 @@ class ControlsPanel(QScrollArea):
     sampling_changed = Signal()
     limits_changed = Signal(dict)
     window_changed = Signal(object)  # (sink, window) or None
+    serve_toggled = Signal(bool)  # serve this engine on localhost (the port: serve_port)
     prefix_cache_toggled = Signal(bool)  # reuse cached prompt prefixes, or not
     prefix_cache_clear_requested = Signal()  # forget every cached prefix
     invalid_input = Signal(str)
@@ -155,10 +158,49 @@ class ControlsPanel(QScrollArea):
         layout.addWidget(self._model_group())
         layout.addWidget(self._sampling_group())
         layout.addWidget(self._batching_group())
+        layout.addWidget(self._serve_group())
         layout.addStretch(1)
         self.setWidget(body)
 
     # -- groups ------------------------------------------------------------------------------
+    def _serve_group(self) -> QGroupBox:
+        """Expose this engine as an OpenAI-compatible API on localhost (``infersight serve``'s
+        routes, stepped by the app's own worker)."""
+        box = QGroupBox("Serve")
+        form = QFormLayout(box)
+        self.serve_on = QCheckBox("Serve on localhost")
+        self.serve_on.setToolTip(
+            "Answer OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /metrics) "
+            "on 127.0.0.1 with this model, batched with your chat and shown in the instruments"
+        )
+        self.serve_port = NumberField("port", 8000, lo=1024, hi=65535, integer=True,
+                                      tip="The port to listen on (loopback only)")  # fmt: skip
+        self.serve_port.invalid.connect(self.invalid_input)
+        form.addRow(self.serve_on, self.serve_port)
+        self.serve_info = QPlainTextEdit()
+        self.serve_info.setReadOnly(True)
+        self.serve_info.setPlaceholderText("Off. Switch it on to see the address, key and examples")
+        self.serve_info.setMaximumHeight(150)
+        self.serve_copy = QPushButton("Copy example")
+        self.serve_copy.setEnabled(False)
+        self.serve_copy.clicked.connect(
+            lambda: QGuiApplication.clipboard().setText(self.serve_info.toPlainText())
+        )
+        form.addRow(self.serve_info)
+        form.addRow(self.serve_copy)
+        self.serve_on.toggled.connect(lambda on: self.serve_toggled.emit(on))
+        return box
+
+    def show_serving(self, text: str | None) -> None:
+        """What the server says while on (address, key, curl and Python examples), or
+        ``None`` once it is off (or could not start)."""
+        self.serve_info.setPlainText(text or "")
+        self.serve_copy.setEnabled(bool(text))
+        if text is None and self.serve_on.isChecked():
+            self.serve_on.blockSignals(True)
+            self.serve_on.setChecked(False)
+            self.serve_on.blockSignals(False)
+
     def _model_group(self) -> QGroupBox:
         box = QGroupBox("Model")
         form = QFormLayout(box)

@@ -1,0 +1,125 @@
+"""The app serving its own engine: ``infersight serve``'s routes (:class:`app.server.Server`)
+on a uvicorn thread of the app, stepped by the app's :class:`~app.worker.EngineWorker`.
+
+Requests from outside go to the worker as :class:`~app.worker.Serve` commands and are batched
+with the user's own chat by the same engine, so the instruments show them (their request ids
+name the client). No Qt here beyond the worker's ``post``: the server's handlers run on the
+uvicorn thread, the engine on the worker's."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+
+import uvicorn
+
+from app.server import Server, ServerLimits, Sink
+from app.worker import CancelServe, EngineWorker, Serve
+from engine.engine import LLMEngine, TokenEvent
+from engine.sampling import SamplingParams
+
+
+class WorkerFront:
+    """:class:`app.server.EngineFront` over the app's worker."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self.server: Server | None = None  # set by ServeHost: whose metrics to fill
+        self.out_of_memory = 0
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        return self.worker.engine
+
+    @property
+    def alive(self) -> bool:
+        return self.worker.running
+
+    def start(self) -> None:  # the app owns the worker
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float,
+        sink: Sink, priority: int = 0,
+    ) -> None:  # fmt: skip
+        def observed(event: TokenEvent | BaseException) -> None:  # on the worker's thread
+            engine, server = self.worker.engine, self.server
+            if isinstance(event, TokenEvent) and event.finish_reason and engine and server:
+                finished = engine.request_metrics(request_id)
+                if finished is not None:
+                    server.metrics.observe_request(finished)
+            sink(event)
+
+        self.worker.post(Serve(request_id, prompt, params, timeout_s, observed, priority))
+
+    def cancel(self, request_id: str) -> None:
+        self.worker.post(CancelServe(request_id))
+
+
+class ServeHost:
+    """``Serve on localhost:PORT``: started and stopped by the app; ``key`` is generated
+    unless given."""
+
+    def __init__(self, worker: EngineWorker, port: int, key: str | None = None) -> None:
+        engine = worker.engine
+        if engine is None:
+            raise RuntimeError("load a model before serving it")
+        self.port = port
+        self.key = key or f"sk-infersight-{secrets.token_urlsafe(18)}"
+        self.front = WorkerFront(worker)
+        self.server = Server(engine, limits=ServerLimits(self_test_s=0), api_key=self.key,
+                             front=self.front)  # fmt: skip
+        self.front.server = self.server
+        config = uvicorn.Config(
+            self.server.app, host="127.0.0.1", port=port, log_level="warning",
+            timeout_graceful_shutdown=2,
+        )  # fmt: skip
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._uvicorn.run, name="infersight-serve",
+                                        daemon=True)  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start listening; raises ``OSError`` if it could not (the port is taken)."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._uvicorn.started:
+            if not self._thread.is_alive():
+                raise OSError(f"could not listen on 127.0.0.1:{self.port} (in use?)")
+            if time.monotonic() > deadline:
+                raise OSError(f"the server on port {self.port} did not start")
+            time.sleep(0.02)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout_s)
+
+    def examples(self) -> dict[str, str]:
+        """Copyable ways to call it: curl and the openai SDK."""
+        model = self.server.name
+        body = json.dumps(
+            {"model": model, "stream": True, "messages": [{"role": "user", "content": "Hello!"}]}
+        )
+        curl = (
+            f"curl {self.url}/chat/completions \\\n"
+            f"  -H 'Authorization: Bearer {self.key}' -H 'Content-Type: application/json' \\\n"
+            f"  -d '{body}'"
+        )
+        python = (
+            "from openai import OpenAI\n\n"
+            f'client = OpenAI(base_url="{self.url}", api_key="{self.key}")\n'
+            "for chunk in client.chat.completions.create(\n"
+            f'    model="{model}", stream=True,\n'
+            '    messages=[{"role": "user", "content": "Hello!"}],\n'
+            "):\n"
+            '    print(chunk.choices[0].delta.content or "", end="")\n'
+        )
+        return {"curl": curl, "python": python}
