@@ -92,3 +92,75 @@ def test_health_names_a_stopped_engine(tiny_engine: LLMEngine, tmp_path: Path) -
     server = Server(tiny_engine, name="tiny")
     health = server.health()  # the loop was never started
     assert health["status"] == "unavailable" and "stopped" in health["problems"][0]
+
+
+def test_a_cancel_ends_the_request_at_the_next_step_and_frees_its_blocks(tiny_engine):
+    loop = EngineLoop(tiny_engine, ServerMetrics("tiny"))
+    got: queue.Queue[TokenEvent | BaseException] = queue.Queue()
+    loop.start()
+    try:
+        params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+        loop.submit("long", [5, 6, 7, 8], params, 30.0, got.put)
+        for _ in range(3):
+            event = got.get(timeout=30)
+            assert isinstance(event, TokenEvent) and event.token_id is not None
+        loop.cancel("long")
+        after = []
+        while True:
+            event = got.get(timeout=30)
+            assert isinstance(event, TokenEvent)
+            after.append(event)
+            if event.finish_reason is not None:
+                break
+        # at most the step already under way, then the end
+        assert after[-1].finish_reason == "cancelled" and len(after) <= 2
+        assert tiny_engine.kv.manager.num_used == 0
+    finally:
+        loop.stop()
+
+
+def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir):
+    """A real HTTP server in this process (uvicorn on a thread) over an engine that runs one
+    request at a time: the second waits past its 0.2 s queue timeout and is told so."""
+    import http.client
+    import json
+    import socket
+    import threading
+
+    import uvicorn
+
+    from app.server import ServerLimits
+    from engine.engine import EngineConfig
+    from engine.scheduler import SchedulerLimits
+
+    folder, _ = tiny_model_dir("llama", False)
+    engine = LLMEngine.load(folder, config=EngineConfig(limits=SchedulerLimits(max_batch_size=1)))
+    server = Server(engine, name="tiny", limits=ServerLimits(queue_timeout_s=0.2, self_test_s=0))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port,
+                                       log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+    def post(body: dict[str, object]) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        return conn.getresponse()
+
+    try:
+        busy = post({"prompt": [5, 6, 7], "max_tokens": 2000, "stream": True, "temperature": 0})
+        assert busy.fp.readline()  # it runs: the next one must wait
+        late = post({"prompt": [9, 10, 11], "max_tokens": 4})
+        error = json.loads(late.read())["error"]
+        assert late.status == 503 and error["code"] == "queue_timeout"
+        assert late.getheader("Retry-After")
+        busy.close()
+    finally:
+        uv.should_exit = True
+        thread.join(30)
