@@ -179,6 +179,7 @@ class EngineLoop:
         self.metrics = metrics
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._started: set[str] = set()  # requests that have their first token
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="infersight-engine", daemon=True)
         self._last_snapshot = 0.0
@@ -279,13 +280,29 @@ class EngineLoop:
             sink = self._sinks.get(event.request_id)
             if sink is None:
                 continue
+            if event.token_id is not None and event.request_id not in self._started:
+                self._started.add(event.request_id)
+                self._log_start(event.request_id)
             if event.finish_reason is not None:
+                self._started.discard(event.request_id)
                 del self._sinks[event.request_id]
                 finished = self.engine.request_metrics(event.request_id)
                 if finished is not None and not event.request_id.startswith(SELF_TEST_ID):
                     self.metrics.observe_request(finished)
                     log_event("end", **_figures(finished))
             sink(event)
+
+    def _log_start(self, rid: str) -> None:
+        """A request's first token: how long it queued and how much of its prompt was cached."""
+        with contextlib.suppress(KeyError):
+            seq = self.engine.sequence(rid)
+            t = seq.times
+            log_event(
+                "first_token", request_id=rid,
+                queue_s=None if t.scheduled is None else round(t.scheduled - t.arrival, 4),
+                ttft_s=None if t.first_token is None else round(t.first_token - t.arrival, 4),
+                cached_prompt_tokens=seq.num_cached,
+            )  # fmt: skip
 
     def _reserve(self) -> None:
         if self.margin_bytes and self._margin is None:

@@ -397,6 +397,9 @@ def test_the_log_is_json_lines_following_each_request_and_never_the_key(client, 
     assert arrival["prompt_tokens"] > 0 and arrival["route"] == "/v1/completions"
     (end,) = ends
     assert end["output_tokens"] == 2 and end["ttft_s"] > 0 and "text" not in end
+    (first,) = [e for e in lines if e["event"] == "first_token"
+                and e["request_id"] == end["request_id"]]  # fmt: skip
+    assert first["ttft_s"] == end["ttft_s"] and first["queue_s"] >= 0
     refused = next(e for e in reversed(lines) if e["event"] == "refused")
     assert refused["status"] == 400 and refused["param"] == "temperature"
     assert json.loads(refused["body"])["temperature"] == 9  # a failure logs its context
