@@ -861,12 +861,12 @@ class _Reply:
     model: str
     chat: bool
     prompt_tokens: int
-    created: int = 0
+    created: int  # one time for every chunk of the reply
     #: decodes one token id, where log-probabilities were asked for (None: they were not)
     token_text: Callable[[int], str] | None = None
 
     def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created or int(time.time()),
+        return {"id": self.id, "object": kind, "created": self.created,
                 "model": self.model}  # fmt: skip
 
     def chunk(
