@@ -48,9 +48,21 @@ from engine.quant import (
     parse_precision_spec,
 )
 from engine.sampling import SamplingParams, make_generator, sample
-from engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits, SchedulerOutput
 from engine.sequence import FinishReason, Status
 from engine.sequence import Sequence as Seq
+from engine.speculative import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    Draft,
+    SpeculativeConfig,
+    Speculator,
+    accept,
+    build_drafter,
+    measure_verify_cost,
+    same_drafter,
+)
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import (
     weight_bytes,
@@ -116,6 +128,10 @@ class TokenEvent:
     #: the likeliest tokens at its step, best first
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    #: with speculative decoding, how the token came: ``accepted`` (a draft the model
+    #: accepted), ``corrected`` (the model's token where it rejected a draft) or ``bonus`` (its
+    #: token after accepting every draft); empty for a step without drafts
+    speculation: str = ""
 
 
 @dataclass(slots=True)
@@ -172,6 +188,8 @@ class LLMEngine:
         self.dtype = dtype
         self.device = device
         self.name = name
+        #: the folder the model was loaded from (None when built directly)
+        self.folder: Path | None = None
         self.num_parameters = num_parameters
         self.precision = precision or PrecisionSpec(dtype_name(dtype), dtype)
         self.config = config or EngineConfig()
@@ -203,6 +221,8 @@ class LLMEngine:
         self.graph = decode_graph.GraphChoice(False, "not compiled (engine built directly)")
         #: the CPU thread count :meth:`load` settled, and why (one line)
         self.threads_report = ""
+        #: speculative decoding's drafter and state (None: off); :meth:`set_speculation`
+        self.speculator: Speculator | None = None
 
     @classmethod
     def load(
@@ -252,10 +272,12 @@ class LLMEngine:
         self.enable_layer_timing(False)  # its hooks are on the shared model
         old, self.kv = self.kv, None  # type: ignore[assignment]  # the old pool goes first
         try:
-            return self.sibling(config)
+            new = self.sibling(config)
         except BaseException:
             self.kv = old  # this engine goes on as it was
             raise
+        new.speculator, self.speculator = self.speculator, None  # no request holds drafts
+        return new
 
     def sibling(self, config: EngineConfig) -> LLMEngine:
         """Another engine on this one's weights (shared, not copied), with a KV pool and
@@ -267,6 +289,7 @@ class LLMEngine:
         )  # fmt: skip
         new.default_sampling = dict(getattr(self, "default_sampling", {}))
         new.graph, new.threads_report = self.graph, self.threads_report
+        new.folder = self.folder
         return new
 
     def _settle_decode_graph(self) -> decode_graph.GraphChoice:
@@ -488,6 +511,30 @@ class LLMEngine:
         self.kv.manager.set_prefix_caching(on)
         self.config = replace(self.config, prefix_caching=on)
 
+    def set_speculation(self, config: SpeculativeConfig | None) -> None:
+        """Speculative decoding with the drafter ``config`` names (:mod:`engine.speculative`),
+        or off (``None``). A new drafter is built first (a draft model is loaded), so a
+        failure leaves the engine as it was; changing only k or the adaptive settings keeps
+        the drafter. Applies from the next step, running requests included."""
+        old = self.speculator
+        if config is None:
+            self.speculator = None
+            if old is not None:
+                old.close()
+            return
+        if old is not None and same_drafter(old.config, config):
+            self.speculator = old.with_config(config)
+            return
+        drafter = build_drafter(config, self)
+        if old is not None:
+            old.close()
+        verify = config.verify_cost or measure_verify_cost(self, config.k)
+        self.speculator = Speculator(config, drafter, verify)
+        log.info(
+            "speculative decoding: %s, k up to %d; verifying k drafts costs %.2f + %.3f·k "
+            "of a decode step here", config.label, config.k, verify.fixed, verify.per_token,
+        )  # fmt: skip
+
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix; the blocks of running requests stay theirs."""
         self.kv.manager.clear_cache()
@@ -503,27 +550,42 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         events, self._pending = self._pending, []
         started = time.perf_counter()
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(self.scheduler.running)
         out = self.scheduler.schedule(started)
         self.hold_s = out.hold_s
         for seq in out.timed_out:
             events.append(self._finish(seq, FinishReason.TIMEOUT, started))
+        if spec is not None:
+            for seq in out.preempted:  # its draft cache goes with its blocks
+                spec.drafter.forget(seq.request_id)
         if not out.chunks:
             if out.preempted:  # everything running was preempted: the step did no work
                 self._record_step(out, started, started, prompt_tokens=0, generated=0)
             return events
 
+        drafts = self._draft(out.chunks) if spec is not None else {}
+        forward_started = time.perf_counter()
+        # A chunk verifying drafts is 1 + d tokens long: it goes after the decode chunks.
+        order = sorted(out.chunks, key=lambda c: c.length != 1 or c.seq.request_id in drafts)
         ids: list[int] = []
         positions: list[int] = []
         chunks: list[SeqChunk] = []
         rows: list[int] = []
-        samplers: list[Seq] = []
-        for c in out.chunks:
-            ids += c.seq.tokens(c.start, c.start + c.length)
-            positions += range(c.start, c.start + c.length)
-            chunks.append(SeqChunk(c.seq.request_id, c.start, c.length, self.window))
+        samplers: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row of logits)
+        for c in order:
+            rid = c.seq.request_id
+            new = c.seq.tokens(c.start, c.start + c.length)
+            if rid in drafts:
+                new += drafts[rid].tokens
+            ids += new
+            positions += range(c.start, c.start + len(new))
+            chunks.append(SeqChunk(rid, c.start, len(new), self.window))
             if c.samples:
-                rows.append(len(ids) - 1)
-                samplers.append(c.seq)
+                samplers.append((c, len(rows)))
+                drafted = len(drafts[rid].tokens) if rid in drafts else 0
+                rows += range(len(ids) - 1 - drafted, len(ids))
         ctx = self.kv.context(chunks)
         logits = self.model(
             torch.tensor(ids, device=self.device),
@@ -532,29 +594,46 @@ class LLMEngine:
             torch.tensor(rows, dtype=torch.long, device=self.device),
         )
         mgr = self.kv.manager
-        for c in out.chunks:
-            c.seq.num_computed = c.start + c.length
-            mgr.commit(c.seq.request_id, c.seq.num_computed, c.seq.tokens)
-        # log-probabilities of the model's own distribution, before sampling touches the rows
-        wanted = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
-        logprobs = torch.log_softmax(logits[wanted].float(), dim=-1) if wanted else None
+        for c in order:
+            if c.seq.request_id not in drafts:
+                c.seq.num_computed = c.start + c.length
+                mgr.commit(c.seq.request_id, c.seq.num_computed, c.seq.tokens)
+        plain = [(c.seq, row) for c, row in samplers if c.seq.request_id not in drafts]
         tokens = sample(
-            logits,
-            [s.params for s in samplers],
-            [_history(s) for s in samplers],
-            [s.generator for s in samplers if s.generator is not None],
+            logits[[row for _, row in plain]] if drafts else logits,
+            [s.params for s, _ in plain],
+            [_history(s) for s, _ in plain],
+            [s.generator for s, _ in plain if s.generator is not None],
         )
         now = time.perf_counter()
-        for i, (seq, token) in enumerate(zip(samplers, tokens, strict=True)):
-            event = self._append(seq, token, now)
-            if logprobs is not None and seq.params.logprobs is not None:
-                row = logprobs[wanted.index(i)]
-                event.logprob = float(row[token])
-                if seq.params.logprobs:
-                    best = row.topk(seq.params.logprobs)
-                    pairs = zip(best.indices.tolist(), best.values.tolist(), strict=True)
-                    event.top_logprobs = tuple(pairs)
-            events.append(event)
+        generated = 0
+        plain_tokens = iter(tokens)
+        for c, row in samplers:
+            seq = c.seq
+            draft = drafts.get(seq.request_id)
+            if draft is None:
+                outs, kinds = [next(plain_tokens)], [""]
+            else:
+                outs, kinds = self._verify(seq, draft, logits[row : row + 1 + len(draft.tokens)])
+            lps = self._logprobs(seq, logits[row : row + len(outs)], outs)
+            for token, kind, lp in zip(outs, kinds, lps, strict=True):
+                event = self._append(seq, token, now)
+                event.speculation = kind
+                if lp is not None:
+                    event.logprob, event.top_logprobs = lp
+                events.append(event)
+                generated += 1
+                if seq.is_finished:
+                    break
+            if c.lookahead and not seq.is_finished:
+                if draft is not None:  # K/V of the accepted tokens stay, the rest roll back
+                    seq.num_computed = c.start + len(outs)
+                    mgr.commit(seq.request_id, seq.num_computed, seq.tokens)
+                mgr.truncate(seq.request_id, seq.num_computed)
+                if spec is not None:
+                    spec.drafter.rollback(seq.request_id, seq.num_tokens - 1)
+        if spec is not None and drafts:
+            spec.step_done(time.perf_counter() - forward_started)
         if self.window is not None:
             for seq in self.scheduler.running:
                 mgr.release_outside_window(seq.request_id, self.window)
@@ -564,8 +643,52 @@ class LLMEngine:
         prompt_tokens = sum(
             max(0, min(c.start + c.length, len(c.seq.prompt_ids)) - c.start) for c in out.chunks
         )
-        self._record_step(out, started, now, prompt_tokens=prompt_tokens, generated=len(tokens))
+        self._record_step(out, started, now, prompt_tokens=prompt_tokens, generated=generated)
         return events
+
+    def _draft(self, scheduled: list[ScheduledChunk]) -> dict[str, Draft]:
+        """The drafter's proposals for the chunks that hold slots for them (non-empty only)."""
+        assert self.speculator is not None
+        ahead = [c for c in scheduled if c.lookahead]
+        if not ahead:
+            return {}
+        made = self.speculator.draft(
+            [c.seq for c in ahead], [c.lookahead for c in ahead], self.window
+        )
+        return {
+            c.seq.request_id: Draft(d.tokens[: c.lookahead], d.probs)
+            for c, d in zip(ahead, made, strict=True)
+            if d.tokens
+        }
+
+    def _verify(self, seq: Seq, draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[str]]:
+        """The tokens one sequence's verified drafts yield, and how each came."""
+        assert self.speculator is not None
+        outs, accepted = accept(
+            logits, draft, seq.params, _history(seq), seq.generator, self.speculator.rule
+        )
+        self.speculator.verified(seq, len(draft.tokens), accepted)
+        last = BONUS if accepted == len(draft.tokens) else CORRECTED
+        return outs, [ACCEPTED] * accepted + [last]
+
+    @staticmethod
+    def _logprobs(
+        seq: Seq, logits: torch.Tensor, tokens: list[int]
+    ) -> list[tuple[float, tuple[tuple[int, float], ...]] | None]:
+        """Each token's log-probability under the model (row ``i`` for token ``i``) and the
+        likeliest tokens there, where the request asks for them."""
+        k = seq.params.logprobs
+        if k is None:
+            return [None] * len(tokens)
+        table = torch.log_softmax(logits.float(), dim=-1)
+        out: list[tuple[float, tuple[tuple[int, float], ...]] | None] = []
+        for row, token in zip(table, tokens, strict=True):
+            top: tuple[tuple[int, float], ...] = ()
+            if k:
+                best = row.topk(k)
+                top = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+            out.append((float(row[token]), top))
+        return out
 
     def _record_step(
         self, out: SchedulerOutput, started: float, now: float, *, prompt_tokens: int,
@@ -621,6 +744,8 @@ class LLMEngine:
 
     def _finish(self, seq: Seq, reason: FinishReason, now: float) -> TokenEvent:
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        if self.speculator is not None:
+            self.speculator.forget(seq.request_id)
         seq.times.finished = now
         self.collector.record_request(now, _request_metrics(seq))
         self._seqs.pop(seq.request_id, None)

@@ -345,6 +345,24 @@ class BlockManager:
             self._drop(block)
         return len(blocks)
 
+    def truncate(self, seq_id: str, length: int) -> int:
+        """Keep slots for the first ``length`` tokens of ``seq_id`` only, freeing the blocks
+        past them (speculative decoding's rollback of rejected drafts); returns how many.
+        Those blocks were written past what is computed, so none of them is keyed."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return 0
+        keep = self.blocks_for(length)
+        freed = 0
+        while len(table) > keep:
+            block = table.pop()
+            if block != RELEASED:
+                assert block not in self._key_of, "a block past the computed tokens is keyed"
+                self._drop(block)
+                freed += 1
+        self.lengths[seq_id] = min(self.lengths[seq_id], length)
+        return freed
+
     def release_outside_window(self, seq_id: str, window: CacheWindow) -> int:
         """Free the blocks of ``seq_id`` lying wholly after the sink and before the window."""
         table = self.tables.get(seq_id)

@@ -483,6 +483,7 @@ def load_model(
         name=folder.name, num_parameters=num_parameters, config=config, precision=spec,
     )  # fmt: skip
     engine.default_sampling = generation_config_sampling(folder)
+    engine.folder = folder
     engine.threads_report = threads
     engine.graph = engine._settle_decode_graph()
     log.info(

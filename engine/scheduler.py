@@ -64,9 +64,13 @@ class SchedulerLimits:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
+    """``length`` tokens of ``seq`` from ``start``; a decode chunk may also hold slots for
+    ``lookahead`` draft tokens to verify (speculative decoding), which the engine fills."""
+
     seq: Sequence
     start: int
     length: int
+    lookahead: int = 0
 
     @property
     def samples(self) -> bool:
@@ -156,14 +160,25 @@ class Scheduler:
                     break
             else:
                 self.manager.grow(seq.request_id, seq.num_computed + need)
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed, need))
                 budget -= need
+                extra = self._lookahead(seq, need, budget)
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed, need, extra))
+                budget -= extra
 
         if not out.preempted:  # admitting right after preempting would only thrash
             self._admit(out, budget, now)
 
         out.chunks.sort(key=lambda c: c.length != 1)  # decode chunks first (stable)
         return out
+
+    def _lookahead(self, seq: Sequence, need: int, budget: int) -> int:
+        """Slots for the draft tokens a decoding ``seq`` verifies this step (``spec_k``), as
+        far as the token budget and the free blocks allow: speculation never preempts."""
+        extra = min(seq.spec_k, budget) if need == 1 else 0
+        if extra and self.manager.can_grow(seq.request_id, seq.num_computed + 1 + extra):
+            self.manager.grow(seq.request_id, seq.num_computed + 1 + extra)
+            return extra
+        return 0
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
         """Move waiting sequences to the running set, best first, while they fit. A sequence

@@ -53,6 +53,9 @@ class Sequence:
     times: Timestamps = field(init=False)
     generator: torch.Generator | None = None
     history: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
+    #: draft tokens to verify in the next step (speculative decoding; 0 = none), set by the
+    #: engine's :class:`~engine.speculative.Speculator` before the scheduler reserves slots
+    spec_k: int = 0
 
     def __post_init__(self) -> None:
         self.times = Timestamps(arrival=self.arrival)
