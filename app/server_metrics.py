@@ -111,7 +111,21 @@ class ServerMetrics:
         self.gpu_utilization = gauge(
             "infersight:gpu_utilization_perc", "GPU busy share over NVML's last sample (0-100)."
         )
-        self._totals = (0, 0, 0, 0, 0)
+        self.spec_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Speculative steps: (sequence, step) pairs with drafts."
+        )
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed."
+        )
+        self.spec_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+            ["model_name", "position"], registry=registry,
+        )  # fmt: skip
+        self._totals = (0,) * 8
+        self._per_pos: tuple[int, ...] = ()
 
     def reject(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
@@ -123,13 +137,23 @@ class ServerMetrics:
         self.kv_usage.set(snap.kv_cache_usage_perc)
         totals = (snap.total_prompt_tokens, snap.total_generated_tokens,
                   snap.total_preemptions, snap.prefix_cache_query_tokens,
-                  snap.prefix_cache_hit_tokens)  # fmt: skip
+                  snap.prefix_cache_hit_tokens, snap.spec_decode_num_drafts,
+                  snap.spec_decode_num_draft_tokens,
+                  snap.spec_decode_num_accepted_tokens)  # fmt: skip
         counters = (self.prompt_tokens, self.generation_tokens, self.preemptions,
-                    self.prefix_queries, self.prefix_hits)  # fmt: skip
+                    self.prefix_queries, self.prefix_hits, self.spec_drafts,
+                    self.spec_draft_tokens, self.spec_accepted_tokens)  # fmt: skip
         for c, new, old in zip(counters, totals, self._totals, strict=True):
             if new > old:
                 c.inc(new - old)
         self._totals = totals
+        # a new drafter starts its counts at zero: only growth is added
+        per_pos = snap.spec_decode_num_accepted_tokens_per_pos
+        for pos, new in enumerate(per_pos):
+            old = self._per_pos[pos] if pos < len(self._per_pos) else 0
+            if new > old:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(new - old)
+        self._per_pos = per_pos
 
     def observe_gpu(self, device: torch.device) -> None:
         busy = device_utilization(device)

@@ -794,8 +794,28 @@ class LLMEngine:
             limits={**asdict(self.scheduler.limits), "kv_blocks": mgr.capacity},
             recent_steps=tuple(self.collector.recent),
             total_preemptions=self.collector.total_preemptions,
+            **self._spec_metrics(),
             **summary,
         )
+
+    def _spec_metrics(self) -> dict[str, Any]:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        st = spec.stats
+        return {
+            "speculative": spec.label,
+            "spec_decode_num_drafts": st.num_drafts,
+            "spec_decode_num_draft_tokens": st.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
+            "spec_decode_num_draft_tokens_per_pos": tuple(st.draft_tokens_per_pos),
+            "spec_decode_num_accepted_tokens_per_pos": tuple(st.accepted_tokens_per_pos),
+            "spec_decode_draft_time_seconds": st.draft_time_s,
+            "spec_decode_verify_time_seconds": st.verify_time_s,
+            "spec_decode_last_draft_seconds": st.last_draft_s,
+            "spec_decode_last_verify_seconds": st.last_verify_s,
+            "spec_decode_draft_bytes": spec.drafter.weights_bytes + spec.drafter.kv_bytes,
+        }
 
     def request_metrics(self, request_id: str) -> RequestMetrics | None:
         """The figures of a recently finished request (``None`` if unknown or still running)."""

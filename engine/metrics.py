@@ -125,12 +125,52 @@ class MetricsSnapshot:
     #: the last steps, oldest first (what the tuner's per-step strip draws)
     recent_steps: tuple[StepRecord, ...] = ()
     total_preemptions: int = 0
+    #: speculative decoding's drafter (``self:int4-g32+head``, ``lookup``, ``model:DIR``; empty:
+    #: off) and its counters since it started, in vLLM's names: drafts ((sequence, step) pairs
+    #: with drafts), draft tokens, accepted tokens, and both per draft position
+    speculative: str = ""
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_draft_tokens_per_pos: tuple[int, ...] = ()
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    #: seconds spent drafting and verifying (the target's forward and the rule), in all and in
+    #: the last step that verified drafts; the draft model's memory (weights and KV pool)
+    spec_decode_draft_time_seconds: float = 0.0
+    spec_decode_verify_time_seconds: float = 0.0
+    spec_decode_last_draft_seconds: float = 0.0
+    spec_decode_last_verify_seconds: float = 0.0
+    spec_decode_draft_bytes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
         """Prompt tokens reused / prompt tokens, since the engine started (None: none yet)."""
         q = self.prefix_cache_query_tokens
         return self.prefix_cache_hit_tokens / q if q else None
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / draft tokens (None: nothing drafted yet)."""
+        d = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / d if d else None
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float | None:
+        """Tokens a verifying step yields per sequence: 1 + accepted / drafts (vLLM's)."""
+        n = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / n if n else None
+
+    @property
+    def spec_decode_acceptance_per_pos(self) -> tuple[float, ...]:
+        """At each draft position, the share of the drafts reaching it that were accepted."""
+        return tuple(
+            a / d if d else 0.0
+            for a, d in zip(
+                self.spec_decode_num_accepted_tokens_per_pos,
+                self.spec_decode_num_draft_tokens_per_pos,
+                strict=True,
+            )
+        )
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
