@@ -130,11 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.add_argument(
         "--workload",
-        choices=("single", "mixed", "chat"),
+        choices=("single", "mixed", "chat", "speculative"),
         default="single",
         help="single: one request, prefill and decode speed (default); mixed: many requests "
         "of seeded random lengths through continuous batching; chat: a scripted conversation, "
-        "each turn's TTFT with prefix caching off and on",
+        "each turn's TTFT with prefix caching off and on; speculative: plain decoding against "
+        "each --speculative drafter at each --draft-k, on chat and input-grounded prompts",
     )
     p.add_argument("--prompt-len", type=int, default=32, help="single workload")
     p.add_argument("--new-tokens", type=int, default=128, help="single workload")
@@ -405,6 +406,22 @@ def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
         help="run decode steps as one TorchInductor graph: on, off, or auto (where measured "
         "faster on this kind of CPU/GPU); default: $INFERSIGHT_DECODE_GRAPH or auto",
     )
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculative", nargs="+", default=None, metavar="DRAFTER",
+        help="draft tokens and verify them in one step: self:PRECISION (the model's own "
+        "weights once more, e.g. self:int4-g32+head), lookup (n-grams of the prompt and reply "
+        "so far, no model) or model:DIR (a smaller model with the same tokenizer); bench "
+        "--workload speculative takes several",
+    )  # fmt: skip
+    g.add_argument(
+        "--draft-k", nargs="+", type=int, default=[4], metavar="K",
+        help="most draft tokens per step (default 4; bench --workload speculative takes several)",
+    )  # fmt: skip
+    g.add_argument(
+        "--fixed-k", dest="adaptive_k", action="store_false",
+        help="draft k tokens every step (default: each request adapts k to its acceptance)",
+    )  # fmt: skip
 
 
 def engine_config(
@@ -510,8 +527,30 @@ def load_engine(
     _set_threads(args.threads)
     if config is None:
         config = engine_config(args) if hasattr(args, "block_size") else EngineConfig()
+    speculation = speculative_config(args)  # bad options fail before the load
     spec = LoadSpec(args.model, precision or args.precision, args.device)
-    return load(spec, progress_printer(), config=config)
+    engine = load(spec, progress_printer(), config=config)
+    if speculation is not None:
+        print(f"speculative decoding: building the drafter {speculation.label} …",
+              file=sys.stderr, flush=True)  # fmt: skip
+        engine.set_speculation(speculation)
+    return engine
+
+
+def speculative_config(args: argparse.Namespace) -> Any:
+    """``--speculative`` / ``--draft-k`` / ``--fixed-k`` as a ``SpeculativeConfig`` (None: off),
+    for the commands that run one drafter."""
+    from engine.speculative import parse_speculative
+
+    drafters = getattr(args, "speculative", None)
+    if not drafters:
+        return None
+    if len(drafters) > 1 or len(args.draft_k) > 1:
+        raise InvalidRequestError(
+            "give one --speculative drafter and one --draft-k here (bench --workload "
+            "speculative compares several)"
+        )
+    return parse_speculative(drafters[0], args.draft_k[0], adaptive=args.adaptive_k)
 
 
 def _set_threads(threads: int | None) -> None:
@@ -657,6 +696,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_profile(args, folder, device, config)
     if args.table:
         return _bench_table(args, folder, config, say)
+    if args.workload == "speculative":
+        return _bench_speculative(args, folder, device, config, say)
     if args.workload == "chat":
         from engine.bench_chat import format_chat_report, run_chat_bench
 
@@ -699,6 +740,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         log=say,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _bench_speculative(args: argparse.Namespace, folder: Any, device: str, config: Any,
+                       say: Any) -> int:  # fmt: skip
+    from engine.bench_spec import format_spec_report, run_spec_bench
+    from engine.engine import LLMEngine
+    from engine.speculative import parse_speculative
+
+    drafters = args.speculative or ["lookup", "self:int4-g32+head"]
+    for text in drafters:
+        for k in args.draft_k:
+            parse_speculative(text, k)  # bad options fail before the load
+    engine = LLMEngine.load(folder, precision=args.precision, device=device, config=config)
+    report = run_spec_bench(
+        engine, drafters, sorted(set(args.draft_k)), adaptive=args.adaptive_k,
+        new_tokens=args.new_tokens, repeats=args.repeats, log=say,
+    )  # fmt: skip
+    print(json.dumps(report, indent=2) if args.json else format_spec_report(report))
     return 0
 
 

@@ -59,6 +59,7 @@ from torch import Tensor
 
 from engine.errors import InvalidRequestError
 from engine.kv_cache import CacheWindow, PagedKVCache, SeqChunk
+from engine.quant import parse_precision_spec
 from engine.sampling import SamplingParams, apply_repetition_penalty, filter_logits
 
 if TYPE_CHECKING:
@@ -101,8 +102,10 @@ class SpeculativeConfig:
             raise InvalidRequestError(f"unknown drafter {self.method!r}; give {FORMS}")
         if not 1 <= self.k <= MAX_DRAFT_K:
             raise InvalidRequestError(f"the draft k must be in [1, {MAX_DRAFT_K}], got {self.k}")
-        if self.method == "self" and not self.precision:
-            raise InvalidRequestError("self-speculation needs a precision: self:int4-g32+head")
+        if self.method == "self":
+            if not self.precision:
+                raise InvalidRequestError("self-speculation needs a precision: self:int4-g32+head")
+            parse_precision_spec(self.precision)  # says which precisions there are
         if self.method == "model" and self.model_dir is None:
             raise InvalidRequestError("a draft model needs its folder: model:DIR")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -1,0 +1,466 @@
+"""Speculative decoding changes nothing about what is generated.
+
+* Greedy: every drafter gives token for token the output of plain greedy decoding, on tiny
+  random models (many arrivals, cancellations, preemption in a small pool, a cache window) and
+  on the real default model (chat prompts and a long input-grounded one, mixed in one batch).
+* Sampling: over many seeded samples of a tiny model with a small vocabulary, a chi-square test
+  cannot tell speculative from plain sampling at p = 0.01, while it catches a deliberately
+  wrong acceptance rule.
+* The adaptive rule and the acceptance counters follow their definitions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.errors import InvalidRequestError
+from engine.kv_cache import CacheWindow
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerLimits
+from engine.speculative import (
+    Draft,
+    LookupDrafter,
+    SpeculativeConfig,
+    SpecStats,
+    VerifyCost,
+    accept,
+    best_k,
+    expected_tokens,
+    parse_speculative,
+)
+from tests.conftest import build_tiny_hf, save_tiny
+
+BS = 4
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+FIXED_COST = VerifyCost(0.1, 0.05)  # no timing probe in tests: the same k choices every run
+
+Arrival = tuple[int, list[int], SamplingParams]  # (step, prompt, params)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Callable[[str, bool], tuple[Path, torch.nn.Module]]) -> Path:
+    return tiny_model_dir("llama", False)[0]
+
+
+@pytest.fixture(scope="module")
+def other_tiny(
+    tiny_model_dir: Callable[[str, bool], tuple[Path, torch.nn.Module]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
+    """A separate draft model with the same tokenizer: the target with every weight
+    perturbed, so that its guesses are often but not always right."""
+    import copy
+
+    model = copy.deepcopy(tiny_model_dir("llama", False)[1])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.03)
+    return save_tiny(model, tmp_path_factory.mktemp("llama-perturbed"))
+
+
+def spec(text: str, k: int = 4, **options: object) -> SpeculativeConfig:
+    return parse_speculative(text, k, verify_cost=FIXED_COST, **options)
+
+
+def tokens(seed: int, n: int, vocab: int = 320) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def repetitive(seed: int, n: int) -> list[int]:
+    """A prompt with repeated stretches, where prompt lookup finds matches."""
+    piece = tokens(seed, 9)
+    return (piece + tokens(seed + 1, 3) + piece)[:n]
+
+
+def run(
+    engine: LLMEngine, arrivals: list[Arrival], cancel: dict[int, int] | None = None
+) -> tuple[dict[int, list[int]], dict[int, str], Counter[str]]:
+    """Add each request at its step, cancel request ``i`` at step ``cancel[i]``; returns each
+    request's tokens and finish reason, and how many tokens came by each speculation kind."""
+    cancel = cancel or {}
+    ids: dict[str, int] = {}
+    out: dict[int, list[int]] = {i: [] for i in range(len(arrivals))}
+    finish: dict[int, str] = {}
+    kinds: Counter[str] = Counter()
+    step = 0
+    while len(ids) < len(arrivals) or engine.has_work():
+        for i, (at, prompt, params) in enumerate(arrivals):
+            if at == step:
+                ids[engine.add_request(prompt, params)] = i
+        for i, at in cancel.items():
+            if at == step:
+                engine.cancel(next(r for r, j in ids.items() if j == i))
+        for event in engine.step():
+            i = ids[event.request_id]
+            if event.token_id is not None:
+                out[i].append(event.token_id)
+                kinds[event.speculation] += 1
+            if event.finish_reason:
+                finish[i] = event.finish_reason
+        step += 1
+        assert step < 5_000, "the engine stopped making progress"
+    mgr = engine.kv.manager
+    assert mgr.num_used == 0 and mgr.num_free == mgr.num_blocks  # every block came back
+    if engine.speculator is not None and hasattr(engine.speculator.drafter, "kv"):
+        draft_mgr = engine.speculator.drafter.kv.manager
+        assert draft_mgr.num_used == 0, "the draft pool kept blocks of finished requests"
+    return out, finish, kinds
+
+
+def assert_same(
+    got: dict[int, list[int]], want: dict[int, list[int]], cancelled: dict[int, int]
+) -> None:
+    """Equal outputs; a request cancelled at a given step was cut wherever each engine had
+    got to (a speculative one is further on), so there one is a prefix of the other."""
+    for i, tokens_wanted in want.items():
+        if i in cancelled:
+            n = min(len(got[i]), len(tokens_wanted))
+            assert got[i][:n] == tokens_wanted[:n], i
+        else:
+            assert got[i] == tokens_wanted, i
+
+
+def mixed_arrivals(n: int = 6) -> list[Arrival]:
+    return [(2 * i, repetitive(10 + i, 14 + 3 * i), GREEDY) for i in range(n)]
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "self:int4-g32", "self:int8", "model"])
+def test_greedy_output_is_plain_greedy_output_with_every_drafter(tiny, other_tiny, drafter):
+    """Arrivals at different steps, a cancellation while decoding, one before its first
+    step, and preemption in a pool too small for everyone: the outputs and finish reasons
+    equal plain decoding's, and drafts were really accepted and rejected along the way."""
+    config = EngineConfig(
+        block_size=BS, num_blocks=16, limits=SchedulerLimits(max_tokens_per_step=24)
+    )
+    plain = LLMEngine.load(tiny, config=config)
+    fast = LLMEngine.load(tiny, config=config)
+    text = f"model:{other_tiny}" if drafter == "model" else drafter
+    fast.set_speculation(spec(text, k=3, adaptive=False))
+    arrivals = mixed_arrivals()
+    cancel = {1: 6, 4: 8}
+    want, want_finish, _ = run(plain, arrivals, cancel)
+    got, finish, kinds = run(fast, arrivals, cancel)
+    assert_same(got, want, cancel)
+    assert finish == want_finish
+    assert finish[1] == finish[4] == "cancelled"
+    stats = fast.speculator.stats
+    assert kinds["accepted"] == stats.num_accepted_tokens > 0
+    assert kinds["corrected"] > 0, "no draft was ever rejected: the rollback went untested"
+    assert fast.collector.total_preemptions > 0, "the pool was meant to preempt"
+
+
+def test_greedy_output_is_unchanged_under_a_cache_window(tiny, other_tiny):
+    """Under a window, rolled-back drafts and released blocks interleave; the drafter's own
+    pool runs under the same window."""
+    window = CacheWindow(sink=4, window=12)
+    config = EngineConfig(block_size=BS, num_blocks=64, window=window)
+    long = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    arrivals: list[Arrival] = [(0, repetitive(3, 20), long), (5, repetitive(4, 30), long)]
+    plain = LLMEngine.load(tiny, config=config)
+    want, _, _ = run(plain, arrivals)
+    for drafter in ("lookup", f"model:{other_tiny}"):
+        fast = LLMEngine.load(tiny, config=config)
+        fast.set_speculation(spec(drafter, k=4, adaptive=False))
+        got, _, kinds = run(fast, arrivals)
+        assert got == want, drafter
+        assert kinds["accepted"] > 0
+
+
+def test_adaptive_k_and_the_verify_budget_keep_outputs_exact(tiny):
+    """With adaptive k and a verify budget that a batch of six overruns, k varies per
+    sequence and step, down to none; the output is still plain greedy output."""
+    config = EngineConfig(block_size=BS, num_blocks=128)
+    plain = LLMEngine.load(tiny, config=config)
+    fast = LLMEngine.load(tiny, config=config)
+    fast.set_speculation(spec("lookup", k=6, max_verify_tokens=12))
+    arrivals = mixed_arrivals()
+    want, _, _ = run(plain, arrivals)
+    got, _, kinds = run(fast, arrivals)
+    assert got == want
+    assert kinds[""] > 0 and kinds["accepted"] > 0  # steps with and without drafts
+
+
+def test_stop_strings_and_max_tokens_end_a_reply_inside_accepted_drafts(tiny):
+    """A reply ends at its stop token or length even when a verified step yielded more."""
+    prompt = repetitive(7, 20)
+    base = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain = LLMEngine.load(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
+    full = run(plain, [(0, prompt, base)])[0][0]
+    stop_at = full[len(full) // 2]
+    for params in (
+        SamplingParams(max_new_tokens=13, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, extra_stop_token_ids=(stop_at,), ignore_eos=True),
+    ):
+        want, want_finish, _ = run(plain, [(0, prompt, params)])
+        fast = LLMEngine.load(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
+        fast.set_speculation(spec("lookup", k=6, adaptive=False))
+        got, finish, _ = run(fast, [(0, prompt, params)])
+        assert got == want and finish == want_finish
+
+
+def test_logprobs_under_speculation_are_the_models_own(tiny):
+    prompt = repetitive(8, 20)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=2)
+    engines = []
+    for drafter in (None, "lookup"):
+        engine = LLMEngine.load(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
+        if drafter:
+            engine.set_speculation(spec(drafter, adaptive=False))
+        engines.append(engine)
+    events = []
+    for engine in engines:
+        rid = engine.add_request(prompt, params)
+        got = []
+        while engine.has_work():
+            got += [e for e in engine.step() if e.request_id == rid and e.token_id is not None]
+        events.append(got)
+    assert [e.token_id for e in events[0]] == [e.token_id for e in events[1]]
+    for a, b in zip(*events, strict=True):
+        assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+
+
+# -- sampling: the distribution is unchanged ------------------------------------------------
+
+VOCAB = 8
+N_SAMPLES = 1500
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A target and a quite different draft model over an 8-token vocabulary."""
+    folders = []
+    for seed in (1, 2):
+        model = build_tiny_hf("llama", tied=False, seed=seed, vocab_size=VOCAB)
+        folders.append(save_tiny(model, tmp_path_factory.mktemp(f"vocab8-{seed}")))
+    return folders[0], folders[1]
+
+
+def chi_square_p(a: Counter[tuple[int, ...]], b: Counter[tuple[int, ...]]) -> float:
+    """p-value of the chi-square test that two samples come from one distribution (a 2×C
+    contingency table; cells expected below 5 pooled into one)."""
+    na, nb = sum(a.values()), sum(b.values())
+    cells, rest = [], [0, 0]
+    for key in set(a) | set(b):
+        total = a[key] + b[key]
+        if total * min(na, nb) / (na + nb) < 5:
+            rest[0] += a[key]
+            rest[1] += b[key]
+        else:
+            cells.append((a[key], b[key]))
+    if sum(rest):
+        cells.append((rest[0], rest[1]))
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+def first_tokens(engine: LLMEngine, n: int, seed0: int) -> Counter[tuple[int, ...]]:
+    """The second to fourth tokens of ``n`` seeded samples of one prompt: those come from the
+    first verified step (the first token is sampled after the prefill, before any draft)."""
+    params = [
+        SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed0 + i, ignore_eos=True)
+        for i in range(n)
+    ]
+    out: dict[str, list[int]] = {}
+    prompt = [3, 1, 4, 1, 5, 0, 2, 6, 5, 7]  # every token: prompt lookup always finds a match
+    for p in params:
+        out[engine.add_request(prompt, p)] = []
+    while engine.has_work():
+        for event in engine.step():
+            if event.token_id is not None:
+                out[event.request_id].append(event.token_id)
+    return Counter(tuple(t[1:3]) for t in out.values()) + Counter(
+        (-1, t[3]) for t in out.values()
+    )
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_vocab, drafter):
+    target, draft = small_vocab
+    n = N_SAMPLES
+    config = EngineConfig(
+        block_size=BS, num_blocks=3 * n, limits=SchedulerLimits(max_batch_size=n, max_waiting=n)
+    )
+
+    def engine(speculative: str | None, rule: str = "exact") -> LLMEngine:
+        e = LLMEngine.load(target, config=config)
+        if speculative:
+            text = f"model:{draft}" if speculative == "model" else speculative
+            # every sequence drafts 3 tokens each step: the rule decides everything
+            e.set_speculation(spec(text, k=3, adaptive=False, max_verify_tokens=4 * n,
+                                   ngram_min=1))  # fmt: skip
+            e.speculator.rule = rule
+        return e
+
+    plain = first_tokens(engine(None), n, seed0=0)
+    fast_engine = engine(drafter)
+    fast = first_tokens(fast_engine, n, seed0=100_000)
+    stats = fast_engine.speculator.stats
+    assert stats.num_draft_tokens > n, "the drafts must be many for the test to mean anything"
+    assert 0.05 < stats.acceptance_rate < 0.95, "some drafts accepted, some rejected"
+    assert chi_square_p(plain, fast) > 0.01
+    wrong = first_tokens(engine(drafter, "resample-from-p"), n, seed0=100_000)
+    assert chi_square_p(plain, wrong) < 0.01
+
+
+# -- the rule and the instruments, in isolation ---------------------------------------------
+
+
+def test_greedy_accepts_the_longest_matching_prefix_then_the_models_token():
+    logits = torch.full((4, 6), -1.0)
+    for row, best in enumerate([2, 4, 1, 5]):
+        logits[row, best] = 3.0
+    params = SamplingParams()
+    history = torch.tensor([0, 1])
+    assert accept(logits, Draft([2, 4, 1]), params, history, None) == ([2, 4, 1, 5], 3)
+    assert accept(logits, Draft([2, 3, 1]), params, history, None) == ([2, 4], 1)
+    assert accept(logits, Draft([0, 4, 1]), params, history, None) == ([2], 0)
+
+
+def test_repetition_penalty_sees_the_drafts_before_each_row():
+    """Row j's penalty covers the drafts before it: token 2, drafted at row 0, loses row 1's
+    argmax to token 3 under a strong penalty."""
+    logits = torch.zeros(3, 5)
+    logits[:, 2], logits[:, 3] = 4.0, 3.0
+    params = SamplingParams(repetition_penalty=2.0)
+    history = torch.tensor([0])
+    assert accept(logits, Draft([2, 3]), params, history, None) == ([2, 3, 2], 2)
+    assert accept(logits, Draft([2, 2]), params, history, None) == ([2, 3], 1)
+
+
+def test_expected_tokens_and_best_k():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    free = VerifyCost(0.0, 0.0)
+    assert best_k(0.9, 8, free) == 8  # drafting costs nothing: draft as far as allowed
+    assert best_k(0.05, 8, VerifyCost(0.2, 0.05)) == 0  # nothing is accepted: stop drafting
+    # costly drafts favour a short k (Leviathan et al.'s figure 3)
+    assert 0 < best_k(0.7, 8, VerifyCost(0.1, 0.05), draft_per_token=0.3) < 4
+
+
+def test_acceptance_counters_follow_vllms_definitions():
+    stats = SpecStats()
+    stats.record(4, 2)
+    stats.record(2, 2)
+    stats.record(0, 0)  # no draft: not counted
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 4)
+    assert stats.acceptance_rate == pytest.approx(4 / 6)
+    assert stats.mean_acceptance_length == pytest.approx(1 + 4 / 2)
+    assert stats.acceptance_per_pos() == (1.0, 1.0, 0.0, 0.0)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    class Seq:
+        request_id = "a"
+        output_ids: list[int] = []
+
+        def __init__(self, prompt: list[int]) -> None:
+            self.prompt_ids = prompt
+
+    drafter = LookupDrafter(ngram_min=1, ngram_max=3)
+    seq = Seq([5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6])
+    # "5 6" was followed by 7 8 9 … and later by 7 2 3: the latest counts
+    assert drafter.propose([seq], [3], None)[0].tokens == [7, 2, 3]
+    assert drafter.propose([Seq([1, 2, 3])], [3], None)[0].tokens == []  # no match
+
+
+@pytest.mark.parametrize(
+    "text", ["self", "model:", "ngram", "lookup:3", "self:int4-g32+head:x"]
+)
+def test_bad_speculative_options_say_what_to_give(text):
+    with pytest.raises(InvalidRequestError, match="self:|lookup|model|precision"):
+        parse_speculative(text, 4)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny, small_vocab):
+    engine = LLMEngine.load(tiny, config=EngineConfig(block_size=BS, num_blocks=16))
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        engine.set_speculation(spec(f"model:{small_vocab[0]}"))
+    assert engine.speculator is None  # the engine goes on as it was
+
+
+# -- the real default model -----------------------------------------------------------------
+
+CODE = '''import json
+
+
+def load_scores(path):
+    with open(path) as f:
+        data = json.load(f)
+    scores = {}
+    for entry in data["entries"]:
+        name = entry["name"]
+        scores[name] = entry["score"]
+    return scores
+
+
+def average(scores):
+    total = 0
+    for value in scores.values():
+        total += value
+    return total / len(score)
+'''
+
+
+def truncated_copy(folder: Path, out: Path, layers: int) -> Path:
+    """The model's first ``layers`` layers, final norm and head as a model of its own: a
+    separate, smaller draft model with the same tokenizer."""
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config))
+    kept = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
+                kept[name] = t
+    save_file(kept, out / "model.safetensors")
+    return out
+
+
+def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path):
+    """Two chat prompts and a bug-fixing prompt with the code in it, arriving at different
+    steps, one cancelled mid-reply, under a cache window: every drafter gives plain greedy's
+    tokens."""
+    config = EngineConfig(num_blocks=96, window=CacheWindow(sink=4, window=160))
+    engine = LLMEngine.load(default_model, config=config)
+    chats = [
+        "What is the capital of France? Answer in one sentence.",
+        "Fix the bug in this code. Reply with the whole corrected code only.\n\n" + CODE,
+        "Name three primary colours.",
+        "Write a haiku about autumn.",
+    ]
+    params = SamplingParams(max_new_tokens=40)
+    arrivals: list[Arrival] = [
+        (at, engine.chat_prompt_ids([{"role": "user", "content": c}]), params)
+        for at, c in zip((0, 0, 3, 5), chats, strict=True)
+    ]
+    cancel = {3: 12}
+    want, want_finish, _ = run(engine, arrivals, cancel)
+    draft_dir = truncated_copy(default_model, tmp_path / "draft", layers=10)
+    for drafter in ("lookup", "self:int4-g32+head", f"model:{draft_dir}"):
+        engine.set_speculation(spec(drafter, k=4))
+        got, finish, kinds = run(engine, arrivals, cancel)
+        assert_same(got, want, cancel)
+        assert finish == want_finish, drafter
+        assert kinds["accepted"] > 0, drafter
