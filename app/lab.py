@@ -8,14 +8,17 @@ disturbs a conversation and the chat's model keeps answering meanwhile. One job 
   the same prompt and seed, step them in turns in this thread so that both columns stream
   side by side, then let each model score both outputs (:mod:`engine.compare`). Each side's
   TTFT and tokens/s count only its own steps' time, since the two take turns on one thread.
+  Last, A generates once more with B's model drafting for it, which measures speculative
+  decoding's acceptance beside the predicted one (:func:`engine.compare.measure_speculation`).
   Before loading, the lab checks that A and B fit in memory together; if they do not, it
   says how much is missing and runs them one after the other (A, then B, then A again to
-  score B's answer).
+  score B's answer), and speculative decoding, which needs both at once, is not measured.
 * **Sensitivity scan** (:class:`ScanRequest`): :func:`engine.sensitivity.scan_sensitivity` on
   a fixed text (the first tokens of the perplexity text, Twelfth Night).
 
 Every job can be cancelled (:meth:`LabWorker.cancel`, any thread): the job stops at its next
-step, scoring pass or scanned block. Signals carry plain data (dicts, lists, strings).
+step (speculative ones too), scoring pass or scanned block. Signals carry plain data (dicts,
+lists, strings).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ POOL_MIN_TOKENS = 1024  # a lab engine's KV pool holds at least this many tokens
 SCAN_TEXT_TOKENS = 256  # the scan's fixed text: the first tokens of the perplexity text
 SEQUENTIAL = "one after the other"
 TOGETHER = "side by side"
+NOT_TOGETHER = "A and B do not fit in memory together, and B can draft for A only beside it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,7 @@ class ABRequest:
     max_new_tokens: int = 64
     seed: int = 0
     noise: bool = True
+    speculate: bool = True  # measure speculative decoding with B drafting for A
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +293,7 @@ class LabWorker(QObject):
             Scores,
             build_report,
             check_same_tokenizer,
+            measure_speculation,
             prompt_ids_for,
             score_side,
             shared_prompt_ids,
@@ -311,6 +317,7 @@ class LabWorker(QObject):
         if message:
             self.notice.emit(message, "info" if together else "warning")
         memory = {"mode": TOGETHER if together else SEQUENTIAL, "message": message}
+        speculation: dict[str, Any] | None = None
         if together:
             a = self._engine(job.a, tokens)
             # the same model and precision on both sides: B shares A's weights, not its pool
@@ -324,6 +331,12 @@ class LabWorker(QObject):
                                   check=self._check)  # fmt: skip
             self.status.emit("scoring: B reads both answers…")
             b_scores = score_side(b, prompt_ids, (run_a, run_b), windows["b"], check=self._check)
+            if job.speculate:
+                self.status.emit("speculative decoding: B drafts for A…")
+                speculation = measure_speculation(
+                    a, b, prompt_ids, params["a"], windows["a"], expected=run_a.token_ids,
+                    check=self._check,
+                )  # fmt: skip
         else:
             self._keep_only(set())
             a = self._engine(job.a, tokens)
@@ -343,9 +356,13 @@ class LabWorker(QObject):
             self.status.emit("scoring: A reads both answers…")
             a_scores = score_side(a, prompt_ids, (run_a, run_b), windows["a"], noise=job.noise,
                                   check=self._check)  # fmt: skip
+            if job.speculate:
+                speculation = {"not_measured": NOT_TOGETHER}
         scores = Scores(a_scores[0], a_scores[1], b_scores[0], b_scores[1], a_scores[2],
                         a_scores[3])  # fmt: skip
-        report = build_report(job.prompt, prompt_ids, run_a, run_b, scores, a.tokenizer, memory)
+        report = build_report(
+            job.prompt, prompt_ids, run_a, run_b, scores, a.tokenizer, memory, speculation
+        )
         self.status.emit("done")
         self.report_ready.emit(report)
 

@@ -39,6 +39,7 @@ from app.worker import (
     ReplyStats,
     Resize,
     Send,
+    Speculate,
     Stop,
     StopTune,
     Tune,
@@ -256,6 +257,7 @@ class MainWindow(QMainWindow):
         w.notice.connect(self._on_worker_notice)
         w.unloaded.connect(self._on_unloaded)
         w.planned.connect(self._on_planned)
+        w.speculation_applied.connect(self._on_speculation)
         chat.send_requested.connect(self.send)
         chat.stop_requested.connect(self.stop)
         chat.regenerate_requested.connect(self.regenerate)
@@ -280,6 +282,7 @@ class MainWindow(QMainWindow):
         controls.prefix_cache_clear_requested.connect(
             lambda: self.worker.post(Configure(clear_prefix_cache=True))
         )
+        controls.speculation_changed.connect(lambda text, k: self.worker.post(Speculate(text, k)))
         controls.invalid_input.connect(lambda text: self.chat.show_notice(text, "warning"))
         self.instruments.layer_timing_toggled.connect(
             lambda on: self.worker.post(Configure(layer_timing=on))
@@ -381,6 +384,11 @@ class MainWindow(QMainWindow):
 
     def _on_worker_error(self, text: str) -> None:
         self.chat.show_notice(text)
+
+    def _on_speculation(self, text: str, k: int, error: str) -> None:
+        """What the engine speculates with now ("" off), after a change or a new engine;
+        ``error``: why the change asked for failed (the chat shows it too)."""
+        self.controls.show_speculation(text, k, error)
 
     def _on_loading(self, spec: LoadSpec) -> None:
         name = "the default model" if spec.model == "default" else Path(spec.model).name
@@ -627,7 +635,7 @@ class MainWindow(QMainWindow):
             if d.text:
                 reply.candidates[d.candidate] += d.text
                 reply.unsaved = True
-                self.chat.append_to_last(d.candidate, d.text)
+                self.chat.append_to_last(d.candidate, d.text, d.pieces)
             if d.finish is not None:
                 reply.open.discard(d.candidate)
                 if d.finish == "error":
@@ -761,6 +769,9 @@ class MainWindow(QMainWindow):
         self.controls.show_prefix_cache(
             s.prefix_cache_hit_rate if s.prefix_caching else None, s.kv_blocks_cached
         )
+        self.controls.show_speculation_stats(
+            s.spec_decode_acceptance_rate, s.spec_decode_mean_acceptance_length
+        )
         self.instruments.add_frame(
             InstrumentFrame(
                 t=s.time,
@@ -776,6 +787,13 @@ class MainWindow(QMainWindow):
                 generation_tps=s.generation_throughput_tps,
                 layer_attention_ms=tuple(t.attention_s * 1e3 for t in s.layer_timings),
                 layer_mlp_ms=tuple(t.mlp_s * 1e3 for t in s.layer_timings),
+                speculative=s.speculative,
+                spec_draft_tokens_per_pos=s.spec_decode_num_draft_tokens_per_pos,
+                spec_acceptance_per_pos=s.spec_decode_acceptance_per_pos,
+                spec_acceptance_rate=s.spec_decode_acceptance_rate,
+                spec_mean_acceptance_length=s.spec_decode_mean_acceptance_length,
+                spec_draft_s=s.spec_decode_draft_time_seconds,
+                spec_verify_s=s.spec_decode_verify_time_seconds,
             )
         )
 
@@ -787,6 +805,9 @@ class MainWindow(QMainWindow):
                 self.controls.restore(json.loads(raw))
             except ValueError:
                 log.warning("ignoring unreadable saved controls")
+        self.chat.mark_speculation.setChecked(
+            self.settings.value("mark_speculation") in (True, "true")
+        )
         precision = self.settings.value("precision")
         if isinstance(precision, str):
             self.controls.show_model(str(self.settings.value("model", "default")), precision)
@@ -828,6 +849,7 @@ class MainWindow(QMainWindow):
             )
         self.lab.shutdown()
         self.settings.setValue("controls", json.dumps(self.controls.state()))
+        self.settings.setValue("mark_speculation", self.chat.mark_speculation.isChecked())
         self.settings.setValue("geometry", self.saveGeometry())
         self.settings.sync()
         self.store.close()

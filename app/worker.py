@@ -40,6 +40,7 @@ from engine.loadgen import SLO, Driver, LoadGenerator, LoadResult
 from engine.loadgen import LoadSpec as LoadGen
 from engine.metrics import MetricsSnapshot, RequestMetrics
 from engine.sampling import SamplingParams
+from engine.speculative import SpeculativeConfig, parse_speculative
 from engine.tuning import Setting, Sweep, SweepProgress
 
 log = logging.getLogger(__name__)
@@ -78,13 +79,20 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New text of one candidate of one reply; ``finish`` is set on its last delta."""
+    """New text of one candidate of one reply; ``finish`` is set on its last delta.
+
+    With speculative decoding ``pieces`` splits ``text`` by how each token came:
+    ``(text, kind)`` with ``kind`` one of ``accepted`` (a draft the model accepted),
+    ``corrected`` (the model's own token where it rejected a draft), ``bonus`` (its token
+    after accepting every draft) or ``""`` (a step without drafts). Their texts joined are
+    ``text``; empty when no token of the delta came from a speculative step."""
 
     tag: str
     candidate: int
     text: str
     finish: str | None = None  # stop | length | cancelled | timeout | error
     error: str | None = None
+    pieces: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +154,18 @@ class Configure:
 
 
 @dataclass(frozen=True, slots=True)
+class Speculate:
+    """Speculative decoding on the current engine and every engine loaded after it:
+    ``text`` as ``--speculative`` takes it (``self:int4-g32+head``, ``lookup``,
+    ``model:DIR``; empty: off) with at most ``k`` draft tokens a step. A change that fails
+    leaves the speculation in force as it was; either way ``speculation_applied`` says what
+    runs."""
+
+    text: str
+    k: int = 4
+
+
+@dataclass(frozen=True, slots=True)
 class Pause:
     paused: bool
 
@@ -194,9 +214,14 @@ class Resize:
 
 @dataclass(frozen=True, slots=True)
 class _Loaded:
+    """A loaded engine; the loader thread has already tried to start ``speculation`` on it
+    (the setting when the load began), and ``speculation_error`` says why that failed."""
+
     engine: LLMEngine
     info: ModelInfo
     spec: LoadSpec
+    speculation: tuple[str, int] = ("", 4)
+    speculation_error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +259,7 @@ class CancelServe:
 
 
 Command = (
-    Send | Cancel | Load | Configure | Pause | Stop | Tune | StopTune | Resize
+    Send | Cancel | Load | Configure | Speculate | Pause | Stop | Tune | StopTune | Resize
     | Serve | CancelServe | _Loaded | _LoadFailed | _Unload
 )  # fmt: skip
 
@@ -258,6 +283,9 @@ class _Settings:
     window: CacheWindow | None = None
     layer_timing: bool = False
     prefix_caching: bool = True
+    #: speculative decoding: ``--speculative`` text ("" off) and the most draft tokens a step
+    speculation: str = ""
+    draft_k: int = 4
 
 
 class EngineWorker(QObject):
@@ -276,6 +304,9 @@ class EngineWorker(QObject):
     error = Signal(str)  # a command that could not be done; the worker goes on
     paused = Signal(bool)
     tune_status = Signal(object)  # TuneStatus
+    #: the speculation in force after a Speculate or a new engine: its text ("" off), k, and
+    #: why the change asked for failed ("" when it did not)
+    speculation_applied = Signal(str, int, str)
     stopped = Signal()
 
     def __init__(self, loader: Loader = load_engine, planner: Planner = plan_load) -> None:
@@ -383,6 +414,8 @@ class EngineWorker(QObject):
             self._start_load(command.spec)
         elif isinstance(command, Configure):
             self._configure(command)
+        elif isinstance(command, Speculate):
+            self._speculate(command)
         elif isinstance(command, Pause):
             if command.paused:  # a paused engine would stretch every figure of the load
                 self._end_tune("stopped: the engine was paused")
@@ -405,7 +438,8 @@ class EngineWorker(QObject):
         elif isinstance(command, _Loaded):
             self._spec = command.spec
             self._unloaded_for = None
-            self._swap_in(command.engine, command.info)
+            tried = (command.speculation, command.speculation_error)
+            self._swap_in(command.engine, command.info, tried)
         elif isinstance(command, _LoadFailed):
             self._load_failed(command)
         elif isinstance(command, _Unload):
@@ -487,6 +521,45 @@ class EngineWorker(QObject):
                 self.engine.clear_prefix_cache()
         self._settings = new
         self._emit_metrics()
+
+    def _speculate(self, command: Speculate) -> None:
+        """Start, change or stop speculative decoding on the current engine (a self-draft or
+        draft model loads its weights here, in seconds); kept for the engines loaded later.
+        A failure leaves the engine's speculation and the setting as they were."""
+        s = self._settings
+        try:
+            config = speculative_config(command.text, command.k)
+            if self.engine is not None:
+                self.engine.set_speculation(config)
+        except Exception as exc:
+            message = _speculation_error(command.text, exc)
+            self.speculation_applied.emit(s.speculation, s.draft_k, message)
+            self.error.emit(f"{message}; speculative decoding stays {s.speculation or 'off'}")
+            return
+        s.speculation, s.draft_k = command.text.strip(), command.k
+        self.speculation_applied.emit(s.speculation, s.draft_k, "")
+        self._emit_metrics()
+
+    def _reapply_speculation(self, engine: LLMEngine, tried: tuple[tuple[str, int], str]) -> None:
+        """Give a new engine (a load, a new KV pool) the speculation in force. ``tried``: what
+        the loader thread started on it and why that failed. A drafter this engine cannot
+        take (a draft model with another tokenizer, say) switches speculation off, never the
+        model."""
+        s = self._settings
+        want = (s.speculation, s.draft_k)
+        (attempted, failed) = tried
+        error = failed if failed and attempted == want else ""
+        if not error and (s.speculation or getattr(engine, "speculator", None) is not None):
+            try:  # instant when the loader (or the old engine's pool) has this drafter
+                engine.set_speculation(speculative_config(*want))
+            except Exception as exc:
+                error = _speculation_error(s.speculation, exc)
+        if error:
+            with contextlib.suppress(Exception):
+                engine.set_speculation(None)
+            self.error.emit(f"{error}; speculative decoding is off for {engine.name}")
+            s.speculation = ""
+        self.speculation_applied.emit(s.speculation, s.draft_k, error)
 
     def _sweeping(self) -> bool:
         return isinstance(self._tune, Sweep) and self._tune_engine is self.engine
@@ -587,9 +660,10 @@ class EngineWorker(QObject):
         self._loading = spec
         self.loading.emit(spec)
         self._load_cancel = threading.Event()
+        speculation = (self._settings.speculation, self._settings.draft_k)
         self._load_thread = threading.Thread(
             target=self._load_in_background,
-            args=(spec, self._reclaimable()),
+            args=(spec, self._reclaimable(), speculation),
             name="infersight-load",
             daemon=True,
         )
@@ -616,10 +690,13 @@ class EngineWorker(QObject):
         """Bytes that unloading the current model (and any retiring one) would give back."""
         return sum(e.weights_bytes + e.kv.nbytes for e in self._engines())
 
-    def _load_in_background(self, spec: LoadSpec, reclaimable: int = 0) -> None:
+    def _load_in_background(
+        self, spec: LoadSpec, reclaimable: int = 0, speculation: tuple[str, int] = ("", 4)
+    ) -> None:
         try:
             self._plan_and_make_room(spec, reclaimable)
             engine = self._loader(spec, self._report_progress)
+            spec_error = _start_speculation(engine, *speculation)
             _finish_loader_work(engine)
             info = model_info(engine, spec)
         except InfersightError as exc:
@@ -630,7 +707,7 @@ class EngineWorker(QObject):
                 _LoadFailed(spec, f"could not load {spec.model}: {type(exc).__name__}: {exc}")
             )
         else:
-            self.post(_Loaded(engine, info, spec))
+            self.post(_Loaded(engine, info, spec, speculation, spec_error))
 
     def _plan_and_make_room(self, spec: LoadSpec, reclaimable: int) -> None:
         """(Loader thread.) Plan the load and show the plan. When it says the new model fits
@@ -710,13 +787,15 @@ class EngineWorker(QObject):
         self.engine = None
         self._free_memory()
         self._settings.limits.pop("kv_blocks", None)
-        self._swap_in(resized, model_info(resized, spec))
+        self._swap_in(resized, model_info(resized, spec))  # it kept the old pool's drafter
         self.notice.emit(
             f"KV pool resized to {resized.kv.nbytes / 2**20:.0f} MiB "
             f"({resized.kv.manager.num_blocks} blocks); the weights were not reloaded"
         )
 
-    def _swap_in(self, engine: LLMEngine, info: ModelInfo) -> None:
+    def _swap_in(
+        self, engine: LLMEngine, info: ModelInfo, tried: tuple[tuple[str, int], str] = (("", 4), "")
+    ) -> None:
         self._loading = None
         self._resize_to = None  # a resize asked for the old model: the new one has its pool
         self._end_tune("a new model was loaded")
@@ -725,6 +804,7 @@ class EngineWorker(QObject):
             self._apply_settings(engine)
         except InfersightError as exc:
             self.error.emit(f"{exc}; the new model runs with default limits")
+        self._reapply_speculation(engine, tried)
         if self.engine is not None and self.engine.has_work():
             self._retiring.append(self.engine)  # finishes its replies, then goes
         self._use_device_stream(engine)
@@ -774,8 +854,12 @@ class EngineWorker(QObject):
                             del self._served[event.request_id]
                         served[1](event)
                     continue
+                kind = event.speculation
+                pieces = ((event.text, kind),) if kind and event.text else ()
                 self._pending.append(
-                    Delta(reply.tag, reply.candidate, event.text, event.finish_reason)
+                    Delta(
+                        reply.tag, reply.candidate, event.text, event.finish_reason, pieces=pieces
+                    )
                 )
                 if event.finish_reason is not None:
                     self._finished(event.request_id, reply)
@@ -922,15 +1006,57 @@ def yield_to_the_ui() -> None:
 
 
 def _coalesce(deltas: list[Delta]) -> list[Delta]:
-    """One delta per candidate: its texts joined, its finish (always its last event) kept."""
+    """One delta per candidate: its texts joined, its finish (always its last event) kept,
+    its speculation pieces joined (neighbours of one kind merged)."""
     merged: dict[tuple[str, int], Delta] = {}
     for d in deltas:
         key = (d.tag, d.candidate)
         prev = merged.get(key)
         if prev is not None:
-            d = Delta(d.tag, d.candidate, prev.text + d.text, d.finish, d.error)
+            pieces = _join_pieces(prev, d) if prev.pieces or d.pieces else ()
+            d = Delta(d.tag, d.candidate, prev.text + d.text, d.finish, d.error, pieces)
         merged[key] = d
     return list(merged.values())
+
+
+def _join_pieces(a: Delta, b: Delta) -> tuple[tuple[str, str], ...]:
+    """The pieces of ``a`` then ``b``; a delta without pieces is one plain piece."""
+    out: list[tuple[str, str]] = []
+    for d in (a, b):
+        for text, kind in d.pieces or ((d.text, ""),):
+            if not text:
+                continue
+            if out and out[-1][1] == kind:
+                out[-1] = (out[-1][0] + text, kind)
+            else:
+                out.append((text, kind))
+    return tuple(out)
+
+
+def speculative_config(text: str, k: int) -> SpeculativeConfig | None:
+    """The engine's config for ``--speculative`` text (``""``: off); raises
+    ``InvalidRequestError`` with what to write instead."""
+    return parse_speculative(text, k=k) if text.strip() else None
+
+
+def _speculation_error(text: str, exc: Exception) -> str:
+    if isinstance(exc, InfersightError):
+        return f"speculative decoding with {text.strip()} could not start: {exc}"
+    log.error("starting speculative decoding (%s) failed", text, exc_info=exc)
+    return f"speculative decoding with {text.strip()} could not start: {type(exc).__name__}: {exc}"
+
+
+def _start_speculation(engine: LLMEngine, text: str, k: int) -> str:
+    """(Loader thread.) Start speculative decoding on a freshly loaded engine, before it
+    serves, so a self-draft's or draft model's weights load while the old model still
+    answers. Returns why it failed ("" when it did not); the model loads either way."""
+    if not text.strip():
+        return ""
+    try:
+        engine.set_speculation(speculative_config(text, k))
+    except Exception as exc:
+        return _speculation_error(text, exc)
+    return ""
 
 
 def _with_pool_size(spec: LoadSpec | None, mib: float) -> LoadSpec | None:

@@ -28,8 +28,16 @@ each side's token is among the other side's top-N there (both contexts are the c
 Speculative decoding with B drafting for A would accept, per drafted token, B's likeliest
 token where it is A's likeliest (greedy: the top-1 agreement), or with probability
 Σ min(p_A, p_B) = 1 − TV(p_A, p_B) under rejection sampling, with each side's distribution at
-its sampling temperature (1 for a greedy side); both are measured on A's output. A later
-speculative decoder is measured against these predictions.
+its sampling temperature (1 for a greedy side); both are measured on A's output.
+:func:`measure_speculation` then *measures* it: A generates once more from the same prompt with
+its own sampling (same seed, same token budget) while B's model drafts for it
+(:class:`~engine.speculative.ModelDrafter`, a fixed k, every step drafting), on an engine of
+its own over A's weights, so A's engine and its cache are left as they were. It records the
+acceptance per drafted token (comparable with the prediction), vLLM's acceptance rate
+(accepted / drafted tokens, which also counts the drafts left unchecked after a rejection),
+the mean acceptance length, the acceptance at each draft position, and whether the output is
+A's (for greedy A it must be, token for token). A pair that cannot draft for each other (a
+different tokenizer, another device) is reported as not measured, with the reason.
 
 The report is plain JSON data (:data:`FORMAT`): the app shows it, saves it and opens it, and
 ``infersight eval compare --json`` writes the same thing.
@@ -38,24 +46,35 @@ The report is plain JSON data (:data:`FORMAT`): the app shows it, saves it and o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from engine.engine import LLMEngine
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.kv_cache import CacheWindow, SeqChunk
 from engine.sampling import SamplingParams
+from engine.speculative import (
+    ModelDrafter,
+    SpeculativeConfig,
+    Speculator,
+    VerifyCost,
+)
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence as Seq
 
 FORMAT = "infersight-ab/1"
 TOP_N = 5  # top tokens kept per position, and vLLM's N for the divergence rule
 SCORE_ID = "__ab-score__"  # the scratch sequence a scoring pass holds blocks under
 SCORE_CHUNK = 512  # tokens per scoring forward: bounds the [tokens, vocab] logits on a device
 KL_ROWS = 256  # rows per float64 KL computation: bounds its temporaries
+SPEC_K = 4  # tokens B drafts per step when speculative decoding is measured
 
 
 def prompt_ids_for(engine: LLMEngine, messages: list[dict[str, str]]) -> list[int]:
@@ -302,15 +321,22 @@ def _column(
     }
 
 
+def first_difference(ids_a: Sequence[int], ids_b: Sequence[int]) -> int | None:
+    """The first index where two token sequences differ (the shorter one's length where one
+    stopped and the other went on), or ``None`` when they are equal."""
+    index = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), None)
+    if index is None and len(ids_a) != len(ids_b):
+        index = min(len(ids_a), len(ids_b))
+    return index
+
+
 def divergence(
     ids_a: list[int], ids_b: list[int], scores: Scores, tokenizer: Tokenizer
 ) -> dict[str, Any]:
     """vLLM's rule: the first index where the generated tokens differ, and whether each side's
     token is among the other's top-N there. Up to that index the two contexts are the same, so
     A's scores on A's output and B's on B's output describe the same context."""
-    index = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), None)
-    if index is None and len(ids_a) != len(ids_b):
-        index = min(len(ids_a), len(ids_b))  # one answer stopped where the other went on
+    index = first_difference(ids_a, ids_b)
     out: dict[str, Any] = {"index": index, "top_n": TOP_N, "a_token": None, "b_token": None,
                            "a_in_b_top": None, "b_in_a_top": None}  # fmt: skip
     if index is None:
@@ -366,6 +392,133 @@ def summarize(run_a: SideRun, run_b: SideRun, scores: Scores) -> dict[str, Any]:
     }
 
 
+class _TallyingSpeculator(Speculator):
+    """A :class:`Speculator` that also counts rejections (verified steps whose drafts were not
+    all accepted): with the accepted tokens they give the acceptance per drafted token, the
+    figure the prediction estimates."""
+
+    def __init__(self, config: SpeculativeConfig, drafter: ModelDrafter) -> None:
+        super().__init__(config, drafter)
+        self.rejections = 0
+
+    def verified(self, seq: Seq, proposed: int, accepted: int) -> None:
+        super().verified(seq, proposed, accepted)
+        if accepted < proposed:
+            self.rejections += 1
+
+
+_OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError, OutOfMemoryError)
+
+
+def measure_speculation(
+    target: LLMEngine,
+    draft: LLMEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    window: CacheWindow | None = None,
+    *,
+    expected: Sequence[int] | None = None,
+    k: int = SPEC_K,
+    check: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Speculative decoding with ``draft``'s model drafting for ``target``, measured:
+    ``target`` generates from ``prompt_ids`` with ``params`` under ``window`` while the
+    drafter proposes ``k`` tokens at every step (no adaptive k). ``expected`` is the target's
+    plain output, which the speculative one is checked against.
+
+    It runs on a sibling of ``target`` (the same weights, a KV pool just large enough, no
+    prefix caching): neither engine's state changes, and the drafter and both pools are let go
+    before it returns. Returns ``{"measured": {...}}`` (the keys are in
+    :data:`MEASURED_KEYS`), or ``{"not_measured": reason}`` where ``draft`` cannot draft for
+    ``target`` (another tokenizer or device) or memory is short. ``check`` runs after every
+    token (so at least once a step); it may raise to cancel."""
+    needed = len(prompt_ids) + params.max_new_tokens + k + 1
+    blocks = target.kv.manager.blocks_for(needed) + 1
+    config = SpeculativeConfig(
+        "model", model_dir=draft.folder or Path(draft.name), k=k, adaptive=False,
+        verify_cost=VerifyCost(),  # nothing to time: k is fixed
+    )  # fmt: skip
+    try:
+        engine = target.sibling(replace(target.config, num_blocks=blocks, prefix_caching=False))
+        engine.set_window(window)
+        drafter = ModelDrafter.from_engine(config.label, draft, engine)
+    except InvalidRequestError as exc:
+        return {"not_measured": str(exc)}
+    except _OUT_OF_MEMORY as exc:
+        return {"not_measured": f"out of memory ({exc})"}
+    spec = engine.speculator = _TallyingSpeculator(config, drafter)
+    gen = engine.generate(prompt_ids, params)
+    try:
+        for _ in gen:
+            if check:
+                check()
+    except _OUT_OF_MEMORY as exc:
+        return {"not_measured": f"out of memory ({exc})"}
+    finally:
+        engine.cancel(gen.request_id)  # a cancelled run's request ends (no-op when done)
+        engine.set_speculation(None)  # closes the drafter: its KV blocks go back
+    st, result = spec.stats, gen.result
+    ids = result.token_ids
+    trials = st.num_accepted_tokens + spec.rejections
+    measured = {
+        "k": k,
+        "mode": "greedy" if params.greedy else "sampling",
+        "tokens": len(ids),
+        "drafts": st.num_drafts,
+        "draft_tokens": st.num_draft_tokens,
+        "accepted_tokens": st.num_accepted_tokens,
+        "token_acceptance": st.num_accepted_tokens / trials if trials else None,
+        "acceptance_rate": st.acceptance_rate,
+        "mean_acceptance_length": st.mean_acceptance_length,
+        "acceptance_per_pos": list(st.acceptance_per_pos()),
+        "draft_tokens_per_pos": list(st.draft_tokens_per_pos),
+        "matches_a": None if expected is None else ids == list(expected),
+        "first_difference": None if expected is None else first_difference(ids, expected),
+        "tokens_per_s": 1.0 / result.tpot_s if result.tpot_s else None,
+    }
+    return {"measured": measured}
+
+
+#: what ``summary["speculative"]["measured"]`` holds: the k drafted per step, the mode (greedy
+#: or sampling, A's), the tokens generated, the verified steps with drafts (``drafts``), the
+#: drafted and accepted tokens; ``token_acceptance``: accepted / (accepted + rejections), the
+#: acceptance of one drafted token, which the prediction estimates; ``acceptance_rate``:
+#: accepted / drafted tokens (vLLM's, lower for the drafts a rejection leaves unchecked);
+#: ``mean_acceptance_length``: tokens per verified step, the target's own included;
+#: ``acceptance_per_pos``: the acceptance rate at each draft position, and
+#: ``draft_tokens_per_pos`` the drafts that reached it; ``matches_a``: whether the output is
+#: A's plain output (``first_difference``: where it is not); ``tokens_per_s``; and
+#: ``predicted_mean_acceptance_length``, what the predicted acceptance gives for these drafts.
+MEASURED_KEYS = ("k", "mode", "tokens", "drafts", "draft_tokens", "accepted_tokens",
+                 "token_acceptance", "acceptance_rate", "mean_acceptance_length",
+                 "acceptance_per_pos", "draft_tokens_per_pos", "matches_a", "first_difference",
+                 "tokens_per_s", "predicted_mean_acceptance_length")  # fmt: skip
+
+
+def with_speculation(summary: dict[str, Any], speculation: dict[str, Any] | None) -> None:
+    """Put :func:`measure_speculation`'s result beside the prediction in ``summary``, with
+    the mean acceptance length the predicted acceptance α gives for the drafts made: a draft
+    that reached position j is accepted with probability α^j (Leviathan et al.; for k drafts
+    at every step, ``(1 − α^(k+1)) / (1 − α)``; fewer are drafted near the end).
+    ``None``: not attempted, and no key is added."""
+    if not speculation:
+        return
+    spec = summary.setdefault("speculative", {})
+    if "measured" in speculation:
+        measured = dict(speculation["measured"])
+        key = "greedy_acceptance" if measured["mode"] == "greedy" else "sampling_acceptance"
+        alpha, drafts = spec.get(key), measured["drafts"]
+        reached = measured["draft_tokens_per_pos"]
+        measured["predicted_mean_acceptance_length"] = (
+            None
+            if alpha is None or not drafts
+            else 1.0 + sum(n * alpha ** (j + 1) for j, n in enumerate(reached)) / drafts
+        )
+        spec["measured"] = measured
+    else:
+        spec["not_measured"] = str(speculation.get("not_measured", "unknown reason"))
+
+
 def build_report(
     prompt: str,
     prompt_ids: list[int],
@@ -374,8 +527,12 @@ def build_report(
     scores: Scores,
     tokenizer: Tokenizer,
     memory: dict[str, str] | None = None,
+    speculation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The comparison as plain JSON data (see the module docstring for each figure)."""
+    """The comparison as plain JSON data (see the module docstring for each figure).
+    ``speculation``: what :func:`measure_speculation` returned (``None``: not measured)."""
+    summary = summarize(run_a, run_b, scores)
+    with_speculation(summary, speculation)
     sides: dict[str, Any] = {}
     for key, run in (("a", run_a), ("b", run_b)):
         pieces = token_pieces(tokenizer, run.token_ids)
@@ -398,7 +555,7 @@ def build_report(
             ),
         },
         "divergence": divergence(run_a.token_ids, run_b.token_ids, scores, tokenizer),
-        "summary": summarize(run_a, run_b, scores),
+        "summary": summary,
         "memory": memory or {"mode": "side by side", "message": ""},
     }
 
@@ -419,8 +576,10 @@ def compare_prompt(
     side_b: Side,
     *,
     noise: bool = True,
+    speculate: bool = True,
 ) -> dict[str, Any]:
-    """The whole A/B of one prompt on two loaded engines, one after the other."""
+    """The whole A/B of one prompt on two loaded engines, one after the other; ``speculate``
+    also measures speculative decoding with B drafting for A (:func:`measure_speculation`)."""
     prompt_ids = shared_prompt_ids(a, b, [{"role": "user", "content": prompt}])
     run_a = generate(a, prompt_ids, side_a.params, side_a.window)
     run_b = generate(b, prompt_ids, side_b.params, side_b.window)
@@ -428,7 +587,14 @@ def compare_prompt(
     a_on_a, a_on_b, noise_a, noise_b = score_side(a, prompt_ids, runs, side_a.window, noise=noise)
     b_on_a, b_on_b, _, _ = score_side(b, prompt_ids, runs, side_b.window)
     scores = Scores(a_on_a, a_on_b, b_on_a, b_on_b, noise_a, noise_b)
-    return build_report(prompt, prompt_ids, run_a, run_b, scores, a.tokenizer)
+    speculation = None
+    if speculate:
+        speculation = measure_speculation(
+            a, b, prompt_ids, side_a.params, side_a.window, expected=run_a.token_ids
+        )
+    return build_report(
+        prompt, prompt_ids, run_a, run_b, scores, a.tokenizer, speculation=speculation
+    )
 
 
 def document(comparisons: list[dict[str, Any]]) -> dict[str, Any]:
@@ -482,4 +648,22 @@ def _shape_problem(c: Any) -> str | None:
         numbers = column["kl"] + column["p_a"] + column["p_b"] + (noise or [])
         if not all(isinstance(v, (int, float)) for v in numbers):
             return f"columns.{side} holds figures that are not numbers"
+    return _speculation_problem(c["summary"].get("speculative"))
+
+
+def _speculation_problem(spec: Any) -> str | None:
+    """What is wrong with ``summary.speculative`` (absent, or without ``measured``: fine)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        return "summary.speculative is not an object"
+    measured = spec.get("measured")
+    if measured is None:
+        return None
+    if not isinstance(measured, dict):
+        return "summary.speculative.measured is not an object"
+    for key in ("token_acceptance", "acceptance_rate", "mean_acceptance_length"):
+        value = measured.get(key)
+        if value is not None and not isinstance(value, (int, float)):
+            return f"summary.speculative.measured.{key} is not a number"
     return None

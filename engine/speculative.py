@@ -361,14 +361,23 @@ class ModelDrafter(Drafter):
         self._keep = keep  # the engine the model came from, when loaded for this drafter
 
     @classmethod
-    def from_engine(cls, name: str, draft: LLMEngine, target: LLMEngine) -> ModelDrafter:
-        """Draft with ``draft``'s model (its weights shared, not copied) for ``target``: a
-        pool of the target's size, in the draft model's own dtype."""
+    def from_engine(
+        cls, name: str, draft: LLMEngine, target: LLMEngine, num_blocks: int | None = None
+    ) -> ModelDrafter:
+        """Draft with ``draft``'s model (its weights shared, not copied) for ``target``, over
+        a pool of ``num_blocks`` blocks in the draft model's dtype. By default a quarter of the
+        target's blocks, at least one full context and at most the target's size: only the
+        few sequences that speculate (``max_verify_tokens`` bounds them) hold draft blocks,
+        and the least recently drafted give theirs up when it is full."""
         _check_pair(draft, target)
+        mgr = target.kv.manager
+        if num_blocks is None:
+            context = mgr.blocks_for(target.context_length + MAX_DRAFT_K + 1)
+            num_blocks = min(mgr.num_blocks, max(context, mgr.num_blocks // 4))
         return cls(
             name, draft.model, vocab_size=target.cfg.vocab_size, dtype=draft.dtype,
-            device=draft.device, num_blocks=target.kv.manager.num_blocks,
-            block_size=target.kv.block_size, weights_bytes=draft.weights_bytes, keep=draft,
+            device=draft.device, num_blocks=num_blocks, block_size=target.kv.block_size,
+            weights_bytes=draft.weights_bytes, keep=draft,
         )  # fmt: skip
 
     def propose(

@@ -266,6 +266,24 @@ def check_prefix_cache(model: Path, device: torch.device) -> None:
     expect(report["replies_identical"], "caching changed a greedy reply on the GPU")
 
 
+def check_speculative(model: Path, device: torch.device, int4: bool) -> None:
+    """Speculative decoding on the GPU (fp32 target, where a verify pass and a decode step
+    agree to rounding): greedy output with prompt lookup and with a self-draft equals plain
+    greedy output, and the bench reports each drafter's speed on chat and input-grounded
+    prompts."""
+    from engine.bench_spec import format_spec_report, run_spec_bench
+    from engine.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine.load(
+        model, precision="fp32", device=str(device), config=EngineConfig(kv_memory=256 * MIB)
+    )
+    drafters = ["lookup", "self:int4-g32+head" if int4 else "self:int8+head"]
+    report = run_spec_bench(engine, drafters, [2, 4, 8], new_tokens=64, repeats=1)
+    print("     " + format_spec_report(report).replace("\n", "\n     "))
+    expect(all(r["same_output"] for r in report["rows"]), "speculation changed a greedy reply")
+    expect(any((r["acceptance_rate"] or 0) > 0 for r in report["rows"]), "no draft was accepted")
+
+
 def check_server_loop(model: Path, device: torch.device) -> None:
     import queue as queue_module
 
@@ -413,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     check.run("decode graph", lambda: check_decode_graph(model, device, results))
     check.run("prefix caching", lambda: check_prefix_cache(model, device))
     check.run("server loop", lambda: check_server_loop(model, device))
+    check.run("speculative decoding", lambda: check_speculative(model, device, int4))
     peaks = {k[5:]: v[0] for k, v in results.items() if k.startswith("peak ")}
     if peaks:
         worst = max(peaks, key=lambda k: peaks[k])

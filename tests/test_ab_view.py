@@ -318,6 +318,63 @@ def test_summary_line_formats_the_figures(view: ABView) -> None:
     assert "noise floor (A vs A′) n/a" in view.summary_text()
 
 
+MEASURED = {
+    "k": 4,
+    "mode": "greedy",
+    "tokens": 10,
+    "drafts": 3,
+    "draft_tokens": 9,
+    "accepted_tokens": 8,
+    "token_acceptance": 8 / 9,
+    "acceptance_rate": 8 / 9,
+    "mean_acceptance_length": 11 / 3,
+    "acceptance_per_pos": [1.0, 1.0, 1.0, 0.5],
+    "draft_tokens_per_pos": [3, 2, 2, 2],
+    "matches_a": True,
+    "first_difference": None,
+    "tokens_per_s": 120.0,
+    "predicted_mean_acceptance_length": 3.461,
+}
+
+
+def test_measured_acceptance_shows_beside_the_predicted_one(view: ABView) -> None:
+    report = make_report()
+    spec = report["summary"]["speculative"]
+    spec["measured"] = dict(MEASURED)
+    view.show_report(report)
+    assert (
+        "B drafting for A would be accepted 90.0% (greedy) / 95.2% (sampling), measured 88.9% "
+        "(greedy, k=4: mean acceptance length 3.67, predicted 3.46)"
+    ) in view.summary_text()
+    tip = view.summary.toolTip()
+    for part in (
+        "top-1 agreement",
+        "1 − TV",
+        "B's model drafting k tokens",
+        "8 of 9 drafted tokens accepted (88.9%, vLLM's acceptance rate)",
+        "by draft position: 100.0%, 100.0%, 100.0%, 50.0%",
+        "Output equals A's: yes",
+    ):
+        assert part in tip, part
+    # greedy speculative decoding must give A's answer: where it did not, the line says so
+    spec["measured"].update(matches_a=False, first_difference=5)
+    view.show_report(report)
+    assert "output differs from A's at token 5" in view.summary_text()
+    # a pair that cannot draft for each other: the reason, in the line and the tooltip
+    del spec["measured"]
+    spec["not_measured"] = "the draft model is on cpu and the target on cuda"
+    view.show_report(report)
+    assert (
+        "(sampling), not measured: the draft model is on cpu and the target on cuda"
+        in view.summary_text()
+    )
+    assert "Not measured: the draft model is on cpu" in view.summary.toolTip()
+    # a report from before measuring (no key): the prediction alone, the plain tooltip
+    view.show_report(make_report())
+    assert "measured" not in view.summary_text().split("(sampling)")[1]
+    assert "This run" not in view.summary.toolTip()
+
+
 def test_the_kl_plot_follows_the_chosen_column(view: ABView) -> None:
     report = make_report()
     view.show_report(report)

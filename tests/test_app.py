@@ -511,6 +511,59 @@ def test_candidates_are_batched_into_tabs(qtbot: object, window: MainWindow) -> 
     assert reply.body.text() == reply.view.candidates[2]
 
 
+def test_lookup_speculation_marks_the_tokens_and_keeps_the_greedy_reply(
+    qtbot: object, window: MainWindow, oracle: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app import worker as worker_module
+    from engine.speculative import VerifyCost, parse_speculative
+    from widgets.chat_pane import SPECULATION_MARKS
+
+    # the verify cost fixed, not timed: how far each step drafts then depends on nothing
+    # a busy CPU could change
+    monkeypatch.setattr(
+        worker_module, "speculative_config",
+        lambda text, k: parse_speculative(text, k=k, verify_cost=VerifyCost()) if text else None,
+    )  # fmt: skip
+    prompt = "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog."
+    gen = oracle.generate(  # the reply without speculation
+        oracle.chat_prompt_ids([{"role": "user", "content": prompt}]),
+        SamplingParams(max_new_tokens=24),
+    )
+    for _ in gen:
+        pass
+    plain = gen.result.text
+    deltas: list[Delta] = []
+    recorder = Recorder(deltas.extend)  # type: ignore[arg-type]
+    window.worker.deltas.connect(recorder.record)
+    controls = window.controls
+    controls.spec_method.setCurrentIndex(controls.spec_method.findData("lookup"))
+    qtbot.waitUntil(lambda: controls.spec_label.text().startswith("lookup"), timeout=30_000)  # type: ignore[attr-defined]
+    window.chat.mark_speculation.setChecked(True)
+    send(qtbot, window, prompt)
+    reply = window.chat.last
+    assert reply is not None and reply.view.text == plain  # greedy: token for token the same
+    pieces = [p for d in deltas for p in d.pieces or ((d.text, ""),)]
+    assert "".join(text for text, _ in pieces) == plain
+    kinds = {kind for _, kind in pieces}
+    assert "accepted" in kinds and kinds <= {"", "accepted", "corrected", "bonus"}
+    assert reply.body.marked and SPECULATION_MARKS["accepted"][0] in reply.body.toHtml()
+    assert stored(window)[-1] == ("assistant", plain, "done")  # the history stays plain text
+    qtbot.waitUntil(  # type: ignore[attr-defined]
+        lambda: (
+            " accepted · " in controls.spec_label.text()
+            and window.instruments.last_frame is not None
+            and bool(window.instruments.last_frame.spec_acceptance_per_pos)
+        ),
+        timeout=10_000,
+    )
+    frame = window.instruments.last_frame
+    assert frame is not None and frame.speculative == "lookup"
+    assert frame.spec_acceptance_per_pos[0] > 0
+    window.instruments.redraw()
+    heights = window.instruments.spec_bars.opts["height"].tolist()
+    assert heights == pytest.approx([100 * a for a in frame.spec_acceptance_per_pos])
+
+
 def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:
     """Mid-reply with the plots populated; ``make screenshots`` keeps the PNGs. What was
     rendered is checked: the block map shows each of the three batched replies in its colour,

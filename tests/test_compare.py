@@ -16,12 +16,13 @@ from engine.compare import (
     Side,
     compare_prompt,
     document,
+    measure_speculation,
     prompt_ids_for,
     read_document,
     score,
 )
 from engine.engine import LLMEngine
-from engine.errors import InvalidRequestError
+from engine.errors import CancelledError, InvalidRequestError
 from engine.kv_cache import CacheWindow
 from engine.sampling import SamplingParams
 
@@ -76,6 +77,18 @@ def test_per_token_kl_equals_a_direct_computation_from_both_models_logits(engine
     # greedy A: its tokens are its argmax, so B's greedy acceptance is the top-1 agreement
     assert s["speculative"]["greedy_acceptance"] == pytest.approx(s["top1_agreement"])
     assert 0 < s["speculative"]["sampling_acceptance"] <= 1
+    # measured: fp32 A with int4 B drafting 4 tokens a step, greedy: A's answer exactly
+    m = s["speculative"]["measured"]
+    assert m["k"] == 4 and m["mode"] == "greedy" and m["tokens"] == len(report["a"]["token_ids"])
+    assert m["matches_a"] is True and m["first_difference"] is None
+    assert 0 <= m["token_acceptance"] <= 1 and 0 <= m["acceptance_rate"] <= 1
+    assert m["acceptance_rate"] == m["accepted_tokens"] / m["draft_tokens"]
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["accepted_tokens"] / m["drafts"])
+    assert len(m["acceptance_per_pos"]) == len(m["draft_tokens_per_pos"]) == 4
+    assert sum(m["draft_tokens_per_pos"]) == m["draft_tokens"]
+    assert 1 <= m["predicted_mean_acceptance_length"] <= 5
+    assert a.speculator is None and b.speculator is None  # nothing left behind
+    assert a.kv.manager.num_free == a.kv.manager.num_blocks
 
 
 def test_a_against_itself_is_zero_and_the_noise_floor_is_tiny(engines):
@@ -88,6 +101,11 @@ def test_a_against_itself_is_zero_and_the_noise_floor_is_tiny(engines):
     assert s["top1_agreement"] == 1.0 and not s["flips"]
     assert report["divergence"]["index"] is None
     assert s["speculative"]["sampling_acceptance"] == pytest.approx(1.0, abs=1e-5)
+    # the same weights drafting for themselves: every draft accepted, k + 1 tokens a step
+    m = s["speculative"]["measured"]
+    assert m["token_acceptance"] == m["acceptance_rate"] == 1.0 and m["matches_a"] is True
+    assert m["accepted_tokens"] == m["draft_tokens"] > 0
+    assert m["predicted_mean_acceptance_length"] == pytest.approx(m["mean_acceptance_length"])
     # A computed token by token instead of in one pass: rounding only
     assert s["noise_kl_mean"] is not None and 0 <= s["noise_kl_mean"] < 1e-6
     assert len(report["columns"]["b"]["noise_kl"]) == len(report["b"]["token_ids"])
@@ -133,6 +151,25 @@ def test_divergence_follows_vllms_rule(engines):
     assert d["a_in_b_top"] == (d["a_token"] in top_b)
     assert d["b_in_a_top"] == (d["b_token"] in top_a)
     assert report["summary"]["noise_kl_mean"] is None
+    assert 0 <= report["summary"]["speculative"]["measured"]["token_acceptance"] <= 1
+
+
+def test_measured_speculation_cancels_and_leaves_the_engines_as_they_were(engines):
+    _, a, b = engines
+    prompt = prompt_ids_for(a, [{"role": "user", "content": PROMPT}])
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, seed=1)
+    free = (a.kv.manager.num_free, b.kv.manager.num_free)
+
+    def cancel() -> None:
+        raise CancelledError("cancelled")
+
+    with pytest.raises(CancelledError):
+        measure_speculation(a, b, prompt, params, check=cancel)
+    m = measure_speculation(a, b, prompt, params)["measured"]
+    assert m["mode"] == "sampling" and m["tokens"] == 8 and m["matches_a"] is None
+    assert 0 <= m["token_acceptance"] <= 1
+    assert a.speculator is None and b.speculator is None
+    assert (a.kv.manager.num_free, b.kv.manager.num_free) == free
 
 
 def test_document_round_trip_and_bad_files(engines):
@@ -141,6 +178,11 @@ def test_document_round_trip_and_bad_files(engines):
     report = compare_prompt(a, b, PROMPT, greedy, greedy, noise=False)
     text = json.dumps(document([report]))
     assert read_document(json.loads(text)) == [json.loads(json.dumps(report))]
+    older = json.loads(text)  # a file from before speculative decoding was measured
+    del older["comparisons"][0]["summary"]["speculative"]["measured"]
+    assert read_document(older)[0]["summary"]["speculative"].keys() == {
+        "greedy_acceptance", "sampling_acceptance", "mode"
+    }  # fmt: skip
 
     def damaged(change):  # the saved report with one nested value broken
         copy = json.loads(text)
@@ -157,6 +199,8 @@ def test_document_round_trip_and_bad_files(engines):
         damaged(lambda c: c["columns"]["a"].update(kl=c["columns"]["a"]["kl"][:-1])),
         damaged(lambda c: c["columns"]["b"].update(noise_kl=5)),
         damaged(lambda c: c["columns"]["a"]["p_b"].__setitem__(0, "x")),
+        damaged(lambda c: c["summary"]["speculative"].update(measured=[])),
+        damaged(lambda c: c["summary"]["speculative"]["measured"].update(acceptance_rate="x")),
     ):
         with pytest.raises(InvalidRequestError):
             read_document(bad)
@@ -170,6 +214,11 @@ def test_models_that_do_not_share_a_tokenizer_are_refused(engines, tmp_path):
     greedy = Side(SamplingParams(max_new_tokens=2))
     with pytest.raises(InvalidRequestError, match="do not share a tokenizer"):
         compare_prompt(a, other, PROMPT, greedy, greedy, noise=False)
+    # a draft model must share the tokenizer too: not measured, and why
+    prompt = prompt_ids_for(a, [{"role": "user", "content": PROMPT}])
+    result = measure_speculation(a, other, prompt, greedy.params)
+    assert "does not share" in result["not_measured"] and "measured" not in result
+    assert a.speculator is None
 
 
 def test_eval_compare_json_is_the_apps_file_format(engines, tmp_path, capsys):

@@ -19,6 +19,7 @@ OPS = st.lists(
     st.one_of(
         st.tuples(st.just("admit"), st.integers(0, 5), st.integers(0, len(PREFIXES) - 1)),
         st.tuples(st.just("compute"), st.integers(0, 5), st.integers(1, 12)),
+        st.tuples(st.just("speculate"), st.integers(0, 5), st.integers(0, 35)),
         st.tuples(st.just("free"), st.integers(0, 5), st.just(0)),
         st.tuples(st.just("preempt"), st.integers(0, 5), st.just(0)),
         st.tuples(st.just("window"), st.integers(0, 5), st.integers(1, 16)),
@@ -72,12 +73,13 @@ def check_invariants(mgr: BlockManager) -> None:
 @settings(max_examples=300, deadline=None)
 @given(ops=OPS, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 24))
 def test_block_manager_shares_prefixes_without_losing_a_block(ops, block_size, num_blocks):
-    """Sequences are admitted with the cached prefix the manager offers, compute tokens into
-    their blocks, are freed, preempted, windowed; the pool is capped, cleared, switched off and
-    given a new context. A shadow of the pool records what each slot holds (the context it was
-    computed under and every token up to it): a block offered to a new sequence must hold
-    exactly that sequence's prefix, and no step ever writes into a block another sequence
-    holds."""
+    """Sequences are admitted with the cached prefix the manager offers, compute tokens into their
+    blocks, verify speculative drafts (slots for the last token and k drafts, of which some are
+    accepted and the rest rolled back with :meth:`BlockManager.truncate`), are freed,
+    preempted, windowed; the pool is capped, cleared, switched off and given a new context. A
+    shadow of the pool records what each slot holds (the context it was computed under and
+    every token up to it): a block offered to a new sequence must hold exactly that sequence's
+    prefix, and no step ever writes into a block another sequence holds."""
     mgr = BlockManager(num_blocks, block_size)
     shadow: dict[int, tuple[object, ...]] = {}  # slot → (context, tokens up to and including it)
     tokens: dict[str, list[int]] = {}
@@ -120,6 +122,33 @@ def test_block_manager_shares_prefixes_without_losing_a_block(ops, block_size, n
                 )
             computed[seq_id] = end
             mgr.commit(seq_id, end, _reader(toks))
+        elif op == "speculate" and seq_id in mgr.tables:
+            toks, start = tokens[seq_id], computed[seq_id]
+            k, accepted = 1 + amount % 6, amount // 6
+            if len(toks) > start + 1:
+                continue  # still prefilling: only a decoding sequence drafts
+            toks.extend([seq] * (start + 1 - len(toks)))  # its last token
+            accepted = min(accepted, k)
+            drafts = [100 + seq + 7 * i for i in range(k)]  # rejected ones leave garbage
+            end = start + 1 + k
+            if not mgr.can_grow(seq_id, end):
+                continue  # the scheduler reserves no draft slots then
+            mgr.grow(seq_id, end)
+            table = mgr.tables[seq_id]
+            written = toks[: start + 1] + drafts
+            for pos in range(start, end):
+                block = table[pos // block_size]
+                assert block != RELEASED and mgr._refs[block] == 1, "wrote a shared block"
+                assert block not in mgr._key_of, "wrote a keyed block"
+                shadow[block * block_size + pos % block_size] = (
+                    born[seq_id],
+                    tuple(written[: pos + 1]),
+                )
+            toks.extend(drafts[:accepted])  # the accepted drafts; the target's token is next
+            computed[seq_id] = start + 1 + accepted
+            mgr.truncate(seq_id, computed[seq_id])
+            mgr.commit(seq_id, computed[seq_id], _reader(toks))
+            assert mgr.lengths[seq_id] == computed[seq_id]
         elif op in ("free", "preempt"):
             mgr.free(seq_id, keep_keys=op == "preempt")
             if op == "free":

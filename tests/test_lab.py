@@ -93,6 +93,12 @@ def test_an_ab_on_a_tiny_model_equals_the_engines_own_comparison(qtbot, tiny, tm
         assert lab.view.column_text(key) == direct[key]["text"]
     assert report["divergence"] == direct["divergence"]
     assert report["memory"]["mode"] == "side by side"
+    # speculative decoding measured as the engine measures it, shown beside the prediction
+    measured, expected = (r["summary"]["speculative"]["measured"] for r in (report, direct))
+    assert measured["matches_a"] is True
+    for key in ("token_acceptance", "accepted_tokens", "draft_tokens", "acceptance_per_pos"):
+        assert measured[key] == expected[key], key
+    assert ", measured " in lab.view.summary_text()
 
 
 def test_when_a_and_b_do_not_fit_they_run_one_after_the_other(qtbot, tiny):
@@ -113,6 +119,9 @@ def test_when_a_and_b_do_not_fit_they_run_one_after_the_other(qtbot, tiny):
     assert two["b"]["token_ids"] == one["b"]["token_ids"]
     assert two["summary"]["kl_mean"] == pytest.approx(one["summary"]["kl_mean"], abs=1e-12)
     assert two["summary"]["noise_kl_mean"] == pytest.approx(one["summary"]["noise_kl_mean"])
+    # B drafts for A only when both are loaded: not measured, and why
+    assert "measured" in one["summary"]["speculative"]
+    assert "do not fit" in two["summary"]["speculative"]["not_measured"]
 
 
 def test_save_open_and_bad_files(qtbot, tiny, tmp_path):
@@ -187,6 +196,27 @@ def test_the_cancel_button_stops_a_run_and_the_next_one_works(qtbot, tiny):
         assert lab.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 3))["summary"]["tokens"] == 3
         lab.controller.release()  # the user left the tab: the engines go
         qtbot.waitUntil(lambda: not lab.controller.worker._engines, timeout=10_000)
+    finally:
+        lab.close()
+
+
+def test_cancel_stops_the_speculative_measurement_too(qtbot, tiny):
+    lab = Lab(qtbot)
+    worker = lab.controller.worker
+
+    def press_cancel(text: str) -> None:  # as the measurement starts, in the lab's thread
+        if text.startswith("speculative"):
+            lab.controller.cancel()
+
+    worker.status.connect(press_cancel, Qt.ConnectionType.DirectConnection)
+    try:
+        lab.controller.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 6))
+        qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
+        assert lab.view.report() is None
+        assert all(e.speculator is None for e in worker._engines.values())
+        worker.status.disconnect(press_cancel)
+        report = lab.run(form(str(tiny), "fp32", "int8", TINY_PROMPT, 3))
+        assert report["summary"]["speculative"]["measured"]["tokens"] == 3
     finally:
         lab.close()
 

@@ -29,8 +29,8 @@ from engine.scheduler import SchedulerLimits
 from engine.speculative import (
     Draft,
     LookupDrafter,
-    SpeculativeConfig,
     SpecStats,
+    SpeculativeConfig,
     VerifyCost,
     accept,
     best_k,
@@ -233,7 +233,8 @@ def test_logprobs_under_speculation_are_the_models_own(tiny):
 # -- sampling: the distribution is unchanged ------------------------------------------------
 
 VOCAB = 8
-N_SAMPLES = 1500
+N_SAMPLES = 1200
+TEMPERATURE = 0.7
 
 
 @pytest.fixture(scope="module")
@@ -270,28 +271,31 @@ def chi_square_p(a: Counter[tuple[int, ...]], b: Counter[tuple[int, ...]]) -> fl
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
-def first_tokens(engine: LLMEngine, n: int, seed0: int) -> Counter[tuple[int, ...]]:
-    """The second to fourth tokens of ``n`` seeded samples of one prompt: those come from the
-    first verified step (the first token is sampled after the prefill, before any draft)."""
-    params = [
-        SamplingParams(max_new_tokens=4, temperature=1.0, seed=seed0 + i, ignore_eos=True)
-        for i in range(n)
-    ]
+def first_tokens(
+    engine: LLMEngine, prompt: list[int], n: int, seed0: int
+) -> Counter[tuple[int, ...]]:
+    """The second and third tokens of ``n`` seeded samples of ``prompt`` (one pair per sample,
+    so the counts are a multinomial sample): both come from the first verified step (the
+    first token is sampled after the prefill, before any draft)."""
     out: dict[str, list[int]] = {}
-    prompt = [3, 1, 4, 1, 5, 0, 2, 6, 5, 7]  # every token: prompt lookup always finds a match
-    for p in params:
-        out[engine.add_request(prompt, p)] = []
+    for i in range(n):
+        params = SamplingParams(
+            max_new_tokens=4, temperature=TEMPERATURE, seed=seed0 + i, ignore_eos=True
+        )
+        out[engine.add_request(prompt, params)] = []
     while engine.has_work():
         for event in engine.step():
             if event.token_id is not None:
                 out[event.request_id].append(event.token_id)
-    return Counter(tuple(t[1:3]) for t in out.values()) + Counter(
-        (-1, t[3]) for t in out.values()
-    )
+    return Counter(tuple(t[1:3]) for t in out.values())
 
 
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
 def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_vocab, drafter):
+    """The target samples at temperature 0.7 from a prompt that ends with its own greedy
+    continuation, so prompt lookup proposes tokens the model finds likely (and the draft
+    model, a different random model, less likely ones): many drafts are accepted and many
+    rejected, and a rule that resampled from p on a rejection would over-draw the drafts."""
     target, draft = small_vocab
     n = N_SAMPLES
     config = EngineConfig(
@@ -308,14 +312,18 @@ def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_voc
             e.speculator.rule = rule
         return e
 
-    plain = first_tokens(engine(None), n, seed0=0)
+    plain_engine = engine(None)
+    start = [3, 1, 4, 1, 5, 0, 2, 6, 5, 7]  # every token: prompt lookup always finds a match
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = start + run(plain_engine, [(0, start, greedy)])[0][0]
+    plain = first_tokens(plain_engine, prompt, n, seed0=0)
     fast_engine = engine(drafter)
-    fast = first_tokens(fast_engine, n, seed0=100_000)
+    fast = first_tokens(fast_engine, prompt, n, seed0=100_000)
     stats = fast_engine.speculator.stats
     assert stats.num_draft_tokens > n, "the drafts must be many for the test to mean anything"
-    assert 0.05 < stats.acceptance_rate < 0.95, "some drafts accepted, some rejected"
+    assert 0.1 < stats.acceptance_rate < 0.9, "many drafts accepted, many rejected"
     assert chi_square_p(plain, fast) > 0.01
-    wrong = first_tokens(engine(drafter, "resample-from-p"), n, seed0=100_000)
+    wrong = first_tokens(engine(drafter, "resample-from-p"), prompt, n, seed0=100_000)
     assert chi_square_p(plain, wrong) < 0.01
 
 
@@ -369,10 +377,10 @@ def test_acceptance_counters_follow_vllms_definitions():
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     class Seq:
         request_id = "a"
-        output_ids: list[int] = []
 
         def __init__(self, prompt: list[int]) -> None:
             self.prompt_ids = prompt
+            self.output_ids: list[int] = []
 
     drafter = LookupDrafter(ngram_min=1, ngram_max=3)
     seq = Seq([5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6])
@@ -381,11 +389,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert drafter.propose([Seq([1, 2, 3])], [3], None)[0].tokens == []  # no match
 
 
-@pytest.mark.parametrize(
-    "text", ["self", "model:", "ngram", "lookup:3", "self:int4-g32+head:x"]
-)
+@pytest.mark.parametrize("text", ["self", "model:", "ngram", "lookup:3", "self:int4-g32+head:x"])
 def test_bad_speculative_options_say_what_to_give(text):
-    with pytest.raises(InvalidRequestError, match="self:|lookup|model|precision"):
+    with pytest.raises(InvalidRequestError, match=r"self:|lookup|model|precision"):
         parse_speculative(text, 4)
 
 
@@ -398,7 +404,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny, small_vocab):
 
 # -- the real default model -----------------------------------------------------------------
 
-CODE = '''import json
+CODE = """import json
 
 
 def load_scores(path):
@@ -416,7 +422,7 @@ def average(scores):
     for value in scores.values():
         total += value
     return total / len(score)
-'''
+"""
 
 
 def truncated_copy(folder: Path, out: Path, layers: int) -> Path:
@@ -457,9 +463,11 @@ def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path
     ]
     cancel = {3: 12}
     want, want_finish, _ = run(engine, arrivals, cancel)
-    draft_dir = truncated_copy(default_model, tmp_path / "draft", layers=10)
+    # SmolLM2-135M is the smallest of its family: its first 22 layers make a smaller model
+    # with its tokenizer (a poor drafter, α ≈ 0.1, so drafted every step to be tested at all)
+    draft_dir = truncated_copy(default_model, tmp_path / "draft", layers=22)
     for drafter in ("lookup", "self:int4-g32+head", f"model:{draft_dir}"):
-        engine.set_speculation(spec(drafter, k=4))
+        engine.set_speculation(spec(drafter, k=4, adaptive=not drafter.startswith("model")))
         got, finish, kinds = run(engine, arrivals, cancel)
         assert_same(got, want, cancel)
         assert finish == want_finish, drafter

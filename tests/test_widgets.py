@@ -500,3 +500,169 @@ def test_controls_prefix_cache_switch_clear_button_and_label(qtbot: object) -> N
     assert other.prefix_cache() and other.clear_prefix_cache.isEnabled()
     other.restore({"prefix_cache": "false"})  # as a settings store may hand it back
     assert not other.prefix_cache()
+
+
+def test_controls_speculation_emits_text_and_k_and_round_trips(
+    qtbot: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = ControlsPanel()
+    qtbot.addWidget(c)  # type: ignore[attr-defined]
+    asked: list[tuple[str, int]] = []
+    c.speculation_changed.connect(lambda text, k: asked.append((text, k)))
+    assert c.speculation() == ("", 4) and c.spec_label.text() == "off"  # off by default
+    assert not c.spec_precision.isEnabled() and not c.spec_folder.isEnabled()
+
+    def choose(method: str) -> None:
+        c.spec_method.setCurrentIndex(c.spec_method.findData(method))
+
+    choose("lookup")
+    assert asked == [("lookup", 4)] and c.spec_label.text() == "applying…"
+    c.show_speculation("lookup", 4)  # the worker's answer, then a metrics snapshot
+    assert c.spec_label.text() == "lookup · no drafts yet"
+    c.show_speculation_stats(0.62, 2.94)
+    assert c.spec_label.text() == "lookup · 62% accepted · 2.9 tokens/step"
+    c.spec_k.setValue(6)
+    c.spec_k.setValue(20)  # clamped to 8
+    assert asked[1:] == [("lookup", 6), ("lookup", 8)]
+    choose("self")
+    assert c.spec_precision.isEnabled() and asked[-1] == ("self:int4-g32+head", 8)
+    assert c.spec_label.text() == "loading the drafter…"
+    c.spec_precision.setCurrentText("int8+head")
+    assert asked[-1] == ("self:int8+head", 8)
+    for text, k in asked[1:]:  # the answers to the four changes since
+        c.show_speculation(text, k)
+    n = len(asked)
+    choose("model")  # no folder yet: nothing asked, the running drafter is named
+    assert len(asked) == n and c.speculation() is None and c.spec_browse.isEnabled()
+    assert c.spec_label.text() == "choose the draft model's folder (self:int8+head runs meanwhile)"
+    monkeypatch.setattr(
+        "widgets.controls.QFileDialog.getExistingDirectory", lambda *a, **k: "/models/draft-135m"
+    )
+    c.spec_browse.click()
+    assert asked[-1] == ("model:/models/draft-135m", 8)
+    # the folder is refused: the controls go back to what runs and say why
+    c.show_speculation("self:int8+head", 8, "speculative decoding with model:… could not start")
+    assert c.spec_method.currentData() == "self" and c.spec_precision.currentText() == "int8+head"
+    assert c.spec_label.text().startswith("⚠ speculative decoding with model:")
+    assert len(asked) == n + 1  # going back asks for nothing
+
+    choose("model")  # the folder is kept: this asks for it again
+    assert asked[-1] == ("model:/models/draft-135m", 8)
+    c.show_speculation("model:/models/draft-135m", 8)
+    c.show_speculation_stats(0.5, 2.0)
+    assert c.spec_label.text() == "model:draft-135m · 50% accepted · 2.0 tokens/step"
+    other = ControlsPanel()
+    qtbot.addWidget(other)  # type: ignore[attr-defined]
+    restored: list[tuple[str, int]] = []
+    other.speculation_changed.connect(lambda text, k: restored.append((text, k)))
+    other.restore(c.state())  # a saved choice reaches whoever listens: the engine follows it
+    assert restored == [("model:/models/draft-135m", 8)] and other.speculation() == c.speculation()
+    other.restore({"temperature": "0.5"})  # saved before speculative decoding existed: off
+    assert restored[-1] == ("", 4) and other.spec_method.currentData() == ""
+    other.restore({"speculation": {"method": "self", "precision": "int4-g64", "k": "x"}})
+    assert restored[-1] == ("self:int4-g64", 4)  # an unreadable k keeps the default
+    choose("")
+    assert asked[-1] == ("", 8)
+
+
+def _colours(body: object) -> list[tuple[str, str | None]]:
+    """The text shown and each run's background colour (None: none), run by run."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QTextCursor
+
+    doc = body.document()  # type: ignore[attr-defined]
+    cursor = QTextCursor(doc)
+    runs: list[tuple[str, str | None]] = []
+    for pos in range(1, doc.characterCount()):
+        cursor.setPosition(pos)
+        char = doc.characterAt(pos - 1)
+        brush = cursor.charFormat().background()
+        colour = None if brush.style() == Qt.BrushStyle.NoBrush else brush.color().name()
+        if runs and runs[-1][1] == colour:
+            runs[-1] = (runs[-1][0] + char, colour)
+        else:
+            runs.append((char, colour))
+    return runs
+
+
+def test_chat_marks_streamed_pieces_by_how_they_came(qtbot: object) -> None:
+    from widgets.chat_pane import SPECULATION_MARKS
+
+    accepted, corrected, bonus = (
+        SPECULATION_MARKS[k][0] for k in ("accepted", "corrected", "bonus")
+    )
+    pane = ChatPane()
+    qtbot.addWidget(pane)  # type: ignore[attr-defined]
+    assert not pane.mark_speculation.isChecked()  # off by default
+    pane.add_message(MessageView("assistant", [""], "streaming"))
+    pane.append_to_last(0, "One ")  # a plain step first
+    pane.append_to_last(0, "two three", (("two ", "accepted"), ("three", "corrected")))
+    pane.append_to_last(0, " four", ((" four", "bonus"),))
+    pane.append_to_last(0, "!")
+    pane.finish_last("done")
+    bubble = pane.last
+    assert bubble is not None
+    assert bubble.view.text == "One two three four!"  # the message's text stays plain
+    assert not bubble.body.marked and bubble.body.text() == "One two three four!"
+    assert all(colour is None for _, colour in _colours(bubble.body))
+
+    pane.mark_speculation.setChecked(True)
+    assert bubble.body.marked and not pane.speculation_legend.isHidden()
+    assert _colours(bubble.body) == [
+        ("One ", None), ("two ", accepted), ("three", corrected), (" four", bonus), ("!", None),
+    ]  # fmt: skip
+    assert bubble.view.text == "One two three four!"
+    # a reply from the history has no pieces: shown as Markdown whatever the switch
+    old = pane.add_message(MessageView("assistant", ["**plain**"]))
+    assert not old.body.marked and old.body.text() == "**plain**"
+
+    pane.mark_speculation.setChecked(False)
+    assert not bubble.body.marked and pane.speculation_legend.isHidden()
+    assert bubble.body.text() == "One two three four!"
+
+
+def test_instruments_plot_speculation_acceptance_by_draft_position(
+    qtbot: object, tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    panel = InstrumentsPanel()
+    qtbot.addWidget(panel)  # type: ignore[attr-defined]
+    panel.add_frame(_frame(1.0, 2))
+    panel.redraw()
+    assert panel.spec_plot.isHidden() and "off" in panel.spec_label.text()
+    spec = replace(
+        _frame(2.0, 2), speculative="lookup", spec_draft_tokens_per_pos=(8, 4, 4),
+        spec_acceptance_per_pos=(1.0, 0.5, 0.25), spec_acceptance_rate=0.625,
+        spec_mean_acceptance_length=2.25, spec_draft_s=0.01, spec_verify_s=0.5,
+    )  # fmt: skip
+    panel.add_frame(spec)
+    panel.redraw()
+    assert not panel.spec_plot.isHidden()
+    assert panel.spec_bars.opts["x"].tolist() == [1, 2, 3]
+    assert panel.spec_bars.opts["height"].tolist() == [100, 50, 25]
+    assert "62% of draft tokens accepted" in panel.spec_label.text()
+    assert "mean acceptance length 2.25" in panel.spec_label.text()
+    panel.tabs.setCurrentIndex(3)
+    panel.export_csv(tmp_path / "spec.csv")
+    rows = read_csv(tmp_path / "spec.csv")
+    assert rows == [
+        ["draft_position", "draft_tokens", "acceptance"],
+        ["1", "8", "1"], ["2", "4", "0.5"], ["3", "4", "0.25"],
+    ]  # fmt: skip
+    panel.add_frame(_frame(3.0, 2))  # switched off: the plot goes, its bars emptied
+    panel.redraw()
+    assert panel.spec_plot.isHidden() and len(panel.spec_bars.opts["height"]) == 0
+
+
+def test_deltas_keep_speculation_pieces_when_coalesced() -> None:
+    deltas = [
+        Delta("t", 0, "a"),
+        Delta("t", 0, "bc", pieces=(("b", "accepted"), ("c", "accepted"))),
+        Delta("t", 0, "d", pieces=(("d", "bonus"),)),
+        Delta("t", 0, "e", "stop"),
+    ]
+    (merged,) = _coalesce(deltas)
+    assert merged.text == "abcde" and merged.finish == "stop"
+    assert merged.pieces == (("a", ""), ("bc", "accepted"), ("d", "bonus"), ("e", ""))
+    assert _coalesce([Delta("t", 0, "a"), Delta("t", 0, "b")])[0].pieces == ()

@@ -30,6 +30,7 @@ from app.worker import (
     ReplyStats,
     Resize,
     Send,
+    Speculate,
     Stop,
     load_engine,
 )
@@ -54,6 +55,8 @@ class Inbox(QObject):
         self.failures: list[str] = []
         self.notices: list[str] = []
         self.unloaded: list[str] = []
+        self.errors: list[str] = []
+        self.speculation: list[tuple[str, int, str]] = []
         self.stopped = False
 
     @Slot(list)
@@ -80,6 +83,14 @@ class Inbox(QObject):
     @Slot(str)
     def on_unloaded(self, text: str) -> None:
         self.unloaded.append(text)
+
+    @Slot(str)
+    def on_error(self, text: str) -> None:
+        self.errors.append(text)
+
+    @Slot(str, int, str)
+    def on_speculation(self, text: str, k: int, error: str) -> None:
+        self.speculation.append((text, k, error))
 
     @Slot()
     def on_stopped(self) -> None:
@@ -123,6 +134,8 @@ def launch(workers: list[Running], loader: Loader, inbox: Inbox) -> Running:
     worker.load_failed.connect(inbox.on_failed)
     worker.notice.connect(inbox.on_notice)
     worker.unloaded.connect(inbox.on_unloaded)
+    worker.error.connect(inbox.on_error)
+    worker.speculation_applied.connect(inbox.on_speculation)
     worker.stopped.connect(inbox.on_stopped)
     running = Running(worker, thread, inbox)
     workers.append(running)
@@ -311,3 +324,55 @@ def test_a_new_kv_pool_keeps_the_weights(qtbot: object, workers: list[Running]) 
     assert "not reloaded" in notes.notices[0]
     r.worker.post(Send("after", [{"role": "user", "content": "Hi."}], GREEDY))
     qtbot.waitUntil(lambda: len(r.inbox.stats) == 1, timeout=WAIT_MS)  # type: ignore[attr-defined]
+
+
+def test_speculation_follows_new_engines_and_a_failure_keeps_the_model(
+    qtbot: object,
+    workers: list[Running],
+    tiny_model_dir: Callable[[str, bool], tuple[Path, object]],
+    tmp_path: Path,
+) -> None:
+    from tests.conftest import build_tiny_hf, save_tiny
+
+    folder, _ = tiny_model_dir("llama", True)
+    other = save_tiny(build_tiny_hf("llama", tied=True, vocab_size=288), tmp_path / "other")
+    r = start(qtbot, workers, LoadSpec(str(folder), "fp32", "cpu", 4))
+    said = r.inbox.speculation
+
+    def answer(n: int) -> tuple[str, int, str]:
+        qtbot.waitUntil(lambda: len(said) >= n, timeout=WAIT_MS)  # type: ignore[attr-defined]
+        return said[n - 1]
+
+    assert said == [("", 4, "")]  # the load says what runs: nothing
+    r.worker.post(Speculate("lookup", 3))
+    assert answer(2) == ("lookup", 3, "")
+    engine = r.worker.engine
+    assert engine is not None and engine.speculator is not None
+    assert (engine.speculator.label, engine.speculator.config.k) == ("lookup", 3)
+
+    # a draft folder that is not there: said, and lookup goes on
+    r.worker.post(Speculate(f"model:{tmp_path / 'missing'}", 2))
+    text, k, error = answer(3)
+    assert (text, k) == ("lookup", 3) and "could not start" in error
+    assert any("stays lookup" in e for e in r.inbox.errors)
+    assert engine.speculator is not None and engine.speculator.label == "lookup"
+
+    # a new KV pool keeps the weights and the speculation
+    r.worker.post(Resize(2))
+    assert answer(4) == ("lookup", 3, "")
+    resized = r.worker.engine
+    assert resized is not None and resized is not engine and resized.speculator is not None
+
+    # the same weights drafting for themselves, then a model whose tokenizer differs: the
+    # loader tries the drafter on it, cannot, and the model loads with speculation off
+    r.worker.post(Speculate(f"model:{folder}", 2))
+    assert answer(5) == (f"model:{folder}", 2, "")
+    assert resized.speculator is not None and resized.speculator.label == f"model:{folder}"
+    r.worker.post(Load(LoadSpec(str(other), "fp32", "cpu", 4)))
+    text, k, error = answer(6)
+    assert (text, k) == ("", 2) and "same tokenizer" in error
+    loaded = lambda: r.inbox.models[-1].path == str(other)  # noqa: E731
+    qtbot.waitUntil(loaded, timeout=WAIT_MS)  # type: ignore[attr-defined]
+    assert r.worker.info is not None and r.worker.info.path == str(other)
+    assert r.worker.engine is not None and r.worker.engine.speculator is None
+    assert any("off for" in e for e in r.inbox.errors)

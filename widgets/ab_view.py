@@ -23,7 +23,15 @@ A *report* (what :meth:`ABView.show_report` takes; a saved file holds
                     "a_in_b_top": bool | None, "b_in_a_top": bool | None},
      "summary": {"tokens", "kl_mean", "kl_p99", "kl_max", "rms_dp", "top1_agreement", "flips",
                  "noise_kl_mean", "noise_kl_p99",
-                 "speculative": {"greedy_acceptance", "sampling_acceptance", "mode"}},
+                 "speculative": {"greedy_acceptance", "sampling_acceptance", "mode",
+                                 # measured with B drafting for A; neither: not attempted
+                                 "measured": {"k", "mode", "token_acceptance",
+                                              "acceptance_rate", "mean_acceptance_length",
+                                              "predicted_mean_acceptance_length",
+                                              "acceptance_per_pos", "draft_tokens",
+                                              "accepted_tokens", "matches_a",
+                                              "first_difference", ...},
+                                 "not_measured": str}},   # why it could not be measured
      "memory": {"mode": "side by side" | "one after the other", "message": str}}
 
 A *scan* (:meth:`ABView.show_scan`) gives, per layer and block (attention, MLP), the KL when
@@ -219,9 +227,80 @@ def divergence_text(divergence: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_TIP = (
+    "KLD: KL(A‖B) of the next-token distributions, in nats. RMS Δp: root mean square of "
+    "p_A − p_B for the tokens of the text. Top-1 agreement: how often both would pick the "
+    "same next token. Noise floor: A against a second run of A, what counts as no "
+    "difference. Acceptance: how often B's drafts pass A's check in speculative decoding"
+)
+SPECULATION_TIP = (
+    "Acceptance, predicted: from the two models' next-token distributions along A's answer: "
+    "for greedy A, how often B's likeliest token is A's (top-1 agreement); for sampling, "
+    "Σ min(p_A, p_B) = 1 − TV(p_A, p_B), the chance that rejection sampling keeps B's "
+    "draft.\nMeasured: A answered once more, same prompt, sampling and seed, by "
+    "speculative decoding with B's model drafting k tokens at every step: accepted drafts "
+    "over accepted drafts plus rejections, the same figure as the prediction (vLLM's "
+    "acceptance rate, accepted over drafted tokens, also counts the drafts a rejection "
+    "leaves unchecked). Mean acceptance length: tokens per verified step, A's own included; "
+    "predicted: what the predicted acceptance gives for the same drafts."
+)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _length(value: Any) -> str:
+    number = _number(value)
+    return "–" if number is None else f"{number:.2f}"
+
+
+def measured_text(spec: dict[str, Any]) -> str:
+    """The measured acceptance, for beside the predicted one (empty when not attempted)."""
+    measured = spec.get("measured")
+    if not isinstance(measured, dict):
+        reason = spec.get("not_measured")
+        return f"not measured: {reason}" if reason else ""
+    mode = measured.get("mode", "?")
+    text = (
+        f"measured {format_pct(_number(measured.get('token_acceptance')))} ({mode}, "
+        f"k={measured.get('k', '?')}: mean acceptance length "
+        f"{_length(measured.get('mean_acceptance_length'))}, predicted "
+        f"{_length(measured.get('predicted_mean_acceptance_length'))})"
+    )
+    if mode == "greedy" and measured.get("matches_a") is False:
+        text += f", output differs from A's at token {measured.get('first_difference')}"
+    return text
+
+
+def speculation_tip(spec: dict[str, Any]) -> str:
+    """:data:`SPECULATION_TIP` and this run's measured details (or why there are none)."""
+    measured = spec.get("measured")
+    if not isinstance(measured, dict):
+        reason = spec.get("not_measured")
+        return f"{SPECULATION_TIP}\n\nNot measured: {reason}" if reason else SPECULATION_TIP
+    per_pos = measured.get("acceptance_per_pos")
+    positions = (
+        ", ".join(format_pct(_number(v)) for v in per_pos) if isinstance(per_pos, list) else "–"
+    )
+    matches = measured.get("matches_a")
+    lines = [
+        f"This run: {measured.get('accepted_tokens', '?')} of "
+        f"{measured.get('draft_tokens', '?')} drafted tokens accepted "
+        f"({format_pct(_number(measured.get('acceptance_rate')))}, vLLM's acceptance rate); "
+        f"by draft position: {positions}.",
+        "Output equals A's: " + ("unknown" if matches is None else "yes" if matches else "no")
+        + (" (sampling: the same distribution, other draws)"
+           if matches is False and measured.get("mode") == "sampling" else ""),
+    ]  # fmt: skip
+    return f"{SPECULATION_TIP}\n\n" + "\n".join(lines)
+
+
 def summary_line(summary: dict[str, Any], divergence: dict[str, Any] | None = None) -> str:
     """The comparison in one line (KL in nats)."""
-    spec = summary.get("speculative") or {}
+    spec = summary.get("speculative")
+    spec = spec if isinstance(spec, dict) else {}
+    measured = measured_text(spec)
     noise = summary.get("noise_kl_mean")
     parts = [
         f"{summary.get('tokens', 0)} tokens: mean KLD {format_kl(summary.get('kl_mean'))} nats",
@@ -231,7 +310,8 @@ def summary_line(summary: dict[str, Any], divergence: dict[str, Any] | None = No
         f"flips (answers differ): {'yes' if summary.get('flips') else 'no'}",
         f"noise floor (A vs A′) {format_kl(noise) if noise is not None else 'n/a'}",
         f"B drafting for A would be accepted {format_pct(spec.get('greedy_acceptance'))} "
-        f"(greedy) / {format_pct(spec.get('sampling_acceptance'))} (sampling)",
+        f"(greedy) / {format_pct(spec.get('sampling_acceptance'))} (sampling)"
+        + (f", {measured}" if measured else ""),
     ]
     if divergence is not None and divergence.get("index") is not None:
         parts.append(f"first divergence at token {divergence['index']}")
@@ -622,13 +702,7 @@ class ABView(QWidget):
         self.summary.setMinimumHeight(2 * self.summary.fontMetrics().lineSpacing() + 4)
         self.summary.setTextFormat(Qt.TextFormat.PlainText)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.summary.setToolTip(
-            "KLD: KL(A‖B) of the next-token distributions, in nats. RMS Δp: root mean "
-            "square of p_A − p_B for the tokens of the text. Top-1 agreement: how "
-            "often both would pick the same next token. Noise floor: A against a second run "
-            "of A, what counts as no difference. Acceptance: how often B's drafts would pass "
-            "A's check in speculative decoding"
-        )
+        self.summary.setToolTip(SUMMARY_TIP + "\n\n" + SPECULATION_TIP)
         self.kl_plot = _plot("KL(A‖B) per token", "KL (nats)", "token")
         self.kl_plot.setLogMode(y=True)
         self.kl_plot.getAxis("left").setWidth(64)  # room for 10⁻⁶-style ticks and the label
@@ -830,6 +904,7 @@ class ABView(QWidget):
         other text; :meth:`report` is ``None`` until the new one arrives)."""
         self._report = None
         self.summary.setText(RUNNING)
+        self.summary.setToolTip(SUMMARY_TIP + "\n\n" + SPECULATION_TIP)
         self.kl_curve.setData([], [])
         self.noise_top.setData([], [])
         self.noise_bottom.setData([], [])
@@ -865,7 +940,12 @@ class ABView(QWidget):
             self.columns[side].header.setToolTip(str(info.get("model", "")))
             self.set_side_stats(side, _side_stats(info))
         self._render_columns()
-        self.summary.setText(summary_line(report.get("summary", {}), report.get("divergence")))
+        summary = report.get("summary", {})
+        self.summary.setText(summary_line(summary, report.get("divergence")))
+        spec = summary.get("speculative")
+        self.summary.setToolTip(
+            SUMMARY_TIP + "\n\n" + speculation_tip(spec if isinstance(spec, dict) else {})
+        )
         self._draw_kl()
         message = (report.get("memory") or {}).get("message")
         if message:

@@ -2,15 +2,23 @@
 
 A thin view: it shows :class:`MessageView` data and emits what the user asked for; the app
 decides what that means for the engine and the store.
+
+With speculative decoding the reply streamed in this window can be shown marked ("Mark
+speculation"): each piece of text coloured by how its tokens came, an accepted draft, the
+model's correction of a rejected draft, or its bonus token after accepting every draft. The
+marks are a view of the streamed pieces only: the message's text stays plain (what is copied
+and stored), and a reply opened from the history has none.
 """
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QResizeEvent, QTextOption
 from PySide6.QtWidgets import (
+    QCheckBox,
     QFrame,
     QHBoxLayout,
     QInputDialog,
@@ -43,6 +51,25 @@ STATUS_MARKS = {
 }
 
 
+#: how a streamed piece came (``Delta.pieces`` kinds) → its background and its legend
+SPECULATION_MARKS = {
+    "accepted": ("#2f5a3a", "accepted draft"),
+    "corrected": ("#6b4a1e", "model's correction"),
+    "bonus": ("#2d4a7a", "bonus token"),
+}
+
+
+def marked_html(pieces: list[tuple[str, str]]) -> str:
+    """The pieces as plain text (whitespace kept), each of a speculation kind on its
+    colour."""
+    parts = []
+    for text, kind in pieces:
+        body = html.escape(text).replace("\n", "<br>")
+        mark = SPECULATION_MARKS.get(kind)
+        parts.append(f'<span style="background-color:{mark[0]}">{body}</span>' if mark else body)
+    return f'<p style="white-space:pre-wrap">{"".join(parts)}</p>'
+
+
 @dataclass(slots=True)
 class MessageView:
     role: str  # user | assistant
@@ -63,6 +90,7 @@ class MarkdownView(QTextBrowser):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self._source = ""
+        self._marked = False
         self.setOpenExternalLinks(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -72,14 +100,26 @@ class MarkdownView(QTextBrowser):
         self.document().setDocumentMargin(2)
 
     def set_text(self, text: str) -> None:
-        if text != self._source:
-            self._source = text
+        if text != self._source or self._marked:
+            self._source, self._marked = text, False
             self.setMarkdown(text)
             self._fit()
 
+    def set_marked(self, pieces: list[tuple[str, str]]) -> None:
+        """Show ``pieces`` (text, speculation kind) as plain text, each kind on its colour."""
+        text = "".join(t for t, _ in pieces)
+        if text != self._source or not self._marked:
+            self._source, self._marked = text, True
+            self.setHtml(marked_html(pieces))
+            self._fit()
+
     def text(self) -> str:
-        """The Markdown source shown."""
+        """The source shown (Markdown, or the marked pieces' text)."""
         return self._source
+
+    @property
+    def marked(self) -> bool:
+        return self._marked
 
     def _fit(self) -> None:
         doc = self.document()
@@ -97,6 +137,10 @@ class MessageBubble(QFrame):
     def __init__(self, view: MessageView, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.view = view
+        #: per candidate, the streamed text as (piece, speculation kind): only for the mark
+        #: overlay, and only where some piece came from a speculative step
+        self.pieces: dict[int, list[tuple[str, str]]] = {}
+        self.mark_speculation = False
         self.setObjectName("assistantBubble" if view.role == "assistant" else "userBubble")
         self.setFrameShape(QFrame.Shape.StyledPanel)
         layout = QVBoxLayout(self)
@@ -136,17 +180,39 @@ class MessageBubble(QFrame):
         text = v.text
         if v.status == "streaming" and not text:
             text = "…"
-        self.body.set_text(text)
+        pieces = self.pieces.get(v.selected)
+        if self.mark_speculation and pieces and "".join(t for t, _ in pieces) == v.text:
+            self.body.set_marked(pieces)
+        else:
+            self.body.set_text(text)
         mark = STATUS_MARKS.get(v.status, "")
         status = "  ".join(p for p in (mark, v.stats) if p)
         self.status_label.setText(status)
         self.status_label.setToolTip(status)
 
-    def append(self, candidate: int, text: str) -> None:
-        """Streamed text: kept at once, rendered within :data:`STREAM_RENDER_MS`."""
+    def append(self, candidate: int, text: str, pieces: tuple[tuple[str, str], ...] = ()) -> None:
+        """Streamed text: kept at once, rendered within :data:`STREAM_RENDER_MS`. ``pieces``
+        splits ``text`` by speculation kind (``Delta.pieces``), for the mark overlay."""
+        before = self.view.candidates[candidate]
         self.view.candidates[candidate] += text
+        if pieces or candidate in self.pieces:
+            kept = self.pieces.setdefault(candidate, [(before, "")] if before else [])
+            for piece, kind in pieces or ((text, ""),):
+                if not piece:
+                    continue
+                if kept and kept[-1][1] == kind:
+                    kept[-1] = (kept[-1][0] + piece, kind)
+                else:
+                    kept.append((piece, kind))
         if candidate == self.view.selected and not self._render_timer.isActive():
             self._render_timer.start()
+
+    def set_mark_speculation(self, on: bool) -> None:
+        """Show the streamed pieces coloured by how they came, or the plain Markdown."""
+        if on != self.mark_speculation:
+            self.mark_speculation = on
+            if self.pieces:
+                self.refresh()
 
     def _select(self, index: int) -> None:
         if 0 <= index < len(self.view.candidates) and index != self.view.selected:
@@ -250,9 +316,28 @@ class ChatPane(QWidget):
         self.edit_button = QPushButton("Edit last")
         self.edit_button.setToolTip("Take the last message back into the input box to resend it")
         self.edit_button.clicked.connect(self.edit_requested)
+        self.mark_speculation = QCheckBox("Mark speculation")
+        self.mark_speculation.setToolTip(
+            "Colour the reply streamed with speculative decoding by how each piece came: a "
+            "draft the model accepted, the model's own token where it rejected a draft, or its "
+            "bonus token after accepting them all. A view only: the text stays the same"
+        )
+        self.mark_speculation.toggled.connect(self._on_mark_speculation)
+        self.speculation_legend = QWidget()
+        legend = QHBoxLayout(self.speculation_legend)
+        legend.setContentsMargins(0, 0, 0, 0)
+        for colour, label in SPECULATION_MARKS.values():
+            swatch = QLabel(label)
+            swatch.setStyleSheet(
+                f"background: {colour}; border-radius: 3px; padding: 0 4px; font-size: 9pt"
+            )
+            legend.addWidget(swatch)
+        self.speculation_legend.setVisible(False)
         buttons = QHBoxLayout()
         for b in (self.regenerate_button, self.edit_button):
             buttons.addWidget(b)
+        buttons.addWidget(self.mark_speculation)
+        buttons.addWidget(self.speculation_legend)
         buttons.addStretch(1)
         buttons.addWidget(self.stop_button)
         buttons.addWidget(self.send_button)
@@ -322,6 +407,7 @@ class ChatPane(QWidget):
 
     def add_message(self, view: MessageView) -> MessageBubble:
         bubble = MessageBubble(view)
+        bubble.mark_speculation = self.mark_speculation.isChecked()
         self.messages_layout.addWidget(bubble)
         self.bubbles.append(bubble)
         self._update_buttons()
@@ -336,9 +422,18 @@ class ChatPane(QWidget):
     def last(self) -> MessageBubble | None:
         return self.bubbles[-1] if self.bubbles else None
 
-    def append_to_last(self, candidate: int, text: str) -> None:
+    def append_to_last(
+        self, candidate: int, text: str, pieces: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        """Streamed text for the last message; ``pieces`` (text, speculation kind) split it
+        for the mark overlay."""
         if self.last is not None:
-            self.last.append(candidate, text)
+            self.last.append(candidate, text, pieces)
+
+    def _on_mark_speculation(self, on: bool) -> None:
+        self.speculation_legend.setVisible(on)
+        for bubble in self.bubbles:
+            bubble.set_mark_speculation(on)
 
     def finish_last(self, status: str, stats: str = "") -> None:
         if self.last is not None:

@@ -1,5 +1,6 @@
 """Live instruments: memory by kind, KV occupancy, prefix-cache hits and the block map,
-latency per request, throughput and per-layer timings, drawn with pyqtgraph.
+latency per request, throughput, per-layer timings and speculative decoding's acceptance by
+draft position, drawn with pyqtgraph.
 
 Frames (plain data) go into fixed-size ring buffers as they arrive; a timer redraws a few
 times a second with ``setData``, so plotting never grows without end. The live plots keep
@@ -57,6 +58,16 @@ class InstrumentFrame:
     prefix_hit_rate: float | None = None
     layer_attention_ms: tuple[float, ...] = ()
     layer_mlp_ms: tuple[float, ...] = ()
+    #: speculative decoding's drafter ("" off); per draft position the draft tokens that
+    #: reached it and the share of them accepted; accepted / drafted tokens and the tokens a
+    #: verifying step yields (None: nothing drafted yet); seconds spent drafting and verifying
+    speculative: str = ""
+    spec_draft_tokens_per_pos: tuple[int, ...] = ()
+    spec_acceptance_per_pos: tuple[float, ...] = ()
+    spec_acceptance_rate: float | None = None
+    spec_mean_acceptance_length: float | None = None
+    spec_draft_s: float = 0.0
+    spec_verify_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +169,7 @@ class InstrumentsPanel(QWidget):
         self._kv = RingBuffer(HISTORY, 4)  # t, usage %, generation tok/s, prefix hits %
         self._requests: list[RequestPoint] = []
         self._layers: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+        self._spec: tuple[tuple[int, ...], tuple[float, ...]] = ((), ())  # drafts, acceptance
         self._dirty = False
         self.last_frame: InstrumentFrame | None = None
 
@@ -242,6 +254,25 @@ class InstrumentsPanel(QWidget):
         col.addWidget(self.layer_plot)
         self.tabs.addTab(tab, "Layers")
 
+        # speculative decoding
+        self.spec_label = QLabel()
+        self.spec_label.setWordWrap(True)
+        self.spec_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.spec_plot = _plot("Acceptance by draft position", "% accepted", "draft position")
+        self.spec_plot.getPlotItem().disableAutoRange()
+        self.spec_plot.setYRange(0, 100, padding=0)
+        self.spec_plot.setXRange(0.5, 4.5, padding=0)
+        self.spec_bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=COLOURS[2])
+        self.spec_plot.addItem(self.spec_bars)
+        self._spec_positions = 0  # the x range drawn covers this many positions
+        self._spec_drawn: tuple[float, ...] = ()
+        tab = QWidget()
+        col = QVBoxLayout(tab)
+        col.addWidget(self.spec_label)
+        col.addWidget(self.spec_plot, 1)
+        self.tabs.addTab(tab, "Speculation")
+        self._show_speculation(None)
+
         export_png = QPushButton("Export PNG…")
         export_png.setToolTip("Save the plots of this tab as an image")
         export_png.clicked.connect(self._ask_png)
@@ -288,12 +319,35 @@ class InstrumentsPanel(QWidget):
         )
         if frame.layer_attention_ms:
             self._layers = (frame.layer_attention_ms, frame.layer_mlp_ms)
+        self._show_speculation(frame)
         self.last_frame = frame
         self._dirty = True
 
     def add_request(self, point: RequestPoint) -> None:
         self._requests.append(point)
         self._dirty = True
+
+    def _show_speculation(self, frame: InstrumentFrame | None) -> None:
+        """The speculation tab's text, and its bars' data (drawn by :meth:`redraw`)."""
+        on = frame is not None and bool(frame.speculative)
+        self.spec_plot.setVisible(on)
+        if frame is None or not on:
+            self._spec = ((), ())
+            self.spec_label.setText(
+                "Speculative decoding is off. Choose a drafter under Controls → Speculative "
+                "decoding to see how often its drafts are accepted at each position."
+            )
+            return
+        self._spec = (frame.spec_draft_tokens_per_pos, frame.spec_acceptance_per_pos)
+        rate, length = frame.spec_acceptance_rate, frame.spec_mean_acceptance_length
+        if rate is None or length is None:
+            self.spec_label.setText(f"{frame.speculative}: nothing drafted yet")
+            return
+        self.spec_label.setText(
+            f"{frame.speculative}: {rate:.0%} of draft tokens accepted · mean acceptance "
+            f"length {length:.2f} tokens per verifying step · drafting {frame.spec_draft_s:.2f} "
+            f"s, verifying {frame.spec_verify_s:.2f} s in all"
+        )
 
     # -- drawing -----------------------------------------------------------------------------
     def redraw(self) -> None:
@@ -332,6 +386,18 @@ class InstrumentsPanel(QWidget):
             x = np.arange(len(attention))
             self.attention_bars.setOpts(x=x - 0.2, height=attention, width=0.4)
             self.mlp_bars.setOpts(x=x + 0.2, height=mlp, width=0.4)
+        acceptance = self._spec[1]
+        positions = len(acceptance)
+        if acceptance != self._spec_drawn:
+            self._spec_drawn = acceptance
+            self.spec_bars.setOpts(
+                x=np.arange(1, positions + 1),
+                height=100.0 * np.asarray(acceptance, dtype=float),
+                width=0.6,
+            )
+        if positions > self._spec_positions:  # the range only grows: steady axes
+            self._spec_positions = positions
+            self.spec_plot.setXRange(0.5, max(positions, 4) + 0.5, padding=0)
 
     # -- export ------------------------------------------------------------------------------
     def export_png(self, path: Path) -> None:
@@ -367,10 +433,14 @@ class InstrumentsPanel(QWidget):
                     w.writerow(
                         [i, f"{r.ttft_s:.6g}", "" if r.tpot_s is None else f"{r.tpot_s:.6g}"]
                     )
-            else:
+            elif index == 2:
                 w.writerow(["layer", "attention_ms", "mlp_ms"])
                 for i, (a, b) in enumerate(zip(*self._layers, strict=True)):
                     w.writerow([i, f"{a:.6g}", f"{b:.6g}"])
+            else:
+                w.writerow(["draft_position", "draft_tokens", "acceptance"])
+                for i, (n, a) in enumerate(zip(*self._spec, strict=False), 1):
+                    w.writerow([i, n, f"{a:.6g}"])
 
     def _ask_png(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Export plot", "infersight.png", "PNG (*.png)")
