@@ -8,15 +8,16 @@ side by side in one run, per drafter and k, on two kinds of prompt:
 One engine is loaded once and every drafter is built once (a self-draft's second copy of the
 weights, a draft model); each repeat runs every prompt plainly and then under every
 (drafter, k) in turn, so a noisy machine hurts all of them alike. Requests are greedy, so each
-speculative output must equal the plain one token for token, which the report checks. Speeds
-are output tokens over the request's wall time (prefill included, the same for all), medians
-over repeats; ``speedup`` is the ratio of the medians to plain decoding's on the same prompts.
+speculative output must equal the plain one token for token, which the report checks. Each run
+starts with an empty prefix cache (else every run after the first would skip its prefill).
+Speeds are decode speeds: the tokens after the first over the time from the first to the last
+(speculation does not touch the prefill), summed over a workload's prompts, medians over
+repeats; ``speedup`` is the ratio of the medians to plain decoding's on the same prompts.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +29,7 @@ from engine.speculative import (
     Drafter,
     Speculator,
     build_drafter,
-    measure_verify_cost,
+    measure_costs,
 )
 
 CHAT_PROMPTS = (
@@ -121,7 +122,8 @@ def run_spec_bench(
     for text in drafters:
         log(f"building the drafter {text} …")
         built[text] = build_drafter(parse_speculative(text, max(ks)), engine)
-    verify = measure_verify_cost(engine, max(ks))
+    costs = {name: measure_costs(engine, d, max(ks)) for name, d in built.items()}
+    verify = next(iter(costs.values()))[0]
     log(f"verify cost: {verify.fixed:.2f} + {verify.per_token:.3f}·k of a decode step")
     configs = [(text, k) for text in drafters for k in ks]
     results: dict[tuple[str, str, int], list[_Run]] = {}
@@ -139,7 +141,8 @@ def run_spec_bench(
                         config = replace(
                             parse_speculative(name, k), adaptive=adaptive, verify_cost=verify
                         )
-                        engine.speculator = Speculator(config, built[name], verify)
+                        engine.speculator = Speculator(config, built[name], verify,
+                                                       costs[name][1])  # fmt: skip
                         got, tokens = _generate(engine, prompt, params)
                         got.same = tokens == plain_out[(workload, pi)]
                         results.setdefault((workload, name, k), []).append(got)
@@ -160,11 +163,12 @@ def _generate(
         s = spec.stats
         before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts,
                   list(s.accepted_tokens_per_pos), list(s.draft_tokens_per_pos))  # fmt: skip
-    started = time.perf_counter()
+    engine.clear_prefix_cache()
     gen = engine.generate(prompt, params)
     for _ in gen:
         pass
-    run = _Run(tokens=len(gen.result.token_ids), seconds=time.perf_counter() - started)
+    n = len(gen.result.token_ids)
+    run = _Run(tokens=n - 1, seconds=(gen.result.tpot_s or 0.0) * (n - 1))
     if spec is not None and before is not None:
         s = spec.stats
         run.draft_tokens = s.num_draft_tokens - before[0]
@@ -246,18 +250,18 @@ def format_spec_report(report: dict[str, Any]) -> str:
 
     lines = [
         f"speculative decoding: {report['model']} {report['precision']} on {report['device']}, "
-        f"greedy, {report['new_tokens']} new tokens, median of {report['repeats']}, "
+        f"greedy, {report['new_tokens']} new tokens, decode speed, median of {report['repeats']}, "
         f"k {'adaptive up to' if report['adaptive'] else 'fixed at'} the k shown; verifying "
         f"costs {report['verify_cost']['fixed']:.2f} + {report['verify_cost']['per_token']:.3f}·k "
         "of a decode step here",
     ]
-    cols = ["workload", "drafter", "k", "tok/s", "speedup", "accepted", "tokens/step",
+    cols = ["workload", "drafter", "k", "decode tok/s", "speedup", "accepted", "tokens/step",
             "per position", "same output"]  # fmt: skip
     rows = []
     for r in report["rows"]:
         plain = r["drafter"] == "plain"
         rows.append([
-            r["workload"], r["drafter"], "" if plain else str(r["k"]),
+            r["workload"], _short(r["drafter"]), "" if plain else str(r["k"]),
             f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}×",
             pct(r["acceptance_rate"]),
             "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
@@ -266,6 +270,12 @@ def format_spec_report(report: dict[str, Any]) -> str:
         ])  # fmt: skip
     lines += text_table(cols, rows)
     lines.append("best k: " + ", ".join(
-        f"{key} k={v['k']} ({v['speedup']:.2f}×)" for key, v in report["best_k"].items()
+        f"{_short(key)} k={v['k']} ({v['speedup']:.2f}×)" for key, v in report["best_k"].items()
     ))  # fmt: skip
     return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    """``model:/long/path/NAME`` as ``model:NAME``."""
+    head, sep, path = name.rpartition("model:")
+    return f"{head}model:{path.rstrip('/').rsplit('/', 1)[-1]}" if sep else name

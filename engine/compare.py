@@ -67,7 +67,7 @@ from engine.speculative import (
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence as Seq
+    pass
 
 FORMAT = "infersight-ab/1"
 TOP_N = 5  # top tokens kept per position, and vLLM's N for the divergence rule
@@ -392,21 +392,6 @@ def summarize(run_a: SideRun, run_b: SideRun, scores: Scores) -> dict[str, Any]:
     }
 
 
-class _TallyingSpeculator(Speculator):
-    """A :class:`Speculator` that also counts rejections (verified steps whose drafts were not
-    all accepted): with the accepted tokens they give the acceptance per drafted token, the
-    figure the prediction estimates."""
-
-    def __init__(self, config: SpeculativeConfig, drafter: ModelDrafter) -> None:
-        super().__init__(config, drafter)
-        self.rejections = 0
-
-    def verified(self, seq: Seq, proposed: int, accepted: int) -> None:
-        super().verified(seq, proposed, accepted)
-        if accepted < proposed:
-            self.rejections += 1
-
-
 _OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError, OutOfMemoryError)
 
 
@@ -446,7 +431,7 @@ def measure_speculation(
         return {"not_measured": str(exc)}
     except _OUT_OF_MEMORY as exc:
         return {"not_measured": f"out of memory ({exc})"}
-    spec = engine.speculator = _TallyingSpeculator(config, drafter)
+    spec = engine.speculator = Speculator(config, drafter)
     gen = engine.generate(prompt_ids, params)
     try:
         for _ in gen:
@@ -459,7 +444,7 @@ def measure_speculation(
         engine.set_speculation(None)  # closes the drafter: its KV blocks go back
     st, result = spec.stats, gen.result
     ids = result.token_ids
-    trials = st.num_accepted_tokens + spec.rejections
+    trials = st.num_accepted_tokens + st.num_rejections
     measured = {
         "k": k,
         "mode": "greedy" if params.greedy else "sampling",

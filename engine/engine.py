@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ from engine.speculative import (
     Speculator,
     accept,
     build_drafter,
-    measure_verify_cost,
+    measure_costs,
     same_drafter,
 )
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -519,6 +519,8 @@ class LLMEngine:
         old = self.speculator
         if config is None:
             self.speculator = None
+            for seq in self._seqs.values():
+                seq.spec_k = 0  # no slots reserved for drafts from the next step
             if old is not None:
                 old.close()
             return
@@ -526,13 +528,18 @@ class LLMEngine:
             self.speculator = old.with_config(config)
             return
         drafter = build_drafter(config, self)
+        try:
+            verify, draft = measure_costs(self, drafter, config.k)
+        except BaseException:
+            drafter.close()
+            raise
         if old is not None:
             old.close()
-        verify = config.verify_cost or measure_verify_cost(self, config.k)
-        self.speculator = Speculator(config, drafter, verify)
+        self.speculator = Speculator(config, drafter, config.verify_cost or verify, draft)
         log.info(
-            "speculative decoding: %s, k up to %d; verifying k drafts costs %.2f + %.3f·k "
-            "of a decode step here", config.label, config.k, verify.fixed, verify.per_token,
+            "speculative decoding: %s, k up to %d; here verifying k drafts costs %.2f + "
+            "%.3f·k of a decode step, a draft token %.2f", config.label, config.k,
+            verify.fixed, verify.per_token, draft,
         )  # fmt: skip
 
     def clear_prefix_cache(self) -> None:
@@ -615,6 +622,10 @@ class LLMEngine:
                 outs, kinds = [next(plain_tokens)], [""]
             else:
                 outs, kinds = self._verify(seq, draft, logits[row : row + 1 + len(draft.tokens)])
+                # the last token and the accepted drafts are computed: key their full blocks
+                # now, before a stop among them frees the sequence
+                known = seq.tokens(0, seq.num_tokens) + outs
+                mgr.commit(seq.request_id, c.start + len(outs), _reader(known))
             lps = self._logprobs(seq, logits[row : row + len(outs)], outs)
             for token, kind, lp in zip(outs, kinds, lps, strict=True):
                 event = self._append(seq, token, now)
@@ -628,7 +639,6 @@ class LLMEngine:
             if c.lookahead and not seq.is_finished:
                 if draft is not None:  # K/V of the accepted tokens stay, the rest roll back
                     seq.num_computed = c.start + len(outs)
-                    mgr.commit(seq.request_id, seq.num_computed, seq.tokens)
                 mgr.truncate(seq.request_id, seq.num_computed)
                 if spec is not None:
                     spec.drafter.rollback(seq.request_id, seq.num_tokens - 1)
@@ -880,6 +890,11 @@ class Generation:
         finally:
             if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
                 engine.cancel(self.request_id)
+
+
+def _reader(tokens: list[int]) -> Callable[[int, int], list[int]]:
+    """Tokens ``[start, end)`` of ``tokens`` (the block manager's way to read a sequence)."""
+    return lambda start, end: tokens[start:end]
 
 
 def _history(seq: Seq) -> torch.Tensor:

@@ -116,6 +116,7 @@ class Scheduler:
         self.running.remove(seq)
         self.manager.free(seq.request_id, keep_keys=True)  # its blocks may still be cached
         seq.num_computed = 0
+        seq.spec_k = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.append(seq)
@@ -160,30 +161,35 @@ class Scheduler:
                     break
             else:
                 self.manager.grow(seq.request_id, seq.num_computed + need)
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed, need))
                 budget -= need
-                extra = self._lookahead(seq, need, budget)
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed, need, extra))
-                budget -= extra
 
         if not out.preempted:  # admitting right after preempting would only thrash
-            self._admit(out, budget, now)
+            budget = self._admit(out, budget, now)
+        self._lookahead(out, budget)
 
         out.chunks.sort(key=lambda c: c.length != 1)  # decode chunks first (stable)
         return out
 
-    def _lookahead(self, seq: Sequence, need: int, budget: int) -> int:
-        """Slots for the draft tokens a decoding ``seq`` verifies this step (``spec_k``), as
-        far as the token budget and the free blocks allow: speculation never preempts."""
-        extra = min(seq.spec_k, budget) if need == 1 else 0
-        if extra and self.manager.can_grow(seq.request_id, seq.num_computed + 1 + extra):
-            self.manager.grow(seq.request_id, seq.num_computed + 1 + extra)
-            return extra
-        return 0
+    def _lookahead(self, out: SchedulerOutput, budget: int) -> None:
+        """Slots for the draft tokens each decoding sequence verifies this step (its
+        ``spec_k``), from what the step's budget and the pool have left once every running
+        sequence has its token and the waiting ones are admitted: speculation never preempts
+        a sequence or keeps one waiting."""
+        for i, c in enumerate(out.chunks):
+            seq = c.seq
+            extra = min(seq.spec_k, budget)
+            if c.length != 1 or c.start + 1 != seq.num_tokens or extra <= 0:
+                continue
+            if self.manager.can_grow(seq.request_id, c.start + 1 + extra):
+                self.manager.grow(seq.request_id, c.start + 1 + extra)
+                out.chunks[i] = replace(c, lookahead=extra)
+                budget -= extra
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Move waiting sequences to the running set, best first, while they fit. A sequence
         starts with the blocks of its longest cached prefix (:meth:`BlockManager.cached_prefix`)
-        and computes only the rest."""
+        and computes only the rest. Returns the token budget left."""
         mgr, limits = self.manager, self.limits
         watermark = max(1, mgr.capacity // 100)
         for seq in self._order(self.waiting, now):
@@ -216,3 +222,4 @@ class Scheduler:
             mgr.grow(rid, seq.num_computed + need)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, need))
             budget -= need
+        return budget

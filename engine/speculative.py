@@ -32,12 +32,12 @@ back to the accepted tokens, freeing the blocks that held only rejected ones.
 
 **Adaptive k** (:class:`AdaptiveK`): per sequence, the acceptance rate α is estimated from its
 recent steps, and k is the one that maximises the expected tokens per step
-``(1 − α^(k+1)) / (1 − α)`` per unit of cost ``1 + k·(c_draft + c_verify)``, where ``c_draft``
-is the drafter's measured time per drafted token over the target's step time and
-``c_verify`` the extra cost of verifying one more token. k = 0 switches speculation off for the
-sequence (it probes again after a while); a batch large enough that verification no longer
-rides on memory bandwidth (more than ``max_verify_tokens`` tokens in all) lowers every k, and
-switches it off.
+``(1 − α^(k+1)) / (1 − α)`` per unit of cost ``1 + c_verify(k) + k·c_draft``, both measured on
+this machine when speculation starts (:func:`measure_costs`): ``c_verify(k)`` what verifying
+k drafts adds to a decode step, ``c_draft`` a draft model's forward over the target's.
+k = 0 switches speculation off for the sequence (it probes again after a while); a batch
+large enough that verification no longer rides on memory bandwidth (more than
+``max_verify_tokens`` tokens in all) lowers every k, and switches it off.
 
 **Instruments** (:class:`SpecStats`) use vLLM's ``spec_decode_*`` names: drafts, draft tokens,
 accepted tokens, accepted tokens per position, and the time spent drafting and verifying.
@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_DRAFT_K = 16
+#: the most tokens a draft model's cache catches up on in one step (a long prompt goes in
+#: chunks of this size before the sequence drafts)
+CATCH_UP = 256
 #: what ``--speculative`` accepts, for messages
 FORMS = "self:PRECISION (e.g. self:int4-g32+head), lookup, or model:DIR"
 
@@ -85,7 +88,8 @@ class SpeculativeConfig:
     sequence 1 + k), so k shrinks as the batch grows and speculation stops where it no longer
     pays. ``ngram_min``/``ngram_max``: the n-gram lengths prompt lookup matches.
     ``verify_cost``: what verifying drafts costs besides the decode step (the adaptive rule's
-    ``c_verify``); None measures it on the target when speculation starts."""
+    ``c_verify``); None measures it on the target when speculation starts.
+    ``draft_blocks``: a draft model's KV pool (default: :meth:`ModelDrafter.from_engine`'s)."""
 
     method: str
     precision: str | None = None
@@ -96,6 +100,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     verify_cost: VerifyCost | None = None
+    draft_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("self", "lookup", "model"):
@@ -329,6 +334,9 @@ class ModelDrafter(Drafter):
     step first catches up on the tokens added since (the prompt, on its first step; the
     accepted drafts and the target's token after that), then drafts. A rollback only lowers
     that count: rejected positions are overwritten by the next step, and their blocks freed.
+    A catch-up longer than :data:`CATCH_UP` tokens (a long prompt) goes in chunks of that
+    size, one a step, before the sequence drafts; a sequence that would pass the draft
+    model's context is not drafted for.
 
     Greedy requests draft the draft model's argmax; sampled ones draw from its distribution
     under the request's own sampling (the rule needs that ``q``), with the request's
@@ -357,7 +365,9 @@ class ModelDrafter(Drafter):
         )  # fmt: skip
         self.weights_bytes = weights_bytes
         self.kv_bytes = self.kv.nbytes
+        self.context_length = model.cfg.max_position_embeddings
         self._done: OrderedDict[str, int] = OrderedDict()  # tokens in the draft cache, LRU
+        self._window: CacheWindow | None = None
         self._keep = keep  # the engine the model came from, when loaded for this drafter
 
     @classmethod
@@ -366,9 +376,10 @@ class ModelDrafter(Drafter):
     ) -> ModelDrafter:
         """Draft with ``draft``'s model (its weights shared, not copied) for ``target``, over
         a pool of ``num_blocks`` blocks in the draft model's dtype. By default a quarter of the
-        target's blocks, at least one full context and at most the target's size: only the
-        few sequences that speculate (``max_verify_tokens`` bounds them) hold draft blocks,
-        and the least recently drafted give theirs up when it is full."""
+        target's blocks, at least one full context and at most the target's size: a self-draft
+        would otherwise double the KV memory, and only the few sequences that speculate at
+        once (``max_verify_tokens`` bounds them) hold draft blocks; the least recently drafted
+        give theirs up when it is full."""
         _check_pair(draft, target)
         mgr = target.kv.manager
         if num_blocks is None:
@@ -383,19 +394,25 @@ class ModelDrafter(Drafter):
     def propose(
         self, seqs: Sequence[Seq], ks: Sequence[int], window: CacheWindow | None
     ) -> list[Draft]:
-        mgr = self.kv.manager
+        self._window = window
         drafts = [Draft() for _ in seqs]
         active: list[tuple[int, int, int]] = []  # (index in seqs, k, first position to feed)
+        behind: list[tuple[Seq, int]] = []  # (sequence, first position) of long catch-ups
         wanted = {s.request_id for s, k in zip(seqs, ks, strict=True) if k > 0}
         for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
-            if k <= 0:
-                continue
             rid, n = seq.request_id, seq.num_tokens
+            if k <= 0 or n + k - 1 > self.context_length:
+                continue
             done = min(self._done.get(rid, 0), n - 1)
-            if self._make_room(rid, n + k - 1, wanted):
+            end = n + k - 1 if n - done <= CATCH_UP else done + CATCH_UP
+            if self._make_room(rid, end, wanted):
                 self._done[rid] = done
                 self._done.move_to_end(rid)
-                active.append((i, k, done))
+                if n - done <= CATCH_UP:
+                    active.append((i, k, done))
+                else:
+                    behind.append((seq, done))
+        self._catch_up(behind, window)
         if not active:
             return drafts
         # Round 0 feeds each sequence's tokens not yet in the draft cache (one, in the steady
@@ -426,13 +443,32 @@ class ModelDrafter(Drafter):
             )[:, : self.vocab_size]
             self._pick(logits, [(seqs[i], drafts[i], probs[i]) for i, _ in batch])
         for i, k, _ in active:
-            seq = seqs[i]
-            self._done[seq.request_id] = seq.num_tokens + k - 1
+            self._done[seqs[i].request_id] = seqs[i].num_tokens + k - 1
             if probs[i]:
                 drafts[i].probs = torch.stack(probs[i])
-            if window is not None:
-                mgr.release_outside_window(seq.request_id, window)
         return drafts
+
+    def _catch_up(self, behind: list[tuple[Seq, int]], window: CacheWindow | None) -> None:
+        """Feed the next :data:`CATCH_UP` tokens of each sequence far behind (no draft)."""
+        if not behind:
+            return
+        ids: list[int] = []
+        positions: list[int] = []
+        chunks: list[SeqChunk] = []
+        for seq, start in behind:
+            ids += seq.tokens(start, start + CATCH_UP)
+            positions += range(start, start + CATCH_UP)
+            chunks.append(SeqChunk(seq.request_id, start, CATCH_UP, window))
+        self.model(
+            torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv.context(chunks),
+            torch.tensor([len(ids) - 1], dtype=torch.long, device=self.device),
+        )
+        for seq, start in behind:
+            self._done[seq.request_id] = start + CATCH_UP
+            if window is not None:
+                self.kv.manager.release_outside_window(seq.request_id, window)
 
     def _pick(self, logits: Tensor, rows: list[tuple[Seq, Draft, list[Tensor]]]) -> None:
         """Each row's next draft token: the argmax for greedy requests (batched where no
@@ -467,6 +503,8 @@ class ModelDrafter(Drafter):
         if seq_id in self._done:
             self._done[seq_id] = min(self._done[seq_id], valid)
             self.kv.manager.truncate(seq_id, self._done[seq_id])
+            if self._window is not None:  # after the rollback: what the next draft reads
+                self.kv.manager.release_outside_window(seq_id, self._window)
 
     def forget(self, seq_id: str) -> None:
         self._done.pop(seq_id, None)
@@ -523,7 +561,7 @@ def build_drafter(config: SpeculativeConfig, target: LLMEngine) -> Drafter:
         config=EngineConfig(num_blocks=1, prefix_caching=False,
                             decode_graph=target.config.decode_graph),
     )  # fmt: skip
-    return ModelDrafter.from_engine(config.label, draft, target)
+    return ModelDrafter.from_engine(config.label, draft, target, config.draft_blocks)
 
 
 # -- adaptive k and the instruments ---------------------------------------------------------
@@ -542,7 +580,7 @@ class VerifyCost:
     """What verifying k drafts adds to a decode step, as a fraction of it:
     ``fixed + k·per_token`` for k ≥ 1. ``fixed`` is the step up from the one-token decode path
     to the multi-token one (a GEMM instead of a GEMV, causal attention instead of the decode
-    kernel), ``per_token`` what each further token adds. :func:`measure_verify_cost` times
+    kernel), ``per_token`` what each further token adds. :func:`measure_costs` times
     them on the target at start-up."""
 
     fixed: float = 0.15
@@ -562,37 +600,54 @@ def best_k(alpha: float, k_max: int, verify: VerifyCost, draft_per_token: float 
     return max(range(k_max + 1), key=lambda k: (scores[k], -k))
 
 
-def measure_verify_cost(engine: LLMEngine, k: int, repeats: int = 5) -> VerifyCost:
-    """Time the target's forward over one scratch sequence of 64 tokens at 1, 2 and 1 + k new
-    tokens (medians of ``repeats``), and fit :class:`VerifyCost` to it. The default where the
-    pool has no room for the scratch sequence."""
-    mgr, rid, context = engine.kv.manager, "\0spec-probe", 64
-    if mgr.num_free < mgr.blocks_for(context + k + 1):
-        return VerifyCost()
-    device = engine.device
+def _time_forward(
+    model: Transformer, kv: PagedKVCache, lengths: Sequence[int], repeats: int = 5,
+) -> dict[int, float] | None:  # fmt: skip
+    """Median seconds of ``model``'s forward over ``length`` new tokens after 64 others on a
+    scratch sequence of ``kv``'s pool, for each length; None where the pool has no room."""
+    mgr, rid, context = kv.manager, "\0spec-probe", 64
+    longest = context + max(lengths)
+    if mgr.num_free < mgr.blocks_for(longest):
+        return None
+    device = kv.device
     times = {}
     try:
-        mgr.grow(rid, context + k + 1)
-        ids = torch.zeros(context + k + 1, dtype=torch.long, device=device)
-        engine.model(ids[:context], torch.arange(context, device=device),
-                     engine.kv.context([SeqChunk(rid, 0, context)]))  # fmt: skip
-        for length in (1, 2, 1 + k):
+        mgr.grow(rid, longest)
+        ids = torch.zeros(longest, dtype=torch.long, device=device)
+        model(ids[:context], torch.arange(context, device=device),
+              kv.context([SeqChunk(rid, 0, context)]))  # fmt: skip
+        for length in lengths:
             runs = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                engine.model(
+                model(
                     ids[:length], torch.arange(context, context + length, device=device),
-                    engine.kv.context([SeqChunk(rid, context, length)]),
+                    kv.context([SeqChunk(rid, context, length)]),
                     torch.arange(length, device=device),
                 ).sum().item()  # fmt: skip
                 runs.append(time.perf_counter() - started)
             times[length] = sorted(runs)[len(runs) // 2]
     finally:
         mgr.free(rid)
+    return times
+
+
+def measure_costs(engine: LLMEngine, drafter: Drafter, k: int) -> tuple[VerifyCost, float]:
+    """What speculation costs here, as fractions of the target's one-token decode step: the
+    target's forward at 1, 2 and 1 + k new tokens fitted to :class:`VerifyCost`, and a draft
+    model's one-token forward (``c_draft``; 0 for a drafter without a model). The defaults
+    where a pool has no room for the scratch sequence."""
+    times = _time_forward(engine.model, engine.kv, (1, 2, 1 + k))
+    if times is None:
+        return VerifyCost(), 0.5 if isinstance(drafter, ModelDrafter) else 0.0
     one = times[1]
     per_token = max(0.0, (times[1 + k] - times[2]) / one / max(1, k - 1))
-    fixed = max(0.0, times[2] / one - 1.0 - per_token)
-    return VerifyCost(fixed, per_token)
+    verify = VerifyCost(max(0.0, times[2] / one - 1.0 - per_token), per_token)
+    draft = 0.0
+    if isinstance(drafter, ModelDrafter):
+        drafted = _time_forward(drafter.model, drafter.kv, (1,))
+        draft = 0.5 if drafted is None else drafted[1] / one
+    return verify, draft
 
 
 @dataclass(slots=True)
@@ -603,7 +658,9 @@ class AdaptiveK:
 
     accepted: float = 2.0  # prior: α = 2/3
     trials: float = 3.0
-    off_steps: int = 0  # steps without speculation since k fell to 0
+    #: steps without speculation since k fell to 0; it starts due, so that a sequence whose
+    #: prior says "do not draft" drafts one token at once and learns its own α
+    off_steps: int = 16
     DECAY = 0.8
     PROBE_EVERY = 16  # a sequence with k = 0 drafts one token again after this many steps
 
@@ -625,6 +682,10 @@ class SpecStats:
     num_drafts: int = 0  # (sequence, step) pairs with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: drafts cut short by a rejection (the rest end with every draft accepted): with the
+    #: accepted tokens they give the acceptance of one drafted token, accepted / (accepted +
+    #: rejections), which a prediction from the two distributions estimates
+    num_rejections: int = 0
     #: at each draft position: drafts that reached it, and drafts accepted there
     draft_tokens_per_pos: list[int] = field(default_factory=list)
     accepted_tokens_per_pos: list[int] = field(default_factory=list)
@@ -640,6 +701,7 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        self.num_rejections += int(accepted < proposed)
         grow = proposed - len(self.draft_tokens_per_pos)
         if grow > 0:
             self.draft_tokens_per_pos += [0] * grow
@@ -669,17 +731,22 @@ class Speculator:
     """The engine's speculation state: the drafter, each sequence's adaptive k, the stats."""
 
     def __init__(
-        self, config: SpeculativeConfig, drafter: Drafter, verify: VerifyCost | None = None
+        self,
+        config: SpeculativeConfig,
+        drafter: Drafter,
+        verify: VerifyCost | None = None,
+        draft_cost: float | None = None,
     ) -> None:
         self.config = config
         self.drafter = drafter
         self.verify_cost = config.verify_cost or verify or VerifyCost()
+        #: c_draft: a draft token's cost over the target's decode step, measured at start
+        if draft_cost is None:
+            draft_cost = 0.5 if isinstance(drafter, ModelDrafter) else 0.0
+        self.draft_cost = draft_cost
         self.stats = SpecStats()
         self.rule = "exact"
         self._k: dict[str, AdaptiveK] = {}
-        # the drafter's time per drafted token over the target's verify time (c_draft), kept
-        # as a moving average of measured steps
-        self._draft_cost = 0.0 if config.method == "lookup" else 0.5
 
     @property
     def label(self) -> str:
@@ -706,7 +773,7 @@ class Speculator:
                 continue
             if conf.adaptive:
                 state = self._k.setdefault(seq.request_id, AdaptiveK())
-                chosen = best_k(state.alpha, k, self.verify_cost, self._draft_cost)
+                chosen = best_k(state.alpha, k, self.verify_cost, self.draft_cost)
                 if chosen == 0:
                     state.off_steps += 1
                     if state.off_steps < AdaptiveK.PROBE_EVERY:
@@ -723,8 +790,6 @@ class Speculator:
         took = time.perf_counter() - started
         self.stats.draft_time_s += took
         self.stats.last_draft_s = took
-        self._drafted_tokens = sum(len(d.tokens) for d in drafts)
-        self._draft_s = took
         return drafts
 
     def verified(self, seq: Seq, proposed: int, accepted: int) -> None:
@@ -733,16 +798,10 @@ class Speculator:
             self._k.setdefault(seq.request_id, AdaptiveK()).update(proposed, accepted)
 
     def step_done(self, verify_s: float) -> None:
-        """The step's forward and verification took ``verify_s``: update the drafter's
-        relative cost."""
-        stats = self.stats
-        stats.steps += 1
-        stats.verify_time_s += verify_s
-        stats.last_verify_s = verify_s
-        drafted = getattr(self, "_drafted_tokens", 0)
-        if drafted and verify_s > 0 and self.config.method != "lookup":
-            measured = self._draft_s / drafted / verify_s
-            self._draft_cost = 0.7 * self._draft_cost + 0.3 * measured
+        """The step's forward and verification took ``verify_s``."""
+        self.stats.steps += 1
+        self.stats.verify_time_s += verify_s
+        self.stats.last_verify_s = verify_s
 
     def forget(self, seq_id: str) -> None:
         self._k.pop(seq_id, None)
@@ -754,8 +813,8 @@ class Speculator:
 
     def with_config(self, config: SpeculativeConfig) -> Speculator:
         """The same drafter under new k / adaptivity settings (what a k slider changes)."""
-        new = Speculator(config, self.drafter, self.verify_cost)
-        new.stats, new._k, new._draft_cost = self.stats, self._k, self._draft_cost
+        new = Speculator(config, self.drafter, self.verify_cost, self.draft_cost)
+        new.stats, new._k, new.rule = self.stats, self._k, self.rule
         return new
 
 
@@ -764,13 +823,3 @@ def same_drafter(a: SpeculativeConfig, b: SpeculativeConfig) -> bool:
     keep = {"k": a.k, "adaptive": a.adaptive, "max_verify_tokens": a.max_verify_tokens,
             "verify_cost": a.verify_cost}  # fmt: skip
     return replace(b, **keep) == a  # type: ignore[arg-type]
-
-
-def draft_pool_note(drafter: Drafter) -> str:
-    """One line for the load report: the drafter and its memory."""
-    if not drafter.weights_bytes and not drafter.kv_bytes:
-        return f"speculative decoding: {drafter.name} (no model)"
-    return (
-        f"speculative decoding: {drafter.name}, draft weights "
-        f"{drafter.weights_bytes / 2**20:.0f} MiB, draft KV pool {drafter.kv_bytes / 2**20:.0f} MiB"
-    )

@@ -562,6 +562,12 @@ def test_lookup_speculation_marks_the_tokens_and_keeps_the_greedy_reply(
     window.instruments.redraw()
     heights = window.instruments.spec_bars.opts["height"].tolist()
     assert heights == pytest.approx([100 * a for a in frame.spec_acceptance_per_pos])
+    if os.environ.get("INFERSIGHT_SCREENSHOTS"):  # make screenshots: the overlay and the plot
+        tabs = window.instruments.tabs
+        tabs.setCurrentIndex(next(i for i in range(tabs.count()) if "Specul" in tabs.tabText(i)))
+        window.instruments.redraw()
+        window.grab().save(str(Path(os.environ["INFERSIGHT_SCREENSHOTS"]) / "speculation.png"))
+        tabs.setCurrentIndex(0)
 
 
 def test_screenshots(qtbot: object, window: MainWindow, tmp_path: Path) -> None:

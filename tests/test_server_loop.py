@@ -164,3 +164,38 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir):
     finally:
         uv.should_exit = True
         thread.join(30)
+
+
+def test_metrics_carry_the_spec_decode_counters_of_a_speculative_engine(tiny_engine):
+    """vLLM's spec_decode_* counters on /metrics equal the engine's own counts, position by
+    position, and only grow (a new drafter starts its counts at zero)."""
+    from engine.speculative import VerifyCost, parse_speculative
+
+    tiny_engine.set_speculation(
+        parse_speculative("lookup", 3, adaptive=False, ngram_min=1, verify_cost=VerifyCost())
+    )
+    metrics = ServerMetrics("tiny")
+    piece = [5, 6, 7, 8, 9, 10]
+    gen = tiny_engine.generate(piece * 3, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    for _ in gen:
+        pass
+    snap = tiny_engine.metrics()
+    assert snap.spec_decode_num_draft_tokens > 0
+    metrics.observe_engine(snap)
+    tiny_engine.set_speculation(None)  # off: the snapshot's counts fall to zero
+    metrics.observe_engine(tiny_engine.metrics())
+    text = metrics.render()[0].decode()
+
+    def value(name: str, extra: str = "") -> float:
+        line = next(x for x in text.splitlines() if x.startswith(name + "{") and extra in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("vllm:spec_decode_num_drafts_total") == snap.spec_decode_num_drafts
+    assert value("vllm:spec_decode_num_draft_tokens_total") == snap.spec_decode_num_draft_tokens
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == (
+        snap.spec_decode_num_accepted_tokens
+    )
+    for pos, accepted in enumerate(snap.spec_decode_num_accepted_tokens_per_pos):
+        if accepted:
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+            assert value(name, f'position="{pos}"') == accepted

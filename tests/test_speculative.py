@@ -299,8 +299,9 @@ def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_voc
     target, draft = small_vocab
     n = N_SAMPLES
     config = EngineConfig(
-        block_size=BS, num_blocks=3 * n, limits=SchedulerLimits(max_batch_size=n, max_waiting=n)
-    )
+        block_size=BS, num_blocks=3 * n,
+        limits=SchedulerLimits(max_batch_size=n, max_waiting=n, max_tokens_per_step=4 * n),
+    )  # fmt: skip
 
     def engine(speculative: str | None, rule: str = "exact") -> LLMEngine:
         e = LLMEngine.load(target, config=config)
@@ -308,7 +309,7 @@ def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_voc
             text = f"model:{draft}" if speculative == "model" else speculative
             # every sequence drafts 3 tokens each step: the rule decides everything
             e.set_speculation(spec(text, k=3, adaptive=False, max_verify_tokens=4 * n,
-                                   ngram_min=1))  # fmt: skip
+                                   ngram_min=1, draft_blocks=3 * n))  # fmt: skip
             e.speculator.rule = rule
         return e
 
@@ -472,3 +473,51 @@ def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path
         assert_same(got, want, cancel)
         assert finish == want_finish, drafter
         assert kinds["accepted"] > 0, drafter
+
+
+def test_draft_slots_never_keep_a_waiting_request_out():
+    """The scheduler reserves slots for drafts only from what is left once the running
+    sequences have their tokens and the waiting ones are admitted: a request that fits the
+    pool exactly is admitted although a decoding sequence wants four draft slots."""
+    from engine.kv_cache import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    mgr = BlockManager(num_blocks=10, block_size=4, prefix_caching=False)
+    sched = Scheduler(mgr)
+    a = Sequence("a", list(range(1, 8)), GREEDY, arrival=0.0)
+    sched.add(a)
+    (first,) = sched.schedule(0.0).chunks
+    a.num_computed = first.start + first.length
+    a.output_ids.append(9)  # decoding now: its next token lies in its second block
+    a.spec_k = 4
+    b = Sequence("b", list(range(1, 28)), GREEDY, arrival=1.0)  # 7 blocks + 1 of watermark
+    sched.add(b)
+    out = sched.schedule(1.0)
+    by_id = {c.seq.request_id: c for c in out.chunks}
+    assert set(by_id) == {"a", "b"}, "the waiting request was kept out"
+    assert by_id["a"].lookahead in (0, 4)  # drafts only from what was left
+    assert mgr.num_used <= mgr.num_blocks
+
+
+def test_a_draft_model_catches_up_on_a_long_prompt_in_chunks(tiny, other_tiny, monkeypatch):
+    """A prompt longer than the catch-up chunk reaches the draft model's cache in pieces, one
+    a step, before the sequence drafts; the output is plain greedy output."""
+    from engine import speculative
+
+    monkeypatch.setattr(speculative, "CATCH_UP", 8)
+    config = EngineConfig(block_size=BS, num_blocks=64)
+    arrivals: list[Arrival] = [(0, repetitive(21, 21) + repetitive(22, 21), GREEDY)]
+    want, _, _ = run(LLMEngine.load(tiny, config=config), arrivals)
+    fast = LLMEngine.load(tiny, config=config)
+    fast.set_speculation(spec(f"model:{other_tiny}", k=3, adaptive=False))
+    calls = []
+    real = speculative.ModelDrafter._catch_up
+    monkeypatch.setattr(
+        speculative.ModelDrafter, "_catch_up",
+        lambda self, behind, window: (calls.append(len(behind)), real(self, behind, window)),
+    )  # fmt: skip
+    got, _, kinds = run(fast, arrivals)
+    assert got == want
+    assert sum(calls) == 5  # 42 prompt tokens + 1: five chunks of 8 behind, then drafting
+    assert kinds["accepted"] > 0
