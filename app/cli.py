@@ -415,8 +415,8 @@ def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
         "--workload speculative takes several",
     )  # fmt: skip
     g.add_argument(
-        "--draft-k", nargs="+", type=int, default=[4], metavar="K",
-        help="most draft tokens per step (default 4; bench --workload speculative takes several)",
+        "--draft-k", nargs="+", type=int, default=[8], metavar="K",
+        help="most draft tokens per step (default 8; bench --workload speculative takes several)",
     )  # fmt: skip
     g.add_argument(
         "--fixed-k", dest="adaptive_k", action="store_false",

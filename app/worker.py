@@ -162,7 +162,7 @@ class Speculate:
     runs."""
 
     text: str
-    k: int = 4
+    k: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +220,7 @@ class _Loaded:
     engine: LLMEngine
     info: ModelInfo
     spec: LoadSpec
-    speculation: tuple[str, int] = ("", 4)
+    speculation: tuple[str, int] = ("", 8)
     speculation_error: str = ""
 
 
@@ -285,7 +285,7 @@ class _Settings:
     prefix_caching: bool = True
     #: speculative decoding: ``--speculative`` text ("" off) and the most draft tokens a step
     speculation: str = ""
-    draft_k: int = 4
+    draft_k: int = 8
 
 
 class EngineWorker(QObject):
@@ -691,7 +691,7 @@ class EngineWorker(QObject):
         return sum(e.weights_bytes + e.kv.nbytes for e in self._engines())
 
     def _load_in_background(
-        self, spec: LoadSpec, reclaimable: int = 0, speculation: tuple[str, int] = ("", 4)
+        self, spec: LoadSpec, reclaimable: int = 0, speculation: tuple[str, int] = ("", 8)
     ) -> None:
         try:
             self._plan_and_make_room(spec, reclaimable)
@@ -794,7 +794,7 @@ class EngineWorker(QObject):
         )
 
     def _swap_in(
-        self, engine: LLMEngine, info: ModelInfo, tried: tuple[tuple[str, int], str] = (("", 4), "")
+        self, engine: LLMEngine, info: ModelInfo, tried: tuple[tuple[str, int], str] = (("", 8), "")
     ) -> None:
         self._loading = None
         self._resize_to = None  # a resize asked for the old model: the new one has its pool

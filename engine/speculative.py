@@ -94,7 +94,7 @@ class SpeculativeConfig:
     method: str
     precision: str | None = None
     model_dir: Path | None = None
-    k: int = 4
+    k: int = 8
     adaptive: bool = True
     max_verify_tokens: int = 32
     ngram_min: int = 2
@@ -129,7 +129,7 @@ class SpeculativeConfig:
         return "lookup"
 
 
-def parse_speculative(text: str, k: int = 4, **options: object) -> SpeculativeConfig:
+def parse_speculative(text: str, k: int = 8, **options: object) -> SpeculativeConfig:
     """``self:PRECISION``, ``lookup`` or ``model:DIR`` (``--speculative``), with ``k``
     (``--draft-k``) and any other :class:`SpeculativeConfig` field."""
     text = text.strip()

@@ -509,26 +509,26 @@ def test_controls_speculation_emits_text_and_k_and_round_trips(
     qtbot.addWidget(c)  # type: ignore[attr-defined]
     asked: list[tuple[str, int]] = []
     c.speculation_changed.connect(lambda text, k: asked.append((text, k)))
-    assert c.speculation() == ("", 4) and c.spec_label.text() == "off"  # off by default
+    assert c.speculation() == ("", 8) and c.spec_label.text() == "off"  # off by default
     assert not c.spec_precision.isEnabled() and not c.spec_folder.isEnabled()
 
     def choose(method: str) -> None:
         c.spec_method.setCurrentIndex(c.spec_method.findData(method))
 
     choose("lookup")
-    assert asked == [("lookup", 4)] and c.spec_label.text() == "applying…"
-    c.show_speculation("lookup", 4)  # the worker's answer, then a metrics snapshot
+    assert asked == [("lookup", 8)] and c.spec_label.text() == "applying…"
+    c.show_speculation("lookup", 8)  # the worker's answer, then a metrics snapshot
     assert c.spec_label.text() == "lookup · no drafts yet"
     c.show_speculation_stats(0.62, 2.94)
     assert c.spec_label.text() == "lookup · 62% accepted · 2.9 tokens/step"
     c.spec_k.setValue(6)
-    c.spec_k.setValue(20)  # clamped to 8
-    assert asked[1:] == [("lookup", 6), ("lookup", 8)]
+    c.spec_k.setValue(20)  # clamped to 16
+    assert asked[1:] == [("lookup", 6), ("lookup", 16)]
     choose("self")
-    assert c.spec_precision.isEnabled() and asked[-1] == ("self:int4-g32+head", 8)
+    assert c.spec_precision.isEnabled() and asked[-1] == ("self:int4-g32+head", 16)
     assert c.spec_label.text() == "loading the drafter…"
     c.spec_precision.setCurrentText("int8+head")
-    assert asked[-1] == ("self:int8+head", 8)
+    assert asked[-1] == ("self:int8+head", 16)
     for text, k in asked[1:]:  # the answers to the four changes since
         c.show_speculation(text, k)
     n = len(asked)
@@ -539,16 +539,16 @@ def test_controls_speculation_emits_text_and_k_and_round_trips(
         "widgets.controls.QFileDialog.getExistingDirectory", lambda *a, **k: "/models/draft-135m"
     )
     c.spec_browse.click()
-    assert asked[-1] == ("model:/models/draft-135m", 8)
+    assert asked[-1] == ("model:/models/draft-135m", 16)
     # the folder is refused: the controls go back to what runs and say why
-    c.show_speculation("self:int8+head", 8, "speculative decoding with model:… could not start")
+    c.show_speculation("self:int8+head", 16, "speculative decoding with model:… could not start")
     assert c.spec_method.currentData() == "self" and c.spec_precision.currentText() == "int8+head"
     assert c.spec_label.text().startswith("⚠ speculative decoding with model:")
     assert len(asked) == n + 1  # going back asks for nothing
 
     choose("model")  # the folder is kept: this asks for it again
-    assert asked[-1] == ("model:/models/draft-135m", 8)
-    c.show_speculation("model:/models/draft-135m", 8)
+    assert asked[-1] == ("model:/models/draft-135m", 16)
+    c.show_speculation("model:/models/draft-135m", 16)
     c.show_speculation_stats(0.5, 2.0)
     assert c.spec_label.text() == "model:draft-135m · 50% accepted · 2.0 tokens/step"
     other = ControlsPanel()
@@ -556,13 +556,13 @@ def test_controls_speculation_emits_text_and_k_and_round_trips(
     restored: list[tuple[str, int]] = []
     other.speculation_changed.connect(lambda text, k: restored.append((text, k)))
     other.restore(c.state())  # a saved choice reaches whoever listens: the engine follows it
-    assert restored == [("model:/models/draft-135m", 8)] and other.speculation() == c.speculation()
+    assert restored == [("model:/models/draft-135m", 16)] and other.speculation() == c.speculation()
     other.restore({"temperature": "0.5"})  # saved before speculative decoding existed: off
-    assert restored[-1] == ("", 4) and other.spec_method.currentData() == ""
+    assert restored[-1] == ("", 8) and other.spec_method.currentData() == ""
     other.restore({"speculation": {"method": "self", "precision": "int4-g64", "k": "x"}})
-    assert restored[-1] == ("self:int4-g64", 4)  # an unreadable k keeps the default
+    assert restored[-1] == ("self:int4-g64", 8)  # an unreadable k keeps the default
     choose("")
-    assert asked[-1] == ("", 8)
+    assert asked[-1] == ("", 16)
 
 
 def _colours(body: object) -> list[tuple[str, str | None]]:

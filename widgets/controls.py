@@ -52,7 +52,7 @@ SPECULATION_METHODS = (
 )  # fmt: skip
 #: the precisions a self-draft runs the model's own weights at, the cheapest first
 SELF_DRAFT_PRECISIONS = ("int4-g32+head", "int8+head", "int4-g64")
-DRAFT_K = (1, 8, 4)  # the most draft tokens a step: lowest, highest, default
+DRAFT_K = (1, 16, 8)  # the most draft tokens a step: lowest, highest, default
 
 #: sampling before a model says otherwise: greedy, every filter off (what a model without a
 #: generation_config.json gets); a model's own defaults replace these when it loads
