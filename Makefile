@@ -19,7 +19,7 @@ PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
 AVX2_LEG := tests/test_cpu_paths.py tests/test_quant.py tests/test_exactness_tiny.py \
             tests/test_generation.py tests/test_eval.py tests/test_real_model.py \
             tests/test_compare.py tests/test_sensitivity.py tests/test_decode_graph.py \
-            tests/test_paged_attention.py
+            tests/test_paged_attention.py tests/test_speculative.py
 
 .PHONY: run chat test bench bench-peers gpu-check load-peak screenshots package venv dev clean
 
@@ -46,12 +46,12 @@ test: $(VENV)/.stamp-dev
 	fi
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q --durations=15
 
-# The main window mid-reply with the plots populated, the A/B lab and the batching tuner,
-# rendered offscreen into docs/screenshots.
+# The main window mid-reply with the plots populated, speculative decoding marked, the A/B lab
+# and the batching tuner, rendered offscreen into docs/screenshots.
 screenshots: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull
 	QT_QPA_PLATFORM=offscreen INFERSIGHT_SCREENSHOTS=docs/screenshots \
-	  $(BIN)/python -m pytest -q tests/test_app.py tests/test_tuner_app.py -k screenshots
+	  $(BIN)/python -m pytest -q tests/test_app.py tests/test_tuner_app.py -k "screenshots or speculation"
 
 # A runnable folder, dist/infersight/ (PyInstaller; the model is fetched on first start).
 package: $(VENV)/.stamp-run

@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
     ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    ep.add_argument(
+        "--speculation", action="store_true",
+        help="also measure speculative decoding with B drafting for A (k = 4 every step): "
+        "the acceptance beside the one predicted from the two distributions",
+    )  # fmt: skip
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_compare)
 
@@ -1049,7 +1054,9 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
                     args.b, pool)  # fmt: skip
     reports = []
     for i, prompt in enumerate(prompts):
-        reports.append(compare_prompt(a, b, prompt, side, side, noise=not args.no_noise))
+        reports.append(compare_prompt(
+            a, b, prompt, side, side, noise=not args.no_noise, speculate=args.speculation
+        ))  # fmt: skip
         print(f"compared {i + 1}/{len(prompts)}", file=sys.stderr)
     if args.json:
         print(json.dumps(document(reports), indent=1, ensure_ascii=False))
@@ -1070,6 +1077,15 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
     print(f"mean KL {mean_kl:.4f} nats, top-1 agreement {top1:.1%}, answers differ in {flips}/{n}")
     for r in reports:
         print(f"\n## {r['prompt']}\nA: {r['a']['text']!r}\nB: {r['b']['text']!r}")
+        spec = r["summary"].get("speculative", {})
+        if "measured" in spec:
+            m = spec["measured"]
+            key = "greedy_acceptance" if m["mode"] == "greedy" else "sampling_acceptance"
+            print(f"B drafting for A (k = {m['k']}): {m['token_acceptance'] or 0:.1%} of drafted "
+                  f"tokens accepted (predicted {spec.get(key) or 0:.1%}), "
+                  f"{m['mean_acceptance_length'] or 1:.2f} tokens a step")  # fmt: skip
+        elif "not_measured" in spec:
+            print(f"B drafting for A: not measured ({spec['not_measured']})")
     return 0
 
 

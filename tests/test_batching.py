@@ -16,6 +16,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerLimits
 
 NEW = 16
+N_PROMPTS = 12  # more than fit a 24-block pool at once: preemption
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
 
@@ -26,7 +27,7 @@ def load(folder: Path, **config) -> LLMEngine:
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 120, (16,), generator=gen).tolist()
+    lengths = torch.randint(3, 120, (N_PROMPTS,), generator=gen).tolist()
     return [torch.randint(20, 49000, (n,), generator=gen).tolist() for n in lengths]
 
 
@@ -72,7 +73,7 @@ def run_staggered(engine: LLMEngine, prompts, *, every: int = 2, cancel_at: dict
 def test_concurrent_requests_produce_what_each_produces_alone(default_model, prompts, alone):
     engine = load(default_model, num_blocks=256, limits=SchedulerLimits(max_batch_size=16))
     outputs, finish = run_staggered(engine, prompts)
-    assert [outputs[i] for i in range(16)] == alone
+    assert [outputs[i] for i in range(N_PROMPTS)] == alone
     assert set(finish.values()) == {"length"}
     assert engine.kv.manager.num_free == engine.kv.manager.num_blocks  # everything returned
 
@@ -80,7 +81,7 @@ def test_concurrent_requests_produce_what_each_produces_alone(default_model, pro
 def test_batch_invariance_under_preemption(default_model, prompts, alone):
     engine = load(default_model, num_blocks=24, limits=SchedulerLimits(max_batch_size=16))
     outputs, _ = run_staggered(engine, prompts)
-    assert [outputs[i] for i in range(16)] == alone
+    assert [outputs[i] for i in range(N_PROMPTS)] == alone
     preempted = sum(r.preemptions for r in engine.metrics().finished_requests)
     assert preempted > 0, "the pool was meant to be too small for everyone at once"
 
@@ -90,7 +91,7 @@ def test_batch_invariance_with_cancellations(default_model, prompts, alone):
     cancel = {5: [0, 1], 12: [6], 20: [9]}
     outputs, finish = run_staggered(engine, prompts, cancel_at=cancel)
     cancelled = {i for ids in cancel.values() for i in ids}
-    for i in range(16):
+    for i in range(N_PROMPTS):
         if i in cancelled:
             assert finish[i] == "cancelled"
             assert outputs[i] == alone[i][: len(outputs[i])]
@@ -102,7 +103,7 @@ def test_batch_invariance_with_chunked_prefill(default_model, prompts, alone):
     limits = SchedulerLimits(max_batch_size=16, max_tokens_per_step=24)
     engine = load(default_model, num_blocks=256, limits=limits)
     outputs, _ = run_staggered(engine, prompts, every=1)
-    assert [outputs[i] for i in range(16)] == alone
+    assert [outputs[i] for i in range(N_PROMPTS)] == alone
 
 
 def test_cache_window_keeps_memory_flat_far_past_the_window(default_model):

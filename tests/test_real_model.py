@@ -19,7 +19,7 @@ PROMPTS = [
     "Translate 'good morning, my friend' into Spanish and French.",
     "What is 17 times 23? Show your steps.",
 ]
-NEW_TOKENS = 64
+NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")

@@ -454,15 +454,14 @@ def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path
     chats = [
         "What is the capital of France? Answer in one sentence.",
         "Fix the bug in this code. Reply with the whole corrected code only.\n\n" + CODE,
-        "Name three primary colours.",
         "Write a haiku about autumn.",
     ]
-    params = SamplingParams(max_new_tokens=40)
+    params = SamplingParams(max_new_tokens=28)
     arrivals: list[Arrival] = [
         (at, engine.chat_prompt_ids([{"role": "user", "content": c}]), params)
-        for at, c in zip((0, 0, 3, 5), chats, strict=True)
+        for at, c in zip((0, 0, 3), chats, strict=True)
     ]
-    cancel = {3: 12}
+    cancel = {2: 9}
     want, want_finish, _ = run(engine, arrivals, cancel)
     # SmolLM2-135M is the smallest of its family: its first 22 layers make a smaller model
     # with its tokenizer (a poor drafter, α ≈ 0.1, so drafted every step to be tested at all)

@@ -343,7 +343,7 @@ def test_speculation_follows_new_engines_and_a_failure_keeps_the_model(
         qtbot.waitUntil(lambda: len(said) >= n, timeout=WAIT_MS)  # type: ignore[attr-defined]
         return said[n - 1]
 
-    assert said == [("", 4, "")]  # the load says what runs: nothing
+    assert said == [("", 8, "")]  # the load says what runs: nothing
     r.worker.post(Speculate("lookup", 3))
     assert answer(2) == ("lookup", 3, "")
     engine = r.worker.engine
