@@ -529,13 +529,13 @@ class LLMEngine:
             return
         drafter = build_drafter(config, self)
         try:
-            verify, draft = measure_costs(self, drafter, config.k)
+            verify, draft = measure_costs(self, drafter, config.k, config.verify_cost)
         except BaseException:
             drafter.close()
             raise
         if old is not None:
             old.close()
-        self.speculator = Speculator(config, drafter, config.verify_cost or verify, draft)
+        self.speculator = Speculator(config, drafter, verify, draft)
         log.info(
             "speculative decoding: %s, k up to %d; here verifying k drafts costs %.2f + "
             "%.3f·k of a decode step, a draft token %.2f", config.label, config.k,

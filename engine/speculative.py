@@ -632,17 +632,23 @@ def _time_forward(
     return times
 
 
-def measure_costs(engine: LLMEngine, drafter: Drafter, k: int) -> tuple[VerifyCost, float]:
+def measure_costs(
+    engine: LLMEngine, drafter: Drafter, k: int, verify: VerifyCost | None = None
+) -> tuple[VerifyCost, float]:
     """What speculation costs here, as fractions of the target's one-token decode step: the
-    target's forward at 1, 2 and 1 + k new tokens fitted to :class:`VerifyCost`, and a draft
-    model's one-token forward (``c_draft``; 0 for a drafter without a model). The defaults
-    where a pool has no room for the scratch sequence."""
-    times = _time_forward(engine.model, engine.kv, (1, 2, 1 + k))
+    target's forward at 1, 2 and 1 + k new tokens fitted to :class:`VerifyCost` (unless
+    ``verify`` is given), and a draft model's one-token forward (``c_draft``; 0 for a drafter
+    without a model). The defaults where a pool has no room for the scratch sequence."""
+    model_drafter = isinstance(drafter, ModelDrafter)
+    if verify is not None and not model_drafter:
+        return verify, 0.0
+    times = _time_forward(engine.model, engine.kv, (1,) if verify else (1, 2, 1 + k))
     if times is None:
-        return VerifyCost(), 0.5 if isinstance(drafter, ModelDrafter) else 0.0
+        return verify or VerifyCost(), 0.5 if model_drafter else 0.0
     one = times[1]
-    per_token = max(0.0, (times[1 + k] - times[2]) / one / max(1, k - 1))
-    verify = VerifyCost(max(0.0, times[2] / one - 1.0 - per_token), per_token)
+    if verify is None:
+        per_token = max(0.0, (times[1 + k] - times[2]) / one / max(1, k - 1))
+        verify = VerifyCost(max(0.0, times[2] / one - 1.0 - per_token), per_token)
     draft = 0.0
     if isinstance(drafter, ModelDrafter):
         drafted = _time_forward(drafter.model, drafter.kv, (1,))

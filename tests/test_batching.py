@@ -16,7 +16,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import SchedulerLimits
 
 NEW = 16
-N_PROMPTS = 12  # more than fit a 24-block pool at once: preemption
+N_PROMPTS = 12  # more than fit a 12-block pool at once: preemption
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
 
@@ -79,7 +79,7 @@ def test_concurrent_requests_produce_what_each_produces_alone(default_model, pro
 
 
 def test_batch_invariance_under_preemption(default_model, prompts, alone):
-    engine = load(default_model, num_blocks=24, limits=SchedulerLimits(max_batch_size=16))
+    engine = load(default_model, num_blocks=12, limits=SchedulerLimits(max_batch_size=16))
     outputs, _ = run_staggered(engine, prompts)
     assert [outputs[i] for i in range(N_PROMPTS)] == alone
     preempted = sum(r.preemptions for r in engine.metrics().finished_requests)
