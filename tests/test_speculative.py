@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.bench_spec import GROUNDED_PROMPTS
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import InvalidRequestError
 from engine.kv_cache import CacheWindow
@@ -405,26 +406,6 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny, small_vocab):
 
 # -- the real default model -----------------------------------------------------------------
 
-CODE = """import json
-
-
-def load_scores(path):
-    with open(path) as f:
-        data = json.load(f)
-    scores = {}
-    for entry in data["entries"]:
-        name = entry["name"]
-        scores[name] = entry["score"]
-    return scores
-
-
-def average(scores):
-    total = 0
-    for value in scores.values():
-        total += value
-    return total / len(score)
-"""
-
 
 def truncated_copy(folder: Path, out: Path, layers: int) -> Path:
     """The model's first ``layers`` layers, final norm and head as a model of its own: a
@@ -453,7 +434,7 @@ def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path
     engine = LLMEngine.load(default_model, config=config)
     chats = [
         "What is the capital of France? Answer in one sentence.",
-        "Fix the bug in this code. Reply with the whole corrected code only.\n\n" + CODE,
+        GROUNDED_PROMPTS[0],  # "fix the bug in this code", 20 lines of Python in the prompt
         "Write a haiku about autumn.",
     ]
     params = SamplingParams(max_new_tokens=28)
