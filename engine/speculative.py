@@ -555,6 +555,11 @@ def build_drafter(config: SpeculativeConfig, target: LLMEngine) -> Drafter:
     else:
         assert config.model_dir is not None
         folder, precision = Path(config.model_dir).expanduser(), target.precision.text
+        if not (folder / "config.json").is_file():
+            raise InvalidRequestError(
+                f"the draft model folder {folder} has no config.json; give model:DIR with a "
+                "Hugging Face folder of a smaller model that uses this model's tokenizer"
+            )
     # The draft engine only lends its model: a one-block pool, no prefix caching.
     draft = type(target).load(
         folder, precision=precision, device=str(target.device),
