@@ -624,8 +624,7 @@ class LLMEngine:
                 outs, kinds = self._verify(seq, draft, logits[row : row + 1 + len(draft.tokens)])
                 # the last token and the accepted drafts are computed: key their full blocks
                 # now, before a stop among them frees the sequence
-                known = seq.tokens(0, seq.num_tokens) + outs
-                mgr.commit(seq.request_id, c.start + len(outs), _reader(known))
+                mgr.commit(seq.request_id, c.start + len(outs), _reader(seq, outs))
             lps = self._logprobs(seq, logits[row : row + len(outs)], outs)
             for token, kind, lp in zip(outs, kinds, lps, strict=True):
                 event = self._append(seq, token, now)
@@ -892,9 +891,15 @@ class Generation:
                 engine.cancel(self.request_id)
 
 
-def _reader(tokens: list[int]) -> Callable[[int, int], list[int]]:
-    """Tokens ``[start, end)`` of ``tokens`` (the block manager's way to read a sequence)."""
-    return lambda start, end: tokens[start:end]
+def _reader(seq: Seq, more: list[int]) -> Callable[[int, int], list[int]]:
+    """Tokens ``[start, end)`` of ``seq`` followed by ``more`` (the block manager's way to
+    read a sequence), without copying the whole sequence."""
+    n = seq.num_tokens
+
+    def read(start: int, end: int) -> list[int]:
+        return seq.tokens(start, min(end, n)) + more[max(0, start - n) : max(0, end - n)]
+
+    return read
 
 
 def _history(seq: Seq) -> torch.Tensor:

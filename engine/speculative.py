@@ -158,10 +158,6 @@ class Draft:
 #: how each output token of a verified step came about (what the chat's overlay marks)
 ACCEPTED, CORRECTED, BONUS = "accepted", "corrected", "bonus"
 
-#: the acceptance rule; ``"resample-from-p"`` is deliberately wrong (on a rejection it draws
-#: from p instead of the residual max(0, p − q)), for the test that must catch it
-RULES = ("exact", "resample-from-p")
-
 
 def processed_probs(row: Tensor, params: SamplingParams, seen: Tensor) -> Tensor:
     """The distribution plain sampling draws from for ``row`` (``[V]`` logits): repetition
@@ -192,7 +188,9 @@ def accept(
     """The tokens a verified step yields for one sequence and how many of them are accepted
     drafts (they come first; one target token follows). ``logits: [len(draft) + 1, V]`` are
     the target's rows at the last token and at each draft; ``history`` the sequence's tokens
-    so far (for the repetition penalty, extended by the drafts before each row)."""
+    so far (for the repetition penalty, extended by the drafts before each row). ``rule``:
+    ``exact``, or ``resample-from-p``, deliberately wrong (on a rejection it draws from p
+    instead of the residual), for the test that must catch it."""
     drafted, d = draft.tokens, len(draft.tokens)
     if params.greedy:
         if params.repetition_penalty == 1.0:
