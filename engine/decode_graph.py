@@ -30,11 +30,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from engine.hardware import forced_level, isolate_compile_cache, native_level
 
 log = logging.getLogger(__name__)
 
@@ -99,19 +102,55 @@ def choose(mode: str | None, device: torch.device) -> GraphChoice:
 def compiler_problem(device_type: str = "cpu") -> str:
     """Why TorchInductor cannot compile for this kind of device here (a C++ compiler on a CPU,
     Triton on a GPU), or "" when it can: a tiny function is compiled and run on such a device
-    once per process (the probe, not a guess from ``PATH``)."""
+    (the probe, not a guess from ``PATH``). The probe runs once per machine in a child process
+    (:mod:`engine.isolated`), since a compiler or Inductor crash would otherwise end this one;
+    its verdict is kept for later loads."""
+    from engine import isolated
+
+    isolate_compile_cache()  # the child inherits the cache of this process's level
+    why = isolated.verdict(
+        f"torch.compile {device_type}", PROBE[device_type], probe_key(device_type)
+    )
+    if why:
+        log.info("TorchInductor unavailable: %s", why)
+    return why
+
+
+def probe_key(device_type: str) -> str:
+    """What a compile probe's verdict holds for: the machine at its level, torch, and the
+    compiler TorchInductor would call."""
+    from engine.linear import machine_name
+
+    level = forced_level() or native_level()
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "no c++"
+    return f"{machine_name()} | {level} | torch {torch.__version__} | {device_type} | {compiler}"
+
+
+def probe_compile(device_type: str) -> str:
+    """The probe itself (run in the child): "" if a compiled tiny function equals eager."""
 
     def tiny(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(x) * x + 1
 
+    isolate_compile_cache()
     try:
         x = torch.linspace(-2, 2, 16, device=device_type)
         ok = torch.allclose(torch.compile(tiny)(x), tiny(x))
     except Exception as exc:  # any failure means "not here"; the reason goes to the report
-        why = reason(exc)
-        log.info("TorchInductor unavailable: %s", why)
-        return why
+        return reason(exc)
     return "" if ok else "a compiled probe gave wrong results"
+
+
+def _probe_cpu() -> str:
+    return probe_compile("cpu")
+
+
+def _probe_cuda() -> str:
+    return probe_compile("cuda")
+
+
+#: The probe each device type runs in the child (``module:function``; tests swap in others).
+PROBE = {"cpu": f"{__name__}:_probe_cpu", "cuda": f"{__name__}:_probe_cuda"}
 
 
 def reason(exc: BaseException) -> str:
@@ -144,6 +183,7 @@ def compile_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     the keys per sequence, the KV pool's slots), so that one graph serves every step of
     batch ≥ 2 and one every step of batch 1 (a size of 1 is always specialised), and the
     on-disk caches find them again at the next load whatever the pool's size."""
+    isolate_compile_cache()
     # Generated kernels are recorded for the profiler (``bench --profile``); a cheap check
     # when it is off.
     return torch.compile(

@@ -21,6 +21,14 @@ the fallbacks run even on an AVX2 machine. Under the switch a path counts only a
 is known to need (``needs`` below, the lowest level it has been run on); the switch only ever
 lowers what the CPU has. Set ``ATEN_CPU_CAPABILITY`` to the same level (``avx2``, ``default``)
 so that torch's own kernels take their matching code paths too; ``make test`` runs such a leg.
+``ATEN_CPU_CAPABILITY`` alone lowers the level just the same (:func:`forced_level`): a process
+whose torch runs AVX2 kernels answers every probe as on an AVX2 CPU, whatever the CPU has.
+
+**Compiled code is kept per level.** TorchInductor caches what it compiles on disk, and a kernel
+compiled at a lowered level and found again by a process at the CPU's own level corrupts that
+process's heap (torch 2.13, AVX2 → AVX-512). :func:`isolate_compile_cache` sends a process whose
+level is lowered to a cache of that level, beside the user's own; the engine calls it before
+anything is compiled.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,15 +93,81 @@ class CpuPaths:
         return f"CPU {level}: " + ", ".join(parts)
 
 
-def forced_level() -> str | None:
-    """The level ``INFERSIGHT_CPU_CAPABILITY`` names, or ``None`` when unset."""
-    raw = os.environ.get(FORCE_ENV, "").strip().upper().replace("-", "")
+ATEN_ENV = "ATEN_CPU_CAPABILITY"
+
+
+def native_level() -> str:
+    """The CPU's own level, from what the CPU says of itself (cpuinfo), not from torch's
+    dispatch, which ``ATEN_CPU_CAPABILITY`` lowers. Outside x86: torch's capability."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return torch.backends.cpu.get_cpu_capability()
+    if torch.cpu._is_avx512_supported():
+        return "AVX512"
+    return "AVX2" if torch.cpu._is_avx2_supported() else "DEFAULT"
+
+
+def _named_level(env: str) -> str | None:
+    raw = os.environ.get(env, "").strip().upper().replace("-", "")
     if not raw:
         return None
     if raw not in LEVELS:
-        log.warning("ignoring %s=%s; use one of %s", FORCE_ENV, raw, ", ".join(LEVELS))
+        if env == FORCE_ENV:  # ATEN_CPU_CAPABILITY has levels of other architectures too
+            log.warning("ignoring %s=%s; use one of %s", env, raw, ", ".join(LEVELS))
         return None
     return raw
+
+
+def forced_level() -> str | None:
+    """The level this process is held to: ``INFERSIGHT_CPU_CAPABILITY``, or
+    ``ATEN_CPU_CAPABILITY`` where it is below the CPU's own level (torch then runs that level's
+    kernels), the lower of the two when both are set; ``None`` when neither lowers it."""
+    ours = _named_level(FORCE_ENV)
+    aten = _named_level(ATEN_ENV)
+    native = native_level()
+    if aten is not None and native in LEVELS and LEVELS.index(aten) >= LEVELS.index(native):
+        aten = None  # torch's own level, or above it: nothing is lowered
+    named = [level for level in (ours, aten) if level is not None]
+    return min(named, key=LEVELS.index) if named else None
+
+
+def lowered_level() -> str | None:
+    """The forced level where it is below the CPU's own, else ``None`` (forcing a level the
+    CPU does not reach changes nothing)."""
+    forced, native = forced_level(), native_level()
+    if forced is None:
+        return None
+    if native in LEVELS and LEVELS.index(forced) >= LEVELS.index(native):
+        return None
+    return forced
+
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def compile_cache_dir() -> str:
+    """Where TorchInductor keeps what this process compiles: the user's cache (their
+    ``TORCHINDUCTOR_CACHE_DIR``, else torch's default), or, where the level is lowered, a
+    cache of that level beside it (``…-cpu-avx2``), never the one the CPU's own level uses."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.environ.get(INDUCTOR_CACHE_ENV) or default_cache_dir()
+    base = os.path.abspath(base).rstrip(os.sep)
+    base = _LEVEL_SUFFIX.sub("", base)  # set by an earlier call, or inherited from a parent
+    lowered = lowered_level()
+    return base if lowered is None else f"{base}-cpu-{lowered.lower()}"
+
+
+_LEVEL_SUFFIX = re.compile(r"-cpu-(?:" + "|".join(level.lower() for level in LEVELS) + r")$")
+
+
+def isolate_compile_cache() -> str:
+    """Point TorchInductor at :func:`compile_cache_dir` before anything is compiled (every
+    compile of the engine's goes through here); returns the folder."""
+    folder = compile_cache_dir()
+    if os.environ.get(INDUCTOR_CACHE_ENV) != folder:
+        os.environ[INDUCTOR_CACHE_ENV] = folder
+        log.debug("TorchInductor's cache for this process: %s", folder)
+    return folder
 
 
 def _level_allows(forced: str | None, needs: str) -> bool:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine import isolated
 from engine.errors import InfersightError
 
 log = logging.getLogger(__name__)
@@ -162,21 +163,42 @@ def _kernel() -> Kernel:
         path.parent.mkdir(parents=True, exist_ok=True)
         if _build(cc, path) is None:
             return Kernel(None, "gather + SDPA (the paged kernel did not compile here)")
+    # The first load and check run in a child process, once per build: C that crashes there
+    # leaves this process running on the portable path.
+    problem = isolated.verdict("paged decode kernel", PROBE, str(path))
+    if problem:
+        log.warning("the paged decode kernel failed its check (%s); not using it", problem)
+        return Kernel(None, f"gather + SDPA (the paged kernel failed its check: {problem})")
     try:
-        lib = ctypes.CDLL(str(path))
+        return _load(path)
     except OSError as exc:
         return Kernel(None, f"gather + SDPA (the paged kernel did not load: {exc})")
-    fn = lib.infersight_paged_decode
+
+
+def _load(path: Path) -> Kernel:
+    fn = ctypes.CDLL(str(path)).infersight_paged_decode
     fn.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
                    ctypes.c_int]  # fmt: skip
-    found = Kernel(fn, "paged kernel (K/V read through the block tables)")
-    problem = _check(found)
-    if problem:
-        log.warning("the paged decode kernel disagrees with SDPA (%s); not using it", problem)
-        return Kernel(None, f"gather + SDPA (the paged kernel failed its check: {problem})")
-    return found
+    return Kernel(fn, "paged kernel (K/V read through the block tables)")
+
+
+def _probe_build() -> str:
+    """The first check (run in the child by :func:`_kernel`): the library this process would
+    build loads, and agrees with the portable path; "" if so."""
+    cc = _compiler()
+    if cc is None:
+        return "no C compiler"
+    try:
+        found = _load(_library_path(cc))
+    except OSError as exc:
+        return f"it did not load: {exc}"
+    return _check(found)
+
+
+#: The check :func:`_kernel` runs in a child process (``module:function``; tests swap it).
+PROBE = f"{__name__}:_probe_build"
 
 
 def _check(k: Kernel) -> str:

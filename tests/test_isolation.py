@@ -1,0 +1,143 @@
+"""What a lowered CPU level compiles stays apart from the CPU's own cache, and a probe that
+crashes natively is a verdict, not the end of the process (engine/hardware.py,
+engine/isolated.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import decode_graph, hardware, isolated, paged_attention
+from engine.hardware import LEVELS, native_level
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: A level below this CPU's own: AVX2 on an AVX-512 CPU, DEFAULT on an AVX2 one.
+LOWER = (
+    LEVELS[LEVELS.index(native_level()) - 1]
+    if native_level() in LEVELS and native_level() != "DEFAULT"
+    else None
+)
+
+COMPILE = """
+import json, torch
+from engine.decode_graph import compile_forward
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+def f(x):
+    return torch.nn.functional.silu(x) * x + 1
+x = torch.linspace(-2, 2, 16)
+same = bool(torch.allclose(compile_forward(f)(x), f(x)))
+print(json.dumps({"same": same, "cache": cache_dir()}))
+"""
+
+
+def _compile_in_child(env: dict[str, str]) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(LOWER is None, reason=f"no level below this CPU's ({native_level()})")
+def test_a_lowered_level_compiles_into_a_cache_of_its_own(tmp_path: Path) -> None:
+    """The order that corrupted the heap on an AVX-512 CPU (torch 2.13): a process at a
+    lowered level compiles first, then one at the CPU's own level finds the same cache root."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",
+           hardware.FORCE_ENV)}  # fmt: skip
+    env[hardware.INDUCTOR_CACHE_ENV] = str(tmp_path / "inductor")
+    env["INFERSIGHT_HOME"] = str(tmp_path / "home")
+    assert LOWER is not None
+    lowered = _compile_in_child(
+        {**env, "ATEN_CPU_CAPABILITY": LOWER.lower(), hardware.FORCE_ENV: LOWER}
+    )
+    native = _compile_in_child(env)
+    assert lowered["same"] and native["same"]
+    assert native["cache"] == str(tmp_path / "inductor")
+    assert lowered["cache"] == f"{tmp_path / 'inductor'}-cpu-{LOWER.lower()}"
+
+
+def test_the_cache_follows_either_switch_and_only_a_lowering(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(hardware.INDUCTOR_CACHE_ENV, str(tmp_path / "c"))
+    monkeypatch.delenv(hardware.FORCE_ENV, raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert hardware.compile_cache_dir() == str(tmp_path / "c")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", native_level().lower())  # its own level
+    assert hardware.forced_level() is None
+    assert hardware.compile_cache_dir() == str(tmp_path / "c")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    if native_level() != "DEFAULT":
+        assert hardware.forced_level() == "DEFAULT"
+        assert hardware.compile_cache_dir() == f"{tmp_path / 'c'}-cpu-default"
+    monkeypatch.setenv(hardware.FORCE_ENV, "AVX2")  # the lower of the two holds
+    assert hardware.forced_level() == "DEFAULT"
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert hardware.forced_level() == "AVX2"
+    # a child of a lowered process inherits its folder; at its own level it goes back
+    monkeypatch.setenv(hardware.INDUCTOR_CACHE_ENV, f"{tmp_path / 'c'}-cpu-avx2")
+    monkeypatch.delenv(hardware.FORCE_ENV)
+    assert hardware.compile_cache_dir() == str(tmp_path / "c")
+
+
+# -- probes that crash -------------------------------------------------------------------
+
+
+def crash() -> str:
+    """A probe that dies as a corrupted heap does: SIGABRT."""
+    os.abort()
+
+
+def fine() -> str:
+    return ""
+
+
+@pytest.fixture()
+def probe_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the child imports this module
+    return tmp_path / "home"
+
+
+def test_a_crashing_probe_is_a_verdict_kept_for_the_next_load(probe_home: Path) -> None:
+    why = isolated.verdict("crash", f"{__name__}:crash", "machine A")
+    assert why.startswith("the probe crashed (SIGABRT)")
+    kept = json.loads((probe_home / isolated.FILE).read_text())
+    assert kept == {"machine A": {"crash": why}}
+    assert isolated.verdict("fine", f"{__name__}:fine", "machine A") == ""
+    # read back, not run again: a probe that would now pass keeps the kept verdict
+    assert isolated.verdict("crash", f"{__name__}:fine", "machine A") == why
+
+
+def test_a_compiler_crash_is_reported_and_the_load_stays_eager(
+    probe_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(decode_graph.PROBE, "cpu", f"{__name__}:crash")
+    decode_graph.compiler_problem.cache_clear()
+    try:
+        choice = decode_graph.choose("on", torch.device("cpu"))
+    finally:
+        decode_graph.compiler_problem.cache_clear()
+    assert not choice.compiled
+    assert choice.why.startswith("cannot compile here (the probe crashed (SIGABRT)")
+
+
+def test_a_paged_kernel_that_crashes_its_check_leaves_the_portable_path(
+    probe_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if paged_attention._compiler() is None or hardware.forced_level() == "DEFAULT":
+        pytest.skip("no paged kernel is built here")
+    monkeypatch.setattr(paged_attention, "PROBE", f"{__name__}:crash")
+    paged_attention.kernel.cache_clear()
+    try:
+        found = paged_attention.kernel()
+    finally:
+        paged_attention.kernel.cache_clear()
+    assert not found.available
+    assert "the paged kernel failed its check: the probe crashed (SIGABRT)" in found.why
