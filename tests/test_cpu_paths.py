@@ -13,7 +13,7 @@ import torch
 from engine import paged_attention
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.hardware import FORCE_ENV, CpuPaths, cpu_paths
+from engine.hardware import FORCE_ENV, CpuPaths, cpu_paths, native_level
 from engine.linear import PackedLinear
 from tests.test_quant import _dequantized_reference, _relative_error
 
@@ -40,9 +40,39 @@ def test_the_switch_only_lowers_what_the_cpu_has(paths: CpuPaths) -> None:
             assert not probe.ok and FORCE_ENV in probe.why
     if paths.forced in ("AVX2", "DEFAULT"):
         assert not paths.packed_bf16.ok  # an AVX2-only CPU cannot repack bf16 for oneDNN
-    if paths.forced is None and paths.capability == "AVX2":  # the failure the issue found
+    if paths.forced is None and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert not paths.packed_bf16.ok and "avx512" in paths.packed_bf16.why
     assert paths.summary().startswith(f"CPU {paths.capability}")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            line = next((x for x in info if x.startswith(("flags", "Features"))), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def test_the_probes_find_what_the_cpu_says_it_has(paths: CpuPaths) -> None:
+    """An anchor for every test that takes its expectation from the probes: were a probe to
+    fail everywhere, those would pass on the fallbacks. What each path needs is read here from
+    the CPU's own flags, apart from the probes, at the level this process is held to."""
+    flags = _cpu_flags()
+    if "avx2" not in flags or not torch.backends.mkldnn.is_available():
+        pytest.skip("the expectations below are for x86 CPUs with AVX2 and a oneDNN build")
+    level = paths.forced or native_level()
+    avx2_up = level in ("AVX2", "AVX512")
+    # oneDNN repacks bf16 with AVX-512 BW/VL/DQ, or with AVX-NE-CONVERT
+    bf16 = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    expected = {
+        "packed_fp32": avx2_up,
+        "packed_bf16": bf16 and (paths.forced is None or level == "AVX512"),
+        "int8_kernel": avx2_up,
+        "int4_kernel": avx2_up,
+    }
+    found = {name: getattr(paths, name).ok for name in expected}
+    assert found == expected, {name: getattr(paths, name).why for name in expected}
 
 
 def _packed_dtypes(engine: LLMEngine) -> set[torch.dtype]:
