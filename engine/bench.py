@@ -2,7 +2,12 @@
 optionally side by side with transformers' ``generate`` on the same folder and prompt ids.
 
 Runs alternate (ours, theirs, ours, theirs, …) so that a noisy shared machine hurts both
-alike, and each figure is the median over the repeats.
+alike, and each figure is the median over the repeats. Every run of ours starts with an empty
+prefix cache (:func:`run_ours`): the single workload repeats one prompt, which prefix caching
+would otherwise find cached from the second run on and time a prefill it did not compute. The
+mixed workload empties it before each run too (:func:`run_workload`); its ``--prefix-cache``
+and ``--shared-prefix``, like the chat workload (:mod:`engine.bench_chat`), measure caching
+itself, and their reports say so.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class RunTiming:
     decode_s: float  # first token → last token
     new_tokens: int  # all requests together
     batch: int = 1
+    cached_prompt_tokens: int = 0  # of the timed (first) request's prompt: found, not computed
 
 
 @dataclass(slots=True)
@@ -86,11 +92,18 @@ def bench_prompt(engine: LLMEngine, length: int, seed: int) -> list[int]:
 
 def run_ours(engine: LLMEngine, prompt: list[int], new_tokens: int, batch: int = 1) -> RunTiming:
     """``batch`` copies of the request at once; TTFT is the first request's, decode spans
-    from the first token to the last of all, and ``new_tokens`` counts them all."""
+    from the first token to the last of all, and ``new_tokens`` counts them all.
+
+    The prefix cache is emptied first, so that the first request computes its whole prompt
+    however often this prompt ran before (``cached_prompt_tokens`` counts what it found cached:
+    0). With prefix caching on, the other copies share the first's full prompt blocks as they
+    are computed (they wait for them): the copies of one run are one prompt, computed once."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.update_limits(max_batch_size=max(batch, engine.scheduler.limits.max_batch_size))
+    engine.clear_prefix_cache()
     started = time.perf_counter()
-    for _ in range(batch):
+    timed = engine.add_request(prompt, params)
+    for _ in range(batch - 1):
         engine.add_request(prompt, params)
     first = None
     produced = 0
@@ -102,7 +115,14 @@ def run_ours(engine: LLMEngine, prompt: list[int], new_tokens: int, batch: int =
                     first = time.perf_counter()
     end = time.perf_counter()
     assert first is not None
-    return RunTiming(first - started, end - first, produced, batch)
+    metrics = engine.request_metrics(timed)
+    cached = metrics.cached_prompt_tokens if metrics is not None else 0
+    return RunTiming(first - started, end - first, produced, batch, cached)
+
+
+def prefix_cache_state(engine: LLMEngine) -> str:
+    """How :func:`run_ours` leaves prefix caching, for a report."""
+    return "on, emptied before each run" if engine.kv.manager.prefix_caching else "off"
 
 
 def _peak_rss_mib() -> float:
@@ -208,6 +228,9 @@ def run_bench(
         "repeats": cfg.repeats,
         "weights_mib": weight_bytes(engine.model) / 2**20,
         "weights_vs_fp16": weight_bytes(engine.model) / (2 * engine.num_parameters),
+        "prefix_cache": prefix_cache_state(engine),
+        # of the timed requests' prompts over the measured runs, found cached: 0 (run_ours)
+        "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in ours),
         "results": [asdict(r) for r in results],
     }
     if hf is not None:
@@ -238,12 +261,30 @@ def format_report(report: dict[str, Any]) -> str:
         f"process {peak_name} "
         f"{report['results'][0]['peak_mem_mib']:.0f} MiB"
     )
+    if "prefix_cache" in report:
+        batch = report["results"][0]["batch"]
+        lines.append(
+            f"prefix cache {report['prefix_cache']}: the timed prefills found "
+            f"{report['cached_prompt_tokens']} of their prompt tokens cached"
+            + _copies_note(batch, report["prefix_cache"] != "off")
+        )
     if "ratio_decode" in report:
         lines.append(
             f"infersight / transformers: decode {report['ratio_decode']:.2f}x, "
             f"prefill {report['ratio_prefill']:.2f}x"
         )
     return "\n".join(lines)
+
+
+def _copies_note(batch: int, caching: bool) -> str:
+    """What the other copies of a ``batch`` run do to the first request's prefill figures."""
+    if batch == 1:
+        return ""
+    others = f"; the {batch - 1} other copies of a run's first request"
+    timed = "(prefill and TTFT time the first request)"
+    if caching:
+        return f"{others} share its prompt blocks as it computes them {timed}"
+    return f"{others} compute their prompts in its steps where they fit {timed}"
 
 
 def text_table(cols: list[str], rows: list[list[str]]) -> list[str]:
@@ -703,9 +744,11 @@ def run_table(
     runners: list[tuple[str, str, str, float, Callable[[list[int], int], RunTiming]]] = []
     prompt: list[int] | None = None
     floors: dict[str, float] = {}
+    cache = "off"
     for precision in precisions:
         log(f"loading {precision}")
         engine = LLMEngine.load(folder, precision=precision, config=engine_config)
+        cache = prefix_cache_state(engine)  # the same config for every precision
         prompt = prompt or bench_prompt(engine, cfg.prompt_len, cfg.seed)
         read = float(decode_read_bytes(engine.model))
         floors[precision] = 1e3 / kernel_floor_ms(engine, cfg.prompt_len + cfg.new_tokens // 2)
@@ -759,6 +802,7 @@ def run_table(
         "repeats": cfg.repeats,
         "new_tokens": cfg.new_tokens,
         "bandwidth_gb_s": [b / 1e9 for b in bandwidth],
+        "prefix_cache": cache,  # ours (llama.cpp is reset before each run)
         "llama_cpp_system_info": info,
         "rows": [asdict(r) for r in rows],
     }
@@ -780,7 +824,8 @@ def format_table(report: dict[str, Any]) -> str:
     bw = report["bandwidth_gb_s"]
     lines = [
         f"model {report['model']}  CPU {report['cpu']}  threads {report['threads']}  "
-        f"batch 1, {report['new_tokens']} new tokens, median of {report['repeats']}",
+        f"batch 1, {report['new_tokens']} new tokens, median of {report['repeats']}"
+        + (f", prefix cache {report['prefix_cache']}" if "prefix_cache" in report else ""),
         f"memory read bandwidth {max(bw):.1f} GB/s (before {bw[0]:.1f}, after {bw[-1]:.1f}); "
         "limit = bandwidth / weights read per token",
     ]
