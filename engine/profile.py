@@ -1,13 +1,13 @@
 """Where a decode step's time goes: ``infersight bench --profile``.
 
-A request is prefilled (``batch`` copies of it), then ``steps`` decode steps run under
-``torch.profiler`` (CPU activity). Each part of the model is a scope (``record_function``
-entered by forward hooks on its modules): the attention block of each layer, with the attention
-proper (the cache write, the scores and their softmax, the weighted sum:
-``AttentionContext.attend``) as a scope inside it, the MLP block, the norms, the embedding and
-the LM head. What runs outside the model (scheduling, the sampler, detokenization, the engine's
-bookkeeping) is "engine". Every operator the profiler records falls into the innermost scope
-around it and into one of these kinds of time:
+A request is prefilled (``batch`` copies of it, each rotated so that none shares a cached
+block), then ``steps`` decode steps run under ``torch.profiler`` (CPU activity). Each part of
+the model is a scope (``record_function`` entered by forward hooks on its modules): the
+attention block of each layer, with the attention proper (the cache write, the scores and their
+softmax, the weighted sum: ``AttentionContext.attend``) as a scope inside it, the MLP block, the
+norms, the embedding and the LM head. What runs outside the model (scheduling, the sampler,
+detokenization, the engine's bookkeeping) is "engine". Every operator the profiler records falls
+into the innermost scope around it and into one of these kinds of time:
 
 * **matmul**: the self time of a matrix-product kernel (``aten::mm``, ``aten::addmm``,
   oneDNN's packed linear, the INT8/INT4 kernels, …);
@@ -170,7 +170,10 @@ def profile_decode_variants(
     ``repeats`` times: a side-by-side measurement in one run."""
     params = SamplingParams(max_new_tokens=2 * steps * repeats * len(variants) + 2,
                             ignore_eos=True)  # fmt: skip
-    rids = [engine.add_request(prompt, params) for _ in range(batch)]
+    # Each copy's prompt is rotated by its index, so that no two share a cached block: every
+    # sequence reads K/V of its own, as ``batch`` different requests would.
+    engine.clear_prefix_cache()
+    rids = [engine.add_request(prompt[i:] + prompt[:i], params) for i in range(batch)]
     out: dict[str, list[StepProfile]] = {name: [] for name in variants}
     try:
         seqs = [engine.sequence(rid) for rid in rids]

@@ -131,6 +131,8 @@ class Sweep:
         setting = self.settings[self._index]
         limits = {k: self._saved[k] for k in LIMIT_NAMES} | setting.limits
         self.engine.update_limits(**limits)
+        # each setting starts as the first did: no prompt found cached from an earlier setting
+        self.engine.clear_prefix_cache()
         self._current = LoadGenerator(
             self.engine, setting.load, slo=self.slo, setting=setting.as_dict(),
             id_prefix=f"sweep{self._index}",
