@@ -15,6 +15,7 @@ from engine.engine import LLMEngine
 from engine.errors import InfersightError
 from engine.quant import QuantizedEmbedding
 from engine.weights import decode_read_bytes, weight_bytes
+from tests.probed import precisions
 
 FAKE_LLAMA_CPP = textwrap.dedent(
     """
@@ -53,7 +54,7 @@ def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return sys.executable
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4-g32+head"])
+@pytest.mark.parametrize("precision", precisions("fp32", "int8", "int4-g32+head"))
 def test_decode_read_bytes_is_every_weight_but_the_embedding_rows(tiny_model_dir, precision):
     folder, _ = tiny_model_dir("llama", True)
     model = LLMEngine.load(folder, precision=precision).model

@@ -23,6 +23,7 @@ from engine.compare import (
 )
 from engine.engine import LLMEngine
 from engine.errors import CancelledError, InvalidRequestError
+from engine.hardware import cpu_paths
 from engine.kv_cache import CacheWindow
 from engine.sampling import SamplingParams
 
@@ -31,6 +32,8 @@ PROMPT = "t1 t7 t3 t9 t2"
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
+    if not cpu_paths().int4_kernel.ok:
+        pytest.skip(f"no INT4 kernel here: {cpu_paths().int4_kernel.why}")
     folder, _ = tiny_model_dir("llama", False)
     return (
         folder,

@@ -15,6 +15,7 @@ from app.lab import LabController, free_memory
 from engine.compare import Side, compare_prompt, read_document
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
+from tests.probed import needs_int4
 from widgets.ab_view import ABView
 
 pytestmark = pytest.mark.usefixtures("gui_gc")
@@ -77,6 +78,7 @@ def tiny(tiny_model_dir: Any) -> Path:
     return folder
 
 
+@needs_int4
 def test_an_ab_on_a_tiny_model_equals_the_engines_own_comparison(qtbot, tiny, tmp_path):
     lab = Lab(qtbot)
     try:
@@ -234,6 +236,7 @@ def test_continuing_the_conversation_sends_its_messages(qtbot, tiny):
     assert report["summary"]["kl_max"] == pytest.approx(0.0, abs=1e-9)
 
 
+@needs_int4
 def test_a_scan_shows_bars_and_plans_a_spec_under_the_budget(qtbot, tiny):
     lab = Lab(qtbot)
     try:

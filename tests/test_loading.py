@@ -19,8 +19,11 @@ from engine.config import ModelConfig
 from engine.engine import EngineConfig, LLMEngine
 from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.loading import parse_bytes, plan_for_folder, plan_memory
+from tests.probed import precisions
 
-PRECISIONS = ["fp32", "bf16", "int8", "int8+head", "int4-g32", "int4-g32+head", "int4-g128"]
+PRECISIONS = precisions(
+    "fp32", "bf16", "int8", "int8+head", "int4-g32", "int4-g32+head", "int4-g128"
+)
 CONFIGS = Path(__file__).parent.parent / "resources" / "configs"
 
 
@@ -45,7 +48,7 @@ def test_the_plan_of_the_default_model_is_what_its_load_reports(default_model, p
     assert_plan_matches(engine, default_model, precision, config)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4-g32+head"])
+@pytest.mark.parametrize("precision", precisions("fp32", "int8", "int4-g32+head"))
 @pytest.mark.parametrize(
     ("arch", "tied"),
     [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", False)],

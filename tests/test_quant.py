@@ -19,6 +19,7 @@ from engine.quant import (
     quantize_int4,
     quantize_int8,
 )
+from tests.probed import needs_int4, precisions
 
 SHAPES = [(64, 96), (192, 576), (96, 1536), (40, 128)]
 
@@ -61,6 +62,7 @@ def test_int8_kernel_equals_dequantized_matmul(n, k, m):
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize(("n", "k"), [(64, 128), (192, 576), (96, 1536), (40, 96)])
 @pytest.mark.parametrize("m", [1, 9])
+@needs_int4
 def test_int4_kernel_equals_dequantized_matmul_including_padded_k(n, k, m, group):
     gen = torch.Generator().manual_seed(m + n + group)
     w = torch.randn(n, k, generator=gen) * 0.05
@@ -80,8 +82,10 @@ def test_int4_kernel_equals_dequantized_matmul_including_padded_k(n, k, m, group
     [
         ("fp32", {}),
         ("int8", {"attn": "int8", "mlp": "int8"}),
-        ("int4-g64", {"attn": "int4-g64", "mlp": "int4-g64"}),
-        ("mixed:attn=int8,mlp=int4-g32", {"attn": "int8", "mlp": "int4-g32"}),
+        pytest.param("int4-g64", {"attn": "int4-g64", "mlp": "int4-g64"}, marks=needs_int4),
+        pytest.param(
+            "mixed:attn=int8,mlp=int4-g32", {"attn": "int8", "mlp": "int4-g32"}, marks=needs_int4
+        ),
         ("mixed:attn=none,mlp=int8,head=int8", {"mlp": "int8", "head": "int8"}),
     ],
 )
@@ -126,7 +130,7 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.quant import QuantizedEmbedding  # noqa: E402
 
 
-@pytest.mark.parametrize("spec", ["int8+head", "int4-g32+head", "int4-g128+head"])
+@pytest.mark.parametrize("spec", precisions("int8+head", "int4-g32+head", "int4-g128+head"))
 def test_tied_quantized_head_serves_the_embedding_exactly(tiny_model_dir, spec):
     folder, _ = tiny_model_dir("llama", True)
     engine = LLMEngine.load(folder, precision=spec)
@@ -176,7 +180,8 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
 
 
 @pytest.mark.parametrize(
-    "spec", ["int8", "int4-g32", "int4-g128+head", "mixed:attn=int8,mlp=int4-g64,head=int8"]
+    "spec",
+    precisions("int8", "int4-g32", "int4-g128+head", "mixed:attn=int8,mlp=int4-g64,head=int8"),
 )
 @pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False)])
 def test_quantized_model_equals_its_dequantized_reference(tiny_model_dir, spec, arch, tied):
@@ -189,6 +194,7 @@ def test_quantized_model_equals_its_dequantized_reference(tiny_model_dir, spec, 
     assert _relative_error(ours, theirs) <= 2e-2
 
 
+@needs_int4
 def test_weight_bytes_of_the_default_model_against_fp16(default_model):
     fp16_bytes = None
     ratios = {}
@@ -209,7 +215,9 @@ def test_int4_on_an_old_cuda_gpu_is_refused(monkeypatch):
     assert parse_precision_spec("int8", "cuda").parts["attn"].bits == 8
 
 
-@pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "int4-g128+head", "mixed:mlp=int4-g32"])
+@pytest.mark.parametrize(
+    "spec", precisions("fp32", "bf16", "int8", "int4-g128+head", "mixed:mlp=int4-g32")
+)
 def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
     from engine.weights import weight_report
 
@@ -234,6 +242,7 @@ from engine.quant import (  # noqa: E402
 INT8, G32, G128 = QuantKind(8), QuantKind(4, 32), QuantKind(4, 128)
 
 
+@needs_int4
 def test_per_layer_overrides_beat_the_part_default():
     spec = parse_precision_spec(
         "mixed:attn=int4-g128,mlp=int4-g128,mlp.3=int8,attn.0-2=int8,mlp.7=none"
@@ -305,6 +314,7 @@ def test_int4_in_an_override_needs_the_kernel(monkeypatch):
         parse_precision_spec("mixed:attn=int8,mlp=none,attn.1=int4-g64", "cuda")
 
 
+@needs_int4
 def test_a_loaded_model_follows_its_overrides(tiny_model_dir):
     from torch import nn
 
@@ -344,6 +354,7 @@ def test_a_loaded_model_follows_its_overrides(tiny_model_dir):
         (INT8, None, None, {("attn", 1): INT8, ("mlp", 2): None}, "mixed:attn=int8,mlp=none"),
     ],
 )  # fmt: skip
+@needs_int4
 def test_format_mixed_spec_round_trips(attn, mlp, head, overrides, text):
     written = format_mixed_spec(attn, mlp, head, overrides)
     assert written == text
@@ -369,7 +380,7 @@ ESTIMATED_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("spec", ESTIMATED_SPECS)
+@pytest.mark.parametrize("spec", precisions(*ESTIMATED_SPECS))
 @pytest.mark.parametrize(
     ("arch", "tied"), [("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
 )
@@ -386,7 +397,7 @@ def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied):
     assert estimate_weight_bytes(cfg, parsed, packed=False) == unpacked
 
 
-@pytest.mark.parametrize("spec", ["bf16", "int8", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("spec", precisions("bf16", "int8", "int4-g32", "int4-g128"))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_block_bytes_is_one_block(tiny_model_dir, spec, arch):
     from engine.config import ModelConfig

@@ -23,6 +23,7 @@ from engine.linear import PackedLinear
 from engine.quant import QuantKind, estimate_weight_bytes, parse_precision_spec, quantized_linear
 from engine.sensitivity import Scan, plan_mixed, scan_model, scan_sensitivity
 from engine.weights import load_transformer
+from tests.probed import needs_int4
 
 TEXT = [(7 * i + 3) % 320 for i in range(48)]
 LINEARS = {"attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
@@ -34,6 +35,8 @@ def scans(tiny_model_dir):
     cache: dict[str, Scan] = {}
 
     def get(arch: str) -> Scan:
+        if not cpu_paths().int4_kernel.ok:
+            pytest.skip(f"no INT4 kernel here: {cpu_paths().int4_kernel.why}")
         if arch not in cache:
             folder, _ = tiny_model_dir(arch, arch == "llama")
             cache[arch] = scan_sensitivity(folder, "int4-g32", text_ids=TEXT)
@@ -176,8 +179,15 @@ def test_int8_low_keeps_blocks_in_bf16_above_it(tiny_model_dir):
     [
         ("none", None, "low format must be quantized"),
         ("int3", None, "unknown precision 'int3'"),
-        ("int8", "int4-g32", r"high \(int4-g32\) does not store a block in more bytes"),
-        ("int4-g32", "int4-g32", "does not store a block in more bytes"),
+        pytest.param(
+            "int8",
+            "int4-g32",
+            r"high \(int4-g32\) does not store a block in more bytes",
+            marks=needs_int4,
+        ),
+        pytest.param(
+            "int4-g32", "int4-g32", "does not store a block in more bytes", marks=needs_int4
+        ),
     ],
 )
 def test_bad_formats_are_refused(tiny_model_dir, low, high, needle):

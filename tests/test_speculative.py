@@ -39,6 +39,7 @@ from engine.speculative import (
     parse_speculative,
 )
 from tests.conftest import build_tiny_hf, save_tiny
+from tests.probed import precisions
 
 BS = 4
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -135,7 +136,7 @@ def mixed_arrivals(n: int = 6) -> list[Arrival]:
     return [(2 * i, repetitive(10 + i, 14 + 3 * i), GREEDY) for i in range(n)]
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "self:int4-g32", "self:int8", "model"])
+@pytest.mark.parametrize("drafter", precisions("lookup", "self:int4-g32", "self:int8", "model"))
 def test_greedy_output_is_plain_greedy_output_with_every_drafter(tiny, other_tiny, drafter):
     """Arrivals at different steps, a cancellation while decoding, one before its first
     step, and preemption in a pool too small for everyone: the outputs and finish reasons

@@ -1,0 +1,22 @@
+"""Expectations taken from the probes (engine/hardware.py), never from the machine a test was
+written on: marks for tests that need a path the probe may not find on another CPU kind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.hardware import cpu_paths
+
+_INT4 = cpu_paths().int4_kernel
+
+#: A test that loads an INT4 precision: INT4 has no fallback, so where the probe found no
+#: kernel (aarch64, ``INFERSIGHT_CPU_CAPABILITY=DEFAULT``) the load is refused by name, which
+#: tests/test_cpu_paths.py checks.
+needs_int4 = pytest.mark.skipif(not _INT4.ok, reason=f"no INT4 kernel here: {_INT4.why}")
+
+
+def precisions(*specs: str) -> list[Any]:
+    """``specs`` as parameters, those with INT4 parts marked :data:`needs_int4`."""
+    return [pytest.param(s, marks=needs_int4) if "int4" in s else s for s in specs]
