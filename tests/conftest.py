@@ -11,11 +11,32 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A fixed count, as if asked for: loads do not time their own (tests/test_threads.py does).
-os.environ.setdefault("INFERSIGHT_THREADS", str(min(2, os.cpu_count() or 1)))
+# Under pytest-xdist the cores are shared out between the workers, so that two workers on two
+# cores do not run four threads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("INFERSIGHT_THREADS", str(max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
 # Every packable linear packed, as loads did before layouts were timed: one path whatever the
 # machine's noise (tests/test_linear_layout.py times them).
 os.environ.setdefault("INFERSIGHT_LAYOUT", "packed")
+# Eager decode steps unless a test asks for a compiled one: ``auto`` would compile wherever a
+# CPU kind is listed as faster compiled (engine/decode_graph.py), minutes per load.
+os.environ.setdefault("INFERSIGHT_DECODE_GRAPH", "off")
 torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """TorchInductor compiles into a cache of this session's: a warm cache left by an earlier
+    run would hide a cold compile's failures (and time). Set before anything compiles; a
+    lowered CPU level still gets a folder of its own beside it (engine/hardware.py)."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    if before is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
 
 TINY = dict(
     vocab_size=320,

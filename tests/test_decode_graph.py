@@ -67,9 +67,11 @@ def _counting(engine: LLMEngine) -> list[int]:
 @pytest.fixture(scope="module")
 def compiled_llama(tiny_model_dir) -> tuple[LLMEngine, Any]:
     folder, hf = tiny_model_dir("llama", True)
+    problem = decode_graph.compiler_problem("cpu")
+    if problem:  # the probe's verdict: no compiler, or one that crashed or failed (reported)
+        pytest.skip(f"this machine cannot compile: {problem}")
     engine = LLMEngine.load(folder, config=EngineConfig(decode_graph="on", num_blocks=64))
-    if not engine.graph.compiled:
-        pytest.skip(f"this machine cannot compile: {engine.graph.why}")
+    assert engine.graph.compiled, engine.graph.why  # where the probe compiles, so must the step
     return engine, hf
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import LLMEngine
+from engine.hardware import cpu_paths
+from engine.linear import PackedLinear
 from engine.profile import KINDS, SCOPES, format_profile, profile_decode
 
 
@@ -12,6 +14,9 @@ from engine.profile import KINDS, SCOPES, format_profile, profile_decode
 def test_every_matmul_and_attention_of_a_step_lands_in_its_scope(tiny_model_dir, precision, pack):
     folder, _ = tiny_model_dir("llama", False)
     engine = LLMEngine.load(folder, precision=precision, pack=pack)
+    packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
+    # the float linears (all at fp32; at int8 the bf16 head) take the probed layout
+    assert packed == (pack and cpu_paths().packed(engine.dtype).ok)
     layers = engine.cfg.num_layers
     p = profile_decode(engine, list(range(5, 25)), steps=6)
     calls = p.calls
