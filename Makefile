@@ -19,7 +19,16 @@ PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
 AVX2_LEG := tests/test_cpu_paths.py tests/test_quant.py tests/test_exactness_tiny.py \
             tests/test_generation.py tests/test_eval.py tests/test_real_model.py \
             tests/test_compare.py tests/test_sensitivity.py tests/test_decode_graph.py \
-            tests/test_paged_attention.py tests/test_speculative.py
+            tests/test_paged_attention.py tests/test_speculative.py tests/test_loading.py \
+            tests/test_linear_layout.py tests/test_profile.py tests/test_bench_table.py \
+            tests/test_app.py::test_instruments_show_the_engines_figures
+
+# The tests that time nothing run on TEST_WORKERS processes (pytest-xdist; a file's tests on
+# one worker, so its module fixtures are built once; tests/conftest.py shares the cores out);
+# the tests marked `timing` then run alone, so that no other test's work is in their figures.
+TEST_WORKERS ?= 2
+PYTEST       := $(BIN)/python -m pytest -q
+PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: run chat test bench bench-peers gpu-check load-peak screenshots package venv dev clean
 
@@ -36,15 +45,16 @@ test: $(VENV)/.stamp-dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy engine app widgets
 	$(BIN)/infersight models pull
-	@cap=$$($(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'); \
+	@cap=$$($(BIN)/python -c 'from engine.hardware import native_level; print(native_level())'); \
 	if [ "$$cap" = AVX512 ]; then \
 	  echo "AVX2 leg: the engine's tests as if on an AVX2-only CPU"; \
-	  INFERSIGHT_CPU_CAPABILITY=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q \
-	    -m "not no_engine_paths" $(AVX2_LEG); \
+	  QT_QPA_PLATFORM=offscreen INFERSIGHT_CPU_CAPABILITY=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+	    $(PYTEST) $(PARALLEL) -m "not no_engine_paths and not timing" $(AVX2_LEG); \
 	else \
-	  echo "AVX2 leg: not needed, this CPU's capability is $$cap (the main run takes its paths)"; \
+	  echo "AVX2 leg: not needed, this CPU's level is $$cap (the main run takes its paths)"; \
 	fi
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q --durations=15
+	QT_QPA_PLATFORM=offscreen $(PYTEST) $(PARALLEL) -m "not timing" --durations=15
+	QT_QPA_PLATFORM=offscreen $(PYTEST) -m timing --durations=5
 
 # The main window mid-reply with the plots populated, speculative decoding marked, the A/B lab
 # and the batching tuner, rendered offscreen into docs/screenshots.
