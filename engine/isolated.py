@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from engine import measured
 
@@ -51,16 +52,28 @@ def verdict(name: str, target: str, key: str, *, timeout_s: float = 300.0) -> st
         return found
 
 
+#: The folder that holds ``engine/``: the child imports the engine from there, never from its
+#: working folder (``-c`` puts that first, where a user's own ``engine`` package could be).
+ROOT = Path(__file__).resolve().parent.parent
+_CHILD = """
+import sys
+root, target = sys.argv[1:3]
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+sys.path.insert(0, root)
+from engine.isolated import child
+child(target)
+"""
+
 #: Verdicts not kept: the next process asks again.
 _UNSETTLED = "the probe took longer than"
 
 
 def run(target: str, *, timeout_s: float = 300.0) -> str:
     """Run probe ``target`` in a child process; its verdict, or why it gave none."""
-    code = f"from engine.isolated import child; child({target!r})"
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, "-c", _CHILD, str(ROOT), target],
             capture_output=True,
             text=True,
             timeout=timeout_s,

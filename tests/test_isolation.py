@@ -101,7 +101,6 @@ def fine() -> str:
 @pytest.fixture()
 def probe_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the child imports this module
     return tmp_path / "home"
 
 
