@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import InfersightError, InvalidRequestError
 
 if TYPE_CHECKING:
+    import socket
+
     from engine.engine import LLMEngine
     from engine.sampling import SamplingParams
 
@@ -85,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="0: any free port, named on stderr")
     g.add_argument(
         "--api-key", default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health "
@@ -595,15 +597,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from app.server import Server, ServerLimits
 
-    for name in ("port", "max_batch_size", "max_waiting", "max_waiting_tokens", "max_n",
+    for name in ("max_batch_size", "max_waiting", "max_waiting_tokens", "max_n",
                  "max_tokens", "max_body_bytes"):  # fmt: skip
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise InvalidRequestError("--port must be 1 to 65535 (or 0: any free port)")
     if not args.queue_timeout > 0:
         raise InvalidRequestError("--queue-timeout must be > 0 seconds")
     if args.self_test_interval < 0 or args.oom_margin_mib < 0:
         raise InvalidRequestError("--self-test-interval and --oom-margin-mib must be >= 0")
-    _check_port(args.host, args.port)  # before minutes of loading, not after
+    # before minutes of loading, not after; any free port is taken now and held
+    sock = _free_port(args.host) if args.port == 0 else None
+    port = args.port if sock is None else int(sock.getsockname()[1])
+    if sock is None:
+        _check_port(args.host, port)
     limits = ServerLimits(
         max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
         queue_timeout_s=args.queue_timeout, max_n=args.max_n, max_tokens=args.max_tokens,
@@ -626,15 +634,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("INFERSIGHT_API_KEY") or None
     name = args.served_model_name or engine.name
     server = Server(engine, name=name, limits=limits, api_key=api_key)
-    where = f"http://{args.host}:{args.port}"
+    where = f"http://{args.host}:{port}"
     print(f"serving {name} ({engine.precision.text}, {engine.device}) on {where}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)  # fmt: skip
     # On SIGTERM streams get 5 s to end before the lifespan cancels what still runs.
-    uvicorn.run(
-        server.app, host=args.host, port=args.port, log_level="warning",
-        timeout_graceful_shutdown=5,
-    )  # fmt: skip
-    return 0
+    if sock is None:
+        uvicorn.run(
+            server.app, host=args.host, port=port, log_level="warning",
+            timeout_graceful_shutdown=5,
+        )  # fmt: skip
+        return 0
+    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning",
+                                       timeout_graceful_shutdown=5))  # fmt: skip
+    uv.run(sockets=[sock])
+    return 0 if uv.started else 3  # uvicorn.run's status when it could not start
+
+
+def _free_port(host: str) -> socket.socket:
+    """A socket bound to any free port of ``host`` (``--port 0``), for uvicorn to serve on."""
+    from app.server import bind
+
+    try:
+        return bind(host, 0)
+    except OSError as exc:
+        raise InvalidRequestError(
+            f"cannot listen on {host} ({exc.strerror or exc}): check --host"
+        ) from None
 
 
 def _check_port(host: str, port: int) -> None:

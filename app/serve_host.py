@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import threading
 import time
 
@@ -63,13 +64,17 @@ class WorkerFront:
 
 class ServeHost:
     """``Serve on localhost:PORT``: started and stopped by the app; ``key`` is generated
-    unless given."""
+    unless given. ``sock``: a socket already bound (:func:`app.server.bind`) to serve on
+    instead of binding ``port``; the host closes it when it stops."""
 
-    def __init__(self, worker: EngineWorker, port: int, key: str | None = None) -> None:
+    def __init__(
+        self, worker: EngineWorker, port: int, key: str | None = None,
+        sock: socket.socket | None = None,
+    ) -> None:  # fmt: skip
         engine = worker.engine
         if engine is None:
             raise RuntimeError("load a model before serving it")
-        self.port = port
+        self.port = port if sock is None else int(sock.getsockname()[1])
         self.key = key or f"sk-infersight-{secrets.token_urlsafe(18)}"
         self.front = WorkerFront(worker)
         self.server = Server(engine, limits=ServerLimits(self_test_s=0), api_key=self.key,
@@ -80,8 +85,10 @@ class ServeHost:
             timeout_graceful_shutdown=2,
         )  # fmt: skip
         self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._uvicorn.run, name="infersight-serve",
-                                        daemon=True)  # fmt: skip
+        self._sock = sock
+        sockets = None if sock is None else [sock]
+        self._thread = threading.Thread(target=self._uvicorn.run, args=(sockets,),
+                                        name="infersight-serve", daemon=True)  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -93,6 +100,7 @@ class ServeHost:
         deadline = time.monotonic() + timeout_s
         while not self._uvicorn.started:
             if not self._thread.is_alive():
+                self.stop()
                 raise OSError(f"could not listen on 127.0.0.1:{self.port} (in use?)")
             if time.monotonic() > deadline:
                 raise OSError(f"the server on port {self.port} did not start")
@@ -100,7 +108,10 @@ class ServeHost:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._uvicorn.should_exit = True
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._sock is not None:  # uvicorn closes it once it has served; this, if it never did
+            self._sock.close()
 
     def examples(self) -> dict[str, str]:
         """Copyable ways to call it: curl and the openai SDK."""

@@ -21,6 +21,7 @@ import json
 import logging
 import queue
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -118,6 +119,25 @@ def _figures(m: RequestMetrics) -> dict[str, Any]:
         "ttft_s": r(m.time_to_first_token_seconds), "tpot_s": r(m.time_per_output_token_seconds),
         "e2e_s": r(m.e2e_request_latency_seconds), "preemptions": m.preemptions,
     }  # fmt: skip
+
+
+# -- the listening socket -----------------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for ``uvicorn.Server.run(sockets=[...])``; port 0
+    takes any free port (``getsockname()`` says which). The port is held from here on, so
+    nobody can take it between choosing and serving; it is refused connections until
+    uvicorn listens on it. Raises ``OSError`` where the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 # -- health -------------------------------------------------------------------------------------

@@ -95,53 +95,64 @@ def test_health_names_a_stopped_engine(tiny_engine: LLMEngine, tmp_path: Path) -
 
 
 def test_a_cancel_ends_the_request_at_the_next_step_and_frees_its_blocks(tiny_engine):
+    """Cancelled from its sink at its third token, on the engine's thread between two steps
+    (as a handler's cancel can land): the next step gives only the end, nothing more."""
     loop = EngineLoop(tiny_engine, ServerMetrics("tiny"))
     got: queue.Queue[TokenEvent | BaseException] = queue.Queue()
+    sent: list[object] = []
+
+    def sink(event: TokenEvent | BaseException) -> None:
+        sent.append(event)
+        got.put(event)
+        if len(sent) == 3:
+            loop.cancel("long")
+
     loop.start()
     try:
         params = SamplingParams(max_new_tokens=200, ignore_eos=True)
-        loop.submit("long", [5, 6, 7, 8], params, 30.0, got.put)
-        for _ in range(3):
-            event = got.get(timeout=30)
-            assert isinstance(event, TokenEvent) and event.token_id is not None
-        loop.cancel("long")
-        after = []
-        while True:
+        loop.submit("long", [5, 6, 7, 8], params, 30.0, sink)
+        events = []
+        while not events or events[-1].finish_reason is None:
             event = got.get(timeout=30)
             assert isinstance(event, TokenEvent)
-            after.append(event)
-            if event.finish_reason is not None:
-                break
-        # at most the step already under way, then the end
-        assert after[-1].finish_reason == "cancelled" and len(after) <= 2
+            events.append(event)
+        assert [e.token_id is not None for e in events] == [True, True, True, False]
+        assert events[-1].finish_reason == "cancelled"
         assert tiny_engine.kv.manager.num_used == 0
     finally:
         loop.stop()
 
 
-def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir):
+def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir, monkeypatch):
     """A real HTTP server in this process (uvicorn on a thread) over an engine that runs one
-    request at a time: the second waits past its 0.2 s queue timeout and is told so."""
+    request at a time: the second waits past its 0.2 s queue timeout and is told so. Until
+    the 503 arrives each step of the first takes at least 50 ms, so it is still running then
+    (its 253 tokens take 12 s) however fast this CPU decodes."""
     import http.client
     import json
-    import socket
     import threading
 
     import uvicorn
 
-    from app.server import ServerLimits
+    from app.server import ServerLimits, bind
     from engine.engine import EngineConfig
     from engine.scheduler import SchedulerLimits
 
     folder, _ = tiny_model_dir("llama", False)
     engine = LLMEngine.load(folder, config=EngineConfig(limits=SchedulerLimits(max_batch_size=1)))
+    told = threading.Event()  # the late request has its 503
+    real_step = engine.step
+
+    def step() -> list[TokenEvent]:
+        told.wait(0.05)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
     server = Server(engine, name="tiny", limits=ServerLimits(queue_timeout_s=0.2, self_test_s=0))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port,
-                                       log_level="warning"))  # fmt: skip
-    thread = threading.Thread(target=uv.run, daemon=True)
+    sock = bind("127.0.0.1", 0)  # held from here on: no other process can take the port
+    port = int(sock.getsockname()[1])
+    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, args=([sock],), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not uv.started and time.monotonic() < deadline:
@@ -158,12 +169,15 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir):
         assert busy.fp.readline()  # it runs: the next one must wait
         late = post({"prompt": [9, 10, 11], "max_tokens": 4})
         error = json.loads(late.read())["error"]
+        told.set()
         assert late.status == 503 and error["code"] == "queue_timeout"
         assert late.getheader("Retry-After")
         busy.close()
     finally:
+        told.set()
         uv.should_exit = True
         thread.join(30)
+        sock.close()
 
 
 def test_metrics_carry_the_spec_decode_counters_of_a_speculative_engine(tiny_engine):
