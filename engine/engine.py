@@ -717,6 +717,7 @@ class LLMEngine:
                 token_budget=self.scheduler.limits.max_tokens_per_step,
                 preempted=len(out.preempted),
                 waiting=len(self.scheduler.waiting),
+                max_batch_size=self.scheduler.limits.max_batch_size,
             )
         )
 

@@ -66,6 +66,7 @@ class StepRecord:
     token_budget: int = 0
     preempted: int = 0  # sequences preempted by recompute while scheduling this step
     waiting: int = 0  # requests left waiting after scheduling
+    max_batch_size: int = 0  # the limit this step was scheduled under
 
 
 @dataclass(frozen=True, slots=True)
