@@ -10,10 +10,6 @@ from typing import Any
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
-
-pytest.importorskip("PySide6")
-pytest.importorskip("pytestqt")
-
 from PySide6.QtCore import QEvent, QPoint, Qt
 from PySide6.QtGui import QFont, QHelpEvent, QImage, QTextCursor
 from PySide6.QtWidgets import QToolTip

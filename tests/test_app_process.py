@@ -22,16 +22,15 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
 
-pytest.importorskip("PySide6")
-pytest.importorskip("pytestqt")
-
 from app.gui import AUTOSEND_ENV
 from app.main_window import SAVE_INTERVAL_S
 from app.store import ChatStore
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm at sea."
-START_S = 180.0  # start-up, model load and first tokens on a busy 2-core machine
+#: start-up, model load and first saved text: a bound on a hang, not a speed (about 15 s on
+#: a busy 2-core AVX-512 EPYC; a slower or busier machine may take several times that)
+START_S = 600.0
 EXIT_S = 60.0
 
 Row = tuple[str, str]  # content, status of the last assistant message
@@ -187,7 +186,7 @@ def test_sigkill_mid_reply_keeps_the_periodic_saves_marked_interrupted(
 ) -> None:
     first, _ = app.wait_for("saved text of a streaming reply", streaming_with_text, START_S)
     saves = [(time.monotonic(), first)]
-    while len(saves) < 3:  # two saves more while it streams: at least 2 s of streaming
+    while len(saves) < 5:  # four saves more while it streams: at least 4 s of streaming
         text, _ = app.wait_for(
             "newer text of the streaming reply",
             lambda row: row[1] == "streaming" and row[0] != saves[-1][1],
@@ -199,7 +198,12 @@ def test_sigkill_mid_reply_keeps_the_periodic_saves_marked_interrupted(
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(saves)]
     print(f"saves of {[len(t) for _, t in saves]} chars, {[round(g, 2) for g in gaps]} s apart")
     assert all(b[1].startswith(a[1]) for a, b in itertools.pairwise(saves))
-    assert min(gaps) > 0.8 * SAVE_INTERVAL_S, "saved once a second, not on every token"
+    # Seen by polling from outside, a save's time is late by up to a poll and whatever delays
+    # this process, so one gap may look shorter than it was; their mean over four gaps hardly.
+    # Saving on every token would show gaps of a poll (50 ms) or a token.
+    mean = (saves[-1][0] - saves[0][0]) / len(gaps)
+    assert mean > 0.8 * SAVE_INTERVAL_S, "saved once a second, not on every token"
+    assert min(gaps) > 0.4 * SAVE_INTERVAL_S, "saved once a second, not on every token"
     messages = stored(data)
     assert [(role, status) for role, _, status in messages] == [
         ("user", "done"),

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -159,13 +160,50 @@ def test_help_is_fast_and_imports_no_torch():
     assert done.stdout.strip() == "False"
 
 
-def test_bench_single_and_mixed_workloads_report_json(capsys, tiny):
+def step_times(monkeypatch) -> list[tuple[float, float]]:
+    """``(start, end)`` of every engine step that gave a token, from outside the engine."""
+    from engine.engine import LLMEngine
+
+    out: list[tuple[float, float]] = []
+    real = LLMEngine.step
+
+    def step(self: LLMEngine) -> list:
+        started = time.perf_counter()
+        events = real(self)
+        if any(e.token_id is not None for e in events):
+            out.append((started, time.perf_counter()))
+        return events
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    return out
+
+
+def bench_span(row: dict, new_tokens: int) -> float:
+    """A ``--repeats 1`` row's rates are its one run's counts over its own times: the prompt
+    over the TTFT, the tokens after the first over their gaps. Returns the run's span."""
+    assert row["new_tokens"] == new_tokens
+    assert row["prefill_tok_s"] * row["ttft_ms"] / 1e3 == pytest.approx(row["prompt_len"])
+    assert row["decode_tok_s"] * row["tpot_ms"] / 1e3 == pytest.approx(1.0)
+    return (row["ttft_ms"] + (new_tokens - 1) * row["tpot_ms"]) / 1e3
+
+
+def test_bench_single_and_mixed_workloads_report_json(capsys, tiny, monkeypatch):
+    steps = step_times(monkeypatch)
+    started = time.perf_counter()
     code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--new-tokens", "8",
                            "--repeats", "1", "--json")  # fmt: skip
+    elapsed = time.perf_counter() - started
     assert code == 0
     report = json.loads(out)
     (result,) = report["results"]
-    assert result["engine"] == "infersight" and result["decode_tok_s"] > 0
+    assert result["engine"] == "infersight"
+    assert bench_span(result, 8) <= elapsed  # within the command's own time
+    # the timed run is the last: one step per token (batch 1); its TTFT spans at least the
+    # first step, its decode at least the seven steps after it (the outside clock's times)
+    assert len(steps) >= 8
+    first, *rest = steps[-8:]
+    assert result["ttft_ms"] / 1e3 >= first[1] - first[0]
+    assert 7 * result["tpot_ms"] / 1e3 >= rest[-1][1] - rest[0][0]
 
     code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--workload", "mixed",
                            "--requests", "6", "--max-batch-size", "1", "3", "--json")  # fmt: skip
@@ -220,6 +258,8 @@ def test_serve_refuses_a_port_in_use_before_loading_anything(capsys):
     assert_clean_error(code, err, f"cannot listen on 127.0.0.1:{port}", "--port")
     code, _, err = run_cli(capsys, "serve", "--max-waiting", "0")
     assert_clean_error(code, err, "--max-waiting must be at least 1")
+    code, _, err = run_cli(capsys, "serve", "--port", "70000")
+    assert_clean_error(code, err, "--port must be 1 to 65535 (or 0: any free port)")
 
 
 @pytest.mark.parametrize(
@@ -239,12 +279,18 @@ def test_bench_rejects_bad_limits(capsys, tiny, args, needle):
 
 
 def test_bench_compare_hf_on_a_tiny_model(capsys, tiny):
+    started = time.perf_counter()
     code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--new-tokens", "6",
                            "--repeats", "1", "--compare-hf", "--json")  # fmt: skip
+    elapsed = time.perf_counter() - started
     assert code == 0
     report = json.loads(out)
-    assert [r["engine"] for r in report["results"]] == ["infersight", "transformers"]
-    assert report["ratio_decode"] > 0
+    ours, theirs = report["results"]
+    assert (ours["engine"], theirs["engine"]) == ("infersight", "transformers")
+    # each row is its own run's counts over its times, the two runs within the command's time
+    assert bench_span(ours, 6) + bench_span(theirs, 6) <= elapsed
+    assert report["ratio_decode"] == pytest.approx(ours["decode_tok_s"] / theirs["decode_tok_s"])
+    assert report["ratio_prefill"] == pytest.approx(ours["prefill_tok_s"] / theirs["prefill_tok_s"])
     code, out, _ = run_cli(capsys, "bench", "--model", str(tiny), "--workload", "mixed",
                            "--requests", "4", "--max-batch-size", "2", "--compare-hf",
                            "--json")  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -79,9 +80,27 @@ def test_same_seed_same_text(engine):
 
 
 def test_timings_are_reported(engine):
-    result, _ = _run(engine, "Hello!", max_new_tokens=5, ignore_eos=True)
-    assert result.ttft_s is not None and result.ttft_s > 0
-    assert result.tpot_s is not None and 0 < result.tpot_s < 5
+    """TTFT and TPOT against the caller's clock: the engine steps only when the next token
+    is asked for, so token ``i`` was stamped after the caller asked for it and before the
+    caller had it, and the request arrived while ``generate`` ran."""
+    prompt = engine.chat_prompt_ids([{"role": "user", "content": "Hello!"}])
+    before = time.perf_counter()
+    gen = engine.generate(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    made = time.perf_counter()
+    asked, had = [], []
+    it = iter(gen)
+    while True:
+        asked.append(time.perf_counter())
+        try:
+            event = next(it)
+        except StopIteration:
+            break
+        had.append(time.perf_counter())
+        assert event.token_id is not None  # one token per event
+    result, n = gen.result, len(had)
+    assert n == 5 and result.ttft_s is not None and result.tpot_s is not None
+    assert asked[0] - made <= result.ttft_s <= had[0] - before
+    assert (asked[-2] - had[0]) / (n - 1) <= result.tpot_s <= (had[-1] - asked[0]) / (n - 1)
 
 
 @pytest.mark.parametrize(

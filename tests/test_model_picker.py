@@ -14,10 +14,6 @@ from typing import Any
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
-
-pytest.importorskip("PySide6")
-pytest.importorskip("pytestqt")
-
 from PySide6.QtWidgets import QPushButton
 
 from app.store import ChatStore
@@ -247,8 +243,11 @@ def test_the_window_opens_the_picker_keeps_its_folders_and_loads_its_choice(
     qtbot.addWidget(window)
     try:
         qtbot.waitUntil(lambda: asked == ["default"] and window.loading is None, timeout=WAIT_MS)
+        (browse,) = [b for b in window.controls.findChildren(QPushButton)
+                     if b.text() == "Browse models…"]  # fmt: skip
+        assert window.picker is None
         with qtbot.waitSignal(window.controls.browse_requested, timeout=1000):
-            window.controls.browse_requested.emit()
+            browse.click()  # as the user asks: the controls' button, then the window's answer
         picker = window.picker
         assert picker is not None and picker.isVisible()
         qtbot.waitUntil(lambda: picker.table.rowCount() == 1, timeout=WAIT_MS)

@@ -390,7 +390,6 @@ def on(device: str) -> Any:
 
 
 def test_the_worker_makes_a_stream_only_for_a_cuda_engine_and_on_its_device(monkeypatch):
-    pytest.importorskip("PySide6")
     from app.worker import EngineWorker
 
     cuda = FakeCuda(monkeypatch)
@@ -408,7 +407,6 @@ def test_the_worker_makes_a_stream_only_for_a_cuda_engine_and_on_its_device(monk
 
 
 def test_the_loader_waits_for_its_gpu_copies_before_handing_the_engine_over(monkeypatch):
-    pytest.importorskip("PySide6")
     from app import worker as worker_module
     from app.worker import EngineWorker, LoadSpec, _Loaded
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -74,8 +75,24 @@ def test_a_count_asked_for_is_never_timed(tiny_model_dir, untimed, monkeypatch):
 
 
 def test_real_timing_gives_a_time_per_count(tiny_model_dir):
+    """The figure is the best of the call's rounds (a warm-up and three), each running every
+    linear once at the count asked for: so four of it fit in the call's own time."""
     folder, _ = tiny_model_dir("llama", True)
     model = LLMEngine.load(folder).model
     from engine.weights import linear_modules
 
-    assert threads._time_linears(linear_modules(model), torch.float32, 1) > 0
+    linears = linear_modules(model)
+    calls: list[int] = []
+    hooks = [m.register_forward_hook(lambda *_: calls.append(torch.get_num_threads()))
+             for m in linears]  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        started = time.perf_counter()
+        ms = threads._time_linears(linears, torch.float32, 1)
+        took = time.perf_counter() - started
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == [1] * (4 * len(linears))  # four rounds of every linear, at 1 thread
+    assert torch.get_num_threads() == before  # and the count it had is back
+    assert 0 < 4 * ms / 1e3 <= took

@@ -11,12 +11,8 @@ from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-import pytest
-
-pytest.importorskip("PySide6")
-pytest.importorskip("pytestqt")
-
 import numpy as np
+import pytest
 from pytestqt.qtbot import QtBot
 
 from engine.loadgen import SLO, LoadResult, LoadSpec, PromptMix

@@ -14,10 +14,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import numpy as np
 import pytest
-
-pytest.importorskip("PySide6")
-pytest.importorskip("pytestqt")
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PySide6.QtCore import QPoint, QRect

@@ -13,10 +13,6 @@ from pathlib import Path
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
-
-pytest.importorskip("PySide6")
-pytest.importorskip("pytestqt")
-
 from PySide6.QtCore import QObject, Qt, QThread, Slot
 
 from app.worker import (
