@@ -303,6 +303,7 @@ def test_switching_precision_keeps_the_chat_and_the_old_model_answers_meanwhile(
         window.shutdown()
 
 
+@pytest.mark.timing  # measures time: run alone (make test)
 def test_ui_stays_responsive_while_a_reply_streams(qtbot: object, window: MainWindow) -> None:
     """The UI thread runs while the engine steps: a 1 ms heartbeat in the UI thread, from a
     200-token reply's first text to its end with every plot live, set against the engine's own

@@ -181,6 +181,7 @@ def test_sigterm_mid_reply_keeps_the_streamed_text_marked_stopped(app: App, data
 
 
 @pytest.mark.real_model
+@pytest.mark.timing  # measures time: run alone (make test)
 def test_sigkill_mid_reply_keeps_the_periodic_saves_marked_interrupted(
     app: App, data: Path
 ) -> None:

@@ -26,6 +26,7 @@ def engine(default_model: Path) -> LLMEngine:
     return load(default_model)
 
 
+@pytest.mark.timing  # measures time: run alone (make test)
 def test_throughput_ttft_and_kv_usage_match_outside_measurements(default_model: Path):
     engine = load(default_model)  # its own: the counts below are of this test's requests only
     engine.collector.window_s = float("inf")  # however long the run takes on this CPU
