@@ -45,7 +45,8 @@ test: $(VENV)/.stamp-dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy engine app widgets
 	$(BIN)/infersight models pull
-	@cap=$$($(BIN)/python -c 'from engine.hardware import native_level; print(native_level())'); \
+	@cap=$$($(BIN)/python -c 'from engine.hardware import native_level; print(native_level())') \
+	  || exit 1; \
 	if [ "$$cap" = AVX512 ]; then \
 	  echo "AVX2 leg: the engine's tests as if on an AVX2-only CPU"; \
 	  QT_QPA_PLATFORM=offscreen INFERSIGHT_CPU_CAPABILITY=AVX2 ATEN_CPU_CAPABILITY=avx2 \

@@ -27,10 +27,13 @@ scratch sequences), never in the middle of a reply.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,13 +120,42 @@ def compiler_problem(device_type: str = "cpu") -> str:
 
 
 def probe_key(device_type: str) -> str:
-    """What a compile probe's verdict holds for: the machine at its level, torch, and the
-    compiler TorchInductor would call."""
+    """What a compile probe's verdict holds for: the machine at its level, torch, Python (whose
+    headers the generated code includes), the compiler TorchInductor calls, and on a GPU the
+    device and Triton."""
     from engine.linear import machine_name
 
     level = forced_level() or native_level()
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "no c++"
-    return f"{machine_name()} | {level} | torch {torch.__version__} | {device_type} | {compiler}"
+    python = f"python {sys.version.split()[0]}"
+    parts = [machine_name(), level, f"torch {torch.__version__}", python, device_type,
+             _cpp_compiler()]  # fmt: skip
+    if device_type == "cuda" and torch.cuda.is_available():
+        try:
+            import triton
+
+            parts += [torch.cuda.get_device_name(), f"triton {triton.__version__}"]
+        except ImportError:
+            parts.append("no triton")
+    return " | ".join(parts)
+
+
+def _cpp_compiler() -> str:
+    """The C++ compiler TorchInductor would call, with its version line, or why none."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        compiler = get_cpp_compiler()
+    except Exception as exc:  # a private API: its absence or failure is part of the key
+        return f"no c++ ({type(exc).__name__})"
+    found = shutil.which(compiler)
+    if found is None:
+        return f"no c++ ({compiler} not found)"
+    try:
+        version = subprocess.run([found, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout.partition("\n")[0]  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        version = "?"
+    return f"{found} {version}"
 
 
 def probe_compile(device_type: str) -> str:
@@ -137,8 +169,24 @@ def probe_compile(device_type: str) -> str:
         x = torch.linspace(-2, 2, 16, device=device_type)
         ok = torch.allclose(torch.compile(tiny)(x), tiny(x))
     except Exception as exc:  # any failure means "not here"; the reason goes to the report
+        if _machine_trouble(exc):
+            raise  # a full disk, a folder it may not write: no verdict on this machine's compiler
         return reason(exc)
     return "" if ok else "a compiled probe gave wrong results"
+
+
+def _machine_trouble(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is the machine's, not the compiler's: out of disk
+    space or memory, no permission to write the cache."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, MemoryError) or (
+            isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS,
+                                                         errno.ENOMEM, errno.EDQUOT)
+        ):  # fmt: skip
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _probe_cpu() -> str:

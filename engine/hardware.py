@@ -26,9 +26,10 @@ whose torch runs AVX2 kernels answers every probe as on an AVX2 CPU, whatever th
 
 **Compiled code is kept per level.** TorchInductor caches what it compiles on disk, and a kernel
 compiled at a lowered level and found again by a process at the CPU's own level corrupts that
-process's heap (torch 2.13, AVX2 → AVX-512). :func:`isolate_compile_cache` sends a process whose
-level is lowered to a cache of that level, beside the user's own; the engine calls it before
-anything is compiled.
+process's heap (torch 2.13, AVX2 → AVX-512). TorchInductor generates vector code for the level
+``ATEN_CPU_CAPABILITY`` names; :func:`isolate_compile_cache` sends a process where that is
+lowered to a cache of that level, beside the user's own; the engine calls it before anything is
+compiled.
 """
 
 from __future__ import annotations
@@ -106,39 +107,39 @@ def native_level() -> str:
     return "AVX2" if torch.cpu._is_avx2_supported() else "DEFAULT"
 
 
-def _named_level(env: str) -> str | None:
-    raw = os.environ.get(env, "").strip().upper().replace("-", "")
+def _named_level() -> str | None:
+    raw = os.environ.get(FORCE_ENV, "").strip().upper().replace("-", "")
     if not raw:
         return None
     if raw not in LEVELS:
-        if env == FORCE_ENV:  # ATEN_CPU_CAPABILITY has levels of other architectures too
-            log.warning("ignoring %s=%s; use one of %s", env, raw, ", ".join(LEVELS))
+        log.warning("ignoring %s=%s; use one of %s", FORCE_ENV, raw, ", ".join(LEVELS))
         return None
     return raw
+
+
+#: ``ATEN_CPU_CAPABILITY``'s x86 values as torch reads them: exactly these lowercase names (any
+#: other spelling is ignored by ATen's dispatch and by TorchInductor alike)
+_ATEN_NAMES = {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512"}
+
+
+def aten_level() -> str | None:
+    """The level ``ATEN_CPU_CAPABILITY`` holds torch to (its kernels, and the vector code
+    TorchInductor generates) where that is below the CPU's own; else ``None``."""
+    level = _ATEN_NAMES.get(os.environ.get(ATEN_ENV, ""))
+    if level is None:
+        return None
+    native = native_level()
+    if native not in LEVELS:  # another architecture: only "default" is a level of its
+        return level if level == "DEFAULT" else None
+    return level if LEVELS.index(level) < LEVELS.index(native) else None
 
 
 def forced_level() -> str | None:
     """The level this process is held to: ``INFERSIGHT_CPU_CAPABILITY``, or
     ``ATEN_CPU_CAPABILITY`` where it is below the CPU's own level (torch then runs that level's
-    kernels), the lower of the two when both are set; ``None`` when neither lowers it."""
-    ours = _named_level(FORCE_ENV)
-    aten = _named_level(ATEN_ENV)
-    native = native_level()
-    if aten is not None and native in LEVELS and LEVELS.index(aten) >= LEVELS.index(native):
-        aten = None  # torch's own level, or above it: nothing is lowered
-    named = [level for level in (ours, aten) if level is not None]
+    kernels), the lower of the two when both are set; ``None`` when neither is set."""
+    named = [level for level in (_named_level(), aten_level()) if level is not None]
     return min(named, key=LEVELS.index) if named else None
-
-
-def lowered_level() -> str | None:
-    """The forced level where it is below the CPU's own, else ``None`` (forcing a level the
-    CPU does not reach changes nothing)."""
-    forced, native = forced_level(), native_level()
-    if forced is None:
-        return None
-    if native in LEVELS and LEVELS.index(forced) >= LEVELS.index(native):
-        return None
-    return forced
 
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -146,14 +147,18 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 def compile_cache_dir() -> str:
     """Where TorchInductor keeps what this process compiles: the user's cache (their
-    ``TORCHINDUCTOR_CACHE_DIR``, else torch's default), or, where the level is lowered, a
-    cache of that level beside it (``…-cpu-avx2``), never the one the CPU's own level uses."""
+    ``TORCHINDUCTOR_CACHE_DIR``, else torch's default), or, where ``ATEN_CPU_CAPABILITY``
+    lowers the vector code it generates, a cache of that level beside it (``…-cpu-avx2``),
+    never the one the CPU's own level uses. ``INFERSIGHT_CPU_CAPABILITY`` alone changes which
+    of our paths a model takes, not the code TorchInductor generates for this CPU, so it
+    compiles into the user's cache (a cache of another level would then hold this CPU's
+    code, which a process really at that level could find)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     base = os.environ.get(INDUCTOR_CACHE_ENV) or default_cache_dir()
     base = os.path.abspath(base).rstrip(os.sep)
     base = _LEVEL_SUFFIX.sub("", base)  # set by an earlier call, or inherited from a parent
-    lowered = lowered_level()
+    lowered = aten_level()
     return base if lowered is None else f"{base}-cpu-{lowered.lower()}"
 
 

@@ -133,7 +133,13 @@ def store_lock(
     from filelock import FileLock, Timeout  # torch's dependency, so always installed
 
     path = home() / ".locks" / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelPullError(
+            f"cannot write to Infersight's cache {home()} ({exc.strerror or exc}); point "
+            "INFERSIGHT_HOME at a folder you can write to"
+        ) from exc
     lock = FileLock(str(path))
     while True:
         try:

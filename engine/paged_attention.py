@@ -160,7 +160,10 @@ def _kernel() -> Kernel:
         return Kernel(None, f"gather + SDPA (the paged kernel's source {SOURCE} is missing)")
     path = _library_path(cc)
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return Kernel(None, f"gather + SDPA (no folder for the paged kernel's build: {exc})")
         if _build(cc, path) is None:
             return Kernel(None, "gather + SDPA (the paged kernel did not compile here)")
     # The first load and check run in a child process, once per build: C that crashes there

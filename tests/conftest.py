@@ -13,8 +13,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A fixed count, as if asked for: loads do not time their own (tests/test_threads.py does).
 # Under pytest-xdist the cores are shared out between the workers, so that two workers on two
 # cores do not run four threads.
+# (The controller process imports this file first and its workers inherit its environment, so
+# the count a user set is remembered apart from the one set here.)
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _asked = os.environ.get("INFERSIGHT_THREADS", "")
+    os.environ.setdefault("INFERSIGHT_TESTS_THREADS_ASKED", _asked)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-os.environ.setdefault("INFERSIGHT_THREADS", str(max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
+os.environ["INFERSIGHT_THREADS"] = os.environ["INFERSIGHT_TESTS_THREADS_ASKED"] or str(
+    max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+)
 # Every packable linear packed, as loads did before layouts were timed: one path whatever the
 # machine's noise (tests/test_linear_layout.py times them).
 os.environ.setdefault("INFERSIGHT_LAYOUT", "packed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,12 +65,18 @@ def test_a_lowered_level_compiles_into_a_cache_of_its_own(tmp_path: Path) -> Non
     assert lowered["cache"] == f"{tmp_path / 'inductor'}-cpu-{LOWER.lower()}"
 
 
-def test_the_cache_follows_either_switch_and_only_a_lowering(monkeypatch, tmp_path) -> None:
+def test_the_cache_follows_the_level_torch_compiles_for(monkeypatch, tmp_path) -> None:
+    """The cache's level is the one TorchInductor generates code for: ``ATEN_CPU_CAPABILITY``
+    as torch reads it (exact lowercase names), below the CPU's own. Our switch alone lowers
+    the probes' answers, not the generated code, so it keeps the user's cache."""
     monkeypatch.setenv(hardware.INDUCTOR_CACHE_ENV, str(tmp_path / "c"))
     monkeypatch.delenv(hardware.FORCE_ENV, raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     assert hardware.compile_cache_dir() == str(tmp_path / "c")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", native_level().lower())  # its own level
+    assert hardware.forced_level() is None
+    assert hardware.compile_cache_dir() == str(tmp_path / "c")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "DEFAULT")  # torch ignores this spelling
     assert hardware.forced_level() is None
     assert hardware.compile_cache_dir() == str(tmp_path / "c")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
@@ -80,6 +87,7 @@ def test_the_cache_follows_either_switch_and_only_a_lowering(monkeypatch, tmp_pa
     assert hardware.forced_level() == "DEFAULT"
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     assert hardware.forced_level() == "AVX2"
+    assert hardware.compile_cache_dir() == str(tmp_path / "c")  # the CPU's own code
     # a child of a lowered process inherits its folder; at its own level it goes back
     monkeypatch.setenv(hardware.INDUCTOR_CACHE_ENV, f"{tmp_path / 'c'}-cpu-avx2")
     monkeypatch.delenv(hardware.FORCE_ENV)
@@ -98,6 +106,12 @@ def fine() -> str:
     return ""
 
 
+def killed() -> str:
+    """A probe the machine stops (the OOM killer's SIGKILL): not the probe's fault."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "never"
+
+
 @pytest.fixture()
 def probe_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path / "home"))
@@ -112,6 +126,13 @@ def test_a_crashing_probe_is_a_verdict_kept_for_the_next_load(probe_home: Path) 
     assert isolated.verdict("fine", f"{__name__}:fine", "machine A") == ""
     # read back, not run again: a probe that would now pass keeps the kept verdict
     assert isolated.verdict("crash", f"{__name__}:fine", "machine A") == why
+
+
+def test_a_probe_the_machine_stopped_is_asked_again_at_the_next_load(probe_home: Path) -> None:
+    why = isolated.verdict("k", f"{__name__}:killed", "machine B")
+    assert why == "the probe was stopped (SIGKILL)"
+    assert not (probe_home / isolated.FILE).exists()  # nothing kept
+    assert isolated.verdict("k", f"{__name__}:fine", "machine B") == ""  # asked again
 
 
 def test_a_compiler_crash_is_reported_and_the_load_stays_eager(
