@@ -681,8 +681,9 @@ class LlamaCppPeer:
         while True:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - clock.monotonic()))
-            except queue.Empty:
-                self.close()
+            except queue.Empty:  # it hangs: killed at the deadline, not asked to quit
+                self.proc.kill()
+                self.proc.wait()
                 raise InfersightError(
                     f"llama.cpp did not answer {command[0]!r} in {self.timeout_s:.0f} s"
                 ) from None
