@@ -33,6 +33,40 @@ SPEC = LoadSpec("default", "fp32", "cpu", kv_memory_mib=64)
 LONG_WAIT_MS = 120_000
 
 
+class SharedWeights:
+    """The windows' loader: one load of each (model, precision, device) per test process, and
+    each window an engine of its own on those weights (:meth:`LLMEngine.sibling`: its own KV
+    pool, limits and instruments, as the A/B lab's engines are), so that tests do not pay a
+    model load per window. A model that an earlier window left with hooks or eager reasons
+    on it (layer timings) is not shared: that window's engine would still be timing it."""
+
+    def __init__(self) -> None:
+        self._bases: dict[tuple[str, str, str], LLMEngine] = {}
+
+    def __call__(
+        self, spec: LoadSpec, progress: Callable[..., None] | None = None, *, config=None
+    ) -> LLMEngine:
+        from app.loading import engine_config
+
+        config = config or engine_config(spec)
+        key = (spec.model, spec.precision, spec.device)
+        base = self._bases.get(key)
+        if base is None or _in_use(base):
+            base = self._bases[key] = load_engine(spec, progress, config=config)
+        elif progress:
+            progress("load", 1, 1)
+        return base.sibling(config)
+
+
+def _in_use(engine: LLMEngine) -> bool:
+    model = engine.model
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return hooked or bool(model.eager_reasons)
+
+
+SHARED_WEIGHTS = SharedWeights()
+
+
 @pytest.fixture(scope="module")
 def oracle(default_model: Path) -> LLMEngine:
     """A second engine, outside the app, for the expected text."""
@@ -43,7 +77,7 @@ def open_window(
     qtbot: object,
     data_dir: Path,
     *,
-    loader: Callable[..., LLMEngine] = load_engine,
+    loader: Callable[..., LLMEngine] = SHARED_WEIGHTS,
     wait: bool = True,
 ) -> MainWindow:
     window = MainWindow(data_dir, spec=SPEC, loader=loader)
