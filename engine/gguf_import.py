@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from engine import errors
 from engine.config import ModelConfig
 from engine.errors import InfersightError, ModelLoadError, UnsupportedModelError
+from engine.isolated import python_command
 
 log = logging.getLogger(__name__)
 
@@ -329,25 +330,9 @@ def import_gguf_in_subprocess(
     return summary
 
 
-#: the child's program: ``engine`` is imported from where this process has it (the folder
-#: holding ``engine/``, put first unless it is on the path already), never from the working
-#: folder (``-c`` puts that first: a user's own ``engine`` package there would be found)
-_CHILD = """
-import sys
-root = sys.argv.pop(1)
-if sys.path and sys.path[0] == "":
-    del sys.path[0]
-if root not in sys.path:
-    sys.path.insert(0, root)
-from engine.gguf_import import _child_main
-sys.exit(_child_main(sys.argv[1:]))
-"""
-
-
 def _run_child(job: dict[str, Any], src: Path, progress: Progress | None) -> GGUFSummary:
-    """Run :data:`_CHILD` on ``job`` and follow its reports to the end."""
-    package_root = str(Path(__file__).resolve().parent.parent)
-    cmd = [sys.executable, "-c", _CHILD, package_root, json.dumps(job)]
+    """Run :func:`_child_main` on ``job`` in a fresh Python and follow its reports to the end."""
+    cmd = python_command(f"{__name__}:_child_main", json.dumps(job))
     with tempfile.TemporaryFile() as stderr:
         try:
             child = subprocess.Popen(
@@ -433,7 +418,7 @@ def _stop_child(child: subprocess.Popen[bytes]) -> None:
             child.wait()
 
 
-def _child_main(argv: list[str]) -> int:
+def _child_main(job_json: str) -> int:
     """The child of :func:`import_gguf_in_subprocess`: one import, reported as JSON lines on
     stdout (anything else that writes to stdout is sent to stderr)."""
     out = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
@@ -444,7 +429,7 @@ def _child_main(argv: list[str]) -> int:
         out.write(json.dumps(report) + "\n")
         out.flush()
 
-    job = json.loads(argv[0])
+    job = json.loads(job_json)
     try:
         summary = import_gguf(
             Path(job["src"]),

@@ -97,6 +97,7 @@ class CpuPaths:
 ATEN_ENV = "ATEN_CPU_CAPABILITY"
 
 
+@functools.cache
 def native_level() -> str:
     """The CPU's own level, from what the CPU says of itself (cpuinfo), not from torch's
     dispatch, which ``ATEN_CPU_CAPABILITY`` lowers. Outside x86: torch's capability."""

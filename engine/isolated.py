@@ -77,19 +77,26 @@ def verdict(name: str, target: str, key: str, *, timeout_s: float = 300.0) -> st
         return found.verdict
 
 
-#: The folder that holds ``engine/``: the child imports the engine from there, never from its
+#: The folder that holds ``engine/``: a child imports the engine from there, never from its
 #: working folder (``-c`` puts that first, where a user's own ``engine`` package could be).
 ROOT = Path(__file__).resolve().parent.parent
-_CHILD = """
-import sys
-root, target = sys.argv[1:3]
+_BOOT = """
+import importlib, sys
+root, entry, *args = sys.argv[1:]
 if sys.path and sys.path[0] == "":
     del sys.path[0]
 if root not in sys.path:
     sys.path.insert(0, root)
-from engine.isolated import child
-child(target)
+module, _, function = entry.partition(":")
+code = getattr(importlib.import_module(module), function)(*args)
+sys.exit(code if isinstance(code, int) else 0)
 """
+
+
+def python_command(entry: str, *args: str) -> list[str]:
+    """The command that runs ``entry`` (``module:function``) with ``args`` in a fresh Python
+    with this process's engine; the function's int result is the exit status."""
+    return [sys.executable, "-c", _BOOT, str(ROOT), entry, *args]
 
 
 def run(target: str, *, timeout_s: float = 300.0) -> Outcome:
@@ -100,7 +107,7 @@ def run(target: str, *, timeout_s: float = 300.0) -> Outcome:
         return Outcome(_call(target), settled=True)
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(ROOT), target],
+            python_command(f"{__name__}:child", target),
             capture_output=True,
             text=True,
             timeout=timeout_s,
