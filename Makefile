@@ -13,7 +13,7 @@ BIN        := $(VENV)/bin
 PIP        := $(BIN)/python -m pip --disable-pip-version-check -q
 
 # `make test` runs these again as if on an AVX2-only CPU where the CPU has AVX-512: the CPU-path
-# probes answer as there (engine/hardware.py) and torch dispatches its AVX2 kernels. On an AVX2
+# probes answer as there (engine/hardware/cpu_paths.py) and torch dispatches its AVX2 kernels. On an AVX2
 # machine the main run already took those paths; tests/test_cpu_paths.py forces every level
 # in-process on every machine.
 # Tests marked `breadth` (more inputs down the same paths) run in the main run only; the

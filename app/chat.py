@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
 from engine.errors import InfersightError
-from engine.sampling import SamplingParams
 
 HELP = "commands: /reset (new conversation), /quit (or Ctrl-D), /help; Ctrl-C stops a reply"
 

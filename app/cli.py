@@ -21,8 +21,8 @@ from engine.errors import InfersightError, InvalidRequestError
 if TYPE_CHECKING:
     import socket
 
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.core.engine import LLMEngine
+    from engine.core.sampling import SamplingParams
 
 log = logging.getLogger("infersight")
 
@@ -210,10 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
         "tune",
         help="the batching tuner: load (closed or open loop) under one setting of the "
         "scheduler limits or a sweep over a grid of them",
-        description="Runs the load generator (engine/loadgen.py) against the model under each "
-        "combination of the limits and loads given, and prints vLLM-bench figures per setting, "
-        "the Pareto front of throughput against p95 latency, the best setting for the SLO and "
-        "where latency starts to grow faster than the load (the knee).",
+        description="Runs the load generator (engine/bench/loadgen.py) against the model under "
+        "each combination of the limits and loads given, and prints vLLM-bench figures per "
+        "setting, the Pareto front of throughput against p95 latency, the best setting for the "
+        "SLO and where latency starts to grow faster than the load (the knee).",
     )
     _model_args(p)
     _engine_args(p, limits=False)
@@ -434,9 +434,9 @@ def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
 def engine_config(
     args: argparse.Namespace, max_batch_size: int = 16, max_tokens_per_step: int | None = None
 ) -> Any:
-    from engine.engine import EngineConfig
-    from engine.kv_cache import CacheWindow
-    from engine.scheduler import SchedulerLimits
+    from engine.core.engine import EngineConfig
+    from engine.core.scheduler import SchedulerLimits
+    from engine.kv_cache.paged import CacheWindow
 
     if max_tokens_per_step is None:
         max_tokens_per_step = args.max_tokens_per_step
@@ -490,7 +490,7 @@ def sampling_params(
     """The model's default sampling (``engine.default_sampling``; ``None`` before a model is
     loaded: a check of the flags alone), overridden by every sampling flag given."""
     from app.loading import sampling_kwargs
-    from engine.sampling import SamplingParams
+    from engine.core.sampling import SamplingParams
 
     base = {"max_new_tokens": args.fallback_max_new_tokens, **(model_default or {})}
     overrides = {name: getattr(args, name) for name in SAMPLING_FLAGS}
@@ -529,7 +529,7 @@ def load_engine(
     ``EngineConfig``) defaults to the command's KV and scheduling options."""
     from app.loading import LoadSpec
     from app.loading import load_engine as load
-    from engine.engine import EngineConfig
+    from engine.core.engine import EngineConfig
 
     _set_threads(args.threads)
     if config is None:
@@ -547,7 +547,7 @@ def load_engine(
 def speculative_config(args: argparse.Namespace) -> Any:
     """``--speculative`` / ``--draft-k`` / ``--fixed-k`` as a ``SpeculativeConfig`` (None: off),
     for the commands that run one drafter."""
-    from engine.speculative import parse_speculative
+    from engine.speculative.speculator import parse_speculative
 
     drafters = getattr(args, "speculative", None)
     if not drafters:
@@ -561,7 +561,7 @@ def speculative_config(args: argparse.Namespace) -> Any:
 
 
 def _set_threads(threads: int | None) -> None:
-    from engine.threads import set_threads
+    from engine.hardware.threads import set_threads
 
     if threads is not None and threads < 1:
         raise InvalidRequestError(f"--threads must be at least 1, got {threads}")
@@ -677,7 +677,7 @@ def _check_port(host: str, port: int) -> None:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from app.loading import resolve_model_folder
-    from engine.tokenizer import Tokenizer
+    from engine.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(resolve_model_folder(args.model, progress_printer()))
     try:
@@ -695,14 +695,14 @@ def _stdin_text() -> Any:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from app.loading import resolve_device, resolve_model_folder
-    from engine.bench import (
+    from engine.bench.speed import (
         BenchConfig,
         format_report,
         format_workload_report,
         run_bench,
         run_workload_bench,
     )
-    from engine.engine import parse_precision
+    from engine.core.engine import parse_precision
 
     for name in ("prompt_len", "new_tokens", "repeats", "requests", "batch", "turns",
                  "message_tokens", "reply_tokens"):  # fmt: skip
@@ -729,7 +729,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.workload == "speculative":
         return _bench_speculative(args, folder, device, config, say)
     if args.workload == "chat":
-        from engine.bench_chat import format_chat_report, run_chat_bench
+        from engine.bench.chat import format_chat_report, run_chat_bench
 
         report = run_chat_bench(
             folder, turns=args.turns, message_tokens=args.message_tokens,
@@ -775,9 +775,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_speculative(args: argparse.Namespace, folder: Any, device: str, config: Any,
                        say: Any) -> int:  # fmt: skip
-    from engine.bench_spec import format_spec_report, run_spec_bench
-    from engine.engine import LLMEngine
-    from engine.speculative import parse_speculative
+    from engine.bench.speculative import format_spec_report, run_spec_bench
+    from engine.core.engine import LLMEngine
+    from engine.speculative.speculator import parse_speculative
 
     drafters = args.speculative or ["lookup", "self:int4-g32+head"]
     for text in drafters:
@@ -794,7 +794,7 @@ def _bench_speculative(args: argparse.Namespace, folder: Any, device: str, confi
 
 def _check_table_args(args: argparse.Namespace) -> None:
     """``bench --table``'s arguments, checked before anything loads."""
-    from engine.engine import parse_precision
+    from engine.core.engine import parse_precision
 
     for precision in args.table:
         parse_precision(precision, "cpu")
@@ -810,8 +810,8 @@ def _check_table_args(args: argparse.Namespace) -> None:
 
 
 def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -> int:
-    from engine.bench import BenchConfig, format_table, run_table
-    from engine.model_store import default_gguf_path, fetch_default_gguf
+    from engine.bench.speed import BenchConfig, format_table, run_table
+    from engine.store.model_store import default_gguf_path, fetch_default_gguf
 
     gguf = None
     if args.llama_cpp:
@@ -833,9 +833,9 @@ def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -
 def _bench_profile(args: argparse.Namespace, folder: Any, device: str, config: Any) -> int:
     import torch
 
-    from engine.bench import bench_prompt
-    from engine.engine import LLMEngine
-    from engine.profile import format_profile, profile_decode
+    from engine.bench.profile import format_profile, profile_decode
+    from engine.bench.speed import bench_prompt
+    from engine.core.engine import LLMEngine
 
     engine = LLMEngine.load(folder, precision=args.precision, device=device, config=config)
     prompt = bench_prompt(engine, args.prompt_len, args.seed)
@@ -860,15 +860,15 @@ def _profile_attention_paths(args: argparse.Namespace, engine: Any, prompt: Any,
     import statistics
     from contextlib import nullcontext
 
-    from engine import paged_attention
-    from engine.profile import format_profile, profile_decode_variants
+    from engine.bench.profile import format_profile, profile_decode_variants
+    from engine.kernels import paged_decode
 
-    if not paged_attention.kernel().available:
+    if not paged_decode.kernel().available:
         raise InvalidRequestError(
-            f"the paged decode kernel is not available here: {paged_attention.status()}"
+            f"the paged decode kernel is not available here: {paged_decode.status()}"
         )
     runs = profile_decode_variants(
-        engine, prompt, {"paged": nullcontext, "gather": paged_attention.portable},
+        engine, prompt, {"paged": nullcontext, "gather": paged_decode.portable},
         steps=args.new_tokens, batch=args.batch, repeats=args.repeats,
     )  # fmt: skip
     # the fastest repeat of each: the one least disturbed by the machine's other work; the
@@ -921,8 +921,8 @@ def _read_text_file(path: str) -> str:
 
 def tune_settings(args: argparse.Namespace) -> tuple[list[Any], Any]:
     """``tune``'s grid and SLO from its arguments, every value checked before a load."""
-    from engine.loadgen import SLO, LoadSpec, PromptMix
-    from engine.tuning import grid
+    from engine.bench.loadgen import SLO, LoadSpec, PromptMix
+    from engine.bench.tuning import grid
 
     mix = PromptMix(
         documents=args.documents, conversations=args.conversations,
@@ -957,9 +957,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import torch
 
     from app.loading import resolve_device, resolve_model_folder
-    from engine.engine import LLMEngine, parse_precision
-    from engine.loadgen import drive
-    from engine.tuning import Sweep, format_points, sweep_report
+    from engine.bench.loadgen import drive
+    from engine.bench.tuning import Sweep, format_points, sweep_report
+    from engine.core.engine import LLMEngine, parse_precision
 
     settings, slo = tune_settings(args)
     device = resolve_device(args.device)
@@ -1018,7 +1018,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from engine.evaluate import default_text, perplexity
+    from engine.evals.perplexity import default_text, perplexity
 
     for name in ("max_tokens", "context", "stride"):
         if getattr(args, name) < 1:
@@ -1047,10 +1047,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 def cmd_eval_compare(args: argparse.Namespace) -> int:
     from app.loading import resolve_device
-    from engine.compare import Side, compare_prompt, document
-    from engine.engine import parse_precision
-    from engine.evaluate import DEFAULT_PROMPTS
-    from engine.sampling import SamplingParams
+    from engine.core.engine import parse_precision
+    from engine.core.sampling import SamplingParams
+    from engine.evals.compare import Side, compare_prompt, document
+    from engine.evals.perplexity import DEFAULT_PROMPTS
 
     device = resolve_device(args.device)
     parse_precision(args.a, device)
@@ -1070,7 +1070,7 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
                        seed=args.seed)
     )  # fmt: skip
     # a KV pool for the longest prompt's answer, not a share of memory: A leaves room for B
-    from engine.engine import EngineConfig
+    from engine.core.engine import EngineConfig
 
     tokens = max(len(p.encode()) for p in prompts) + 256 + args.new_tokens
     pool = EngineConfig(num_blocks=-(-tokens // 16) + 2)
@@ -1116,12 +1116,12 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
 
 def cmd_eval_scan(args: argparse.Namespace) -> int:
     from app.loading import resolve_device, resolve_model_folder
-    from engine.config import ModelConfig
-    from engine.engine import parse_precision
-    from engine.evaluate import default_text, perplexity
-    from engine.quant import estimate_weight_bytes
-    from engine.sensitivity import plan_mixed, scan_sensitivity
-    from engine.tokenizer import Tokenizer
+    from engine.core.engine import parse_precision
+    from engine.evals.perplexity import default_text, perplexity
+    from engine.evals.sensitivity import plan_mixed, scan_sensitivity
+    from engine.model.config import ModelConfig
+    from engine.model.tokenizer import Tokenizer
+    from engine.quant.quantize import estimate_weight_bytes
 
     if args.tokens < 2 or args.ppl_tokens < 2:
         raise InvalidRequestError("--tokens and --ppl-tokens must be at least 2")
@@ -1186,7 +1186,7 @@ def cmd_eval_scan(args: argparse.Namespace) -> int:
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from engine.model_store import pull_default
+    from engine.store.model_store import pull_default
 
     path = pull_default(progress=progress_printer())
     print(path)
@@ -1194,7 +1194,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from engine.model_store import known_models
+    from engine.store.model_store import known_models
 
     rows = [("name", "arch", "params", "on disk", "path")]
     for m in known_models():
@@ -1223,9 +1223,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from app.loading import resolve_device, resolve_model_folder
-    from engine.config import ModelConfig
-    from engine.engine import EngineConfig
-    from engine.loading import parse_bytes, plan_memory
+    from engine.core.engine import EngineConfig
+    from engine.loader.load import parse_bytes, plan_memory
+    from engine.model.config import ModelConfig
 
     memory = parse_bytes(args.memory) if args.memory else None
     device = args.device if memory is not None and args.device != "auto" else None
@@ -1234,7 +1234,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if path.suffix.lower() == ".json" and path.is_file():
         cfg, name = ModelConfig.from_file(path), path.stem
     elif path.suffix.lower() == ".gguf":  # its header: nothing is imported to plan it
-        from engine.gguf_import import gguf_model_config
+        from engine.store.gguf_import import gguf_model_config
 
         cfg, name = gguf_model_config(path), path.stem
     else:
@@ -1264,7 +1264,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_import_gguf(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from engine.gguf_import import import_gguf
+    from engine.store.gguf_import import import_gguf
 
     summary = import_gguf(
         Path(args.gguf), Path(args.outdir), dtype=args.dtype, progress=progress_printer()

@@ -6,14 +6,14 @@ disturbs a conversation and the chat's model keeps answering meanwhile. One job 
 
 * **A/B** (:class:`ABRequest`): load A and B (kept for the next run when unchanged), give both
   the same prompt and seed, step them in turns in this thread so that both columns stream
-  side by side, then let each model score both outputs (:mod:`engine.compare`). Each side's
+  side by side, then let each model score both outputs (:mod:`engine.evals.compare`). Each side's
   TTFT and tokens/s count only its own steps' time, since the two take turns on one thread.
   Last, A generates once more with B's model drafting for it, which measures speculative
-  decoding's acceptance beside the predicted one (:func:`engine.compare.measure_speculation`).
+  decoding's acceptance beside the predicted one (:func:`engine.evals.compare.measure_speculation`).
   Before loading, the lab checks that A and B fit in memory together; if they do not, it
   says how much is missing and runs them one after the other (A, then B, then A again to
   score B's answer), and speculative decoding, which needs both at once, is not measured.
-* **Sensitivity scan** (:class:`ScanRequest`): :func:`engine.sensitivity.scan_sensitivity` on
+* **Sensitivity scan** (:class:`ScanRequest`): :func:`engine.evals.sensitivity.scan_sensitivity` on
   a fixed text (the first tokens of the perplexity text, Twelfth Night).
 
 Every job can be cancelled (:meth:`LabWorker.cancel`, any thread): the job stops at its next
@@ -41,9 +41,9 @@ from app.worker import FRAME_S, OwnStreams, yield_to_the_ui
 from engine.errors import CancelledError, InfersightError, InvalidRequestError
 
 if TYPE_CHECKING:
-    from engine.compare import SideRun
-    from engine.engine import LLMEngine
-    from engine.kv_cache import CacheWindow
+    from engine.core.engine import LLMEngine
+    from engine.evals.compare import SideRun
+    from engine.kv_cache.paged import CacheWindow
     from widgets.ab_view import ABView
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,10 @@ LabLoader = Callable[..., "LLMEngine"]
 
 
 def free_memory(device: str) -> float:
-    """Bytes a new model could take on ``device`` (:func:`engine.loading.free_memory`)."""
+    """Bytes a new model could take on ``device`` (:func:`engine.loader.load.free_memory`)."""
     import torch
 
-    from engine.loading import free_memory as free
+    from engine.loader.load import free_memory as free
 
     return free(torch.device(device))
 
@@ -215,7 +215,7 @@ class LabWorker(QObject):
         engine = self._engines.get(side.key)
         blocks = _pool_blocks(tokens)
         if engine is None:
-            from engine.engine import EngineConfig
+            from engine.core.engine import EngineConfig
 
             self.status.emit(f"loading {_side_name(side)}…")
             # made current before the load, so its copies and the steps share one stream
@@ -235,13 +235,13 @@ class LabWorker(QObject):
     def _plan_memory(self, job: ABRequest, tokens: int) -> tuple[bool, str]:
         """Whether A and B fit in memory together, and the sentence that says so.
 
-        What loading adds: each side's weights (:func:`engine.quant.estimate_weight_bytes`,
+        What loading adds: each side's weights (:func:`engine.quant.quantize.estimate_weight_bytes`,
         exact) and KV pool, for a side not loaded yet, plus the comparison's score tables
         (six ``[new tokens, vocab]`` fp32 tables, in host memory)."""
-        from engine.config import ModelConfig
-        from engine.engine import parse_precision
-        from engine.kv_cache import PagedKVCache
-        from engine.quant import estimate_weight_bytes
+        from engine.core.engine import parse_precision
+        from engine.kv_cache.paged import PagedKVCache
+        from engine.model.config import ModelConfig
+        from engine.quant.quantize import estimate_weight_bytes
 
         self._keep_only({job.a.key, job.b.key})
         need: dict[str, float] = {"A": 0.0, "B": 0.0}
@@ -289,7 +289,8 @@ class LabWorker(QObject):
 
     # -- an A/B ------------------------------------------------------------------------------
     def _run_ab(self, job: ABRequest) -> None:
-        from engine.compare import (
+        from engine.core.sampling import SamplingParams
+        from engine.evals.compare import (
             Scores,
             build_report,
             check_same_tokenizer,
@@ -298,8 +299,7 @@ class LabWorker(QObject):
             score_side,
             shared_prompt_ids,
         )
-        from engine.kv_cache import CacheWindow
-        from engine.sampling import SamplingParams
+        from engine.kv_cache.paged import CacheWindow
 
         windows = {
             "a": CacheWindow(*job.a.window) if job.a.window else None,
@@ -374,7 +374,7 @@ class LabWorker(QObject):
         windows: dict[str, CacheWindow | None],
     ) -> dict[str, SideRun]:
         """Generate on each engine, a step of each in turn, streaming both."""
-        from engine.compare import SideRun
+        from engine.evals.compare import SideRun
 
         rids: dict[str, str] = {}
         ids: dict[str, list[int]] = {side: [] for side in engines}
@@ -436,9 +436,9 @@ class LabWorker(QObject):
 
     # -- a sensitivity scan ------------------------------------------------------------------
     def _run_scan(self, job: ScanRequest) -> None:
-        from engine.evaluate import default_text
-        from engine.sensitivity import scan_sensitivity
-        from engine.tokenizer import Tokenizer
+        from engine.evals.perplexity import default_text
+        from engine.evals.sensitivity import scan_sensitivity
+        from engine.model.tokenizer import Tokenizer
 
         self._keep_only(set())  # the scan holds the model in fp32 beside nothing else
         self.status.emit("preparing the scan…")
@@ -483,7 +483,7 @@ def _pool_blocks(tokens: int, block_size: int = 16) -> int:
 def _with_pool(engine: LLMEngine, blocks: int) -> LLMEngine:
     """The same model and tokenizer behind a new engine whose KV pool has ``blocks`` blocks
     (the weights are shared, not loaded again)."""
-    from engine.engine import EngineConfig, LLMEngine
+    from engine.core.engine import EngineConfig, LLMEngine
 
     new = LLMEngine(
         engine.model, engine.tokenizer, engine.cfg, eos_token_ids=sorted(engine.eos_token_ids),
@@ -590,7 +590,7 @@ class LabController(QObject):
         self.worker.post(ScanRequest(str(form["model"]), str(form["low"])))
 
     def plan(self, budget: int) -> None:
-        from engine.sensitivity import Scan, plan_mixed
+        from engine.evals.sensitivity import Scan, plan_mixed
 
         if self.scan is None:
             return
@@ -600,7 +600,7 @@ class LabController(QObject):
             self.view.set_notice(str(exc), "warning")
 
     def open_file(self, path: str) -> None:
-        from engine.compare import read_document
+        from engine.evals.compare import read_document
 
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -625,7 +625,7 @@ class LabController(QObject):
         self.view.set_notice(f"Opened {path}{more}", "info")
 
     def save_json(self, path: str) -> None:
-        from engine.compare import document
+        from engine.evals.compare import document
 
         report = self.view.report()
         if report is None:

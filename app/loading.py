@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from engine.engine import EngineConfig, LLMEngine
-    from engine.loading import MemoryPlan
+    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.loader.load import MemoryPlan
 
 #: ``progress(stage, done, total)``: download, dequantize, write, load
 Progress = Callable[[str, int, int], None]
@@ -72,7 +72,7 @@ def resolve_device(device: str) -> str:
 def resolve_model_folder(model: str, progress: Progress | None = None) -> Path:
     """The model folder for ``model``: ``"default"`` (pulled on first use), a folder, or a
     ``.gguf`` file (imported into the model store once, reused after)."""
-    from engine.model_store import import_into_store, resolve_model
+    from engine.store.model_store import import_into_store, resolve_model
 
     path = Path(model).expanduser()
     if model != "default" and path.suffix.lower() == ".gguf":
@@ -82,14 +82,14 @@ def resolve_model_folder(model: str, progress: Progress | None = None) -> Path:
 
 def needs_download(model: str) -> bool:
     """Whether resolving ``model`` would download it first (the default model, not pulled)."""
-    from engine.model_store import default_model_path
+    from engine.store.model_store import default_model_path
 
     return model == "default" and not (default_model_path() / "config.json").is_file()
 
 
 def engine_config(spec: LoadSpec) -> EngineConfig:
     """The engine config a load of ``spec`` uses: a KV pool of ``spec.kv_memory_mib``."""
-    from engine.engine import EngineConfig
+    from engine.core.engine import EngineConfig
 
     return EngineConfig(kv_memory=spec.kv_memory_mib * 2**20)
 
@@ -101,15 +101,15 @@ def plan_load(
     config: EngineConfig | None = None,
     reclaimable: int = 0,
 ) -> MemoryPlan:
-    """The memory plan of loading ``spec`` here (:func:`engine.loading.plan_memory`), with
+    """The memory plan of loading ``spec`` here (:func:`engine.loader.load.plan_memory`), with
     ``reclaimable`` bytes added to what the device has free (a model that would be unloaded
     first). Reads only the model's config: a GGUF file's header (so that a model that cannot
     fit is refused before it is imported), a folder's ``config.json`` (the default model is
     pulled once)."""
-    from engine.config import ModelConfig
-    from engine.engine import parse_precision
-    from engine.gguf_import import gguf_model_config
-    from engine.loading import plan_memory
+    from engine.core.engine import parse_precision
+    from engine.loader.load import plan_memory
+    from engine.model.config import ModelConfig
+    from engine.store.gguf_import import gguf_model_config
 
     device = resolve_device(spec.device)
     parse_precision(spec.precision, device)  # fail on a bad precision before any download
@@ -140,8 +140,8 @@ def load_engine(
     checked before any download or conversion, and a load that the plan says cannot fit is
     refused before it starts (:class:`engine.errors.OutOfMemoryError`, with the numbers and
     a precision or context that would fit)."""
-    from engine.engine import LLMEngine
-    from engine.loading import check_plan
+    from engine.core.engine import LLMEngine
+    from engine.loader.load import check_plan
 
     config = config or engine_config(spec)
     check_plan(plan_load(spec, progress, config=config))

@@ -46,9 +46,9 @@ from app.worker import (
     TuneStatus,
     load_engine,
 )
-from engine.discovery import Discovery
-from engine.kv_cache import CacheWindow
-from engine.metrics import RequestMetrics
+from engine.core.metrics import RequestMetrics
+from engine.kv_cache.paged import CacheWindow
+from engine.store.discovery import Discovery
 from widgets.ab_view import ABView
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel
@@ -58,7 +58,7 @@ from widgets.tuner import TunerView
 
 if TYPE_CHECKING:
     from app.serve_host import ServeHost
-    from engine.loading import MemoryPlan
+    from engine.loader.load import MemoryPlan
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def scan_models(
     """The model picker's scan (off the UI thread): every model found, planned on the device
     as chosen (``auto`` resolved), counting the memory that unloading the current model
     (``reclaimable`` bytes) would give back, as a load does."""
-    from engine.discovery import discover_and_plan
+    from engine.store.discovery import discover_and_plan
 
     return discover_and_plan(folders, precision, resolve_device(device), reclaimable=reclaimable)
 

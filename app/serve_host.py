@@ -18,8 +18,8 @@ import uvicorn
 
 from app.server import Server, ServerLimits, Sink
 from app.worker import CancelServe, EngineWorker, Serve
-from engine.engine import LLMEngine, TokenEvent
-from engine.sampling import SamplingParams
+from engine.core.engine import LLMEngine, TokenEvent
+from engine.core.sampling import SamplingParams
 
 
 class WorkerFront:

@@ -4,7 +4,7 @@ One thread, :class:`EngineLoop`, owns the engine and steps it while it has work:
 touch it. A request's handler (on the asyncio loop) checks the request, takes a place in the
 bounded queue (:class:`Admission`, decided and taken with no ``await`` in between, so a burst
 cannot slip past the check), and posts it to the loop; the loop hands each of its
-:class:`~engine.engine.TokenEvent` back to the handler's asyncio queue. A client that goes
+:class:`~engine.core.engine.TokenEvent` back to the handler's asyncio queue. A client that goes
 away cancels its request at the next step, which frees its blocks.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as Server-Sent
@@ -38,10 +38,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.server_metrics import ServerMetrics
-from engine.engine import EngineBusyError, LLMEngine, TokenEvent
+from engine.core.engine import EngineBusyError, LLMEngine, TokenEvent
+from engine.core.metrics import RequestMetrics
+from engine.core.sampling import MAX_LOGPROBS, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.metrics import RequestMetrics
-from engine.sampling import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("infersight.server")
 

@@ -15,8 +15,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.metrics import MetricsSnapshot, RequestMetrics
-from engine.nvml import device_utilization
+from engine.core.metrics import MetricsSnapshot, RequestMetrics
+from engine.hardware.nvml import device_utilization
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -33,15 +33,15 @@ from PySide6.QtCore import QObject, Signal
 from app.loading import LoadSpec as LoadSpec  # re-exported: the UI and tests use it
 from app.loading import load_engine as load_engine
 from app.loading import needs_download, plan_load
-from engine.engine import LLMEngine
+from engine.bench.loadgen import SLO, Driver, LoadGenerator, LoadResult
+from engine.bench.loadgen import LoadSpec as LoadGen
+from engine.bench.tuning import Setting, Sweep, SweepProgress
+from engine.core.engine import LLMEngine
+from engine.core.metrics import MetricsSnapshot, RequestMetrics
+from engine.core.sampling import SamplingParams
 from engine.errors import CancelledError, InfersightError
-from engine.kv_cache import CacheWindow
-from engine.loadgen import SLO, Driver, LoadGenerator, LoadResult
-from engine.loadgen import LoadSpec as LoadGen
-from engine.metrics import MetricsSnapshot, RequestMetrics
-from engine.sampling import SamplingParams
-from engine.speculative import SpeculativeConfig, parse_speculative
-from engine.tuning import Setting, Sweep, SweepProgress
+from engine.kv_cache.paged import CacheWindow
+from engine.speculative.speculator import SpeculativeConfig, parse_speculative
 
 log = logging.getLogger(__name__)
 
@@ -1085,12 +1085,12 @@ def compute_paths(engine: LLMEngine) -> tuple[str, ...]:
     """What the load report says about how the model computes: on a CPU which fast paths the
     probe found and the thread count, whether decode steps run compiled, then each kind of
     weight with its format and path."""
-    from engine import paged_attention
-    from engine.hardware import cpu_paths
+    from engine.hardware.cpu_paths import cpu_paths
+    from engine.kernels import paged_decode
 
     head: tuple[str, ...] = ()
     if engine.device.type == "cpu":
-        attention = f"decode attention: {paged_attention.status()}"
+        attention = f"decode attention: {paged_decode.status()}"
         head = (cpu_paths().summary(), engine.threads_report, attention)
     head += (engine.graph.summary(),)
     return head + tuple(f"{g.kind}: {g.form}" for g in engine.weight_groups)

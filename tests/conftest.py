@@ -26,7 +26,7 @@ os.environ["INFERSIGHT_THREADS"] = os.environ["INFERSIGHT_TESTS_THREADS_ASKED"] 
 # machine's noise (tests/test_linear_layout.py times them).
 os.environ.setdefault("INFERSIGHT_LAYOUT", "packed")
 # Eager decode steps unless a test asks for a compiled one: ``auto`` would compile wherever a
-# CPU kind is listed as faster compiled (engine/decode_graph.py), minutes per load.
+# CPU kind is listed as faster compiled (engine/kernels/decode_graph.py), minutes per load.
 os.environ.setdefault("INFERSIGHT_DECODE_GRAPH", "off")
 torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
 
@@ -35,7 +35,7 @@ torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
 def _compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """TorchInductor compiles into a cache of this session's: a warm cache left by an earlier
     run would hide a cold compile's failures (and time). Set before anything compiles; a
-    lowered CPU level still gets a folder of its own beside it (engine/hardware.py)."""
+    lowered CPU level still gets a folder of its own beside it (engine/hardware/cpu_paths.py)."""
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
     yield
@@ -132,7 +132,7 @@ def tiny_model_dir(
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """The converted SmolLM2 folder (``make test`` pulls it before pytest starts)."""
-    from engine.model_store import pull_default
+    from engine.store.model_store import pull_default
 
     return pull_default()
 
@@ -151,7 +151,7 @@ def gui_gc(qapp: object) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def default_gguf(default_model: Path) -> Path:
-    from engine.model_store import fetch_default_gguf
+    from engine.store.model_store import fetch_default_gguf
 
     return fetch_default_gguf()
 

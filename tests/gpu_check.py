@@ -76,25 +76,25 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_kernels(device: torch.device, int4: bool) -> None:
-    from engine import quant
+    from engine.quant import quantize
 
-    runs = quant.int8_kernel_runs(device)
+    runs = quantize.int8_kernel_runs(device)
     print(f"     int8 kernel on {device}: {'yes' if runs else 'no (converted per call)'}")
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(200, 576, device=device, generator=gen)
     x = torch.randn(5, 576, device=device, generator=gen).to(torch.bfloat16)
-    int8 = quant.Int8Linear(w, None, torch.bfloat16)
-    ref8 = x.float() @ quant.dequantize_int8(int8.weight, int8.scales).T
+    int8 = quantize.Int8Linear(w, None, torch.bfloat16)
+    ref8 = x.float() @ quantize.dequantize_int8(int8.weight, int8.scales).T
     expect(relative_error(int8(x), ref8) <= 1e-2, "Int8Linear disagrees with its reference")
     if not int4:
         return
-    for group in quant.INT4_GROUPS:
-        layer = quant.Int4Linear(w, None, group)
+    for group in quantize.INT4_GROUPS:
+        layer = quantize.Int4Linear(w, None, group)
         padded = F.pad(w, (0, layer.padded_k, 0, layer.padded_n))
-        dense = quant.dequantize_int4(*quant.quantize_int4(padded, group), group)[:200, :576]
+        dense = quantize.dequantize_int4(*quantize.quantize_int4(padded, group), group)[:200, :576]
         err = relative_error(layer(x), x.float() @ dense.T)
         expect(err <= 1e-2, f"Int4Linear g{group} disagrees with its reference ({err:.2e})")
-        embed = quant.QuantizedEmbedding(layer, torch.float32, torch.ones(576, device=device))
+        embed = quantize.QuantizedEmbedding(layer, torch.float32, torch.ones(576, device=device))
         ids = torch.tensor([0, 1, 7, 8, 9, 63, 64, 199], device=device)
         expect(torch.equal(embed(ids), dense[ids]), f"tied INT4 g{group} rows are wrong")
         layout = embed.cuda_layout
@@ -108,8 +108,8 @@ def check_kernels(device: torch.device, int4: bool) -> None:
 def check_precision(
     model: Path, device: torch.device, precision: str, results: dict[str, list[int]]
 ) -> None:
-    from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.core.sampling import SamplingParams
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -165,8 +165,8 @@ def check_load_plan(
     (``max_memory_allocated`` since the reset before it) within the plan's bound, and what
     the CUDA runtime takes beside the allocator (NVML used − reserved), the figure the plan
     estimates as ``CUDA_RUNTIME_BYTES``."""
-    from engine.loading import CUDA_RUNTIME_BYTES, plan_for_folder
-    from engine.nvml import device_memory
+    from engine.hardware.nvml import device_memory
+    from engine.loader.load import CUDA_RUNTIME_BYTES, plan_for_folder
 
     plan = plan_for_folder(model, precision, str(device), config=config)  # type: ignore[arg-type]
     weights, pool = engine.weights_bytes, engine.kv.nbytes  # type: ignore[attr-defined]
@@ -187,8 +187,8 @@ def check_load_plan(
 
 
 def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.core.engine import LLMEngine
+    from engine.core.sampling import SamplingParams
 
     expect("fp32" in results, "fp32 on the GPU did not run")
     engine = LLMEngine.load(model, precision="fp32")
@@ -203,8 +203,8 @@ def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:
 
 
 def check_decode_graph(model: Path, device: torch.device, results: dict[str, list[int]]) -> None:
-    from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.core.sampling import SamplingParams
 
     config = EngineConfig(kv_memory=256 * MIB, decode_graph="on")
     engine = LLMEngine.load(model, precision="bf16", device=str(device), config=config)
@@ -232,9 +232,9 @@ def check_decode_graph(model: Path, device: torch.device, results: dict[str, lis
 def check_ab(model: Path, device: torch.device) -> None:
     """The A/B comparison on the GPU (fp32 against bf16): its scoring through the paged cache
     on the device agrees with the CPU's scoring of the same tokens."""
-    from engine.compare import Side, compare_prompt, score
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.core.engine import LLMEngine
+    from engine.core.sampling import SamplingParams
+    from engine.evals.compare import Side, compare_prompt, score
 
     a = LLMEngine.load(model, precision="fp32", device=str(device))
     b = LLMEngine.load(model, precision="bf16", device=str(device))
@@ -254,7 +254,7 @@ def check_ab(model: Path, device: torch.device) -> None:
 
 
 def check_prefix_cache(model: Path, device: torch.device) -> None:
-    from engine.bench_chat import format_chat_report, run_chat_bench
+    from engine.bench.chat import format_chat_report, run_chat_bench
 
     report = run_chat_bench(
         model, turns=5, message_tokens=100, reply_tokens=32, system_tokens=64,
@@ -271,8 +271,8 @@ def check_speculative(model: Path, device: torch.device, int4: bool) -> None:
     agree to rounding): greedy output with prompt lookup and with a self-draft equals plain
     greedy output, and the bench reports each drafter's speed on chat and input-grounded
     prompts."""
-    from engine.bench_spec import format_spec_report, run_spec_bench
-    from engine.engine import EngineConfig, LLMEngine
+    from engine.bench.speculative import format_spec_report, run_spec_bench
+    from engine.core.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine.load(
         model, precision="fp32", device=str(device), config=EngineConfig(kv_memory=256 * MIB)
@@ -289,8 +289,8 @@ def check_server_loop(model: Path, device: torch.device) -> None:
 
     from app.server import EngineLoop
     from app.server_metrics import ServerMetrics
-    from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.core.sampling import SamplingParams
 
     engine = LLMEngine.load(
         model, precision="bf16", device=str(device), config=EngineConfig(kv_memory=256 * MIB)
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         print(f"gpu-check skipped: torch {torch.__version__} ({build}) sees no CUDA device")
         return 0
-    from engine.model_store import resolve_model
+    from engine.store.model_store import resolve_model
 
     device = torch.device(args.device)
     if device.index is None:  # "cuda": the current device, by its number

@@ -9,8 +9,8 @@ Each precision then loads in a fresh process while a thread samples memory every
   checkpoint's mapped pages are file-backed and not counted), above the figure before loading;
 * on CUDA, ``torch.cuda.max_memory_allocated`` over the load.
 
-The bound is the plan's (:func:`engine.loading.plan_memory`): the final weights plus the load
-overhead (:func:`engine.loading.load_overhead_bytes`: the largest tensor in fp32, on a CPU its
+The bound is the plan's (:func:`engine.loader.load.plan_memory`): the final weights plus the load
+overhead (:func:`engine.loader.load.load_overhead_bytes`: the largest tensor in fp32, on a CPU its
 checkpoint copy too, four quantization chunks and 64 MiB of allocator slack). Exits 1 if a
 peak passes its bound or the loaded weights differ from the plan's by more than 1%.
 
@@ -42,7 +42,7 @@ def write_checkpoint(folder: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from engine.model_store import pull_default
+    from engine.store.model_store import pull_default
 
     if (folder / "model.safetensors.index.json").is_file():
         return
@@ -108,9 +108,9 @@ def measure(folder: Path, precision: str, device: str) -> dict[str, object]:
     """One load in this process; the peak above the figure before it."""
     import torch
 
-    from engine.engine import EngineConfig
-    from engine.hardware import cpu_paths
-    from engine.loading import load_model, plan_for_folder
+    from engine.core.engine import EngineConfig
+    from engine.hardware.cpu_paths import cpu_paths
+    from engine.loader.load import load_model, plan_for_folder
 
     config = EngineConfig(num_blocks=16, decode_graph="off")
     plan = plan_for_folder(folder, precision, device, config=config)

@@ -1,5 +1,6 @@
-"""Expectations taken from the probes (engine/hardware.py), never from the machine a test was
-written on: marks for tests that need a path the probe may not find on another CPU kind."""
+"""Expectations taken from the probes (engine/hardware/cpu_paths.py), never from the machine a
+test was written on: marks for tests that need a path the probe may not find on another CPU
+kind."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.hardware import cpu_paths
+from engine.hardware.cpu_paths import cpu_paths
 
 _INT4 = cpu_paths().int4_kernel
 

@@ -22,10 +22,10 @@ from PySide6.QtCore import QObject, Qt, QTimer, Slot
 from app.main_window import MainWindow, stats_text
 from app.store import ChatStore
 from app.worker import Delta, LoadSpec, Pause, ReplyStats, load_engine
-from engine import loading
-from engine.engine import LLMEngine
-from engine.hardware import cpu_paths
-from engine.sampling import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.hardware.cpu_paths import cpu_paths
+from engine.loader import load as loader
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 
@@ -468,7 +468,7 @@ def test_bad_model_folder_and_gguf_keep_the_current_model(
         assert "Still using" in window.chat.notice.text() and window.model == before
         assert window.controls.device_combo.currentText() == "cpu"
     with pytest.MonkeyPatch.context() as mp:  # a load the plan says cannot fit: refused
-        mp.setattr(loading, "free_memory", lambda device: float(2**20))
+        mp.setattr(loader, "free_memory", lambda device: float(2**20))
         mp.setattr(window.worker, "_reclaimable", lambda: 0)  # not even once the old one goes
         window.controls.precision_requested.emit("bf16")
         qtbot.waitUntil(lambda: window.loading is None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
@@ -565,7 +565,7 @@ def test_lookup_speculation_marks_the_tokens_and_keeps_the_greedy_reply(
     qtbot: object, window: MainWindow, oracle: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from app import worker as worker_module
-    from engine.speculative import VerifyCost, parse_speculative
+    from engine.speculative.speculator import VerifyCost, parse_speculative
     from widgets.chat_pane import SPECULATION_MARKS
 
     # the verify cost fixed, not timed: how far each step drafts then depends on nothing

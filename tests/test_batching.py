@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine import EngineBusyError, EngineConfig, LLMEngine
+from engine.core.engine import EngineBusyError, EngineConfig, LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
-from engine.kv_cache import RELEASED, CacheWindow
-from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerLimits
+from engine.kv_cache.paged import RELEASED, CacheWindow
 
 NEW = 16
 N_PROMPTS = 12  # more than fit a 12-block pool at once: preemption

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-import engine.bench as bench
-from engine.bench import BenchConfig, format_report, format_table, run_bench, run_table
-from engine.engine import EngineConfig, LLMEngine
-from engine.sampling import SamplingParams
+import engine.bench.speed as bench
+from engine.bench.speed import BenchConfig, format_report, format_table, run_bench, run_table
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.sampling import SamplingParams
 
 #: Three full 16-token blocks and a partial one: a repeat would find 48 tokens cached.
 PROMPT_LEN = 56

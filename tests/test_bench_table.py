@@ -10,11 +10,17 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from engine.bench import BenchConfig, LlamaCppPeer, format_table, measure_read_bandwidth, run_table
-from engine.engine import LLMEngine
+from engine.bench.speed import (
+    BenchConfig,
+    LlamaCppPeer,
+    format_table,
+    measure_read_bandwidth,
+    run_table,
+)
+from engine.core.engine import LLMEngine
 from engine.errors import InfersightError
-from engine.quant import QuantizedEmbedding
-from engine.weights import decode_read_bytes, weight_bytes
+from engine.loader.weights import decode_read_bytes, weight_bytes
+from engine.quant.quantize import QuantizedEmbedding
 from tests.probed import precisions
 
 FAKE_LLAMA_CPP = textwrap.dedent(

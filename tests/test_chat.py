@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from app.chat import ChatSession
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
 
 TEMPLATE = (
     "{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}"

@@ -162,7 +162,7 @@ def test_help_is_fast_and_imports_no_torch():
 
 def step_times(monkeypatch) -> list[tuple[float, float]]:
     """``(start, end)`` of every engine step that gave a token, from outside the engine."""
-    from engine.engine import LLMEngine
+    from engine.core.engine import LLMEngine
 
     out: list[tuple[float, float]] = []
     real = LLMEngine.step
@@ -327,7 +327,7 @@ def _with_generation_config(folder: Path, **keys: object) -> Path:
     ],
 )  # fmt: skip
 def test_generation_config_sampling_reads_it_as_transformers_does(tmp_path, keys, expected):
-    from engine.loading import generation_config_sampling
+    from engine.loader.load import generation_config_sampling
 
     defaults = generation_config_sampling(_with_generation_config(tmp_path, **keys))
     assert {k: defaults[k] for k in expected} == expected
@@ -337,7 +337,7 @@ def test_generation_config_sampling_reads_it_as_transformers_does(tmp_path, keys
 def test_sampling_defaults_come_from_the_model_and_flags_override_one_key(
     capsys, monkeypatch, tiny
 ):
-    from engine.engine import LLMEngine
+    from engine.core.engine import LLMEngine
 
     _with_generation_config(tiny, do_sample=True, temperature=0.6, top_p=0.8, max_new_tokens=4)
     seen = []
@@ -360,7 +360,7 @@ def test_sampling_defaults_come_from_the_model_and_flags_override_one_key(
 
 
 def test_without_generation_config_sampling_is_greedy(capsys, monkeypatch, tiny):
-    from engine.engine import LLMEngine
+    from engine.core.engine import LLMEngine
 
     (tiny / "generation_config.json").unlink(missing_ok=True)
     engine = LLMEngine.load(tiny)

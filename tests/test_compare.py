@@ -1,4 +1,4 @@
-"""The A/B comparison (engine/compare.py): per-token figures against a direct computation
+"""The A/B comparison (engine/evals/compare.py): per-token figures against a direct computation
 from the two models' logits, the divergence rule, the summary, the file format and the CLI."""
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from app.cli import main
-from engine.compare import (
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.errors import CancelledError, InvalidRequestError
+from engine.evals.compare import (
     FORMAT,
     Side,
     compare_prompt,
@@ -21,11 +24,8 @@ from engine.compare import (
     read_document,
     score,
 )
-from engine.engine import LLMEngine
-from engine.errors import CancelledError, InvalidRequestError
-from engine.hardware import cpu_paths
-from engine.kv_cache import CacheWindow
-from engine.sampling import SamplingParams
+from engine.hardware.cpu_paths import cpu_paths
+from engine.kv_cache.paged import CacheWindow
 
 PROMPT = "t1 t7 t3 t9 t2"
 

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import paged_attention
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.hardware import FORCE_ENV, CpuPaths, cpu_paths, native_level
-from engine.linear import PackedLinear
+from engine.hardware.cpu_paths import FORCE_ENV, CpuPaths, cpu_paths, native_level
+from engine.kernels import paged_decode
+from engine.kernels.packed_linear import PackedLinear
 from tests.test_quant import _dequantized_reference, _relative_error
 
 LEVELS = [None, "AVX2", "DEFAULT"]  # None: what this CPU really has
@@ -27,10 +27,10 @@ def paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     else:
         monkeypatch.setenv(FORCE_ENV, request.param)
     cpu_paths.cache_clear()
-    paged_attention.kernel.cache_clear()  # the decode attention kernel follows the level too
+    paged_decode.kernel.cache_clear()  # the decode attention kernel follows the level too
     yield cpu_paths()
     cpu_paths.cache_clear()  # the next test probes under its own environment
-    paged_attention.kernel.cache_clear()
+    paged_decode.kernel.cache_clear()
 
 
 def test_the_switch_only_lowers_what_the_cpu_has(paths: CpuPaths) -> None:

@@ -1,5 +1,6 @@
-"""The compiled decode step (engine/decode_graph.py): how the mode is settled, that a compiled
-step gives transformers' greedy ids and batch invariance, and every way back to eager."""
+"""The compiled decode step (engine/kernels/decode_graph.py): how the mode is settled, that a
+compiled step gives transformers' greedy ids and batch invariance, and every way back to
+eager."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine import decode_graph
-from engine.decode_graph import GraphChoice, choose
-from engine.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from engine.kernels import decode_graph
+from engine.kernels.decode_graph import GraphChoice, choose
 
 STEPS = 24
 CPU = torch.device("cpu")

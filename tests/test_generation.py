@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import LLMEngine, StopStringMatcher
+from engine.core.engine import LLMEngine, StopStringMatcher
+from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.gguf_import import import_gguf
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
+from engine.store.gguf_import import import_gguf
 from tests.conftest import build_tiny_hf
 from tests.gguf_factory import K_QUANT_SCALE_OFFSETS, write_gguf
 

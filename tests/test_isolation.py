@@ -1,6 +1,6 @@
 """What a lowered CPU level compiles stays apart from the CPU's own cache, and a probe that
-crashes natively is a verdict, not the end of the process (engine/hardware.py,
-engine/isolated.py)."""
+crashes natively is a verdict, not the end of the process (engine/hardware/cpu_paths.py,
+engine/hardware/isolated.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import decode_graph, hardware, isolated, paged_attention
-from engine.hardware import LEVELS, native_level
+from engine.hardware import cpu_paths, isolated
+from engine.hardware.cpu_paths import LEVELS, native_level
+from engine.kernels import decode_graph, paged_decode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +29,7 @@ LOWER = (
 
 COMPILE = """
 import json, torch
-from engine.decode_graph import compile_forward
+from engine.kernels.decode_graph import compile_forward
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 def f(x):
     return torch.nn.functional.silu(x) * x + 1
@@ -55,12 +56,12 @@ def test_a_lowered_level_compiles_into_a_cache_of_its_own(tmp_path: Path) -> Non
     """The order that corrupted the heap on an AVX-512 CPU (torch 2.13): a process at a
     lowered level compiles first, then one at the CPU's own level finds the same cache root."""
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",
-           hardware.FORCE_ENV)}  # fmt: skip
-    env[hardware.INDUCTOR_CACHE_ENV] = str(tmp_path / "inductor")
+           cpu_paths.FORCE_ENV)}  # fmt: skip
+    env[cpu_paths.INDUCTOR_CACHE_ENV] = str(tmp_path / "inductor")
     env["INFERSIGHT_HOME"] = str(tmp_path / "home")
     assert LOWER is not None
     lowered = _compile_in_child(
-        {**env, "ATEN_CPU_CAPABILITY": LOWER.lower(), hardware.FORCE_ENV: LOWER}
+        {**env, "ATEN_CPU_CAPABILITY": LOWER.lower(), cpu_paths.FORCE_ENV: LOWER}
     )
     native = _compile_in_child(env)
     assert native["same"] is True
@@ -76,29 +77,29 @@ def test_the_cache_follows_the_level_torch_compiles_for(monkeypatch, tmp_path) -
     """The cache's level is the one TorchInductor generates code for: ``ATEN_CPU_CAPABILITY``
     as torch reads it (exact lowercase names), below the CPU's own. Our switch alone lowers
     the probes' answers, not the generated code, so it keeps the user's cache."""
-    monkeypatch.setenv(hardware.INDUCTOR_CACHE_ENV, str(tmp_path / "c"))
-    monkeypatch.delenv(hardware.FORCE_ENV, raising=False)
+    monkeypatch.setenv(cpu_paths.INDUCTOR_CACHE_ENV, str(tmp_path / "c"))
+    monkeypatch.delenv(cpu_paths.FORCE_ENV, raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    assert hardware.compile_cache_dir() == str(tmp_path / "c")
+    assert cpu_paths.compile_cache_dir() == str(tmp_path / "c")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", native_level().lower())  # its own level
-    assert hardware.forced_level() is None
-    assert hardware.compile_cache_dir() == str(tmp_path / "c")
+    assert cpu_paths.forced_level() is None
+    assert cpu_paths.compile_cache_dir() == str(tmp_path / "c")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "DEFAULT")  # torch ignores this spelling
-    assert hardware.forced_level() is None
-    assert hardware.compile_cache_dir() == str(tmp_path / "c")
+    assert cpu_paths.forced_level() is None
+    assert cpu_paths.compile_cache_dir() == str(tmp_path / "c")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     if native_level() != "DEFAULT":
-        assert hardware.forced_level() == "DEFAULT"
-        assert hardware.compile_cache_dir() == f"{tmp_path / 'c'}-cpu-default"
-    monkeypatch.setenv(hardware.FORCE_ENV, "AVX2")  # the lower of the two holds
-    assert hardware.forced_level() == "DEFAULT"
+        assert cpu_paths.forced_level() == "DEFAULT"
+        assert cpu_paths.compile_cache_dir() == f"{tmp_path / 'c'}-cpu-default"
+    monkeypatch.setenv(cpu_paths.FORCE_ENV, "AVX2")  # the lower of the two holds
+    assert cpu_paths.forced_level() == "DEFAULT"
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    assert hardware.forced_level() == "AVX2"
-    assert hardware.compile_cache_dir() == str(tmp_path / "c")  # the CPU's own code
+    assert cpu_paths.forced_level() == "AVX2"
+    assert cpu_paths.compile_cache_dir() == str(tmp_path / "c")  # the CPU's own code
     # a child of a lowered process inherits its folder; at its own level it goes back
-    monkeypatch.setenv(hardware.INDUCTOR_CACHE_ENV, f"{tmp_path / 'c'}-cpu-avx2")
-    monkeypatch.delenv(hardware.FORCE_ENV)
-    assert hardware.compile_cache_dir() == str(tmp_path / "c")
+    monkeypatch.setenv(cpu_paths.INDUCTOR_CACHE_ENV, f"{tmp_path / 'c'}-cpu-avx2")
+    monkeypatch.delenv(cpu_paths.FORCE_ENV)
+    assert cpu_paths.compile_cache_dir() == str(tmp_path / "c")
 
 
 # -- probes that crash -------------------------------------------------------------------
@@ -158,13 +159,13 @@ def test_a_compiler_crash_is_reported_and_the_load_stays_eager(
 def test_a_paged_kernel_that_crashes_its_check_leaves_the_portable_path(
     probe_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if paged_attention._compiler() is None or hardware.forced_level() == "DEFAULT":
+    if paged_decode._compiler() is None or cpu_paths.forced_level() == "DEFAULT":
         pytest.skip("no paged kernel is built here")
-    monkeypatch.setattr(paged_attention, "PROBE", f"{__name__}:crash")
-    paged_attention.kernel.cache_clear()
+    monkeypatch.setattr(paged_decode, "PROBE", f"{__name__}:crash")
+    paged_decode.kernel.cache_clear()
     try:
-        found = paged_attention.kernel()
+        found = paged_decode.kernel()
     finally:
-        paged_attention.kernel.cache_clear()
+        paged_decode.kernel.cache_clear()
     assert not found.available
     assert "the paged kernel failed its check: the probe crashed (SIGABRT)" in found.why

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import reference_attention
-from engine.config import ModelConfig
-from engine.kv_cache import RELEASED, BlockManager, CacheWindow, PagedKVCache, SeqChunk
+from engine.kv_cache.paged import RELEASED, BlockManager, CacheWindow, PagedKVCache, SeqChunk
+from engine.model.attention import reference_attention
+from engine.model.config import ModelConfig
 
 CONTEXTS = (None, CacheWindow(sink=2, window=6))  # the windows the whole pool runs under
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5], [1, 2])

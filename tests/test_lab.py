@@ -12,9 +12,9 @@ from PySide6.QtCore import Qt
 
 from app.cli import main
 from app.lab import LabController, free_memory
-from engine.compare import Side, compare_prompt, read_document
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.evals.compare import Side, compare_prompt, read_document
 from tests.probed import needs_int4
 from widgets.ab_view import ABView
 

@@ -1,5 +1,6 @@
-"""The timed choice between oneDNN's packed layout and ``nn.Linear`` (engine/linear.py): timed
-once per (dtype, shape) and machine, kept in ``kernels.json``, obeyed by the loader."""
+"""The timed choice between oneDNN's packed layout and ``nn.Linear``
+(engine/kernels/packed_linear.py): timed once per (dtype, shape) and machine, kept in
+``kernels.json``, obeyed by the loader."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from engine import linear
-from engine.engine import LLMEngine
-from engine.hardware import cpu_paths
-from engine.linear import LayoutTiming, PackedLinear, layout_timing, pack_linears, time_layouts
+from engine.core.engine import LLMEngine
+from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels import packed_linear
+from engine.kernels.packed_linear import (
+    LayoutTiming,
+    PackedLinear,
+    layout_timing,
+    pack_linears,
+    time_layouts,
+)
 
 needs_packing = pytest.mark.skipif(
     not cpu_paths().packed_fp32.ok, reason="this CPU does not run oneDNN's packed fp32 linear"
@@ -23,10 +30,10 @@ needs_packing = pytest.mark.skipif(
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Iterator[object]:
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
-    monkeypatch.delenv(linear.LAYOUT_ENV, raising=False)
-    linear._verdicts.cache_clear()
+    monkeypatch.delenv(packed_linear.LAYOUT_ENV, raising=False)
+    packed_linear._verdicts.cache_clear()
     yield tmp_path
-    linear._verdicts.cache_clear()
+    packed_linear._verdicts.cache_clear()
 
 
 @needs_packing
@@ -42,22 +49,24 @@ def test_a_verdict_is_timed_once_and_kept_per_machine(home, monkeypatch):
         timed.append((out_features, in_features))
         return LayoutTiming(packed_ms=1.0, plain_ms=2.0)
 
-    monkeypatch.setattr(linear, "time_layouts", fake)
+    monkeypatch.setattr(packed_linear, "time_layouts", fake)
     assert layout_timing(torch.float32, 96, 64).packed
     assert layout_timing(torch.float32, 96, 64).packed
     assert timed == [(96, 64)]
-    saved = json.loads((home / linear.KERNELS_FILE).read_text())
-    assert saved == {linear.machine_key(): {"float32 96x64": {"packed_ms": 1.0, "plain_ms": 2.0}}}
+    saved = json.loads((home / packed_linear.KERNELS_FILE).read_text())
+    assert saved == {
+        packed_linear.machine_key(): {"float32 96x64": {"packed_ms": 1.0, "plain_ms": 2.0}}
+    }
 
-    linear._verdicts.cache_clear()  # a new process reads the file instead of timing again
+    packed_linear._verdicts.cache_clear()  # a new process reads the file instead of timing again
     assert layout_timing(torch.float32, 96, 64).packed and timed == [(96, 64)]
 
 
 def test_an_unreadable_file_is_timed_again(home, monkeypatch):
-    (home / linear.KERNELS_FILE).write_text("{not json")
-    monkeypatch.setattr(linear, "time_layouts", lambda *a: LayoutTiming(3.0, 1.0))
+    (home / packed_linear.KERNELS_FILE).write_text("{not json")
+    monkeypatch.setattr(packed_linear, "time_layouts", lambda *a: LayoutTiming(3.0, 1.0))
     assert not layout_timing(torch.float32, 32, 32).packed
-    assert "float32 32x32" in (home / linear.KERNELS_FILE).read_text()
+    assert "float32 32x32" in (home / packed_linear.KERNELS_FILE).read_text()
 
 
 def test_noise_within_five_percent_keeps_the_packed_layout():
@@ -75,7 +84,7 @@ def test_the_loader_packs_only_where_packing_measured_faster(
         faster = packed_faster == (out_features != 320)
         return LayoutTiming(1.0, 2.0) if faster else LayoutTiming(2.0, 1.0)
 
-    monkeypatch.setattr(linear, "time_layouts", fake)
+    monkeypatch.setattr(packed_linear, "time_layouts", fake)
     folder, _ = tiny_model_dir("llama", False)
     model = LLMEngine.load(folder).model
     assert isinstance(model.lm_head, PackedLinear) is not packed_faster
@@ -88,11 +97,11 @@ def test_the_loader_packs_only_where_packing_measured_faster(
 
 @needs_packing
 def test_the_layout_switch_skips_the_timing(monkeypatch):
-    monkeypatch.setattr(linear, "layout_timing", lambda *a: pytest.fail("timed"))
-    monkeypatch.setenv(linear.LAYOUT_ENV, "plain")
-    assert not linear.packs(torch.float32, 96, 64)
-    monkeypatch.setenv(linear.LAYOUT_ENV, "packed")
-    assert linear.packs(torch.float32, 96, 64)
+    monkeypatch.setattr(packed_linear, "layout_timing", lambda *a: pytest.fail("timed"))
+    monkeypatch.setenv(packed_linear.LAYOUT_ENV, "plain")
+    assert not packed_linear.packs(torch.float32, 96, 64)
+    monkeypatch.setenv(packed_linear.LAYOUT_ENV, "packed")
+    assert packed_linear.packs(torch.float32, 96, 64)
 
 
 @needs_packing

@@ -1,4 +1,4 @@
-"""The load generator and the sweep's analysis (engine/loadgen.py, engine/tuning.py):
+"""The load generator and the sweep's analysis (engine/bench/loadgen.py, engine/bench/tuning.py):
 arrivals as specified, concurrency as specified, nothing left behind by a stop, the limits a
 sweep applies and puts back, and the figures read off a sweep."""
 
@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.errors import InvalidRequestError
-from engine.loadgen import (
+from engine.bench.loadgen import (
     SLO,
     LoadGenerator,
     LoadResult,
@@ -22,9 +20,7 @@ from engine.loadgen import (
     drive,
     request_stream,
 )
-from engine.metrics import RequestMetrics
-from engine.scheduler import SchedulerLimits
-from engine.tuning import (
+from engine.bench.tuning import (
     Setting,
     Sweep,
     SweepPoint,
@@ -35,6 +31,10 @@ from engine.tuning import (
     pareto_front,
     sweep_report,
 )
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.metrics import RequestMetrics
+from engine.core.scheduler import SchedulerLimits
+from engine.errors import InvalidRequestError
 
 pytestmark = pytest.mark.real_model
 
@@ -164,8 +164,8 @@ def test_a_full_queue_makes_a_closed_loop_user_send_the_same_request_again(
 
 
 def test_limits_a_live_request_could_not_fit_under_are_refused(engine: LLMEngine) -> None:
-    from engine.kv_cache import CacheWindow
-    from engine.sampling import SamplingParams
+    from engine.core.sampling import SamplingParams
+    from engine.kv_cache.paged import CacheWindow
 
     rid = engine.add_request(list(range(10, 500)), SamplingParams(max_new_tokens=200))
     try:
@@ -200,7 +200,7 @@ def test_stop_mid_run_cancels_everything_and_returns_every_block(engine: LLMEngi
 
 
 def engine_params():
-    from engine.sampling import SamplingParams
+    from engine.core.sampling import SamplingParams
 
     return SamplingParams(max_new_tokens=3)
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from app.loading import LoadSpec, load_engine
-from engine import loading
-from engine.config import ModelConfig
-from engine.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig, LLMEngine
 from engine.errors import InvalidRequestError, OutOfMemoryError
-from engine.loading import parse_bytes, plan_for_folder, plan_memory
+from engine.loader import load as loader
+from engine.loader.load import parse_bytes, plan_for_folder, plan_memory
+from engine.model.config import ModelConfig
 from tests.probed import precisions
 
 PRECISIONS = precisions(
@@ -79,7 +79,7 @@ def test_a_plan_for_a_12_gib_gpu_is_made_without_one():
 
 def test_a_load_that_cannot_fit_is_refused_before_it_starts(tiny_model_dir, monkeypatch):
     folder, _ = tiny_model_dir("llama", True)
-    monkeypatch.setattr(loading, "free_memory", lambda device: 2**20)
+    monkeypatch.setattr(loader, "free_memory", lambda device: 2**20)
     started = []
     monkeypatch.setattr(LLMEngine, "load", classmethod(lambda *a, **k: started.append(a)))
     with pytest.raises(OutOfMemoryError, match=r"does not fit on cpu: it needs .* (GiB|MiB)"):
@@ -133,12 +133,12 @@ def test_infersight_plan_prints_json_and_says_when_nothing_fits(capsys):
 def test_a_gguf_that_cannot_fit_is_refused_before_it_is_imported(
     user_home: Path, tmp_path: Path, monkeypatch
 ):
-    from engine.model_store import models_dir
+    from engine.store.model_store import models_dir
     from tests.conftest import build_tiny_hf
     from tests.gguf_factory import write_gguf
 
     gguf = write_gguf(build_tiny_hf("llama", tied=True), tmp_path / "tiny.gguf", arch="llama")
-    monkeypatch.setattr(loading, "free_memory", lambda device: 2**20)
+    monkeypatch.setattr(loader, "free_memory", lambda device: 2**20)
     with pytest.raises(OutOfMemoryError, match="tiny at fp32 does not fit on cpu"):
         load_engine(LoadSpec(str(gguf), "fp32", "cpu", kv_memory_mib=16))
     assert not models_dir().exists() or not any(models_dir().iterdir())
@@ -148,15 +148,17 @@ def test_a_plan_never_times_the_weight_layout(tiny_model_dir, monkeypatch):
     """Planning (in the loader thread beside a decoding model, in the picker's scan) reads
     this machine's measured layout verdicts; a shape never timed counts as packed (the
     layout that takes more memory)."""
-    from engine import linear
+    from engine.kernels import packed_linear
 
     folder, _ = tiny_model_dir("llama", True)
-    monkeypatch.delenv(linear.LAYOUT_ENV, raising=False)
-    monkeypatch.setattr(linear, "time_layouts", lambda *a: pytest.fail("a plan timed a layout"))
-    monkeypatch.setattr(linear, "_verdicts", lambda: {})
+    monkeypatch.delenv(packed_linear.LAYOUT_ENV, raising=False)
+    monkeypatch.setattr(
+        packed_linear, "time_layouts", lambda *a: pytest.fail("a plan timed a layout")
+    )
+    monkeypatch.setattr(packed_linear, "_verdicts", lambda: {})
     plan = plan_for_folder(folder, "fp32", "cpu")
     cfg = ModelConfig.from_file(folder / "config.json")
-    packed = linear.cpu_paths().packed(torch.float32).ok
+    packed = packed_linear.cpu_paths().packed(torch.float32).ok
     assert plan.weights["lm_head"] == (cfg.vocab_size * cfg.hidden_size * 4 if packed else 0)
 
 
@@ -195,8 +197,8 @@ def test_a_plan_whose_weights_fit_but_not_its_context_says_so():
 
 
 def test_a_new_pool_keeps_the_weights_and_a_failed_one_keeps_the_old(tiny_model_dir, monkeypatch):
-    from engine import engine as engine_module
-    from engine.sampling import SamplingParams
+    from engine.core import engine as engine_module
+    from engine.core.sampling import SamplingParams
 
     folder, _ = tiny_model_dir("llama", True)
     old = LLMEngine.load(folder, precision="fp32", config=EngineConfig(num_blocks=8, block_size=4))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.kv_cache import RELEASED
-from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerLimits
-from engine.weights import weight_bytes
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.core.scheduler import SchedulerLimits
+from engine.kv_cache.paged import RELEASED
+from engine.loader.weights import weight_bytes
 
 
 def load(default_model: Path) -> LLMEngine:

@@ -17,8 +17,8 @@ import pytest
 from PySide6.QtWidgets import QPushButton
 
 from app.store import ChatStore
-from engine.discovery import DiscoveredModel, Discovery, PlannedModel, discover_and_plan
 from engine.errors import ModelLoadError
+from engine.store.discovery import DiscoveredModel, Discovery, PlannedModel, discover_and_plan
 from tests.conftest import build_tiny_hf
 from tests.gguf_factory import write_gguf
 from tests.test_discovery import add_to_hf_cache, folder_files
@@ -174,7 +174,7 @@ def test_the_picker_lists_the_hub_cache_and_lm_studio_and_loads_either(
     qtbot: Any, user_home: Path, tmp_path: Path, tiny_model_dir: Any
 ) -> None:
     folder, _ = tiny_model_dir("llama", False)
-    from engine.discovery import hf_cache_dir
+    from engine.store.discovery import hf_cache_dir
 
     snapshot = add_to_hf_cache(hf_cache_dir(), "tester/tiny-llama", folder_files(folder))
     lms = user_home / ".lmstudio" / "models" / "tester" / "tiny-GGUF"

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
 from engine.errors import ModelPullError
-from engine.model_store import (
+from engine.store.model_store import (
     DEFAULT,
     DEFAULT_SAMPLING,
     default_gguf_path,
@@ -20,7 +21,6 @@ from engine.model_store import (
     fetch_default_gguf,
     pull_default,
 )
-from engine.sampling import SamplingParams
 
 
 @pytest.fixture()
@@ -81,7 +81,7 @@ def test_a_default_model_converted_before_gets_the_recommended_sampling(home):
 
 
 def test_gguf_recommended_sampling_keys_become_generation_config():
-    from engine.gguf_import import gguf_sampling
+    from engine.store.gguf_import import gguf_sampling
 
     meta = {"general.sampling.temp": 0.699999988079071, "general.sampling.top_k": 40,
             "general.sampling.top_p": 0.949999988079071}  # fmt: skip

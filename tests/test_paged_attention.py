@@ -1,6 +1,7 @@
-"""The paged decode kernel (engine/paged_attention.py, engine/csrc/paged_decode.c): the same
-attention as the portable gather + SDPA path for every shape the engine makes, batch-invariant
-to the bit, used by the engine's decode steps, and a clear fallback where it cannot run."""
+"""The paged decode kernel (engine/kernels/paged_decode.py, engine/kernels/csrc/paged_decode.c):
+the same attention as the portable gather + SDPA path for every shape the engine makes,
+batch-invariant to the bit, used by the engine's decode steps, and a clear fallback where it
+cannot run."""
 
 from __future__ import annotations
 
@@ -10,20 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import paged_attention
-from engine.kv_cache import _gather_attention
+from engine.kernels import paged_decode
+from engine.kv_cache.paged import _gather_attention
 
 needs_compiler = pytest.mark.skipif(
-    paged_attention._compiler() is None, reason="no C compiler: the portable path runs"
+    paged_decode._compiler() is None, reason="no C compiler: the portable path runs"
 )
 
 
 @pytest.fixture(autouse=True)
 def fresh_kernel(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(paged_attention.ENV, raising=False)
-    paged_attention.kernel.cache_clear()
+    monkeypatch.delenv(paged_decode.ENV, raising=False)
+    paged_decode.kernel.cache_clear()
     yield
-    paged_attention.kernel.cache_clear()
+    paged_decode.kernel.cache_clear()
 
 
 def case(b: int, width: int, kv_heads: int, group: int, dim: int, dtype, seed: int = 0,
@@ -61,9 +62,9 @@ def case(b: int, width: int, kv_heads: int, group: int, dim: int, dtype, seed: i
     ],
 )
 def test_matches_gather_and_sdpa(b, width, kv_heads, group, dim, window, dtype) -> None:
-    assert paged_attention.kernel().available, paged_attention.status()
+    assert paged_decode.kernel().available, paged_decode.status()
     q, pool, slots, lens, mask = case(b, width, kv_heads, group, dim, dtype, window=window)
-    got = paged_attention.paged_attention(q, pool, slots, lens, mask)
+    got = paged_decode.paged_attention(q, pool, slots, lens, mask)
     want = _gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
     assert got.dtype == dtype and got.shape == (b, kv_heads * group * dim)
     tol = 2e-6 if dtype == torch.float32 else 1e-2
@@ -73,17 +74,17 @@ def test_matches_gather_and_sdpa(b, width, kv_heads, group, dim, window, dtype) 
 @needs_compiler
 def test_a_sequence_gets_the_same_bits_alone_or_in_any_batch() -> None:
     q, pool, slots, lens, mask = case(6, 90, 3, 3, 64, torch.float32, seed=1)
-    together = paged_attention.paged_attention(q, pool, slots, lens, mask)
+    together = paged_decode.paged_attention(q, pool, slots, lens, mask)
     for i in range(6):
         n = int(lens[i])
-        alone = paged_attention.paged_attention(
+        alone = paged_decode.paged_attention(
             q[i : i + 1], pool, slots[i : i + 1, :n], lens[i : i + 1], mask[i : i + 1, :n]
         )
         assert torch.equal(alone[0], together[i])
     for threads in (1, 3):
         torch.set_num_threads(threads)
         try:
-            assert torch.equal(paged_attention.paged_attention(q, pool, slots, lens, mask),
+            assert torch.equal(paged_decode.paged_attention(q, pool, slots, lens, mask),
                                together)  # fmt: skip
         finally:
             torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
@@ -91,22 +92,20 @@ def test_a_sequence_gets_the_same_bits_alone_or_in_any_batch() -> None:
 
 @needs_compiler
 def test_the_engine_decodes_through_the_kernel(tiny_model_dir, monkeypatch) -> None:
-    from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.core.engine import LLMEngine
+    from engine.core.sampling import SamplingParams
 
     folder, _ = tiny_model_dir("llama", False)
     engine = LLMEngine.load(folder)
-    assert paged_attention.kernel().available  # built and checked before counting
+    assert paged_decode.kernel().available  # built and checked before counting
     calls = []
-    real = paged_attention._call
-    monkeypatch.setattr(
-        paged_attention, "_call", lambda *a: calls.append(a[1].shape[0]) or real(*a)
-    )
+    real = paged_decode._call
+    monkeypatch.setattr(paged_decode, "_call", lambda *a: calls.append(a[1].shape[0]) or real(*a))
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     fast = [list(engine.generate([5, 6, 7, 8], params)) for _ in range(2)]
     assert calls and set(calls) == {1}  # batch-1 decode steps, one call per layer
     assert len(calls) == 5 * engine.cfg.num_layers * 2
-    with paged_attention.portable():
+    with paged_decode.portable():
         calls.clear()
         slow = list(engine.generate([5, 6, 7, 8], params))
     assert not calls
@@ -114,45 +113,45 @@ def test_the_engine_decodes_through_the_kernel(tiny_model_dir, monkeypatch) -> N
 
 
 def test_gather_by_request_and_a_machine_without_a_compiler(monkeypatch) -> None:
-    monkeypatch.setenv(paged_attention.ENV, "gather")
-    assert not paged_attention.kernel().available
-    assert "INFERSIGHT_ATTENTION=gather" in paged_attention.status()
-    paged_attention.kernel.cache_clear()
-    monkeypatch.setenv(paged_attention.ENV, "fast")
+    monkeypatch.setenv(paged_decode.ENV, "gather")
+    assert not paged_decode.kernel().available
+    assert "INFERSIGHT_ATTENTION=gather" in paged_decode.status()
+    paged_decode.kernel.cache_clear()
+    monkeypatch.setenv(paged_decode.ENV, "fast")
     with pytest.raises(ValueError, match="paged, gather"):
-        paged_attention.kernel()
-    paged_attention.kernel.cache_clear()
-    monkeypatch.delenv(paged_attention.ENV)
-    monkeypatch.setattr(paged_attention, "_compiler", lambda: None)
-    assert "no C compiler" in paged_attention.status()
+        paged_decode.kernel()
+    paged_decode.kernel.cache_clear()
+    monkeypatch.delenv(paged_decode.ENV)
+    monkeypatch.setattr(paged_decode, "_compiler", lambda: None)
+    assert "no C compiler" in paged_decode.status()
     q, pool, *_ = case(2, 10, 1, 2, 16, torch.float32)
-    assert not paged_attention.usable(q, pool)
+    assert not paged_decode.usable(q, pool)
 
 
 @needs_compiler
 def test_built_once_per_machine(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
-    assert paged_attention.kernel().available
+    assert paged_decode.kernel().available
     (built,) = (tmp_path / "kernels").iterdir()
     stamp = built.stat().st_mtime_ns
-    paged_attention.kernel.cache_clear()
-    assert paged_attention.kernel().available
+    paged_decode.kernel.cache_clear()
+    assert paged_decode.kernel().available
     assert built.stat().st_mtime_ns == stamp
 
 
 @needs_compiler
 def test_the_forced_cpu_level_decides_the_build(tmp_path: Path, monkeypatch) -> None:
-    from engine.hardware import FORCE_ENV
+    from engine.hardware.cpu_paths import FORCE_ENV
 
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     monkeypatch.setenv(FORCE_ENV, "DEFAULT")
-    assert "DEFAULT" in paged_attention.status() and not paged_attention.kernel().available
-    paged_attention.kernel.cache_clear()
+    assert "DEFAULT" in paged_decode.status() and not paged_decode.kernel().available
+    paged_decode.kernel.cache_clear()
     monkeypatch.setenv(FORCE_ENV, "AVX2")
-    if paged_attention._isa_flags():  # x86-64: an AVX2 build, apart from the native one
-        assert paged_attention._isa_flags() == ["-mavx2", "-mfma"]
-    assert paged_attention.kernel().available
+    if paged_decode._isa_flags():  # x86-64: an AVX2 build, apart from the native one
+        assert paged_decode._isa_flags() == ["-mavx2", "-mfma"]
+    assert paged_decode.kernel().available
     q, pool, slots, lens, mask = case(4, 50, 3, 3, 64, torch.float32, seed=2)
     want = _gather_attention(q, pool, slots, mask[:, None, None, :])
-    torch.testing.assert_close(paged_attention.paged_attention(q, pool, slots, lens, mask), want,
+    torch.testing.assert_close(paged_decode.paged_attention(q, pool, slots, lens, mask), want,
                                atol=2e-6, rtol=2e-6)  # fmt: skip

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.kv_cache import CacheWindow
-from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerLimits
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.core.scheduler import SchedulerLimits
+from engine.kv_cache.paged import CacheWindow
 
 BS = 4  # small blocks: many of them, and many partial ones
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)

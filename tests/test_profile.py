@@ -1,13 +1,14 @@
-"""``bench --profile``: the decode-step split (engine/profile.py), by counts and invariants."""
+"""``bench --profile``: the decode-step split (engine/bench/profile.py), by counts and
+invariants."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.engine import LLMEngine
-from engine.hardware import cpu_paths
-from engine.linear import PackedLinear
-from engine.profile import KINDS, SCOPES, format_profile, profile_decode
+from engine.bench.profile import KINDS, SCOPES, format_profile, profile_decode
+from engine.core.engine import LLMEngine
+from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels.packed_linear import PackedLinear
 
 
 @pytest.mark.parametrize(("precision", "pack"), [("fp32", True), ("fp32", False), ("int8", True)])

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.hardware import cpu_paths
-from engine.linear import PackedLinear
-from engine.quant import (
+from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels.packed_linear import PackedLinear
+from engine.quant.quantize import (
     Int4Linear,
     Int8Linear,
     dequantize_int4,
@@ -126,8 +126,8 @@ def test_cuda_int4_equals_reference(group):
 
 # -- quantized models ------------------------------------------------------------------------
 
-from engine.engine import LLMEngine  # noqa: E402
-from engine.quant import QuantizedEmbedding  # noqa: E402
+from engine.core.engine import LLMEngine  # noqa: E402
+from engine.quant.quantize import QuantizedEmbedding  # noqa: E402
 
 
 @pytest.mark.parametrize("spec", precisions("int8+head", "int4-g32+head", "int4-g128+head"))
@@ -150,7 +150,7 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
     dequantized values (computed here with the reference functions), run through nn.Linear."""
     from torch import nn
 
-    from engine.quant import head_channel_scale, part_of
+    from engine.quant.quantize import head_channel_scale, part_of
 
     spec = parse_precision_spec(spec_text)
     engine = LLMEngine.load(folder, precision="fp32", pack=False)
@@ -219,7 +219,7 @@ def test_int4_on_an_old_cuda_gpu_is_refused(monkeypatch):
     "spec", precisions("fp32", "bf16", "int8", "int4-g128+head", "mixed:mlp=int4-g32")
 )
 def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
-    from engine.weights import weight_report
+    from engine.loader.weights import weight_report
 
     folder, _ = tiny_model_dir("qwen2", False)
     engine = LLMEngine.load(folder, precision=spec)
@@ -232,7 +232,7 @@ def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
 
 # -- per-layer overrides in mixed specs, and the weight-byte estimate ------------------------
 
-from engine.quant import (  # noqa: E402
+from engine.quant.quantize import (  # noqa: E402
     QuantKind,
     block_bytes,
     estimate_weight_bytes,
@@ -301,11 +301,11 @@ def test_overrides_beyond_the_model_are_refused_at_load(tiny_model_dir):
 def test_int4_in_an_override_needs_the_kernel(monkeypatch):
     from types import SimpleNamespace
 
-    import engine.quant as quant
-    from engine.hardware import PathProbe
+    import engine.quant.quantize as quantize
+    from engine.hardware.cpu_paths import PathProbe
 
     off = SimpleNamespace(int4_kernel=PathProbe(False, "switched off for the test"))
-    monkeypatch.setattr(quant, "cpu_paths", lambda: off)
+    monkeypatch.setattr(quantize, "cpu_paths", lambda: off)
     with pytest.raises(InvalidRequestError, match="switched off for the test"):
         parse_precision_spec("mixed:attn=int8,mlp=int8,mlp.2=int4-g32")
     assert parse_precision_spec("mixed:attn=int8,mlp=int8,mlp.2=none").quantized
@@ -385,7 +385,7 @@ ESTIMATED_SPECS = [
     ("arch", "tied"), [("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
 )
 def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied):
-    from engine.config import ModelConfig
+    from engine.model.config import ModelConfig
 
     folder, _ = tiny_model_dir(arch, tied)
     cfg = ModelConfig.from_file(folder / "config.json")
@@ -400,8 +400,8 @@ def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied):
 @pytest.mark.parametrize("spec", precisions("bf16", "int8", "int4-g32", "int4-g128"))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_block_bytes_is_one_block(tiny_model_dir, spec, arch):
-    from engine.config import ModelConfig
-    from engine.weights import weight_bytes
+    from engine.loader.weights import weight_bytes
+    from engine.model.config import ModelConfig
 
     folder, _ = tiny_model_dir(arch, arch == "llama")
     cfg = ModelConfig.from_file(folder / "config.json")
@@ -417,13 +417,13 @@ def test_quantizing_a_chunk_of_rows_at_a_time_equals_the_whole_matrix(monkeypatc
     """The bounded load quantizes 32 MiB of rows at a time and packs INT4 per block of rows
     (the CPU layout's blocks, probed on this CPU kind): bit for bit what one whole-matrix
     pass gives, padding rows and columns included."""
-    from engine import quant
+    from engine.quant import quantize
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
-    monkeypatch.setattr(quant, "QUANT_CHUNK_BYTES", 1 << 40)
+    monkeypatch.setattr(quantize, "QUANT_CHUNK_BYTES", 1 << 40)
     whole4, whole8 = Int4Linear(w, None, group), Int8Linear(w, None, torch.bfloat16)
-    monkeypatch.setattr(quant, "QUANT_CHUNK_BYTES", 64 * 1024)  # many chunks
-    assert len(quant.row_chunks(n, k)) > 1
+    monkeypatch.setattr(quantize, "QUANT_CHUNK_BYTES", 64 * 1024)  # many chunks
+    assert len(quantize.row_chunks(n, k)) > 1
     part4, part8 = Int4Linear(w, None, group), Int8Linear(w, None, torch.bfloat16)
     assert torch.equal(whole4.weight, part4.weight)
     assert torch.equal(whole4.scales_and_zeros, part4.scales_and_zeros)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
 
 # The first runs all NEW_TOKENS on every CPU path (the AVX2 leg too); the others are breadth.
 PROMPTS = [

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.sampling import (
+from engine.core.sampling import (
     SamplingParams,
     apply_repetition_penalty,
     filter_logits,
     make_generator,
     sample,
 )
+from engine.errors import InvalidRequestError
 
 
 @pytest.mark.parametrize(

@@ -14,15 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, InvalidRequestError
-from engine.hardware import cpu_paths
-from engine.kv_cache import ContiguousKVCache
-from engine.linear import PackedLinear
-from engine.quant import QuantKind, estimate_weight_bytes, parse_precision_spec, quantized_linear
-from engine.sensitivity import Scan, plan_mixed, scan_model, scan_sensitivity
-from engine.weights import load_transformer
+from engine.evals.sensitivity import Scan, plan_mixed, scan_model, scan_sensitivity
+from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels.packed_linear import PackedLinear
+from engine.kv_cache.paged import ContiguousKVCache
+from engine.loader.weights import load_transformer
+from engine.model.config import ModelConfig
+from engine.quant.quantize import (
+    QuantKind,
+    estimate_weight_bytes,
+    parse_precision_spec,
+    quantized_linear,
+)
 from tests.probed import needs_int4
 
 TEXT = [(7 * i + 3) % 320 for i in range(48)]

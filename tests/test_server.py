@@ -19,8 +19,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
 
 KEY = "test-key-123"
 MAX_WAITING = 64

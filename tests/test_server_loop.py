@@ -14,8 +14,8 @@ import torch
 
 from app.server import EngineLoop, SelfTest, Server
 from app.server_metrics import ServerMetrics
-from engine.engine import LLMEngine, TokenEvent
-from engine.sampling import SamplingParams
+from engine.core.engine import LLMEngine, TokenEvent
+from engine.core.sampling import SamplingParams
 
 
 @pytest.fixture
@@ -135,8 +135,8 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir, 
     import uvicorn
 
     from app.server import ServerLimits, bind
-    from engine.engine import EngineConfig
-    from engine.scheduler import SchedulerLimits
+    from engine.core.engine import EngineConfig
+    from engine.core.scheduler import SchedulerLimits
 
     folder, _ = tiny_model_dir("llama", False)
     engine = LLMEngine.load(folder, config=EngineConfig(limits=SchedulerLimits(max_batch_size=1)))
@@ -183,7 +183,7 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir, 
 def test_metrics_carry_the_spec_decode_counters_of_a_speculative_engine(tiny_engine):
     """vLLM's spec_decode_* counters on /metrics equal the engine's own counts, position by
     position, and only grow (a new drafter starts its counts at zero)."""
-    from engine.speculative import VerifyCost, parse_speculative
+    from engine.speculative.speculator import VerifyCost, parse_speculative
 
     tiny_engine.set_speculation(
         parse_speculative("lookup", 3, adaptive=False, ngram_min=1, verify_cost=VerifyCost())

@@ -22,13 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.bench_spec import GROUNDED_PROMPTS
-from engine.engine import EngineConfig, LLMEngine
+from engine.bench.speculative import GROUNDED_PROMPTS
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
-from engine.kv_cache import CacheWindow
-from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerLimits
-from engine.speculative import (
+from engine.kv_cache.paged import CacheWindow
+from engine.speculative.speculator import (
     Draft,
     LookupDrafter,
     SpecStats,
@@ -483,9 +483,9 @@ def test_draft_slots_never_keep_a_waiting_request_out():
     """The scheduler reserves slots for drafts only from what is left once the running
     sequences have their tokens and the waiting ones are admitted: a request that fits the
     pool exactly is admitted although a decoding sequence wants four draft slots."""
-    from engine.kv_cache import BlockManager
-    from engine.scheduler import Scheduler
-    from engine.sequence import Sequence
+    from engine.core.scheduler import Scheduler
+    from engine.core.sequence import Sequence
+    from engine.kv_cache.paged import BlockManager
 
     mgr = BlockManager(num_blocks=10, block_size=4, prefix_caching=False)
     sched = Scheduler(mgr)
@@ -507,18 +507,18 @@ def test_draft_slots_never_keep_a_waiting_request_out():
 def test_a_draft_model_catches_up_on_a_long_prompt_in_chunks(tiny, other_tiny, monkeypatch):
     """A prompt longer than the catch-up chunk reaches the draft model's cache in pieces, one
     a step, before the sequence drafts; the output is plain greedy output."""
-    from engine import speculative
+    from engine.speculative import speculator
 
-    monkeypatch.setattr(speculative, "CATCH_UP", 8)
+    monkeypatch.setattr(speculator, "CATCH_UP", 8)
     config = EngineConfig(block_size=BS, num_blocks=64)
     arrivals: list[Arrival] = [(0, repetitive(21, 21) + repetitive(22, 21), GREEDY)]
     want, _, _ = run(LLMEngine.load(tiny, config=config), arrivals)
     fast = LLMEngine.load(tiny, config=config)
     fast.set_speculation(spec(f"model:{other_tiny}", k=3, adaptive=False))
     calls = []
-    real = speculative.ModelDrafter._catch_up
+    real = speculator.ModelDrafter._catch_up
     monkeypatch.setattr(
-        speculative.ModelDrafter, "_catch_up",
+        speculator.ModelDrafter, "_catch_up",
         lambda self, behind, window: (calls.append(len(behind)), real(self, behind, window)),
     )  # fmt: skip
     got, _, kinds = run(fast, arrivals)

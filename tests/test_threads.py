@@ -1,4 +1,4 @@
-"""Thread counts (engine/threads.py): asked for, or timed once per machine and model."""
+"""Thread counts (engine/hardware/threads.py): asked for, or timed once per machine and model."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import threads
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.hardware import threads
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_real_timing_gives_a_time_per_count(tiny_model_dir):
     linear once at the count asked for: so four of it fit in the call's own time."""
     folder, _ = tiny_model_dir("llama", True)
     model = LLMEngine.load(folder).model
-    from engine.weights import linear_modules
+    from engine.loader.weights import linear_modules
 
     linears = linear_modules(model)
     calls: list[int] = []

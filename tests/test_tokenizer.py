@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
-from engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from engine.model.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_sandboxed_template_matches_transformers_and_raises_cleanly(tmp_path, de
 
 
 def test_template_cannot_reach_python_internals(smol):
-    from engine.tokenizer import render_chat_template
+    from engine.model.tokenizer import render_chat_template
 
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(InvalidRequestError):

@@ -87,7 +87,7 @@ def test_a_slider_reaches_the_engine_at_the_next_step_and_stop_frees_everything(
 def test_a_load_that_fails_ends_with_its_message_and_the_chat_goes_on(
     qtbot: object, window: MainWindow, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.loadgen import LoadGenerator
+    from engine.bench.loadgen import LoadGenerator
 
     def broken(self: LoadGenerator, events: object) -> None:
         raise RuntimeError("a bug in the load generator")

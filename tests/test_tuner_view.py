@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from pytestqt.qtbot import QtBot
 
-from engine.loadgen import SLO, LoadResult, LoadSpec, PromptMix
-from engine.metrics import MemoryByKind, MetricsSnapshot, StepRecord
-from engine.tuning import (
+from engine.bench.loadgen import SLO, LoadResult, LoadSpec, PromptMix
+from engine.bench.tuning import (
     Setting,
     SweepPoint,
     SweepProgress,
@@ -28,6 +27,7 @@ from engine.tuning import (
     pareto_front,
     series,
 )
+from engine.core.metrics import MemoryByKind, MetricsSnapshot, StepRecord
 from widgets.tuner import TunerView, summarise_steps
 
 pytestmark = pytest.mark.usefixtures("gui_gc")

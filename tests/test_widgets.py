@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from PySide6.QtCore import QPoint, QRect
 
 from app.worker import Delta, _coalesce
-from engine.sampling import SamplingParams
+from engine.core.sampling import SamplingParams
 from widgets.block_map import CACHED, FREE, KVBlockMap, owner_colour
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel, NumberField

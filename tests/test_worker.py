@@ -30,7 +30,7 @@ from app.worker import (
     Stop,
     load_engine,
 )
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, ModelLoadError
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
@@ -261,11 +261,11 @@ def only_fits_alone(monkeypatch: pytest.MonkeyPatch, spec: LoadSpec, r: Running)
     """Free memory such that ``spec`` fits only once the model ``r`` holds is gone (as free
     memory grows when it goes)."""
     from app.loading import plan_load
-    from engine import loading
+    from engine.loader import load as loader
 
-    need, real = plan_load(spec).peak_bytes, loading.free_memory
+    need, real = plan_load(spec).peak_bytes, loader.free_memory
     monkeypatch.setattr(
-        loading,
+        loader,
         "free_memory",
         lambda device: real(device) if r.worker.info is None else float(need - 100 * 2**20),
     )

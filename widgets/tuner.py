@@ -22,7 +22,7 @@ batch and queue, KV use and preemptions) and, below them, the *why*: one bar per
 into decode tokens, prefill chunk tokens and unused budget, above how long that step took.
 Steps that carry a prefill chunk are the tall ones; that is where TPOT goes.
 
-The *Sweep* page runs a grid of settings (:func:`engine.tuning.grid`), each under a series
+The *Sweep* page runs a grid of settings (:func:`engine.bench.tuning.grid`), each under a series
 of loads, and plots output throughput against p95 TTFT and p95 TPOT: the Pareto front, each
 series' knee (where latency starts to grow faster than the load) and the best setting that
 meets the SLO. From a knee it sizes a deployment (machines for a target request rate).
@@ -65,10 +65,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.errors import InvalidRequestError
-from engine.loadgen import MODES, SLO, LoadResult, LoadSpec, Mode, PromptMix
-from engine.metrics import MetricsSnapshot, StepRecord
-from engine.tuning import (
+from engine.bench.loadgen import MODES, SLO, LoadResult, LoadSpec, Mode, PromptMix
+from engine.bench.tuning import (
     LIMIT_NAMES,
     Setting,
     SweepPoint,
@@ -80,6 +78,8 @@ from engine.tuning import (
     pareto_front,
     series,
 )
+from engine.core.metrics import MetricsSnapshot, StepRecord
+from engine.errors import InvalidRequestError
 from widgets.instruments import (
     COLOURS,
     HISTORY,

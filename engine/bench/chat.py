@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.bench import text_table
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.bench.speed import text_table
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

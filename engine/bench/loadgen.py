@@ -34,12 +34,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from engine.engine import EngineBusyError, LLMEngine, TokenEvent
+from engine.core.engine import EngineBusyError, LLMEngine, TokenEvent
+from engine.core.metrics import RequestMetrics
+from engine.core.sampling import SamplingParams
 from engine.errors import InfersightError, InvalidRequestError
-from engine.metrics import RequestMetrics
-from engine.sampling import SamplingParams
 
-PROMPT_SET = Path(__file__).resolve().parent.parent / "resources" / "prompts" / "chat.json"
+PROMPT_SET = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "chat.json"
 
 Mode = Literal["closed", "constant", "poisson"]
 MODES: tuple[Mode, ...] = ("closed", "constant", "poisson")

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention import AttentionContext
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.model.attention import AttentionContext
 
 SCOPE = "infersight:"
 SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head",
@@ -43,7 +43,7 @@ SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head"
 SCOPE_EVENTS = {SCOPE + s: s for s in SCOPES}
 #: the compiled decode step's attention op: the "attention" scope of a compiled step
 ATTENTION_OPS = frozenset({"infersight::paged_decode_attention"})
-#: the paged decode kernel (engine/paged_attention.py), attention wherever it is called
+#: the paged decode kernel (engine/kernels/paged_decode.py), attention wherever it is called
 ATTENTION_KERNELS = frozenset({"infersight::paged_attention_kernel"})
 #: what torch.compile records around a compiled call: guards, the graph's wrapper
 GRAPH_EVENTS = ("Torch-Compiled Region", "## Call CompiledFxGraph", "TorchDynamo Cache Lookup",

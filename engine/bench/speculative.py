@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.bench import text_table
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.speculative import (
+from engine.bench.speed import text_table
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
+from engine.speculative.speculator import (
     Drafter,
     Speculator,
     build_drafter,
@@ -115,7 +115,7 @@ def run_spec_bench(
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Plain decoding and each drafter at each k, on each workload (see the module)."""
-    from engine.speculative import parse_speculative
+    from engine.speculative.speculator import parse_speculative
 
     params = SamplingParams(max_new_tokens=new_tokens)
     built: dict[str, Drafter] = {}

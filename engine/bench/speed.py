@@ -6,7 +6,7 @@ alike, and each figure is the median over the repeats. Every run of ours starts 
 prefix cache (:func:`run_ours`): the single workload repeats one prompt, which prefix caching
 would otherwise find cached from the second run on and time a prefill it did not compute. The
 mixed workload empties it before each run too (:func:`run_workload`); its ``--prefix-cache``
-and ``--shared-prefix``, like the chat workload (:mod:`engine.bench_chat`), measure caching
+and ``--shared-prefix``, like the chat workload (:mod:`engine.bench.chat`), measure caching
 itself, and their reports say so.
 """
 
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from engine.engine import LLMEngine, parse_precision
+from engine.core.engine import LLMEngine, parse_precision
+from engine.core.metrics import percentiles
+from engine.core.sampling import SamplingParams
 from engine.errors import InfersightError
-from engine.metrics import percentiles
-from engine.sampling import SamplingParams
-from engine.weights import weight_bytes
+from engine.loader.weights import weight_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,7 +609,7 @@ def kernel_floor_ms(engine: LLMEngine, keys: int, repeats: int = 5) -> float:
     decode faster with these kernels: the floor under the Python, dispatch and small ops."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    from engine.weights import linear_modules
+    from engine.loader.weights import linear_modules
 
     model, cfg = engine.model, engine.cfg
     linears = linear_modules(model)
@@ -631,7 +631,7 @@ def kernel_floor_ms(engine: LLMEngine, keys: int, repeats: int = 5) -> float:
 
 
 class LlamaCppPeer:
-    """llama.cpp in its own process and environment (:mod:`engine.llamacpp_peer`): one JSON
+    """llama.cpp in its own process and environment (:mod:`engine.bench.llamacpp_peer`): one JSON
     command per line in, one JSON object per line back (other output is passed over); every
     answer has a deadline, and a peer that fails to start or answer is killed."""
 
@@ -739,7 +739,7 @@ def run_table(
     """Batch-1 decode of each precision (eager and, where the load compiled it, compiled),
     llama.cpp on ``gguf`` in each of ``gguf_types`` if ``llama_python`` is given, all in
     turn within every repeat, with the memory read bandwidth measured before and after."""
-    from engine.weights import decode_read_bytes
+    from engine.loader.weights import decode_read_bytes
 
     bandwidth = [measure_read_bandwidth()]
     runners: list[tuple[str, str, str, float, Callable[[list[int], int], RunTiming]]] = []

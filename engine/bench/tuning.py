@@ -2,8 +2,8 @@
 throughput against latency, the best setting for an SLO, the knee (where latency starts to
 grow faster than throughput) and the capacity it implies.
 
-A :class:`Sweep` is a :class:`~engine.loadgen.Driver` like a single
-:class:`~engine.loadgen.LoadGenerator`: it runs one generator per :class:`Setting` in turn on
+A :class:`Sweep` is a :class:`~engine.bench.loadgen.Driver` like a single
+:class:`~engine.bench.loadgen.LoadGenerator`: it runs one generator per :class:`Setting` in turn on
 the same live engine (limits applied between points, the engine's own limits put back at
 the end), so ``infersight tune`` and the app's sweep view run exactly the same thing.
 """
@@ -16,10 +16,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from engine.bench import text_table
-from engine.engine import LLMEngine, TokenEvent
+from engine.bench.loadgen import SLO, LoadGenerator, LoadResult, LoadSpec
+from engine.bench.speed import text_table
+from engine.core.engine import LLMEngine, TokenEvent
 from engine.errors import InvalidRequestError
-from engine.loadgen import SLO, LoadGenerator, LoadResult, LoadSpec
 
 #: the limits a setting may change, in the order labels name them
 LIMIT_NAMES = ("max_batch_size", "max_tokens_per_step", "max_wait_ms", "kv_blocks")

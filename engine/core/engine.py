@@ -21,18 +21,7 @@ from typing import Any
 
 import torch
 
-from engine import decode_graph
-from engine.config import ModelConfig
-from engine.errors import InfersightError, InvalidRequestError, OutOfMemoryError
-from engine.kv_cache import (
-    CacheWindow,
-    ContiguousKVCache,
-    PagedKVCache,
-    SeqChunk,
-    effective_window,
-)
-from engine.loading import kv_pool_blocks
-from engine.metrics import (
+from engine.core.metrics import (
     LayerTimer,
     LayerTiming,
     MetricsCollector,
@@ -41,17 +30,33 @@ from engine.metrics import (
     StepRecord,
     memory_by_kind,
 )
-from engine.model import Transformer
-from engine.quant import (
+from engine.core.sampling import SamplingParams, make_generator, sample
+from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerLimits, SchedulerOutput
+from engine.core.sequence import FinishReason, Status
+from engine.core.sequence import Sequence as Seq
+from engine.errors import InfersightError, InvalidRequestError, OutOfMemoryError
+from engine.kernels import decode_graph
+from engine.kv_cache.paged import (
+    CacheWindow,
+    ContiguousKVCache,
+    PagedKVCache,
+    SeqChunk,
+    effective_window,
+)
+from engine.loader.load import kv_pool_blocks
+from engine.loader.weights import (
+    weight_bytes,
+    weight_report,
+)
+from engine.model.config import ModelConfig
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.model.transformer import Transformer
+from engine.quant.quantize import (
     PrecisionSpec,
     dtype_name,
     parse_precision_spec,
 )
-from engine.sampling import SamplingParams, make_generator, sample
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerLimits, SchedulerOutput
-from engine.sequence import FinishReason, Status
-from engine.sequence import Sequence as Seq
-from engine.speculative import (
+from engine.speculative.speculator import (
     ACCEPTED,
     BONUS,
     CORRECTED,
@@ -63,11 +68,6 @@ from engine.speculative import (
     measure_costs,
     same_drafter,
 )
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weights import (
-    weight_bytes,
-    weight_report,
-)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class EngineBusyError(InfersightError):
 
 def parse_precision(text: str, device: torch.device | str = "cpu") -> PrecisionSpec:
     """A precision spec (``fp32``, ``bf16``, ``int8``, ``int4-g64``, ``mixed:…``); see
-    :mod:`engine.quant`. Raises :class:`InvalidRequestError` naming what is available."""
+    :mod:`engine.quant.quantize`. Raises :class:`InvalidRequestError` naming what is available."""
     return parse_precision_spec(text, device)
 
 
@@ -88,7 +88,7 @@ class EngineConfig:
     ``kv_memory`` bytes (> 1) or that fraction of free memory (<= 1), else a default share
     (10% of available RAM on CPU, 50% of free GPU memory), never more than the running set
     can use at full context. ``prefix_caching``: full KV blocks of a prefix already computed
-    are shared by the requests that start with it (:class:`~engine.kv_cache.BlockManager`)."""
+    are shared by the requests that start with it (:class:`~engine.kv_cache.paged.BlockManager`)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -96,7 +96,8 @@ class EngineConfig:
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     window: CacheWindow | None = None
     metrics_window_s: float = 30.0
-    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.decode_graph`); None: INFERSIGHT_DECODE_GRAPH
+    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.kernels.decode_graph`); None:
+    #: INFERSIGHT_DECODE_GRAPH
     decode_graph: str | None = None
     prefix_caching: bool = True
 
@@ -234,8 +235,8 @@ class LLMEngine:
         pack: bool | None = None,
         config: EngineConfig | None = None,
     ) -> LLMEngine:
-        """Load a HF-style model folder (:func:`engine.loading.load_model`)."""
-        from engine.loading import load_model
+        """Load a HF-style model folder (:func:`engine.loader.load.load_model`)."""
+        from engine.loader.load import load_model
 
         return load_model(folder, precision=precision, device=device, pack=pack, config=config)
 
@@ -248,7 +249,7 @@ class LLMEngine:
         in the memory free now plus this engine's pool."""
         from dataclasses import replace
 
-        from engine.loading import free_memory, kv_pool_blocks
+        from engine.loader.load import free_memory, kv_pool_blocks
 
         if self.has_work():
             raise InvalidRequestError(
@@ -512,10 +513,11 @@ class LLMEngine:
         self.config = replace(self.config, prefix_caching=on)
 
     def set_speculation(self, config: SpeculativeConfig | None) -> None:
-        """Speculative decoding with the drafter ``config`` names (:mod:`engine.speculative`),
-        or off (``None``). A new drafter is built first (a draft model is loaded), so a
-        failure leaves the engine as it was; changing only k or the adaptive settings keeps
-        the drafter. Applies from the next step, running requests included."""
+        """Speculative decoding with the drafter ``config`` names
+        (:mod:`engine.speculative.speculator`), or off (``None``). A new drafter is built first
+        (a draft model is loaded), so a failure leaves the engine as it was; changing only k or
+        the adaptive settings keeps the drafter. Applies from the next step, running requests
+        included."""
         old = self.speculator
         if config is None:
             self.speculator = None

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.nvml import device_memory
+from engine.hardware.nvml import device_memory
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.core.sampling import SamplingParams
 
 
 class Status(enum.Enum):
@@ -54,7 +54,8 @@ class Sequence:
     generator: torch.Generator | None = None
     history: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
     #: draft tokens to verify in the next step (speculative decoding; 0 = none), set by the
-    #: engine's :class:`~engine.speculative.Speculator` before the scheduler reserves slots
+    #: engine's :class:`~engine.speculative.speculator.Speculator` before the scheduler
+    #: reserves slots
     spec_k: int = 0
 
     def __post_init__(self) -> None:

@@ -31,10 +31,10 @@ token where it is A's likeliest (greedy: the top-1 agreement), or with probabili
 its sampling temperature (1 for a greedy side); both are measured on A's output.
 :func:`measure_speculation` then *measures* it: A generates once more from the same prompt with
 its own sampling (same seed, same token budget) while B's model drafts for it
-(:class:`~engine.speculative.ModelDrafter`, a fixed k, every step drafting), on an engine of
-its own over A's weights, so A's engine and its cache are left as they were. It records the
-acceptance per drafted token (comparable with the prediction), vLLM's acceptance rate
-(accepted / drafted tokens, which also counts the drafts left unchecked after a rejection),
+(:class:`~engine.speculative.speculator.ModelDrafter`, a fixed k, every step drafting), on an
+engine of its own over A's weights, so A's engine and its cache are left as they were. It
+records the acceptance per drafted token (comparable with the prediction), vLLM's acceptance
+rate (accepted / drafted tokens, which also counts the drafts left unchecked after a rejection),
 the mean acceptance length, the acceptance at each draft position, and whether the output is
 A's (for greedy A it must be, token for token). A pair that cannot draft for each other (a
 different tokenizer, another device) is reported as not measured, with the reason.
@@ -54,17 +54,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError, OutOfMemoryError
-from engine.kv_cache import CacheWindow, SeqChunk
-from engine.sampling import SamplingParams
-from engine.speculative import (
+from engine.kv_cache.paged import CacheWindow, SeqChunk
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.speculative.speculator import (
     ModelDrafter,
     SpeculativeConfig,
     Speculator,
     VerifyCost,
 )
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
     pass

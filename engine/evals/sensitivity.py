@@ -33,13 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.attention import AttentionContext
-from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.kv_cache import ContiguousKVCache
-from engine.linear import packs
-from engine.model import Transformer
-from engine.quant import (
+from engine.kernels.packed_linear import packs
+from engine.kv_cache.paged import ContiguousKVCache
+from engine.loader.weights import load_transformer
+from engine.model.attention import AttentionContext
+from engine.model.config import ModelConfig
+from engine.model.transformer import Transformer
+from engine.quant.quantize import (
     LAYER_PARTS,
     PrecisionSpec,
     QuantKind,
@@ -50,13 +51,12 @@ from engine.quant import (
     parse_quant_kind,
     quantized_linear,
 )
-from engine.weights import load_transformer
 
 log = logging.getLogger(__name__)
 
 #: The linears of each block, by attribute of ``layer.attn`` / ``layer.mlp``.
 BLOCK_LINEARS = {"attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
-#: Quantized models compute in bf16 (see :func:`engine.quant.parse_precision_spec`).
+#: Quantized models compute in bf16 (see :func:`engine.quant.quantize.parse_precision_spec`).
 COMPUTE = torch.bfloat16
 
 
@@ -215,7 +215,7 @@ def scan_model(
     name: str = "model",
     progress: Callable[[int, int], None] | None = None,
 ) -> Scan:
-    """Scan an fp32 model built by :func:`~engine.weights.load_transformer` without packing
+    """Scan an fp32 model built by :func:`~engine.loader.weights.load_transformer` without packing
     (its linears are plain ``nn.Linear``). Every block is restored before ``progress`` is
     called and on any error, so the model leaves as it came, cancelled or not."""
     cfg = model.cfg

@@ -217,7 +217,7 @@ def _int8_kernel_works() -> bool:
 
 
 def _int4_kernel_works() -> bool:
-    from engine.quant import dequantize_int4, quantize_int4
+    from engine.quant.quantize import dequantize_int4, quantize_int4
 
     w = _tiny(64, 64, 6)
     q, scale, zero = quantize_int4(w, 32)
@@ -232,7 +232,7 @@ def _int4_kernel_works() -> bool:
 @functools.cache
 def cpu_paths() -> CpuPaths:
     """Probe every CPU path once per process (a few milliseconds)."""
-    from engine.quant import cpu_int4_block_rows
+    from engine.quant.quantize import cpu_int4_block_rows
 
     forced = forced_level()
     int4 = _probe("int4_kernel", forced, "AVX2", _int4_kernel_works)

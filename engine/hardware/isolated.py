@@ -1,9 +1,9 @@
 """Probes that may crash natively, run once per machine in a child process.
 
-Most probes (:mod:`engine.hardware`) run in-process: a path that raises or disagrees is simply
-not used. A few run native code that can take the whole process down instead of raising:
-TorchInductor's first compile (a C++ compiler, a cache on disk, generated code loaded with
-``dlopen``) and the paged decode kernel's first check (our C, called through ``ctypes``). A
+Most probes (:mod:`engine.hardware.cpu_paths`) run in-process: a path that raises or disagrees
+is simply not used. A few run native code that can take the whole process down instead of
+raising: TorchInductor's first compile (a C++ compiler, a cache on disk, generated code loaded
+with ``dlopen``) and the paged decode kernel's first check (our C, called through ``ctypes``). A
 crash there must not end the app or a test run, so those run here first: in a fresh
 interpreter, with this process's environment, and the verdict (``""`` for "works", else one
 line saying why not) is kept in ``<cache>/probes.json`` under a key that names what the verdict
@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import measured
+from engine.hardware import measured
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def verdict(name: str, target: str, key: str, *, timeout_s: float = 300.0) -> st
 
 #: The folder that holds ``engine/``: a child imports the engine from there, never from its
 #: working folder (``-c`` puts that first, where a user's own ``engine`` package could be).
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _BOOT = """
 import importlib, sys
 root, entry, *args = sys.argv[1:]

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def path(name: str) -> Path:
-    from engine.model_store import home
+    from engine.store.model_store import home
 
     return home() / name
 

@@ -20,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from engine import measured
+from engine.hardware import measured
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def settle_threads(model: nn.Module, dtype: torch.dtype) -> str:
     if len(options) == 1:
         torch.set_num_threads(options[0])
         return f"{options[0]} thread, the only core"
-    from engine.linear import machine_name
-    from engine.weights import linear_modules
+    from engine.kernels.packed_linear import machine_name
+    from engine.loader.weights import linear_modules
 
     linears = _streaming_prefix(linear_modules(model))
     shapes = sorted({(m.out_features, m.in_features) for m in linears})

@@ -5,9 +5,9 @@ Python and dispatch costs that dwarf its own work on a CPU (RMSNorm alone is ~10
 ``torch.compile`` traces the whole forward of a decode-only step into one graph and
 TorchInductor fuses what lies between the matmuls (residual add + RMSNorm, RoPE on q and k,
 SiLU·mul, the dtype casts around INT4) into a few generated C++ loops. What it must not touch
-stays opaque: oneDNN's packed linears (:func:`engine.linear.packed_linear`) and the paged
-attention with its cache write (:func:`engine.kv_cache.paged_decode_attention`), so the data
-and memory flow are the engine's own in both modes.
+stays opaque: oneDNN's packed linears (:func:`engine.kernels.packed_linear.packed_linear`) and
+the paged attention with its cache write (:func:`engine.kv_cache.paged.paged_decode_attention`),
+so the data and memory flow are the engine's own in both modes.
 
 Only decode-only steps run compiled; prefill (long, one-off, shape-varied) stays eager, as
 does any step while hooks are on the model (layer timings, ``bench --profile`` scopes).
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from engine.hardware import forced_level, isolate_compile_cache, native_level
+from engine.hardware.cpu_paths import forced_level, isolate_compile_cache, native_level
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,9 @@ def compiler_problem(device_type: str = "cpu") -> str:
     """Why TorchInductor cannot compile for this kind of device here (a C++ compiler on a CPU,
     Triton on a GPU), or "" when it can: a tiny function is compiled and run on such a device
     (the probe, not a guess from ``PATH``). The probe runs once per machine in a child process
-    (:mod:`engine.isolated`), since a compiler or Inductor crash would otherwise end this one;
-    its verdict is kept for later loads."""
-    from engine import isolated
+    (:mod:`engine.hardware.isolated`), since a compiler or Inductor crash would otherwise end
+    this one; its verdict is kept for later loads."""
+    from engine.hardware import isolated
 
     isolate_compile_cache()  # the child inherits the cache of this process's level
     why = isolated.verdict(
@@ -123,7 +123,7 @@ def probe_key(device_type: str) -> str:
     """What a compile probe's verdict holds for: the machine at its level, torch, Python (whose
     headers the generated code includes), the compiler TorchInductor calls, and on a GPU the
     device and Triton."""
-    from engine.linear import machine_name
+    from engine.kernels.packed_linear import machine_name
 
     level = forced_level() or native_level()
     python = f"python {sys.version.split()[0]}"

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine import measured
-from engine.hardware import cpu_paths
+from engine.hardware import measured
+from engine.hardware.cpu_paths import cpu_paths
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Decode attention that reads K/V through the block tables, with no padded copy.
 
-The portable decode path (:func:`engine.kv_cache._gather_attention`) gathers every decoding
+The portable decode path (:func:`engine.kv_cache.paged._gather_attention`) gathers every decoding
 sequence's keys and values into a padded ``[B, W, 2·Hkv, D]`` tensor, then runs SDPA over it:
 each step writes a copy of every K/V it reads and reads it again. At batch 16 with 512-token
 contexts that copy is most of the attention's time. ``csrc/paged_decode.c`` reads each key and
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine import isolated
 from engine.errors import InfersightError
+from engine.hardware import isolated
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _compiler() -> str | None:
 def _isa_flags() -> list[str]:
     """Instruction sets to build for: this CPU's, or AVX2 where ``INFERSIGHT_CPU_CAPABILITY``
     caps the level there (so an AVX-512 machine proves the AVX2 build)."""
-    from engine.hardware import forced_level
+    from engine.hardware.cpu_paths import forced_level
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return []
@@ -104,7 +104,7 @@ def _build(cc: str, out: Path) -> str | None:
 
 
 def _library_path(cc: str) -> Path:
-    from engine.model_store import home
+    from engine.store.model_store import home
 
     try:
         version = subprocess.run(
@@ -121,7 +121,7 @@ def _library_path(cc: str) -> Path:
 
 def _cpu() -> str:
     """The CPU's name and instruction-set flags (``/proc/cpuinfo``), else ``platform``'s."""
-    from engine.linear import machine_name
+    from engine.kernels.packed_linear import machine_name
 
     flags = ""
     try:
@@ -147,7 +147,7 @@ def kernel() -> Kernel:
 
 
 def _kernel() -> Kernel:
-    from engine.hardware import FORCE_ENV, forced_level
+    from engine.hardware.cpu_paths import FORCE_ENV, forced_level
 
     if requested() == "gather":
         return Kernel(None, f"gather + SDPA ({ENV}=gather)")
@@ -206,7 +206,7 @@ PROBE = f"{__name__}:_probe_build"
 
 def _check(k: Kernel) -> str:
     """One small call of each dtype against the portable path: '' if they agree."""
-    from engine.kv_cache import _gather_attention
+    from engine.kv_cache.paged import _gather_attention
 
     gen = torch.Generator().manual_seed(0)
     for dtype in DTYPES:

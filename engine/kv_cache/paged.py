@@ -12,7 +12,7 @@ also shares the full blocks of common prefixes between sequences (*prefix cachin
 earlier turns, a shared system prompt, n candidates of one prompt), reference-counted and kept
 after their sequences end until the pool needs them. The model never knows: a shared block is
 just an entry in two block tables. The manager only does bookkeeping; :class:`PagedKVCache`
-owns the tensors and builds the per-step :class:`~engine.attention.AttentionContext`.
+owns the tensors and builds the per-step :class:`~engine.model.attention.AttentionContext`.
 
 A model with a sliding window of its own (Mistral's ``sliding_window``: query ``p`` sees keys
 ``> p - W``) is a hard limit under any cache window: both caches mask every key older than it,
@@ -35,10 +35,10 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from engine import paged_attention
-from engine.attention import AttentionContext, grouped_attention, sequence_attention
-from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
+from engine.kernels import paged_decode
+from engine.model.attention import AttentionContext, grouped_attention, sequence_attention
+from engine.model.config import ModelConfig
 
 RELEASED = -1  # table entry of a block given back by the cache window
 
@@ -609,10 +609,10 @@ def _decode_attention(
     """One query per sequence (``q: [B, H, D]``) over the keys in the first ``lens[b]``
     columns of its row of ``slots: [B, W]`` (``mask: [B, 1, 1, W]``, additive, or None).
     Returns ``[B, H·D]``. On CPU the paged kernel reads K/V straight from the pool
-    (:mod:`engine.paged_attention`); elsewhere, or where it is not available, one padded
+    (:mod:`engine.kernels.paged_decode`); elsewhere, or where it is not available, one padded
     gather and one SDPA."""
-    if paged_attention.usable(q, pool):
-        return paged_attention.paged_attention(q, pool, slots, lens, mask)
+    if paged_decode.usable(q, pool):
+        return paged_decode.paged_attention(q, pool, slots, lens, mask)
     return _gather_attention(q, pool, slots, mask)
 
 

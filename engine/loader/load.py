@@ -1,20 +1,21 @@
-"""Loading a model folder into an :class:`~engine.engine.LLMEngine`, and the memory plan that
+"""Loading a model folder into an :class:`~engine.core.engine.LLMEngine`, and the memory plan that
 predicts, before a single tensor is read, what the load will take and what will fit after it.
 
 The plan (:func:`plan_memory`) adds up, from ``config.json`` alone:
 
 * **weights** at the chosen precision, every packed copy, scale and zero point included
-  (:func:`engine.quant.weight_bytes_by_kind`, the figures a load then reports);
+  (:func:`engine.quant.quantize.weight_bytes_by_kind`, the figures a load then reports);
 * **KV bytes per token** (K and V, every layer, in the compute dtype) and the pool a load with
-  this :class:`~engine.engine.EngineConfig` allocates (:func:`kv_pool_blocks`, the function the
+  this :class:`~engine.core.engine.EngineConfig` allocates (:func:`kv_pool_blocks`, the function the
   engine itself sizes its pool with);
 * **workspace**: the activations of one step of ``max_tokens_per_step`` tokens, the prefill's
   attention scores and the logits (an estimate, stated as one);
 * **runtime**: on CUDA the context and library workspaces that the caching allocator does not
   see (:data:`CUDA_RUNTIME_BYTES`, an estimate);
-* **load peak**: the weights, plus what the bounded load (:func:`engine.weights.load_transformer`)
-  holds at most beside them: the largest tensor being assembled in fp32, its copy read from
-  the checkpoint, and a few chunks of quantization temporaries (:func:`load_overhead_bytes`).
+* **load peak**: the weights, plus what the bounded load
+  (:func:`engine.loader.weights.load_transformer`) holds at most beside them: the largest tensor
+  being assembled in fp32, its copy read from the checkpoint, and a few chunks of quantization
+  temporaries (:func:`load_overhead_bytes`).
 
 From the memory the device has (free memory now, or ``memory=`` for another machine), it gives
 the longest context one sequence can reach and the largest batch at a given context, and says
@@ -31,19 +32,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.config import ModelConfig
+from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError, ModelLoadError, OutOfMemoryError
-from engine.quant import (
+from engine.model.config import ModelConfig
+from engine.quant.quantize import (
     QUANT_CHUNK_BYTES,
     PrecisionSpec,
     dtype_name,
     parse_precision_spec,
     weight_bytes_by_kind,
 )
-from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import EngineConfig, LLMEngine
+    from engine.core.engine import EngineConfig, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +224,10 @@ def plan_memory(
     ``device`` has free now plus ``reclaimable`` (what unloading the current model would give
     back). ``config``: the engine config the load would use (its KV pool); by default the
     engine's own default pool. ``packed``: whether a CPU lays a tied float head out again
-    (:func:`engine.quant.estimate_weight_bytes`); ``None`` takes this machine's measured
+    (:func:`engine.quant.quantize.estimate_weight_bytes`); ``None`` takes this machine's measured
     verdict (never timing now), and planning for another device assumes it does not.
     """
-    from engine.engine import EngineConfig
+    from engine.core.engine import EngineConfig
 
     torch_device = torch.device(device)
     # A plan for memory of another machine does not ask this one's device (which may be
@@ -245,7 +246,7 @@ def plan_memory(
     if torch_device.type != "cpu" or memory is not None:
         packed = False if packed is None else packed
     elif packed is None:  # what this machine measured, never a timing now
-        from engine.linear import packs
+        from engine.kernels.packed_linear import packs
 
         packed = packs(spec.compute, cfg.vocab_size, cfg.hidden_size, measure=False)
     # On a GPU measured now the context already exists: its free memory leaves it out.
@@ -352,7 +353,7 @@ def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, config: EngineConfig) 
 
 
 def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, device: torch.device) -> int:
-    """The most :func:`engine.weights.load_transformer` holds beside the weights already
+    """The most :func:`engine.loader.weights.load_transformer` holds beside the weights already
     loaded: the largest tensor being assembled (the embedding or head, or a fused gate/up or
     q/k/v projection) in fp32 where it will be quantized, else in the compute dtype; on a CPU
     also its copy read from the checkpoint (in the checkpoint's dtype, fp32 when the config
@@ -399,7 +400,7 @@ def kv_pool_blocks(
     ``kv_memory`` bytes (> 1) or that fraction of ``available`` memory (≤ 1; by default what
     ``device`` has free now), else 10% of it on a CPU and 50% on a GPU; never more than the
     running set can use at full context. The engine sizes its pool with this very function."""
-    from engine.kv_cache import PagedKVCache
+    from engine.kv_cache.paged import PagedKVCache
 
     if config.num_blocks is not None:
         return config.num_blocks
@@ -443,15 +444,15 @@ def load_model(
 ) -> LLMEngine:
     """Load a HF-style model folder into an engine (:meth:`LLMEngine.load
     <engine.engine.LLMEngine.load>`). CPU linears are laid out for oneDNN where that measured
-    faster on this machine (:func:`engine.linear.packs`); ``pack=True`` packs every linear
-    this CPU can pack, ``False`` none (plain ``nn.Linear``)."""
-    from engine import paged_attention
-    from engine.engine import LLMEngine
-    from engine.hardware import cpu_paths
-    from engine.linear import pack_linears
-    from engine.threads import settle_threads
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_transformer, parameter_count, quantized_parameter_count
+    faster on this machine (:func:`engine.kernels.packed_linear.packs`); ``pack=True`` packs
+    every linear this CPU can pack, ``False`` none (plain ``nn.Linear``)."""
+    from engine.core.engine import LLMEngine
+    from engine.hardware.cpu_paths import cpu_paths
+    from engine.hardware.threads import settle_threads
+    from engine.kernels import paged_decode
+    from engine.kernels.packed_linear import pack_linears
+    from engine.loader.weights import load_transformer, parameter_count, quantized_parameter_count
+    from engine.model.tokenizer import Tokenizer
 
     folder = Path(folder)
     torch_device = torch.device(device)
@@ -495,7 +496,7 @@ def load_model(
     )  # fmt: skip
     if torch_device.type == "cpu":
         log.info("  %s; %s", cpu_paths().summary(), threads)
-        log.info("  decode attention: %s", paged_attention.status())
+        log.info("  decode attention: %s", paged_decode.status())
     log.info("  %s", engine.graph.summary())
     _log_weights(engine, num_parameters)
     return engine

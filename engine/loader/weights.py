@@ -1,4 +1,5 @@
-"""Load HF safetensors checkpoints into :class:`~engine.model.Transformer`, tensor by tensor.
+"""Load HF safetensors checkpoints into :class:`~engine.model.transformer.Transformer`,
+tensor by tensor.
 
 Files are opened with ``safe_open`` (memory-mapped); each tensor is read, converted to the
 target dtype and moved to the device on its own, so peak memory stays near the size of the
@@ -18,10 +19,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.model import RotaryEmbedding, Transformer
-from engine.quant import (
+from engine.model.config import ModelConfig
+from engine.model.transformer import RotaryEmbedding, Transformer
+from engine.quant.quantize import (
     Int4Linear,
     Int8Linear,
     QuantizedEmbedding,
@@ -98,7 +99,8 @@ def load_transformer(
     complete, straight from the checkpoint's values in fp32: the model never exists in full
     precision beside its quantized form. The load is bounded: beside the weights loaded so far,
     the device holds at most one fused tensor being assembled (fp32 where it will be
-    quantized) and one chunk of quantization temporaries (:data:`engine.quant.QUANT_CHUNK_BYTES`);
+    quantized) and one chunk of quantization temporaries
+    (:data:`engine.quant.quantize.QUANT_CHUNK_BYTES`);
     the host, one checkpoint tensor read from the mapped file.
     """
     with torch.device("meta"):
@@ -250,7 +252,7 @@ class _Fused:
 
 
 def _quantize_into(model: nn.Module, module_name: str, weight: Tensor, kind: QuantKind) -> None:
-    from engine.quant import quantized_linear
+    from engine.quant.quantize import quantized_linear
 
     parent_name, _, attr = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -378,7 +380,7 @@ class WeightGroup:
 
 def weight_report(model: nn.Module) -> list[WeightGroup]:
     """Bytes of the weights by kind and format (what a precision really costs)."""
-    from engine.linear import PackedLinear
+    from engine.kernels.packed_linear import PackedLinear
 
     groups: dict[tuple[str, str], list[int]] = {}
     seen: set[int] = set()

@@ -2,10 +2,10 @@
 
 Tokens travel flattened: ``input_ids: [T]`` holds the new tokens of every sequence in this
 step, ``positions: [T]`` their absolute positions. Attention goes through an
-:class:`~engine.attention.AttentionContext`, which owns the KV cache.
+:class:`~engine.model.attention.AttentionContext`, which owns the KV cache.
 
 Two load-time fusions keep decode cheap on a CPU: q/k/v are one matmul (``qkv_proj``) and
-gate/up are one matmul (``gate_up_proj``). :mod:`engine.weights` builds them from HF tensors.
+gate/up are one matmul (``gate_up_proj``). :mod:`engine.loader.weights` builds them from HF tensors.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.attention import AttentionContext
-from engine.config import ModelConfig
+from engine.model.attention import AttentionContext
+from engine.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        #: :meth:`body` compiled for decode-only steps (:mod:`engine.decode_graph`)
+        #: :meth:`body` compiled for decode-only steps (:mod:`engine.kernels.decode_graph`)
         self.compiled_decode: Callable[..., Tensor] | None = None
         #: why every module must run eagerly for now (hooks of layer timings, say)
         self.eager_reasons: set[str] = set()

@@ -15,7 +15,7 @@ A precision is a spec string: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4-g64
 part defaults with per-layer overrides, ``attn.N=<q>`` or ``mlp.N-M=<q>`` (layers N to M,
 inclusive), which beat the default for those blocks; ``none`` keeps a block in the compute
 dtype: ``mixed:attn=int4-g128,mlp=int4-g128,attn.0-2=int8,mlp.7=none``. That is what the
-sensitivity planner (:mod:`engine.sensitivity`) writes, via :func:`format_mixed_spec`.
+sensitivity planner (:mod:`engine.evals.sensitivity`) writes, via :func:`format_mixed_spec`.
 :func:`estimate_weight_bytes` predicts, from the config alone, the bytes a spec's weights
 will take once loaded. Embeddings and norms stay in the compute dtype; the LM head is
 quantized only when the spec names it. With tied embeddings the head *is* the embedding
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.hardware import cpu_paths
+from engine.hardware.cpu_paths import cpu_paths
+from engine.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -783,14 +783,14 @@ def estimate_weight_bytes(
     ``weights_bytes`` of :meth:`LLMEngine.load <engine.engine.LLMEngine.load>`, without reading
     a single tensor (what a planner needs to fit a budget before loading).
 
-    It counts what :func:`engine.weights.weight_bytes` counts: the embedding, the norms, every
-    block at its format (:func:`block_bytes`), and the LM head. A tied head is stored once,
-    as the embedding or, quantized, as the head that the embedding reads its rows from
+    It counts what :func:`engine.loader.weights.weight_bytes` counts: the embedding, the norms,
+    every block at its format (:func:`block_bytes`), and the LM head. A tied head is stored
+    once, as the embedding or, quantized, as the head that the embedding reads its rows from
     (:class:`QuantizedEmbedding`). One case depends on the machine: on a CPU whose oneDNN
     path runs the compute dtype and measured faster for the head's shape, the loader lays a
     tied float head out as a second, packed matrix beside the embedding. ``packed`` says whether
-    it does: ``None`` asks :func:`engine.linear.packs`, as a default CPU load does; pass
-    ``True`` for ``pack=True`` and ``False`` for ``pack=False`` or a GPU.
+    it does: ``None`` asks :func:`engine.kernels.packed_linear.packs`, as a default CPU load
+    does; pass ``True`` for ``pack=True`` and ``False`` for ``pack=False`` or a GPU.
     """
     return sum(weight_bytes_by_kind(cfg, spec, packed=packed).values())
 
@@ -799,7 +799,7 @@ def weight_bytes_by_kind(
     cfg: ModelConfig, spec: PrecisionSpec, *, packed: bool | None = None
 ) -> dict[str, int]:
     """:func:`estimate_weight_bytes` by the kinds of the load report
-    (:func:`engine.weights.weight_report`): ``embedding``, ``attention`` (Qwen3's q/k norms
+    (:func:`engine.loader.weights.weight_report`): ``embedding``, ``attention`` (Qwen3's q/k norms
     included), ``mlp``, ``norm`` and ``lm_head``."""
     compute, size = spec.compute, _itemsize(spec.compute)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
@@ -816,7 +816,7 @@ def weight_bytes_by_kind(
         kinds["embedding"] = 0 if cfg.tie_word_embeddings else embedding
         return kinds
     if packed is None:
-        from engine.linear import packs
+        from engine.kernels.packed_linear import packs
 
         packed = packs(compute, vocab, hidden)
     kinds["embedding"] = embedding

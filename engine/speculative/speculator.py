@@ -57,15 +57,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from engine.core.sampling import SamplingParams, apply_repetition_penalty, filter_logits
 from engine.errors import InvalidRequestError
-from engine.kv_cache import CacheWindow, PagedKVCache, SeqChunk
-from engine.quant import parse_precision_spec
-from engine.sampling import SamplingParams, apply_repetition_penalty, filter_logits
+from engine.kv_cache.paged import CacheWindow, PagedKVCache, SeqChunk
+from engine.quant.quantize import parse_precision_spec
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
-    from engine.model import Transformer
-    from engine.sequence import Sequence as Seq
+    from engine.core.engine import LLMEngine
+    from engine.core.sequence import Sequence as Seq
+    from engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -539,7 +539,7 @@ def build_drafter(config: SpeculativeConfig, target: LLMEngine) -> Drafter:
     """The drafter ``config`` names, for ``target``: a self-draft loads the target's folder
     once more at the draft precision; a draft model loads its folder at the target's
     precision. Raises :class:`InvalidRequestError` / ``ModelLoadError`` with what to do."""
-    from engine.engine import EngineConfig
+    from engine.core.engine import EngineConfig
 
     if config.method == "lookup":
         return LookupDrafter(config.ngram_min, config.ngram_max)

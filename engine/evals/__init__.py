@@ -1,0 +1,1 @@
+"""Quality: perplexity, the A/B comparison and the layer sensitivity scan."""

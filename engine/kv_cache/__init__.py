@@ -1,0 +1,1 @@
+"""The paged KV cache: block tables, the prefix cache and the cache window."""

@@ -1,0 +1,1 @@
+"""A model folder to a ready engine: weights, the memory plan and the load."""

@@ -1,0 +1,1 @@
+"""Weight-only INT8/INT4: the precision spec, the formats and the quantized layers."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, the acceptance rule and adaptive k."""

@@ -1,0 +1,1 @@
+"""Where models live on disk: the default model's pull, the GGUF import and model discovery."""
