@@ -103,7 +103,9 @@ def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) 
 
 def save_tiny(model: torch.nn.Module, folder: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # its bar on stderr would land in a test's captured output
     model.save_pretrained(folder, safe_serialization=True)
     vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
@@ -142,7 +144,7 @@ def gui_gc(qapp: object) -> Iterator[None]:
     """Qt tests: garbage is collected in the UI thread only, as in the app (see
     ``app.gc_guard``); a collection in the engine or loader thread could destroy this
     module's widgets from the wrong thread and crash the run."""
-    from app.gc_guard import GuiGarbageCollector
+    from app.gui.gc_guard import GuiGarbageCollector
 
     collector = GuiGarbageCollector()
     yield

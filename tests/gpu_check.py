@@ -287,8 +287,8 @@ def check_speculative(model: Path, device: torch.device, int4: bool) -> None:
 def check_server_loop(model: Path, device: torch.device) -> None:
     import queue as queue_module
 
-    from app.server import EngineLoop
-    from app.server_metrics import ServerMetrics
+    from app.server.metrics import ServerMetrics
+    from app.server.routes import EngineLoop
     from engine.core.engine import EngineConfig, LLMEngine
     from engine.core.sampling import SamplingParams
 
@@ -337,8 +337,17 @@ def check_worker(model: Path, device: torch.device, int4: bool) -> None:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtCore import QCoreApplication, Qt, QThread
 
-    from app.gc_guard import GuiGarbageCollector
-    from app.worker import Configure, Delta, EngineView, EngineWorker, Load, LoadSpec, Send, Stop
+    from app.gui.gc_guard import GuiGarbageCollector
+    from app.gui.worker import (
+        Configure,
+        Delta,
+        EngineView,
+        EngineWorker,
+        Load,
+        LoadSpec,
+        Send,
+        Stop,
+    )
 
     app = QCoreApplication.instance() or QCoreApplication([])
     collector = GuiGarbageCollector()

@@ -19,9 +19,9 @@ import pytest
 import torch
 from PySide6.QtCore import QObject, Qt, QTimer, Slot
 
-from app.main_window import MainWindow, stats_text
-from app.store import ChatStore
-from app.worker import Delta, LoadSpec, Pause, ReplyStats, load_engine
+from app.conversations import ChatStore
+from app.gui.main_window import MainWindow, stats_text
+from app.gui.worker import Delta, LoadSpec, Pause, ReplyStats, load_engine
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.hardware.cpu_paths import cpu_paths
@@ -564,7 +564,7 @@ def test_candidates_are_batched_into_tabs(qtbot: object, window: MainWindow) -> 
 def test_lookup_speculation_marks_the_tokens_and_keeps_the_greedy_reply(
     qtbot: object, window: MainWindow, oracle: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app import worker as worker_module
+    from app.gui import worker as worker_module
     from engine.speculative.speculator import VerifyCost, parse_speculative
     from widgets.chat_pane import SPECULATION_MARKS
 
@@ -754,9 +754,9 @@ def test_serving_the_apps_engine_streams_beside_the_chat(
 
     import openai
 
-    from app import serve_host
-    from app.server import bind
-    from app.worker import EngineWorker
+    from app.gui import serve_host
+    from app.gui.worker import EngineWorker
+    from app.server.routes import bind
 
     sock = bind("127.0.0.1", 0)  # held from here on: no other process can take the port
     port = int(sock.getsockname()[1])

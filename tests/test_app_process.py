@@ -22,9 +22,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
 
-from app.gui import AUTOSEND_ENV
-from app.main_window import SAVE_INTERVAL_S
-from app.store import ChatStore
+from app.conversations import ChatStore
+from app.gui.launch import AUTOSEND_ENV
+from app.gui.main_window import SAVE_INTERVAL_S
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm at sea."
@@ -143,7 +143,7 @@ def streaming_with_text(row: Row) -> bool:
 def test_signals_reach_the_event_loop_and_the_old_handlers_come_back(qtbot: object) -> None:
     import threading
 
-    from app.signals import forward_signals
+    from app.gui.signals import forward_signals
 
     before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     wakeup_fd = signal.set_wakeup_fd(-1)

@@ -145,7 +145,7 @@ def test_a_peer_refusing_the_model_says_why(fake_python, tmp_path):
 
 
 def test_bench_table_needs_the_default_model_for_llama_cpp(tiny_model_dir, capsys):
-    from app.cli import main
+    from app.cli.main import main
 
     folder, _ = tiny_model_dir("llama", True)
     rc = main(["bench", "--model", str(folder), "--table", "fp32", "--llama-cpp", sys.executable])
@@ -154,7 +154,7 @@ def test_bench_table_needs_the_default_model_for_llama_cpp(tiny_model_dir, capsy
 
 
 def test_a_missing_peer_python_is_refused_before_anything_loads(capsys):
-    from app.cli import main
+    from app.cli.main import main
 
     rc = main(["bench", "--table", "fp32", "--llama-cpp", "/no/such/python"])
     assert rc != 0

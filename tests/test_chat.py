@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from app.chat import ChatSession
+from app.cli.chat import ChatSession
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 
@@ -67,7 +67,7 @@ def test_a_crash_mid_reply_keeps_the_chat_and_the_next_message_works(engine, mon
 
 
 def test_the_banner_says_which_sampling_runs(engine, monkeypatch, capsys):
-    from app.chat import run_chat
+    from app.cli.chat import run_chat
 
     def eof(_prompt: str) -> str:
         raise EOFError

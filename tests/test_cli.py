@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
+from app.cli.main import main
 from tests.conftest import build_tiny_hf
 from tests.gguf_factory import write_gguf
 
@@ -122,9 +122,9 @@ def test_tokenize_reads_lines_from_stdin(capsys, monkeypatch, tiny):
     monkeypatch.setattr(
         sys, "stdin", io.TextIOWrapper(io.BytesIO(b"t5 t6\nt7\n"), encoding="utf-8")
     )
-    import app.cli
+    from app.cli import main as cli_main
 
-    monkeypatch.setattr(app.cli, "_stdin_text", lambda: sys.stdin)
+    monkeypatch.setattr(cli_main, "_stdin_text", lambda: sys.stdin)
     code, out, _ = run_cli(capsys, "tokenize", "--model", str(tiny))
     assert code == 0
     assert [json.loads(line) for line in out.splitlines()] == [[5, 6], [7]]
@@ -153,7 +153,7 @@ def test_real_process_prints_no_traceback(tmp_path):
 
 def test_help_is_fast_and_imports_no_torch():
     code = (
-        "import sys; from app.cli import build_parser; build_parser(); "
+        "import sys; from app.cli.main import build_parser; build_parser(); "
         "print('torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -387,7 +387,7 @@ def test_device_auto_resolves_and_a_missing_device_is_refused(capsys, tiny):
     assert_clean_error(code, err, "unknown device 'gpu'")
     for argv in (["chat"], ["generate", "--prompt", "x"], ["bench"], ["app"],
                  ["eval", "ppl"], ["eval", "compare", "--b", "int8"]):  # fmt: skip
-        from app.cli import build_parser
+        from app.cli.main import build_parser
 
         assert build_parser().parse_args(argv).device == "auto"
 
@@ -404,7 +404,7 @@ def test_generate_loads_a_gguf_like_the_app_does(capsys, monkeypatch, tmp_path):
 
 
 def test_chat_and_cli_do_not_import_each_other():
-    code = "import sys, app.chat; print('app.cli' in sys.modules)"
+    code = "import sys, app.cli.chat; print('app.cli.main' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app.cli import main
+from app.cli.main import main
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import CancelledError, InvalidRequestError

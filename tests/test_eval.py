@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from app.cli import main
+from app.cli.main import main
 from engine.core.engine import LLMEngine
 from engine.evals.perplexity import perplexity
 from engine.hardware.cpu_paths import cpu_paths

@@ -24,9 +24,9 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtCore import QObject, QTimer, Slot
 
-from app.gc_guard import settle
-from app.main_window import MainWindow
-from app.worker import LoadSpec, load_engine
+from app.gui.gc_guard import settle
+from app.gui.main_window import MainWindow
+from app.gui.worker import LoadSpec, load_engine
 from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, ModelLoadError
 from engine.store import gguf_import, model_store

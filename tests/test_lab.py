@@ -1,4 +1,4 @@
-"""The A/B lab end to end: a real view, the lab's thread, real engines (app/lab.py)."""
+"""The A/B lab end to end: a real view, the lab's thread, real engines (app/gui/lab.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from PySide6.QtCore import Qt
 
-from app.cli import main
-from app.lab import LabController, free_memory
+from app.cli.main import main
+from app.gui.lab import LabController, free_memory
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.evals.compare import Side, compare_prompt, read_document

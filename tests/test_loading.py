@@ -117,7 +117,7 @@ def test_a_bad_memory_size_says_how_to_write_one(text):
 
 
 def test_infersight_plan_prints_json_and_says_when_nothing_fits(capsys):
-    from app.cli import main
+    from app.cli.main import main
 
     shapes = str(CONFIGS / "llama-3.1-8b.json")
     args = ["plan", "--model", shapes, "--device", "cuda", "--memory", "12GiB", "--json"]
@@ -225,7 +225,7 @@ def test_a_new_pool_keeps_the_weights_and_a_failed_one_keeps_the_old(tiny_model_
 
 
 def test_a_file_that_is_no_model_is_refused_by_name(tmp_path, capsys):
-    from app.cli import main
+    from app.cli.main import main
 
     text = tmp_path / "notes.txt"
     text.write_text("not a model")

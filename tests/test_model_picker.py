@@ -16,7 +16,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest
 from PySide6.QtWidgets import QPushButton
 
-from app.store import ChatStore
+from app.conversations import ChatStore
 from engine.errors import ModelLoadError
 from engine.store.discovery import DiscoveredModel, Discovery, PlannedModel, discover_and_plan
 from tests.conftest import build_tiny_hf
@@ -227,8 +227,8 @@ def test_added_folders_are_kept_in_the_store(tmp_path: Path) -> None:
 def test_the_window_opens_the_picker_keeps_its_folders_and_loads_its_choice(
     qtbot: Any, user_home: Path, tmp_path: Path
 ) -> None:
-    from app.main_window import MainWindow
-    from app.worker import LoadSpec
+    from app.gui.main_window import MainWindow
+    from app.gui.worker import LoadSpec
 
     asked: list[str] = []
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
+from app.cli.main import main
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import ModelPullError

@@ -391,7 +391,7 @@ def on(device: str) -> Any:
 
 
 def test_the_worker_makes_a_stream_only_for_a_cuda_engine_and_on_its_device(monkeypatch):
-    from app.worker import EngineWorker
+    from app.gui.worker import EngineWorker
 
     cuda = FakeCuda(monkeypatch)
     worker = EngineWorker()
@@ -408,8 +408,8 @@ def test_the_worker_makes_a_stream_only_for_a_cuda_engine_and_on_its_device(monk
 
 
 def test_the_loader_waits_for_its_gpu_copies_before_handing_the_engine_over(monkeypatch):
-    from app import worker as worker_module
-    from app.worker import EngineWorker, LoadSpec, _Loaded
+    from app.gui import worker as worker_module
+    from app.gui.worker import EngineWorker, LoadSpec, _Loaded
 
     cuda = FakeCuda(monkeypatch)
     worker = EngineWorker(loader=lambda spec, progress: on("cuda:1"))

@@ -43,7 +43,7 @@ def test_every_matmul_and_attention_of_a_step_lands_in_its_scope(tiny_model_dir,
 def test_bench_profile_cli(tiny_model_dir, capsys):
     import json
 
-    from app.cli import main
+    from app.cli.main import main
 
     folder, _ = tiny_model_dir("llama", False)
     argv = ["bench", "--profile", "--model", str(folder), "--new-tokens", "4",

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.server import EngineLoop, SelfTest, Server
-from app.server_metrics import ServerMetrics
+from app.server.metrics import ServerMetrics
+from app.server.routes import EngineLoop, SelfTest, Server
 from engine.core.engine import LLMEngine, TokenEvent
 from engine.core.sampling import SamplingParams
 
@@ -134,7 +134,7 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir, 
 
     import uvicorn
 
-    from app.server import ServerLimits, bind
+    from app.server.routes import ServerLimits, bind
     from engine.core.engine import EngineConfig
     from engine.core.scheduler import SchedulerLimits
 

@@ -17,8 +17,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
 
-from app.main_window import MainWindow
-from app.worker import EngineView
+from app.gui.main_window import MainWindow
+from app.gui.worker import EngineView
 from tests.test_app import LONG_WAIT_MS, Recorder, open_window, send
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PySide6.QtCore import QPoint, QRect
 
-from app.worker import Delta, _coalesce
+from app.gui.worker import Delta, _coalesce
 from engine.core.sampling import SamplingParams
 from widgets.block_map import CACHED, FREE, KVBlockMap, owner_colour
 from widgets.chat_pane import ChatPane, MessageView
@@ -416,7 +416,7 @@ def test_a_streaming_reply_is_rendered_at_most_once_per_interval(qtbot: object) 
 def test_settle_freezes_survivors_and_reclaims_what_was_dropped_since() -> None:
     import weakref
 
-    from app.gc_guard import settle
+    from app.gui.gc_guard import settle
 
     class Node:
         pass

@@ -15,7 +15,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest
 from PySide6.QtCore import QObject, Qt, QThread, Slot
 
-from app.worker import (
+from app.gui.worker import (
     Configure,
     Delta,
     EngineWorker,

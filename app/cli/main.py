@@ -595,7 +595,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from app.server import Server, ServerLimits
+    from app.server.routes import Server, ServerLimits
 
     for name in ("max_batch_size", "max_waiting", "max_waiting_tokens", "max_n",
                  "max_tokens", "max_body_bytes"):  # fmt: skip
@@ -623,7 +623,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = load_engine(args, config=engine_config(args, max_batch_size=args.max_batch_size))
     import logging
 
-    from app.server import JsonLines
+    from app.server.routes import JsonLines
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
@@ -652,7 +652,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _free_port(host: str) -> socket.socket:
     """A socket bound to any free port of ``host`` (``--port 0``), for uvicorn to serve on."""
-    from app.server import bind
+    from app.server.routes import bind
 
     try:
         return bind(host, 0)
@@ -1275,13 +1275,13 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    from app.gui import run_gui
+    from app.gui.launch import run_gui
 
     return run_gui(args)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from app.chat import run_chat
+    from app.cli.chat import run_chat
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sampling_params(args)  # check the flags before loading anything

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal
 
+from app.gui.worker import FRAME_S, OwnStreams, yield_to_the_ui
 from app.loading import LoadSpec, load_engine, resolve_device, resolve_model_folder
-from app.worker import FRAME_S, OwnStreams, yield_to_the_ui
 from engine.errors import CancelledError, InfersightError, InvalidRequestError
 
 if TYPE_CHECKING:

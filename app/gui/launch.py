@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from engine.errors import InfersightError
 
 if TYPE_CHECKING:
-    from app.main_window import MainWindow
+    from app.gui.main_window import MainWindow
 
 #: a testing and scripting aid: ``INFERSIGHT_AUTOSEND="text" infersight`` sends ``text`` once,
 #: as the user would, as soon as the first model is loaded
@@ -65,10 +65,10 @@ def run_gui(args: argparse.Namespace) -> int:
             f"Qt could not be imported ({exc}); install the app's dependencies with "
             "`make run`, or use `infersight chat` in a terminal"
         ) from exc
-    from app.gc_guard import GuiGarbageCollector, settle
+    from app.gui.gc_guard import GuiGarbageCollector, settle
+    from app.gui.main_window import MainWindow
+    from app.gui.signals import forward_signals
     from app.loading import LoadSpec
-    from app.main_window import MainWindow
-    from app.signals import forward_signals
 
     app = make_application()
     assert isinstance(app, QApplication)

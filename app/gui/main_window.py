@@ -21,11 +21,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import gc_guard
-from app.lab import LabController
-from app.loading import resolve_device
-from app.store import ChatStore, Message
-from app.worker import (
+from app.conversations import ChatStore, Message
+from app.gui import gc_guard
+from app.gui.lab import LabController
+from app.gui.worker import (
     LOAD_JOIN_S,
     Cancel,
     Configure,
@@ -46,6 +45,7 @@ from app.worker import (
     TuneStatus,
     load_engine,
 )
+from app.loading import resolve_device
 from engine.core.metrics import RequestMetrics
 from engine.kv_cache.paged import CacheWindow
 from engine.store.discovery import Discovery
@@ -57,12 +57,12 @@ from widgets.model_picker import ModelPicker
 from widgets.tuner import TunerView
 
 if TYPE_CHECKING:
-    from app.serve_host import ServeHost
+    from app.gui.serve_host import ServeHost
     from engine.loader.load import MemoryPlan
 
 log = logging.getLogger(__name__)
 
-RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+RESOURCES = Path(__file__).resolve().parents[2] / "resources"
 #: engine threads that outlived their window (see ``MainWindow.shutdown``), kept referenced
 _STRAY_THREADS: list[tuple[QThread, EngineWorker]] = []
 
@@ -211,7 +211,7 @@ class MainWindow(QMainWindow):
         )
         self._on_window(self.controls.cache_window())
         self.engine_thread.start()
-        # the A/B lab: engines of its own on a thread of its own (app/lab.py)
+        # the A/B lab: engines of its own on a thread of its own (app/gui/lab.py)
         self.lab = LabController(self.ab_view, self._lab_messages, parent=self)
         self.tabs.currentChanged.connect(self._on_tab)
         self._open_conversations()
@@ -719,7 +719,7 @@ class MainWindow(QMainWindow):
         if not on:
             self._stop_serving()
             return
-        from app.serve_host import ServeHost
+        from app.gui.serve_host import ServeHost
 
         try:
             host = ServeHost(self.worker, int(self.controls.serve_port.value() or 8000))

@@ -1,7 +1,7 @@
-"""The app serving its own engine: ``infersight serve``'s routes (:class:`app.server.Server`)
-on a uvicorn thread of the app, stepped by the app's :class:`~app.worker.EngineWorker`.
+"""The app serving its own engine: ``infersight serve``'s routes (:class:`app.server.routes.Server`)
+on a uvicorn thread of the app, stepped by the app's :class:`~app.gui.worker.EngineWorker`.
 
-Requests from outside go to the worker as :class:`~app.worker.Serve` commands and are batched
+Requests from outside go to the worker as :class:`~app.gui.worker.Serve` commands and are batched
 with the user's own chat by the same engine, so the instruments show them (their request ids
 name the client). No Qt here beyond the worker's ``post``: the server's handlers run on the
 uvicorn thread, the engine on the worker's."""
@@ -16,14 +16,14 @@ import time
 
 import uvicorn
 
-from app.server import Server, ServerLimits, Sink
-from app.worker import CancelServe, EngineWorker, Serve
+from app.gui.worker import CancelServe, EngineWorker, Serve
+from app.server.routes import Server, ServerLimits, Sink
 from engine.core.engine import LLMEngine, TokenEvent
 from engine.core.sampling import SamplingParams
 
 
 class WorkerFront:
-    """:class:`app.server.EngineFront` over the app's worker."""
+    """:class:`app.server.routes.EngineFront` over the app's worker."""
 
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
@@ -64,7 +64,7 @@ class WorkerFront:
 
 class ServeHost:
     """``Serve on localhost:PORT``: started and stopped by the app; ``key`` is generated
-    unless given. ``sock``: a socket already bound (:func:`app.server.bind`) to serve on
+    unless given. ``sock``: a socket already bound (:func:`app.server.routes.bind`) to serve on
     instead of binding ``port``; the host closes it when it stops."""
 
     def __init__(

@@ -9,7 +9,7 @@ away cancels its request at the next step, which frees its blocks.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as Server-Sent
 Events, or whole), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text,
-vLLM's names and buckets, :mod:`app.server_metrics`). Errors take OpenAI's shape:
+vLLM's names and buckets, :mod:`app.server.metrics`). Errors take OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.server_metrics import ServerMetrics
+from app.server.metrics import ServerMetrics
 from engine.core.engine import EngineBusyError, LLMEngine, TokenEvent
 from engine.core.metrics import RequestMetrics
 from engine.core.sampling import MAX_LOGPROBS, SamplingParams
@@ -470,7 +470,7 @@ class _Choice:
 
 class EngineFront(Protocol):
     """What the routes need of whoever steps the engine: :class:`EngineLoop` for
-    ``infersight serve``, the app's worker when the app serves (:mod:`app.serve_host`)."""
+    ``infersight serve``, the app's worker when the app serves (:mod:`app.gui.serve_host`)."""
 
     @property
     def engine(self) -> LLMEngine | None: ...
