@@ -140,7 +140,6 @@ def load_engine(
     checked before any download or conversion, and a load that the plan says cannot fit is
     refused before it starts (:class:`engine.errors.OutOfMemoryError`, with the numbers and
     a precision or context that would fit)."""
-    from engine.core.engine import LLMEngine
     from engine.loader.load import check_plan
 
     config = config or engine_config(spec)
@@ -149,7 +148,9 @@ def load_engine(
     if progress:
         progress("load", 0, 1)
     device = resolve_device(spec.device)
-    engine = LLMEngine.load(folder, precision=spec.precision, device=device, config=config)
+    from engine.loader.load import load_model
+
+    engine = load_model(folder, precision=spec.precision, device=device, config=config)
     if progress:
         progress("load", 1, 1)
     return engine

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.loader.load import load_model
+
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int8+head", "int4-g32", "int4-g32+head")
 NEW_TOKENS = 64
 AGREE_TOKENS = 8  # fp32 on GPU and CPU: greedy ids that must match (later ones may tie-break)
@@ -108,14 +110,14 @@ def check_kernels(device: torch.device, int4: bool) -> None:
 def check_precision(
     model: Path, device: torch.device, precision: str, results: dict[str, list[int]]
 ) -> None:
-    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.core.engine import EngineConfig
     from engine.core.sampling import SamplingParams
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     config = EngineConfig(kv_memory=256 * MIB)
-    engine = LLMEngine.load(model, precision=precision, device=str(device), config=config)
+    engine = load_model(model, precision=precision, device=str(device), config=config)
     load_s = time.perf_counter() - start
     check_load_plan(model, device, precision, config, engine)
     prompt = engine.chat_prompt_ids(PROMPT)
@@ -187,11 +189,10 @@ def check_load_plan(
 
 
 def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:
-    from engine.core.engine import LLMEngine
     from engine.core.sampling import SamplingParams
 
     expect("fp32" in results, "fp32 on the GPU did not run")
-    engine = LLMEngine.load(model, precision="fp32")
+    engine = load_model(model, precision="fp32")
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     gen = engine.generate(engine.chat_prompt_ids(PROMPT), params)
     for _ in gen:
@@ -203,11 +204,11 @@ def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:
 
 
 def check_decode_graph(model: Path, device: torch.device, results: dict[str, list[int]]) -> None:
-    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.core.engine import EngineConfig
     from engine.core.sampling import SamplingParams
 
     config = EngineConfig(kv_memory=256 * MIB, decode_graph="on")
-    engine = LLMEngine.load(model, precision="bf16", device=str(device), config=config)
+    engine = load_model(model, precision="bf16", device=str(device), config=config)
     print(f"     {engine.graph.summary()}")
     expect(engine.graph.compiled, "the decode step did not compile")
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -232,19 +233,18 @@ def check_decode_graph(model: Path, device: torch.device, results: dict[str, lis
 def check_ab(model: Path, device: torch.device) -> None:
     """The A/B comparison on the GPU (fp32 against bf16): its scoring through the paged cache
     on the device agrees with the CPU's scoring of the same tokens."""
-    from engine.core.engine import LLMEngine
     from engine.core.sampling import SamplingParams
     from engine.evals.compare import Side, compare_prompt, score
 
-    a = LLMEngine.load(model, precision="fp32", device=str(device))
-    b = LLMEngine.load(model, precision="bf16", device=str(device))
+    a = load_model(model, precision="fp32", device=str(device))
+    b = load_model(model, precision="bf16", device=str(device))
     greedy = Side(SamplingParams(max_new_tokens=16))
     report = compare_prompt(a, b, PROMPT[-1]["content"], greedy, greedy)
     s = report["summary"]
     print(f"     fp32 vs bf16 on {device}: mean KL {s['kl_mean']:.2e}, top-1 "
           f"{s['top1_agreement']:.0%}, noise {s['noise_kl_mean']:.1e}")  # fmt: skip
     expect(s["kl_mean"] < 0.05 and s["top1_agreement"] >= 0.8, f"fp32 vs bf16 on GPU: {s}")
-    cpu = LLMEngine.load(model, precision="fp32")
+    cpu = load_model(model, precision="fp32")
     prompt = a.chat_prompt_ids(PROMPT[-1:])
     ids = report["a"]["token_ids"]
     on_gpu, on_cpu = score(a, prompt, ids), score(cpu, prompt, ids)
@@ -272,9 +272,9 @@ def check_speculative(model: Path, device: torch.device, int4: bool) -> None:
     greedy output, and the bench reports each drafter's speed on chat and input-grounded
     prompts."""
     from engine.bench.speculative import format_spec_report, run_spec_bench
-    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.core.engine import EngineConfig
 
-    engine = LLMEngine.load(
+    engine = load_model(
         model, precision="fp32", device=str(device), config=EngineConfig(kv_memory=256 * MIB)
     )
     drafters = ["lookup", "self:int4-g32+head" if int4 else "self:int8+head"]
@@ -289,10 +289,10 @@ def check_server_loop(model: Path, device: torch.device) -> None:
 
     from app.server.metrics import ServerMetrics
     from app.server.routes import EngineLoop
-    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.core.engine import EngineConfig
     from engine.core.sampling import SamplingParams
 
-    engine = LLMEngine.load(
+    engine = load_model(
         model, precision="bf16", device=str(device), config=EngineConfig(kv_memory=256 * MIB)
     )
     loop = EngineLoop(engine, ServerMetrics("gpu-check"), margin_bytes=256 * MIB)

@@ -26,6 +26,7 @@ from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.hardware.cpu_paths import cpu_paths
 from engine.loader import load as loader
+from engine.loader.load import load_model
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 
@@ -70,7 +71,7 @@ SHARED_WEIGHTS = SharedWeights()
 @pytest.fixture(scope="module")
 def oracle(default_model: Path) -> LLMEngine:
     """A second engine, outside the app, for the expected text."""
-    return LLMEngine.load(default_model, precision="fp32")
+    return load_model(default_model, precision="fp32")
 
 
 def open_window(

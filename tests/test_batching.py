@@ -14,6 +14,7 @@ from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
 from engine.kv_cache.paged import RELEASED, CacheWindow
+from engine.loader.load import load_model
 
 NEW = 16
 N_PROMPTS = 12  # more than fit a 12-block pool at once: preemption
@@ -21,7 +22,7 @@ GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
 
 def load(folder: Path, **config) -> LLMEngine:
-    return LLMEngine.load(folder, config=EngineConfig(**config))
+    return load_model(folder, config=EngineConfig(**config))
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def test_cache_window_keeps_memory_flat_far_past_the_window(default_model):
     small window keep this short (2000 fp32 tokens against 256 took 181 s on the AVX2
     machine, 1200 int8 ones 62 s, 640 against 64 34 s)."""
     window = CacheWindow(sink=4, window=32)
-    engine = LLMEngine.load(
+    engine = load_model(
         default_model, precision="int8", config=EngineConfig(num_blocks=64, window=window)
     )
     bad_logits = []

@@ -23,7 +23,7 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> tuple[list[LLMEngine], list[tupl
     """The engines the bench loads, and every request added to them (engine, id)."""
     loaded: list[LLMEngine] = []
     requests: list[tuple[Any, str]] = []
-    load, add = LLMEngine.load, LLMEngine.add_request
+    load, add = bench.load_model, LLMEngine.add_request
 
     def recording_load(*args: Any, **kwargs: Any) -> LLMEngine:
         engine = load(*args, **kwargs)
@@ -35,7 +35,7 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> tuple[list[LLMEngine], list[tupl
         requests.append((self, rid))
         return rid
 
-    monkeypatch.setattr(LLMEngine, "load", staticmethod(recording_load))
+    monkeypatch.setattr(bench, "load_model", recording_load)
     monkeypatch.setattr(LLMEngine, "add_request", recording_add)
     return loaded, requests
 

@@ -17,8 +17,8 @@ from engine.bench.speed import (
     measure_read_bandwidth,
     run_table,
 )
-from engine.core.engine import LLMEngine
 from engine.errors import InfersightError
+from engine.loader.load import load_model
 from engine.loader.weights import decode_read_bytes, weight_bytes
 from engine.quant.quantize import QuantizedEmbedding
 from tests.probed import precisions
@@ -63,7 +63,7 @@ def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.mark.parametrize("precision", precisions("fp32", "int8", "int4-g32+head"))
 def test_decode_read_bytes_is_every_weight_but_the_embedding_rows(tiny_model_dir, precision):
     folder, _ = tiny_model_dir("llama", True)
-    model = LLMEngine.load(folder, precision=precision).model
+    model = load_model(folder, precision=precision).model
     embed = model.embed
     if isinstance(embed, QuantizedEmbedding):  # rows read from the head's tensors: no bytes
         assert decode_read_bytes(model) == weight_bytes(model)
@@ -78,7 +78,7 @@ def test_decode_read_bytes_is_every_weight_but_the_embedding_rows(tiny_model_dir
 
 def test_tied_unpacked_head_reads_the_embedding_once(tiny_model_dir):
     folder, _ = tiny_model_dir("llama", True)
-    model = LLMEngine.load(folder, precision="fp32", pack=False).model
+    model = load_model(folder, precision="fp32", pack=False).model
     assert model.lm_head.weight is model.embed.weight
     assert decode_read_bytes(model) == weight_bytes(model)
 

@@ -11,6 +11,7 @@ import pytest
 from app.cli.chat import ChatSession
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
+from engine.loader.load import load_model
 
 TEMPLATE = (
     "{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}"
@@ -24,7 +25,7 @@ def engine(tiny_model_dir, tmp_path) -> LLMEngine:
     copy = tmp_path / "chatty"
     shutil.copytree(folder, copy)
     (copy / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return LLMEngine.load(copy)
+    return load_model(copy)
 
 
 def test_multi_turn_history_and_reset(engine):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.cli.main import main
+from engine.loader.load import load_model
 from tests.conftest import build_tiny_hf
 from tests.gguf_factory import write_gguf
 
@@ -360,10 +361,9 @@ def test_sampling_defaults_come_from_the_model_and_flags_override_one_key(
 
 
 def test_without_generation_config_sampling_is_greedy(capsys, monkeypatch, tiny):
-    from engine.core.engine import LLMEngine
 
     (tiny / "generation_config.json").unlink(missing_ok=True)
-    engine = LLMEngine.load(tiny)
+    engine = load_model(tiny)
     assert engine.default_sampling["temperature"] == 0 and engine.default_sampling["top_k"] == 0
     runs = [run_cli(capsys, "generate", "--model", str(tiny), "--prompt", "t1 t2 t3",
                     "--max-new-tokens", "6", "--json") for _ in range(2)]  # fmt: skip

@@ -26,6 +26,7 @@ from engine.evals.compare import (
 )
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kv_cache.paged import CacheWindow
+from engine.loader.load import load_model
 
 PROMPT = "t1 t7 t3 t9 t2"
 
@@ -37,8 +38,8 @@ def engines(tiny_model_dir):
     folder, _ = tiny_model_dir("llama", False)
     return (
         folder,
-        LLMEngine.load(folder, precision="fp32"),
-        LLMEngine.load(folder, precision="int4-g32"),
+        load_model(folder, precision="fp32"),
+        load_model(folder, precision="int4-g32"),
     )
 
 
@@ -96,7 +97,7 @@ def test_per_token_kl_equals_a_direct_computation_from_both_models_logits(engine
 
 def test_a_against_itself_is_zero_and_the_noise_floor_is_tiny(engines):
     folder, a, _ = engines
-    same = LLMEngine.load(folder, precision="fp32")
+    same = load_model(folder, precision="fp32")
     greedy = Side(SamplingParams(max_new_tokens=10))
     report = compare_prompt(a, same, PROMPT, greedy, greedy)
     s = report["summary"]
@@ -213,7 +214,7 @@ def test_models_that_do_not_share_a_tokenizer_are_refused(engines, tmp_path):
     from tests.conftest import build_tiny_hf, save_tiny
 
     _, a, _ = engines
-    other = LLMEngine.load(save_tiny(build_tiny_hf("llama", tied=True, vocab_size=300), tmp_path))
+    other = load_model(save_tiny(build_tiny_hf("llama", tied=True, vocab_size=300), tmp_path))
     greedy = Side(SamplingParams(max_new_tokens=2))
     with pytest.raises(InvalidRequestError, match="do not share a tokenizer"):
         compare_prompt(a, other, PROMPT, greedy, greedy, noise=False)

@@ -15,6 +15,7 @@ from engine.errors import InvalidRequestError
 from engine.hardware.cpu_paths import FORCE_ENV, CpuPaths, cpu_paths, native_level
 from engine.kernels import paged_decode
 from engine.kernels.packed_linear import PackedLinear
+from engine.loader.load import load_model
 from tests.test_quant import _dequantized_reference, _relative_error
 
 LEVELS = [None, "AVX2", "DEFAULT"]  # None: what this CPU really has
@@ -84,7 +85,7 @@ def test_float_precisions_take_the_probed_path_and_match_transformers(
     paths: CpuPaths, tiny_model_dir, precision: str
 ) -> None:
     folder, hf = tiny_model_dir("qwen2", False)
-    engine = LLMEngine.load(folder, precision=precision)
+    engine = load_model(folder, precision=precision)
     dtype = engine.dtype
     assert (dtype in _packed_dtypes(engine)) == paths.packed(dtype).ok
     forms = {g.form for g in engine.weight_groups if g.kind in ("attention", "mlp")}
@@ -107,9 +108,9 @@ def test_quantized_precisions_take_the_probed_path_or_are_refused_by_name(
     probe = paths.int8_kernel if precision.startswith("int8") else paths.int4_kernel
     if precision.startswith("int4") and not probe.ok:
         with pytest.raises(InvalidRequestError, match="int4-g32 cannot run on this CPU"):
-            LLMEngine.load(folder, precision=precision)
+            load_model(folder, precision=precision)
         return
-    engine = LLMEngine.load(folder, precision=precision)
+    engine = load_model(folder, precision=precision)
     kernel = {
         "int8": "int8 kernel" if probe.ok else "int8 converted per call",
         "int4-g32": "int4 kernel",
@@ -129,7 +130,7 @@ def test_the_load_report_names_the_cpu_paths(
 ) -> None:
     folder, _ = tiny_model_dir("llama", True)
     with caplog.at_level(logging.INFO, logger="engine"):
-        LLMEngine.load(folder, precision="bf16")
+        load_model(folder, precision="bf16")
     assert paths.summary() in caplog.text
     path = "oneDNN-packed" if paths.packed_bf16.ok else "nn.Linear"
     assert f"bf16 ({path})" in caplog.text

@@ -15,6 +15,7 @@ from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.kernels import decode_graph
 from engine.kernels.decode_graph import GraphChoice, choose
+from engine.loader.load import load_model
 
 STEPS = 24
 CPU = torch.device("cpu")
@@ -73,7 +74,7 @@ def compiled_llama(tiny_model_dir) -> tuple[LLMEngine, Any]:
         pytest.fail(f"the compile probe {problem} (delete probes.json once it is fixed)")
     if problem:  # the probe's own answer: no compiler here, or Inductor cannot build with it
         pytest.skip(f"this machine cannot compile: {problem}")
-    engine = LLMEngine.load(folder, config=EngineConfig(decode_graph="on", num_blocks=64))
+    engine = load_model(folder, config=EngineConfig(decode_graph="on", num_blocks=64))
     assert engine.graph.compiled, engine.graph.why  # where the probe compiles, so must the step
     return engine, hf
 
@@ -146,7 +147,7 @@ def test_shapes_no_graph_covers_run_eagerly_instead_of_compiling(compiled_llama)
 
 def test_a_graph_that_fails_mid_reply_hands_over_to_eager(tiny_model_dir):
     folder, hf = tiny_model_dir("llama", True)
-    engine = LLMEngine.load(folder, config=EngineConfig(decode_graph="off", num_blocks=16))
+    engine = load_model(folder, config=EngineConfig(decode_graph="off", num_blocks=16))
     calls = [0]
 
     def breaks(*args: Any) -> torch.Tensor:
@@ -188,7 +189,7 @@ def test_a_failed_compile_leaves_a_working_eager_engine(tiny_model_dir, monkeypa
 
     monkeypatch.setattr(decode_graph, "compiler_problem", lambda _device: "")
     monkeypatch.setattr(decode_graph, "compile_forward", broken)
-    engine = LLMEngine.load(folder, config=EngineConfig(decode_graph="on", num_blocks=16))
+    engine = load_model(folder, config=EngineConfig(decode_graph="on", num_blocks=16))
     assert not engine.graph.compiled
     assert engine.graph.why == "compiling failed (inductor fell over); eager"
     assert engine.model.compiled_decode is None

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from app.cli.main import main
-from engine.core.engine import LLMEngine
 from engine.evals.perplexity import perplexity
 from engine.hardware.cpu_paths import cpu_paths
+from engine.loader.load import load_model
 from tests.probed import needs_int4
 
 
@@ -38,7 +38,7 @@ def hf_windowed_perplexity(hf, ids: list[int], context: int, stride: int) -> flo
 @pytest.mark.parametrize(("context", "stride"), [(256, 256), (64, 32), (64, 64), (50, 7)])
 def test_perplexity_equals_transformers_sliding_window(tiny_model_dir, context, stride):
     folder, hf = tiny_model_dir("llama", False)
-    engine = LLMEngine.load(folder, precision="fp32")
+    engine = load_model(folder, precision="fp32")
     gen = torch.Generator().manual_seed(5)
     words = [f"t{int(i)}" for i in torch.randint(0, 320, (200,), generator=gen)]
     result = perplexity(engine, " ".join(words), context=context, stride=stride)

@@ -15,13 +15,14 @@ import copy
 import pytest
 import torch
 
-from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.hardware.cpu_paths import cpu_paths, forced_level
 from engine.kernels import paged_decode
 from engine.kernels.packed_linear import PackedLinear
 from engine.kv_cache.paged import CacheWindow
+from engine.loader.load import load_model
 from engine.model.config import ModelConfig
 
 DECODE_STEPS = 32
@@ -61,7 +62,7 @@ def hf_logits(hf: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 )
 def test_logits_and_greedy_ids_match_transformers(tiny_model_dir, arch, tied, pack):
     folder, hf = tiny_model_dir(arch, tied)
-    engine = LLMEngine.load(folder, precision="fp32", pack=pack)
+    engine = load_model(folder, precision="fp32", pack=pack)
     packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
     assert packed == (pack and cpu_paths().packed_fp32.ok)  # "packed" tests the packed path
     prompt = tiny_prompt(hf)
@@ -99,7 +100,7 @@ def test_sliding_window_through_the_paged_cache(tiny_model_dir, monkeypatch, att
     if attention == "paged":  # where it is built, a failed build or check is a failure
         assert paged_decode.kernel().available, paged_decode.status()
     folder, hf = tiny_model_dir("mistral", False)
-    engine = LLMEngine.load(folder, config=EngineConfig(block_size=4, num_blocks=32))
+    engine = load_model(folder, config=EngineConfig(block_size=4, num_blocks=32))
     assert engine.cfg.sliding_window == 8
     assert engine.window == CacheWindow(sink=0, window=8)  # the model's own, none asked for
     prompt = tiny_prompt(hf)
@@ -132,7 +133,7 @@ def test_sliding_window_through_the_paged_cache(tiny_model_dir, monkeypatch, att
 
 def test_a_cache_window_can_only_narrow_the_models_window(tiny_model_dir):
     folder, hf = tiny_model_dir("mistral", False)
-    engine = LLMEngine.load(folder, config=EngineConfig(block_size=4, num_blocks=32))
+    engine = load_model(folder, config=EngineConfig(block_size=4, num_blocks=32))
     # Sink tokens (Mistral never sees its first tokens again) or more than 8 recent tokens
     # would show keys the model cannot see: refused, and the window stays the model's.
     for wider in (CacheWindow(sink=4, window=4), CacheWindow(sink=0, window=9)):
@@ -140,7 +141,7 @@ def test_a_cache_window_can_only_narrow_the_models_window(tiny_model_dir):
             engine.set_window(wider)
         assert engine.window == CacheWindow(sink=0, window=8)
     with pytest.raises(InvalidRequestError, match="sink 0 and a window of at most 8"):
-        LLMEngine.load(folder, config=EngineConfig(window=CacheWindow(sink=4, window=64)))
+        load_model(folder, config=EngineConfig(window=CacheWindow(sink=4, window=64)))
 
     # A narrower window runs as that model with a window of 5 would, in transformers too.
     narrow = CacheWindow(sink=0, window=5)
@@ -204,7 +205,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     }  # fmt: skip
     hf = build_tiny_hf("llama", tied=False, rope_scaling=scaling, head_dim=32)
     folder = save_tiny(hf, tmp_path)
-    engine = LLMEngine.load(folder, precision="fp32")
+    engine = load_model(folder, precision="fp32")
     assert engine.cfg.rope_scaling.kind == "llama3"
     ids = torch.randint(0, hf.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
     ours = engine.forward_logits(ids.tolist(), engine.new_cache(len(ids)), 0)
@@ -221,7 +222,7 @@ def test_half_precisions_stay_close_to_fp32(tiny_model_dir, arch, precision):
     prompt = list(range(5, 30))
     logits = {}
     for name in ("fp32", precision):
-        engine = LLMEngine.load(folder, precision=name)
+        engine = load_model(folder, precision=name)
         assert engine.model.embed.weight.dtype == engine.dtype
         logits[name] = engine.forward_logits(prompt, engine.new_cache(len(prompt)), 0)
     scale = logits["fp32"].abs().max()

@@ -10,11 +10,12 @@ import pytest
 from engine.core.engine import LLMEngine, StopStringMatcher
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
+from engine.loader.load import load_model
 
 
 @pytest.fixture(scope="module")
 def engine(default_model: Path) -> LLMEngine:
-    return LLMEngine.load(default_model, precision="fp32")
+    return load_model(default_model, precision="fp32")
 
 
 def _run(engine: LLMEngine, prompt: str, **kwargs):
@@ -52,7 +53,7 @@ def test_end_of_generation_token_ends_with_stop(engine):
 
 def test_generation_stops_at_the_context_limit(tiny_model_dir):
     folder, _ = tiny_model_dir("llama", True)
-    tiny = LLMEngine.load(folder)
+    tiny = load_model(folder)
     prompt = [7] * (tiny.context_length - 3)
     gen = tiny.generate(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
     list(gen)

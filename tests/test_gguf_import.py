@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.core.engine import LLMEngine
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.loader.load import load_model
 from engine.model.tokenizer import Tokenizer
 from engine.store.gguf_import import import_gguf
 from tests.conftest import build_tiny_hf
@@ -37,7 +37,7 @@ def test_f32_import_recovers_the_original_weights_and_logits(tmp_path, arch, tie
     for name, tensor in expected.items():  # permutation undone, names mapped, nothing lost
         assert torch.equal(imported[name], tensor), name
 
-    engine = LLMEngine.load(out, precision="fp32")
+    engine = load_model(out, precision="fp32")
     ids = list(range(10, 40))
     ours = engine.forward_logits(ids, engine.new_cache(len(ids)), 0)
     with torch.no_grad():

@@ -15,6 +15,7 @@ from app.gui.lab import LabController, free_memory
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.evals.compare import Side, compare_prompt, read_document
+from engine.loader.load import load_model
 from tests.probed import needs_int4
 from widgets.ab_view import ABView
 
@@ -85,8 +86,8 @@ def test_an_ab_on_a_tiny_model_equals_the_engines_own_comparison(qtbot, tiny, tm
         report = lab.run(form(str(tiny), "fp32", "int4-g32", TINY_PROMPT, 12))
     finally:
         lab.close()
-    a = LLMEngine.load(tiny, precision="fp32")
-    b = LLMEngine.load(tiny, precision="int4-g32")
+    a = load_model(tiny, precision="fp32")
+    b = load_model(tiny, precision="int4-g32")
     greedy = Side(SamplingParams(max_new_tokens=12, seed=0))
     direct = compare_prompt(a, b, TINY_PROMPT, greedy, greedy)
     for key in ("a", "b"):
@@ -230,7 +231,7 @@ def test_continuing_the_conversation_sends_its_messages(qtbot, tiny):
         report = lab.run(form(str(tiny), "fp32", "fp32", "t8", 4, continue_conversation=True))
     finally:
         lab.close()
-    engine = LLMEngine.load(tiny)
+    engine = load_model(tiny)
     words = "t4 t5\nt6\nt8"  # no chat template: the messages' texts, one per line
     assert report["prompt_tokens"] == len(engine.tokenizer.encode_prompt(words))
     assert report["summary"]["kl_max"] == pytest.approx(0.0, abs=1e-9)
@@ -249,7 +250,7 @@ def test_a_scan_shows_bars_and_plans_a_spec_under_the_budget(qtbot, tiny):
         lab.controller.plan(budget)
         spec = lab.view.spec_line.text()
         assert spec.startswith("mixed:") and "int8" in spec
-        engine = LLMEngine.load(tiny, precision=spec)
+        engine = load_model(tiny, precision=spec)
         assert engine.weights_bytes <= budget
     finally:
         lab.close()
@@ -282,7 +283,7 @@ def test_the_lab_on_the_default_model_matches_eval_compare_and_generate(
 
     assert format_kl(cli["summary"]["kl_mean"]) in shown, shown
     for key, precision in (("a", "fp32"), ("b", b)):
-        engine = LLMEngine.load(default_model, precision=precision)
+        engine = load_model(default_model, precision=precision)
         prompt = engine.chat_prompt_ids([{"role": "user", "content": REAL_PROMPT}])
         gen = engine.generate(prompt, SamplingParams(max_new_tokens=tokens, seed=0))
         list(gen)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from engine.core.engine import LLMEngine
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels import packed_linear
 from engine.kernels.packed_linear import (
@@ -21,6 +20,7 @@ from engine.kernels.packed_linear import (
     pack_linears,
     time_layouts,
 )
+from engine.loader.load import load_model
 
 needs_packing = pytest.mark.skipif(
     not cpu_paths().packed_fp32.ok, reason="this CPU does not run oneDNN's packed fp32 linear"
@@ -86,12 +86,12 @@ def test_the_loader_packs_only_where_packing_measured_faster(
 
     monkeypatch.setattr(packed_linear, "time_layouts", fake)
     folder, _ = tiny_model_dir("llama", False)
-    model = LLMEngine.load(folder).model
+    model = load_model(folder).model
     assert isinstance(model.lm_head, PackedLinear) is not packed_faster
     qkv = model.layers[0].attn.qkv_proj
     assert isinstance(qkv, PackedLinear) is packed_faster
     # pack=True packs every linear whatever the timings (the tests of the packed path)
-    forced = LLMEngine.load(folder, pack=True).model
+    forced = load_model(folder, pack=True).model
     assert all(type(m) is not nn.Linear for m in forced.modules())
 
 

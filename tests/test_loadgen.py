@@ -35,6 +35,7 @@ from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.metrics import RequestMetrics
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
+from engine.loader.load import load_model
 
 pytestmark = pytest.mark.real_model
 
@@ -43,7 +44,7 @@ SHORT = PromptMix(documents=0.3, conversations=0.0, output_median=6, output_min=
 
 @pytest.fixture(scope="module")
 def engine(default_model: Path) -> LLMEngine:
-    return LLMEngine.load(
+    return load_model(
         default_model, config=EngineConfig(num_blocks=256, limits=SchedulerLimits(8, 256))
     )
 
@@ -74,7 +75,7 @@ def test_requests_are_seeded_mixed_and_fit(engine: LLMEngine) -> None:
 
 
 def test_requests_fit_a_small_pool(default_model: Path) -> None:
-    small = LLMEngine.load(default_model, config=EngineConfig(num_blocks=24))  # 384 tokens
+    small = load_model(default_model, config=EngineConfig(num_blocks=24))  # 384 tokens
     mix = PromptMix(conversations=1.0, documents=0.0, conversation_tokens=(900, 1000))
     for r in itertools.islice(request_stream(small, LoadSpec(mix=mix)), 5):
         assert len(r.prompt_ids) + r.max_new_tokens <= 24 * 16

@@ -17,7 +17,7 @@ from app.loading import LoadSpec, load_engine
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.loader import load as loader
-from engine.loader.load import parse_bytes, plan_for_folder, plan_memory
+from engine.loader.load import load_model, parse_bytes, plan_for_folder, plan_memory
 from engine.model.config import ModelConfig
 from tests.probed import precisions
 
@@ -44,7 +44,7 @@ def assert_plan_matches(engine: LLMEngine, folder: Path, precision: str, config:
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_plan_of_the_default_model_is_what_its_load_reports(default_model, precision):
     config = EngineConfig(kv_memory=64 * 2**20)
-    engine = LLMEngine.load(default_model, precision=precision, config=config)
+    engine = load_model(default_model, precision=precision, config=config)
     assert_plan_matches(engine, default_model, precision, config)
 
 
@@ -56,7 +56,7 @@ def test_the_plan_of_the_default_model_is_what_its_load_reports(default_model, p
 def test_the_plan_of_tiny_models_is_what_their_load_reports(tiny_model_dir, arch, tied, precision):
     folder, _ = tiny_model_dir(arch, tied)
     config = EngineConfig(num_blocks=7, block_size=4)
-    engine = LLMEngine.load(folder, precision=precision, config=config)
+    engine = load_model(folder, precision=precision, config=config)
     assert_plan_matches(engine, folder, precision, config)
 
 
@@ -81,7 +81,7 @@ def test_a_load_that_cannot_fit_is_refused_before_it_starts(tiny_model_dir, monk
     folder, _ = tiny_model_dir("llama", True)
     monkeypatch.setattr(loader, "free_memory", lambda device: 2**20)
     started = []
-    monkeypatch.setattr(LLMEngine, "load", classmethod(lambda *a, **k: started.append(a)))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: started.append(a))
     with pytest.raises(OutOfMemoryError, match=r"does not fit on cpu: it needs .* (GiB|MiB)"):
         load_engine(LoadSpec(str(folder), "fp32", "cpu", kv_memory_mib=1))
     assert not started
@@ -201,7 +201,7 @@ def test_a_new_pool_keeps_the_weights_and_a_failed_one_keeps_the_old(tiny_model_
     from engine.core.sampling import SamplingParams
 
     folder, _ = tiny_model_dir("llama", True)
-    old = LLMEngine.load(folder, precision="fp32", config=EngineConfig(num_blocks=8, block_size=4))
+    old = load_model(folder, precision="fp32", config=EngineConfig(num_blocks=8, block_size=4))
     rid = old.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
     with pytest.raises(InvalidRequestError, match="no request is running"):
         old.with_pool(num_blocks=16)

@@ -12,12 +12,13 @@ from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.kv_cache.paged import RELEASED
+from engine.loader.load import load_model
 from engine.loader.weights import weight_bytes
 
 
 def load(default_model: Path) -> LLMEngine:
     config = EngineConfig(num_blocks=128, limits=SchedulerLimits(max_batch_size=8))
-    return LLMEngine.load(default_model, config=config)
+    return load_model(default_model, config=config)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from app.cli.main import main
-from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import ModelPullError
+from engine.loader.load import load_model
 from engine.store.model_store import (
     DEFAULT,
     DEFAULT_SAMPLING,
@@ -54,7 +54,7 @@ def test_interrupted_pull_leaves_nothing_that_loads_and_the_next_starts_clean(ho
     (stale / "model-00001.safetensors").write_bytes(b"half a model")
     path = pull_default()
     assert not stale.exists()
-    engine = LLMEngine.load(path)
+    engine = load_model(path)
     gen = engine.generate(engine.tokenizer.encode("Hello"), SamplingParams(max_new_tokens=3))
     assert len([e for e in gen]) >= 1
     # the sampling SmolLM2-Instruct's authors recommend, with transformers' top-k 50

@@ -13,6 +13,7 @@ import torch
 
 from engine.kernels import paged_decode
 from engine.kv_cache.paged import _gather_attention
+from engine.loader.load import load_model
 
 needs_compiler = pytest.mark.skipif(
     paged_decode._compiler() is None, reason="no C compiler: the portable path runs"
@@ -92,11 +93,10 @@ def test_a_sequence_gets_the_same_bits_alone_or_in_any_batch() -> None:
 
 @needs_compiler
 def test_the_engine_decodes_through_the_kernel(tiny_model_dir, monkeypatch) -> None:
-    from engine.core.engine import LLMEngine
     from engine.core.sampling import SamplingParams
 
     folder, _ = tiny_model_dir("llama", False)
-    engine = LLMEngine.load(folder)
+    engine = load_model(folder)
     assert paged_decode.kernel().available  # built and checked before counting
     calls = []
     real = paged_decode._call

@@ -15,6 +15,7 @@ from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.kv_cache.paged import CacheWindow
+from engine.loader.load import load_model
 
 BS = 4  # small blocks: many of them, and many partial ones
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -28,7 +29,7 @@ def tiny(tiny_model_dir: Callable[[str, bool], tuple[Path, torch.nn.Module]]) ->
 def engines(folder: Path, **config: object) -> tuple[LLMEngine, LLMEngine]:
     """The same model with prefix caching on and off."""
     on, off = (
-        LLMEngine.load(folder, config=EngineConfig(block_size=BS, prefix_caching=caching, **config))  # type: ignore[arg-type]
+        load_model(folder, config=EngineConfig(block_size=BS, prefix_caching=caching, **config))  # type: ignore[arg-type]
         for caching in (True, False)
     )
     return on, off

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 
 from engine.bench.profile import KINDS, SCOPES, format_profile, profile_decode
-from engine.core.engine import LLMEngine
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels.packed_linear import PackedLinear
+from engine.loader.load import load_model
 
 
 @pytest.mark.parametrize(("precision", "pack"), [("fp32", True), ("fp32", False), ("int8", True)])
 def test_every_matmul_and_attention_of_a_step_lands_in_its_scope(tiny_model_dir, precision, pack):
     folder, _ = tiny_model_dir("llama", False)
-    engine = LLMEngine.load(folder, precision=precision, pack=pack)
+    engine = load_model(folder, precision=precision, pack=pack)
     packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
     # the float linears (all at fp32; at int8 the bf16 head) take the probed layout
     assert packed == (pack and cpu_paths().packed(engine.dtype).ok)

@@ -9,6 +9,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels.packed_linear import PackedLinear
+from engine.loader.load import load_model
 from engine.quant.quantize import (
     Int4Linear,
     Int8Linear,
@@ -133,7 +134,7 @@ from engine.quant.quantize import QuantizedEmbedding  # noqa: E402
 @pytest.mark.parametrize("spec", precisions("int8+head", "int4-g32+head", "int4-g128+head"))
 def test_tied_quantized_head_serves_the_embedding_exactly(tiny_model_dir, spec):
     folder, _ = tiny_model_dir("llama", True)
-    engine = LLMEngine.load(folder, precision=spec)
+    engine = load_model(folder, precision=spec)
     embed, head = engine.model.embed, engine.model.lm_head
     assert isinstance(embed, QuantizedEmbedding)
     # Row i of the embedding is the head's dequantized weight row i: probe the head with the
@@ -153,7 +154,7 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
     from engine.quant.quantize import head_channel_scale, part_of
 
     spec = parse_precision_spec(spec_text)
-    engine = LLMEngine.load(folder, precision="fp32", pack=False)
+    engine = load_model(folder, precision="fp32", pack=False)
     model = engine.model
     tied = model.lm_head.weight is model.embed.weight
     for name, module in list(model.named_modules()):
@@ -187,7 +188,7 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
 def test_quantized_model_equals_its_dequantized_reference(tiny_model_dir, spec, arch, tied):
     folder, _ = tiny_model_dir(arch, tied)
     ids = list(range(3, 40))
-    quantized = LLMEngine.load(folder, precision=spec)
+    quantized = load_model(folder, precision=spec)
     reference = _dequantized_reference(folder, spec)
     ours = quantized.forward_logits(ids, quantized.new_cache(len(ids)), 0)
     theirs = reference.forward_logits(ids, reference.new_cache(len(ids)), 0)
@@ -199,7 +200,7 @@ def test_weight_bytes_of_the_default_model_against_fp16(default_model):
     fp16_bytes = None
     ratios = {}
     for spec in ("fp16", "int8+head", "int4-g32+head"):
-        engine = LLMEngine.load(default_model, precision=spec, pack=False)
+        engine = load_model(default_model, precision=spec, pack=False)
         if spec == "fp16":
             fp16_bytes = engine.weights_bytes
             assert fp16_bytes == 2 * engine.num_parameters
@@ -222,7 +223,7 @@ def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
     from engine.loader.weights import weight_report
 
     folder, _ = tiny_model_dir("qwen2", False)
-    engine = LLMEngine.load(folder, precision=spec)
+    engine = load_model(folder, precision=spec)
     report = weight_report(engine.model)
     assert sum(g.nbytes for g in report) == engine.weights_bytes
     forms = {g.form for g in report}
@@ -295,7 +296,7 @@ def test_bad_overrides_say_what_to_write(text, needle):
 def test_overrides_beyond_the_model_are_refused_at_load(tiny_model_dir):
     folder, _ = tiny_model_dir("llama", True)  # 3 layers
     with pytest.raises(InvalidRequestError, match=r"mlp\.3, but this model has 3 layers"):
-        LLMEngine.load(folder, precision="mixed:attn=int8,mlp=int8,mlp.1-3=none")
+        load_model(folder, precision="mixed:attn=int8,mlp=int8,mlp.1-3=none")
 
 
 def test_int4_in_an_override_needs_the_kernel(monkeypatch):
@@ -319,7 +320,7 @@ def test_a_loaded_model_follows_its_overrides(tiny_model_dir):
     from torch import nn
 
     folder, _ = tiny_model_dir("qwen2", False)
-    engine = LLMEngine.load(
+    engine = load_model(
         folder, precision="mixed:attn=int4-g32,mlp=int4-g32,mlp.1=int8,attn.0-1=none"
     )
     layers = engine.model.layers
@@ -391,9 +392,9 @@ def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied):
     cfg = ModelConfig.from_file(folder / "config.json")
     parsed = parse_precision_spec(spec)
     # The default load packs float linears where this CPU's oneDNN path runs their dtype.
-    packed = LLMEngine.load(folder, precision=spec).weights_bytes
+    packed = load_model(folder, precision=spec).weights_bytes
     assert estimate_weight_bytes(cfg, parsed) == packed
-    unpacked = LLMEngine.load(folder, precision=spec, pack=False).weights_bytes
+    unpacked = load_model(folder, precision=spec, pack=False).weights_bytes
     assert estimate_weight_bytes(cfg, parsed, packed=False) == unpacked
 
 
@@ -405,7 +406,7 @@ def test_block_bytes_is_one_block(tiny_model_dir, spec, arch):
 
     folder, _ = tiny_model_dir(arch, arch == "llama")
     cfg = ModelConfig.from_file(folder / "config.json")
-    engine = LLMEngine.load(folder, precision=spec, pack=False)
+    engine = load_model(folder, precision=spec, pack=False)
     kind = parse_precision_spec(spec).parts.get("attn")
     layer = engine.model.layers[1]
     assert weight_bytes(layer.attn) == block_bytes(cfg, "attn", kind, engine.dtype)

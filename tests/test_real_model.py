@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
+from engine.loader.load import load_model
 
 # The first runs all NEW_TOKENS on every CPU path (the AVX2 leg too); the others are breadth.
 PROMPTS = [
@@ -32,7 +32,7 @@ NEW_TOKENS = 40
 def engines(default_model: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ours = LLMEngine.load(default_model, precision="fp32")
+    ours = load_model(default_model, precision="fp32")
     theirs = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     return ours, theirs, tokenizer
@@ -81,7 +81,7 @@ def test_converter_matches_transformers_gguf_dequantization(
 
 
 def test_end_of_generation_ids_include_im_end_and_endoftext(default_model: Path):
-    engine = LLMEngine.load(default_model, precision="fp32")
+    engine = load_model(default_model, precision="fp32")
     tok = engine.tokenizer
     assert {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")} <= engine.eos_token_ids
 

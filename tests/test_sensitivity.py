@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, InvalidRequestError
 from engine.evals.sensitivity import Scan, plan_mixed, scan_model, scan_sensitivity
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels.packed_linear import PackedLinear
 from engine.kv_cache.paged import ContiguousKVCache
+from engine.loader.load import load_model
 from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
 from engine.quant.quantize import (
@@ -111,8 +111,8 @@ def test_block_kls_equal_a_full_forward_with_that_block_quantized(tiny_model_dir
 def test_scan_sizes_are_the_loaded_sizes(tiny_model_dir, scans, arch):
     folder, _ = tiny_model_dir(arch, arch == "llama")
     scan = scans(arch)
-    low = LLMEngine.load(folder, precision="mixed:attn=int4-g32,mlp=int4-g32").weights_bytes
-    high = LLMEngine.load(folder, precision="mixed:attn=int8,mlp=int8").weights_bytes
+    low = load_model(folder, precision="mixed:attn=int4-g32,mlp=int4-g32").weights_bytes
+    high = load_model(folder, precision="mixed:attn=int8,mlp=int8").weights_bytes
     assert (scan.min_bytes, scan.max_bytes) == (low, high)
 
 
@@ -126,7 +126,7 @@ def test_a_plan_fits_its_budget_and_loads_at_its_size(tiny_model_dir, scans, arc
     plan = plan_mixed(scan, budget)
     assert plan.bytes <= budget and plan.budget_bytes == budget
     assert plan.bytes == estimate_weight_bytes(cfg, parse_precision_spec(plan.spec))
-    assert plan.bytes == LLMEngine.load(folder, precision=plan.spec).weights_bytes
+    assert plan.bytes == load_model(folder, precision=plan.spec).weights_bytes
     spec = parse_precision_spec(plan.spec)
     assert {(layer, part) for (part, layer) in spec.layers} == set(plan.upgraded)
     kept = {(b.layer, b.part): b for b in scan.blocks}
@@ -172,7 +172,7 @@ def test_int8_low_keeps_blocks_in_bf16_above_it(tiny_model_dir):
     assert scan.high == "none" and all(b.kl >= 0 for b in scan.blocks)
     plan = plan_mixed(scan, scan.max_bytes)
     assert plan.spec == "mixed:attn=int8,mlp=int8,attn.0-2=none,mlp.0-2=none"
-    engine = LLMEngine.load(folder, precision=plan.spec)
+    engine = load_model(folder, precision=plan.spec)
     assert engine.weights_bytes == plan.bytes == scan.max_bytes
     # the block left in bf16 takes the layout the probe found for bf16 on this CPU
     plain = PackedLinear if cpu_paths().packed_bf16.ok else nn.Linear

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
+from engine.loader.load import load_model
 
 KEY = "test-key-123"
 MAX_WAITING = 64
@@ -82,7 +83,7 @@ def client(server: str) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def engine(default_model: Path) -> LLMEngine:
-    return LLMEngine.load(default_model)
+    return load_model(default_model)
 
 
 def request(

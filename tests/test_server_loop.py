@@ -16,12 +16,13 @@ from app.server.metrics import ServerMetrics
 from app.server.routes import EngineLoop, SelfTest, Server
 from engine.core.engine import LLMEngine, TokenEvent
 from engine.core.sampling import SamplingParams
+from engine.loader.load import load_model
 
 
 @pytest.fixture
 def tiny_engine(tiny_model_dir) -> LLMEngine:
     folder, _ = tiny_model_dir("llama", False)
-    return LLMEngine.load(folder)
+    return load_model(folder)
 
 
 def collect(loop: EngineLoop, rid: str, prompt: list[int]) -> list[TokenEvent | BaseException]:
@@ -139,7 +140,7 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir, 
     from engine.core.scheduler import SchedulerLimits
 
     folder, _ = tiny_model_dir("llama", False)
-    engine = LLMEngine.load(folder, config=EngineConfig(limits=SchedulerLimits(max_batch_size=1)))
+    engine = load_model(folder, config=EngineConfig(limits=SchedulerLimits(max_batch_size=1)))
     told = threading.Event()  # the late request has its 503
     real_step = engine.step
 

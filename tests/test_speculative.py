@@ -28,6 +28,7 @@ from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
 from engine.kv_cache.paged import CacheWindow
+from engine.loader.load import load_model
 from engine.speculative.speculator import (
     Draft,
     LookupDrafter,
@@ -145,8 +146,8 @@ def test_greedy_output_is_plain_greedy_output_with_every_drafter(tiny, other_tin
     config = EngineConfig(
         block_size=BS, num_blocks=16, limits=SchedulerLimits(max_tokens_per_step=24)
     )
-    plain = LLMEngine.load(tiny, config=config)
-    fast = LLMEngine.load(tiny, config=config)
+    plain = load_model(tiny, config=config)
+    fast = load_model(tiny, config=config)
     text = f"model:{other_tiny}" if drafter == "model" else drafter
     fast.set_speculation(spec(text, k=3, adaptive=False))
     arrivals = mixed_arrivals()
@@ -169,10 +170,10 @@ def test_greedy_output_is_unchanged_under_a_cache_window(tiny, other_tiny):
     config = EngineConfig(block_size=BS, num_blocks=64, window=window)
     long = SamplingParams(max_new_tokens=60, ignore_eos=True)
     arrivals: list[Arrival] = [(0, repetitive(3, 20), long), (5, repetitive(4, 30), long)]
-    plain = LLMEngine.load(tiny, config=config)
+    plain = load_model(tiny, config=config)
     want, _, _ = run(plain, arrivals)
     for drafter in ("lookup", f"model:{other_tiny}"):
-        fast = LLMEngine.load(tiny, config=config)
+        fast = load_model(tiny, config=config)
         fast.set_speculation(spec(drafter, k=4, adaptive=False))
         got, _, kinds = run(fast, arrivals)
         assert got == want, drafter
@@ -183,8 +184,8 @@ def test_adaptive_k_and_the_verify_budget_keep_outputs_exact(tiny):
     """With adaptive k and a verify budget that a batch of six overruns, k varies per
     sequence and step, down to none; the output is still plain greedy output."""
     config = EngineConfig(block_size=BS, num_blocks=128)
-    plain = LLMEngine.load(tiny, config=config)
-    fast = LLMEngine.load(tiny, config=config)
+    plain = load_model(tiny, config=config)
+    fast = load_model(tiny, config=config)
     fast.set_speculation(spec("lookup", k=6, max_verify_tokens=12))
     arrivals = mixed_arrivals()
     want, _, _ = run(plain, arrivals)
@@ -197,7 +198,7 @@ def test_stop_strings_and_max_tokens_end_a_reply_inside_accepted_drafts(tiny):
     """A reply ends at its stop token or length even when a verified step yielded more."""
     prompt = repetitive(7, 20)
     base = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    plain = LLMEngine.load(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
+    plain = load_model(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
     full = run(plain, [(0, prompt, base)])[0][0]
     stop_at = full[len(full) // 2]
     for params in (
@@ -205,7 +206,7 @@ def test_stop_strings_and_max_tokens_end_a_reply_inside_accepted_drafts(tiny):
         SamplingParams(max_new_tokens=30, extra_stop_token_ids=(stop_at,), ignore_eos=True),
     ):
         want, want_finish, _ = run(plain, [(0, prompt, params)])
-        fast = LLMEngine.load(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
+        fast = load_model(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
         fast.set_speculation(spec("lookup", k=6, adaptive=False))
         got, finish, _ = run(fast, [(0, prompt, params)])
         assert got == want and finish == want_finish
@@ -216,7 +217,7 @@ def test_logprobs_under_speculation_are_the_models_own(tiny):
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=2)
     engines = []
     for drafter in (None, "lookup"):
-        engine = LLMEngine.load(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
+        engine = load_model(tiny, config=EngineConfig(block_size=BS, num_blocks=64))
         if drafter:
             engine.set_speculation(spec(drafter, adaptive=False))
         engines.append(engine)
@@ -315,7 +316,7 @@ def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_voc
     )  # fmt: skip
 
     def engine(speculative: str | None, rule: str = "exact") -> LLMEngine:
-        e = LLMEngine.load(target, config=config)
+        e = load_model(target, config=config)
         if speculative:
             text = f"model:{draft}" if speculative == "model" else speculative
             # every sequence drafts each step, as far as its remaining tokens allow (the
@@ -422,7 +423,7 @@ def test_bad_speculative_options_say_what_to_give(text, needle):
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tiny, small_vocab):
-    engine = LLMEngine.load(tiny, config=EngineConfig(block_size=BS, num_blocks=16))
+    engine = load_model(tiny, config=EngineConfig(block_size=BS, num_blocks=16))
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         engine.set_speculation(spec(f"model:{small_vocab[0]}"))
     assert engine.speculator is None  # the engine goes on as it was
@@ -455,7 +456,7 @@ def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path
     steps, one cancelled mid-reply, under a cache window: every drafter gives plain greedy's
     tokens."""
     config = EngineConfig(num_blocks=96, window=CacheWindow(sink=4, window=160))
-    engine = LLMEngine.load(default_model, config=config)
+    engine = load_model(default_model, config=config)
     chats = [
         "What is the capital of France? Answer in one sentence.",
         GROUNDED_PROMPTS[0],  # "fix the bug in this code", 20 lines of Python in the prompt
@@ -512,8 +513,8 @@ def test_a_draft_model_catches_up_on_a_long_prompt_in_chunks(tiny, other_tiny, m
     monkeypatch.setattr(speculator, "CATCH_UP", 8)
     config = EngineConfig(block_size=BS, num_blocks=64)
     arrivals: list[Arrival] = [(0, repetitive(21, 21) + repetitive(22, 21), GREEDY)]
-    want, _, _ = run(LLMEngine.load(tiny, config=config), arrivals)
-    fast = LLMEngine.load(tiny, config=config)
+    want, _, _ = run(load_model(tiny, config=config), arrivals)
+    fast = load_model(tiny, config=config)
     fast.set_speculation(spec(f"model:{other_tiny}", k=3, adaptive=False))
     calls = []
     real = speculator.ModelDrafter._catch_up

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.core.engine import LLMEngine
 from engine.hardware import threads
+from engine.loader.load import load_model
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_candidates_double_up_to_the_default():
 
 def test_the_fastest_count_is_taken_and_kept(tiny_model_dir, untimed):
     folder, _ = tiny_model_dir("llama", True)
-    engine = LLMEngine.load(folder)
+    engine = load_model(folder)
     assert torch.get_num_threads() == 2
     assert untimed == [1, 2, 4] * 3  # three interleaved rounds
     report = threads.settle_threads(engine.model, torch.float32)
@@ -57,7 +57,7 @@ def test_the_default_holds_unless_another_count_is_clearly_faster(
     tiny_model_dir, untimed, monkeypatch
 ):
     folder, _ = tiny_model_dir("llama", True)
-    model = LLMEngine.load(folder).model  # 2 threads (1.0 ms) beat 4 (2.0 ms) by far
+    model = load_model(folder).model  # 2 threads (1.0 ms) beat 4 (2.0 ms) by far
     monkeypatch.setattr(threads, "_time_linears", lambda _l, _d, n: {1: 3.0, 2: 1.9, 4: 2.0}[n])
     # a new verdict (another dtype): 2 threads are only 5% faster than the default
     assert threads.settle_threads(model, torch.float64).startswith("4 threads")
@@ -66,11 +66,11 @@ def test_the_default_holds_unless_another_count_is_clearly_faster(
 def test_a_count_asked_for_is_never_timed(tiny_model_dir, untimed, monkeypatch):
     monkeypatch.setenv(threads.ENV, "1")
     folder, _ = tiny_model_dir("llama", True)
-    LLMEngine.load(folder)
+    load_model(folder)
     assert torch.get_num_threads() == 1 and untimed == []
     monkeypatch.delenv(threads.ENV)
     threads.set_threads(3)  # --threads wins over the timing too
-    LLMEngine.load(folder)
+    load_model(folder)
     assert torch.get_num_threads() == 3 and untimed == []
 
 
@@ -78,7 +78,7 @@ def test_real_timing_gives_a_time_per_count(tiny_model_dir):
     """The figure is the best of the call's rounds (a warm-up and three), each running every
     linear once at the count asked for: so four of it fit in the call's own time."""
     folder, _ = tiny_model_dir("llama", True)
-    model = LLMEngine.load(folder).model
+    model = load_model(folder).model
     from engine.loader.weights import linear_modules
 
     linears = linear_modules(model)

@@ -776,14 +776,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_speculative(args: argparse.Namespace, folder: Any, device: str, config: Any,
                        say: Any) -> int:  # fmt: skip
     from engine.bench.speculative import format_spec_report, run_spec_bench
-    from engine.core.engine import LLMEngine
     from engine.speculative.speculator import parse_speculative
 
     drafters = args.speculative or ["lookup", "self:int4-g32+head"]
     for text in drafters:
         for k in args.draft_k:
             parse_speculative(text, k)  # bad options fail before the load
-    engine = LLMEngine.load(folder, precision=args.precision, device=device, config=config)
+    from engine.loader.load import load_model
+
+    engine = load_model(folder, precision=args.precision, device=device, config=config)
     report = run_spec_bench(
         engine, drafters, sorted(set(args.draft_k)), adaptive=args.adaptive_k,
         new_tokens=args.new_tokens, repeats=args.repeats, log=say,
@@ -835,9 +836,9 @@ def _bench_profile(args: argparse.Namespace, folder: Any, device: str, config: A
 
     from engine.bench.profile import format_profile, profile_decode
     from engine.bench.speed import bench_prompt
-    from engine.core.engine import LLMEngine
+    from engine.loader.load import load_model
 
-    engine = LLMEngine.load(folder, precision=args.precision, device=device, config=config)
+    engine = load_model(folder, precision=args.precision, device=device, config=config)
     prompt = bench_prompt(engine, args.prompt_len, args.seed)
     where = device
     if device == "cpu":
@@ -959,7 +960,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from app.loading import resolve_device, resolve_model_folder
     from engine.bench.loadgen import drive
     from engine.bench.tuning import Sweep, format_points, sweep_report
-    from engine.core.engine import LLMEngine, parse_precision
+    from engine.core.engine import parse_precision
 
     settings, slo = tune_settings(args)
     device = resolve_device(args.device)
@@ -970,7 +971,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         max_tokens_per_step=max(args.max_tokens_per_step),
     )  # fmt: skip
     folder = resolve_model_folder(args.model, progress_printer())
-    engine = LLMEngine.load(folder, precision=args.precision, device=device, config=config)
+    from engine.loader.load import load_model
+
+    engine = load_model(folder, precision=args.precision, device=device, config=config)
     sweep = Sweep(engine, settings, slo=slo)
     shown = [0]
 

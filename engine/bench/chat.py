@@ -21,6 +21,7 @@ from typing import Any
 from engine.bench.speed import text_table
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
+from engine.loader.load import load_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,7 @@ def run_chat_bench(
     engine_config: Any = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    on = LLMEngine.load(folder, precision=precision, device=device, config=engine_config)
+    on = load_model(folder, precision=precision, device=device, config=engine_config)
     on.set_prefix_caching(True)
     pool = on.kv.manager.num_blocks
     off = on.sibling(replace(on.config, prefix_caching=False, num_blocks=pool, kv_memory=None))

@@ -29,6 +29,7 @@ from engine.core.engine import LLMEngine, parse_precision
 from engine.core.metrics import percentiles
 from engine.core.sampling import SamplingParams
 from engine.errors import InfersightError
+from engine.loader.load import load_model
 from engine.loader.weights import weight_bytes
 
 
@@ -200,7 +201,7 @@ def run_bench(
     torch_device = torch.device(device)
     if compare_hf and cfg.batch != 1:
         raise InfersightError("--compare-hf times transformers at --batch 1 only")
-    engine = LLMEngine.load(folder, precision=precision, device=device, config=engine_config)
+    engine = load_model(folder, precision=precision, device=device, config=engine_config)
     prompt = bench_prompt(engine, cfg.prompt_len, cfg.seed)
     hf = _HFRunner(folder, precision, torch_device) if compare_hf else None
 
@@ -462,7 +463,7 @@ def run_workload_bench(
     with ``compare_hf``, through transformers' static batching at each of ``hf_batch_sizes``
     (default: the same sizes), the two taking turns. ``prefix_cache``: ``on``, ``off`` or
     ``both`` (off, then on, at each batch size)."""
-    engine = LLMEngine.load(folder, precision=precision, device=device, config=engine_config)
+    engine = load_model(folder, precision=precision, device=device, config=engine_config)
     workload = mixed_workload(engine, requests, seed=seed, shared_prefix=shared_prefix)
     caching = {"on": [True], "off": [False], "both": [False, True]}[prefix_cache]
     hf = _HFRunner(folder, precision, torch.device(device)) if compare_hf else None
@@ -748,7 +749,7 @@ def run_table(
     cache = "off"
     for precision in precisions:
         log(f"loading {precision}")
-        engine = LLMEngine.load(folder, precision=precision, config=engine_config)
+        engine = load_model(folder, precision=precision, config=engine_config)
         cache = prefix_cache_state(engine)  # the same config for every precision
         prompt = prompt or bench_prompt(engine, cfg.prompt_len, cfg.seed)
         read = float(decode_read_bytes(engine.model))

@@ -220,25 +220,10 @@ class LLMEngine:
         self.hold_s = 0.0
         #: how decode steps run (eager or one compiled graph), settled by :meth:`load`
         self.graph = decode_graph.GraphChoice(False, "not compiled (engine built directly)")
-        #: the CPU thread count :meth:`load` settled, and why (one line)
+        #: the CPU thread count the load settled, and why (one line)
         self.threads_report = ""
         #: speculative decoding's drafter and state (None: off); :meth:`set_speculation`
         self.speculator: Speculator | None = None
-
-    @classmethod
-    def load(
-        cls,
-        folder: Path | str,
-        *,
-        precision: str = "fp32",
-        device: str = "cpu",
-        pack: bool | None = None,
-        config: EngineConfig | None = None,
-    ) -> LLMEngine:
-        """Load a HF-style model folder (:func:`engine.loader.load.load_model`)."""
-        from engine.loader.load import load_model
-
-        return load_model(folder, precision=precision, device=device, pack=pack, config=config)
 
     def with_pool(
         self, *, kv_memory: float | None = None, num_blocks: int | None = None

@@ -442,10 +442,10 @@ def load_model(
     pack: bool | None = None,
     config: EngineConfig | None = None,
 ) -> LLMEngine:
-    """Load a HF-style model folder into an engine (:meth:`LLMEngine.load
-    <engine.engine.LLMEngine.load>`). CPU linears are laid out for oneDNN where that measured
-    faster on this machine (:func:`engine.kernels.packed_linear.packs`); ``pack=True`` packs
-    every linear this CPU can pack, ``False`` none (plain ``nn.Linear``)."""
+    """Load a HF-style model folder into an engine (published as ``engine.load``). CPU linears
+    are laid out for oneDNN where that measured faster on this machine
+    (:func:`engine.kernels.packed_linear.packs`); ``pack=True`` packs every linear this CPU can
+    pack, ``False`` none (plain ``nn.Linear``)."""
     from engine.core.engine import LLMEngine
     from engine.hardware.cpu_paths import cpu_paths
     from engine.hardware.threads import settle_threads

@@ -780,7 +780,7 @@ def estimate_weight_bytes(
     cfg: ModelConfig, spec: PrecisionSpec, *, packed: bool | None = None
 ) -> int:
     """Bytes the weights of ``cfg`` will take loaded at ``spec``: exactly the
-    ``weights_bytes`` of :meth:`LLMEngine.load <engine.engine.LLMEngine.load>`, without reading
+    ``weights_bytes`` of :func:`engine.load <engine.loader.load.load_model>`, without reading
     a single tensor (what a planner needs to fit a budget before loading).
 
     It counts what :func:`engine.loader.weights.weight_bytes` counts: the embedding, the norms,

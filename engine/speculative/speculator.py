@@ -540,6 +540,7 @@ def build_drafter(config: SpeculativeConfig, target: LLMEngine) -> Drafter:
     once more at the draft precision; a draft model loads its folder at the target's
     precision. Raises :class:`InvalidRequestError` / ``ModelLoadError`` with what to do."""
     from engine.core.engine import EngineConfig
+    from engine.loader.load import load_model
 
     if config.method == "lookup":
         return LookupDrafter(config.ngram_min, config.ngram_max)
@@ -559,7 +560,7 @@ def build_drafter(config: SpeculativeConfig, target: LLMEngine) -> Drafter:
                 "Hugging Face folder of a smaller model that uses this model's tokenizer"
             )
     # The draft engine only lends its model: a one-block pool, no prefix caching.
-    draft = type(target).load(
+    draft = load_model(
         folder, precision=precision, device=str(target.device),
         config=EngineConfig(num_blocks=1, prefix_caching=False,
                             decode_graph=target.config.decode_graph),
