@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from engine.core.engine import EngineConfig, LLMEngine
-    from engine.loader.load import MemoryPlan
+    from engine.core.config import EngineConfig
+    from engine.core.engine import LLMEngine
+    from engine.loader.memory_plan import MemoryPlan
 
 #: ``progress(stage, done, total)``: download, dequantize, write, load
 Progress = Callable[[str, int, int], None]
@@ -89,7 +90,7 @@ def needs_download(model: str) -> bool:
 
 def engine_config(spec: LoadSpec) -> EngineConfig:
     """The engine config a load of ``spec`` uses: a KV pool of ``spec.kv_memory_mib``."""
-    from engine.core.engine import EngineConfig
+    from engine.core.config import EngineConfig
 
     return EngineConfig(kv_memory=spec.kv_memory_mib * 2**20)
 
@@ -101,18 +102,18 @@ def plan_load(
     config: EngineConfig | None = None,
     reclaimable: int = 0,
 ) -> MemoryPlan:
-    """The memory plan of loading ``spec`` here (:func:`engine.loader.load.plan_memory`), with
-    ``reclaimable`` bytes added to what the device has free (a model that would be unloaded
-    first). Reads only the model's config: a GGUF file's header (so that a model that cannot
-    fit is refused before it is imported), a folder's ``config.json`` (the default model is
-    pulled once)."""
-    from engine.core.engine import parse_precision
-    from engine.loader.load import plan_memory
+    """The memory plan of loading ``spec`` here
+    (:func:`engine.loader.memory_plan.plan_memory`), with ``reclaimable`` bytes added to what
+    the device has free (a model that would be unloaded first). Reads only the model's config:
+    a GGUF file's header (so that a model that cannot fit is refused before it is imported), a
+    folder's ``config.json`` (the default model is pulled once)."""
+    from engine.loader.memory_plan import plan_memory
     from engine.model.config import ModelConfig
-    from engine.store.gguf_import import gguf_model_config
+    from engine.quant.spec import parse_precision_spec
+    from engine.store.gguf_reader import gguf_model_config
 
     device = resolve_device(spec.device)
-    parse_precision(spec.precision, device)  # fail on a bad precision before any download
+    parse_precision_spec(spec.precision, device)  # fail on a bad precision before any download
     path = Path(spec.model).expanduser()
     if spec.model != "default" and path.suffix.lower() == ".gguf":
         cfg, name = gguf_model_config(path), path.stem
@@ -140,7 +141,7 @@ def load_engine(
     checked before any download or conversion, and a load that the plan says cannot fit is
     refused before it starts (:class:`engine.errors.OutOfMemoryError`, with the numbers and
     a precision or context that would fit)."""
-    from engine.loader.load import check_plan
+    from engine.loader.memory_plan import check_plan
 
     config = config or engine_config(spec)
     check_plan(plan_load(spec, progress, config=config))

@@ -31,14 +31,15 @@ from engine.errors import (
 )
 
 if TYPE_CHECKING:
-    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.core.config import EngineConfig
+    from engine.core.engine import LLMEngine
     from engine.core.sampling import SamplingParams
     from engine.loader.load import load_model as load
 
 #: public name -> (module, attribute), imported on first use
 _LAZY = {
     "LLMEngine": ("engine.core.engine", "LLMEngine"),
-    "EngineConfig": ("engine.core.engine", "EngineConfig"),
+    "EngineConfig": ("engine.core.config", "EngineConfig"),
     "SamplingParams": ("engine.core.sampling", "SamplingParams"),
     "load": ("engine.loader.load", "load_model"),
 }

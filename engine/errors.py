@@ -28,3 +28,7 @@ class CancelledError(InfersightError):
 class OutOfMemoryError(ModelLoadError):
     """A load or a KV pool would not fit in the device's memory; the message gives the numbers
     and what would fit."""
+
+
+class EngineBusyError(InfersightError):
+    """The waiting queue is full; the request was not accepted."""

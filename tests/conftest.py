@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from app.gui.main_window import MainWindow
+    from engine.core.engine import LLMEngine
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A fixed count, as if asked for: loads do not time their own (tests/test_threads.py does).
@@ -168,3 +173,21 @@ def user_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path / "infersight"))
     monkeypatch.delenv("INFERSIGHT_LMSTUDIO_DIR", raising=False)
     return user
+
+
+@pytest.fixture(scope="module")
+def oracle(default_model: Path) -> LLMEngine:
+    """A second engine, outside the app, for the expected text."""
+    from engine.loader.load import load_model
+
+    return load_model(default_model, precision="fp32")
+
+
+@pytest.fixture
+def window(qtbot: object, tmp_path: Path, default_model: Path) -> Iterator[MainWindow]:
+    """A real app window on the default model (tests/app_window.py), closed afterwards."""
+    from tests.app_window import open_window
+
+    w = open_window(qtbot, tmp_path / "data")
+    yield w
+    w.shutdown()

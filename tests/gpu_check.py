@@ -78,25 +78,29 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_kernels(device: torch.device, int4: bool) -> None:
-    from engine.quant import quantize
+    from engine.formats import dequantize_int4, dequantize_int8, quantize_int4
+    from engine.quant.embedding import QuantizedEmbedding
+    from engine.quant.int4 import Int4Linear
+    from engine.quant.int8 import Int8Linear, int8_kernel_runs
+    from engine.quant.spec import INT4_GROUPS
 
-    runs = quantize.int8_kernel_runs(device)
+    runs = int8_kernel_runs(device)
     print(f"     int8 kernel on {device}: {'yes' if runs else 'no (converted per call)'}")
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(200, 576, device=device, generator=gen)
     x = torch.randn(5, 576, device=device, generator=gen).to(torch.bfloat16)
-    int8 = quantize.Int8Linear(w, None, torch.bfloat16)
-    ref8 = x.float() @ quantize.dequantize_int8(int8.weight, int8.scales).T
+    int8 = Int8Linear(w, None, torch.bfloat16)
+    ref8 = x.float() @ dequantize_int8(int8.weight, int8.scales).T
     expect(relative_error(int8(x), ref8) <= 1e-2, "Int8Linear disagrees with its reference")
     if not int4:
         return
-    for group in quantize.INT4_GROUPS:
-        layer = quantize.Int4Linear(w, None, group)
+    for group in INT4_GROUPS:
+        layer = Int4Linear(w, None, group)
         padded = F.pad(w, (0, layer.padded_k, 0, layer.padded_n))
-        dense = quantize.dequantize_int4(*quantize.quantize_int4(padded, group), group)[:200, :576]
+        dense = dequantize_int4(*quantize_int4(padded, group), group)[:200, :576]
         err = relative_error(layer(x), x.float() @ dense.T)
         expect(err <= 1e-2, f"Int4Linear g{group} disagrees with its reference ({err:.2e})")
-        embed = quantize.QuantizedEmbedding(layer, torch.float32, torch.ones(576, device=device))
+        embed = QuantizedEmbedding(layer, torch.float32, torch.ones(576, device=device))
         ids = torch.tensor([0, 1, 7, 8, 9, 63, 64, 199], device=device)
         expect(torch.equal(embed(ids), dense[ids]), f"tied INT4 g{group} rows are wrong")
         layout = embed.cuda_layout
@@ -110,7 +114,7 @@ def check_kernels(device: torch.device, int4: bool) -> None:
 def check_precision(
     model: Path, device: torch.device, precision: str, results: dict[str, list[int]]
 ) -> None:
-    from engine.core.engine import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.core.sampling import SamplingParams
 
     torch.cuda.empty_cache()
@@ -168,7 +172,7 @@ def check_load_plan(
     the CUDA runtime takes beside the allocator (NVML used − reserved), the figure the plan
     estimates as ``CUDA_RUNTIME_BYTES``."""
     from engine.hardware.nvml import device_memory
-    from engine.loader.load import CUDA_RUNTIME_BYTES, plan_for_folder
+    from engine.loader.memory_plan import CUDA_RUNTIME_BYTES, plan_for_folder
 
     plan = plan_for_folder(model, precision, str(device), config=config)  # type: ignore[arg-type]
     weights, pool = engine.weights_bytes, engine.kv.nbytes  # type: ignore[attr-defined]
@@ -204,7 +208,7 @@ def check_fp32_against_cpu(model: Path, results: dict[str, list[int]]) -> None:
 
 
 def check_decode_graph(model: Path, device: torch.device, results: dict[str, list[int]]) -> None:
-    from engine.core.engine import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.core.sampling import SamplingParams
 
     config = EngineConfig(kv_memory=256 * MIB, decode_graph="on")
@@ -234,7 +238,9 @@ def check_ab(model: Path, device: torch.device) -> None:
     """The A/B comparison on the GPU (fp32 against bf16): its scoring through the paged cache
     on the device agrees with the CPU's scoring of the same tokens."""
     from engine.core.sampling import SamplingParams
-    from engine.evals.compare import Side, compare_prompt, score
+    from engine.evals.compare import compare_prompt
+    from engine.evals.scoring import score
+    from engine.evals.sides import Side
 
     a = load_model(model, precision="fp32", device=str(device))
     b = load_model(model, precision="bf16", device=str(device))
@@ -272,7 +278,7 @@ def check_speculative(model: Path, device: torch.device, int4: bool) -> None:
     greedy output, and the bench reports each drafter's speed on chat and input-grounded
     prompts."""
     from engine.bench.speculative import format_spec_report, run_spec_bench
-    from engine.core.engine import EngineConfig
+    from engine.core.config import EngineConfig
 
     engine = load_model(
         model, precision="fp32", device=str(device), config=EngineConfig(kv_memory=256 * MIB)
@@ -287,9 +293,9 @@ def check_speculative(model: Path, device: torch.device, int4: bool) -> None:
 def check_server_loop(model: Path, device: torch.device) -> None:
     import queue as queue_module
 
+    from app.server.engine_loop import EngineLoop
     from app.server.metrics import ServerMetrics
-    from app.server.routes import EngineLoop
-    from engine.core.engine import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.core.sampling import SamplingParams
 
     engine = load_model(
@@ -337,17 +343,10 @@ def check_worker(model: Path, device: torch.device, int4: bool) -> None:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtCore import QCoreApplication, Qt, QThread
 
+    from app.gui.commands import Configure, Delta, EngineView, Load, Send, Stop
     from app.gui.gc_guard import GuiGarbageCollector
-    from app.gui.worker import (
-        Configure,
-        Delta,
-        EngineView,
-        EngineWorker,
-        Load,
-        LoadSpec,
-        Send,
-        Stop,
-    )
+    from app.gui.worker import EngineWorker
+    from app.loading import LoadSpec
 
     app = QCoreApplication.instance() or QCoreApplication([])
     collector = GuiGarbageCollector()

@@ -9,10 +9,10 @@ Each precision then loads in a fresh process while a thread samples memory every
   checkpoint's mapped pages are file-backed and not counted), above the figure before loading;
 * on CUDA, ``torch.cuda.max_memory_allocated`` over the load.
 
-The bound is the plan's (:func:`engine.loader.load.plan_memory`): the final weights plus the load
-overhead (:func:`engine.loader.load.load_overhead_bytes`: the largest tensor in fp32, on a CPU its
-checkpoint copy too, four quantization chunks and 64 MiB of allocator slack). Exits 1 if a
-peak passes its bound or the loaded weights differ from the plan's by more than 1%.
+The bound is the plan's (:func:`engine.loader.memory_plan.plan_memory`): the final weights plus
+the load overhead (:func:`engine.loader.memory_plan.load_overhead_bytes`: the largest tensor in
+fp32, on a CPU its checkpoint copy too, four quantization chunks and 64 MiB of allocator slack).
+Exits 1 if a peak passes its bound or the loaded weights differ from the plan's by more than 1%.
 
 Run: ``python -m tests.load_peak [--device cpu|cuda] [--precision int8 ...] [--folder DIR]``.
 """
@@ -108,9 +108,10 @@ def measure(folder: Path, precision: str, device: str) -> dict[str, object]:
     """One load in this process; the peak above the figure before it."""
     import torch
 
-    from engine.core.engine import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.hardware.cpu_paths import cpu_paths
-    from engine.loader.load import load_model, plan_for_folder
+    from engine.loader.load import load_model
+    from engine.loader.memory_plan import plan_for_folder
 
     config = EngineConfig(num_blocks=16, decode_graph="off")
     plan = plan_for_folder(folder, precision, device, config=config)

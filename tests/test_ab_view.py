@@ -14,10 +14,7 @@ from PySide6.QtCore import QEvent, QPoint, Qt
 from PySide6.QtGui import QFont, QHelpEvent, QImage, QTextCursor
 from PySide6.QtWidgets import QToolTip
 
-from widgets.ab_view import (
-    BUDGET_STEPS,
-    MARKER,
-    ABView,
+from widgets.ab_format import (
     format_kl,
     format_pct,
     heat_colour,
@@ -26,6 +23,8 @@ from widgets.ab_view import (
     quant_format,
     visible,
 )
+from widgets.ab_sides import MARKER
+from widgets.ab_view import BUDGET_STEPS, ABView
 
 pytestmark = pytest.mark.usefixtures("gui_gc")
 

@@ -23,8 +23,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest
 
 from app.conversations import ChatStore
+from app.gui.chat_window import SAVE_INTERVAL_S
 from app.gui.launch import AUTOSEND_ENV
-from app.gui.main_window import SAVE_INTERVAL_S
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm at sea."

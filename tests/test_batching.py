@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core.engine import EngineBusyError, EngineConfig, LLMEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
-from engine.errors import InvalidRequestError
-from engine.kv_cache.paged import RELEASED, CacheWindow
+from engine.errors import EngineBusyError, InvalidRequestError
+from engine.kv_cache.block_manager import RELEASED
+from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 
 NEW = 16

@@ -10,8 +10,12 @@ from typing import Any
 import pytest
 
 import engine.bench.speed as bench
-from engine.bench.speed import BenchConfig, format_report, format_table, run_bench, run_table
-from engine.core.engine import EngineConfig, LLMEngine
+import engine.bench.table as table
+from engine.bench.report import format_report, format_table
+from engine.bench.speed import BenchConfig, run_bench
+from engine.bench.table import run_table
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 
 #: Three full 16-token blocks and a partial one: a repeat would find 48 tokens cached.
@@ -36,6 +40,7 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> tuple[list[LLMEngine], list[tupl
         return rid
 
     monkeypatch.setattr(bench, "load_model", recording_load)
+    monkeypatch.setattr(table, "load_model", recording_load)
     monkeypatch.setattr(LLMEngine, "add_request", recording_add)
     return loaded, requests
 
@@ -99,7 +104,7 @@ def test_with_prefix_caching_off_the_report_says_off(tiny_model_dir, engines):
 def test_table_runs_never_reuse_a_cached_block(tiny_model_dir, engines, monkeypatch):
     folder, _ = tiny_model_dir("llama", True)
     loaded, requests = engines
-    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(table, "measure_read_bandwidth", lambda: 1e10)
     report = run_table(folder, ["fp32", "int8"], BenchConfig(prompt_len=PROMPT_LEN, new_tokens=3,
                                                              repeats=2))  # fmt: skip
     # a warm-up and two repeats of each row: compiled and eager where the load compiled

@@ -10,17 +10,14 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from engine.bench.speed import (
-    BenchConfig,
-    LlamaCppPeer,
-    format_table,
-    measure_read_bandwidth,
-    run_table,
-)
+from engine.bench.report import format_table
+from engine.bench.speed import BenchConfig
+from engine.bench.table import LlamaCppPeer, measure_read_bandwidth, run_table
 from engine.errors import InfersightError
 from engine.loader.load import load_model
-from engine.loader.weights import decode_read_bytes, weight_bytes
-from engine.quant.quantize import QuantizedEmbedding
+from engine.model.inventory import weight_bytes
+from engine.quant.embedding import QuantizedEmbedding
+from engine.quant.inventory import decode_read_bytes
 from tests.probed import precisions
 
 FAKE_LLAMA_CPP = textwrap.dedent(

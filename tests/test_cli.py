@@ -123,9 +123,9 @@ def test_tokenize_reads_lines_from_stdin(capsys, monkeypatch, tiny):
     monkeypatch.setattr(
         sys, "stdin", io.TextIOWrapper(io.BytesIO(b"t5 t6\nt7\n"), encoding="utf-8")
     )
-    from app.cli import main as cli_main
+    from app.cli import run as cli_run
 
-    monkeypatch.setattr(cli_main, "_stdin_text", lambda: sys.stdin)
+    monkeypatch.setattr(cli_run, "_stdin_text", lambda: sys.stdin)
     code, out, _ = run_cli(capsys, "tokenize", "--model", str(tiny))
     assert code == 0
     assert [json.loads(line) for line in out.splitlines()] == [[5, 6], [7]]
@@ -328,7 +328,7 @@ def _with_generation_config(folder: Path, **keys: object) -> Path:
     ],
 )  # fmt: skip
 def test_generation_config_sampling_reads_it_as_transformers_does(tmp_path, keys, expected):
-    from engine.loader.load import generation_config_sampling
+    from engine.loader.generation_config import generation_config_sampling
 
     defaults = generation_config_sampling(_with_generation_config(tmp_path, **keys))
     assert {k: defaults[k] for k in expected} == expected

@@ -14,18 +14,13 @@ from app.cli.main import main
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import CancelledError, InvalidRequestError
-from engine.evals.compare import (
-    FORMAT,
-    Side,
-    compare_prompt,
-    document,
-    measure_speculation,
-    prompt_ids_for,
-    read_document,
-    score,
-)
+from engine.evals.acceptance import measure_speculation
+from engine.evals.compare import compare_prompt
+from engine.evals.compare_file import FORMAT, document, read_document
+from engine.evals.scoring import score
+from engine.evals.sides import Side, prompt_ids_for
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kv_cache.paged import CacheWindow
+from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 
 PROMPT = "t1 t7 t3 t9 t2"
@@ -46,7 +41,7 @@ def engines(tiny_model_dir):
 def direct_logprobs(engine: LLMEngine, prompt: list[int], output: list[int]) -> torch.Tensor:
     """Log-probs of each output position from one plain forward over the whole sequence."""
     seq = prompt + output
-    logits = engine.forward_logits(seq, engine.new_cache(len(seq)), 0)
+    logits = engine.runner.forward_logits(seq, engine.runner.new_cache(len(seq)), 0)
     return F.log_softmax(logits[len(prompt) - 1 : len(seq) - 1].double(), dim=-1)
 
 

@@ -93,7 +93,7 @@ def test_float_precisions_take_the_probed_path_and_match_transformers(
     path = "oneDNN-packed" if paths.packed(dtype).ok else "nn.Linear"
     assert forms == {f"{precision} ({path})"}
     ids = list(range(3, 40))
-    ours = engine.forward_logits(ids, engine.new_cache(len(ids)), 0).float()
+    ours = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0).float()
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0].float()
     limit = 1e-5 if precision == "fp32" else 2e-2
@@ -120,8 +120,8 @@ def test_quantized_precisions_take_the_probed_path_or_are_refused_by_name(
     assert forms == {f"{precision.removesuffix('+head')} ({kernel})"}  # ", K padded +16" cut
     reference = _dequantized_reference(folder, precision)
     ids = list(range(3, 40))
-    ours = engine.forward_logits(ids, engine.new_cache(len(ids)), 0)
-    theirs = reference.forward_logits(ids, reference.new_cache(len(ids)), 0)
+    ours = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0)
+    theirs = reference.runner.forward_logits(ids, reference.runner.new_cache(len(ids)), 0)
     assert _relative_error(ours, theirs) <= 2e-2
 
 

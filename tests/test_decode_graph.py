@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.kernels import decode_graph

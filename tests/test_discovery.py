@@ -17,15 +17,12 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import CancelledError, ModelLoadError, UnsupportedModelError
-from engine.store.discovery import (
-    DiscoveredModel,
-    discover_and_plan,
-    discover_models,
-    hf_cache_dir,
-    lmstudio_dirs,
-)
-from engine.store.gguf_import import gguf_model_config, import_gguf, read_gguf_header
+from engine.store.catalog import DiscoveredModel
+from engine.store.discovery import discover_models, hf_cache_dir, lmstudio_dirs
+from engine.store.gguf_import import import_gguf
+from engine.store.gguf_reader import gguf_model_config, read_gguf_header
 from engine.store.model_store import import_into_store, models_dir
+from engine.store.planning import discover_and_plan
 from tests.conftest import build_tiny_hf
 from tests.gguf_factory import write_gguf
 

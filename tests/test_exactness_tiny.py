@@ -15,13 +15,13 @@ import copy
 import pytest
 import torch
 
-from engine.core.engine import EngineConfig
+from engine.core.config import EngineConfig
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.hardware.cpu_paths import cpu_paths, forced_level
 from engine.kernels import paged_decode
 from engine.kernels.packed_linear import PackedLinear
-from engine.kv_cache.paged import CacheWindow
+from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 from engine.model.config import ModelConfig
 
@@ -68,11 +68,11 @@ def test_logits_and_greedy_ids_match_transformers(tiny_model_dir, arch, tied, pa
     prompt = tiny_prompt(hf)
 
     # Ours: prefill, then one token at a time through the KV cache.
-    cache = engine.new_cache(len(prompt) + DECODE_STEPS)
-    ours = [engine.forward_logits(prompt.tolist(), cache, 0)]
+    cache = engine.runner.new_cache(len(prompt) + DECODE_STEPS)
+    ours = [engine.runner.forward_logits(prompt.tolist(), cache, 0)]
     generated = [int(ours[-1][-1].argmax())]
     for step in range(DECODE_STEPS - 1):
-        ours.append(engine.forward_logits([generated[-1]], cache, len(prompt) + step))
+        ours.append(engine.runner.forward_logits([generated[-1]], cache, len(prompt) + step))
         generated.append(int(ours[-1][-1].argmax()))
     ours_logits = torch.cat(ours)
 
@@ -208,7 +208,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     engine = load_model(folder, precision="fp32")
     assert engine.cfg.rope_scaling.kind == "llama3"
     ids = torch.randint(0, hf.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
-    ours = engine.forward_logits(ids.tolist(), engine.new_cache(len(ids)), 0)
+    ours = engine.runner.forward_logits(ids.tolist(), engine.runner.new_cache(len(ids)), 0)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     assert (ours - ref).abs().max().item() <= 1e-4
@@ -224,6 +224,6 @@ def test_half_precisions_stay_close_to_fp32(tiny_model_dir, arch, precision):
     for name in ("fp32", precision):
         engine = load_model(folder, precision=name)
         assert engine.model.embed.weight.dtype == engine.dtype
-        logits[name] = engine.forward_logits(prompt, engine.new_cache(len(prompt)), 0)
+        logits[name] = engine.runner.forward_logits(prompt, engine.runner.new_cache(len(prompt)), 0)
     scale = logits["fp32"].abs().max()
     assert (logits[precision] - logits["fp32"]).abs().max() / scale < 0.05

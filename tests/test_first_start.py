@@ -26,11 +26,13 @@ from PySide6.QtCore import QObject, QTimer, Slot
 
 from app.gui.gc_guard import settle
 from app.gui.main_window import MainWindow
-from app.gui.worker import LoadSpec, load_engine
+from app.loading import LoadSpec, load_engine
 from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, ModelLoadError
 from engine.store import gguf_import, model_store
-from engine.store.gguf_import import Progress, dequantize_tensor, import_gguf_in_subprocess
+from engine.store.gguf_import import Progress
+from engine.store.gguf_reader import dequantize_tensor
+from engine.store.gguf_subprocess import import_gguf_in_subprocess
 from engine.store.model_store import (
     DEFAULT,
     default_gguf_path,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.engine import LLMEngine, StopStringMatcher
+from engine.core.engine import LLMEngine
+from engine.core.output import StopStringMatcher
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.loader.load import load_model

@@ -39,7 +39,7 @@ def test_f32_import_recovers_the_original_weights_and_logits(tmp_path, arch, tie
 
     engine = load_model(out, precision="fp32")
     ids = list(range(10, 40))
-    ours = engine.forward_logits(ids, engine.new_cache(len(ids)), 0)
+    ours = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() <= 1e-4

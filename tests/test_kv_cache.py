@@ -9,7 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_cache.paged import RELEASED, BlockManager, CacheWindow, PagedKVCache, SeqChunk
+from engine.kv_cache.block_manager import RELEASED, BlockManager
+from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.kv_cache.window import CacheWindow
 from engine.model.attention import reference_attention
 from engine.model.config import ModelConfig
 

@@ -1,4 +1,5 @@
-"""The A/B lab end to end: a real view, the lab's thread, real engines (app/gui/lab.py)."""
+"""The A/B lab end to end: a real view, the lab's thread, real engines
+(app/gui/lab.py, app/gui/lab_worker.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.cli.main import main
-from app.gui.lab import LabController, free_memory
+from app.gui.lab import LabController
+from app.gui.lab_worker import free_memory
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
-from engine.evals.compare import Side, compare_prompt, read_document
+from engine.evals.compare import compare_prompt
+from engine.evals.compare_file import read_document
+from engine.evals.sides import Side
 from engine.loader.load import load_model
 from tests.probed import needs_int4
 from widgets.ab_view import ABView
@@ -279,7 +283,7 @@ def test_the_lab_on_the_default_model_matches_eval_compare_and_generate(
     assert report["summary"]["top1_agreement"] == cli["summary"]["top1_agreement"]
     shown = lab.view.summary_text()
     assert f"{cli['summary']['top1_agreement']:.1%}" in shown, shown
-    from widgets.ab_view import format_kl
+    from widgets.ab_format import format_kl
 
     assert format_kl(cli["summary"]["kl_mean"]) in shown, shown
     for key, precision in (("a", "fp32"), ("b", b)):

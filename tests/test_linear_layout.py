@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.hardware.cpu_paths import cpu_paths
+from engine.hardware.measured import machine_key
 from engine.kernels import packed_linear
 from engine.kernels.packed_linear import (
     LayoutTiming,
@@ -54,9 +55,7 @@ def test_a_verdict_is_timed_once_and_kept_per_machine(home, monkeypatch):
     assert layout_timing(torch.float32, 96, 64).packed
     assert timed == [(96, 64)]
     saved = json.loads((home / packed_linear.KERNELS_FILE).read_text())
-    assert saved == {
-        packed_linear.machine_key(): {"float32 96x64": {"packed_ms": 1.0, "plain_ms": 2.0}}
-    }
+    assert saved == {machine_key(): {"float32 96x64": {"packed_ms": 1.0, "plain_ms": 2.0}}}
 
     packed_linear._verdicts.cache_clear()  # a new process reads the file instead of timing again
     assert layout_timing(torch.float32, 96, 64).packed and timed == [(96, 64)]

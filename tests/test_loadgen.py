@@ -1,6 +1,6 @@
-"""The load generator and the sweep's analysis (engine/bench/loadgen.py, engine/bench/tuning.py):
-arrivals as specified, concurrency as specified, nothing left behind by a stop, the limits a
-sweep applies and puts back, and the figures read off a sweep."""
+"""The load generator and the sweep's analysis (engine/bench/loadgen.py, tuning.py,
+sweep_analysis.py): arrivals as specified, concurrency as specified, nothing left behind by a
+stop, the limits a sweep applies and puts back, and the figures read off a sweep."""
 
 from __future__ import annotations
 
@@ -11,18 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench.loadgen import (
-    SLO,
-    LoadGenerator,
-    LoadResult,
-    LoadSpec,
-    PromptMix,
-    drive,
-    request_stream,
-)
-from engine.bench.tuning import (
+from engine.bench.load_spec import SLO, LoadResult, LoadSpec, PromptMix
+from engine.bench.loadgen import LoadGenerator, drive, request_stream
+from engine.bench.sweep_analysis import (
     Setting,
-    Sweep,
     SweepPoint,
     best_for_slo,
     capacity,
@@ -31,7 +23,9 @@ from engine.bench.tuning import (
     pareto_front,
     sweep_report,
 )
-from engine.core.engine import EngineConfig, LLMEngine
+from engine.bench.tuning import Sweep
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
 from engine.core.metrics import RequestMetrics
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
@@ -166,7 +160,7 @@ def test_a_full_queue_makes_a_closed_loop_user_send_the_same_request_again(
 
 def test_limits_a_live_request_could_not_fit_under_are_refused(engine: LLMEngine) -> None:
     from engine.core.sampling import SamplingParams
-    from engine.kv_cache.paged import CacheWindow
+    from engine.kv_cache.window import CacheWindow
 
     rid = engine.add_request(list(range(10, 500)), SamplingParams(max_new_tokens=200))
     try:

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from app.loading import LoadSpec, load_engine
-from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
 from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.loader import load as loader
-from engine.loader.load import load_model, parse_bytes, plan_for_folder, plan_memory
+from engine.loader import memory_plan
+from engine.loader.load import load_model
+from engine.loader.memory_plan import parse_bytes, plan_for_folder, plan_memory
 from engine.model.config import ModelConfig
 from tests.probed import precisions
 
@@ -79,7 +82,7 @@ def test_a_plan_for_a_12_gib_gpu_is_made_without_one():
 
 def test_a_load_that_cannot_fit_is_refused_before_it_starts(tiny_model_dir, monkeypatch):
     folder, _ = tiny_model_dir("llama", True)
-    monkeypatch.setattr(loader, "free_memory", lambda device: 2**20)
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 2**20)
     started = []
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: started.append(a))
     with pytest.raises(OutOfMemoryError, match=r"does not fit on cpu: it needs .* (GiB|MiB)"):
@@ -138,7 +141,7 @@ def test_a_gguf_that_cannot_fit_is_refused_before_it_is_imported(
     from tests.gguf_factory import write_gguf
 
     gguf = write_gguf(build_tiny_hf("llama", tied=True), tmp_path / "tiny.gguf", arch="llama")
-    monkeypatch.setattr(loader, "free_memory", lambda device: 2**20)
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 2**20)
     with pytest.raises(OutOfMemoryError, match="tiny at fp32 does not fit on cpu"):
         load_engine(LoadSpec(str(gguf), "fp32", "cpu", kv_memory_mib=16))
     assert not models_dir().exists() or not any(models_dir().iterdir())

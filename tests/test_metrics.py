@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
-from engine.kv_cache.paged import RELEASED
+from engine.kv_cache.block_manager import RELEASED
 from engine.loader.load import load_model
-from engine.loader.weights import weight_bytes
+from engine.model.inventory import weight_bytes
 
 
 def load(default_model: Path) -> LLMEngine:

@@ -18,7 +18,8 @@ from PySide6.QtWidgets import QPushButton
 
 from app.conversations import ChatStore
 from engine.errors import ModelLoadError
-from engine.store.discovery import DiscoveredModel, Discovery, PlannedModel, discover_and_plan
+from engine.store.catalog import DiscoveredModel, Discovery, PlannedModel
+from engine.store.planning import discover_and_plan
 from tests.conftest import build_tiny_hf
 from tests.gguf_factory import write_gguf
 from tests.test_discovery import add_to_hf_cache, folder_files
@@ -228,7 +229,7 @@ def test_the_window_opens_the_picker_keeps_its_folders_and_loads_its_choice(
     qtbot: Any, user_home: Path, tmp_path: Path
 ) -> None:
     from app.gui.main_window import MainWindow
-    from app.gui.worker import LoadSpec
+    from app.loading import LoadSpec
 
     asked: list[str] = []
 

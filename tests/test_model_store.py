@@ -81,7 +81,7 @@ def test_a_default_model_converted_before_gets_the_recommended_sampling(home):
 
 
 def test_gguf_recommended_sampling_keys_become_generation_config():
-    from engine.store.gguf_import import gguf_sampling
+    from engine.store.gguf_reader import gguf_sampling
 
     meta = {"general.sampling.temp": 0.699999988079071, "general.sampling.top_k": 40,
             "general.sampling.top_p": 0.949999988079071}  # fmt: skip

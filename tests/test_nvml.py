@@ -15,18 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from engine.core.metrics import LayerTimer, memory_by_kind
+from engine import formats
+from engine.core.instruments import LayerTimer, memory_by_kind
 from engine.errors import InvalidRequestError
+from engine.formats import dequantize_int4, probe_int4_layout, quantize_int4
 from engine.hardware import nvml
-from engine.quant import quantize
-from engine.quant.quantize import (
-    Int4Linear,
-    Int8Linear,
-    QuantizedEmbedding,
-    dequantize_int4,
-    probe_int4_layout,
-    quantize_int4,
-)
+from engine.quant import int8
+from engine.quant.embedding import QuantizedEmbedding
+from engine.quant.int4 import Int4Linear
+from engine.quant.int8 import Int8Linear
 
 pynvml = pytest.importorskip("pynvml")
 GIB = 2**30
@@ -185,19 +182,19 @@ def raising(error: BaseException) -> Any:
 
 
 def test_out_of_memory_in_the_int8_probe_propagates(monkeypatch):
-    monkeypatch.setattr(quantize, "_INT8_KERNEL", {})
+    monkeypatch.setattr(int8, "_INT8_KERNEL", {})
     monkeypatch.setattr(torch, "_weight_int8pack_mm", raising(torch.cuda.OutOfMemoryError("oom")))
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        quantize.int8_kernel_runs(torch.device("cpu"))
-    assert quantize._INT8_KERNEL == {}  # nothing decided: the next load probes again
+        int8.int8_kernel_runs(torch.device("cpu"))
+    assert int8._INT8_KERNEL == {}  # nothing decided: the next load probes again
 
 
 def test_a_missing_int8_kernel_switches_to_converting_once(monkeypatch):
-    monkeypatch.setattr(quantize, "_INT8_KERNEL", {})
+    monkeypatch.setattr(int8, "_INT8_KERNEL", {})
     missing = raising(NotImplementedError("no CUDA kernel for aten::_weight_int8pack_mm"))
     monkeypatch.setattr(torch, "_weight_int8pack_mm", missing)
-    assert quantize.int8_kernel_runs(torch.device("cpu")) is False
-    assert quantize._INT8_KERNEL == {"cpu": False}
+    assert int8.int8_kernel_runs(torch.device("cpu")) is False
+    assert int8._INT8_KERNEL == {"cpu": False}
 
 
 @pytest.mark.parametrize(
@@ -283,8 +280,8 @@ def test_the_probe_finds_other_tile_shapes_and_refuses_what_is_no_permutation():
 def cuda_like_head(monkeypatch: pytest.MonkeyPatch, pack: Any) -> tuple[Int4Linear, torch.Tensor]:
     """An Int4Linear whose weight is laid out as on CUDA (by ``pack``) and the dequantized
     matrix it holds."""
-    monkeypatch.setattr(quantize, "_CUDA_INT4_LAYOUTS", {})
-    monkeypatch.setattr(quantize, "pack_int4_cuda", pack)
+    monkeypatch.setattr(formats, "_CUDA_INT4_LAYOUTS", {})
+    monkeypatch.setattr(formats, "pack_int4_cuda", pack)
     torch.manual_seed(0)
     w = torch.randn(40, 96)  # N padded to 48, K padded to 128 for g64
     head = Int4Linear(w, None, 64)
@@ -304,7 +301,7 @@ def test_a_tied_int4_head_on_cuda_serves_embedding_rows_from_its_packed_weight(m
 
 def test_a_cuda_int4_layout_that_cannot_be_read_is_refused_by_name(monkeypatch):
     head, _ = cuda_like_head(monkeypatch, nv_pack)
-    monkeypatch.setattr(quantize, "pack_int4_cuda", lambda q, t: nv_pack(q ^ 8, t))
+    monkeypatch.setattr(formats, "pack_int4_cuda", lambda q, t: nv_pack(q ^ 8, t))
     with pytest.raises(InvalidRequestError, match="int8\\+head"):
         QuantizedEmbedding(head, torch.float32, torch.ones(96))
 
@@ -409,7 +406,9 @@ def test_the_worker_makes_a_stream_only_for_a_cuda_engine_and_on_its_device(monk
 
 def test_the_loader_waits_for_its_gpu_copies_before_handing_the_engine_over(monkeypatch):
     from app.gui import worker as worker_module
-    from app.gui.worker import EngineWorker, LoadSpec, _Loaded
+    from app.gui.commands import _Loaded
+    from app.gui.worker import EngineWorker
+    from app.loading import LoadSpec
 
     cuda = FakeCuda(monkeypatch)
     worker = EngineWorker(loader=lambda spec, progress: on("cuda:1"))

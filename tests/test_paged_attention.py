@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.kernels import paged_decode
-from engine.kv_cache.paged import _gather_attention
+from engine.kernels.gather_attention import gather_attention
 from engine.loader.load import load_model
 
 needs_compiler = pytest.mark.skipif(
@@ -66,7 +66,7 @@ def test_matches_gather_and_sdpa(b, width, kv_heads, group, dim, window, dtype) 
     assert paged_decode.kernel().available, paged_decode.status()
     q, pool, slots, lens, mask = case(b, width, kv_heads, group, dim, dtype, window=window)
     got = paged_decode.paged_attention(q, pool, slots, lens, mask)
-    want = _gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
+    want = gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
     assert got.dtype == dtype and got.shape == (b, kv_heads * group * dim)
     tol = 2e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -152,6 +152,6 @@ def test_the_forced_cpu_level_decides_the_build(tmp_path: Path, monkeypatch) -> 
         assert paged_decode._isa_flags() == ["-mavx2", "-mfma"]
     assert paged_decode.kernel().available
     q, pool, slots, lens, mask = case(4, 50, 3, 3, 64, torch.float32, seed=2)
-    want = _gather_attention(q, pool, slots, mask[:, None, None, :])
+    want = gather_attention(q, pool, slots, mask[:, None, None, :])
     torch.testing.assert_close(paged_decode.paged_attention(q, pool, slots, lens, mask), want,
                                atol=2e-6, rtol=2e-6)  # fmt: skip

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
-from engine.kv_cache.paged import CacheWindow
+from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 
 BS = 4  # small blocks: many of them, and many partial ones

@@ -7,19 +7,13 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels.packed_linear import PackedLinear
 from engine.loader.load import load_model
-from engine.quant.quantize import (
-    Int4Linear,
-    Int8Linear,
-    dequantize_int4,
-    dequantize_int8,
-    padded_width,
-    parse_precision_spec,
-    quantize_int4,
-    quantize_int8,
-)
+from engine.quant.int4 import Int4Linear, padded_width
+from engine.quant.int8 import Int8Linear
+from engine.quant.spec import parse_precision_spec
 from tests.probed import needs_int4, precisions
 
 SHAPES = [(64, 96), (192, 576), (96, 1536), (40, 128)]
@@ -128,7 +122,7 @@ def test_cuda_int4_equals_reference(group):
 # -- quantized models ------------------------------------------------------------------------
 
 from engine.core.engine import LLMEngine  # noqa: E402
-from engine.quant.quantize import QuantizedEmbedding  # noqa: E402
+from engine.quant.embedding import QuantizedEmbedding  # noqa: E402
 
 
 @pytest.mark.parametrize("spec", precisions("int8+head", "int4-g32+head", "int4-g128+head"))
@@ -151,7 +145,8 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
     dequantized values (computed here with the reference functions), run through nn.Linear."""
     from torch import nn
 
-    from engine.quant.quantize import head_channel_scale, part_of
+    from engine.quant.embedding import head_channel_scale
+    from engine.quant.spec import part_of
 
     spec = parse_precision_spec(spec_text)
     engine = load_model(folder, precision="fp32", pack=False)
@@ -176,7 +171,7 @@ def _dequantized_reference(folder, spec_text: str) -> LLMEngine:
         if name == "lm_head" and tied:
             model.embed.weight = module.weight
     model.to(torch.bfloat16)
-    engine.dtype = torch.bfloat16
+    engine.dtype = engine.runner.dtype = torch.bfloat16  # its caches hold bf16 too
     return engine
 
 
@@ -190,8 +185,8 @@ def test_quantized_model_equals_its_dequantized_reference(tiny_model_dir, spec, 
     ids = list(range(3, 40))
     quantized = load_model(folder, precision=spec)
     reference = _dequantized_reference(folder, spec)
-    ours = quantized.forward_logits(ids, quantized.new_cache(len(ids)), 0)
-    theirs = reference.forward_logits(ids, reference.new_cache(len(ids)), 0)
+    ours = quantized.runner.forward_logits(ids, quantized.runner.new_cache(len(ids)), 0)
+    theirs = reference.runner.forward_logits(ids, reference.runner.new_cache(len(ids)), 0)
     assert _relative_error(ours, theirs) <= 2e-2
 
 
@@ -220,7 +215,7 @@ def test_int4_on_an_old_cuda_gpu_is_refused(monkeypatch):
     "spec", precisions("fp32", "bf16", "int8", "int4-g128+head", "mixed:mlp=int4-g32")
 )
 def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
-    from engine.loader.weights import weight_report
+    from engine.quant.inventory import weight_report
 
     folder, _ = tiny_model_dir("qwen2", False)
     engine = load_model(folder, precision=spec)
@@ -233,12 +228,8 @@ def test_load_report_accounts_for_every_byte(tiny_model_dir, spec):
 
 # -- per-layer overrides in mixed specs, and the weight-byte estimate ------------------------
 
-from engine.quant.quantize import (  # noqa: E402
-    QuantKind,
-    block_bytes,
-    estimate_weight_bytes,
-    format_mixed_spec,
-)
+from engine.quant.sizes import block_bytes, estimate_weight_bytes  # noqa: E402
+from engine.quant.spec import QuantKind, format_mixed_spec  # noqa: E402
 
 INT8, G32, G128 = QuantKind(8), QuantKind(4, 32), QuantKind(4, 128)
 
@@ -302,11 +293,11 @@ def test_overrides_beyond_the_model_are_refused_at_load(tiny_model_dir):
 def test_int4_in_an_override_needs_the_kernel(monkeypatch):
     from types import SimpleNamespace
 
-    import engine.quant.quantize as quantize
     from engine.hardware.cpu_paths import PathProbe
+    from engine.quant import spec
 
     off = SimpleNamespace(int4_kernel=PathProbe(False, "switched off for the test"))
-    monkeypatch.setattr(quantize, "cpu_paths", lambda: off)
+    monkeypatch.setattr(spec, "cpu_paths", lambda: off)
     with pytest.raises(InvalidRequestError, match="switched off for the test"):
         parse_precision_spec("mixed:attn=int8,mlp=int8,mlp.2=int4-g32")
     assert parse_precision_spec("mixed:attn=int8,mlp=int8,mlp.2=none").quantized
@@ -401,8 +392,8 @@ def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied):
 @pytest.mark.parametrize("spec", precisions("bf16", "int8", "int4-g32", "int4-g128"))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_block_bytes_is_one_block(tiny_model_dir, spec, arch):
-    from engine.loader.weights import weight_bytes
     from engine.model.config import ModelConfig
+    from engine.model.inventory import weight_bytes
 
     folder, _ = tiny_model_dir(arch, arch == "llama")
     cfg = ModelConfig.from_file(folder / "config.json")
@@ -418,13 +409,13 @@ def test_quantizing_a_chunk_of_rows_at_a_time_equals_the_whole_matrix(monkeypatc
     """The bounded load quantizes 32 MiB of rows at a time and packs INT4 per block of rows
     (the CPU layout's blocks, probed on this CPU kind): bit for bit what one whole-matrix
     pass gives, padding rows and columns included."""
-    from engine.quant import quantize
+    from engine import formats
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
-    monkeypatch.setattr(quantize, "QUANT_CHUNK_BYTES", 1 << 40)
+    monkeypatch.setattr(formats, "QUANT_CHUNK_BYTES", 1 << 40)
     whole4, whole8 = Int4Linear(w, None, group), Int8Linear(w, None, torch.bfloat16)
-    monkeypatch.setattr(quantize, "QUANT_CHUNK_BYTES", 64 * 1024)  # many chunks
-    assert len(quantize.row_chunks(n, k)) > 1
+    monkeypatch.setattr(formats, "QUANT_CHUNK_BYTES", 64 * 1024)  # many chunks
+    assert len(formats.row_chunks(n, k)) > 1
     part4, part8 = Int4Linear(w, None, group), Int8Linear(w, None, torch.bfloat16)
     assert torch.equal(whole4.weight, part4.weight)
     assert torch.equal(whole4.scales_and_zeros, part4.scales_and_zeros)

@@ -18,16 +18,13 @@ from engine.errors import CancelledError, InvalidRequestError
 from engine.evals.sensitivity import Scan, plan_mixed, scan_model, scan_sensitivity
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels.packed_linear import PackedLinear
-from engine.kv_cache.paged import ContiguousKVCache
+from engine.kv_cache.contiguous import ContiguousKVCache
 from engine.loader.load import load_model
 from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
-from engine.quant.quantize import (
-    QuantKind,
-    estimate_weight_bytes,
-    parse_precision_spec,
-    quantized_linear,
-)
+from engine.quant.linear import quantized_linear
+from engine.quant.sizes import estimate_weight_bytes
+from engine.quant.spec import QuantKind, parse_precision_spec
 from tests.probed import needs_int4
 
 TEXT = [(7 * i + 3) % 320 for i in range(48)]

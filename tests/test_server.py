@@ -200,7 +200,7 @@ def test_logprobs_are_the_models_own_and_name_the_chosen_tokens(client, engine):
     assert "".join(e.token for e in entries) == choice.message.content
     # the first one is the log-softmax of the model's logits after the prompt
     prompt = engine.chat_prompt_ids([{"role": "user", "content": question}])
-    logits = engine.forward_logits(prompt, engine.new_cache(len(prompt)), 0)[-1]
+    logits = engine.runner.forward_logits(prompt, engine.runner.new_cache(len(prompt)), 0)[-1]
     assert entries[0].logprob == pytest.approx(float(torch.log_softmax(logits, -1).max()), abs=1e-4)
 
     text = client.completions.create(

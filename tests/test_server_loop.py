@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.server.engine_loop import EngineLoop, SelfTest
 from app.server.metrics import ServerMetrics
-from app.server.routes import EngineLoop, SelfTest, Server
-from engine.core.engine import LLMEngine, TokenEvent
+from app.server.routes import Server
+from engine.core.engine import LLMEngine
+from engine.core.output import TokenEvent
 from engine.core.sampling import SamplingParams
 from engine.loader.load import load_model
 
@@ -136,7 +138,7 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir, 
     import uvicorn
 
     from app.server.routes import ServerLimits, bind
-    from engine.core.engine import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.core.scheduler import SchedulerLimits
 
     folder, _ = tiny_model_dir("llama", False)
@@ -184,7 +186,7 @@ def test_a_request_that_waits_past_the_queue_timeout_gets_a_503(tiny_model_dir, 
 def test_metrics_carry_the_spec_decode_counters_of_a_speculative_engine(tiny_engine):
     """vLLM's spec_decode_* counters on /metrics equal the engine's own counts, position by
     position, and only grow (a new drafter starts its counts at zero)."""
-    from engine.speculative.speculator import VerifyCost, parse_speculative
+    from engine.speculative.config import VerifyCost, parse_speculative
 
     tiny_engine.set_speculation(
         parse_speculative("lookup", 3, adaptive=False, ngram_min=1, verify_cost=VerifyCost())

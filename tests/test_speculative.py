@@ -23,23 +23,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.bench.speculative import GROUNDED_PROMPTS
-from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
-from engine.kv_cache.paged import CacheWindow
+from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
-from engine.speculative.speculator import (
-    Draft,
-    LookupDrafter,
-    SpecStats,
-    SpeculativeConfig,
-    VerifyCost,
-    accept,
-    best_k,
-    expected_tokens,
-    parse_speculative,
-)
+from engine.speculative.adaptive import best_k, expected_tokens
+from engine.speculative.config import SpeculativeConfig, VerifyCost, parse_speculative
+from engine.speculative.drafters import LookupDrafter
+from engine.speculative.rule import Draft, accept
+from engine.speculative.speculator import SpecStats
 from tests.conftest import build_tiny_hf, save_tiny
 from tests.probed import precisions
 
@@ -486,7 +481,7 @@ def test_draft_slots_never_keep_a_waiting_request_out():
     pool exactly is admitted although a decoding sequence wants four draft slots."""
     from engine.core.scheduler import Scheduler
     from engine.core.sequence import Sequence
-    from engine.kv_cache.paged import BlockManager
+    from engine.kv_cache.block_manager import BlockManager
 
     mgr = BlockManager(num_blocks=10, block_size=4, prefix_caching=False)
     sched = Scheduler(mgr)
@@ -508,18 +503,18 @@ def test_draft_slots_never_keep_a_waiting_request_out():
 def test_a_draft_model_catches_up_on_a_long_prompt_in_chunks(tiny, other_tiny, monkeypatch):
     """A prompt longer than the catch-up chunk reaches the draft model's cache in pieces, one
     a step, before the sequence drafts; the output is plain greedy output."""
-    from engine.speculative import speculator
+    from engine.speculative import drafters
 
-    monkeypatch.setattr(speculator, "CATCH_UP", 8)
+    monkeypatch.setattr(drafters, "CATCH_UP", 8)
     config = EngineConfig(block_size=BS, num_blocks=64)
     arrivals: list[Arrival] = [(0, repetitive(21, 21) + repetitive(22, 21), GREEDY)]
     want, _, _ = run(load_model(tiny, config=config), arrivals)
     fast = load_model(tiny, config=config)
     fast.set_speculation(spec(f"model:{other_tiny}", k=3, adaptive=False))
     calls = []
-    real = speculator.ModelDrafter._catch_up
+    real = drafters.ModelDrafter._catch_up
     monkeypatch.setattr(
-        speculator.ModelDrafter, "_catch_up",
+        drafters.ModelDrafter, "_catch_up",
         lambda self, behind, window: (calls.append(len(behind)), real(self, behind, window)),
     )  # fmt: skip
     got, _, kinds = run(fast, arrivals)

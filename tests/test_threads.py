@@ -10,6 +10,7 @@ import torch
 
 from engine.hardware import threads
 from engine.loader.load import load_model
+from engine.model.inventory import linear_modules
 
 
 @pytest.fixture
@@ -45,11 +46,11 @@ def test_the_fastest_count_is_taken_and_kept(tiny_model_dir, untimed):
     engine = load_model(folder)
     assert torch.get_num_threads() == 2
     assert untimed == [1, 2, 4] * 3  # three interleaved rounds
-    report = threads.settle_threads(engine.model, torch.float32)
+    report = threads.settle_threads(linear_modules(engine.model), torch.float32)
     assert report.startswith("2 threads") and report.endswith("kept)")
     assert len(untimed) == 9  # read back, not timed again
     threads._verdicts.cache_clear()
-    threads.settle_threads(engine.model, torch.float32)  # a new process reads the file
+    threads.settle_threads(linear_modules(engine.model), torch.float32)  # a new process reads it
     assert len(untimed) == 9
 
 
@@ -60,7 +61,7 @@ def test_the_default_holds_unless_another_count_is_clearly_faster(
     model = load_model(folder).model  # 2 threads (1.0 ms) beat 4 (2.0 ms) by far
     monkeypatch.setattr(threads, "_time_linears", lambda _l, _d, n: {1: 3.0, 2: 1.9, 4: 2.0}[n])
     # a new verdict (another dtype): 2 threads are only 5% faster than the default
-    assert threads.settle_threads(model, torch.float64).startswith("4 threads")
+    assert threads.settle_threads(linear_modules(model), torch.float64).startswith("4 threads")
 
 
 def test_a_count_asked_for_is_never_timed(tiny_model_dir, untimed, monkeypatch):
@@ -79,8 +80,6 @@ def test_real_timing_gives_a_time_per_count(tiny_model_dir):
     linear once at the count asked for: so four of it fit in the call's own time."""
     folder, _ = tiny_model_dir("llama", True)
     model = load_model(folder).model
-    from engine.loader.weights import linear_modules
-
     linears = linear_modules(model)
     calls: list[int] = []
     hooks = [m.register_forward_hook(lambda *_: calls.append(torch.get_num_threads()))

@@ -17,9 +17,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
 
+from app.gui.commands import EngineView
 from app.gui.main_window import MainWindow
-from app.gui.worker import EngineView
-from tests.test_app import LONG_WAIT_MS, Recorder, open_window, send
+from tests.app_window import LONG_WAIT_MS, Recorder, open_window, send
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from pytestqt.qtbot import QtBot
 
-from engine.bench.loadgen import SLO, LoadResult, LoadSpec, PromptMix
-from engine.bench.tuning import (
+from engine.bench.load_spec import SLO, LoadResult, LoadSpec, PromptMix
+from engine.bench.sweep_analysis import (
     Setting,
     SweepPoint,
     SweepProgress,
@@ -28,7 +28,8 @@ from engine.bench.tuning import (
     series,
 )
 from engine.core.metrics import MemoryByKind, MetricsSnapshot, StepRecord
-from widgets.tuner import TunerView, summarise_steps
+from widgets.tuner import TunerView
+from widgets.tuner_live import summarise_steps
 
 pytestmark = pytest.mark.usefixtures("gui_gc")
 

@@ -15,21 +15,19 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest
 from PySide6.QtCore import QObject, Qt, QThread, Slot
 
-from app.gui.worker import (
+from app.gui.commands import (
     Configure,
     Delta,
-    EngineWorker,
     Load,
-    Loader,
-    LoadSpec,
     ModelInfo,
     ReplyStats,
     Resize,
     Send,
     Speculate,
     Stop,
-    load_engine,
 )
+from app.gui.worker import EngineWorker, Loader
+from app.loading import LoadSpec, load_engine
 from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, ModelLoadError
 
@@ -261,11 +259,11 @@ def only_fits_alone(monkeypatch: pytest.MonkeyPatch, spec: LoadSpec, r: Running)
     """Free memory such that ``spec`` fits only once the model ``r`` holds is gone (as free
     memory grows when it goes)."""
     from app.loading import plan_load
-    from engine.loader import load as loader
+    from engine.loader import memory_plan
 
-    need, real = plan_load(spec).peak_bytes, loader.free_memory
+    need, real = plan_load(spec).peak_bytes, memory_plan.free_memory
     monkeypatch.setattr(
-        loader,
+        memory_plan,
         "free_memory",
         lambda device: real(device) if r.worker.info is None else float(need - 100 * 2**20),
     )

@@ -37,26 +37,23 @@ A *report* (what :meth:`ABView.show_report` takes; a saved file holds
 A *scan* (:meth:`ABView.show_scan`) gives, per layer and block (attention, MLP), the KL when
 only that block is at the low precision; a *plan* (:meth:`ABView.show_plan`) is the mixed
 precision spec that fits a memory budget.
+
+This module holds the view; its parts are :mod:`widgets.ab_sides` (each side's form and token
+column), :mod:`widgets.ab_plots` (the KL and scan plots) and :mod:`widgets.ab_format` (the
+text, colours and tooltips made from a report).
 """
 
 from __future__ import annotations
 
-import bisect
-import html
-import math
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QPoint, QRect, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QFont, QHelpEvent, QTextCharFormat, QTextCursor
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QTextCharFormat
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
-    QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
     QGroupBox,
@@ -71,506 +68,35 @@ from PySide6.QtWidgets import (
     QSpinBox,
     QSplitter,
     QTabWidget,
-    QTextBrowser,
-    QToolTip,
     QVBoxLayout,
     QWidget,
 )
 
-from widgets.controls import PRECISIONS
+from widgets.ab_format import (
+    COLOUR_BY,
+    KL_HIGH,
+    KL_LOW,
+    SIDES,
+    SPECULATION_TIP,
+    SUMMARY_TIP,
+    _side_stats,
+    divergence_text,
+    format_kl,
+    format_mib,
+    marker_format,
+    quant_format,
+    speculation_tip,
+    summary_line,
+    token_format,
+    token_level,
+    token_tooltip,
+)
+from widgets.ab_plots import KLPlot, ScanPlot
+from widgets.ab_sides import Column, SideForm
 
-SIDES = ("a", "b")
 RUNNING = "Running…"
-COLOUR_BY = ("KL(A‖B)", "A's probability of this token", "none")
-#: KL is coloured on a log scale between these (nats): below the low end a token is left
-#: plain, so the eye goes to the few tokens that matter rather than to rounding noise.
-KL_LOW, KL_HIGH = 1e-4, 1.0
-#: The log-scale KL plot cannot show 0 (identical distributions); such points sit here.
-KL_PLOT_FLOOR = 1e-8
-MARKER = "▶"  # put before the first divergence in both columns (not part of either text)
 BUDGET_STEPS = 1000  # slider positions between the smallest and the largest plan
 BUDGET_DEBOUNCE_MS = 250  # a plan is asked for once the slider rests this long
-MIB = 1024 * 1024
-BAR_COLOURS = {"attn": "#4e9af1", "mlp": "#f1a04e"}
-UPGRADED_COLOURS = {"attn": "#a9cdfa", "mlp": "#f8cf9f"}
-ACCENT = "#4e9af1"
-YELLOW, RED = (250, 210, 60), (230, 50, 40)
-
-
-# -- plain helpers ------------------------------------------------------------------------------
-def visible(piece: str) -> str:
-    """A token's text with whitespace made visible, so ``' the'`` and ``'the'`` differ in a
-    tooltip: spaces as ``·``, newlines as ``⏎``, tabs as ``⇥``, other control characters
-    escaped; an empty piece (part of a character still to come) as ``∅``."""
-    if not piece:
-        return "∅"
-    marks = {" ": "·", "\n": "⏎", "\t": "⇥", "\r": "␍"}
-    return "".join(
-        marks.get(ch, ch if ch.isprintable() else ch.encode("unicode_escape").decode())
-        for ch in piece
-    )
-
-
-def format_kl(value: float | None) -> str:
-    """KL in nats to 3 significant digits (``0.0123``, ``3.1e-07``); ``–`` when unknown
-    (``None``, or NaN: a figure over no tokens)."""
-    if value is None or math.isnan(value):
-        return "–"
-    return "0" if value == 0 else f"{value:.3g}"
-
-
-def format_pct(value: float | None) -> str:
-    """A probability or a rate as a percentage; small ones keep two significant digits."""
-    if value is None or math.isnan(value):
-        return "–"
-    pct = 100.0 * value
-    return f"{pct:.1f}%" if pct == 0 or abs(pct) >= 0.1 else f"{pct:.2g}%"
-
-
-def format_mib(nbytes: float | None) -> str:
-    return "–" if nbytes is None else f"{nbytes / MIB:.1f} MiB"
-
-
-def kl_level(kl: float | None) -> float:
-    """0…1 on a log scale from :data:`KL_LOW` to :data:`KL_HIGH` nats (0 below, 1 above)."""
-    if kl is None or not kl > KL_LOW:
-        return 0.0
-    return min(1.0, math.log(kl / KL_LOW) / math.log(KL_HIGH / KL_LOW))
-
-
-def probability_level(p: float | None) -> float:
-    """0…1, linear: a token A was sure of (p = 1) is plain, an unlikely one (p → 0) red."""
-    if p is None:
-        return 0.0
-    return min(1.0, max(0.0, 1.0 - p))
-
-
-def heat_colour(level: float) -> QColor | None:
-    """The background for a level in 0…1: none at 0, then a faint yellow that thickens and
-    turns red. Lightness falls steadily along the ramp, so it reads in order in greyscale
-    too; ``None`` means no colour at all (most tokens, most of the time)."""
-    if not level > 0:
-        return None
-    level = min(level, 1.0)
-    if level <= 0.5:
-        return QColor(*YELLOW, int(40 + 170 * level / 0.5))
-    t = (level - 0.5) / 0.5
-    r, g, b = (round(y + (r_ - y) * t) for y, r_ in zip(YELLOW, RED, strict=True))
-    return QColor(r, g, b, 210)
-
-
-def quant_format(precision: str) -> str | None:
-    """The weight format a layer scan quantizes blocks to, from a precision: ``int4-g32+head``
-    → ``int4-g32``, ``int8`` → ``int8``; ``None`` for one that is not a single quantized
-    format (``fp32``, ``bf16``, a mixed spec)."""
-    match = re.fullmatch(r"(int8|int4-g\d+)(\+head)?", precision.strip())
-    return match.group(1) if match else None
-
-
-def _escape(text: str) -> str:
-    """Text for a rich-text tooltip (quotes stay quotes: they are not inside a tag)."""
-    return html.escape(text, quote=False)
-
-
-def _at(values: Sequence[Any] | None, index: int) -> Any:
-    """``values[index]``, or ``None`` where the list is missing or short (a report cut off by
-    a cancel may lack the last token's figures)."""
-    return values[index] if values is not None and 0 <= index < len(values) else None
-
-
-def _side_stats(side: dict[str, Any]) -> str:
-    parts = []
-    if side.get("ttft_s") is not None:
-        parts.append(f"TTFT {1000 * side['ttft_s']:.0f} ms")
-    if side.get("tokens_per_s") is not None:
-        parts.append(f"{side['tokens_per_s']:.1f} tok/s")
-    parts.append(f"weights {format_mib(side.get('weights_bytes'))}")
-    parts.append(f"KV {format_mib(side.get('kv_bytes'))}")
-    if side.get("finish_reason"):
-        parts.append(f"finish: {side['finish_reason']}")
-    return " · ".join(parts)
-
-
-def divergence_text(divergence: dict[str, Any]) -> str:
-    """What the first divergence means under vLLM's rule (its ``check_logprobs_close``: where
-    two outputs first differ, each model's token must be in the other's top-N, or the models
-    really behave differently; after that point the texts are not compared any more)."""
-    index = divergence.get("index")
-    if index is None:
-        return "A and B chose the same token at every position both reached."
-    n = divergence.get("top_n", 5)
-
-    def said(flag: bool | None) -> str:
-        return "unknown" if flag is None else ("yes" if flag else "no")
-
-    def chose(name: str, token: str | None) -> str:
-        return f"{name} had stopped" if token is None else f"{name} chose '{visible(token)}'"
-
-    a_in_b, b_in_a = divergence.get("a_in_b_top"), divergence.get("b_in_a_top")
-    lines = [
-        f"First divergence at token {index}: {chose('A', divergence.get('a_token'))}, "
-        f"{chose('B', divergence.get('b_token'))}.",
-        f"A's token in B's top-{n}: {said(a_in_b)}; B's token in A's top-{n}: {said(b_in_a)}.",
-    ]
-    if a_in_b and b_in_a:
-        lines.append(
-            "vLLM's rule passes: each choice is among the other's top candidates, a near tie "
-            "that sent the texts apart rather than a real change in behaviour."
-        )
-    elif a_in_b is None or b_in_a is None:
-        lines.append("vLLM's rule cannot be checked here (top candidates missing).")
-    else:
-        lines.append(
-            "vLLM's rule fails: one model's choice is outside the other's top candidates, a real "
-            "difference in behaviour."
-        )
-    return "\n".join(lines)
-
-
-SUMMARY_TIP = (
-    "KLD: KL(A‖B) of the next-token distributions, in nats. RMS Δp: root mean square of "
-    "p_A − p_B for the tokens of the text. Top-1 agreement: how often both would pick the "
-    "same next token. Noise floor: A against a second run of A, what counts as no "
-    "difference. Acceptance: how often B's drafts pass A's check in speculative decoding"
-)
-SPECULATION_TIP = (
-    "Acceptance, predicted: from the two models' next-token distributions along A's answer: "
-    "for greedy A, how often B's likeliest token is A's (top-1 agreement); for sampling, "
-    "Σ min(p_A, p_B) = 1 − TV(p_A, p_B), the chance that rejection sampling keeps B's "
-    "draft.\nMeasured: A answered once more, same prompt, sampling and seed, by "
-    "speculative decoding with B's model drafting k tokens at every step: accepted drafts "
-    "over accepted drafts plus rejections, the same figure as the prediction (vLLM's "
-    "acceptance rate, accepted over drafted tokens, also counts the drafts a rejection "
-    "leaves unchecked). Mean acceptance length: tokens per verified step, A's own included; "
-    "predicted: what the predicted acceptance gives for the same drafts."
-)
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def _length(value: Any) -> str:
-    number = _number(value)
-    return "–" if number is None else f"{number:.2f}"
-
-
-def measured_text(spec: dict[str, Any]) -> str:
-    """The measured acceptance, for beside the predicted one (empty when not attempted)."""
-    measured = spec.get("measured")
-    if not isinstance(measured, dict):
-        reason = spec.get("not_measured")
-        return f"not measured: {reason}" if reason else ""
-    mode = measured.get("mode", "?")
-    text = (
-        f"measured {format_pct(_number(measured.get('token_acceptance')))} ({mode}, "
-        f"k={measured.get('k', '?')}: mean acceptance length "
-        f"{_length(measured.get('mean_acceptance_length'))}, predicted "
-        f"{_length(measured.get('predicted_mean_acceptance_length'))})"
-    )
-    if mode == "greedy" and measured.get("matches_a") is False:
-        text += f", output differs from A's at token {measured.get('first_difference')}"
-    return text
-
-
-def speculation_tip(spec: dict[str, Any]) -> str:
-    """:data:`SPECULATION_TIP` and this run's measured details (or why there are none)."""
-    measured = spec.get("measured")
-    if not isinstance(measured, dict):
-        reason = spec.get("not_measured")
-        return f"{SPECULATION_TIP}\n\nNot measured: {reason}" if reason else SPECULATION_TIP
-    per_pos = measured.get("acceptance_per_pos")
-    positions = (
-        ", ".join(format_pct(_number(v)) for v in per_pos) if isinstance(per_pos, list) else "–"
-    )
-    matches = measured.get("matches_a")
-    lines = [
-        f"This run: {measured.get('accepted_tokens', '?')} of "
-        f"{measured.get('draft_tokens', '?')} drafted tokens accepted "
-        f"({format_pct(_number(measured.get('acceptance_rate')))}, vLLM's acceptance rate); "
-        f"by draft position: {positions}.",
-        "Output equals A's: " + ("unknown" if matches is None else "yes" if matches else "no")
-        + (" (sampling: the same distribution, other draws)"
-           if matches is False and measured.get("mode") == "sampling" else ""),
-    ]  # fmt: skip
-    return f"{SPECULATION_TIP}\n\n" + "\n".join(lines)
-
-
-def summary_line(summary: dict[str, Any], divergence: dict[str, Any] | None = None) -> str:
-    """The comparison in one line (KL in nats)."""
-    spec = summary.get("speculative")
-    spec = spec if isinstance(spec, dict) else {}
-    measured = measured_text(spec)
-    noise = summary.get("noise_kl_mean")
-    parts = [
-        f"{summary.get('tokens', 0)} tokens: mean KLD {format_kl(summary.get('kl_mean'))} nats",
-        f"p99 KLD {format_kl(summary.get('kl_p99'))}",
-        f"RMS Δp {format_pct(summary.get('rms_dp'))}",
-        f"top-1 agreement {format_pct(summary.get('top1_agreement'))}",
-        f"flips (answers differ): {'yes' if summary.get('flips') else 'no'}",
-        f"noise floor (A vs A′) {format_kl(noise) if noise is not None else 'n/a'}",
-        f"B drafting for A would be accepted {format_pct(spec.get('greedy_acceptance'))} "
-        f"(greedy) / {format_pct(spec.get('sampling_acceptance'))} (sampling)"
-        + (f", {measured}" if measured else ""),
-    ]
-    if divergence is not None and divergence.get("index") is not None:
-        parts.append(f"first divergence at token {divergence['index']}")
-    return " · ".join(parts)
-
-
-# -- the token column ---------------------------------------------------------------------------
-class TokenView(QTextBrowser):
-    """A column's text, token by token. It keeps each token's character span, so a point
-    under the mouse maps to a token (its tooltip) and a test can read a token's format."""
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setOpenLinks(False)
-        self.document().setUndoRedoEnabled(False)  # streamed text needs no undo history
-        self.spans: list[tuple[int, int]] = []  # [start, end) of each token, in the document
-        self._starts: list[int] = []
-        self.marker_pos: int | None = None
-        self.marker_tip = ""
-        self.tooltip_provider: Callable[[int], str] | None = None
-
-    def clear_tokens(self) -> None:
-        self.clear()
-        self.spans, self._starts, self.marker_pos = [], [], None
-
-    def append_text(self, text: str) -> None:
-        """Streamed text, inserted at the end (no re-render); the view follows the end unless
-        the user scrolled up."""
-        bar = self.verticalScrollBar()
-        following = bar.value() >= bar.maximum() - 4
-        cursor = QTextCursor(self.document())
-        cursor.movePosition(QTextCursor.MoveOperation.End)
-        cursor.insertText(text, QTextCharFormat())
-        if following:
-            bar.setValue(bar.maximum())
-
-    def set_tokens(
-        self,
-        pieces: Sequence[str],
-        formats: Sequence[QTextCharFormat],
-        marker_at: int | None = None,
-        marker_format: QTextCharFormat | None = None,
-        marker_tip: str = "",
-    ) -> None:
-        """Render the tokens, each with its format, and :data:`MARKER` before token
-        ``marker_at`` (at the end when the column is shorter than that)."""
-        self.clear_tokens()
-        self.marker_tip = marker_tip
-        cursor = QTextCursor(self.document())
-        cursor.beginEditBlock()
-
-        def marker() -> None:
-            self.marker_pos = cursor.position()
-            cursor.insertText(MARKER, marker_format or QTextCharFormat())
-
-        for i, (piece, fmt) in enumerate(zip(pieces, formats, strict=True)):
-            if i == marker_at:
-                marker()
-            start = cursor.position()
-            cursor.insertText(piece, fmt)
-            self.spans.append((start, cursor.position()))
-        if marker_at is not None and marker_at >= len(pieces):
-            marker()
-        cursor.endEditBlock()
-        self._starts = [s for s, _ in self.spans]
-
-    def token_at(self, char_pos: int) -> int | None:
-        """The token holding the character at ``char_pos`` (a document position), or
-        ``None`` (the marker, or past the end)."""
-        i = bisect.bisect_right(self._starts, char_pos) - 1
-        if i >= 0 and self.spans[i][0] <= char_pos < self.spans[i][1]:
-            return i
-        return None
-
-    def char_at(self, point: QPoint) -> int | None:
-        """The character under ``point`` (viewport coordinates), or ``None`` off the text.
-        ``cursorForPosition`` gives the nearest gap between characters; the point's side of
-        that gap says which character it is over."""
-        layout = self.document().documentLayout()
-        content = point + QPoint(
-            self.horizontalScrollBar().value(), self.verticalScrollBar().value()
-        )
-        if layout.hitTest(content.toPointF(), Qt.HitTestAccuracy.ExactHit) < 0:
-            return None
-        cursor = self.cursorForPosition(point)
-        pos = cursor.position()
-        if point.x() < self.cursorRect(cursor).x() and pos > 0:
-            pos -= 1
-        return pos
-
-    def token_at_point(self, point: QPoint) -> int | None:
-        pos = self.char_at(point)
-        return None if pos is None else self.token_at(pos)
-
-    def format_at(self, index: int) -> QTextCharFormat:
-        """The character format of token ``index`` (of its first character)."""
-        start, end = self.spans[index]
-        if start == end:
-            return QTextCharFormat()
-        cursor = QTextCursor(self.document())
-        cursor.setPosition(start + 1)  # charFormat is the format of the character before
-        return cursor.charFormat()
-
-    def plain_text(self) -> str:
-        """The column's text, without the divergence marker."""
-        text = self.toPlainText()
-        if self.marker_pos is None:
-            return text
-        # document positions count UTF-16 units (an emoji is two), Python's str code points
-        units = text.encode("utf-16-le")
-        at = 2 * self.marker_pos
-        return (units[:at] + units[at + 2 * len(MARKER) :]).decode("utf-16-le")
-
-    def viewportEvent(self, event: QEvent) -> bool:
-        if event.type() == QEvent.Type.ToolTip and isinstance(event, QHelpEvent):
-            tip, area = self._tip_at(event.pos())
-            if tip:  # shown until the mouse leaves the token, then the next one's
-                QToolTip.showText(event.globalPos(), tip, self.viewport(), area)
-            else:
-                QToolTip.hideText()
-                event.ignore()
-            return True
-        return super().viewportEvent(event)
-
-    def _tip_at(self, point: QPoint) -> tuple[str, QRect]:
-        pos = self.char_at(point)
-        if pos is None:
-            return "", QRect()
-        if pos == self.marker_pos:
-            tip = _escape(self.marker_tip).replace("\n", "<br>")
-            return tip, self._span_rect(pos, pos + len(MARKER))
-        index = self.token_at(pos)
-        if index is None or self.tooltip_provider is None:
-            return "", QRect()
-        start, end = self.spans[index]
-        area = self._span_rect(start, end)
-        return self.tooltip_provider(index), area if area.contains(point) else QRect()
-
-    def _span_rect(self, start: int, end: int) -> QRect:
-        """Where characters ``start`` … ``end`` are drawn (viewport coordinates), when they
-        sit on one line; else an empty rect (the tooltip then simply follows the mouse)."""
-        first, last = QTextCursor(self.document()), QTextCursor(self.document())
-        first.setPosition(start)
-        last.setPosition(end)
-        a, b = self.cursorRect(first), self.cursorRect(last)
-        if a.top() != b.top():
-            return QRect()
-        return QRect(a.topLeft(), b.bottomRight())
-
-
-class _Column(QWidget):
-    """One side's output: a title, its speed and memory, and the tokens."""
-
-    def __init__(self, side: str) -> None:
-        super().__init__()
-        self.side = side
-        self.header = QLabel(side.upper())
-        self.header.setObjectName("roleLabel")
-        self.stats = QLabel()
-        self.stats.setObjectName("statusLabel")
-        self.stats.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.text = TokenView()
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.header)
-        layout.addWidget(self.stats)
-        layout.addWidget(self.text, 1)
-
-
-class _SideForm(QGroupBox):
-    """Model, precision, temperature and cache window of one side."""
-
-    def __init__(self, title: str) -> None:
-        super().__init__(title)
-        form = QFormLayout(self)
-        self.model = QComboBox()
-        self.model.setEditable(True)
-        self.model.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
-        self.model.setSizeAdjustPolicy(
-            QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon
-        )
-        self.model.setMinimumContentsLength(10)
-        self.model.setToolTip("A model folder (pick one, or type a path)")
-        self.precision = QComboBox()
-        self.precision.setEditable(True)
-        self.precision.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
-        self.precision.addItems(PRECISIONS)
-        # long mixed specs must not widen the form (the tab fits a 1280-pixel window)
-        self.precision.setSizeAdjustPolicy(
-            QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon
-        )
-        self.precision.setMinimumContentsLength(10)
-        self.precision.setToolTip(
-            "Weights' precision; '+head' quantizes the LM head too. A mixed spec "
-            "(from the layer sensitivity tab) can be typed here"
-        )
-        self.temperature = QDoubleSpinBox()
-        self.temperature.setRange(0.0, 5.0)
-        self.temperature.setDecimals(2)
-        self.temperature.setSingleStep(0.1)
-        self.temperature.setSpecialValueText("0 (greedy)")
-        self.temperature.setToolTip("0 = greedy: differences then come from the weights alone")
-        self.window_on = QCheckBox("Window")
-        self.window_on.setToolTip("Keep only the first sink tokens and the most recent ones")
-        self.sinks = QSpinBox()
-        self.sinks.setRange(0, 999)
-        self.sinks.setValue(4)
-        self.sinks.setToolTip("Sink tokens: the first tokens, always kept")
-        self.recent = QSpinBox()
-        self.recent.setRange(16, 99999)
-        self.recent.setValue(256)
-        self.recent.setToolTip("Recent tokens kept in the cache")
-        for spin in (self.sinks, self.recent):
-            spin.setEnabled(False)
-            self.window_on.toggled.connect(spin.setEnabled)
-        self.sinks.setPrefix("sink ")
-        self.recent.setPrefix("last ")
-        window_row = QHBoxLayout()
-        window_row.addWidget(self.sinks)
-        window_row.addWidget(self.recent)
-        form.addRow("Model", self.model)
-        form.addRow("Precision", self.precision)
-        form.addRow("Temperature", self.temperature)
-        form.addRow(self.window_on, window_row)  # the switch as the row's label: compact
-
-    def model_path(self) -> str:
-        """The chosen item's path, or the text typed in the box."""
-        text = self.model.currentText().strip()
-        index = self.model.findText(text)
-        data = self.model.itemData(index) if index >= 0 else None
-        return str(data) if data else text
-
-    def set_model(self, path: str) -> None:
-        index = self.model.findData(path)
-        if index < 0:
-            self.model.addItem(Path(path).name or path, path)
-            index = self.model.count() - 1
-        self.model.setCurrentIndex(index)
-
-    def values(self) -> dict[str, Any]:
-        window = [self.sinks.value(), self.recent.value()] if self.window_on.isChecked() else None
-        return {
-            "model": self.model_path(),
-            "precision": self.precision.currentText().strip(),
-            "temperature": self.temperature.value(),
-            "window": window,
-        }
-
-
-def _plot(title: str, left: str, bottom: str) -> pg.PlotWidget:
-    w = pg.PlotWidget(background="#1e2127")
-    w.setTitle(title, color="#d0d4da", size="10pt")
-    w.setLabel("left", left)
-    w.setLabel("bottom", bottom)
-    for axis in ("left", "bottom"):
-        w.getAxis(axis).enableAutoSIPrefix(False)
-    w.showGrid(x=True, y=True, alpha=0.2)
-    w.setMinimumHeight(120)
-    return w
 
 
 # -- the view -----------------------------------------------------------------------------------
@@ -596,7 +122,7 @@ class ABView(QWidget):
         self._busy = False
 
         # configuration
-        self.forms = {"a": _SideForm("A (reference)"), "b": _SideForm("B")}
+        self.forms = {"a": SideForm("A (reference)"), "b": SideForm("B")}
         self.forms["b"].precision.setCurrentText("int8")
         self.seed = QSpinBox()
         self.seed.setRange(0, 2**31 - 1)
@@ -689,7 +215,7 @@ class ABView(QWidget):
         for button in (self.open_button, self.save_json_button, self.save_png_button):
             row.addWidget(button)  # here rather than above: the tab must fit a 1280-px window
 
-        self.columns = {side: _Column(side) for side in SIDES}
+        self.columns = {side: Column(side) for side in SIDES}
         for side, column in self.columns.items():
             column.text.tooltip_provider = lambda i, s=side: self.tooltip_for(s, i)
         columns = QSplitter(Qt.Orientation.Horizontal)
@@ -703,42 +229,11 @@ class ABView(QWidget):
         self.summary.setTextFormat(Qt.TextFormat.PlainText)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.summary.setToolTip(SUMMARY_TIP + "\n\n" + SPECULATION_TIP)
-        self.kl_plot = _plot("KL(A‖B) per token", "KL (nats)", "token")
-        self.kl_plot.setLogMode(y=True)
-        self.kl_plot.getAxis("left").setWidth(64)  # room for 10⁻⁶-style ticks and the label
-        # bottom right: the curve runs along the top, the floor band along the bottom left
-        self.kl_plot.getPlotItem().addLegend(offset=(-6, -24), labelTextSize="8pt")
-        floor_pen = pg.mkPen(0, 0, 0, 0)
-        self.noise_bottom = pg.PlotDataItem(pen=floor_pen)
-        self.noise_top = pg.PlotDataItem(pen=pg.mkPen(150, 160, 175, 90))
-        self.kl_plot.addItem(self.noise_bottom, ignoreBounds=True)
-        self.kl_plot.addItem(self.noise_top)
-        self.noise_band = pg.FillBetweenItem(
-            self.noise_bottom, self.noise_top, brush=pg.mkBrush(150, 160, 175, 50)
-        )
-        self.kl_plot.addItem(self.noise_band)
-        self.kl_curve = self.kl_plot.plot(
-            name="KL(A‖B)",
-            pen=pg.mkPen(BAR_COLOURS["mlp"], width=1.5),
-            symbol="o",
-            symbolSize=4,
-            symbolBrush=BAR_COLOURS["mlp"],
-            symbolPen=None,
-        )
-        legend = self.kl_plot.getPlotItem().legend
-        # the band's edge stands for it: a legend sample of a FillBetweenItem crashed Qt
-        # (pyqtgraph 0.14, a segfault in the plot's paintEvent)
-        legend.addItem(self.noise_top, "noise floor (A vs A′)")
-        self.divergence_line = pg.InfiniteLine(
-            angle=90,
-            movable=False,
-            pen=pg.mkPen(ACCENT, style=Qt.PenStyle.DashLine),
-            label="first divergence",
-            labelOpts={"color": ACCENT, "position": 0.9},
-        )
-        self.divergence_line.setVisible(False)
-        self.kl_plot.addItem(self.divergence_line)
-        self.noise_band.setVisible(False)
+        self.kl = KLPlot()
+        self.kl_plot = self.kl.widget
+        # its items, under the view's names (what the tests read)
+        self.kl_curve, self.noise_top = self.kl.curve, self.kl.noise_top
+        self.noise_band, self.divergence_line = self.kl.noise_band, self.kl.divergence_line
 
         below = QWidget()
         below_layout = QVBoxLayout(below)
@@ -778,16 +273,9 @@ class ABView(QWidget):
         self.scan_label.setWordWrap(True)
         self.scan_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
-        self.scan_plot = _plot("KL with only this block quantized", "KL (nats)", "layer")
-        # top right: the first layers' bars are often the tallest
-        self.scan_plot.getPlotItem().addLegend(offset=(-6, 6), labelTextSize="8pt")
-        self.attn_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=BAR_COLOURS["attn"])
-        self.mlp_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=BAR_COLOURS["mlp"])
-        self.scan_plot.addItem(self.attn_bars)
-        self.scan_plot.addItem(self.mlp_bars)
-        legend = self.scan_plot.getPlotItem().legend
-        legend.addItem(self.attn_bars, "attention")
-        legend.addItem(self.mlp_bars, "MLP")
+        self.scan = ScanPlot()
+        self.scan_plot = self.scan.widget
+        self.attn_bars, self.mlp_bars = self.scan.attn_bars, self.scan.mlp_bars
 
         self.budget = QSlider(Qt.Orientation.Horizontal)
         self.budget.setRange(0, BUDGET_STEPS)
@@ -828,14 +316,7 @@ class ABView(QWidget):
     def set_models(self, models: Sequence[tuple[str, str]]) -> None:
         """The models to offer, as (name, path); each side keeps its choice."""
         for form in self.forms.values():
-            current = form.model_path()
-            form.model.blockSignals(True)
-            form.model.clear()
-            for name, path in models:
-                form.model.addItem(name, path)
-            if current:
-                form.set_model(current)
-            form.model.blockSignals(False)
+            form.set_models(models)
 
     def set_current(self, model_path: str, precision: str) -> None:
         """The chat's model: A is it at fp32 (the reference), B the same model at the chat's
@@ -905,11 +386,7 @@ class ABView(QWidget):
         self._report = None
         self.summary.setText(RUNNING)
         self.summary.setToolTip(SUMMARY_TIP + "\n\n" + SPECULATION_TIP)
-        self.kl_curve.setData([], [])
-        self.noise_top.setData([], [])
-        self.noise_bottom.setData([], [])
-        self.noise_band.setVisible(False)
-        self.divergence_line.setVisible(False)
+        self.kl.clear()
         for side, title in zip(SIDES, (a_title, b_title), strict=True):
             column = self.columns[side]
             column.header.setText(title)
@@ -968,110 +445,32 @@ class ABView(QWidget):
     def token_format(self, side: str, index: int) -> QTextCharFormat:
         return self.columns[side].text.format_at(index)
 
-    def _level(self, figures: dict[str, Any], index: int) -> float:
-        mode = self.colour_by.currentIndex()
-        if mode == 0:
-            return kl_level(_at(figures.get("kl"), index))
-        if mode == 1:
-            return probability_level(_at(figures.get("p_a"), index))
-        return 0.0
-
     def _render_columns(self) -> None:
         if self._report is None:
             return
         divergence = self._report.get("divergence") or {}
         at = divergence.get("index")
-        marker_format = QTextCharFormat()
-        marker_format.setForeground(QColor(ACCENT))
-        marker_format.setFontWeight(QFont.Weight.Bold)
         for side in SIDES:
             pieces = list(self._report[side].get("pieces", []))
             figures = self._report.get("columns", {}).get(side, {})
-            formats = []
-            for i in range(len(pieces)):
-                fmt = QTextCharFormat()
-                level = self._level(figures, i)
-                colour = heat_colour(level)
-                if colour is not None:
-                    fmt.setBackground(colour)
-                    if level > 0.3:  # light text on a strong yellow or red does not read
-                        fmt.setForeground(QColor(20, 20, 24))
-                if i == at:
-                    fmt.setFontWeight(QFont.Weight.Bold)
-                    fmt.setFontUnderline(True)
-                    fmt.setUnderlineColor(QColor(ACCENT))
-                formats.append(fmt)
+            mode = self.colour_by.currentIndex()
+            levels = (token_level(figures, i, mode) for i in range(len(pieces)))
+            formats = [token_format(level, i == at) for i, level in enumerate(levels)]
             self.columns[side].text.set_tokens(
-                pieces, formats, at, marker_format, divergence_text(divergence)
+                pieces, formats, at, marker_format(), divergence_text(divergence)
             )
 
     def tooltip_for(self, column: str, index: int) -> str:
         """Token ``index`` of ``column``'s text: its KL, both models' probability of it, and
         both models' top-5 next tokens there (rich text)."""
-        if self._report is None:
-            return ""
-        pieces = self._report[column].get("pieces", [])
-        figures = self._report.get("columns", {}).get(column, {})
-        piece = _at(pieces, index)
-        lines = [
-            f"<b>{column.upper()}'s token {index}</b> '{_escape(visible(piece or ''))}'",
-            f"KL(A‖B) {format_kl(_at(figures.get('kl'), index))} nats · "
-            f"p_A {format_pct(_at(figures.get('p_a'), index))} · "
-            f"p_B {format_pct(_at(figures.get('p_b'), index))}",
-        ]
-        noise = _at(figures.get("noise_kl"), index)
-        if noise is not None:
-            lines.append(f"noise floor (A vs A′) {format_kl(noise)} nats")
-        top_a = _at(figures.get("top_a"), index) or []
-        top_b = _at(figures.get("top_b"), index) or []
-        rows = []
-        for i in range(max(len(top_a), len(top_b))):
-            cells = []
-            for top in (top_a, top_b):
-                if i < len(top):
-                    text, p = top[i]
-                    cells.append(f"'{_escape(visible(text))}'</td><td align=right>{format_pct(p)}")
-                else:
-                    cells.append("</td><td>")
-            rows.append("<tr><td>" + "</td><td>&nbsp;&nbsp;</td><td>".join(cells) + "</td></tr>")
-        names = [self._report[s].get("precision", s.upper()) for s in SIDES]
-        head = (
-            f"<tr><th colspan=2 align=left>A top-{len(top_a)} ({_escape(names[0])})</th>"
-            f"<th></th><th colspan=2 align=left>B top-{len(top_b)} ({_escape(names[1])})"
-            "</th></tr>"
-        )
-        table = f"<table cellspacing=0 cellpadding=1>{head}{''.join(rows)}</table>"
-        out = "<br>".join(lines) + table
-        divergence = self._report.get("divergence") or {}
-        if divergence.get("index") == index:
-            out += "<hr>" + _escape(divergence_text(divergence)).replace("\n", "<br>")
-        return out
+        return "" if self._report is None else token_tooltip(self._report, column, index)
 
     def _draw_kl(self) -> None:
         if self._report is None:
             return
         side = str(self.plot_column.currentData())
         figures = self._report.get("columns", {}).get(side, {})
-        kl = np.asarray(figures.get("kl") or [], dtype=float)
-        self.kl_curve.setData(np.arange(len(kl)), np.maximum(kl, KL_PLOT_FLOOR))
-        noise = figures.get("noise_kl")
-        if noise:
-            values = np.maximum(np.asarray(noise, dtype=float), KL_PLOT_FLOOR)
-            x = np.arange(len(values))
-            self.noise_bottom.setData(x, np.full(len(values), KL_PLOT_FLOOR))
-            self.noise_top.setData(x, values)
-        else:
-            self.noise_bottom.setData([], [])
-            self.noise_top.setData([], [])
-        self.noise_band.setVisible(bool(noise))
-        self.noise_top.setVisible(bool(noise))
-        index = (self._report.get("divergence") or {}).get("index")
-        self.divergence_line.setVisible(index is not None)
-        if index is not None:
-            self.divergence_line.setValue(index)
-        self.kl_plot.setTitle(
-            f"KL(A‖B) per token, along {side.upper()}'s text", color="#d0d4da", size="10pt"
-        )
+        self.kl.draw(side, figures, (self._report.get("divergence") or {}).get("index"))
 
     # -- layer sensitivity -------------------------------------------------------------------
     def _request_scan(self) -> None:
@@ -1115,17 +514,7 @@ class ABView(QWidget):
         self._budget_moved()
 
     def _draw_bars(self) -> None:
-        blocks = (self._scan or {}).get("blocks", [])
-        for part, bars, shift in (("attn", self.attn_bars, -0.2), ("mlp", self.mlp_bars, 0.2)):
-            mine = [b for b in blocks if b.get("part") == part]
-            upgraded = [(b["layer"], part) in self._upgraded for b in mine]
-            bars.setOpts(
-                x=np.array([b["layer"] for b in mine], dtype=float) + shift,
-                height=np.array([b["kl"] for b in mine], dtype=float),
-                width=0.4,
-                brushes=[UPGRADED_COLOURS[part] if u else BAR_COLOURS[part] for u in upgraded],
-                pens=[pg.mkPen("w", width=2) if u else pg.mkPen(None) for u in upgraded],
-            )
+        self.scan.draw((self._scan or {}).get("blocks", []), self._upgraded)
 
     def budget_bytes(self) -> int:
         """The budget the slider stands at, in bytes."""

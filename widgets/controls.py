@@ -2,16 +2,17 @@
 window, scheduler limits and speculative decoding. Each control says in its tooltip what it
 does to memory and speed.
 
-Numbers are typed into :class:`NumberField`s: a value out of range is refused with a message
-(the ``invalid`` signal) and the field goes back to its last good value, so the panel always
-holds settings that the engine accepts.
+Numbers are typed into number fields (:class:`~widgets.number_field.NumberField`), which
+refuse a value out of range with a message, so the panel always holds settings that the
+engine accepts. This module holds the panel and its model, KV cache and scheduler, and serve
+groups; the sampling group is :mod:`widgets.sampling_controls`, speculative decoding's
+:mod:`widgets.speculation_controls`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
@@ -24,14 +25,16 @@ from PySide6.QtWidgets import (
     QGroupBox,
     QHBoxLayout,
     QLabel,
-    QLineEdit,
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
-    QSpinBox,
     QVBoxLayout,
     QWidget,
 )
+
+from widgets.number_field import NumberField, add_field
+from widgets.sampling_controls import SamplingGroup
+from widgets.speculation_controls import SpeculationGroup
 
 PRECISIONS = (
     "fp32",
@@ -45,104 +48,6 @@ PRECISIONS = (
     "int4-g128",
     "mixed:attn=int8,mlp=int4-g32,head=int8",
 )
-
-#: speculative decoding's drafters: (label, ``--speculative`` method; "" is off)
-SPECULATION_METHODS = (
-    ("Off", ""), ("Self-draft", "self"), ("Prompt lookup", "lookup"), ("Draft model", "model"),
-)  # fmt: skip
-#: the precisions a self-draft runs the model's own weights at, the cheapest first
-SELF_DRAFT_PRECISIONS = ("int4-g32+head", "int8+head", "int4-g64")
-DRAFT_K = (1, 16, 8)  # the most draft tokens a step: lowest, highest, default
-
-#: sampling before a model says otherwise: greedy, every filter off (what a model without a
-#: generation_config.json gets); a model's own defaults replace these when it loads
-NEUTRAL_SAMPLING: dict[str, float] = {
-    "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-    "max_new_tokens": 512,
-}  # fmt: skip
-
-
-class NumberField(QLineEdit):
-    """A number with bounds; refuses what is out of range and says why."""
-
-    changed = Signal()  # the user entered a new value
-    shown = Signal()  # the value shown changed: by the user or by set_value
-    invalid = Signal(str)
-
-    def __init__(
-        self,
-        name: str,
-        value: float | None,
-        *,
-        lo: float,
-        hi: float,
-        integer: bool = False,
-        lo_open: bool = False,
-        optional: bool = False,
-        tip: str = "",
-    ) -> None:
-        super().__init__()
-        self.name, self.lo, self.hi = name, lo, hi
-        self.integer, self.lo_open, self.optional = integer, lo_open, optional
-        self._good = self._format(value)
-        self.setText(self._good)
-        self.setToolTip(tip)
-        if optional:
-            self.setPlaceholderText("off")
-        self.editingFinished.connect(self._check)
-        self.changed.connect(self.shown)
-
-    def _format(self, value: float | None) -> str:
-        if value is None:
-            return ""
-        return str(int(value)) if self.integer else f"{value:g}"
-
-    def _range_text(self) -> str:
-        left = "(" if self.lo_open else "["
-        return f"{left}{self._format(self.lo)}, {self._format(self.hi)}]"
-
-    def parse(self, text: str) -> float | None:
-        """The value of ``text``; raises ValueError with a message for the user."""
-        text = text.strip()
-        if not text:
-            if self.optional:
-                return None
-            raise ValueError(f"{self.name} needs a value in {self._range_text()}")
-        try:
-            value = int(text) if self.integer else float(text)
-        except ValueError:
-            kind = "a whole number" if self.integer else "a number"
-            raise ValueError(f"{self.name} must be {kind}, not {text!r}") from None
-        too_low = value <= self.lo if self.lo_open else value < self.lo
-        if too_low or value > self.hi or value != value:
-            raise ValueError(f"{self.name} must be in {self._range_text()}; {text} is out of range")
-        return value
-
-    def value(self) -> float | None:
-        return self.parse(self._good)
-
-    def set_value(self, value: float | None) -> None:
-        self.parse(self._format(value))  # refuses a bad stored value
-        self._good = self._format(value)
-        self.setText(self._good)
-        self.shown.emit()
-
-    def holds(self, value: float | None) -> bool:
-        """Whether the field shows ``value`` (as it would display it)."""
-        return self._good == self._format(value)
-
-    def _check(self) -> None:
-        if self.text() == self._good:
-            return
-        try:
-            value = self.parse(self.text())
-        except ValueError as exc:
-            self.setText(self._good)
-            self.invalid.emit(f"{exc}; kept {self._good or 'off'}")
-            return
-        self._good = self._format(value)
-        self.setText(self._good)
-        self.changed.emit()
 
 
 class ControlsPanel(QScrollArea):
@@ -170,12 +75,27 @@ class ControlsPanel(QScrollArea):
         body = QWidget()
         layout = QVBoxLayout(body)
         layout.addWidget(self._model_group())
-        layout.addWidget(self._sampling_group())
+        self.sampling_group = SamplingGroup()
+        self.sampling_group.changed.connect(self.sampling_changed)
+        self.sampling_group.invalid_input.connect(self.invalid_input)
+        layout.addWidget(self.sampling_group)
         layout.addWidget(self._batching_group())
-        layout.addWidget(self._speculation_group())
+        self.speculation_group = SpeculationGroup()
+        self.speculation_group.changed.connect(self.speculation_changed)
+        layout.addWidget(self.speculation_group)
         layout.addWidget(self._serve_group())
         layout.addStretch(1)
         self.setWidget(body)
+        # the groups' widgets, under the panel's names (what the app and the tests read)
+        g, sp = self.sampling_group, self.speculation_group
+        self.temperature, self.top_k, self.top_p = g.temperature, g.top_k, g.top_p
+        self.min_p, self.repetition_penalty, self.seed = g.min_p, g.repetition_penalty, g.seed
+        self.max_new_tokens, self.candidates = g.max_new_tokens, g.candidates
+        self.stop_strings, self.sampling_source = g.stop_strings, g.sampling_source
+        self.reset_sampling_button = g.reset_sampling_button
+        self.spec_method, self.spec_precision = sp.spec_method, sp.spec_precision
+        self.spec_folder, self.spec_browse = sp.spec_folder, sp.spec_browse
+        self.spec_k, self.spec_label = sp.spec_k, sp.spec_label
 
     # -- groups ------------------------------------------------------------------------------
     def _serve_group(self) -> QGroupBox:
@@ -281,103 +201,6 @@ class ControlsPanel(QScrollArea):
         form.addRow("KV pool (MiB)", self.kv_memory)
         return box
 
-    def _sampling_group(self) -> QGroupBox:
-        box = QGroupBox("Sampling")
-        form = QFormLayout(box)
-        self.sampling_source = QLabel("no model loaded yet")
-        self.sampling_source.setWordWrap(True)
-        self.reset_sampling_button = QPushButton("Reset to model default")
-        self.reset_sampling_button.setToolTip(
-            "Put back the sampling the model's authors recommend (its generation_config.json)"
-        )
-        self.reset_sampling_button.setEnabled(False)
-        self.reset_sampling_button.clicked.connect(self.reset_sampling)
-        form.addRow(self.sampling_source, self.reset_sampling_button)
-        self.temperature = self._field(
-            form,
-            "Temperature",
-            "temperature",
-            NEUTRAL_SAMPLING["temperature"],
-            lo=0,
-            hi=5,
-            tip="0 = greedy (always the likeliest token). Higher = more varied. No cost",
-        )
-        self.top_k = self._field(
-            form,
-            "Top-k",
-            "top-k",
-            NEUTRAL_SAMPLING["top_k"],
-            lo=0,
-            hi=1_000_000,
-            integer=True,
-            tip="Keep only the k likeliest tokens (0 = off). Costs a partial sort per token",
-        )
-        self.top_p = self._field(
-            form,
-            "Top-p",
-            "top-p",
-            NEUTRAL_SAMPLING["top_p"],
-            lo=0,
-            hi=1,
-            lo_open=True,
-            tip="Keep the likeliest tokens that make up this probability (1 = off). "
-            "Costs a full sort of the vocabulary per token",
-        )
-        self.min_p = self._field(
-            form,
-            "Min-p",
-            "min-p",
-            NEUTRAL_SAMPLING["min_p"],
-            lo=0,
-            hi=0.99,
-            tip="Drop tokens less likely than min-p × the top token's probability (0 = off)",
-        )
-        self.repetition_penalty = self._field(
-            form,
-            "Repetition penalty",
-            "repetition penalty",
-            NEUTRAL_SAMPLING["repetition_penalty"],
-            lo=0.01,
-            hi=10,
-            tip="Above 1 makes tokens already in the context less likely (1 = off)",
-        )
-        self.seed = self._field(
-            form,
-            "Seed",
-            "seed",
-            None,
-            lo=0,
-            hi=2**63 - 1,
-            integer=True,
-            optional=True,
-            tip="Fixes the random choices so a reply can be reproduced (empty = random)",
-        )
-        self.max_new_tokens = self._field(
-            form,
-            "Max new tokens",
-            "max new tokens",
-            NEUTRAL_SAMPLING["max_new_tokens"],
-            lo=1,
-            hi=32768,
-            integer=True,
-            tip="Longest reply. Each token adds to the KV cache (see the block map)",
-        )
-        self.stop_strings = QLineEdit()
-        self.stop_strings.setPlaceholderText("comma-separated, e.g. ###, User:")
-        self.stop_strings.setToolTip("The reply ends before any of these strings appears")
-        self.stop_strings.editingFinished.connect(self.sampling_changed)
-        form.addRow("Stop strings", self.stop_strings)
-        self.candidates = self._field(
-            form, "Replies per prompt", "replies per prompt", 1, lo=1, hi=8, integer=True,
-            tip="Several candidate replies to one prompt, shown as tabs. The engine batches "
-            "them: n replies cost far less than n times one, and n× the KV cache",
-        )  # fmt: skip
-        self._defaults_model: str | None = None  # whose defaults these are
-        self._defaults: dict[str, float] = {}
-        for f in self._sampling_fields().values():
-            f.shown.connect(self._show_sampling_source)
-        return box
-
     def _batching_group(self) -> QGroupBox:
         box = QGroupBox("KV cache and scheduler")
         form = QFormLayout(box)
@@ -465,66 +288,6 @@ class ControlsPanel(QScrollArea):
         )  # fmt: skip
         return box
 
-    def _speculation_group(self) -> QGroupBox:
-        """A drafter proposes a few tokens, the model checks them all in one step: more
-        tokens per step, the same text (greedy) or the same distribution (sampled)."""
-        box = QGroupBox("Speculative decoding")
-        form = QFormLayout(box)
-        self.spec_method = QComboBox()
-        for label, method in SPECULATION_METHODS:
-            self.spec_method.addItem(label, method)
-        self.spec_method.setToolTip(
-            "A cheap drafter proposes up to k tokens; the model verifies them in one step and "
-            "keeps exactly the tokens it would have produced itself, so the reply does not "
-            "change. Self-draft: the model's own weights at a lower precision (loads them once "
-            "more). Prompt lookup: copies what followed the last words earlier in the chat (no "
-            "model, no memory; pays off when the reply repeats its input). Draft model: a "
-            "smaller model with the same tokenizer"
-        )
-        self.spec_precision = QComboBox()
-        self.spec_precision.addItems(SELF_DRAFT_PRECISIONS)
-        self.spec_precision.setToolTip(
-            "The self-draft's precision: lower is a faster drafter that agrees less often"
-        )
-        self.spec_folder = QLineEdit()
-        self.spec_folder.setPlaceholderText("draft model folder (same tokenizer)")
-        self.spec_folder.setToolTip(
-            "A Hugging Face folder of a smaller model with this model's tokenizer; it loads at "
-            "the model's precision beside it"
-        )
-        self.spec_browse = QPushButton("…")
-        self.spec_browse.setToolTip("Choose the draft model's folder")
-        self.spec_browse.clicked.connect(self._pick_draft_folder)
-        self.spec_k = QSpinBox()
-        self.spec_k.setRange(DRAFT_K[0], DRAFT_K[1])
-        self.spec_k.setValue(DRAFT_K[2])
-        self.spec_k.setToolTip(
-            "The most tokens drafted per step; each sequence drafts fewer (or none) while its "
-            "drafts are rarely accepted. Changing it keeps the drafter"
-        )
-        self.spec_label = QLabel()
-        self.spec_label.setWordWrap(True)
-        self.spec_label.setObjectName("speculation")
-        row = QHBoxLayout()
-        row.addWidget(self.spec_folder, 1)
-        row.addWidget(self.spec_browse)
-        form.addRow("Drafter", self.spec_method)
-        form.addRow("Draft precision", self.spec_precision)
-        form.addRow("Draft model", row)
-        form.addRow("Draft tokens (k)", self.spec_k)
-        form.addRow("State", self.spec_label)
-        self._spec_sent: tuple[str, int] = ("", DRAFT_K[2])  # the last change asked for
-        self._spec_active = ""  # what the engine runs, as the worker last said
-        self._spec_pending = 0  # changes asked for and not answered yet
-        self._spec_error = ""
-        self._spec_stats: tuple[float | None, float | None] = (None, None)
-        self.spec_method.currentIndexChanged.connect(self._speculation_edited)
-        self.spec_precision.currentIndexChanged.connect(self._speculation_edited)
-        self.spec_folder.editingFinished.connect(self._speculation_edited)
-        self.spec_k.valueChanged.connect(self._speculation_edited)
-        self._speculation_edited()
-        return box
-
     def _field(
         self,
         form: QFormLayout,
@@ -532,36 +295,23 @@ class ControlsPanel(QScrollArea):
         name: str,
         value: float | None,
         *,
-        on_change: Callable[[], None] | None = None,
+        on_change: Callable[[], None],
         **kwargs: Any,
     ) -> NumberField:
-        field = NumberField(name, value, **kwargs)
-        field.invalid.connect(self.invalid_input)
-        field.changed.connect(on_change or self.sampling_changed.emit)
-        form.addRow(label, field)
-        return field
+        return add_field(
+            form, label, name, value, invalid=self.invalid_input, on_change=on_change, **kwargs
+        )
 
     # -- reading -----------------------------------------------------------------------------
     def sampling(self) -> dict[str, Any]:
         """Keyword arguments for the engine's ``SamplingParams``."""
-        seed = self.seed.value()
-        stops = tuple(s.strip() for s in self.stop_strings.text().split(",") if s.strip())
-        return {
-            "temperature": self.temperature.value(),
-            "top_k": int(self.top_k.value() or 0),
-            "top_p": self.top_p.value(),
-            "min_p": self.min_p.value(),
-            "repetition_penalty": self.repetition_penalty.value(),
-            "seed": None if seed is None else int(seed),
-            "max_new_tokens": int(self.max_new_tokens.value() or 1),
-            "stop": stops,
-        }
+        return self.sampling_group.sampling()
 
     def kv_memory_mib(self) -> float:
         return float(self.kv_memory.value() or 512)
 
     def num_candidates(self) -> int:
-        return int(self.candidates.value() or 1)
+        return self.sampling_group.num_candidates()
 
     def limits(self) -> dict[str, float]:
         return {
@@ -601,110 +351,19 @@ class ControlsPanel(QScrollArea):
     def speculation(self) -> tuple[str, int] | None:
         """``(--speculative text, k)`` as chosen ("" is off); None while a draft model has no
         folder yet."""
-        method, k = self.spec_method.currentData(), self.spec_k.value()
-        if method == "self":
-            return f"self:{self.spec_precision.currentText()}", k
-        if method == "model":
-            folder = self.spec_folder.text().strip()
-            return (f"model:{folder}", k) if folder else None
-        return ("lookup" if method == "lookup" else ""), k
+        return self.speculation_group.speculation()
 
     def show_speculation(self, text: str, k: int, error: str = "") -> None:
         """The worker's answer: the speculation in force (``text`` "" when off) and, when the
         change asked for failed, why; the controls then go back to what runs."""
-        self._spec_pending = max(0, self._spec_pending - 1)
-        self._spec_active, self._spec_error = text, error
-        if error and not self._spec_pending:
-            self._set_speculation(text, k)
-            self._spec_sent = (text, k)
-        self._show_speculation_state()
+        self.speculation_group.show_speculation(text, k, error)
 
     def show_speculation_stats(
         self, acceptance_rate: float | None, mean_acceptance_length: float | None
     ) -> None:
         """From a metrics snapshot: the share of draft tokens accepted and the tokens a
         verifying step yields (None: nothing drafted yet)."""
-        self._spec_stats = (acceptance_rate, mean_acceptance_length)
-        self._show_speculation_state()
-
-    def _speculation_edited(self, *_: object) -> None:
-        self._enable_speculation_inputs()
-        value = self.speculation()
-        if value is not None and not _same_speculation(value, self._spec_sent):
-            self._spec_error = ""
-            self._spec_sent = value
-            self._spec_pending += 1
-            self.speculation_changed.emit(*value)
-        self._show_speculation_state()
-
-    def _show_speculation_state(self) -> None:
-        active, (rate, length) = self._spec_active, self._spec_stats
-        tip = ""
-        if self._spec_error:
-            text, tip = f"⚠ {self._spec_error}", self._spec_error
-        elif self._spec_pending:
-            loads = self._spec_sent[0].split(":")[0] in ("self", "model")
-            text = "loading the drafter…" if loads else "applying…"
-        elif self.speculation() is None:
-            text = "choose the draft model's folder" + (
-                f" ({_short_drafter(active)} runs meanwhile)" if active else ""
-            )
-        elif not active:
-            text = "off"
-        elif rate is None or length is None:
-            text = f"{_short_drafter(active)} · no drafts yet"
-            tip = active
-        else:
-            text = f"{_short_drafter(active)} · {rate:.0%} accepted · {length:.1f} tokens/step"
-            tip = (
-                f"{active}: {rate:.0%} of the draft tokens were accepted; a verifying step "
-                f"yields {length:.2f} tokens on average (the model's own token included)"
-            )
-        self.spec_label.setText(text)
-        self.spec_label.setToolTip(tip)
-
-    def _set_speculation(self, text: str, k: int) -> None:
-        """Show ``text`` (``--speculative`` form, "" off) and ``k`` without asking for them."""
-        method, _, arg = text.strip().partition(":")
-        self._show_speculation_choice(
-            method, arg if method == "self" else None, arg if method == "model" else None, k
-        )
-
-    def _show_speculation_choice(
-        self, method: object, precision: object, folder: object, k: object
-    ) -> None:
-        """Set the group's widgets (what is not a valid value is left alone), quietly."""
-        widgets = (self.spec_method, self.spec_precision, self.spec_folder, self.spec_k)
-        for w in widgets:
-            w.blockSignals(True)
-        try:
-            index = self.spec_method.findData(method)
-            self.spec_method.setCurrentIndex(index if index >= 0 else self.spec_method.findData(""))
-            if isinstance(precision, str) and precision:
-                if self.spec_precision.findText(precision) < 0:
-                    self.spec_precision.addItem(precision)
-                self.spec_precision.setCurrentText(precision)
-            if isinstance(folder, str):
-                self.spec_folder.setText(folder)
-            with contextlib.suppress(TypeError, ValueError):
-                self.spec_k.setValue(min(max(int(k), DRAFT_K[0]), DRAFT_K[1]))  # type: ignore[call-overload]
-        finally:
-            for w in widgets:
-                w.blockSignals(False)
-        self._enable_speculation_inputs()
-
-    def _enable_speculation_inputs(self) -> None:
-        """The draft precision for a self-draft only, the folder for a draft model only."""
-        method = self.spec_method.currentData()
-        self.spec_precision.setEnabled(method == "self")
-        self.spec_folder.setEnabled(method == "model")
-        self.spec_browse.setEnabled(method == "model")
-
-    def _pick_draft_folder(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Draft model folder")
-        if path:
-            self.spec_folder.setText(path)
-            self._speculation_edited()
+        self.speculation_group.show_stats(acceptance_rate, mean_acceptance_length)
 
     def _limits_edited(self) -> None:
         self.limits_changed.emit(self.limits())
@@ -765,56 +424,10 @@ class ControlsPanel(QScrollArea):
             self.model_requested.emit(path)
 
     # -- the model's default sampling -----------------------------------------------------------
-    def _sampling_fields(self) -> dict[str, NumberField]:
-        return {
-            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-            "max_new_tokens": self.max_new_tokens,
-        }  # fmt: skip
-
     def set_model_defaults(self, model: str, defaults: dict[str, float]) -> None:
         """A model loaded, with its own sampling ``defaults`` (``SamplingParams`` keyword
-        arguments; keys it lacks are :data:`NEUTRAL_SAMPLING`'s). The fields show them, unless
-        they hold the user's own values for this same model (say, reloaded in another
-        precision): those are kept, and Reset puts the model's back."""
-        fields = self._sampling_fields()
-        keep = model == self._defaults_model and not self.is_model_default()
-        self._defaults_model = model
-        self._defaults = {
-            k: float(v) for k, v in {**NEUTRAL_SAMPLING, **defaults}.items() if k in fields
-        }
-        if keep:
-            self._show_sampling_source()
-        else:
-            self.reset_sampling()
-
-    def model_defaults(self) -> dict[str, float]:
-        return dict(self._defaults)
-
-    def is_model_default(self) -> bool:
-        """Whether the sampling fields hold the model's defaults (True before any model)."""
-        fields = self._sampling_fields()
-        return all(fields[k].holds(v) for k, v in self._defaults.items())
-
-    def reset_sampling(self) -> None:
-        """Put the model's default sampling back into the fields."""
-        fields = self._sampling_fields()
-        changed = not self.is_model_default()
-        for key, value in self._defaults.items():
-            fields[key].set_value(value)
-        self._show_sampling_source()
-        if changed:
-            self.sampling_changed.emit()
-
-    def _show_sampling_source(self) -> None:
-        if self._defaults_model is None:
-            return
-        summary = _describe_sampling(self._defaults)
-        mine = not self.is_model_default()
-        self.sampling_source.setText("your own values" if mine else "model default")
-        self.sampling_source.setToolTip(f"The model's default sampling: {summary}")
-        self.reset_sampling_button.setEnabled(mine)
-        self.reset_sampling_button.setToolTip(f"Back to the model's default: {summary}")
+        arguments); see :meth:`SamplingGroup.set_model_defaults`."""
+        self.sampling_group.set_model_defaults(model, defaults)
 
     # -- settings ------------------------------------------------------------------------------
     def fields(self) -> dict[str, NumberField]:
@@ -833,14 +446,10 @@ class ControlsPanel(QScrollArea):
         out["stop_strings"] = self.stop_strings.text()
         out["window_on"] = self.window_on.isChecked()
         out["prefix_cache"] = self.prefix_cache()
-        out["speculation"] = {
-            "method": self.spec_method.currentData(),
-            "precision": self.spec_precision.currentText(),
-            "folder": self.spec_folder.text(),
-            "k": self.spec_k.value(),
-        }
-        if self._defaults_model is not None:  # so the user's own values survive a restart
-            out["model_sampling"] = {"model": self._defaults_model, "defaults": self._defaults}
+        out["speculation"] = self.speculation_group.state()
+        model_sampling = self.sampling_group.saved_defaults()
+        if model_sampling is not None:  # so the user's own values survive a restart
+            out["model_sampling"] = model_sampling
         return out
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -855,51 +464,5 @@ class ControlsPanel(QScrollArea):
         self.window_on.setChecked(state.get("window_on") in (True, "true"))
         # on unless saved off: settings from before the prefix cache have no key
         self.prefix_cache_on.setChecked(state.get("prefix_cache") not in (False, "false"))
-        self._restore_speculation(state.get("speculation"))
-        saved = state.get("model_sampling")
-        if isinstance(saved, dict) and isinstance(saved.get("model"), str):
-            defaults = saved.get("defaults")
-            fields = self._sampling_fields()
-            if isinstance(defaults, dict) and set(defaults) == set(fields):
-                with contextlib.suppress(TypeError, ValueError):
-                    self._defaults = {k: float(v) for k, v in defaults.items()}
-                    self._defaults_model = saved["model"]
-            self._show_sampling_source()
-
-    def _restore_speculation(self, saved: object) -> None:
-        """Saved speculation (off when absent or unreadable); a change reaches the engine
-        through ``speculation_changed``, as the prefix cache switch does."""
-        saved = saved if isinstance(saved, dict) else {}
-        self._show_speculation_choice(
-            saved.get("method", ""), saved.get("precision"), saved.get("folder"),
-            saved.get("k", DRAFT_K[2]),
-        )  # fmt: skip
-        self._speculation_edited()
-
-
-def _same_speculation(a: tuple[str, int], b: tuple[str, int]) -> bool:
-    """Whether two ``(text, k)`` ask for the same thing (k means nothing while off)."""
-    return a[0] == b[0] and (not a[0] or a[1] == b[1])
-
-
-def _short_drafter(text: str) -> str:
-    """``model:/models/draft-135m`` → ``model:draft-135m``; other forms as they are."""
-    method, _, arg = text.partition(":")
-    if method == "model" and arg:
-        return f"model:{Path(arg).name or arg}"
-    return text
-
-
-def _describe_sampling(v: dict[str, float]) -> str:
-    """``greedy`` or ``temperature 0.2, top-k 50, top-p 0.9`` (only what is on)."""
-    greedy = v.get("temperature", 0) == 0
-    parts = ["greedy"] if greedy else [f"temperature {v['temperature']:g}"]
-    if not greedy:
-        parts += [f"top-k {v['top_k']:g}"] if v.get("top_k", 0) > 0 else []
-        parts += [f"top-p {v['top_p']:g}"] if v.get("top_p", 1) < 1 else []
-        parts += [f"min-p {v['min_p']:g}"] if v.get("min_p", 0) > 0 else []
-    if v.get("repetition_penalty", 1) != 1:
-        parts.append(f"repetition penalty {v['repetition_penalty']:g}")
-    if "max_new_tokens" in v:
-        parts.append(f"at most {v['max_new_tokens']:g} new tokens")
-    return ", ".join(parts)
+        self.speculation_group.restore(state.get("speculation"))
+        self.sampling_group.restore_defaults(state.get("model_sampling"))

@@ -2,7 +2,7 @@
 cache, LM Studio, folders the user added), each with whether it fits in memory on the device
 at the precision chosen in Controls.
 
-A thin view over :func:`engine.store.discovery.discover_and_plan`: the window gives it a ``scan``
+A thin view over :func:`engine.store.planning.discover_and_plan`: the window gives it a ``scan``
 callable and the picker runs it on a thread of its own (a scan reads many headers and can take
 seconds); a timer in the UI thread picks the result up, so the UI thread never waits. Loading
 a model (double-click, or Load) emits ``model_requested`` with what the controls' model signal
@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.store.discovery import Discovery, PlannedModel
+from engine.store.catalog import Discovery, PlannedModel
 
 #: ``scan(folders, precision, device)``; runs off the UI thread
 Scan = Callable[[list[Path], str, str], Discovery]

@@ -1,7 +1,7 @@
 """The app serving its own engine: ``infersight serve``'s routes (:class:`app.server.routes.Server`)
 on a uvicorn thread of the app, stepped by the app's :class:`~app.gui.worker.EngineWorker`.
 
-Requests from outside go to the worker as :class:`~app.gui.worker.Serve` commands and are batched
+Requests from outside go to the worker as :class:`~app.gui.commands.Serve` commands and are batched
 with the user's own chat by the same engine, so the instruments show them (their request ids
 name the client). No Qt here beyond the worker's ``post``: the server's handlers run on the
 uvicorn thread, the engine on the worker's."""
@@ -16,14 +16,17 @@ import time
 
 import uvicorn
 
-from app.gui.worker import CancelServe, EngineWorker, Serve
-from app.server.routes import Server, ServerLimits, Sink
-from engine.core.engine import LLMEngine, TokenEvent
+from app.gui.commands import CancelServe, Serve
+from app.gui.worker import EngineWorker
+from app.server.engine_loop import Sink
+from app.server.routes import Server, ServerLimits
+from engine.core.engine import LLMEngine
+from engine.core.output import TokenEvent
 from engine.core.sampling import SamplingParams
 
 
 class WorkerFront:
-    """:class:`app.server.routes.EngineFront` over the app's worker."""
+    """:class:`app.server.engine_loop.EngineFront` over the app's worker."""
 
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker

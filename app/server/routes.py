@@ -1,49 +1,64 @@
 """``infersight serve``: an OpenAI-compatible HTTP server over one :class:`LLMEngine`.
 
-One thread, :class:`EngineLoop`, owns the engine and steps it while it has work: handlers never
-touch it. A request's handler (on the asyncio loop) checks the request, takes a place in the
-bounded queue (:class:`Admission`, decided and taken with no ``await`` in between, so a burst
-cannot slip past the check), and posts it to the loop; the loop hands each of its
-:class:`~engine.core.engine.TokenEvent` back to the handler's asyncio queue. A client that goes
-away cancels its request at the next step, which frees its blocks.
+One thread, :class:`~app.server.engine_loop.EngineLoop`, owns the engine and steps it while it
+has work: handlers never touch it. A request's handler (on the asyncio loop) checks the
+request, takes a place in the bounded queue (:class:`Admission`, decided and taken with no
+``await`` in between, so a burst cannot slip past the check), and posts it to the loop; the
+loop hands each of its :class:`~engine.core.engine.TokenEvent` back to the handler's asyncio
+queue. A client that goes away cancels its request at the next step, which frees its blocks.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as Server-Sent
 Events, or whole), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text,
-vLLM's names and buckets, :mod:`app.server.metrics`). Errors take OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``.
+vLLM's names and buckets, :mod:`app.server.metrics`). Errors take OpenAI's shape
+(:mod:`app.server.schema`): ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
-import queue
 import secrets
 import socket
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.server.engine_loop import (
+    SELF_TEST_ID,
+    SELF_TEST_PRIORITY,
+    SELF_TEST_PROMPT,
+    SELF_TEST_TOKENS,
+    EngineFront,
+    EngineLoop,
+    SelfTest,
+    Sink,
+)
+from app.server.logs import log_event
 from app.server.metrics import ServerMetrics
-from engine.core.engine import EngineBusyError, LLMEngine, TokenEvent
-from engine.core.metrics import RequestMetrics
-from engine.core.sampling import MAX_LOGPROBS, SamplingParams
-from engine.errors import InvalidRequestError
-
-log = logging.getLogger("infersight.server")
+from app.server.schema import (
+    ChatBody,
+    Choice,
+    CompletionBody,
+    HTTPError,
+    Reply,
+    RequestBody,
+    error_body,
+    sse,
+)
+from engine.core.engine import LLMEngine
+from engine.core.output import TokenEvent
+from engine.core.sampling import SamplingParams
+from engine.errors import EngineBusyError, InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,66 +75,6 @@ class ServerLimits:
     retry_after_s: int = 1
     self_test_s: float = 300.0  # between self-tests (0: only the one at start)
     oom_margin_mib: int = 256  # GPU memory held back for recovering from running out
-
-
-class HTTPError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            error_body(self.message, self.kind, self.param, self.code),
-            status_code=self.status,
-            headers=self.headers,
-        )
-
-
-def error_body(
-    message: str, kind: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# -- logs ---------------------------------------------------------------------------------------
-
-
-class JsonLines(logging.Formatter):
-    """One JSON object per line: time, level, event and the event's fields (a request's id
-    through its life: arrival, end or error), for log collectors to parse."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = {"ts": round(record.created, 3), "level": record.levelname.lower(),
-                "event": record.getMessage(), **getattr(record, "fields", {})}  # fmt: skip
-        if record.exc_info:
-            line["traceback"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False, default=str)
-
-
-def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
-    log.log(level, event, extra={"fields": fields})
-
-
-def _figures(m: RequestMetrics) -> dict[str, Any]:
-    """What a finished request's ``end`` line says: its counts and times, not its text."""
-
-    def r(x: float | None) -> float | None:
-        return None if x is None else round(x, 4)
-
-    return {
-        "request_id": m.request_id, "finish_reason": m.finish_reason,
-        "prompt_tokens": m.prompt_tokens, "cached_prompt_tokens": m.cached_prompt_tokens,
-        "output_tokens": m.output_tokens, "queue_s": r(m.request_queue_time_seconds),
-        "ttft_s": r(m.time_to_first_token_seconds), "tpot_s": r(m.time_per_output_token_seconds),
-        "e2e_s": r(m.e2e_request_latency_seconds), "preemptions": m.preemptions,
-    }  # fmt: skip
 
 
 # -- the listening socket -----------------------------------------------------------------------
@@ -144,32 +99,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 # -- health -------------------------------------------------------------------------------------
 
-SELF_TEST_PROMPT = [{"role": "user", "content": "What is 2 + 2? Answer with one number."}]
-SELF_TEST_TOKENS = 8
-SELF_TEST_ID = "selftest-"
-SELF_TEST_PRIORITY = 100  # ahead of every client request in the queue
-
-
-@dataclass(slots=True)
-class SelfTest:
-    """The known answer (the first run's) and how the last run compared."""
-
-    answer: str | None = None
-    ok: bool | None = None
-    runs: int = 0
-    error: str | None = None
-    skipped: int = 0  # runs that found the server too busy to answer in time
-
-    def record(self, text: str, error: str | None) -> None:
-        self.runs += 1
-        if error is None and not text:
-            error = "the answer was empty"
-        if error is None and self.answer is not None and text != self.answer:
-            error = f"answered {text!r}, not {self.answer!r}"
-        if error is None and self.answer is None:
-            self.answer = text
-        self.ok, self.error = error is None, error
-
 
 def _memory(device: torch.device) -> dict[str, Any]:
     """Free and total memory where the engine runs; within bounds while 2% of it is free
@@ -184,177 +113,7 @@ def _memory(device: torch.device) -> dict[str, Any]:
     return {"free_bytes": int(free), "total_bytes": int(total), "ok": free >= 0.02 * total}
 
 
-# -- the engine's thread ---------------------------------------------------------------------
-
-Sink = Callable[[TokenEvent | BaseException], None]
-
-
-class EngineLoop:
-    """Steps one engine on a thread of its own. ``submit`` and ``cancel`` may be called from
-    any thread; each request's events go to its sink (called on this thread), and an engine
-    error goes to the sink of every request it ended."""
-
-    SNAPSHOT_S = 0.25
-
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, margin_bytes: int = 0) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}
-        self._started: set[str] = set()  # requests that have their first token
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="infersight-engine", daemon=True)
-        self._last_snapshot = 0.0
-        #: memory held back from the allocator and let go when a step runs out of memory, so
-        #: that failing its requests and serving the next ones has room (taken again when idle)
-        self.margin_bytes = margin_bytes
-        self._margin: torch.Tensor | None = None
-        self.out_of_memory = 0  # steps that ran out of memory
-        self._reserve()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float,
-        sink: Sink, priority: int = 0,
-    ) -> None:  # fmt: skip
-        self._commands.put(("add", (request_id, prompt, params, timeout_s, sink, priority)))
-
-    def cancel(self, request_id: str) -> None:
-        self._commands.put(("cancel", request_id))
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Cancel what runs, let the loop send the cancellations, and end it."""
-        self._commands.put(("stop", None))
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            try:
-                kind, arg = self._commands.get(timeout=0.05 if not engine.has_work() else 0)
-            except queue.Empty:
-                kind, arg = "", None
-            if kind == "stop":
-                for rid in list(self._sinks):
-                    engine.cancel(rid)
-                self._step()
-                self._snapshot(force=True)
-                return
-            try:
-                if kind == "add":
-                    self._add(*arg)
-                    continue  # take every command waiting before the next step
-                if kind == "cancel":
-                    engine.cancel(arg)
-                    continue
-                if engine.has_work():
-                    self._step()
-                    if engine.hold_s > 0:
-                        time.sleep(min(engine.hold_s, 0.01))
-                elif self._margin is None:
-                    self._reserve()
-                self._snapshot()
-            except Exception:  # whatever it was, the loop goes on serving
-                log.exception("the engine loop failed to %s", kind or "step")
-
-    def _add(
-        self, rid: str, prompt: list[int], params: SamplingParams, timeout_s: float, sink: Sink,
-        priority: int,
-    ) -> None:  # fmt: skip
-        try:
-            self.engine.add_request(
-                prompt, params, request_id=rid, timeout_s=timeout_s, priority=priority
-            )
-        except Exception as exc:  # refused, or out of memory: this request fails, not the loop
-            with contextlib.suppress(Exception):
-                self.engine.cancel(rid)  # in case it got half in
-            sink(exc)
-            return
-        self._sinks[rid] = sink
-
-    def _step(self) -> None:
-        try:
-            events = self.engine.step()
-        except Exception as exc:  # the step's requests end with the error; serving goes on
-            if isinstance(exc, torch.OutOfMemoryError):
-                self.out_of_memory += 1
-                self._margin = None  # the room to fail them in and go on
-                if self.engine.device.type == "cuda":
-                    torch.cuda.empty_cache()
-            log.exception("engine step failed")
-            self.metrics.engine_errors.inc()
-            self.metrics.request_errors.inc(len(self._sinks))
-            for rid, failed in list(self._sinks.items()):
-                log_event("error", logging.ERROR, **self._context(rid, exc))
-                self.engine.cancel(rid)
-                failed(exc)
-            self._sinks.clear()
-            with contextlib.suppress(Exception):
-                self.engine.step()  # collect the cancellations: the engine is idle and clean
-            return
-        for event in events:
-            sink = self._sinks.get(event.request_id)
-            if sink is None:
-                continue
-            if event.token_id is not None and event.request_id not in self._started:
-                self._started.add(event.request_id)
-                self._log_start(event.request_id)
-            if event.finish_reason is not None:
-                self._started.discard(event.request_id)
-                del self._sinks[event.request_id]
-                finished = self.engine.request_metrics(event.request_id)
-                if finished is not None and not event.request_id.startswith(SELF_TEST_ID):
-                    self.metrics.observe_request(finished)
-                    log_event("end", **_figures(finished))
-            sink(event)
-
-    def _log_start(self, rid: str) -> None:
-        """A request's first token: how long it queued and how much of its prompt was cached."""
-        with contextlib.suppress(KeyError):
-            seq = self.engine.sequence(rid)
-            t = seq.times
-            log_event(
-                "first_token", request_id=rid,
-                queue_s=None if t.scheduled is None else round(t.scheduled - t.arrival, 4),
-                ttft_s=None if t.first_token is None else round(t.first_token - t.arrival, 4),
-                cached_prompt_tokens=seq.num_cached,
-            )  # fmt: skip
-
-    def _reserve(self) -> None:
-        if self.margin_bytes and self._margin is None:
-            with contextlib.suppress(torch.OutOfMemoryError):
-                self._margin = torch.empty(
-                    self.margin_bytes, dtype=torch.uint8, device=self.engine.device
-                )
-
-    @property
-    def margin_held(self) -> bool:
-        return self._margin is not None
-
-    def _context(self, rid: str, exc: BaseException) -> dict[str, Any]:
-        """A failed request's whole story for its log line: the error, its prompt and output
-        so far (as token ids), where it was and how it was sampled."""
-        fields: dict[str, Any] = {"request_id": rid, "error": f"{type(exc).__name__}: {exc}"}
-        with contextlib.suppress(KeyError):
-            seq = self.engine.sequence(rid)
-            fields.update(
-                prompt_ids=seq.prompt_ids, output_ids=seq.output_ids, status=seq.status.value,
-                num_computed=seq.num_computed, params=repr(seq.params),
-            )  # fmt: skip
-        return fields
-
-    def _snapshot(self, *, force: bool = False) -> None:
-        now = time.perf_counter()
-        if force or now - self._last_snapshot >= self.SNAPSHOT_S:
-            self._last_snapshot = now
-            self.metrics.observe_engine(self.engine.metrics())
-            self.metrics.observe_gpu(self.engine.device)
+# -- the bounded queue --------------------------------------------------------------------------
 
 
 class Admission:
@@ -387,109 +146,13 @@ class Admission:
         self.tokens -= tokens
 
 
-# -- request bodies ----------------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    """The sampling fields both routes share; unknown fields are ignored, as OpenAI's are."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = Field(default=None, ge=0, le=2**62)  # choice i uses seed + i
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return value
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise HTTPError(400, "only text content parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatBody(_Body):
-    messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-
-    def wanted_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class CompletionBody(_Body):
-    #: a text, token ids, or one of either in a list (as LangChain's client sends it)
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-
-    def wanted_logprobs(self) -> int | None:
-        return self.logprobs
-
-
-# -- the app -----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    request_id: str
-    text: str = ""
-    tokens: int = 0
-    finish: str | None = None
-    scored: list[TokenEvent] = field(default_factory=list)  # events with logprobs
-    offset: int = 0  # characters of the scored tokens streamed so far (completions' offsets)
-
-
-class EngineFront(Protocol):
-    """What the routes need of whoever steps the engine: :class:`EngineLoop` for
-    ``infersight serve``, the app's worker when the app serves (:mod:`app.gui.serve_host`)."""
-
-    @property
-    def engine(self) -> LLMEngine | None: ...
-    @property
-    def alive(self) -> bool: ...
-    @property
-    def out_of_memory(self) -> int: ...
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def submit(
-        self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float,
-        sink: Sink, priority: int = 0,
-    ) -> None: ...  # fmt: skip
-    def cancel(self, request_id: str) -> None: ...
+# -- the app ------------------------------------------------------------------------------------
 
 
 class Server:
-    """The routes over one engine, stepped by an :class:`EngineLoop` of its own or by the
-    ``front`` given (which then observes ``server.metrics`` as its requests finish)."""
+    """The routes over one engine, stepped by an :class:`~app.server.engine_loop.EngineLoop` of
+    its own or by the ``front`` given (which then observes ``server.metrics`` as its requests
+    finish)."""
 
     def __init__(
         self, engine: LLMEngine, *, name: str | None = None, limits: ServerLimits | None = None,
@@ -684,7 +347,7 @@ class Server:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _params(
-        self, body: _Body, limit: int | None, logprobs: int | None, prompt_tokens: int
+        self, body: RequestBody, limit: int | None, logprobs: int | None, prompt_tokens: int
     ) -> list[SamplingParams]:
         lim = self.limits
         if body.model is not None and body.model != self.name:
@@ -715,7 +378,7 @@ class Server:
         ]  # fmt: skip
 
     async def _complete(
-        self, body: _Body, request: Request, prompt: list[int], limit: int | None,
+        self, body: RequestBody, request: Request, prompt: list[int], limit: int | None,
         logprobs: int | None, *, chat: bool,
     ) -> Response:  # fmt: skip
         if not self.loop.alive:
@@ -732,7 +395,7 @@ class Server:
         base = f"{prefix}-{secrets.token_hex(12)}"
         # the engine's ids name the client: the app's instruments show whose blocks are whose
         client = f"{request.client.host}:{request.client.port}" if request.client else "client"
-        choices = [_Choice(i, f"{base}-{i}@{client}") for i in range(len(params))]
+        choices = [Choice(i, f"{base}-{i}@{client}") for i in range(len(params))]
         log_event(
             "arrival", request_id=base, route=request.url.path, prompt_tokens=len(prompt),
             n=len(params), max_tokens=params[0].max_new_tokens, stream=body.stream,
@@ -742,7 +405,7 @@ class Server:
             self.loop.submit(choice.request_id, prompt, p, self.limits.queue_timeout_s, sink)
         run = _Run(self, events, choices, len(prompt))
         token_text = None if logprobs is None else self._token_text
-        reply = _Reply(base, self.name, chat, len(prompt), int(time.time()), token_text)
+        reply = Reply(base, self.name, chat, len(prompt), int(time.time()), token_text)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
@@ -772,7 +435,7 @@ class _Run:
 
     def __init__(
         self, server: Server, events: asyncio.Queue[tuple[int, TokenEvent | BaseException]],
-        choices: list[_Choice], prompt_tokens: int,
+        choices: list[Choice], prompt_tokens: int,
     ) -> None:  # fmt: skip
         self.server, self.events, self.choices = server, events, choices
         self.prompt_tokens = prompt_tokens
@@ -781,7 +444,7 @@ class _Run:
     def done(self) -> bool:
         return all(c.finish is not None for c in self.choices)
 
-    async def next(self) -> tuple[_Choice, TokenEvent]:
+    async def next(self) -> tuple[Choice, TokenEvent]:
         index, event = await self.events.get()
         choice = self.choices[index]
         if index in self.waiting:
@@ -833,7 +496,7 @@ class _Run:
             if not self.done():
                 self.cancel()
 
-    async def stream(self, reply: _Reply, usage: bool, request: Request) -> AsyncIterator[str]:
+    async def stream(self, reply: Reply, usage: bool, request: Request) -> AsyncIterator[str]:
         try:
             if reply.chat:  # the first delta of each choice carries its role
                 for choice in self.choices:
@@ -842,7 +505,7 @@ class _Run:
                 try:
                     choice, event = await self.next()
                 except HTTPError as exc:
-                    yield _sse(error_body(exc.message, exc.kind, exc.param, exc.code))
+                    yield sse(error_body(exc.message, exc.kind, exc.param, exc.code))
                     break
                 scored = [event] if event.logprob is not None else []
                 if event.text or choice.finish is not None or scored:
@@ -854,7 +517,7 @@ class _Run:
                         choice.offset += len(reply.token_text(event.token_id or 0))
             else:
                 if usage:
-                    yield _sse(reply.usage_chunk(self.choices))
+                    yield sse(reply.usage_chunk(self.choices))
             yield "data: [DONE]\n\n"
         finally:  # the client left (the task is cancelled) or the stream ended
             if not self.done():
@@ -869,89 +532,6 @@ def _failure(exc: BaseException) -> HTTPError:
     if isinstance(exc, EngineBusyError | torch.OutOfMemoryError):  # try again in a moment
         return HTTPError(503, str(exc), code="server_busy", headers={"Retry-After": "1"})
     return HTTPError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error")
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-@dataclass(frozen=True, slots=True)
-class _Reply:
-    """OpenAI's response and chunk shapes for one request."""
-
-    id: str
-    model: str
-    chat: bool
-    prompt_tokens: int
-    created: int  # one time for every chunk of the reply
-    #: decodes one token id, where log-probabilities were asked for (None: they were not)
-    token_text: Callable[[int], str] | None = None
-
-    def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created,
-                "model": self.model}  # fmt: skip
-
-    def chunk(
-        self, index: int, text: str, finish: str | None, *, first: bool = False,
-        scored: list[TokenEvent] | None = None, offset: int = 0,
-    ) -> str:  # fmt: skip
-        logprobs = self.logprobs(scored or [], offset)
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {
-                "content": text}  # fmt: skip
-            choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish}  # fmt: skip
-            return _sse({**self._head("chat.completion.chunk"), "choices": [choice]})
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return _sse({**self._head("text_completion"), "choices": [choice]})
-
-    def logprobs(self, scored: list[TokenEvent], offset: int) -> dict[str, Any] | None:
-        """OpenAI's ``logprobs`` object for these tokens: chat's ``content`` list, or the
-        completions' parallel lists (``text_offset`` counted from ``offset``)."""
-        name = self.token_text
-        if name is None or not scored:
-            return None
-        if self.chat:
-
-            def entry(tid: int, lp: float) -> dict[str, Any]:
-                text = name(tid)
-                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-            return {"content": [
-                {**entry(e.token_id or 0, e.logprob or 0.0),
-                 "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
-                for e in scored
-            ]}  # fmt: skip
-        tokens = [name(e.token_id or 0) for e in scored]
-        offsets = []
-        for text in tokens:
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e.logprob for e in scored],
-            "top_logprobs": [{name(t): lp for t, lp in e.top_logprobs} for e in scored],
-            "text_offset": offsets,
-        }
-
-    def usage(self, choices: list[_Choice]) -> dict[str, int]:
-        completion = sum(c.tokens for c in choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}  # fmt: skip
-
-    def usage_chunk(self, choices: list[_Choice]) -> dict[str, Any]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [], "usage": self.usage(choices)}
-
-    def whole(self, choices: list[_Choice]) -> dict[str, Any]:
-        if self.chat:
-            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.logprobs(c.scored, 0), "finish_reason": c.finish}
-                   for c in choices]  # fmt: skip
-            return {**self._head("chat.completion"), "choices": out, "usage": self.usage(choices)}
-        out = [{"index": c.index, "text": c.text, "logprobs": self.logprobs(c.scored, 0),
-                "finish_reason": c.finish} for c in choices]  # fmt: skip
-        return {**self._head("text_completion"), "choices": out, "usage": self.usage(choices)}
 
 
 class _Guard:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.bench.speed import text_table
+from engine.bench.report import text_table
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.loader.load import load_model

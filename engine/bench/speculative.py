@@ -22,15 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.bench.speed import text_table
+from engine.bench.report import text_table
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
-from engine.speculative.speculator import (
-    Drafter,
-    Speculator,
-    build_drafter,
-    measure_costs,
-)
+from engine.loader.drafter import build_drafter
+from engine.loader.load import load_model
+from engine.speculative.adaptive import measure_costs
+from engine.speculative.drafters import Drafter
+from engine.speculative.speculator import Speculator
 
 CHAT_PROMPTS = (
     "What is the capital of France? Answer in two sentences.",
@@ -115,14 +114,14 @@ def run_spec_bench(
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Plain decoding and each drafter at each k, on each workload (see the module)."""
-    from engine.speculative.speculator import parse_speculative
+    from engine.speculative.config import parse_speculative
 
     params = SamplingParams(max_new_tokens=new_tokens)
     built: dict[str, Drafter] = {}
     for text in drafters:
         log(f"building the drafter {text} …")
-        built[text] = build_drafter(parse_speculative(text, max(ks)), engine)
-    costs = {name: measure_costs(engine, d, max(ks)) for name, d in built.items()}
+        built[text] = build_drafter(parse_speculative(text, max(ks)), engine, load_model)
+    costs = {name: measure_costs(engine.model, engine.kv, d, max(ks)) for name, d in built.items()}
     verify = next(iter(costs.values()))[0]
     log(f"verify cost: {verify.fixed:.2f} + {verify.per_token:.3f}·k of a decode step")
     configs = [(text, k) for text in drafters for k in ks]

@@ -1,11 +1,9 @@
-"""`LLMEngine`: load a model, accept requests, step them through continuous batching.
+"""`LLMEngine`: a model behind a paged KV pool; requests in, token events out.
 
-One step = the scheduler picks which tokens of which sequences to compute, the block manager
-gives them KV slots, the model runs one forward over the flattened batch, the sampler picks
-each finished-prefill sequence's next token, the detokenizer turns it into text, and finished
-sequences release their blocks. ``step()`` returns that step's :class:`TokenEvent` list.
-
-``generate()`` wraps this for scripts: it adds one request and steps the engine until that
+The request API and the live settings are here; one step of the engine is
+:mod:`engine.core.step` (schedule → draft → forward → sample/verify → commit → events), the
+model call :mod:`engine.core.runner`, the events and finish rules :mod:`engine.core.output`.
+``generate()`` wraps it all for scripts: it adds one request and steps the engine until that
 request finishes (other requests advance too).
 """
 
@@ -15,157 +13,56 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core.metrics import (
-    LayerTimer,
-    LayerTiming,
-    MetricsCollector,
-    MetricsSnapshot,
-    RequestMetrics,
-    StepRecord,
-    memory_by_kind,
+from engine.core import step as stepping
+from engine.core.config import EngineConfig, kv_pool_blocks
+from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
+from engine.core.metrics import LayerTiming, MetricsSnapshot, RequestMetrics
+from engine.core.output import (
+    GenerationResult,
+    OutputProcessor,
+    TokenEvent,
+    request_metrics,
 )
-from engine.core.sampling import SamplingParams, make_generator, sample
-from engine.core.scheduler import ScheduledChunk, Scheduler, SchedulerLimits, SchedulerOutput
-from engine.core.sequence import FinishReason, Status
+from engine.core.runner import ModelRunner
+from engine.core.sampling import SamplingParams, make_generator
+from engine.core.scheduler import Scheduler, SchedulerLimits
+from engine.core.sequence import FinishReason
 from engine.core.sequence import Sequence as Seq
-from engine.errors import InfersightError, InvalidRequestError, OutOfMemoryError
+from engine.errors import EngineBusyError, InvalidRequestError, OutOfMemoryError
+from engine.hardware.memory import free_memory
 from engine.kernels import decode_graph
-from engine.kv_cache.paged import (
-    CacheWindow,
-    ContiguousKVCache,
-    PagedKVCache,
-    SeqChunk,
-    effective_window,
-)
-from engine.loader.load import kv_pool_blocks
-from engine.loader.weights import (
-    weight_bytes,
-    weight_report,
-)
+from engine.kv_cache.paged import PagedKVCache
+from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
-from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.model.inventory import weight_bytes
+from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
-from engine.quant.quantize import (
-    PrecisionSpec,
-    dtype_name,
-    parse_precision_spec,
-)
-from engine.speculative.speculator import (
-    ACCEPTED,
-    BONUS,
-    CORRECTED,
-    Draft,
-    SpeculativeConfig,
-    Speculator,
-    accept,
-    build_drafter,
-    measure_costs,
-    same_drafter,
-)
+from engine.quant.inventory import weight_report
+from engine.quant.spec import PrecisionSpec, dtype_name
+
+if TYPE_CHECKING:
+    from engine.speculative.config import SpeculativeConfig
+    from engine.speculative.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
-
-class EngineBusyError(InfersightError):
-    """The waiting queue is full; the request was not accepted."""
-
-
-def parse_precision(text: str, device: torch.device | str = "cpu") -> PrecisionSpec:
-    """A precision spec (``fp32``, ``bf16``, ``int8``, ``int4-g64``, ``mixed:…``); see
-    :mod:`engine.quant.quantize`. Raises :class:`InvalidRequestError` naming what is available."""
-    return parse_precision_spec(text, device)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """KV pool size and scheduling. The pool is ``num_blocks`` blocks if given, else
-    ``kv_memory`` bytes (> 1) or that fraction of free memory (<= 1), else a default share
-    (10% of available RAM on CPU, 50% of free GPU memory), never more than the running set
-    can use at full context. ``prefix_caching``: full KV blocks of a prefix already computed
-    are shared by the requests that start with it (:class:`~engine.kv_cache.paged.BlockManager`)."""
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_memory: float | None = None
-    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
-    window: CacheWindow | None = None
-    metrics_window_s: float = 30.0
-    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.kernels.decode_graph`); None:
-    #: INFERSIGHT_DECODE_GRAPH
-    decode_graph: str | None = None
-    prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        try:
-            decode_graph.requested_mode(self.decode_graph)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        if self.block_size < 1:
-            raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_memory is not None and not self.kv_memory > 0:
-            raise InvalidRequestError(f"kv_memory must be > 0, got {self.kv_memory}")
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """What one step did for one request: the sampled token and the text it released
-    (possibly empty: a held-back partial character or stop-string prefix). ``token_id`` is
-    ``None`` for events without a token (cancelled, timed out). ``finish_reason`` is set on a
-    request's last event: ``stop``, ``length``, ``cancelled`` or ``timeout``."""
-
-    request_id: str
-    token_id: int | None
-    text: str
-    finish_reason: str | None = None
-    #: with ``SamplingParams.logprobs``: the token's log-probability and ``(id, logprob)`` of
-    #: the likeliest tokens at its step, best first
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    #: with speculative decoding, how the token came: ``accepted`` (a draft the model
-    #: accepted), ``corrected`` (the model's token where it rejected a draft) or ``bonus`` (its
-    #: token after accepting every draft); empty for a step without drafts
-    speculation: str = ""
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    ttft_s: float | None = None  # request arrival → first token sampled
-    tpot_s: float | None = None  # mean time per output token after the first
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "prompt_ids": self.prompt_ids,
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "ttft_s": self.ttft_s,
-            "tpot_s": self.tpot_s,
-        }
-
-
-@dataclass(slots=True)
-class _Stream:
-    """Text state of one request: detokenizer, stop-string matcher, text so far."""
-
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
-    text: str = ""
+#: ``(config, engine, the speculator it has now)`` → the speculator to use from the next step
+SpeculationFactory = Callable[["SpeculativeConfig", "LLMEngine", "Speculator | None"], "Speculator"]
 
 
 class LLMEngine:
-    #: the model's own sampling defaults (``generation_config.json``), set by :meth:`load`
+    """A model behind a paged KV pool and a continuous-batching scheduler. Requests go in
+    with :meth:`add_request`; each :meth:`step` (:mod:`engine.core.step`) advances them and
+    returns its :class:`TokenEvent` list. Settings change live: limits, the cache window,
+    prefix caching, speculative decoding, the pool's size (:meth:`with_pool`)."""
+
+    #: the model's own sampling defaults (``generation_config.json``), set by the load
     default_sampling: dict[str, Any]
 
     def __init__(
@@ -212,16 +109,22 @@ class LLMEngine:
         self.kv.manager.set_window(self.window)
         self.collector = MetricsCollector(self.config.metrics_window_s)
         self.layer_timer = LayerTimer(model.layers, device)
-        self._layer_timings: tuple[LayerTiming, ...] = ()
-        self._seqs: dict[str, Seq] = {}
-        self._streams: dict[str, _Stream] = {}
-        self._pending: list[TokenEvent] = []
+        self.layer_timings: tuple[LayerTiming, ...] = ()
+        self.runner = ModelRunner(model, cfg, dtype, device)
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.collector)
+        #: live requests (unfinished) by id
+        self.seqs: dict[str, Seq] = {}
+        #: events of requests ended between steps (cancelled), delivered by the next step
+        self.pending: list[TokenEvent] = []
         self._ids = itertools.count()
         self.hold_s = 0.0
-        #: how decode steps run (eager or one compiled graph), settled by :meth:`load`
+        #: how decode steps run (eager or one compiled graph), settled by the load
         self.graph = decode_graph.GraphChoice(False, "not compiled (engine built directly)")
         #: the CPU thread count the load settled, and why (one line)
         self.threads_report = ""
+        #: builds speculative decoding for :meth:`set_speculation` (it may load a draft
+        #: model: :func:`engine.load` wires it; an engine built directly has none)
+        self.speculation: SpeculationFactory | None = None
         #: speculative decoding's drafter and state (None: off); :meth:`set_speculation`
         self.speculator: Speculator | None = None
 
@@ -233,8 +136,6 @@ class LLMEngine:
         this engine has requests (they live in its pool) or when the new pool would not fit
         in the memory free now plus this engine's pool."""
         from dataclasses import replace
-
-        from engine.loader.load import free_memory, kv_pool_blocks
 
         if self.has_work():
             raise InvalidRequestError(
@@ -275,63 +176,8 @@ class LLMEngine:
         )  # fmt: skip
         new.default_sampling = dict(getattr(self, "default_sampling", {}))
         new.graph, new.threads_report = self.graph, self.threads_report
-        new.folder = self.folder
+        new.folder, new.speculation = self.folder, self.speculation
         return new
-
-    def _settle_decode_graph(self) -> decode_graph.GraphChoice:
-        """Compile the decode step where :func:`decode_graph.choose` says so, and compile it
-        now: a few warm-up steps on scratch sequences, so that no reply waits for it."""
-        choice = decode_graph.choose(self.config.decode_graph, self.device)
-        if not choice.compiled:
-            return choice
-        model = self.model
-        compiled = decode_graph.CompiledDecode(model.body)
-        model.compiled_decode = compiled
-        started = time.perf_counter()
-        try:
-            self._warm_decode(compiled)
-            compiled.warm = True
-        except Exception as exc:  # an Inductor failure on this model: eager still works
-            model.compiled_decode = None
-            why = decode_graph.reason(exc)
-            log.warning("compiling the decode step failed, running eagerly: %s", why)
-            return decode_graph.GraphChoice(False, f"compiling failed ({why}); eager")
-        took = time.perf_counter() - started
-        return decode_graph.GraphChoice(True, f"{choice.why}, compiled in {took:.0f} s")
-
-    def _warm_decode(self, compiled: decode_graph.CompiledDecode) -> None:
-        """Decode steps of batch 2 and 1 on scratch sequences: the two graphs that every later
-        decode step uses (:func:`decode_graph.compile_forward`). Errors propagate (the
-        model's forward would fall back to eager and hide them)."""
-        mgr = self.kv.manager
-        per_seq = mgr.blocks_for(4)
-        if mgr.num_free < per_seq:
-            raise RuntimeError("the KV pool has no room for the warm-up's scratch sequence")
-        batch = 2 if mgr.num_free >= 2 * per_seq else 1
-        ids = [f"\0warm{i}" for i in range(batch)]
-        model = self.model
-        try:
-            for rid in ids:
-                mgr.grow(rid, 2)
-            model(
-                torch.zeros(2 * batch, dtype=torch.long, device=self.device),
-                torch.arange(2, device=self.device).repeat(batch),
-                self.kv.context([SeqChunk(rid, 0, 2) for rid in ids]),
-            )
-            for b in range(batch, 0, -1):
-                for pos in (2, 3):
-                    for rid in ids[:b]:
-                        mgr.grow(rid, pos + 1)
-                    with torch.inference_mode():
-                        compiled(
-                            model.embed(torch.zeros(b, dtype=torch.long, device=self.device)),
-                            torch.full((b,), pos, device=self.device),
-                            self.kv.context([SeqChunk(rid, pos, 1) for rid in ids[:b]]),
-                            torch.arange(b, device=self.device),
-                        )
-        finally:
-            for rid in ids:
-                mgr.free(rid)
 
     def _pool_blocks(self) -> int:
         conf = self.config
@@ -375,7 +221,7 @@ class LLMEngine:
                 f"(max_waiting={limits.max_waiting}); try again when some have finished"
             )
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
+        if rid in self.seqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         arrived = time.perf_counter() if arrival is None else arrival
         seq = Seq(rid, prompt, params, arrived, priority, timeout_s)
@@ -383,10 +229,8 @@ class LLMEngine:
         seq.generator = make_generator(params.seed, self.device)
         seq.history = torch.empty(len(prompt) + max_new, dtype=torch.long, device=self.device)
         seq.history[: len(prompt)] = torch.tensor(prompt)
-        self._seqs[rid] = seq
-        self._streams[rid] = _Stream(
-            IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop)
-        )
+        self.seqs[rid] = seq
+        self.outputs.open(seq)
         self.scheduler.add(seq)
         return rid
 
@@ -438,11 +282,11 @@ class LLMEngine:
     def cancel(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed at once. The ``cancelled``
         event arrives with the next :meth:`step`. False if it is unknown or already over."""
-        seq = self._seqs.get(request_id)
+        seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
         self.scheduler.remove(seq)
-        self._pending.append(self._finish(seq, FinishReason.CANCELLED, time.perf_counter()))
+        self.pending.append(self.finish(seq, FinishReason.CANCELLED, time.perf_counter()))
         return True
 
     def update_limits(self, **changes: float) -> SchedulerLimits:
@@ -470,7 +314,7 @@ class LLMEngine:
         need = max(
             (self.kv.manager.blocks_for(
                 self._kv_tokens(len(s.prompt_ids) + s.max_new_tokens, limits, window))
-             for s in self._seqs.values()),
+             for s in self.seqs.values()),
             default=1,
         )  # fmt: skip
         if blocks < need:
@@ -498,258 +342,60 @@ class LLMEngine:
         self.config = replace(self.config, prefix_caching=on)
 
     def set_speculation(self, config: SpeculativeConfig | None) -> None:
-        """Speculative decoding with the drafter ``config`` names
-        (:mod:`engine.speculative.speculator`), or off (``None``). A new drafter is built first
-        (a draft model is loaded), so a failure leaves the engine as it was; changing only k or
-        the adaptive settings keeps the drafter. Applies from the next step, running requests
-        included."""
+        """Speculative decoding with the drafter ``config`` names (:mod:`engine.speculative`),
+        or off (``None``). A new drafter is built first (a draft model may be loaded), so a
+        failure leaves the engine as it was; changing only k or the adaptive settings keeps
+        the drafter. Applies from the next step, running requests included."""
         old = self.speculator
         if config is None:
             self.speculator = None
-            for seq in self._seqs.values():
+            for seq in self.seqs.values():
                 seq.spec_k = 0  # no slots reserved for drafts from the next step
             if old is not None:
                 old.close()
             return
-        if old is not None and same_drafter(old.config, config):
-            self.speculator = old.with_config(config)
-            return
-        drafter = build_drafter(config, self)
-        try:
-            verify, draft = measure_costs(self, drafter, config.k, config.verify_cost)
-        except BaseException:
-            drafter.close()
-            raise
-        if old is not None:
-            old.close()
-        self.speculator = Speculator(config, drafter, verify, draft)
-        log.info(
-            "speculative decoding: %s, k up to %d; here verifying k drafts costs %.2f + "
-            "%.3f·k of a decode step, a draft token %.2f", config.label, config.k,
-            verify.fixed, verify.per_token, draft,
-        )  # fmt: skip
+        if self.speculation is None:
+            raise InvalidRequestError(
+                "speculative decoding needs an engine made by engine.load (a drafter may load "
+                "a model); load this model with it"
+            )
+        self.speculator = self.speculation(config, self, old)
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix; the blocks of running requests stay theirs."""
         self.kv.manager.clear_cache()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self.pending)
 
     def sequence(self, request_id: str) -> Seq:
         """The live state of an unfinished request (KeyError once it has finished)."""
-        return self._seqs[request_id]
+        return self.seqs[request_id]
 
-    # -- stepping -------------------------------------------------------------------------
+    # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        events, self._pending = self._pending, []
-        started = time.perf_counter()
-        spec = self.speculator
-        if spec is not None:
-            spec.plan(self.scheduler.running)
-        out = self.scheduler.schedule(started)
-        self.hold_s = out.hold_s
-        for seq in out.timed_out:
-            events.append(self._finish(seq, FinishReason.TIMEOUT, started))
-        if spec is not None:
-            for seq in out.preempted:  # its draft cache goes with its blocks
-                spec.drafter.forget(seq.request_id)
-        if not out.chunks:
-            if out.preempted:  # everything running was preempted: the step did no work
-                self._record_step(out, started, started, prompt_tokens=0, generated=0)
-            return events
+        """One step (:func:`engine.core.step.step`): the events of every request it advanced
+        or ended."""
+        return stepping.step(self)
 
-        drafts = self._draft(out.chunks) if spec is not None else {}
-        forward_started = time.perf_counter()
-        # A chunk verifying drafts is 1 + d tokens long: it goes after the decode chunks.
-        order = sorted(out.chunks, key=lambda c: c.length != 1 or c.seq.request_id in drafts)
-        ids: list[int] = []
-        positions: list[int] = []
-        chunks: list[SeqChunk] = []
-        rows: list[int] = []
-        samplers: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first row of logits)
-        for c in order:
-            rid = c.seq.request_id
-            new = c.seq.tokens(c.start, c.start + c.length)
-            if rid in drafts:
-                new += drafts[rid].tokens
-            ids += new
-            positions += range(c.start, c.start + len(new))
-            chunks.append(SeqChunk(rid, c.start, len(new), self.window))
-            if c.samples:
-                samplers.append((c, len(rows)))
-                drafted = len(drafts[rid].tokens) if rid in drafts else 0
-                rows += range(len(ids) - 1 - drafted, len(ids))
-        ctx = self.kv.context(chunks)
-        logits = self.model(
-            torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            ctx,
-            torch.tensor(rows, dtype=torch.long, device=self.device),
-        )
-        mgr = self.kv.manager
-        for c in order:
-            if c.seq.request_id not in drafts:
-                c.seq.num_computed = c.start + c.length
-                mgr.commit(c.seq.request_id, c.seq.num_computed, c.seq.tokens)
-        plain = [(c.seq, row) for c, row in samplers if c.seq.request_id not in drafts]
-        tokens = sample(
-            logits[[row for _, row in plain]] if drafts else logits,
-            [s.params for s, _ in plain],
-            [_history(s) for s, _ in plain],
-            [s.generator for s, _ in plain if s.generator is not None],
-        )
-        now = time.perf_counter()
-        generated = 0
-        plain_tokens = iter(tokens)
-        for c, row in samplers:
-            seq = c.seq
-            draft = drafts.get(seq.request_id)
-            if draft is None:
-                outs, kinds = [next(plain_tokens)], [""]
-            else:
-                outs, kinds = self._verify(seq, draft, logits[row : row + 1 + len(draft.tokens)])
-                # the last token and the accepted drafts are computed: key their full blocks
-                # now, before a stop among them frees the sequence
-                mgr.commit(seq.request_id, c.start + len(outs), _reader(seq, outs))
-            lps = self._logprobs(seq, logits[row : row + len(outs)], outs)
-            for token, kind, lp in zip(outs, kinds, lps, strict=True):
-                event = self._append(seq, token, now)
-                event.speculation = kind
-                if lp is not None:
-                    event.logprob, event.top_logprobs = lp
-                events.append(event)
-                generated += 1
-                if seq.is_finished:
-                    break
-            if c.lookahead and not seq.is_finished:
-                if draft is not None:  # K/V of the accepted tokens stay, the rest roll back
-                    seq.num_computed = c.start + len(outs)
-                mgr.truncate(seq.request_id, seq.num_computed)
-                if spec is not None:
-                    spec.drafter.rollback(seq.request_id, seq.num_tokens - 1)
-        if spec is not None and drafts:
-            spec.step_done(time.perf_counter() - forward_started)
-        if self.window is not None:
-            for seq in self.scheduler.running:
-                mgr.release_outside_window(seq.request_id, self.window)
-        if self.layer_timer.enabled:
-            self._layer_timings = self.layer_timer.collect()
-
-        prompt_tokens = sum(
-            max(0, min(c.start + c.length, len(c.seq.prompt_ids)) - c.start) for c in out.chunks
-        )
-        self._record_step(out, started, now, prompt_tokens=prompt_tokens, generated=generated)
-        return events
-
-    def _draft(self, scheduled: list[ScheduledChunk]) -> dict[str, Draft]:
-        """The drafter's proposals for the chunks that hold slots for them (non-empty only)."""
-        assert self.speculator is not None
-        ahead = [c for c in scheduled if c.lookahead]
-        if not ahead:
-            return {}
-        made = self.speculator.draft(
-            [c.seq for c in ahead], [c.lookahead for c in ahead], self.window
-        )
-        return {
-            c.seq.request_id: Draft(d.tokens[: c.lookahead], d.probs)
-            for c, d in zip(ahead, made, strict=True)
-            if d.tokens
-        }
-
-    def _verify(self, seq: Seq, draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[str]]:
-        """The tokens one sequence's verified drafts yield, and how each came."""
-        assert self.speculator is not None
-        outs, accepted = accept(
-            logits, draft, seq.params, _history(seq), seq.generator, self.speculator.rule
-        )
-        self.speculator.verified(seq, len(draft.tokens), accepted)
-        last = BONUS if accepted == len(draft.tokens) else CORRECTED
-        return outs, [ACCEPTED] * accepted + [last]
-
-    @staticmethod
-    def _logprobs(
-        seq: Seq, logits: torch.Tensor, tokens: list[int]
-    ) -> list[tuple[float, tuple[tuple[int, float], ...]] | None]:
-        """Each token's log-probability under the model (row ``i`` for token ``i``) and the
-        likeliest tokens there, where the request asks for them."""
-        k = seq.params.logprobs
-        if k is None:
-            return [None] * len(tokens)
-        table = torch.log_softmax(logits.float(), dim=-1)
-        out: list[tuple[float, tuple[tuple[int, float], ...]] | None] = []
-        for row, token in zip(table, tokens, strict=True):
-            top: tuple[tuple[int, float], ...] = ()
-            if k:
-                best = row.topk(k)
-                top = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
-            out.append((float(row[token]), top))
-        return out
-
-    def _record_step(
-        self, out: SchedulerOutput, started: float, now: float, *, prompt_tokens: int,
-        generated: int,
-    ) -> None:  # fmt: skip
-        decode = sum(1 for c in out.chunks if c.length == 1)
-        self.collector.record_step(
-            StepRecord(
-                end=now,
-                duration_s=now - started,
-                batch_size=len(out.chunks),
-                prompt_tokens=prompt_tokens,
-                generated_tokens=generated,
-                kv_used_blocks=self.kv.manager.num_used,
-                decode_tokens=decode,
-                prefill_tokens=sum(c.length for c in out.chunks) - decode,
-                token_budget=self.scheduler.limits.max_tokens_per_step,
-                preempted=len(out.preempted),
-                waiting=len(self.scheduler.waiting),
-                max_batch_size=self.scheduler.limits.max_batch_size,
-            )
-        )
-
-    def _append(self, seq: Seq, token: int, now: float) -> TokenEvent:
-        seq.output_ids.append(token)
-        if seq.history is not None:
-            seq.history[seq.num_tokens - 1] = token
-        times = seq.times
-        if times.first_token is None:
-            times.first_token = now
-        times.last_token = now
-        times.token_times.append(now)
-        stream = self._streams[seq.request_id]
-        params = seq.params
-        finish: FinishReason | None = None
-        ends = token in params.extra_stop_token_ids
-        ends |= not params.ignore_eos and token in self.eos_token_ids
-        if ends:
-            piece, finish = stream.stops.feed(stream.detok.flush(), final=True), FinishReason.STOP
-        else:
-            piece = stream.stops.feed(stream.detok.add(token), final=False)
-            if stream.stops.hit:
-                finish = FinishReason.STOP
-            elif len(seq.output_ids) >= seq.max_new_tokens:
-                piece += stream.stops.feed(stream.detok.flush(), final=True)
-                finish = FinishReason.LENGTH
-        stream.text += piece
+    def append(self, seq: Seq, token: int, now: float) -> TokenEvent:
+        """``token`` joins ``seq``; its event (the request's last where the token ends it)."""
+        event, finish = self.outputs.token(seq, token, now)
         if finish is None:
-            return TokenEvent(seq.request_id, token, piece)
+            return event
         self.scheduler.remove(seq)
-        event = self._finish(seq, finish, now)
-        event.token_id, event.text = token, piece
-        return event
+        last = self.finish(seq, finish, now)
+        last.token_id, last.text = token, event.text
+        return last
 
-    def _finish(self, seq: Seq, reason: FinishReason, now: float) -> TokenEvent:
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+    def finish(self, seq: Seq, reason: FinishReason, now: float) -> TokenEvent:
+        """End ``seq`` (already out of the scheduler): its last event."""
         if self.speculator is not None:
             self.speculator.forget(seq.request_id)
-        seq.times.finished = now
-        self.collector.record_request(now, _request_metrics(seq))
-        self._seqs.pop(seq.request_id, None)
-        self._streams.pop(seq.request_id, None)
-        return TokenEvent(seq.request_id, None, "", reason.value)
+        self.seqs.pop(seq.request_id, None)
+        return self.outputs.finish(seq, reason, now)
 
-    # -- instruments ----------------------------------------------------------------------
+    # -- instruments -------------------------------------------------------------------------
     def enable_layer_timing(self, on: bool = True) -> None:
         """Per-layer timings need every layer called eagerly: while they are on, a compiled
         decode step runs eagerly."""
@@ -759,7 +405,12 @@ class LLMEngine:
         else:
             self.layer_timer.disable()
             self.model.eager_reasons.discard("layer timings")
-            self._layer_timings = ()
+            self.layer_timings = ()
+
+    def collect_layer_timings(self) -> None:
+        """The step's per-layer timings, where they are on."""
+        if self.layer_timer.enabled:
+            self.layer_timings = self.layer_timer.collect()
 
     def metrics(self) -> MetricsSnapshot:
         now = time.perf_counter()
@@ -777,7 +428,7 @@ class LLMEngine:
             kv_tokens_stored=occ.tokens_stored,
             kv_waste_slots=occ.waste_slots,
             memory=memory_by_kind(self.weights_bytes, self.kv.nbytes, self.device),
-            layer_timings=self._layer_timings,
+            layer_timings=self.layer_timings,
             total_prompt_tokens=self.collector.total_prompt_tokens,
             total_generated_tokens=self.collector.total_generated_tokens,
             kv_block_owners=tuple(mgr.owners()),
@@ -791,28 +442,9 @@ class LLMEngine:
             limits={**asdict(self.scheduler.limits), "kv_blocks": mgr.capacity},
             recent_steps=tuple(self.collector.recent),
             total_preemptions=self.collector.total_preemptions,
-            **self._spec_metrics(),
+            **(self.speculator.metrics() if self.speculator is not None else {}),
             **summary,
         )
-
-    def _spec_metrics(self) -> dict[str, Any]:
-        spec = self.speculator
-        if spec is None:
-            return {}
-        st = spec.stats
-        return {
-            "speculative": spec.label,
-            "spec_decode_num_drafts": st.num_drafts,
-            "spec_decode_num_draft_tokens": st.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
-            "spec_decode_num_draft_tokens_per_pos": tuple(st.draft_tokens_per_pos),
-            "spec_decode_num_accepted_tokens_per_pos": tuple(st.accepted_tokens_per_pos),
-            "spec_decode_draft_time_seconds": st.draft_time_s,
-            "spec_decode_verify_time_seconds": st.verify_time_s,
-            "spec_decode_last_draft_seconds": st.last_draft_s,
-            "spec_decode_last_verify_seconds": st.last_verify_s,
-            "spec_decode_draft_bytes": spec.drafter.weights_bytes + spec.drafter.kv_bytes,
-        }
 
     def request_metrics(self, request_id: str) -> RequestMetrics | None:
         """The figures of a recently finished request (``None`` if unknown or still running)."""
@@ -820,22 +452,6 @@ class LLMEngine:
             if m.request_id == request_id:
                 return m
         return None
-
-    # -- single sequences, for scripts and tests --------------------------------------------
-    def forward_logits(
-        self, token_ids: Sequence[int], cache: ContiguousKVCache, start: int
-    ) -> torch.Tensor:
-        """Logits for every position of ``token_ids`` continuing a sequence at ``start``,
-        through a private contiguous cache (not the engine's pool)."""
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)
-        ctx = cache.context([0], [start], [len(ids)])
-        return self.model(ids, positions, ctx)
-
-    def new_cache(self, capacity: int) -> ContiguousKVCache:
-        return ContiguousKVCache(
-            self.cfg, slots=1, capacity=capacity, dtype=self.dtype, device=self.device
-        )
 
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int = 0
@@ -870,88 +486,10 @@ class Generation:
                     result.text += event.text
                     if event.finish_reason is not None:
                         result.finish_reason = event.finish_reason
-                        timings = _request_metrics(seq)
+                        timings = request_metrics(seq)
                         result.ttft_s = timings.time_to_first_token_seconds
                         result.tpot_s = timings.time_per_output_token_seconds
                     yield event
         finally:
             if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
                 engine.cancel(self.request_id)
-
-
-def _reader(seq: Seq, more: list[int]) -> Callable[[int, int], list[int]]:
-    """Tokens ``[start, end)`` of ``seq`` followed by ``more`` (the block manager's way to
-    read a sequence), without copying the whole sequence."""
-    n = seq.num_tokens
-
-    def read(start: int, end: int) -> list[int]:
-        return seq.tokens(start, min(end, n)) + more[max(0, start - n) : max(0, end - n)]
-
-    return read
-
-
-def _history(seq: Seq) -> torch.Tensor:
-    assert seq.history is not None
-    return seq.history[: seq.num_tokens]
-
-
-def _request_metrics(seq: Seq) -> RequestMetrics:
-    t = seq.times
-    end = t.finished if t.finished is not None else time.perf_counter()
-    gaps = tuple(b - a for a, b in itertools.pairwise(t.token_times))
-    n = len(seq.output_ids)
-    return RequestMetrics(
-        request_id=seq.request_id,
-        finish_reason=seq.finish_reason.value if seq.finish_reason else "",
-        prompt_tokens=len(seq.prompt_ids),
-        output_tokens=n,
-        request_queue_time_seconds=None if t.scheduled is None else t.scheduled - t.arrival,
-        time_to_first_token_seconds=None if t.first_token is None else t.first_token - t.arrival,
-        prefill_time_seconds=(
-            None if t.first_token is None or t.scheduled is None else t.first_token - t.scheduled
-        ),
-        cached_prompt_tokens=seq.num_cached,
-        time_per_output_token_seconds=(
-            (t.last_token - t.first_token) / (n - 1)
-            if n > 1 and t.first_token is not None and t.last_token is not None
-            else None
-        ),
-        e2e_request_latency_seconds=end - t.arrival,
-        inter_token_latency_seconds=gaps,
-        preemptions=seq.num_preemptions,
-    )
-
-
-class StopStringMatcher:
-    """Releases streamed text, holding back any tail that could still become a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.held = ""
-        self.hit = False
-
-    def feed(self, delta: str, *, final: bool) -> str:
-        if self.hit:
-            return ""
-        text = self.held + delta
-        if not self.stops:
-            self.held = ""
-            return text
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit, self.held = True, ""
-            return text[:cut]
-        if final:
-            self.held = ""
-            return text
-        keep = max((_overlap(text, s) for s in self.stops), default=0)
-        self.held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep]
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0

@@ -12,8 +12,9 @@ Every step, finished sequences have left and waiting ones may join. The budgets:
 Waiting requests are ordered by priority plus an aging credit (``aging_per_s`` priority units
 per second waited), so nothing starves. One is admitted when its whole prompt fits beside the
 running set with a 1% watermark (not just its first chunk), starting from the longest prefix
-of it already in the KV cache (prefix caching, :class:`~engine.kv_cache.paged.BlockManager`); one
-whose next block a running sequence is computing waits for it rather than computing it too.
+of it already in the KV cache (prefix caching,
+:class:`~engine.kv_cache.block_manager.BlockManager`); one whose next block a running sequence
+is computing waits for it rather than computing it too.
 When the KV pool runs out, the running sequence with the lowest priority is *preempted by
 recompute*: its blocks are freed (and stay cached until the pool needs them) and it goes back to
 the queue, to be prefilled again (prompt and generated tokens, less what is still cached) when
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from engine.core.sequence import FinishReason, Sequence, Status
 from engine.errors import InvalidRequestError
-from engine.kv_cache.paged import BlockManager
+from engine.kv_cache.block_manager import BlockManager
 
 
 @dataclass(frozen=True, slots=True)

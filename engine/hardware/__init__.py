@@ -1,2 +1,2 @@
-"""What this machine can do, measured once: CPU paths and probes, threads, NVML, kept
-measurements."""
+"""What this machine can do, measured once: CPU paths and probes, threads, free memory, NVML,
+kept measurements."""

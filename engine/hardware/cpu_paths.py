@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.formats import cpu_int4_block_rows, dequantize_int4, quantize_int4
+
 log = logging.getLogger(__name__)
 
 FORCE_ENV = "INFERSIGHT_CPU_CAPABILITY"
@@ -217,8 +219,6 @@ def _int8_kernel_works() -> bool:
 
 
 def _int4_kernel_works() -> bool:
-    from engine.quant.quantize import dequantize_int4, quantize_int4
-
     w = _tiny(64, 64, 6)
     q, scale, zero = quantize_int4(w, 32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
@@ -232,8 +232,6 @@ def _int4_kernel_works() -> bool:
 @functools.cache
 def cpu_paths() -> CpuPaths:
     """Probe every CPU path once per process (a few milliseconds)."""
-    from engine.quant.quantize import cpu_int4_block_rows
-
     forced = forced_level()
     int4 = _probe("int4_kernel", forced, "AVX2", _int4_kernel_works)
     paths = CpuPaths(

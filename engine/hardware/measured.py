@@ -4,23 +4,28 @@
 A file maps a key (the machine, the shapes measured) to a JSON object of figures. Writes go
 to a temporary file that replaces the old one, merged over what is on disk at that moment,
 so that two processes timing different things keep each other's entries. A missing or
-unreadable file reads as empty: the figures are timed again.
+unreadable file reads as empty: the figures are timed again. :func:`machine_name` and
+:func:`machine_key` name the machine a figure holds for.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import platform
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from engine.paths import home
 
 log = logging.getLogger(__name__)
 
 
 def path(name: str) -> Path:
-    from engine.store.model_store import home
-
     return home() / name
 
 
@@ -47,3 +52,24 @@ def write(name: str, entries: dict[str, dict[str, Any]]) -> None:
         tmp.replace(target)
     except OSError as exc:  # a read-only cache costs a timing at the next load, nothing more
         log.warning("could not keep the measurements in %s: %s", target, exc)
+
+
+@functools.cache
+def machine_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                name,
+            )
+    except OSError:
+        return name
+
+
+def machine_key() -> str:
+    """What a layout verdict holds for: this CPU, its capability and torch. (Not the thread
+    count: a memory estimate asks before a load has settled it.)"""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{machine_name()} | {capability} | torch {torch.__version__}"

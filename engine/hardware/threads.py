@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.hardware import measured
+from engine.hardware.measured import machine_name
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,10 @@ def candidates(default: int | None = None) -> list[int]:
     return sorted(out)
 
 
-def settle_threads(model: nn.Module, dtype: torch.dtype) -> str:
-    """Set torch's thread count for decoding ``model``; returns one line for the load report."""
+def settle_threads(linears: list[nn.Module], dtype: torch.dtype) -> str:
+    """Set torch's thread count for decoding a model whose linears, in forward order, are
+    ``linears`` (:func:`engine.model.inventory.linear_modules`); returns one line for the load
+    report."""
     asked = asked_threads()
     if asked is not None:
         torch.set_num_threads(asked)
@@ -74,10 +77,7 @@ def settle_threads(model: nn.Module, dtype: torch.dtype) -> str:
     if len(options) == 1:
         torch.set_num_threads(options[0])
         return f"{options[0]} thread, the only core"
-    from engine.kernels.packed_linear import machine_name
-    from engine.loader.weights import linear_modules
-
-    linears = _streaming_prefix(linear_modules(model))
+    linears = _streaming_prefix(linears)
     shapes = sorted({(m.out_features, m.in_features) for m in linears})
     key = (
         f"{machine_name()} | torch {torch.__version__} | {DEFAULT_THREADS} cores | "

@@ -6,8 +6,9 @@ Python and dispatch costs that dwarf its own work on a CPU (RMSNorm alone is ~10
 TorchInductor fuses what lies between the matmuls (residual add + RMSNorm, RoPE on q and k,
 SiLU·mul, the dtype casts around INT4) into a few generated C++ loops. What it must not touch
 stays opaque: oneDNN's packed linears (:func:`engine.kernels.packed_linear.packed_linear`) and
-the paged attention with its cache write (:func:`engine.kv_cache.paged.paged_decode_attention`),
-so the data and memory flow are the engine's own in both modes.
+the paged attention with its cache write
+(:func:`engine.kernels.decode_attention.paged_decode_attention`), so the data and memory flow
+are the engine's own in both modes.
 
 Only decode-only steps run compiled; prefill (long, one-off, shape-varied) stays eager, as
 does any step while hooks are on the model (layer timings, ``bench --profile`` scopes).
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from engine.hardware.cpu_paths import forced_level, isolate_compile_cache, native_level
+from engine.hardware.measured import machine_name
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +125,6 @@ def probe_key(device_type: str) -> str:
     """What a compile probe's verdict holds for: the machine at its level, torch, Python (whose
     headers the generated code includes), the compiler TorchInductor calls, and on a GPU the
     device and Triton."""
-    from engine.kernels.packed_linear import machine_name
-
     level = forced_level() or native_level()
     python = f"python {sys.version.split()[0]}"
     parts = [machine_name(), level, f"torch {torch.__version__}", python, device_type,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import platform
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 
 from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
+from engine.hardware.measured import machine_key
 
 log = logging.getLogger(__name__)
 
@@ -91,27 +91,6 @@ class LayoutTiming:
 #: bytes of weights each timing streams through: far beyond any last-level cache
 STREAM_BYTES = 96 * 2**20
 KERNELS_FILE = "kernels.json"
-
-
-@functools.cache
-def machine_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            return next(
-                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
-                name,
-            )
-    except OSError:
-        return name
-
-
-def machine_key() -> str:
-    """What a layout verdict holds for: this CPU, its capability and torch. (Not the thread
-    count: a memory estimate asks before a load has settled it.)"""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{machine_name()} | {capability} | torch {torch.__version__}"
 
 
 def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:

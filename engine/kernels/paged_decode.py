@@ -1,10 +1,10 @@
 """Decode attention that reads K/V through the block tables, with no padded copy.
 
-The portable decode path (:func:`engine.kv_cache.paged._gather_attention`) gathers every decoding
-sequence's keys and values into a padded ``[B, W, 2·Hkv, D]`` tensor, then runs SDPA over it:
-each step writes a copy of every K/V it reads and reads it again. At batch 16 with 512-token
-contexts that copy is most of the attention's time. ``csrc/paged_decode.c`` reads each key and
-value once, straight from the pool, for all the query heads that share it (GQA).
+The portable decode path (:func:`engine.kernels.gather_attention.gather_attention`) gathers
+every decoding sequence's keys and values into a padded ``[B, W, 2·Hkv, D]`` tensor, then runs
+SDPA over it: each step writes a copy of every K/V it reads and reads it again. At batch 16 with
+512-token contexts that copy is most of the attention's time. ``csrc/paged_decode.c`` reads
+each key and value once, straight from the pool, for all the query heads that share it (GQA).
 
 It is C, compiled once per machine with the system's C compiler (``$CC``, else ``cc``, ``gcc``
 or ``clang``) for this CPU (``-O3 -march=native``, or ``-mavx2 -mfma`` where
@@ -37,6 +37,8 @@ from torch import Tensor
 
 from engine.errors import InfersightError
 from engine.hardware import isolated
+from engine.hardware.measured import machine_name
+from engine.paths import home
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +106,6 @@ def _build(cc: str, out: Path) -> str | None:
 
 
 def _library_path(cc: str) -> Path:
-    from engine.store.model_store import home
-
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30
@@ -121,8 +121,6 @@ def _library_path(cc: str) -> Path:
 
 def _cpu() -> str:
     """The CPU's name and instruction-set flags (``/proc/cpuinfo``), else ``platform``'s."""
-    from engine.kernels.packed_linear import machine_name
-
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -206,7 +204,7 @@ PROBE = f"{__name__}:_probe_build"
 
 def _check(k: Kernel) -> str:
     """One small call of each dtype against the portable path: '' if they agree."""
-    from engine.kv_cache.paged import _gather_attention
+    from engine.kernels.gather_attention import gather_attention
 
     gen = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
@@ -218,7 +216,7 @@ def _check(k: Kernel) -> str:
         mask[1, 5:] = mask[2, 13:] = float("-inf")
         mask[0, 2:7] = float("-inf")
         q = torch.randn(3, 6, 32, generator=gen).to(dtype)
-        want = _gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
+        want = gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
         got = _call(k, q, pool, slots, lens, mask)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):

@@ -1,1 +1,2 @@
-"""The paged KV cache: block tables, the prefix cache and the cache window."""
+"""The KV caches: the paged pool, its block manager (block tables, the prefix cache), the cache
+window, and the contiguous cache kept for tests and single-sequence scoring."""

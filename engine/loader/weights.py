@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,14 +21,10 @@ from torch import Tensor, nn
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 from engine.model.transformer import RotaryEmbedding, Transformer
-from engine.quant.quantize import (
-    Int4Linear,
-    Int8Linear,
-    QuantizedEmbedding,
-    QuantKind,
-    dtype_name,
-    head_channel_scale,
-)
+from engine.quant.embedding import QuantizedEmbedding, head_channel_scale
+from engine.quant.int4 import Int4Linear
+from engine.quant.int8 import Int8Linear
+from engine.quant.spec import QuantKind
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +95,7 @@ def load_transformer(
     precision beside its quantized form. The load is bounded: beside the weights loaded so far,
     the device holds at most one fused tensor being assembled (fp32 where it will be
     quantized) and one chunk of quantization temporaries
-    (:data:`engine.quant.quantize.QUANT_CHUNK_BYTES`);
+    (:data:`engine.formats.QUANT_CHUNK_BYTES`);
     the host, one checkpoint tensor read from the mapped file.
     """
     with torch.device("meta"):
@@ -252,7 +247,7 @@ class _Fused:
 
 
 def _quantize_into(model: nn.Module, module_name: str, weight: Tensor, kind: QuantKind) -> None:
-    from engine.quant.quantize import quantized_linear
+    from engine.quant.linear import quantized_linear
 
     parent_name, _, attr = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -300,132 +295,3 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
             f"{tuple(current.shape)}; config and weights disagree"
         )
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy in memory, packed and quantized forms included
-    (each tensor once)."""
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        tensors: list[Tensor] = list(module.parameters(recurse=False))
-        nbytes = getattr(module, "nbytes", None)
-        if isinstance(nbytes, int):  # PackedLinear, Int8Linear, Int4Linear
-            total += nbytes
-            bias = getattr(module, "bias", None)
-            tensors += [bias] if isinstance(bias, Tensor) else []
-        for t in tensors:
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
-
-
-def linear_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's linears in forward order (each layer's, then the LM head), whatever their
-    form: ``nn.Linear``, oneDNN-packed, INT8, INT4."""
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.Linear) or isinstance(getattr(m, "nbytes", None), int)
-    ]
-
-
-def decode_read_bytes(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads at least once: every linear (the LM head included,
-    also where it shares the embedding's tensor) and every norm, but of the embedding only its
-    few rows. Memory bandwidth ÷ this is the speed limit of batch-1 decode."""
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        if isinstance(module, (nn.Embedding, QuantizedEmbedding)):
-            continue
-        nbytes = getattr(module, "nbytes", None)
-        tensors: list[object]
-        if isinstance(nbytes, int):  # PackedLinear, Int8Linear, Int4Linear
-            total += nbytes
-            tensors = [getattr(module, "bias", None)]
-        else:
-            tensors = list(module.parameters(recurse=False))
-        for t in tensors:
-            if isinstance(t, Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Distinct parameters (tied weights once), before any packing."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def quantized_parameter_count(model: nn.Module) -> int:
-    """Logical parameters held by quantized linears (their buffers are not Parameters)."""
-    return sum(
-        m.in_features * m.out_features + (m.out_features if m.bias is not None else 0)
-        for m in model.modules()
-        if isinstance(m, (Int8Linear, Int4Linear))
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class WeightGroup:
-    """One line of the load report: weights of one kind held in one format."""
-
-    kind: str  # embedding, attention, mlp, lm_head, norm
-    form: str  # e.g. "bf16", "fp32 (oneDNN-packed)", "int4-g128 (int4 kernel), K padded +64"
-    parameters: int
-    nbytes: int
-
-
-def weight_report(model: nn.Module) -> list[WeightGroup]:
-    """Bytes of the weights by kind and format (what a precision really costs)."""
-    from engine.kernels.packed_linear import PackedLinear
-
-    groups: dict[tuple[str, str], list[int]] = {}
-    seen: set[int] = set()
-
-    def add(kind: str, form: str, params: int, nbytes: int) -> None:
-        entry = groups.setdefault((kind, form), [0, 0])
-        entry[0] += params
-        entry[1] += nbytes
-
-    for name, module in model.named_modules():
-        kind = _kind_of(name)
-        if isinstance(module, QuantizedEmbedding):
-            add("embedding", "shares the quantized lm_head", 0, 0)
-            continue
-        if isinstance(module, (Int8Linear, Int4Linear)):
-            form = "int8" if isinstance(module, Int8Linear) else f"int4-g{module.group}"
-            form += f" ({module.kernel})"
-            if module.padded_k:
-                form += f", K padded +{module.padded_k}"
-            add(kind, form, module.in_features * module.out_features, module.nbytes)
-        elif isinstance(module, PackedLinear):
-            form = f"{dtype_name(module.dtype)} (oneDNN-packed)"
-            add(kind, form, module.in_features * module.out_features, module.nbytes)
-        for param in module.parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            form = dtype_name(param.dtype)
-            if isinstance(module, nn.Linear) and param is module.weight:
-                form += " (nn.Linear)"
-            add(kind, form, param.numel(), param.numel() * param.element_size())
-        bias = getattr(module, "bias", None)
-        if isinstance(bias, Tensor) and id(bias) not in seen:
-            seen.add(id(bias))
-            add(kind, dtype_name(bias.dtype), bias.numel(), bias.numel() * bias.element_size())
-    return [WeightGroup(k, f, p, b) for (k, f), (p, b) in sorted(groups.items())]
-
-
-def _kind_of(name: str) -> str:
-    if name.startswith("embed"):
-        return "embedding"
-    if name.startswith("lm_head"):
-        return "lm_head"
-    if ".attn" in name:
-        return "attention"
-    if ".mlp" in name:
-        return "mlp"
-    return "norm"

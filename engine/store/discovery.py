@@ -15,8 +15,8 @@ dequantized). It can take seconds on a big cache, so the app calls it off the UI
 * **folder**: ``.gguf`` files and Hugging Face model folders in the folders the user added.
 
 A broken entry (an unreadable config, a truncated GGUF, an architecture we do not run) is
-skipped with a debug line; it never hides the others. :func:`plan_models` adds each model's
-memory plan for a device and precision.
+skipped with a debug line; it never hides the others. :func:`engine.store.planning.plan_models`
+adds each model's memory plan for a device and precision.
 """
 
 from __future__ import annotations
@@ -26,17 +26,16 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from engine.model.config import ModelConfig
+from engine.store.catalog import DiscoveredModel
 
 if TYPE_CHECKING:
     from huggingface_hub import CachedRepoInfo, CachedRevisionInfo
 
-    from engine.loader.load import MemoryPlan
 
 log = logging.getLogger(__name__)
 
@@ -48,31 +47,6 @@ MAX_DEPTH = 4
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class DiscoveredModel:
-    """One model found on disk. ``path`` is what the loader takes: a model folder (a store
-    folder or a snapshot folder) or a ``.gguf`` file (imported once into the store)."""
-
-    name: str
-    path: Path
-    source: str  # one of SOURCES
-    format: str  # "safetensors" or "gguf"
-    architecture: str
-    parameters: int
-    disk_bytes: int
-    config: ModelConfig | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedModel:
-    """A discovered model and its memory plan on one device at one precision (``None`` when
-    it has no config to plan from, or the plan failed: ``plan_error`` says why)."""
-
-    model: DiscoveredModel
-    plan: MemoryPlan | None
-    plan_error: str = ""
 
 
 def discover_models(
@@ -315,7 +289,7 @@ def _split_files(path: Path) -> list[Path]:
 
 
 def _gguf_model(path: Path, source: str) -> DiscoveredModel:
-    from engine.store.gguf_import import count_gguf_parameters, read_gguf_header
+    from engine.store.gguf_reader import count_gguf_parameters, read_gguf_header
 
     header = read_gguf_header(path)
     files = _split_files(path) if header.split_count > 1 else [path]
@@ -341,64 +315,3 @@ def _folder_model(folder: Path, source: str) -> DiscoveredModel:
         folder.name, folder, source, "safetensors", config.model_type, info.parameters,
         info.disk_bytes, config,
     )  # fmt: skip
-
-
-# -- memory plans ----------------------------------------------------------------------------
-
-
-def plan_models(
-    models: Iterable[DiscoveredModel],
-    precision: str,
-    device: str,
-    *,
-    memory: int | None = None,
-    reclaimable: int = 0,
-) -> list[PlannedModel]:
-    """Each model with its memory plan on ``device`` (``"cpu"``, ``"cuda:0"`` …; not
-    ``"auto"``) at ``precision`` (:func:`engine.loader.load.plan_memory`). A model whose plan
-    fails gets ``plan=None`` and the reason. ``reclaimable``: bytes the model loaded now
-    would give back (the app unloads it first when a new one fits only alone)."""
-    from engine.loader.load import plan_memory
-
-    out = []
-    for model in models:
-        if model.config is None:
-            out.append(PlannedModel(model, None, "no config to plan from"))
-            continue
-        try:
-            plan = plan_memory(
-                model.config, precision, device, memory=memory, name=model.name,
-                reclaimable=reclaimable,
-            )  # fmt: skip
-        except Exception as exc:  # one model's plan failing must not hide the others
-            log.debug("discovery: no plan for %s: %s", model.name, exc)
-            out.append(PlannedModel(model, None, str(exc)))
-        else:
-            out.append(PlannedModel(model, plan))
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Discovery:
-    """What :func:`discover_and_plan` found, planned on ``device`` at ``precision``;
-    ``note`` says why there are no plans at all, if there are none."""
-
-    models: list[PlannedModel]
-    precision: str
-    device: str
-    note: str = ""
-
-
-def discover_and_plan(
-    folders: Iterable[Path],
-    precision: str,
-    device: str,
-    *,
-    memory: int | None = None,
-    reclaimable: int = 0,
-) -> Discovery:
-    """:func:`discover_models` then :func:`plan_models`: the model picker's one call, made off
-    the UI thread."""
-    models = discover_models(folders)
-    planned = plan_models(models, precision, device, memory=memory, reclaimable=reclaimable)
-    return Discovery(planned, precision, device)

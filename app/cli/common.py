@@ -1,0 +1,135 @@
+"""What the commands share: the engine's configuration and sampling from their options,
+loading the command's model, and progress lines on stderr.
+
+Everything here imports torch (through the engine) only when called, so that the parser,
+which imports the command modules, stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.core.engine import LLMEngine
+    from engine.core.sampling import SamplingParams
+
+
+def engine_config(
+    args: argparse.Namespace, max_batch_size: int = 16, max_tokens_per_step: int | None = None
+) -> Any:
+    from engine.core.config import EngineConfig
+    from engine.core.scheduler import SchedulerLimits
+    from engine.kv_cache.window import CacheWindow
+
+    if max_tokens_per_step is None:
+        max_tokens_per_step = args.max_tokens_per_step
+    window = None
+    if args.cache_window is not None:
+        if args.cache_window < 1 or args.sink < 0:
+            raise InvalidRequestError("--cache-window must be >= 1 and --sink >= 0")
+        window = CacheWindow(sink=args.sink, window=args.cache_window)
+    return EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_memory=args.kv_memory,
+        limits=SchedulerLimits(
+            max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step
+        ),
+        window=window,
+        decode_graph=args.decode_graph,
+        prefix_caching=args.prefix_caching,
+    )
+
+
+#: sampling flags → ``SamplingParams`` fields; a flag left out keeps the model's default
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def sampling_params(
+    args: argparse.Namespace, model_default: dict[str, Any] | None = None
+) -> SamplingParams:
+    """The model's default sampling (``engine.default_sampling``; ``None`` before a model is
+    loaded: a check of the flags alone), overridden by every sampling flag given."""
+    from app.loading import sampling_kwargs
+    from engine.core.sampling import SamplingParams
+
+    base = {"max_new_tokens": args.fallback_max_new_tokens, **(model_default or {})}
+    overrides = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    return SamplingParams(**sampling_kwargs(base, overrides), seed=args.seed, stop=tuple(args.stop))
+
+
+def progress_printer(stream: Any = sys.stderr) -> Callable[[str, int, int], None]:
+    """Progress of a pull or import on stderr: one updating line on a terminal, a line per
+    quarter otherwise (logs stay short)."""
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+    step = 1 if tty else 25
+    last: dict[str, int] = {}
+
+    def report(stage: str, done: int, total: int) -> None:
+        if stage == "load":  # one quick step (0/1, 1/1): nothing worth a line
+            return
+        pct = int(100 * done / max(total, 1)) // step * step
+        if last.get(stage) == pct:
+            return
+        last[stage] = pct
+        line = f"{stage:>10}: {pct:3d}% ({done}/{total})"
+        if tty:
+            stream.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+    return report
+
+
+def load_engine(
+    args: argparse.Namespace, precision: str | None = None, config: Any = None
+) -> LLMEngine:
+    """The command's model (``--model``: default, a folder or a .gguf file) through the one
+    loader the app uses too (:func:`app.loading.load_engine`). ``config`` (an
+    ``EngineConfig``) defaults to the command's KV and scheduling options."""
+    from app.loading import LoadSpec
+    from app.loading import load_engine as load
+    from engine.core.config import EngineConfig
+
+    set_threads(args.threads)
+    if config is None:
+        config = engine_config(args) if hasattr(args, "block_size") else EngineConfig()
+    speculation = speculative_config(args)  # bad options fail before the load
+    spec = LoadSpec(args.model, precision or args.precision, args.device)
+    engine = load(spec, progress_printer(), config=config)
+    if speculation is not None:
+        print(f"speculative decoding: building the drafter {speculation.label} …",
+              file=sys.stderr, flush=True)  # fmt: skip
+        engine.set_speculation(speculation)
+    return engine
+
+
+def speculative_config(args: argparse.Namespace) -> Any:
+    """``--speculative`` / ``--draft-k`` / ``--fixed-k`` as a ``SpeculativeConfig`` (None: off),
+    for the commands that run one drafter."""
+    from engine.speculative.config import parse_speculative
+
+    drafters = getattr(args, "speculative", None)
+    if not drafters:
+        return None
+    if len(drafters) > 1 or len(args.draft_k) > 1:
+        raise InvalidRequestError(
+            "give one --speculative drafter and one --draft-k here (bench --workload "
+            "speculative compares several)"
+        )
+    return parse_speculative(drafters[0], args.draft_k[0], adaptive=args.adaptive_k)
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads`` checked, then given to the engine (None: its default)."""
+    from engine.hardware.threads import set_threads as set_engine_threads
+
+    if threads is not None and threads < 1:
+        raise InvalidRequestError(f"--threads must be at least 1, got {threads}")
+    set_engine_threads(threads)

@@ -1,0 +1,195 @@
+"""``infersight eval``: perplexity (``ppl``), two precisions compared token by token
+(``compare``) and the per-block sensitivity scan that plans a mixed precision (``scan``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from app.cli.common import load_engine, progress_printer, set_threads
+from engine.errors import InvalidRequestError
+
+
+def _read_text_file(path: str) -> str:
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidRequestError(f"{path} does not exist; give a UTF-8 text file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"cannot read {path} as UTF-8 text: {exc}") from exc
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from engine.evals.perplexity import default_text, perplexity
+
+    for name in ("max_tokens", "context", "stride"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    text_path = args.text or str(default_text())
+    text = _read_text_file(text_path)
+    engine = load_engine(args)
+    result = perplexity(
+        engine,
+        text,
+        text_name=text_path,
+        max_tokens=args.max_tokens,
+        context=args.context,
+        stride=args.stride,
+    )
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        print(
+            f"{engine.name} {result.precision}: perplexity {result.perplexity:.3f} over "
+            f"{result.scored} tokens of {result.text} (context {result.context}, "
+            f"stride {result.stride})"
+        )
+    return 0
+
+
+def cmd_eval_compare(args: argparse.Namespace) -> int:
+    from app.loading import resolve_device
+    from engine.core.sampling import SamplingParams
+    from engine.evals.compare import compare_prompt
+    from engine.evals.compare_file import document
+    from engine.evals.perplexity import DEFAULT_PROMPTS
+    from engine.evals.sides import Side
+    from engine.quant.spec import parse_precision_spec
+
+    device = resolve_device(args.device)
+    parse_precision_spec(args.a, device)
+    parse_precision_spec(args.b, device)
+    if args.new_tokens < 1:
+        raise InvalidRequestError("--new-tokens must be at least 1")
+    prompts = DEFAULT_PROMPTS
+    if args.prompt is not None:
+        prompts = [args.prompt] if args.prompt.strip() else []
+    elif args.prompts:
+        prompts = [line.strip() for line in _read_text_file(args.prompts).splitlines()]
+        prompts = [p for p in prompts if p]
+    if not prompts:
+        raise InvalidRequestError(f"{args.prompts or '--prompt'} holds no prompt (one per line)")
+    side = Side(
+        SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature,
+                       seed=args.seed)
+    )  # fmt: skip
+    # a KV pool for the longest prompt's answer, not a share of memory: A leaves room for B
+    from engine.core.config import EngineConfig
+
+    tokens = max(len(p.encode()) for p in prompts) + 256 + args.new_tokens
+    pool = EngineConfig(num_blocks=-(-tokens // 16) + 2)
+    a = load_engine(args, args.a, pool)
+    b = load_engine(argparse.Namespace(**{**vars(args), "model": args.b_model or args.model}),
+                    args.b, pool)  # fmt: skip
+    reports = []
+    for i, prompt in enumerate(prompts):
+        reports.append(compare_prompt(
+            a, b, prompt, side, side, noise=not args.no_noise, speculate=args.speculation
+        ))  # fmt: skip
+        print(f"compared {i + 1}/{len(prompts)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(document(reports), indent=1, ensure_ascii=False))
+        return 0
+    print(f"A = {reports[0]['a']['precision']}, B = {reports[0]['b']['precision']}, "
+          f"{args.new_tokens} tokens a prompt; figures on A's output, KL in nats")  # fmt: skip
+    print(f"{'KL mean':>9} {'KL p99':>9} {'noise':>9} {'top-1':>6} {'1st diff':>8}  prompt")
+    for r in reports:
+        s, d = r["summary"], r["divergence"]
+        diff = "-" if d["index"] is None else str(d["index"])
+        noise = "-" if s["noise_kl_mean"] is None else f"{s['noise_kl_mean']:9.2e}"
+        print(f"{s['kl_mean']:9.4f} {s['kl_p99']:9.4f} {noise:>9} {s['top1_agreement']:6.1%} "
+              f"{diff:>8}  {r['prompt']}")  # fmt: skip
+    n = len(reports)
+    mean_kl = sum(r["summary"]["kl_mean"] for r in reports) / n
+    top1 = sum(r["summary"]["top1_agreement"] for r in reports) / n
+    flips = sum(r["summary"]["flips"] for r in reports)
+    print(f"mean KL {mean_kl:.4f} nats, top-1 agreement {top1:.1%}, answers differ in {flips}/{n}")
+    for r in reports:
+        print(f"\n## {r['prompt']}\nA: {r['a']['text']!r}\nB: {r['b']['text']!r}")
+        spec = r["summary"].get("speculative", {})
+        if "measured" in spec:
+            m = spec["measured"]
+            key = "greedy_acceptance" if m["mode"] == "greedy" else "sampling_acceptance"
+            print(f"B drafting for A (k = {m['k']}): {m['token_acceptance'] or 0:.1%} of drafted "
+                  f"tokens accepted (predicted {spec.get(key) or 0:.1%}), "
+                  f"{m['mean_acceptance_length'] or 1:.2f} tokens a step")  # fmt: skip
+        elif "not_measured" in spec:
+            print(f"B drafting for A: not measured ({spec['not_measured']})")
+    return 0
+
+
+def cmd_eval_scan(args: argparse.Namespace) -> int:
+    from app.loading import resolve_device, resolve_model_folder
+    from engine.evals.perplexity import default_text, perplexity
+    from engine.evals.sensitivity import plan_mixed, scan_sensitivity
+    from engine.model.config import ModelConfig
+    from engine.model.tokenizer import Tokenizer
+    from engine.quant.sizes import estimate_weight_bytes
+    from engine.quant.spec import parse_precision_spec
+
+    if args.tokens < 2 or args.ppl_tokens < 2:
+        raise InvalidRequestError("--tokens and --ppl-tokens must be at least 2")
+    if args.ppl and not args.budget_like:
+        raise InvalidRequestError("--ppl compares the plan with --budget-like's spec; give both")
+    device = resolve_device(args.device)
+    set_threads(args.threads)
+    folder = resolve_model_folder(args.model, progress_printer())
+    cfg = ModelConfig.from_file(folder / "config.json")
+    budget = None
+    if args.budget_mib is not None:
+        budget = int(args.budget_mib * 2**20)
+    elif args.budget_like:
+        packed = None if device == "cpu" else False  # as the scan counts a tied head's copy
+        budget = estimate_weight_bytes(
+            cfg, parse_precision_spec(args.budget_like, device), packed=packed
+        )
+    text = default_text().read_text(encoding="utf-8")
+    ids = Tokenizer.from_folder(folder).encode(text)[: args.tokens]
+    scan = scan_sensitivity(
+        folder, args.low, high=args.high, text_ids=ids, device=device,
+        progress=lambda i, n: print(f"scanned {i}/{n}", file=sys.stderr),
+    )  # fmt: skip
+    out: dict[str, Any] = {"scan": scan.to_dict()}
+    plan = plan_mixed(scan, budget) if budget is not None else None
+    if plan is not None:
+        out["plan"] = plan.to_dict()
+    if args.ppl and plan is not None:
+        held = default_text()
+        ppl = {}
+        for spec in (plan.spec, args.budget_like):
+            engine = load_engine(argparse.Namespace(**{**vars(args), "model": str(folder)}), spec)
+            result = perplexity(engine, held.read_text(encoding="utf-8"), text_name=held.name,
+                                max_tokens=args.ppl_tokens)  # fmt: skip
+            ppl[spec] = {"perplexity": result.perplexity, "weights_bytes": engine.weights_bytes}
+            del engine
+        out["perplexity"] = ppl
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    mib = 2**-20
+    print(f"{scan.model}: KL(fp32 ‖ one block at {scan.low}) on {scan.text_tokens} tokens, nats")
+    print(f"{'layer':>5} {'attn':>10} {'mlp':>10}")
+    by_layer: dict[int, dict[str, float]] = {}
+    for b in scan.blocks:
+        by_layer.setdefault(b.layer, {})[b.part] = b.kl
+    for layer, kls in sorted(by_layer.items()):
+        print(f"{layer:5d} {kls.get('attn', 0.0):10.2e} {kls.get('mlp', 0.0):10.2e}")
+    print(f"every block at {scan.low}: KL {scan.all_low_kl:.4f}; sizes "
+          f"{scan.min_bytes * mib:.1f}–{scan.max_bytes * mib:.1f} MiB")  # fmt: skip
+    if plan is not None:
+        print(f"plan for {plan.budget_bytes * mib:.1f} MiB: {plan.spec}")
+        print(f"  {plan.bytes * mib:.1f} MiB, {len(plan.upgraded)} blocks at {scan.high}, "
+              f"predicted KL {plan.predicted_kl:.4f} (first-order)")  # fmt: skip
+    if "perplexity" in out and plan is not None:
+        mixed, uniform = (out["perplexity"][s]["perplexity"] for s in (plan.spec, args.budget_like))
+        verdict = "beats" if mixed < uniform else "does NOT beat"
+        print(f"perplexity over {args.ppl_tokens} tokens of {default_text().name}: plan "
+              f"{mixed:.3f}, {args.budget_like} {uniform:.3f}: the plan {verdict} "
+              f"{args.budget_like}, the spec of its size")  # fmt: skip
+    return 0

@@ -1,0 +1,98 @@
+"""``infersight models`` (pull, list), ``plan`` (a model's memory plan before loading it)
+and ``import-gguf``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from app.cli.common import progress_printer
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from engine.store.model_store import pull_default
+
+    path = pull_default(progress=progress_printer())
+    print(path)
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from engine.store.model_store import known_models
+
+    rows = [("name", "arch", "params", "on disk", "path")]
+    for m in known_models():
+        if m.present:
+            rows.append(
+                (
+                    m.name,
+                    m.architecture,
+                    f"{m.parameters / 1e6:.1f}M",
+                    f"{m.disk_bytes / 2**20:.0f} MiB",
+                    str(m.path),
+                )
+            )
+        else:
+            rows.append((m.name, "-", "-", "not pulled", "run `infersight models pull`"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+PLAN_PRECISIONS = ("fp16", "int8", "int8+head", "int4-g32", "int4-g32+head", "int4-g128+head")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from app.loading import resolve_device, resolve_model_folder
+    from engine.core.config import EngineConfig
+    from engine.loader.memory_plan import parse_bytes, plan_memory
+    from engine.model.config import ModelConfig
+
+    memory = parse_bytes(args.memory) if args.memory else None
+    device = args.device if memory is not None and args.device != "auto" else None
+    device = device or resolve_device(args.device)
+    path = Path(args.model).expanduser()
+    if path.suffix.lower() == ".json" and path.is_file():
+        cfg, name = ModelConfig.from_file(path), path.stem
+    elif path.suffix.lower() == ".gguf":  # its header: nothing is imported to plan it
+        from engine.store.gguf_reader import gguf_model_config
+
+        cfg, name = gguf_model_config(path), path.stem
+    else:
+        folder = resolve_model_folder(args.model, progress_printer())
+        cfg, name = ModelConfig.from_file(folder / "config.json"), folder.name
+    config = EngineConfig(kv_memory=args.kv_memory)
+    texts = [t.strip() for t in (args.precision or ",".join(PLAN_PRECISIONS)).split(",")]
+    plans = [
+        plan_memory(cfg, text, device, memory=memory, config=config, name=name)
+        for text in texts
+        if text
+    ]
+    if args.json:
+        print(json.dumps([p.as_json() for p in plans], indent=2))
+    elif len(plans) == 1:
+        print("\n".join(plans[0].lines()))
+    else:
+        print(
+            f"Memory plan: {name} on {plans[0].device}, {plans[0].budget_source} "
+            f"{plans[0].budget_bytes / 2**30:.2f} GiB"
+        )
+        for plan in plans:
+            print(f"  {plan.one_line()}")
+    return 0 if any(p.fits for p in plans) else 3
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.store.gguf_import import import_gguf
+
+    summary = import_gguf(
+        Path(args.gguf), Path(args.outdir), dtype=args.dtype, progress=progress_printer()
+    )
+    types = ", ".join(f"{k}×{v}" for k, v in sorted(summary.tensor_types.items()))
+    print(f"imported {summary.name} ({summary.architecture}; {types}) into {args.outdir}")
+    return 0

@@ -1,0 +1,316 @@
+"""The chat's half of the main window (:class:`ChatWindow`): the conversations in the store
+and the reply that streams into the last bubble, saved as it grows."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import QSettings, QTimer
+from PySide6.QtWidgets import QLabel, QMainWindow
+
+from app.conversations import ChatStore, Message
+from app.gui.commands import Cancel, Delta, ModelInfo, ReplyStats, Send
+from app.loading import LoadSpec
+from engine.core.metrics import RequestMetrics
+from widgets.chat_pane import ChatPane, MessageView
+from widgets.controls import ControlsPanel
+from widgets.instruments import InstrumentsPanel, RequestPoint
+
+if TYPE_CHECKING:
+    from app.gui.worker import EngineWorker
+
+
+#: a streaming reply's text reaches the store within this many seconds, and no more often
+SAVE_INTERVAL_S = 1.0
+
+
+@dataclass(slots=True)
+class ActiveReply:
+    """The reply being streamed into the last bubble."""
+
+    tag: str
+    message_id: int
+    conversation_id: int
+    candidates: list[str]
+    open: set[int]
+    status: str = "done"
+    stats: dict[int, ReplyStats] = field(default_factory=dict)
+    error: str | None = None
+    saved_at: float = field(default_factory=time.monotonic)  # last write of its text
+    unsaved: bool = False  # text streamed since then
+    save_scheduled: bool = False
+
+
+def stats_text(stats: ReplyStats) -> str:
+    m = stats.metrics
+    parts = [f"{stats.model} · {stats.precision}"]
+    if stats.tokens_per_s is not None:
+        parts.append(f"{stats.tokens_per_s:.1f} tok/s")
+    if m.time_to_first_token_seconds is not None:
+        parts.append(ttft_text(m))
+    parts.append(f"{m.output_tokens} tokens")
+    return " · ".join(parts)
+
+
+def ttft_text(m: RequestMetrics) -> str:
+    """TTFT and what it was spent on: the queue, then the prefill, which computed some of the
+    prompt and found the rest in the prefix cache."""
+    text = f"TTFT {(m.time_to_first_token_seconds or 0.0) * 1e3:.0f} ms"
+    if m.request_queue_time_seconds is None or m.prefill_time_seconds is None:
+        return text
+    return (
+        f"{text} (queue {m.request_queue_time_seconds * 1e3:.0f} ms, prefill "
+        f"{m.prefill_time_seconds * 1e3:.0f} ms: {m.computed_prompt_tokens} prompt tokens "
+        f"computed, {m.cached_prompt_tokens} cached)"
+    )
+
+
+class ChatWindow(QMainWindow):
+    """Conversations and replies: :class:`~app.gui.main_window.MainWindow` makes the widgets,
+    the store and the worker these methods use, and wires the chat pane's signals to them."""
+
+    # made by MainWindow.__init__
+    store: ChatStore
+    settings: QSettings
+    chat: ChatPane
+    controls: ControlsPanel
+    instruments: InstrumentsPanel
+    worker: EngineWorker
+    status_speed: QLabel
+    status_ttft: QLabel
+    status_context: QLabel
+    model: ModelInfo | None  # the model loaded now, and the one loading
+    loading: LoadSpec | None
+    active: ActiveReply | None  # the reply streaming now
+    conversation_id: int | None
+    last_stats: ReplyStats | None
+    _tags: int  # replies started, for their tags
+
+    # -- conversations -------------------------------------------------------------------------
+    def _open_conversations(self) -> None:
+        conversations = self.store.conversations()
+        if not conversations:
+            self.store.create_conversation()
+            conversations = self.store.conversations()
+        saved = self.settings.value("conversation")
+        ids = [c.id for c in conversations]
+        current = int(saved) if saved is not None and int(str(saved)) in ids else ids[0]
+        self.select_conversation(current)
+
+    def _refresh_list(self) -> None:
+        items = [(c.id, c.title) for c in self.store.conversations()]
+        self.chat.set_conversations(items, self.conversation_id)
+
+    def select_conversation(self, conversation_id: int) -> None:
+        if self.active is not None:
+            self.chat.show_notice("A reply is still streaming; stop it first", "warning")
+            self._refresh_list()
+            return
+        self.conversation_id = conversation_id
+        self.settings.setValue("conversation", conversation_id)
+        conv = self.store.conversation(conversation_id)
+        self.chat.show_messages(
+            [self._view(m) for m in self.store.messages(conversation_id)], conv.system_prompt
+        )
+        self._refresh_list()
+
+    def new_conversation(self) -> None:
+        if self.active is not None:
+            self.chat.show_notice("A reply is still streaming; stop it first", "warning")
+            return
+        self.select_conversation(self.store.create_conversation())
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        self.store.rename(conversation_id, title)
+        self._refresh_list()
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        if self.active is not None and self.active.conversation_id == conversation_id:
+            self.chat.show_notice(
+                "A reply is streaming in that conversation; stop it first", "warning"
+            )
+            return
+        self.store.delete_conversation(conversation_id)
+        if conversation_id != self.conversation_id:
+            self._refresh_list()
+            return
+        remaining = self.store.conversations()
+        self.select_conversation(remaining[0].id if remaining else self.store.create_conversation())
+
+    def _on_system_prompt(self, text: str) -> None:
+        if self.conversation_id is not None:
+            self.store.set_system_prompt(self.conversation_id, text)
+
+    @staticmethod
+    def _view(m: Message) -> MessageView:
+        candidates = m.meta.get("candidates") or [m.content]
+        selected = int(m.meta.get("selected", 0))
+        return MessageView(m.role, list(candidates), m.status, m.meta.get("stats", ""), selected)
+
+    def _engine_messages(self) -> list[dict[str, str]]:
+        assert self.conversation_id is not None
+        conv = self.store.conversation(self.conversation_id)
+        out = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt else []
+        for m in self.store.messages(self.conversation_id):
+            if m.role == "user" or (m.content and m.status != "streaming"):
+                out.append({"role": m.role, "content": m.content})
+        return out
+
+    # -- chatting ----------------------------------------------------------------------------
+    def send(self, text: str) -> None:
+        if self.active is not None:
+            return
+        if self.model is None:
+            what = "The model is still loading" if self.loading else "No model is loaded"
+            self.chat.show_notice(
+                f"{what}; your message is kept in the box, send it again once the status bar "
+                "shows the model",
+                "warning",
+            )
+            return
+        assert self.conversation_id is not None
+        if not self.store.messages(self.conversation_id):
+            self.store.rename(self.conversation_id, text.splitlines()[0][:60])
+        self.store.add_message(self.conversation_id, "user", text)
+        self.chat.add_message(MessageView("user", [text]))
+        self.chat.clear_input()
+        self._start_reply()
+
+    def _start_reply(self) -> None:
+        assert self.conversation_id is not None
+        n = self.controls.num_candidates()
+        try:
+            sampling = self.controls.sampling()
+        except ValueError as exc:
+            self.chat.show_notice(str(exc), "warning")
+            return
+        messages = self._engine_messages()
+        message_id = self.store.add_message(self.conversation_id, "assistant", "", "streaming")
+        self._tags += 1
+        tag = f"reply-{self._tags}"
+        self.active = ActiveReply(tag, message_id, self.conversation_id, [""] * n, set(range(n)))
+        self.chat.add_message(MessageView("assistant", [""] * n, "streaming"))
+        self.chat.set_generating(True)
+        self._refresh_list()
+        self.worker.post(Send(tag, messages, sampling, n))
+
+    def stop(self) -> None:
+        if self.active is not None:
+            self.worker.post(Cancel(self.active.tag))
+
+    def regenerate(self) -> None:
+        if self.active is not None or self.conversation_id is None:
+            return
+        messages = self.store.messages(self.conversation_id)
+        if not messages:
+            return
+        if messages[-1].role == "assistant":
+            self.store.delete_messages_from(messages[-1].id)
+            self.chat.remove_last()
+        if self.model is None:
+            self.chat.show_notice("No model is loaded yet; wait for it, then regenerate", "warning")
+            return
+        self._start_reply()
+
+    def edit_last(self) -> None:
+        if self.active is not None or self.conversation_id is None:
+            return
+        messages = self.store.messages(self.conversation_id)
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        if not users:
+            return
+        index = users[-1]
+        self.store.delete_messages_from(messages[index].id)
+        self.chat.remove_last(len(messages) - index)
+        self.chat.set_input(messages[index].content)
+
+    def _on_deltas(self, deltas: list[Delta]) -> None:
+        reply = self.active
+        if reply is None:
+            return
+        for d in deltas:
+            if d.tag != reply.tag:
+                continue
+            if d.text:
+                reply.candidates[d.candidate] += d.text
+                reply.unsaved = True
+                self.chat.append_to_last(d.candidate, d.text, d.pieces)
+            if d.finish is not None:
+                reply.open.discard(d.candidate)
+                if d.finish == "error":
+                    reply.status, reply.error = "error", d.error
+                elif d.finish == "cancelled" and reply.status == "done":
+                    reply.status = "stopped"
+        if not reply.open:
+            self._finish_reply(reply)
+        elif reply.unsaved:
+            self._save_soon(reply)
+
+    def _save_soon(self, reply: ActiveReply) -> None:
+        """Write the streamed text now if the last write is ``SAVE_INTERVAL_S`` old, else when
+        it will be: a kill loses at most a second of a reply, at one UPDATE a second."""
+        wait = reply.saved_at + SAVE_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            self._save_streamed(reply)
+        elif not reply.save_scheduled:
+            reply.save_scheduled = True
+            QTimer.singleShot(int(wait * 1000) + 1, self, lambda: self._save_streamed(reply))
+
+    def _save_streamed(self, reply: ActiveReply) -> None:
+        reply.save_scheduled = False
+        if self.active is not reply or not reply.unsaved:
+            return  # finished (and saved) meanwhile, or nothing new
+        selected, meta = self._reply_record(reply)
+        self.store.update_message(reply.message_id, content=reply.candidates[selected], meta=meta)
+        reply.saved_at, reply.unsaved = time.monotonic(), False
+
+    def _reply_record(self, reply: ActiveReply) -> tuple[int, dict[str, object]]:
+        """The candidate shown (its text is the message's content) and the meta to store."""
+        bubble = self.chat.last
+        selected = bubble.view.selected if bubble is not None else 0
+        meta: dict[str, object] = {"selected": selected}
+        if len(reply.candidates) > 1:
+            meta["candidates"] = list(reply.candidates)
+        return selected, meta
+
+    def _finish_reply(self, reply: ActiveReply) -> None:
+        self.active = None
+        selected, meta = self._reply_record(reply)
+        stats = reply.stats.get(selected) or next(iter(reply.stats.values()), None)
+        text = stats_text(stats) if stats else ""
+        meta["stats"] = text
+        if stats is not None:
+            meta["model"], meta["precision"] = stats.model, stats.precision
+        self.store.update_message(
+            reply.message_id, content=reply.candidates[selected], status=reply.status, meta=meta
+        )
+        self.chat.finish_last(reply.status, text)
+        self.chat.set_generating(False)
+        if reply.error:
+            self.chat.show_notice(
+                f"The reply ended with an error: {reply.error}. The chat is kept; you can send "
+                "again or regenerate."
+            )
+
+    def _on_stats(self, stats: ReplyStats) -> None:
+        if self.active is not None and stats.tag == self.active.tag:
+            self.active.stats[stats.candidate] = stats
+        if stats.candidate == 0:
+            self.last_stats = stats
+            m = stats.metrics
+            tps = stats.tokens_per_s
+            self.status_speed.setText("– tok/s" if tps is None else f"{tps:.1f} tok/s")
+            ttft = m.time_to_first_token_seconds
+            self.status_ttft.setText("TTFT –" if ttft is None else f"TTFT {ttft * 1e3:.0f} ms")
+            self.status_ttft.setToolTip(f"The last reply's {ttft_text(m)}")
+            if self.model is not None:
+                used = m.prompt_tokens + m.output_tokens
+                self.status_context.setText(f"context {used} / {self.model.context_length}")
+        self.instruments.add_request(
+            RequestPoint(
+                stats.metrics.time_to_first_token_seconds or 0.0,
+                stats.metrics.time_per_output_token_seconds,
+            )
+        )

@@ -1,0 +1,205 @@
+"""OpenAI's shapes: the request bodies of both routes, errors (``{"error": {"message",
+"type", "param", "code"}}``), and the replies, whole or as Server-Sent Events chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.core.output import TokenEvent
+from engine.core.sampling import MAX_LOGPROBS
+
+
+class HTTPError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            error_body(self.message, self.kind, self.param, self.code),
+            status_code=self.status,
+            headers=self.headers,
+        )
+
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- request bodies -----------------------------------------------------------------------------
+
+
+class RequestBody(BaseModel):
+    """The sampling fields both routes share; unknown fields are ignored, as OpenAI's are."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = Field(default=None, ge=0, le=2**62)  # choice i uses seed + i
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return value
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise HTTPError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatBody(RequestBody):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionBody(RequestBody):
+    #: a text, token ids, or one of either in a list (as LangChain's client sends it)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+# -- replies ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    request_id: str
+    text: str = ""
+    tokens: int = 0
+    finish: str | None = None
+    scored: list[TokenEvent] = field(default_factory=list)  # events with logprobs
+    offset: int = 0  # characters of the scored tokens streamed so far (completions' offsets)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """OpenAI's response and chunk shapes for one request."""
+
+    id: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+    created: int  # one time for every chunk of the reply
+    #: decodes one token id, where log-probabilities were asked for (None: they were not)
+    token_text: Callable[[int], str] | None = None
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.model}  # fmt: skip
+
+    def chunk(
+        self, index: int, text: str, finish: str | None, *, first: bool = False,
+        scored: list[TokenEvent] | None = None, offset: int = 0,
+    ) -> str:  # fmt: skip
+        logprobs = self.logprobs(scored or [], offset)
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {
+                "content": text}  # fmt: skip
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish}  # fmt: skip
+            return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return sse({**self._head("text_completion"), "choices": [choice]})
+
+    def logprobs(self, scored: list[TokenEvent], offset: int) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object for these tokens: chat's ``content`` list, or the
+        completions' parallel lists (``text_offset`` counted from ``offset``)."""
+        name = self.token_text
+        if name is None or not scored:
+            return None
+        if self.chat:
+
+            def entry(tid: int, lp: float) -> dict[str, Any]:
+                text = name(tid)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+            return {"content": [
+                {**entry(e.token_id or 0, e.logprob or 0.0),
+                 "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
+                for e in scored
+            ]}  # fmt: skip
+        tokens = [name(e.token_id or 0) for e in scored]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in scored],
+            "top_logprobs": [{name(t): lp for t, lp in e.top_logprobs} for e in scored],
+            "text_offset": offsets,
+        }
+
+    def usage(self, choices: list[Choice]) -> dict[str, int]:
+        completion = sum(c.tokens for c in choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}  # fmt: skip
+
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": self.usage(choices)}
+
+    def whole(self, choices: list[Choice]) -> dict[str, Any]:
+        if self.chat:
+            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.logprobs(c.scored, 0), "finish_reason": c.finish}
+                   for c in choices]  # fmt: skip
+            return {**self._head("chat.completion"), "choices": out, "usage": self.usage(choices)}
+        out = [{"index": c.index, "text": c.text, "logprobs": self.logprobs(c.scored, 0),
+                "finish_reason": c.finish} for c in choices]  # fmt: skip
+        return {**self._head("text_completion"), "choices": out, "usage": self.usage(choices)}

@@ -1,0 +1,195 @@
+"""What the batching tuner's load is, as plain data: how requests arrive
+(:class:`LoadSpec`), what they look like (:class:`PromptMix`), the per-request service level
+(:class:`SLO`) and one run's figures (:class:`LoadResult`). No torch and no engine here, so
+the app's views build and read them without either; :mod:`engine.bench.loadgen` sends such
+load to an engine.
+
+Two ways to make load, as in GuideLLM and ``vllm bench serve``:
+
+* **closed loop**: ``users`` concurrent users, each sending its next request as soon as its
+  last one finished (a fixed concurrency);
+* **open loop**: requests arriving at ``rate`` per second whatever the engine does, evenly
+  spaced (``constant``) or with gamma-distributed gaps (``poisson``; ``burstiness`` is the
+  gamma shape: 1 is a Poisson process, below 1 burstier, above 1 steadier, vLLM's meaning).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.core.metrics import RequestMetrics
+
+Mode = Literal["closed", "constant", "poisson"]
+MODES: tuple[Mode, ...] = ("closed", "constant", "poisson")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptMix:
+    """What the requests look like. Shares not given to documents or conversations are
+    single questions. Conversations are sampled uniformly in ``conversation_tokens``; output
+    lengths from a log-normal with median ``output_median`` and shape ``output_sigma``,
+    clipped to ``[output_min, output_max]``."""
+
+    documents: float = 0.25
+    conversations: float = 0.15
+    conversation_tokens: tuple[int, int] = (500, 1200)
+    output_median: int = 96
+    output_sigma: float = 0.6
+    output_min: int = 16
+    output_max: int = 320
+
+    def __post_init__(self) -> None:
+        shares = (self.documents, self.conversations)
+        if min(shares) < 0 or sum(shares) > 1:
+            raise InvalidRequestError("the document and conversation shares must sum to <= 1")
+        lo, hi = self.conversation_tokens
+        if not 0 < lo <= hi:
+            raise InvalidRequestError("conversation_tokens must be (low, high), 0 < low <= high")
+        if not 1 <= self.output_min <= self.output_median <= self.output_max:
+            raise InvalidRequestError("need 1 <= output_min <= output_median <= output_max")
+        if not self.output_sigma >= 0:
+            raise InvalidRequestError("output_sigma must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """How much load and for how long. With neither ``requests`` nor ``duration_s`` the load
+    runs until stopped (the app's live tuning). After ``duration_s`` no new request is sent
+    and the ones in flight finish."""
+
+    mode: Mode = "closed"
+    users: int = 8
+    rate: float = 1.0  # requests per second, open loop
+    burstiness: float = 1.0
+    requests: int | None = 64
+    duration_s: float | None = None
+    seed: int = 0
+    mix: PromptMix = field(default_factory=PromptMix)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"load mode must be one of {', '.join(MODES)}")
+        if self.users < 1:
+            raise InvalidRequestError(f"users must be >= 1, got {self.users}")
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise InvalidRequestError(f"rate must be > 0 requests/s, got {self.rate}")
+        if not self.burstiness > 0:
+            raise InvalidRequestError(f"burstiness must be > 0, got {self.burstiness}")
+        if self.requests is not None and self.requests < 1:
+            raise InvalidRequestError(f"requests must be >= 1, got {self.requests}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise InvalidRequestError(f"duration must be > 0 s, got {self.duration_s}")
+
+    @property
+    def load(self) -> float:
+        """The offered load on one axis: users (closed loop) or requests/s (open loop)."""
+        return float(self.users) if self.mode == "closed" else self.rate
+
+    def describe(self) -> str:
+        if self.mode == "closed":
+            return f"{self.users} users"
+        shape = "" if self.mode == "constant" or self.burstiness == 1 else f" b{self.burstiness:g}"
+        return f"{self.rate:g} req/s {self.mode}{shape}"
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """A per-request service level: TTFT and TPOT at most these (seconds). A request that
+    meets both counts towards goodput (vLLM's ``--goodput``)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met_by(self, m: RequestMetrics) -> bool:
+        if self.ttft_s is not None and (m.time_to_first_token_seconds or 0.0) > self.ttft_s:
+            return False
+        tpot = m.time_per_output_token_seconds
+        return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """``ttft=500ms,tpot=100ms`` (units ms or s; a bare number is milliseconds)."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = part.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in ("ttft", "tpot"):
+                raise InvalidRequestError(
+                    f"cannot read the SLO {text!r}: give e.g. ttft=500ms,tpot=100ms"
+                )
+            values[key] = _seconds(raw.strip(), text)
+        if not values:
+            raise InvalidRequestError("the SLO is empty: give e.g. ttft=500ms,tpot=100ms")
+        return cls(values.get("ttft"), values.get("tpot"))
+
+    def describe(self) -> str:
+        parts = []
+        if self.ttft_s is not None:
+            parts.append(f"ttft<={self.ttft_s * 1e3:g}ms")
+        if self.tpot_s is not None:
+            parts.append(f"tpot<={self.tpot_s * 1e3:g}ms")
+        return ",".join(parts)
+
+
+def _seconds(raw: str, text: str) -> float:
+    scale = 1e-3
+    for suffix, unit in (("ms", 1e-3), ("s", 1.0)):
+        if raw.endswith(suffix):
+            raw, scale = raw[: -len(suffix)], unit
+            break
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise InvalidRequestError(
+            f"cannot read the SLO {text!r}: give e.g. ttft=500ms,tpot=100ms"
+        ) from None
+    if not value > 0:
+        raise InvalidRequestError(f"SLO times must be > 0 in {text!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """One run's figures, keyed as ``vllm bench serve`` keys its result JSON (times in ms,
+    throughputs per second), plus what the tuner explains them with."""
+
+    setting: dict[str, Any]
+    load: str
+    completed: int
+    failed: int  # turned away (open loop), could not run, or ended by an error or a timeout
+    duration: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft_ms: dict[str, float]  # mean, median, p95, p99
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2el_ms: dict[str, float]
+    queue_ms: dict[str, float]
+    preemptions: int
+    mean_batch_size: float
+    mean_tokens_per_request: float
+    slo: str = ""
+    request_goodput: float | None = None  # requests/s that met the SLO
+    slo_attainment: float | None = None  # share of completed requests that met it
+    stopped: bool = False  # Stop ended it before its requests or duration were done
+    refused: int = 0  # times the full waiting queue turned a request away (closed loop: resent)
+
+    def as_json(self) -> dict[str, Any]:
+        """Flat vLLM-bench keys: ``mean_ttft_ms``, ``median_ttft_ms``, ``p99_ttft_ms`` …"""
+        out: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            if isinstance(value, dict) and key.endswith("_ms"):
+                name = key[:-3]
+                for stat, v in value.items():
+                    out[f"{stat}_{name}_ms"] = v
+            else:
+                out[key] = value
+        return out

@@ -1,0 +1,267 @@
+"""``infersight bench --table``: each precision's batch-1 decode against the memory read
+bandwidth limit measured in the same run (before and after), the kernels-only floor, and
+llama.cpp alongside, in a process and environment of its own (:class:`LlamaCppPeer`), all in
+turn within every repeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.bench.speed import BenchConfig, RunTiming, bench_prompt, prefix_cache_state, run_ours
+from engine.core.engine import LLMEngine
+from engine.errors import InfersightError
+from engine.loader.load import load_model
+
+
+def measure_read_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: the best of ``repeats`` sums over a buffer far larger
+    than any cache, on the threads the engine uses (a sum is read-bound on every CPU here)."""
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    data.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+@dataclass(slots=True)
+class TableRow:
+    engine: str  # infersight | llama.cpp
+    precision: str
+    mode: str  # eager | compiled | the GGUF's file type
+    read_mib: float  # weights a decode step reads
+    decode_tok_s: float
+    limit_tok_s: float  # bandwidth / read bytes
+    fraction: float  # of the limit
+    kernels_tok_s: float | None = None  # the step's matmuls and attention alone
+
+
+def kernel_floor_ms(engine: LLMEngine, keys: int, repeats: int = 5) -> float:
+    """Milliseconds of one batch-1 decode step's kernels with nothing between them: every
+    linear of the model (the LM head included) on one token, and one SDPA per layer over
+    ``keys`` cached keys, back to back; the best of ``repeats``. No engine built this way can
+    decode faster with these kernels: the floor under the Python, dispatch and small ops."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from engine.model.inventory import linear_modules
+
+    model, cfg = engine.model, engine.cfg
+    linears = linear_modules(model)
+    widths: list[int] = [getattr(m, "in_features") for m in linears]  # noqa: B009
+    inputs = [torch.randn(1, width, dtype=engine.dtype) for width in widths]
+    group = cfg.num_heads // cfg.num_kv_heads
+    q = torch.randn(1, cfg.num_kv_heads, group, cfg.head_dim, dtype=engine.dtype)
+    k = torch.randn(1, cfg.num_kv_heads, keys, cfg.head_dim, dtype=engine.dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first round warms up
+            started = time.perf_counter()
+            for module, x in zip(linears, inputs, strict=True):
+                module(x)
+            for _ in range(cfg.num_layers):
+                scaled_dot_product_attention(q, k, k)
+            best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+class LlamaCppPeer:
+    """llama.cpp in its own process and environment (:mod:`engine.bench.llamacpp_peer`): one JSON
+    command per line in, one JSON object per line back (other output is passed over); every
+    answer has a deadline, and a peer that fails to start or answer is killed."""
+
+    def __init__(self, python: str, gguf: Path, threads: int, timeout_s: float = 600) -> None:
+        import queue
+        import subprocess
+        import threading
+
+        script = Path(__file__).with_name("llamacpp_peer.py")
+        self.timeout_s = timeout_s
+        try:
+            self.proc = subprocess.Popen(
+                [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+        except OSError as exc:
+            raise InfersightError(
+                f"cannot start {python} for llama.cpp ({exc.strerror}); give the Python of an "
+                "environment with llama-cpp-python (`make bench-peers` builds .peers/venv)"
+            ) from None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.gguf = gguf
+        try:
+            self.info = str(self._ask("load", str(gguf), threads)["system_info"])
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # end of output: the process exited
+
+    def _ask(self, *command: Any) -> dict[str, Any]:
+        import json
+        import queue
+        import time as clock
+
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # a broken pipe: it has exited already
+            raise InfersightError(f"the llama.cpp process exited (asked: {command[0]})") from None
+        deadline = clock.monotonic() + self.timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - clock.monotonic()))
+            except queue.Empty:  # it hangs: killed at the deadline, not asked to quit
+                self.proc.kill()
+                self.proc.wait()
+                raise InfersightError(
+                    f"llama.cpp did not answer {command[0]!r} in {self.timeout_s:.0f} s"
+                ) from None
+            if line is None:
+                raise InfersightError(
+                    f"the llama.cpp process exited (asked: {command[0]}); does its Python have "
+                    "llama-cpp-python? (`make bench-peers` builds .peers/venv)"
+                )
+            if line.startswith("{"):
+                answer: dict[str, Any] = json.loads(line)
+                break
+        if "error" in answer:
+            raise InfersightError(f"llama.cpp: {answer['error']}")
+        return answer
+
+    def quantize(self, dst: Path, ftype: str) -> None:
+        self._ask("quantize", str(self.gguf), str(dst), ftype)
+
+    def run(self, prompt: list[int], new_tokens: int) -> RunTiming:
+        r = self._ask("run", prompt, new_tokens)
+        return RunTiming(r["ttft_s"], r["decode_s"], r["new_tokens"])
+
+    def close(self) -> None:
+        """Ask it to quit; kill it if it does not within a few seconds."""
+        import subprocess
+
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('["quit"]\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _decode_tok_s(runs: list[RunTiming]) -> float:
+    return statistics.median((r.new_tokens - r.batch) / r.decode_s for r in runs)
+
+
+def run_table(
+    folder: Path,
+    precisions: list[str],
+    cfg: BenchConfig,
+    *,
+    engine_config: Any = None,
+    llama_python: str | None = None,
+    gguf: Path | None = None,
+    gguf_types: tuple[str, ...] = ("Q4_1",),
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Batch-1 decode of each precision (eager and, where the load compiled it, compiled),
+    llama.cpp on ``gguf`` in each of ``gguf_types`` if ``llama_python`` is given, all in
+    turn within every repeat, with the memory read bandwidth measured before and after."""
+    from engine.quant.inventory import decode_read_bytes
+
+    bandwidth = [measure_read_bandwidth()]
+    runners: list[tuple[str, str, str, float, Callable[[list[int], int], RunTiming]]] = []
+    prompt: list[int] | None = None
+    floors: dict[str, float] = {}
+    cache = "off"
+    for precision in precisions:
+        log(f"loading {precision}")
+        engine = load_model(folder, precision=precision, config=engine_config)
+        cache = prefix_cache_state(engine)  # the same config for every precision
+        prompt = prompt or bench_prompt(engine, cfg.prompt_len, cfg.seed)
+        read = float(decode_read_bytes(engine.model))
+        floors[precision] = 1e3 / kernel_floor_ms(engine, cfg.prompt_len + cfg.new_tokens // 2)
+        modes = ["compiled", "eager"] if engine.graph.compiled else ["eager"]
+        for mode in modes:
+            runners.append(("infersight", precision, mode, read, _mode_runner(engine, mode)))
+    info = None
+    with contextlib.ExitStack() as stack:
+        if llama_python is not None:
+            if gguf is None:
+                raise InfersightError("the llama.cpp comparison needs the model's GGUF file")
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="infersight-")))
+            threads = torch.get_num_threads()
+            for ftype in gguf_types:
+                path = gguf
+                if ftype != "Q4_1":
+                    log(f"llama.cpp: requantizing {gguf.name} to {ftype}")
+                    path = tmp / f"{ftype}.gguf"
+                    quantizer = LlamaCppPeer(llama_python, gguf, threads)
+                    try:
+                        quantizer.quantize(path, ftype)
+                    finally:
+                        quantizer.close()
+                peer = LlamaCppPeer(llama_python, path, threads)
+                stack.callback(peer.close)
+                info = peer.info
+                size = float(path.stat().st_size)  # ≈ its weights, each read once per token
+                runners.append(("llama.cpp", ftype, "llama.cpp", size, peer.run))
+        assert prompt is not None
+        timings: list[list[RunTiming]] = [[] for _ in runners]
+        for _, _, _, _, run in runners:  # warm-up
+            run(prompt, min(8, cfg.new_tokens))
+        for i in range(cfg.repeats):
+            for (name, precision, mode, _, run), runs in zip(runners, timings, strict=True):
+                log(f"repeat {i + 1}/{cfg.repeats}: {name} {precision} {mode}")
+                runs.append(run(prompt, cfg.new_tokens))
+    bandwidth.append(measure_read_bandwidth())
+    best = max(bandwidth)
+    rows = []
+    for (name, precision, mode, read, _), runs in zip(runners, timings, strict=True):
+        tok_s = _decode_tok_s(runs)
+        limit = best / read
+        floor = floors.get(precision) if name == "infersight" else None
+        rows.append(
+            TableRow(name, precision, mode, read / 2**20, tok_s, limit, tok_s / limit, floor)
+        )
+    return {
+        "model": str(folder),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "repeats": cfg.repeats,
+        "new_tokens": cfg.new_tokens,
+        "bandwidth_gb_s": [b / 1e9 for b in bandwidth],
+        "prefix_cache": cache,  # ours (llama.cpp is reset before each run)
+        "llama_cpp_system_info": info,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def _mode_runner(engine: LLMEngine, mode: str) -> Callable[[list[int], int], RunTiming]:
+    def run(prompt: list[int], new_tokens: int) -> RunTiming:
+        if mode == "eager":
+            engine.model.eager_reasons.add("bench: eager row")
+        try:
+            return run_ours(engine, prompt, new_tokens)
+        finally:
+            engine.model.eager_reasons.discard("bench: eager row")
+
+    return run

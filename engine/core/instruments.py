@@ -1,0 +1,204 @@
+"""The engine's instruments, which need torch: the rolling records of steps and finished
+requests (:class:`MetricsCollector`) and their percentiles, opt-in per-layer timings
+(:class:`LayerTimer`) and memory by kind (:func:`memory_by_kind`). What they produce are the
+plain records of :mod:`engine.core.metrics`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.core.metrics import (
+    LATENCY_METRICS,
+    LayerTiming,
+    MemoryByKind,
+    RequestMetrics,
+    StepRecord,
+)
+from engine.hardware.nvml import device_memory
+
+log = logging.getLogger(__name__)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    t = torch.tensor(values, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.95, 0.99], dtype=torch.float64)).tolist()
+    return {"p50": q[0], "p95": q[1], "p99": q[2], "mean": float(t.mean()), "count": len(values)}
+
+
+class MetricsCollector:
+    """Rolling records of steps and finished requests; :meth:`snapshot` summarises them."""
+
+    RECENT_STEPS = 256
+
+    def __init__(self, window_s: float = 30.0, max_requests: int = 4096) -> None:
+        self.window_s = window_s
+        self.steps: deque[StepRecord] = deque()
+        self.recent: deque[StepRecord] = deque(maxlen=self.RECENT_STEPS)
+        self.total_preemptions = 0
+        self.steps_recorded = 0
+        self.batch_size_total = 0
+        self.requests: deque[tuple[float, RequestMetrics]] = deque(maxlen=max_requests)
+        self.total_prompt_tokens = 0
+        self.total_generated_tokens = 0
+
+    def record_step(self, record: StepRecord) -> None:
+        self.steps.append(record)
+        self.recent.append(record)
+        self.total_preemptions += record.preempted
+        self.steps_recorded += 1
+        self.batch_size_total += record.batch_size
+        self.total_prompt_tokens += record.prompt_tokens
+        self.total_generated_tokens += record.generated_tokens
+        self._trim(record.end)
+
+    def record_request(self, now: float, metrics: RequestMetrics) -> None:
+        self.requests.append((now, metrics))
+
+    def _trim(self, now: float) -> None:
+        while self.steps and self.steps[0].end < now - self.window_s:
+            self.steps.popleft()
+
+    def summary(self, now: float) -> dict[str, Any]:
+        self._trim(now)
+        steps = list(self.steps)
+        recent = [m for t, m in self.requests if t >= now - self.window_s]
+        span = (steps[-1].end - (steps[0].end - steps[0].duration_s)) if steps else 0.0
+        lat: dict[str, list[float]] = {name: [] for name in LATENCY_METRICS}
+        for m in recent:
+            for name in LATENCY_METRICS:
+                if name == "inter_token_latency_seconds":
+                    lat[name].extend(m.inter_token_latency_seconds)
+                    continue
+                value = getattr(m, name)
+                if value is not None:
+                    lat[name].append(value)
+        return {
+            "prompt_throughput_tps": sum(s.prompt_tokens for s in steps) / span if span else 0.0,
+            "generation_throughput_tps": (
+                sum(s.generated_tokens for s in steps) / span if span else 0.0
+            ),
+            "mean_batch_size": sum(s.batch_size for s in steps) / len(steps) if steps else 0.0,
+            "mean_step_time_s": sum(s.duration_s for s in steps) / len(steps) if steps else 0.0,
+            "steps": len(steps),
+            "latency_percentiles": {k: percentiles(v) for k, v in lat.items() if v},
+            "finished_requests": tuple(recent),
+        }
+
+
+class LayerTimer:
+    """Opt-in per-layer timings: forward hooks on each layer's attention and MLP.
+
+    On CUDA the hooks record events on the current stream of the model's device (the
+    worker's own stream there), read back after the step; on CPU, ops run synchronously and
+    ``perf_counter`` is exact. Hooks cost time, so they are attached only while enabled.
+    """
+
+    def __init__(self, layers: nn.ModuleList, device: torch.device) -> None:
+        self.device = device  # events and waits name it: the current device may be another
+        self.cuda = device.type == "cuda"
+        self._handles: list[Any] = []
+        self._starts: dict[tuple[int, str], Any] = {}
+        self._totals: dict[tuple[int, str], float] = {}
+        self._events: list[tuple[tuple[int, str], Any, Any]] = []
+        self.layers = layers
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._handles)
+
+    def enable(self) -> None:
+        if self._handles:
+            return
+        for index, layer in enumerate(self.layers):
+            parts: tuple[tuple[str, nn.Module], ...] = (
+                ("attention", layer.get_submodule("attn")),
+                ("mlp", layer.get_submodule("mlp")),
+            )
+            for kind, module in parts:
+                key = (index, kind)
+                self._handles.append(module.register_forward_pre_hook(self._pre(key)))
+                self._handles.append(module.register_forward_hook(self._post(key)))
+
+    def disable(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _now(self) -> Any:
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def _pre(self, key: tuple[int, str]) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._starts[key] = self._now()
+
+        return hook
+
+    def _post(self, key: tuple[int, str]) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            start, end = self._starts.pop(key), self._now()
+            if self.cuda:
+                self._events.append((key, start, end))
+            else:
+                self._totals[key] = self._totals.get(key, 0.0) + end - start
+
+        return hook
+
+    def collect(self) -> tuple[LayerTiming, ...]:
+        """Timings of the forward passes since the last call (one step's, normally)."""
+        if self.cuda and self._events:
+            torch.cuda.synchronize(self.device)
+            for key, start, end in self._events:
+                self._totals[key] = self._totals.get(key, 0.0) + start.elapsed_time(end) / 1e3
+            self._events.clear()
+        totals, self._totals = self._totals, {}
+        if not totals:
+            return ()
+        count = len(self.layers)
+        return tuple(
+            LayerTiming(i, totals.get((i, "attention"), 0.0), totals.get((i, "mlp"), 0.0))
+            for i in range(count)
+        )
+
+
+def memory_by_kind(weights_bytes: int, kv_pool_bytes: int, device: torch.device) -> MemoryByKind:
+    """Memory by kind; on CUDA also the allocator's figures and the GPU's own (NVML).
+
+    ``cuda_reserved_bytes`` is what predicts running out: the allocator holds it whether or not
+    tensors use it, and NVML's used figure adds the CUDA context and other processes.
+    """
+    rss = None
+    try:
+        import psutil
+
+        rss = int(psutil.Process(os.getpid()).memory_info().rss)
+    except Exception:  # psutil missing or the platform refuses: RSS is optional
+        rss = None
+    if device.type != "cuda":
+        return MemoryByKind(weights_bytes, kv_pool_bytes, None, process_rss_bytes=rss)
+    allocated = int(torch.cuda.memory_allocated(device))
+    reserved = int(torch.cuda.memory_reserved(device))
+    gpu = device_memory(device)
+    return MemoryByKind(
+        weights_bytes,
+        kv_pool_bytes,
+        max(0, allocated - weights_bytes - kv_pool_bytes),
+        process_rss_bytes=rss,
+        cuda_allocated_bytes=allocated,
+        cuda_reserved_bytes=reserved,
+        nvml_used_bytes=gpu.used_bytes if gpu is not None else None,
+        nvml_total_bytes=gpu.total_bytes if gpu is not None else None,
+    )

@@ -1,0 +1,160 @@
+"""The model call of a step: the scheduled chunks flattened into one batch (token ids,
+positions, the KV slots each chunk writes, the rows whose logits are sampled), the forward
+over it, and the compiled decode step's warm-up. Also a single sequence's forward through a
+private contiguous cache, for scripts and evaluations."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.core.scheduler import ScheduledChunk
+from engine.kernels import decode_graph
+from engine.kv_cache.contiguous import ContiguousKVCache
+from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.kv_cache.window import CacheWindow
+from engine.model.config import ModelConfig
+from engine.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from engine.speculative.rule import Draft
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Batch:
+    """One forward's input: the chunks in the order their tokens are laid out (decode chunks
+    first; a chunk verifying drafts carries them after its own token), and for each chunk that
+    samples, its first row of logits."""
+
+    order: list[ScheduledChunk]
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    chunks: list[SeqChunk] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    samplers: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Runs the model over a step's batch. Holds the model, never the KV pool (the engine may
+    swap its pool for a new one)."""
+
+    def __init__(
+        self, model: Transformer, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+
+    def batch(
+        self,
+        scheduled: Sequence[ScheduledChunk],
+        drafts: dict[str, Draft],
+        window: CacheWindow | None,
+    ) -> Batch:
+        """The scheduled chunks flattened; a chunk verifying drafts goes after the decode
+        chunks and samples a row per draft plus one."""
+        order = sorted(scheduled, key=lambda c: c.length != 1 or c.seq.request_id in drafts)
+        b = Batch(order)
+        for c in order:
+            rid = c.seq.request_id
+            new = c.seq.tokens(c.start, c.start + c.length)
+            if rid in drafts:
+                new += drafts[rid].tokens
+            b.ids += new
+            b.positions += range(c.start, c.start + len(new))
+            b.chunks.append(SeqChunk(rid, c.start, len(new), window))
+            if c.samples:
+                b.samplers.append((c, len(b.rows)))
+                drafted = len(drafts[rid].tokens) if rid in drafts else 0
+                b.rows += range(len(b.ids) - 1 - drafted, len(b.ids))
+        return b
+
+    def forward(self, batch: Batch, kv: PagedKVCache) -> torch.Tensor:
+        """Logits of the batch's sampled rows (each chunk's K/V written into ``kv`` on the
+        way)."""
+        return self.model(
+            torch.tensor(batch.ids, device=self.device),
+            torch.tensor(batch.positions, device=self.device),
+            kv.context(batch.chunks),
+            torch.tensor(batch.rows, dtype=torch.long, device=self.device),
+        )
+
+    # -- the compiled decode step -------------------------------------------------------------
+    def settle_decode_graph(self, mode: str | None, kv: PagedKVCache) -> decode_graph.GraphChoice:
+        """Compile the decode step where :func:`decode_graph.choose` says so, and compile it
+        now: a few warm-up steps on scratch sequences, so that no reply waits for it."""
+        choice = decode_graph.choose(mode, self.device)
+        if not choice.compiled:
+            return choice
+        model = self.model
+        compiled = decode_graph.CompiledDecode(model.body)
+        model.compiled_decode = compiled
+        started = time.perf_counter()
+        try:
+            self._warm_decode(compiled, kv)
+            compiled.warm = True
+        except Exception as exc:  # an Inductor failure on this model: eager still works
+            model.compiled_decode = None
+            why = decode_graph.reason(exc)
+            log.warning("compiling the decode step failed, running eagerly: %s", why)
+            return decode_graph.GraphChoice(False, f"compiling failed ({why}); eager")
+        took = time.perf_counter() - started
+        return decode_graph.GraphChoice(True, f"{choice.why}, compiled in {took:.0f} s")
+
+    def _warm_decode(self, compiled: decode_graph.CompiledDecode, kv: PagedKVCache) -> None:
+        """Decode steps of batch 2 and 1 on scratch sequences: the two graphs that every later
+        decode step uses (:func:`decode_graph.compile_forward`). Errors propagate (the
+        model's forward would fall back to eager and hide them)."""
+        mgr = kv.manager
+        per_seq = mgr.blocks_for(4)
+        if mgr.num_free < per_seq:
+            raise RuntimeError("the KV pool has no room for the warm-up's scratch sequence")
+        batch = 2 if mgr.num_free >= 2 * per_seq else 1
+        ids = [f"\0warm{i}" for i in range(batch)]
+        model = self.model
+        try:
+            for rid in ids:
+                mgr.grow(rid, 2)
+            model(
+                torch.zeros(2 * batch, dtype=torch.long, device=self.device),
+                torch.arange(2, device=self.device).repeat(batch),
+                kv.context([SeqChunk(rid, 0, 2) for rid in ids]),
+            )
+            for b in range(batch, 0, -1):
+                for pos in (2, 3):
+                    for rid in ids[:b]:
+                        mgr.grow(rid, pos + 1)
+                    with torch.inference_mode():
+                        compiled(
+                            model.embed(torch.zeros(b, dtype=torch.long, device=self.device)),
+                            torch.full((b,), pos, device=self.device),
+                            kv.context([SeqChunk(rid, pos, 1) for rid in ids[:b]]),
+                            torch.arange(b, device=self.device),
+                        )
+        finally:
+            for rid in ids:
+                mgr.free(rid)
+
+    # -- single sequences, for scripts and evaluations --------------------------------------
+    def forward_logits(
+        self, token_ids: Sequence[int], cache: ContiguousKVCache, start: int
+    ) -> torch.Tensor:
+        """Logits for every position of ``token_ids`` continuing a sequence at ``start``,
+        through a private contiguous cache (not the engine's pool)."""
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        ctx = cache.context([0], [start], [len(ids)])
+        return self.model(ids, positions, ctx)
+
+    def new_cache(self, capacity: int) -> ContiguousKVCache:
+        return ContiguousKVCache(
+            self.cfg, slots=1, capacity=capacity, dtype=self.dtype, device=self.device
+        )

@@ -1,0 +1,184 @@
+"""One step of the engine, top to bottom: schedule → draft → forward → sample/verify → commit →
+events.
+
+The scheduler picks which tokens of which sequences to compute and the block manager gives
+them KV slots; speculative decoding, where it is on, adds each decoding sequence's drafts; the
+runner makes one forward over the flattened batch; each sequence that finished its prompt
+gets its next token (or its drafts verified); the computed tokens' full blocks are committed
+to the prefix cache; the output processor turns the tokens into events, and finished
+sequences give their blocks back. Speculative decoding reaches the step only through the
+:class:`Speculation` seam.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from engine.core.metrics import StepRecord
+from engine.core.output import TokenEvent, logprobs
+from engine.core.sampling import sample
+from engine.core.scheduler import ScheduledChunk, SchedulerOutput
+from engine.core.sequence import FinishReason
+from engine.core.sequence import Sequence as Seq
+from engine.kv_cache.window import CacheWindow
+
+if TYPE_CHECKING:
+    from engine.core.engine import LLMEngine
+    from engine.speculative.rule import Draft
+
+
+class Speculation(Protocol):
+    """What the step asks of speculative decoding (:class:`engine.speculative.speculator.
+    Speculator` is the one implementation)."""
+
+    def plan(self, running: Sequence[Seq]) -> None:
+        """Set each running sequence's draft slots for the step about to be scheduled."""
+
+    def drafts_for(
+        self, scheduled: Sequence[ScheduledChunk], window: CacheWindow | None
+    ) -> dict[str, Draft]:
+        """The drafts to verify this step, by request id (non-empty only)."""
+
+    def verify(self, seq: Seq, draft: Draft, logits: torch.Tensor) -> tuple[list[int], list[str]]:
+        """The tokens one sequence's verified drafts yield, and how each came."""
+
+    def rollback(self, request_id: str, valid: int) -> None:
+        """Only the first ``valid`` tokens of the request stand (its rejected drafts go)."""
+
+    def preempted(self, request_id: str) -> None:
+        """The request lost its blocks: its drafter's cache for it goes (its k stays)."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop everything kept for it."""
+
+    def step_done(self, verify_s: float) -> None:
+        """The step's forward and verification took ``verify_s``."""
+
+
+def step(engine: LLMEngine) -> list[TokenEvent]:
+    """Run one step of ``engine``; the events of every request it advanced or ended."""
+    events, engine.pending = engine.pending, []
+    started = time.perf_counter()
+    spec = engine.speculator
+    mgr = engine.kv.manager
+
+    # schedule
+    if spec is not None:
+        spec.plan(engine.scheduler.running)
+    out = engine.scheduler.schedule(started)
+    engine.hold_s = out.hold_s
+    events += [engine.finish(seq, FinishReason.TIMEOUT, started) for seq in out.timed_out]
+    if spec is not None:
+        for seq in out.preempted:
+            spec.preempted(seq.request_id)
+    if not out.chunks:
+        if out.preempted:  # everything running was preempted: the step did no work
+            _record(engine, out, started, started, prompt_tokens=0, generated=0)
+        return events
+
+    # draft, then forward
+    drafts = spec.drafts_for(out.chunks, engine.window) if spec is not None else {}
+    forward_started = time.perf_counter()
+    batch = engine.runner.batch(out.chunks, drafts, engine.window)
+    logits = engine.runner.forward(batch, engine.kv)
+    for c in batch.order:  # a chunk that verifies drafts commits once they are checked
+        if c.seq.request_id not in drafts:
+            c.seq.num_computed = c.start + c.length
+            mgr.commit(c.seq.request_id, c.seq.num_computed, c.seq.tokens)
+
+    # sample or verify, commit, events
+    plain = [(c.seq, row) for c, row in batch.samplers if c.seq.request_id not in drafts]
+    tokens = iter(
+        sample(
+            logits[[row for _, row in plain]] if drafts else logits,
+            [s.params for s, _ in plain],
+            [history(s) for s, _ in plain],
+            [s.generator for s, _ in plain if s.generator is not None],
+        )
+    )
+    now = time.perf_counter()
+    generated = 0
+    for c, row in batch.samplers:
+        seq = c.seq
+        draft = drafts.get(seq.request_id)
+        if draft is None:
+            outs, kinds = [next(tokens)], [""]
+        else:
+            assert spec is not None
+            outs, kinds = spec.verify(seq, draft, logits[row : row + 1 + len(draft.tokens)])
+            # the last token and the accepted drafts are computed: key their full blocks now,
+            # before a stop among them frees the sequence
+            mgr.commit(seq.request_id, c.start + len(outs), _reader(seq, outs))
+        lps = logprobs(seq, logits[row : row + len(outs)], outs)
+        for token, kind, lp in zip(outs, kinds, lps, strict=True):
+            event = engine.append(seq, token, now)
+            event.speculation = kind
+            if lp is not None:
+                event.logprob, event.top_logprobs = lp
+            events.append(event)
+            generated += 1
+            if seq.is_finished:
+                break
+        if c.lookahead and not seq.is_finished:
+            if draft is not None:  # K/V of the accepted tokens stay, the rest roll back
+                seq.num_computed = c.start + len(outs)
+            mgr.truncate(seq.request_id, seq.num_computed)
+            if spec is not None:
+                spec.rollback(seq.request_id, seq.num_tokens - 1)
+    if spec is not None and drafts:
+        spec.step_done(time.perf_counter() - forward_started)
+    if engine.window is not None:
+        for seq in engine.scheduler.running:
+            mgr.release_outside_window(seq.request_id, engine.window)
+    engine.collect_layer_timings()
+
+    prompt_tokens = sum(
+        max(0, min(c.start + c.length, len(c.seq.prompt_ids)) - c.start) for c in out.chunks
+    )
+    _record(engine, out, started, now, prompt_tokens=prompt_tokens, generated=generated)
+    return events
+
+
+def history(seq: Seq) -> torch.Tensor:
+    """The sequence's tokens so far (prompt and output), for the repetition penalty."""
+    assert seq.history is not None
+    return seq.history[: seq.num_tokens]
+
+
+def _reader(seq: Seq, more: list[int]) -> Callable[[int, int], list[int]]:
+    """Tokens ``[start, end)`` of ``seq`` followed by ``more`` (the block manager's way to
+    read a sequence), without copying the whole sequence."""
+    n = seq.num_tokens
+
+    def read(start: int, end: int) -> list[int]:
+        return seq.tokens(start, min(end, n)) + more[max(0, start - n) : max(0, end - n)]
+
+    return read
+
+
+def _record(
+    engine: LLMEngine, out: SchedulerOutput, started: float, now: float, *, prompt_tokens: int,
+    generated: int,
+) -> None:  # fmt: skip
+    decode = sum(1 for c in out.chunks if c.length == 1)
+    limits = engine.scheduler.limits
+    engine.collector.record_step(
+        StepRecord(
+            end=now,
+            duration_s=now - started,
+            batch_size=len(out.chunks),
+            prompt_tokens=prompt_tokens,
+            generated_tokens=generated,
+            kv_used_blocks=engine.kv.manager.num_used,
+            decode_tokens=decode,
+            prefill_tokens=sum(c.length for c in out.chunks) - decode,
+            token_budget=limits.max_tokens_per_step,
+            preempted=len(out.preempted),
+            waiting=len(engine.scheduler.waiting),
+            max_batch_size=limits.max_batch_size,
+        )
+    )

@@ -1,0 +1,73 @@
+"""The contiguous KV cache: one buffer per sequence, the simplest possible cache, kept for tests
+and for scoring a single long text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.model.attention import AttentionContext, sequence_attention
+from engine.model.config import ModelConfig
+
+
+class ContiguousKVCache:
+    """One contiguous ``[kv_heads, capacity, head_dim]`` buffer per slot and layer: the
+    simplest cache, for tests and single-sequence scoring. It keeps every token; attention
+    honours the model's sliding window."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        slots: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if slots <= 0 or capacity <= 0:
+            raise ValueError("a KV cache needs at least one slot and a positive capacity")
+        shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.capacity = capacity
+        self.sliding_window = cfg.sliding_window
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def context(self, slots: list[int], starts: list[int], lengths: list[int]) -> AttentionContext:
+        for start, length in zip(starts, lengths, strict=True):
+            if start + length > self.capacity:
+                raise ValueError(
+                    f"sequence of {start + length} tokens exceeds the KV cache capacity "
+                    f"of {self.capacity}"
+                )
+        return _ContiguousContext(self, slots, starts, lengths)
+
+
+@dataclass(slots=True)
+class _ContiguousContext(AttentionContext):
+    cache: ContiguousKVCache
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
+
+    def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        k_buf, v_buf = self.cache.k[layer], self.cache.v[layer]
+        k, v = kv.chunk(2, dim=1)
+        window = self.cache.sliding_window
+        outputs = []
+        offset = 0
+        for slot, start, length in zip(self.slots, self.starts, self.lengths, strict=True):
+            end = start + length
+            k_buf[slot, :, start:end] = k[offset : offset + length].transpose(0, 1)
+            v_buf[slot, :, start:end] = v[offset : offset + length].transpose(0, 1)
+            keys, values = k_buf[slot, :, :end], v_buf[slot, :, :end]
+            outputs.append(
+                sequence_attention(q[offset : offset + length], keys, values, start, window)
+            )
+            offset += length
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -1,0 +1,415 @@
+"""The memory plan: what loading a model folder will take, predicted before a single tensor is
+read, and what will fit after it.
+
+The plan (:func:`plan_memory`) adds up, from ``config.json`` alone:
+
+* **weights** at the chosen precision, every packed copy, scale and zero point included
+  (:func:`engine.quant.sizes.weight_bytes_by_kind`, the figures a load then reports);
+* **KV bytes per token** (K and V, every layer, in the compute dtype) and the pool a load with
+  this :class:`~engine.core.engine.EngineConfig` allocates (:func:`kv_pool_blocks`, the function the
+  engine itself sizes its pool with);
+* **workspace**: the activations of one step of ``max_tokens_per_step`` tokens, the prefill's
+  attention scores and the logits (an estimate, stated as one);
+* **runtime**: on CUDA the context and library workspaces that the caching allocator does not
+  see (:data:`CUDA_RUNTIME_BYTES`, an estimate);
+* **load peak**: the weights, plus what the bounded load
+  (:func:`engine.loader.weights.load_transformer`) holds at most beside them: the largest tensor
+  being assembled in fp32, its copy read from the checkpoint, and a few chunks of quantization
+  temporaries (:func:`load_overhead_bytes`).
+
+From the memory the device has (free memory now, or ``memory=`` for another machine), it gives
+the longest context one sequence can reach and the largest batch at a given context, and says
+why a load cannot fit with a precision or context that would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.core.config import kv_pool_blocks
+from engine.errors import InvalidRequestError, OutOfMemoryError
+from engine.formats import QUANT_CHUNK_BYTES
+from engine.hardware.memory import free_memory
+from engine.model.config import ModelConfig
+from engine.quant.sizes import weight_bytes_by_kind
+from engine.quant.spec import PrecisionSpec, dtype_name, parse_precision_spec
+
+if TYPE_CHECKING:
+    from engine.core.config import EngineConfig
+
+#: Device memory a CUDA process uses that torch's allocator does not count: the context,
+#: cuBLAS/cuDNN handles and workspaces (typically 300–600 MiB; `make gpu-check` measures it).
+CUDA_RUNTIME_BYTES = 512 * 2**20
+#: Allocator slack a load may hold beyond its tensors (freed blocks not yet reused).
+LOAD_SLACK_BYTES = 64 * 2**20
+#: The shortest context worth loading a model for.
+MIN_CONTEXT = 256
+#: Precisions a refused plan may suggest, best quality first (the compute dtype comes first).
+SUGGESTIONS = ("int8", "int8+head", "int4-g32", "int4-g32+head", "int4-g128+head")
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """What loading ``model`` at ``precision`` on ``device`` takes, in bytes, and what fits."""
+
+    model: str
+    device: str
+    precision: str
+    weights: dict[str, int]  # by kind: embedding, attention, mlp, norm, lm_head
+    kv_bytes_per_token: int
+    kv_pool_bytes: int  # the pool a load with this engine config allocates
+    workspace_bytes: int
+    runtime_bytes: int
+    load_overhead_bytes: int  # held at most beside the weights while loading
+    budget_bytes: int
+    budget_source: str  # where the budget comes from: free memory now, or --memory
+    max_position: int  # the model's own context limit
+    suggestion: str = ""  # a precision or context that fits, when this does not
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything but the KV pool once loaded: weights, runtime, one step's workspace."""
+        return self.weight_bytes + self.runtime_bytes + self.workspace_bytes
+
+    @property
+    def steady_bytes(self) -> int:
+        return self.fixed_bytes + self.kv_pool_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most the device holds at once: during the load (the pool comes after it) or
+        once running."""
+        load = self.weight_bytes + self.runtime_bytes + self.load_overhead_bytes
+        return max(load, self.steady_bytes)
+
+    @property
+    def kv_room_bytes(self) -> int:
+        """What the budget leaves for KV once the weights, runtime and workspace are in."""
+        return max(0, self.budget_bytes - self.fixed_bytes)
+
+    @property
+    def max_context(self) -> int:
+        """The longest context one sequence can reach here (capped at the model's own)."""
+        return min(self.max_position, self.kv_room_bytes // self.kv_bytes_per_token)
+
+    def max_batch(self, context: int) -> int:
+        """Sequences of ``context`` tokens whose KV fits beside everything else."""
+        return self.kv_room_bytes // (max(1, context) * self.kv_bytes_per_token)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.kv_pool_bytes // self.kv_bytes_per_token
+
+    @property
+    def fits(self) -> bool:
+        return (
+            self.peak_bytes <= self.budget_bytes
+            and self.max_context >= min(MIN_CONTEXT, self.max_position)
+            and self.pool_tokens > 1  # a pool of at least one block beside its pad slot
+        )
+
+    def refusal(self) -> str | None:
+        """Why a load would not fit, with the numbers and what would (None when it fits)."""
+        if self.fits:
+            return None
+        load = self.weight_bytes + self.runtime_bytes + self.load_overhead_bytes
+        if self.peak_bytes <= self.budget_bytes:  # the weights fit; the context does not
+            why = (
+                f"{self.model} at {self.precision} leaves room for {_tokens(self.max_context)} "
+                f"of context on {self.device} ({_gib(self.kv_room_bytes)} for the KV cache "
+                f"beside {_gib(self.weight_bytes)} of weights in {self.budget_source}, "
+                f"{_gib(self.budget_bytes)})"
+            )
+            return f"{why}; {self.suggestion}" if self.suggestion else why
+        parts = [
+            f"{self.model} at {self.precision} does not fit on {self.device}: it needs "
+            f"{_gib(self.peak_bytes)} at its peak ({_gib(self.weight_bytes)} of weights, "
+            f"{_gib(load)} while loading, {_gib(self.steady_bytes)} running"
+            + (f" with a {_gib(self.kv_pool_bytes)} KV pool" if self.kv_pool_bytes else "")
+            + f"), and {self.budget_source} is {_gib(self.budget_bytes)}"
+        ]
+        if self.suggestion:
+            parts.append(self.suggestion)
+        return "; ".join(parts)
+
+    def one_line(self) -> str:
+        """The plan as one line (the model picker, the status bar)."""
+        verdict = "fits" if self.fits else "does not fit"
+        line = (
+            f"{self.precision}: {_gib(self.weight_bytes)} weights, peak "
+            f"{_gib(self.peak_bytes)} of {_gib(self.budget_bytes)}; {verdict}"
+        )
+        if self.max_context > 0:
+            ctx = self.max_context
+            line += f", context up to {_tokens(ctx)}"
+        return line
+
+    def lines(self) -> list[str]:
+        """The plan as a table (``infersight plan``, the app's plan box)."""
+        rows = [f"Memory plan: {self.model} at {self.precision} on {self.device}"]
+        for kind, nbytes in self.weights.items():
+            if nbytes:
+                rows.append(f"  weights  {kind:<10} {_mib(nbytes):>12}")
+        rows += [
+            f"  weights  total      {_mib(self.weight_bytes):>12}",
+            f"  KV cache per token  {self.kv_bytes_per_token / 1024:>9.1f} KiB "
+            f"(pool {_mib(self.kv_pool_bytes)} = {_tokens(self.pool_tokens)})",
+            f"  workspace (est.)    {_mib(self.workspace_bytes):>12}",
+            f"  runtime (est.)      {_mib(self.runtime_bytes):>12}",
+            f"  load overhead       {_mib(self.load_overhead_bytes):>12}  (bound while loading)",
+            f"  peak                {_mib(self.peak_bytes):>12}",
+            f"  budget              {_mib(self.budget_bytes):>12}  ({self.budget_source})",
+            f"  longest context     {_tokens(self.max_context):>12}"
+            f"  (model's own: {_tokens(self.max_position)})",
+        ]
+        batches = [c for c in (2048, 8192, 32768) if c <= self.max_position]
+        if batches:
+            shown = ", ".join(f"{self.max_batch(c)} × {_tokens(c)}" for c in batches)
+            rows.append(f"  largest batch       {shown}")
+        rows.append(f"  verdict             {'fits' if self.fits else 'does not fit'}")
+        if not self.fits and self.suggestion:
+            rows.append(f"  suggestion          {self.suggestion}")
+        rows += [f"  note: {n}" for n in self.notes]
+        return rows
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            weight_bytes=self.weight_bytes,
+            steady_bytes=self.steady_bytes,
+            peak_bytes=self.peak_bytes,
+            kv_room_bytes=self.kv_room_bytes,
+            max_context=self.max_context,
+            max_batch={str(c): self.max_batch(c) for c in (2048, 8192, 32768)},
+            fits=self.fits,
+        )
+        return out
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    precision: str,
+    device: str = "cpu",
+    *,
+    memory: int | None = None,
+    config: EngineConfig | None = None,
+    name: str = "model",
+    reclaimable: int = 0,
+    packed: bool | None = None,
+) -> MemoryPlan:
+    """The memory plan of ``cfg`` at ``precision`` on ``device``.
+
+    ``memory``: the bytes to plan for (another machine's, say 12 GiB); by default what
+    ``device`` has free now plus ``reclaimable`` (what unloading the current model would give
+    back). ``config``: the engine config the load would use (its KV pool); by default the
+    engine's own default pool. ``packed``: whether a CPU lays a tied float head out again
+    (:func:`engine.quant.sizes.estimate_weight_bytes`); ``None`` takes this machine's measured
+    verdict (never timing now), and planning for another device assumes it does not.
+    """
+    from engine.core.config import EngineConfig
+
+    torch_device = torch.device(device)
+    # A plan for memory of another machine does not ask this one's device (which may be
+    # absent: a plan for a 12 GiB GPU made on a laptop) which kernels it runs.
+    probe = torch.device("meta") if memory is not None else torch_device
+    spec = parse_precision_spec(precision, probe)
+    spec.check_layers(cfg.num_layers)
+    config = config or EngineConfig()
+    if memory is not None:
+        budget, source = int(memory), "the memory planned for"
+    else:
+        budget = int(free_memory(torch_device)) + reclaimable
+        source = f"the memory free on {device}" + (
+            " once the current model is unloaded" if reclaimable else ""
+        )
+    if torch_device.type != "cpu" or memory is not None:
+        packed = False if packed is None else packed
+    elif packed is None:  # what this machine measured, never a timing now
+        from engine.kernels.packed_linear import packs
+
+        packed = packs(spec.compute, cfg.vocab_size, cfg.hidden_size, measure=False)
+    # On a GPU measured now the context already exists: its free memory leaves it out.
+    runtime = CUDA_RUNTIME_BYTES if torch_device.type == "cuda" and memory is not None else 0
+    target = _Target(cfg, torch_device, config, budget, source, runtime, packed, name)
+    plan = target.plan(spec)
+    if plan.fits:
+        return plan
+    return replace(plan, suggestion=target.suggestion(plan, probe))
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What a plan is made for, whatever the precision: the model, the device and its
+    budget, the engine config."""
+
+    cfg: ModelConfig
+    device: torch.device
+    config: EngineConfig
+    budget: int
+    source: str
+    runtime: int
+    packed: bool | None
+    name: str
+
+    def plan(self, spec: PrecisionSpec) -> MemoryPlan:
+        cfg, config = self.cfg, self.config
+        weights = weight_bytes_by_kind(cfg, spec, packed=self.packed)
+        per_token = kv_bytes_per_token(cfg, spec.compute)
+        workspace = workspace_bytes(cfg, spec.compute, config)
+        room = max(0, self.budget - sum(weights.values()) - self.runtime - workspace)
+        blocks = kv_pool_blocks(cfg, config, spec.compute, self.device, float(room))
+        window = cfg.sliding_window
+        notes = (f"sliding window of {window} tokens: KV beyond it is released",) if window else ()
+        return MemoryPlan(
+            model=self.name,
+            device=str(self.device),
+            precision=spec.text,
+            weights=weights,
+            kv_bytes_per_token=per_token,
+            kv_pool_bytes=(blocks * config.block_size + 1) * per_token,  # + the zero pad slot
+            workspace_bytes=workspace,
+            runtime_bytes=self.runtime,
+            load_overhead_bytes=load_overhead_bytes(cfg, spec, self.device),
+            budget_bytes=self.budget,
+            budget_source=self.source,
+            max_position=cfg.max_position_embeddings,
+            notes=notes,
+        )
+
+    def suggestion(self, plan: MemoryPlan, probe: torch.device) -> str:
+        """The best-quality smaller precision that fits with the same engine config, else
+        what else would help."""
+        for text in (dtype_name(parse_precision_spec(plan.precision, probe).compute),
+                     *SUGGESTIONS):  # fmt: skip
+            try:
+                other = self.plan(parse_precision_spec(text, probe))
+            except InvalidRequestError:  # not available on this device
+                continue
+            if other.weight_bytes < plan.weight_bytes and other.fits:
+                return (
+                    f"try {other.precision}: it fits ({_gib(other.peak_bytes)} at its peak, "
+                    f"context up to {_tokens(other.max_context)})"
+                )
+        load = plan.weight_bytes + plan.runtime_bytes + plan.load_overhead_bytes
+        if load <= plan.budget_bytes and plan.kv_pool_bytes > plan.kv_room_bytes:
+            return f"a KV pool under {_gib(plan.kv_room_bytes)} would fit"
+        return f"no precision fits in {self.source}; free memory or use a smaller model"
+
+
+def plan_for_folder(
+    folder: Path,
+    precision: str,
+    device: str = "cpu",
+    **kwargs: Any,
+) -> MemoryPlan:
+    """:func:`plan_memory` for a model folder (its ``config.json`` only)."""
+    cfg = ModelConfig.from_file(Path(folder) / "config.json")
+    kwargs.setdefault("name", Path(folder).name)
+    return plan_memory(cfg, precision, device, **kwargs)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer, in the cache's dtype (the compute dtype)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, config: EngineConfig) -> int:
+    """Activations of one step of ``max_tokens_per_step`` tokens (an upper estimate: fp32,
+    every intermediate of one layer alive at once), the attention scores of a prefill chunk
+    over a full context, the K/V that attention gathers for one layer, and the logits of a
+    full batch (fp32)."""
+    tokens = config.limits.max_tokens_per_step
+    batch = config.limits.max_batch_size
+    context = cfg.max_position_embeddings
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    widths = cfg.hidden_size * 3 + cfg.q_size * 2 + cfg.kv_size * 2 + cfg.intermediate_size * 3
+    activations = tokens * widths * 4
+    scores = cfg.num_heads * min(tokens, 512) * min(context, 8192) * 4
+    gathered = 2 * min(context, 8192) * cfg.kv_size * itemsize * min(batch, 4)
+    logits = batch * cfg.vocab_size * 4 * 2
+    return activations + scores + gathered + logits
+
+
+def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, device: torch.device) -> int:
+    """The most :func:`engine.loader.weights.load_transformer` holds beside the weights already
+    loaded: the largest tensor being assembled (the embedding or head, or a fused gate/up or
+    q/k/v projection) in fp32 where it will be quantized, else in the compute dtype; on a CPU
+    also its copy read from the checkpoint (in the checkpoint's dtype, fp32 when the config
+    does not say); on a GPU, where INT4 packs a whole matrix's 4-bit values at once, 0.75 of
+    that tensor's fp32 size; and four chunks of quantization temporaries with allocator
+    slack."""
+    compute = torch.empty((), dtype=spec.compute).element_size()
+    layer_elems = max(
+        2 * cfg.intermediate_size * cfg.hidden_size,
+        (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size,
+    )
+    head_elems = cfg.vocab_size * cfg.hidden_size
+    layer_kinds = {spec.block_kind(p, i) for p in ("attn", "mlp") for i in range(cfg.num_layers)}
+    head = spec.parts.get("head")
+    largest = max(
+        layer_elems * (4 if layer_kinds - {None} else compute),
+        head_elems * (4 if head is not None else compute),
+    )
+    if device.type == "cpu":
+        file_itemsize = CHECKPOINT_ITEMSIZE.get(cfg.torch_dtype or "", 4)
+        extra = max(layer_elems, head_elems) * file_itemsize
+    else:  # INT4's 4-bit values, a byte each, and the packing's temporaries
+        int4_layers = any(k is not None and k.bits == 4 for k in layer_kinds)
+        int4_elems = max(
+            layer_elems if int4_layers else 0,
+            head_elems if head is not None and head.bits == 4 else 0,
+        )
+        extra = int4_elems * 3
+    return largest + extra + 4 * QUANT_CHUNK_BYTES + LOAD_SLACK_BYTES
+
+
+#: bytes per value of a checkpoint by its config's ``torch_dtype``
+CHECKPOINT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def check_plan(plan: MemoryPlan) -> None:
+    """Refuse a load that cannot fit, before it starts (it would run out halfway)."""
+    why = plan.refusal()
+    if why is not None:
+        raise OutOfMemoryError(why)
+
+
+# -- formatting ----------------------------------------------------------------------------------
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if abs(nbytes) >= GiB / 2 else f"{nbytes / MiB:.0f} MiB"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:,.1f} MiB"
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1024:.0f}k tokens" if n >= 10240 else f"{n} tokens"
+
+
+def parse_bytes(text: str) -> int:
+    """``12GiB``, ``12 GB``, ``800MiB``, ``1.5T`` or a plain number of bytes (binary units:
+    a GB here is a GiB, as memory is sold)."""
+    import re
+
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?", text.strip().lower())
+    value = float(match.group(1)) * 1024 ** " kmgt".index(match.group(2) or " ") if match else 0.0
+    if value < 1:
+        raise InvalidRequestError(
+            f"memory {text!r} is not a size; write it like 12GiB, 800MiB or 1.5T"
+        )
+    return int(value)

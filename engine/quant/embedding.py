@@ -1,0 +1,93 @@
+"""The embedding of a tied, quantized LM head, and the channel scale that quantizes the head.
+
+With tied embeddings the head *is* the embedding matrix: quantizing it stores that matrix once,
+4- or 8-bit, and the embedding lookup dequantizes the few rows it needs
+(:class:`QuantizedEmbedding`), read straight from the packed layout (:mod:`engine.formats`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import InvalidRequestError
+from engine.formats import Int4TileLayout, _read_int4_rows, cuda_int4_layout
+from engine.hardware.cpu_paths import cpu_paths
+from engine.quant.int4 import Int4Linear
+from engine.quant.int8 import Int8Linear
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding read from a tied, quantized LM head: one matrix serves both.
+
+    Rows are dequantized on lookup (a few per step), so the tied matrix exists only once, in
+    its quantized form.
+    """
+
+    inverse_scale: Tensor
+
+    def __init__(
+        self, head: Int8Linear | Int4Linear, dtype: torch.dtype, inverse_scale: Tensor
+    ) -> None:
+        super().__init__()
+        self.__dict__["head"] = head  # a reference, not a submodule: counted once, as the head
+        self.dtype = dtype
+        # The head holds W·diag(s) (see head_channel_scale); embedding rows are W[id].
+        self.register_buffer("inverse_scale", inverse_scale.float())
+        self.embedding_dim = head.in_features
+        self.own_rows: Tensor | None = None
+        self.cuda_layout: Int4TileLayout | None = None
+        if isinstance(head, Int4Linear) and head.on_cuda:
+            self.cuda_layout = cuda_int4_layout(head.weight.device, head.inner_k_tiles)
+            if self.cuda_layout is None:
+                raise InvalidRequestError(
+                    "this torch build packs CUDA INT4 weights in a layout Infersight cannot "
+                    "read rows from, so a tied INT4 head cannot serve the embedding; use "
+                    "int8+head, or INT4 without +head"
+                )
+        if isinstance(head, Int4Linear) and not head.on_cuda:
+            block = cpu_paths().int4_block_rows
+            rows = head.out_features + head.padded_n
+            if block is None or rows % block:
+                raise InvalidRequestError(
+                    "this torch build packs INT4 weights in a layout Infersight cannot read "
+                    "rows from, so a tied INT4 head cannot serve the embedding; use int8+head, "
+                    "or INT4 without +head"
+                )
+            self.block = block
+
+    def forward(self, ids: Tensor) -> Tensor:
+        head = self.__dict__["head"]
+        flat = ids.reshape(-1)
+        if isinstance(head, Int8Linear):
+            rows = head.weight[flat].float() * head.scales[flat].float()[:, None]
+        else:
+            k = head.in_features + head.padded_k
+            q = self._int4_rows(head, flat, k).float() - 8
+            sz = head.scales_and_zeros[:, flat].float()  # [K/group, T, 2]
+            groups = q.view(len(flat), k // head.group, head.group)
+            rows = groups * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
+            rows = rows.reshape(len(flat), k)[:, : head.in_features]
+        rows = rows * self.inverse_scale
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def _int4_rows(self, head: Int4Linear, ids: Tensor, k: int) -> Tensor:
+        """Rows ``ids`` of the head's 4-bit values (0..15), read from its packed weight."""
+        if self.cuda_layout is not None:
+            return self.cuda_layout.read_rows(head.weight, ids, k)
+        return _read_int4_rows(head.weight, ids, self.block, k)
+
+
+def head_channel_scale(norm_weight: Tensor, alpha: float = 0.5) -> Tensor:
+    """Per-input-channel scale ``s`` for quantizing the LM head (activation-aware, as AWQ).
+
+    The head's input is the final RMSNorm's output, whose channel ``k`` has a magnitude set by
+    the norm weight ``g_k``. Quantizing ``W·diag(s)`` and feeding it ``x / s`` (the ``1/s``
+    folded into ``g``) is exact before rounding, and with ``s = |g|^alpha`` (mean 1) the
+    rounding error moves away from the channels that carry large activations. ``alpha = 0.5``
+    is AWQ's usual middle; it is not tuned to our evaluation text. On SmolLM2 with INT4-g32 it
+    cut the tied head's perplexity cost from +9.1% to +6.8% (`eval ppl`).
+    """
+    magnitude = norm_weight.detach().float().abs().clamp(min=1e-3)
+    scale = magnitude**alpha
+    return scale / scale.mean()

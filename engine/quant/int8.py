@@ -1,0 +1,93 @@
+"""The INT8 linear: per-channel INT8 weights run by ``torch._weight_int8pack_mm``.
+
+The kernel takes bf16 activations (on CUDA fp16 would do too); where a device has no such
+kernel, the weights stay int8 in memory and one matrix is converted per call. Which of the two
+runs is probed once per device on a tiny tensor, never decided by a failing call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.formats import quantize_int8
+from engine.hardware.cpu_paths import cpu_paths
+
+log = logging.getLogger(__name__)
+
+_INT8_KERNEL: dict[str, bool] = {}  # device → whether torch._weight_int8pack_mm runs there
+
+
+def int8_kernel_runs(device: torch.device) -> bool:
+    """Whether ``torch._weight_int8pack_mm`` runs, and gives the right answer, on ``device``.
+
+    Tried once per device on a tiny tensor. Only "this build has no such kernel" answers no
+    (NotImplementedError, or a RuntimeError such as "not available for build"); running out of
+    memory is no answer about the kernel and propagates, so it can never switch layers to the
+    slower converting path for good, as a try/except around every call once did.
+    """
+    key = str(device)
+    if key not in _INT8_KERNEL:
+        x = torch.ones(1, 32, dtype=torch.bfloat16, device=device)
+        w = torch.full((8, 32), 2, dtype=torch.int8, device=device)
+        scales = torch.full((8,), 0.5, dtype=torch.bfloat16, device=device)
+        try:
+            y = torch._weight_int8pack_mm(x, w, scales)
+            runs = bool(torch.all(y.float() == 32.0))
+            why = "" if runs else "it gave wrong results"
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (NotImplementedError, RuntimeError) as exc:
+            runs, why = False, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if not runs:
+            log.info("INT8 on %s: no int8 kernel (%s); weights are converted per call", key, why)
+        _INT8_KERNEL[key] = runs
+    return _INT8_KERNEL[key]
+
+
+class Int8Linear(nn.Module):
+    quantized = True
+    weight: Tensor
+    scales: Tensor
+    bias: Tensor | None
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # The kernel applies scales in the activation dtype, so q is computed against the
+        # scales rounded to it (once: quantize_int8 rounds before it divides).
+        q, scale = quantize_int8(weight, dtype)
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.padded_k = 0
+        # Probed once per device on a tiny tensor (on a CPU by engine.hardware), never decided
+        # by a failing call: only a missing kernel may switch a layer to the converting path.
+        cpu = weight.device.type == "cpu"
+        self.use_kernel = cpu_paths().int8_kernel.ok if cpu else int8_kernel_runs(weight.device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        else:  # weights stay int8 in memory; one matrix converted per call
+            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales))
+
+    @property
+    def kernel(self) -> str:
+        """The path this layer runs, for the load report."""
+        return "int8 kernel" if self.use_kernel else "int8 converted per call"
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"

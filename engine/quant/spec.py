@@ -1,0 +1,283 @@
+"""The precision spec: which format each linear of a model is stored in.
+
+A precision is a spec string: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4-g64``,
+``int8+head``, or ``mixed:attn=int8,mlp=int4-g32[,head=int8]``. A mixed spec may follow the
+part defaults with per-layer overrides, ``attn.N=<q>`` or ``mlp.N-M=<q>`` (layers N to M,
+inclusive), which beat the default for those blocks; ``none`` keeps a block in the compute
+dtype: ``mixed:attn=int4-g128,mlp=int4-g128,attn.0-2=int8,mlp.7=none``. That is what the
+sensitivity planner (:mod:`engine.evals.sensitivity`) writes, via :func:`format_mixed_spec`.
+Embeddings and norms stay in the compute dtype; the LM head is quantized only when the spec
+names it. Quantized models compute in bf16: the low-bit kernels take bf16 activations.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.hardware.cpu_paths import cpu_paths
+
+FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT4_GROUPS = (32, 64, 128)
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """``fp32`` / ``bf16`` / ``fp16`` for the float dtypes, torch's name otherwise."""
+    names = {v: k for k, v in FLOAT_DTYPES.items()}
+    return names.get(dtype, str(dtype)) if dtype is not None else "-"
+
+
+PARTS = ("attn", "mlp", "head")
+LAYER_PARTS = ("attn", "mlp")  # the parts every decoder layer has, so overrides can name them
+SPEC_HELP = (
+    "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128 (add +head to quantize the LM head "
+    "too), or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of int8, int4-gN, none, "
+    "optionally followed by per-layer overrides such as attn.3=<q> or mlp.0-5=<q>"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantKind:
+    bits: int  # 8 or 4
+    group: int | None = None  # INT4 group size
+
+    @property
+    def name(self) -> str:
+        return "int8" if self.bits == 8 else f"int4-g{self.group}"
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionSpec:
+    text: str
+    compute: torch.dtype
+    parts: dict[str, QuantKind] = field(default_factory=dict)  # "attn" / "mlp" / "head"
+    #: Per-layer overrides of a mixed spec, ``(part, layer) → kind``; ``None`` keeps that block
+    #: in the compute dtype. An override beats its part's default.
+    layers: dict[tuple[str, int], QuantKind | None] = field(default_factory=dict)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.parts) or any(k is not None for k in self.layers.values())
+
+    @property
+    def kinds(self) -> set[QuantKind]:
+        """Every quantized format the spec uses anywhere (what the device must run)."""
+        return set(self.parts.values()) | {k for k in self.layers.values() if k is not None}
+
+    def block_kind(self, part: str, layer: int) -> QuantKind | None:
+        """The format of one layer's ``attn`` or ``mlp`` block: its override, else the part's."""
+        if (part, layer) in self.layers:
+            return self.layers[(part, layer)]
+        return self.parts.get(part)
+
+    def kind_for(self, module_name: str) -> QuantKind | None:
+        """The format of a linear by module name (``layers.3.mlp.down_proj``, ``lm_head``);
+        ``None``: it stays in the compute dtype."""
+        part = part_of(module_name)
+        if part is None:
+            return None
+        layer = layer_of(module_name)
+        return self.parts.get(part) if layer is None else self.block_kind(part, layer)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse overrides naming layers a model of ``num_layers`` layers lacks.
+
+        The spec is parsed before the config is read, so this is a second step, run by the
+        loader once it knows the model: a typo'd index must not quietly change nothing.
+        """
+        beyond = sorted((layer, part) for part, layer in self.layers if layer >= num_layers)
+        if beyond:
+            layer, part = beyond[0]
+            raise InvalidRequestError(
+                f"{self.text!r} overrides {part}.{layer}, but this model has {num_layers} "
+                f"layers, numbered 0 to {num_layers - 1}; use layer indices below {num_layers}"
+            )
+
+
+def parse_quant_kind(text: str) -> QuantKind | None:
+    """One format by name: ``int8``, ``int4-g32|64|128``, or ``none`` (``None``)."""
+    return _quant_kind(text.strip(), text)
+
+
+def _quant_kind(text: str, whole: str) -> QuantKind | None:
+    if text == "none":
+        return None
+    if text == "int8":
+        return QuantKind(8)
+    if text.startswith("int4-g") and text[6:].isdigit():
+        group = int(text[6:])
+        if group not in INT4_GROUPS:
+            raise InvalidRequestError(
+                f"INT4 group size {group} in {whole!r} does not exist; available: "
+                f"{', '.join(f'int4-g{g}' for g in INT4_GROUPS)}"
+            )
+        return QuantKind(4, group)
+    raise InvalidRequestError(f"unknown precision {whole!r}; choose one of: {SPEC_HELP}")
+
+
+_LAYER_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
+#: Overrides are expanded layer by layer; an index past this is a typo, not a model (the
+#: largest open models have about a hundred layers), and must not expand into a hang.
+MAX_LAYER_INDEX = 4095
+
+
+def _override_layers(part: str, layers: str, item: str, whole: str) -> range:
+    """The layers ``N`` or ``N-M`` of an override key ``part.N[-M]``."""
+    if part not in LAYER_PARTS:
+        why = "the LM head has no layers" if part == "head" else f"{part!r} is no part"
+        raise InvalidRequestError(
+            f"cannot read {item!r} in {whole!r}: {why}; per-layer overrides are written "
+            "attn.N=<q> or mlp.N=<q>, or for layers N to M attn.N-M=<q>"
+        )
+    match = _LAYER_RANGE.fullmatch(layers)
+    if match is None:
+        raise InvalidRequestError(
+            f"{layers!r} in {item!r} ({whole!r}) is not a layer index; write {part}.N or "
+            f"{part}.N-M with N and M layer numbers counted from 0, e.g. {part}.0-3"
+        )
+    first = int(match.group(1))
+    last = int(match.group(2)) if match.group(2) is not None else first
+    if last < first:
+        raise InvalidRequestError(
+            f"the layer range {layers} in {item!r} ({whole!r}) runs backwards; write "
+            f"{part}.{last}-{first}"
+        )
+    if last > MAX_LAYER_INDEX:
+        raise InvalidRequestError(
+            f"layer {last} in {item!r} ({whole!r}) is past any model's last layer; layers are "
+            "counted from 0 up to the model's layer count less one"
+        )
+    return range(first, last + 1)
+
+
+def _parse_mixed(text: str) -> tuple[dict[str, QuantKind], dict[tuple[str, int], QuantKind | None]]:
+    parts: dict[str, QuantKind] = {}
+    layers: dict[tuple[str, int], QuantKind | None] = {}
+    for item in filter(None, text[6:].split(",")):
+        key, sep, value = item.partition("=")
+        part, dot, which = key.partition(".")
+        if not sep or (part not in PARTS and not dot):
+            raise InvalidRequestError(
+                f"cannot read {item!r} in {text!r}; write part=kind with part one of "
+                f"{', '.join(PARTS)}, or a per-layer override such as mlp.3=kind"
+            )
+        if not dot:
+            kind = _quant_kind(value, text)
+            if kind is not None:
+                parts[key] = kind
+            continue
+        span = _override_layers(part, which, item, text)
+        kind = _quant_kind(value, text)
+        for layer in span:
+            if (part, layer) in layers:
+                raise InvalidRequestError(
+                    f"{part}.{layer} is given more than one format in {text!r}; give each "
+                    "layer's block at most one override"
+                )
+            layers[(part, layer)] = kind
+    if not parts and not any(k is not None for k in layers.values()):
+        raise InvalidRequestError(f"{text!r} quantizes nothing; choose one of: {SPEC_HELP}")
+    return parts, layers
+
+
+def parse_precision_spec(text: str, device: torch.device | str = "cpu") -> PrecisionSpec:
+    text = text.strip()
+    dev = torch.device(device)
+    if text in FLOAT_DTYPES:
+        return PrecisionSpec(text, FLOAT_DTYPES[text])
+    parts: dict[str, QuantKind] = {}
+    layers: dict[tuple[str, int], QuantKind | None] = {}
+    base, plus_head = (text[: -len("+head")], True) if text.endswith("+head") else (text, False)
+    if plus_head and not base.startswith("mixed:"):
+        kind = _quant_kind(base, text)
+        assert kind is not None
+        parts = {"attn": kind, "mlp": kind, "head": kind}
+    elif text.startswith("mixed:"):
+        parts, layers = _parse_mixed(text)
+    else:
+        kind = _quant_kind(text, text)
+        assert kind is not None
+        parts = {"attn": kind, "mlp": kind}
+    spec = PrecisionSpec(text, torch.bfloat16, parts, layers)
+    int4 = any(k.bits == 4 for k in spec.kinds)  # overrides included
+    if dev.type == "cpu" and int4:
+        probe = cpu_paths().int4_kernel
+        if not probe.ok:
+            raise InvalidRequestError(
+                f"{text} cannot run on this CPU: torch's INT4 kernel is unavailable "
+                f"({probe.why}); use int8 or a float precision"
+            )
+    if dev.type == "cuda" and int4:
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major < 8:
+            raise InvalidRequestError(
+                f"INT4 needs a CUDA GPU of compute capability 8.0 or newer (Ampere+); this one is "
+                f"{major}.{minor}. Use int8, bf16 or fp16 here"
+            )
+    # The low-bit kernels take bf16 activations (on CUDA fp16 would do for INT8 only).
+    return spec
+
+
+def format_mixed_spec(
+    attn: QuantKind | None,
+    mlp: QuantKind | None,
+    head: QuantKind | None = None,
+    overrides: Mapping[tuple[str, int], QuantKind | None] | None = None,
+) -> str:
+    """The canonical ``mixed:`` text for part defaults and per-layer overrides.
+
+    Defaults come first (``head`` only when quantized), then the overrides, attention before
+    MLP, by layer, with runs of consecutive layers in the same format written as one range
+    (``mlp.0-5=int8``). Overrides equal to their part's default are dropped: they say nothing.
+    :func:`parse_precision_spec` reads the text back to the same defaults and overrides.
+    """
+    defaults = {"attn": attn, "mlp": mlp}
+    items = [f"attn={_kind_text(attn)}", f"mlp={_kind_text(mlp)}"]
+    if head is not None:
+        items.append(f"head={head.name}")
+    chosen = overrides or {}
+    for part in LAYER_PARTS:
+        own = sorted(
+            ((layer, kind) for (p, layer), kind in chosen.items() if p == part),
+            key=lambda item: item[0],
+        )
+        runs: list[tuple[int, int, QuantKind | None]] = []
+        for layer, kind in own:
+            if layer < 0:
+                raise ValueError(f"layer index {layer} of {part} is negative")
+            if kind == defaults[part]:
+                continue
+            if runs and runs[-1][1] == layer - 1 and runs[-1][2] == kind:
+                runs[-1] = (runs[-1][0], layer, kind)
+            else:
+                runs.append((layer, layer, kind))
+        for first, last, kind in runs:
+            span = str(first) if first == last else f"{first}-{last}"
+            items.append(f"{part}.{span}={_kind_text(kind)}")
+    return "mixed:" + ",".join(items)
+
+
+def _kind_text(kind: QuantKind | None) -> str:
+    return "none" if kind is None else kind.name
+
+
+def layer_of(module_name: str) -> int | None:
+    """The decoder layer a module belongs to (``layers.3.attn.o_proj`` → 3), if any."""
+    head, _, rest = module_name.partition(".")
+    index = rest.partition(".")[0]
+    return int(index) if head == "layers" and index.isdigit() else None
+
+
+def part_of(module_name: str) -> str | None:
+    """Which spec part a linear belongs to: ``attn``, ``mlp`` or ``head``."""
+    if module_name == "lm_head":
+        return "head"
+    if ".attn." in module_name:
+        return "attn"
+    if ".mlp." in module_name:
+        return "mlp"
+    return None

@@ -1,0 +1,219 @@
+"""Reading a llama.cpp GGUF file with the ``gguf`` package: its header and metadata, the
+Hugging Face-style ``config.json`` it implies, its tensors dequantized under their HF names
+(llama.cpp's rotary row permutation of Q/K undone by :func:`unpermute_rotary`), and the sampling
+its author recommends.
+
+:func:`read_gguf_header` reads what a file's header says (architecture, parameter count, the
+``config.json`` an import would write) without touching its tensor data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.model.config import ModelConfig
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+_TOP_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def open_gguf(path: Path) -> Any:
+    import gguf  # heavy import, only when a GGUF is actually read
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path} does not exist; give the path of a .gguf file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError …
+        raise ModelLoadError(
+            f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+            "check that the download is complete"
+        ) from exc
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.scores"):  # fmt: skip
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def gguf_array(reader: Any, key: str) -> list[Any]:
+    field = reader.fields.get(key)
+    return [] if field is None else list(field.contents())
+
+
+def _array_length(reader: Any, key: str) -> int:
+    """Elements of an array field, without decoding them (a vocabulary has 100k+ strings)."""
+    field = reader.fields.get(key)
+    return 0 if field is None else len(field.data)
+
+
+def supported_architecture(meta: dict[str, Any], src: Path) -> str:
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{src.name} holds a {arch or 'unknown'!r} model; GGUF import supports the "
+            f"architectures {', '.join(SUPPORTED_ARCHS)}"
+        )
+    return arch
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """What a GGUF file's header says; its tensor data is never read."""
+
+    path: Path
+    architecture: str
+    name: str
+    parameters: int  # elements of every tensor in this file
+    split_count: int  # 1, or how many files a split GGUF spans
+    config: dict[str, Any]  # the HF-style config.json an fp16 import writes
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config)
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """The header of the GGUF ``path``; raises :class:`UnsupportedModelError` for an
+    architecture the import does not support, :class:`ModelLoadError` for an unreadable file."""
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    arch = supported_architecture(meta, path)
+    return GGUFHeader(
+        path=path,
+        architecture=arch,
+        name=str(meta.get("general.name", path.stem)),
+        parameters=sum(int(t.n_elements) for t in reader.tensors),
+        split_count=int(meta.get("split.count", 1) or 1),
+        config=hf_config(meta, arch, reader, "fp16"),
+    )
+
+
+def count_gguf_parameters(path: Path) -> int:
+    """Elements of every tensor in a GGUF file (any architecture; say, a split file's
+    second part, whose header holds no model metadata)."""
+    return sum(int(t.n_elements) for t in open_gguf(path).tensors)
+
+
+def gguf_model_config(path: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of the model a GGUF file holds, from its header alone."""
+    return read_gguf_header(path).model_config()
+
+
+def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[str, Any]:
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise UnsupportedModelError(f"the GGUF lacks the metadata key {arch}.{name}")
+        return value
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = _array_length(reader, "tokenizer.ggml.tokens") or int(key("vocab_size"))
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[dtype],
+    }
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+        config["mlp_bias"] = False
+    for gguf_key, hf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("padding_token_id", "pad_token_id"),
+    ):
+        if f"tokenizer.ggml.{gguf_key}" in meta:
+            config[hf_key] = int(meta[f"tokenizer.ggml.{gguf_key}"])
+    return config
+
+
+def unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of Q/K rows.
+
+    HF Llama rotates the two *halves* of each head (``rotate_half``); llama.cpp rotates
+    *adjacent pairs*, so its converter interleaves each head's rows. This is the inverse.
+    """
+    rows = weight.shape[0]
+    half = rows // heads // 2
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    data = dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(data, dtype=np.float32)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_TENSORS:
+        return _TOP_TENSORS[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+#: llama.cpp's recommended-sampling keys → ``generation_config.json`` keys
+_GGUF_SAMPLING = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def gguf_sampling(meta: dict[str, Any]) -> dict[str, Any]:
+    """The sampling a GGUF's author recommends (``general.sampling.*``), as
+    ``generation_config.json`` keys; ``{}`` when the file says nothing."""
+    out: dict[str, Any] = {}
+    for key, name in _GGUF_SAMPLING.items():
+        value = meta.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # GGUF stores float32: 0.9 reads back as 0.8999999761…
+            out[name] = int(value) if name == "top_k" else float(f"{value:.6g}")
+    if out:
+        out["do_sample"] = out.get("temperature", 1.0) > 0
+    return out
