@@ -1,6 +1,6 @@
 # Infersight — the two commands that matter:
 #   make run    set up .venv, fetch the default model, open the desktop app
-#   make test   set up .venv with the dev extras, lint, type-check, run the tests
+#   make test   set up .venv with the dev extras, lint, check the layers, type-check, run the tests
 #
 # TORCH_SPEC picks the torch build installed into .venv before anything else. The default pin
 # takes a CPU build that lies on the CI machines' disk; for a CUDA build on your own machine use
@@ -47,10 +47,11 @@ chat: $(VENV)/.stamp-run
 test: $(VENV)/.stamp-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	@$(BIN)/mypy engine app widgets & typing=$$!; \
 	  $(BIN)/infersight models pull; pulled=$$?; \
 	  wait $$typing && [ $$pulled = 0 ]
-	@cap=$$($(BIN)/python -c 'from engine.hardware import native_level; print(native_level())') \
+	@cap=$$($(BIN)/python -c 'from engine.hardware.cpu_paths import native_level; print(native_level())') \
 	  || exit 1; \
 	if [ "$$cap" = AVX512 ]; then \
 	  echo "AVX2 leg: the engine's tests as if on an AVX2-only CPU"; \
