@@ -63,9 +63,11 @@ def sampling_params(
     return SamplingParams(**sampling_kwargs(base, overrides), seed=args.seed, stop=tuple(args.stop))
 
 
-def progress_printer(stream: Any = sys.stderr) -> Callable[[str, int, int], None]:
-    """Progress of a pull or import on stderr: one updating line on a terminal, a line per
-    quarter otherwise (logs stay short)."""
+def progress_printer(stream: Any = None) -> Callable[[str, int, int], None]:
+    """Progress of a pull or import on ``stream`` (default: stderr as it is when called, not
+    as it was at import): one updating line on a terminal, a line per quarter otherwise (logs
+    stay short)."""
+    stream = sys.stderr if stream is None else stream
     tty = bool(getattr(stream, "isatty", lambda: False)())
     step = 1 if tty else 25
     last: dict[str, int] = {}
