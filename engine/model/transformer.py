@@ -229,5 +229,10 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         if logits_indices is not None:
+            if logits_indices.numel() == 0:
+                # A step of mid-prompt chunks only samples nothing. No GEMM is launched on 0
+                # rows: CUDA's INT4 kernel (tinygemm) fails on the empty grid and the INT8
+                # kernel's error surfaces at a later launch (a shape check, no sync).
+                return x.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
             x = x[logits_indices]
         return self.lm_head(self.norm(x)).float()
