@@ -348,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan for this much device memory (12GiB, 24GB …) instead of what is free here",
     )
     p.add_argument(
+        "--capability",
+        default=None,
+        help="plan for a CUDA GPU of this compute capability (7.5 for an RTX 20xx, 8.6 for an "
+        "RTX 30xx …) instead of this machine's: below 8.0 bf16 and INT4 are not planned",
+    )
+    p.add_argument(
         "--kv-memory",
         type=float,
         default=None,

@@ -48,11 +48,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from app.loading import resolve_device, resolve_model_folder
     from engine.core.config import EngineConfig
-    from engine.loader.memory_plan import parse_bytes, plan_memory
+    from engine.errors import InvalidRequestError
+    from engine.hardware.gpu import parse_capability
+    from engine.loader.memory_plan import MemoryPlan, parse_bytes, plan_memory
     from engine.model.config import ModelConfig
 
     memory = parse_bytes(args.memory) if args.memory else None
+    capability = parse_capability(args.capability) if args.capability else None
     device = args.device if memory is not None and args.device != "auto" else None
+    if capability is not None and args.device == "auto":  # a capability is a CUDA GPU's
+        device = "cuda"
     device = device or resolve_device(args.device)
     path = Path(args.model).expanduser()
     if path.suffix.lower() == ".json" and path.is_file():
@@ -66,22 +71,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg, name = ModelConfig.from_file(folder / "config.json"), folder.name
     config = EngineConfig(kv_memory=args.kv_memory)
     texts = [t.strip() for t in (args.precision or ",".join(PLAN_PRECISIONS)).split(",")]
-    plans = [
-        plan_memory(cfg, text, device, memory=memory, config=config, name=name)
-        for text in texts
-        if text
-    ]
+    plans: list[MemoryPlan] = []
+    skipped: list[str] = []
+    refusals: list[InvalidRequestError] = []
+    for text in filter(None, texts):
+        try:
+            plan = plan_memory(cfg, text, device, memory=memory, config=config, name=name,
+                               capability=capability)  # fmt: skip
+        except InvalidRequestError as exc:
+            if args.precision:  # asked for by name: say why it cannot run
+                raise
+            skipped.append(text)  # the default table: only what the device runs natively
+            refusals.append(exc)
+        else:
+            plans.append(plan)
+    if not plans:  # nothing could be planned: say why the first one could not
+        raise refusals[0]
     if args.json:
         print(json.dumps([p.as_json() for p in plans], indent=2))
     elif len(plans) == 1:
         print("\n".join(plans[0].lines()))
     else:
         print(
-            f"Memory plan: {name} on {plans[0].device}, {plans[0].budget_source} "
+            f"Memory plan: {name} on {plans[0].where}, {plans[0].budget_source} "
             f"{plans[0].budget_bytes / 2**30:.2f} GiB"
         )
         for plan in plans:
             print(f"  {plan.one_line()}")
+        if skipped:
+            print(f"  not planned: {', '.join(skipped)}: {refusals[0]}")
     return 0 if any(p.fits for p in plans) else 3
 
 

@@ -19,7 +19,9 @@ The plan (:func:`plan_memory`) adds up, from ``config.json`` alone:
 
 From the memory the device has (free memory now, or ``memory=`` for another machine), it gives
 the longest context one sequence can reach and the largest batch at a given context, and says
-why a load cannot fit with a precision or context that would.
+why a load cannot fit with a precision or context that would. On a CUDA GPU the precisions it
+plans and suggests are those its compute capability runs natively (:mod:`engine.hardware.gpu`):
+the GPU's own, or ``capability=`` for another machine's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from engine.core.config import kv_pool_blocks
 from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.formats import QUANT_CHUNK_BYTES
+from engine.hardware import gpu
 from engine.hardware.memory import free_memory
 from engine.model.config import ModelConfig
 from engine.quant.sizes import weight_bytes_by_kind
@@ -72,6 +75,8 @@ class MemoryPlan:
     max_position: int  # the model's own context limit
     suggestion: str = ""  # a precision or context that fits, when this does not
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: the CUDA compute capability planned for; None: a CPU, or a GPU not known
+    capability: tuple[int, int] | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -157,7 +162,7 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The plan as a table (``infersight plan``, the app's plan box)."""
-        rows = [f"Memory plan: {self.model} at {self.precision} on {self.device}"]
+        rows = [f"Memory plan: {self.model} at {self.precision} on {self.where}"]
         for kind, nbytes in self.weights.items():
             if nbytes:
                 rows.append(f"  weights  {kind:<10} {_mib(nbytes):>12}")
@@ -183,6 +188,14 @@ class MemoryPlan:
         rows += [f"  note: {n}" for n in self.notes]
         return rows
 
+    @property
+    def where(self) -> str:
+        """The device, with the compute capability planned for: ``cuda (compute capability
+        7.5)``."""
+        if self.capability is None:
+            return self.device
+        return f"{self.device} (compute capability {gpu.capability_text(self.capability)})"
+
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(
@@ -207,6 +220,7 @@ def plan_memory(
     name: str = "model",
     reclaimable: int = 0,
     packed: bool | None = None,
+    capability: gpu.Capability | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``cfg`` at ``precision`` on ``device``.
 
@@ -216,14 +230,27 @@ def plan_memory(
     engine's own default pool. ``packed``: whether a CPU lays a tied float head out again
     (:func:`engine.quant.sizes.estimate_weight_bytes`); ``None`` takes this machine's measured
     verdict (never timing now), and planning for another device assumes it does not.
+    ``capability``: the CUDA compute capability to plan for (another machine's GPU, ``(7, 5)``
+    for an RTX 20xx); by default the GPU's own where it is in this machine. The plan is refused
+    for a precision that GPU cannot run natively, and never suggests one.
     """
     from engine.core.config import EngineConfig
 
     torch_device = torch.device(device)
+    if capability is not None and torch_device.type != "cuda":
+        raise InvalidRequestError(
+            f"a compute capability describes a CUDA GPU, and this plan is for {device}; plan "
+            "for a GPU with --device cuda, or leave --capability out"
+        )
+    given = capability
     # A plan for memory of another machine does not ask this one's device (which may be
-    # absent: a plan for a 12 GiB GPU made on a laptop) which kernels it runs.
-    probe = torch.device("meta") if memory is not None else torch_device
-    spec = parse_precision_spec(precision, probe)
+    # absent: a plan for a 12 GiB GPU made on a laptop) which kernels it runs; a GPU that is
+    # here is asked its capability, unless one is given.
+    here = memory is None or (given is None and gpu.present(torch_device))
+    probe = torch_device if here else torch.device("meta")
+    if given is None and here:
+        capability = gpu.capability(torch_device)
+    spec = parse_precision_spec(precision, probe, capability=given)
     spec.check_layers(cfg.num_layers)
     config = config or EngineConfig()
     if memory is not None:
@@ -241,11 +268,13 @@ def plan_memory(
         packed = packs(spec.compute, cfg.vocab_size, cfg.hidden_size, measure=False)
     # On a GPU measured now the context already exists: its free memory leaves it out.
     runtime = CUDA_RUNTIME_BYTES if torch_device.type == "cuda" and memory is not None else 0
-    target = _Target(cfg, torch_device, config, budget, source, runtime, packed, name)
+    target = _Target(
+        cfg, torch_device, config, budget, source, runtime, packed, name, capability, probe, given
+    )
     plan = target.plan(spec)
     if plan.fits:
         return plan
-    return replace(plan, suggestion=target.suggestion(plan, probe))
+    return replace(plan, suggestion=target.suggestion(plan))
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +290,12 @@ class _Target:
     runtime: int
     packed: bool | None
     name: str
+    capability: gpu.Capability | None  # the GPU's, or the one given; None: not known
+    probe: torch.device  # the device specs are parsed for
+    given: gpu.Capability | None  # the capability planned for instead of the probe's
+
+    def parse(self, text: str) -> PrecisionSpec:
+        return parse_precision_spec(text, self.probe, capability=self.given)
 
     def plan(self, spec: PrecisionSpec) -> MemoryPlan:
         cfg, config = self.cfg, self.config
@@ -270,7 +305,14 @@ class _Target:
         room = max(0, self.budget - sum(weights.values()) - self.runtime - workspace)
         blocks = kv_pool_blocks(cfg, config, spec.compute, self.device, float(room))
         window = cfg.sliding_window
-        notes = (f"sliding window of {window} tokens: KV beyond it is released",) if window else ()
+        notes: tuple[str, ...] = ()
+        if window:
+            notes += (f"sliding window of {window} tokens: KV beyond it is released",)
+        if self.device.type == "cuda" and self.capability is None:
+            notes += (
+                "compute capability unknown: planned for 8.0 or newer (bf16, INT4); for an "
+                "older GPU pass --capability (7.5 for an RTX 20xx)",
+            )
         return MemoryPlan(
             model=self.name,
             device=str(self.device),
@@ -285,15 +327,15 @@ class _Target:
             budget_source=self.source,
             max_position=cfg.max_position_embeddings,
             notes=notes,
+            capability=self.capability,
         )
 
-    def suggestion(self, plan: MemoryPlan, probe: torch.device) -> str:
+    def suggestion(self, plan: MemoryPlan) -> str:
         """The best-quality smaller precision that fits with the same engine config, else
-        what else would help."""
-        for text in (dtype_name(parse_precision_spec(plan.precision, probe).compute),
-                     *SUGGESTIONS):  # fmt: skip
+        what else would help; only precisions the device runs natively."""
+        for text in (dtype_name(self.parse(plan.precision).compute), *SUGGESTIONS):
             try:
-                other = self.plan(parse_precision_spec(text, probe))
+                other = self.plan(self.parse(text))
             except InvalidRequestError:  # not available on this device
                 continue
             if other.weight_bytes < plan.weight_bytes and other.fits:

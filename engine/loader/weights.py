@@ -156,7 +156,7 @@ def load_transformer(
             assert head_scale is not None
             tensor = (tensor / head_scale.to(device)).to(dtype)
         if kind is not None:
-            _quantize_into(model, module_name, tensor, kind)
+            _quantize_into(model, module_name, tensor, kind, dtype)
         else:
             _assign(model, ours, tensor)
         loaded.add(ours)
@@ -191,7 +191,7 @@ def _load_quantized_head(
             f"the LM head has shape {tuple(weight.shape)}, config.json implies {expected}; "
             "config and weights disagree"
         )
-    _quantize_into(model, "lm_head", weight.mul_(scale), kind)
+    _quantize_into(model, "lm_head", weight.mul_(scale), kind, dtype)
     if cfg.tie_word_embeddings:  # one quantized matrix serves the head and the embedding
         head = model.lm_head
         assert isinstance(head, (Int8Linear, Int4Linear))
@@ -246,7 +246,9 @@ class _Fused:
         return not self.missing
 
 
-def _quantize_into(model: nn.Module, module_name: str, weight: Tensor, kind: QuantKind) -> None:
+def _quantize_into(
+    model: nn.Module, module_name: str, weight: Tensor, kind: QuantKind, dtype: torch.dtype
+) -> None:
     from engine.quant.linear import quantized_linear
 
     parent_name, _, attr = module_name.rpartition(".")
@@ -258,7 +260,7 @@ def _quantize_into(model: nn.Module, module_name: str, weight: Tensor, kind: Qua
             f"implies {tuple(current.weight.shape)}; config and weights disagree"
         )
     bias = current.bias if current.bias is not None and not current.bias.is_meta else None
-    setattr(parent, attr, quantized_linear(weight, bias, kind))
+    setattr(parent, attr, quantized_linear(weight, bias, kind, dtype))
 
 
 def _map_name(hf_name: str) -> tuple[str, int | None] | None:
@@ -286,7 +288,9 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
     if getattr(module, "quantized", False) and attr == "bias":  # arrived after its weight
         if tuple(tensor.shape) != (int(getattr(module, "out_features", -1)),):
             raise ModelLoadError(f"tensor for {name} has shape {tuple(tensor.shape)}")
-        module.bias = tensor.to(torch.bfloat16)
+        # in the layer's output dtype: INT8's scales' (the compute dtype), INT4's bf16
+        out = module.scales.dtype if isinstance(module, Int8Linear) else torch.bfloat16
+        module.bias = tensor.to(out)
         return
     current = getattr(module, attr)
     if current.shape != tensor.shape:

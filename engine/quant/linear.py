@@ -10,9 +10,13 @@ from engine.quant.int8 import Int8Linear
 from engine.quant.spec import QuantKind
 
 
-def quantized_linear(weight: Tensor, bias: Tensor | None, kind: QuantKind) -> nn.Module:
-    """Build the quantized module for one full-precision weight (any float dtype)."""
+def quantized_linear(
+    weight: Tensor, bias: Tensor | None, kind: QuantKind, dtype: torch.dtype = torch.bfloat16
+) -> nn.Module:
+    """Build the quantized module for one full-precision weight (any float dtype). ``dtype``:
+    the model's compute dtype, INT8's activations and scales (fp16 on a GPU older than compute
+    capability 8.0); INT4 takes bf16 whatever it is."""
     if kind.bits == 8:
-        return Int8Linear(weight, bias, torch.bfloat16)
+        return Int8Linear(weight, bias, dtype)
     assert kind.group is not None
     return Int4Linear(weight, bias, kind.group)

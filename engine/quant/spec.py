@@ -7,7 +7,9 @@ inclusive), which beat the default for those blocks; ``none`` keeps a block in t
 dtype: ``mixed:attn=int4-g128,mlp=int4-g128,attn.0-2=int8,mlp.7=none``. That is what the
 sensitivity planner (:mod:`engine.evals.sensitivity`) writes, via :func:`format_mixed_spec`.
 Embeddings and norms stay in the compute dtype; the LM head is quantized only when the spec
-names it. Quantized models compute in bf16: the low-bit kernels take bf16 activations.
+names it. Quantized models compute in bf16 (INT4's kernels take bf16 activations only), except
+on a CUDA GPU older than compute capability 8.0, where bf16 is emulated: there they compute in
+fp16, and bf16 and INT4 are refused (the policy is :mod:`engine.hardware.gpu`'s).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.hardware import gpu
 from engine.hardware.cpu_paths import cpu_paths
 
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -184,10 +187,31 @@ def _parse_mixed(text: str) -> tuple[dict[str, QuantKind], dict[tuple[str, int],
     return parts, layers
 
 
-def parse_precision_spec(text: str, device: torch.device | str = "cpu") -> PrecisionSpec:
+def parse_precision_spec(
+    text: str, device: torch.device | str = "cpu", *, capability: gpu.Capability | None = None
+) -> PrecisionSpec:
+    """The spec ``text`` as it runs on ``device``, refused where that device cannot run it.
+
+    On a CUDA device its compute capability decides (:mod:`engine.hardware.gpu`): below 8.0
+    quantized specs compute in fp16, and bf16 and INT4 are refused with what to use instead.
+    ``capability`` plans for a GPU that is not this machine's (``infersight plan --capability
+    7.5``): the policy then applies as on that GPU, and ``device`` is not asked (``meta``).
+    On a CPU the probes decide whether INT4 runs.
+    """
     text = text.strip()
     dev = torch.device(device)
     if text in FLOAT_DTYPES:
+        if text == "bf16":
+            cap = _capability(dev, capability)
+            if not gpu.runs_bf16(cap):
+                assert cap is not None
+                which, where = _which(capability)
+                raise InvalidRequestError(
+                    f"bf16 needs compute capability 8.0 or newer ({which} is "
+                    f"{gpu.capability_text(cap)}); use fp16, or int8 (which computes in fp16 "
+                    f"{where}) where fp16 does not fit: below 8.0 bf16 has no tensor cores and "
+                    "attention falls back to fp32 scores"
+                )
         return PrecisionSpec(text, FLOAT_DTYPES[text])
     parts: dict[str, QuantKind] = {}
     layers: dict[tuple[str, int], QuantKind | None] = {}
@@ -202,24 +226,38 @@ def parse_precision_spec(text: str, device: torch.device | str = "cpu") -> Preci
         kind = _quant_kind(text, text)
         assert kind is not None
         parts = {"attn": kind, "mlp": kind}
-    spec = PrecisionSpec(text, torch.bfloat16, parts, layers)
-    int4 = any(k.bits == 4 for k in spec.kinds)  # overrides included
-    if dev.type == "cpu" and int4:
+    int4 = any(k.bits == 4 for k in parts.values()) or any(
+        k is not None and k.bits == 4 for k in layers.values()
+    )  # overrides included
+    if dev.type == "cpu" and capability is None and int4:
         probe = cpu_paths().int4_kernel
         if not probe.ok:
             raise InvalidRequestError(
                 f"{text} cannot run on this CPU: torch's INT4 kernel is unavailable "
                 f"({probe.why}); use int8 or a float precision"
             )
-    if dev.type == "cuda" and int4:
-        major, minor = torch.cuda.get_device_capability(dev)
-        if major < 8:
-            raise InvalidRequestError(
-                f"INT4 needs a CUDA GPU of compute capability 8.0 or newer (Ampere+); this one is "
-                f"{major}.{minor}. Use int8, bf16 or fp16 here"
-            )
-    # The low-bit kernels take bf16 activations (on CUDA fp16 would do for INT8 only).
-    return spec
+    cap = _capability(dev, capability)
+    if int4 and not gpu.runs_int4(cap):
+        assert cap is not None
+        which, where = _which(capability)
+        raise InvalidRequestError(
+            f"INT4 needs a CUDA GPU of compute capability 8.0 or newer (Ampere+: torch's INT4 "
+            f"kernel takes bf16 activations only); {which} is {gpu.capability_text(cap)}, so "
+            f"{text} cannot run {where}. Use int8 (it computes in fp16 {where}) or fp16"
+        )
+    # INT8's kernel takes bf16 or fp16 activations; INT4's bf16 only, and it runs only where
+    # bf16 does.
+    return PrecisionSpec(text, gpu.compute_dtype_for(cap), parts, layers)
+
+
+def _capability(dev: torch.device, given: gpu.Capability | None) -> gpu.Capability | None:
+    """The capability planned for, else ``dev``'s own (asked only when the spec needs it)."""
+    return given if given is not None else gpu.capability(dev)
+
+
+def _which(given: gpu.Capability | None) -> tuple[str, str]:
+    """How a refusal names the GPU: this machine's, or the one a plan is made for."""
+    return ("this GPU", "here") if given is None else ("the GPU planned for", "there")
 
 
 def format_mixed_spec(
