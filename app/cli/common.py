@@ -1,5 +1,5 @@
-"""What the commands share: the engine's configuration and sampling from their options,
-loading the command's model, and progress lines on stderr.
+"""What the commands share: the CUDA allocator's settings, the engine's configuration and
+sampling from their options, loading the command's model, and progress lines on stderr.
 
 Everything here imports torch (through the engine) only when called, so that the parser,
 which imports the command modules, stays fast.
@@ -8,8 +8,9 @@ which imports the command modules, stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
@@ -17,6 +18,26 @@ from engine.errors import InvalidRequestError
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
     from engine.core.sampling import SamplingParams
+
+
+#: the CUDA allocator's settings the ``infersight`` command starts with: the K/V a step gathers
+#: changes size every token, which splits the default allocator's fixed segments into pieces
+#: too small to reuse; expandable segments grow in place instead
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def configure_cuda_allocator(
+    environ: MutableMapping[str, str] | None = None, platform: str | None = None
+) -> str | None:
+    """Give the CUDA allocator :data:`CUDA_ALLOC_CONF` unless the user set
+    ``PYTORCH_CUDA_ALLOC_CONF`` themselves (theirs is kept as it is). Must run before torch
+    initialises CUDA, which reads it once; it imports nothing. Linux only: PyTorch has
+    expandable segments nowhere else, and would warn. Returns the setting in force."""
+    environ = os.environ if environ is None else environ
+    platform = sys.platform if platform is None else platform
+    if "PYTORCH_CUDA_ALLOC_CONF" not in environ and platform.startswith("linux"):
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
+    return environ.get("PYTORCH_CUDA_ALLOC_CONF")
 
 
 def engine_config(

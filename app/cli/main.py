@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from app.cli.bench import cmd_bench, cmd_tune
+from app.cli.common import configure_cuda_allocator
 from app.cli.eval import cmd_eval_compare, cmd_eval_ppl, cmd_eval_scan
 from app.cli.models import (
     PLAN_PRECISIONS,
@@ -34,6 +35,7 @@ DEVICE_HELP = "auto (CUDA when torch sees one, else cpu), cpu, cuda, cuda:1 …"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    configure_cuda_allocator()  # before anything initialises CUDA
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -31,7 +31,10 @@ class WorkerFront:
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
         self.server: Server | None = None  # set by ServeHost: whose metrics to fill
-        self.out_of_memory = 0
+
+    @property
+    def out_of_memory(self) -> int:
+        return self.worker.recovery.out_of_memory
 
     @property
     def engine(self) -> LLMEngine | None:

@@ -8,8 +8,10 @@ and sends a metrics view a few times a second.
 
 Loading runs on a third, short-lived thread so the current model keeps answering; when the new
 one is ready it takes new requests and the old one finishes what it was doing, then is dropped.
-A failed load leaves the current model in place. An exception inside ``step()`` ends that
-engine's replies with an error and the worker carries on.
+A failed load leaves the current model in place. A step that runs out of memory is recovered
+from as ``infersight serve`` does (:mod:`engine.core.recovery`): a smaller prefill chunk, or
+only the largest reply ended, with a message in the chat; any other exception inside ``step()``
+ends that engine's replies with an error; either way the worker carries on.
 
 Two workers can run side by side (one engine each), which is what an A/B view needs.
 
@@ -39,7 +41,7 @@ from app.gui.commands import (
     _LoadFailed,
     _Unload,
 )
-from app.gui.worker_loop import WorkerLoop
+from app.gui.worker_loop import OOM_MARGIN_MIB, WorkerLoop
 from app.loading import LoadSpec, load_engine, needs_download, plan_load
 from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, InfersightError
@@ -65,7 +67,6 @@ class EngineWorker(WorkerLoop):
     load_failed = Signal(str)
     unloaded = Signal(str)  # the model went before a load that needs its memory; why
     planned = Signal(object)  # the memory plan of the load starting (a MemoryPlan)
-    notice = Signal(str)  # something the user should know that is not an error
     #: the speculation in force after a Speculate or a new engine: its text ("" off), k, and
     #: why the change asked for failed ("" when it did not)
     speculation_applied = Signal(str, int, str)
@@ -150,6 +151,8 @@ class EngineWorker(WorkerLoop):
                 "wait for it to finish before loading another model"
             )
         self._loading = spec
+        self.recovery.release()  # the load's plan counts free memory: the margin's is free
+        self._free_memory()
         self.loading.emit(spec)
         self._load_cancel = threading.Event()
         speculation = (self._settings.speculation, self._settings.draft_k)
@@ -238,6 +241,7 @@ class EngineWorker(WorkerLoop):
             self._flush()
             self._end_tune("the model was unloaded")
             self.engine, self.info, self._retiring = None, None, []
+            self.recovery.release()
             self._free_memory()
             self.unloaded.emit(
                 f"Unloaded {info.name} ({info.precision}) first: it and "
@@ -264,6 +268,8 @@ class EngineWorker(WorkerLoop):
         if engine is None or mib is None or engine.has_work() or busy:
             return
         self._resize_to = None
+        self.recovery.release()  # room for the new pool beside the old one
+        self._free_memory()
         try:
             resized = engine.with_pool(kv_memory=mib * 2**20)
         except InfersightError as exc:
@@ -301,9 +307,15 @@ class EngineWorker(WorkerLoop):
             self._retiring.append(self.engine)  # finishes its replies, then goes
         self._use_device_stream(engine)
         self.engine, self.info = engine, info
+        # held back on a GPU only: on a CPU, running out of memory is not recovered from
+        self.recovery.margin_bytes = OOM_MARGIN_MIB << 20 if engine.device.type == "cuda" else 0
         self._free_memory()
         self.loaded.emit(info)
         self._emit_metrics()
+
+    def _margin_wanted(self) -> bool:
+        """No margin while a load or a new KV pool waits for the memory."""
+        return self._loading is None and self._resize_to is None
 
     def _step_all(self) -> None:
         """A step of every engine, then the resize that waited for their replies to end."""

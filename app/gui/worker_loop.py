@@ -37,6 +37,7 @@ from engine.bench.load_spec import LoadResult
 from engine.bench.loadgen import Driver, LoadGenerator
 from engine.bench.tuning import Sweep
 from engine.core.engine import LLMEngine
+from engine.core.recovery import Stepped, StepRecovery
 from engine.core.sampling import SamplingParams
 from engine.errors import InfersightError
 from engine.kv_cache.window import CacheWindow
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 METRICS_S = 0.25  # metrics while working
 IDLE_METRICS_S = 1.0  # metrics while idle
 LIVE_RESULT_S = 1.0  # a running live load's figures are recomputed at most this often
+#: GPU memory the worker holds back while idle and lets go when a step runs out of memory, so
+#: that recovering has room (the same as ``infersight serve``'s default ``--oom-margin-mib``)
+OOM_MARGIN_MIB = 256
 
 
 @dataclass(slots=True)
@@ -75,6 +79,7 @@ class WorkerLoop(QObject):
     reply_stats = Signal(object)  # ReplyStats
     metrics = Signal(object)  # EngineView
     error = Signal(str)  # a command that could not be done; the worker goes on
+    notice = Signal(str)  # something the user should know that is not an error
     paused = Signal(bool)
     tune_status = Signal(object)  # TuneStatus
     stopped = Signal()
@@ -98,6 +103,9 @@ class WorkerLoop(QObject):
         self._tune_engine: LLMEngine | None = None
         self._live_result: LoadResult | None = None
         self._live_result_at = 0.0
+        #: steps the engines, recovering from a step that runs out of memory as the server
+        #: does (:mod:`engine.core.recovery`); its margin is set for a CUDA engine
+        self.recovery = StepRecovery()
 
     # -- any thread ------------------------------------------------------------------------
     def post(self, command: Command) -> None:
@@ -364,6 +372,7 @@ class WorkerLoop(QObject):
         self.engine, self.info, self._retiring = None, None, []
         while not self._commands.empty():  # e.g. a _Loaded engine that arrived after Stop
             self._commands.get_nowait()
+        self.recovery.release()
         self._free_memory()
 
     @staticmethod
@@ -385,11 +394,14 @@ class WorkerLoop(QObject):
             if not engine.has_work():
                 continue
             try:
-                events = engine.step()
+                stepped = self.recovery.step(engine)
             except Exception as exc:
                 log.exception("engine step failed")
                 self._fail_engine(engine, exc)
                 continue
+            if stepped.out_of_memory:
+                self._recovered(engine, stepped)
+            events = stepped.events
             if tune is not None and engine is self._tune_engine:
                 self._tune_step(lambda d: d.observe(events))  # noqa: B023 (called at once)
             for event in events:
@@ -414,6 +426,42 @@ class WorkerLoop(QObject):
         if idle:
             self._retiring = [e for e in self._retiring if e not in idle]
             self._free_memory()
+        current = self.engine
+        if current is not None and self._margin_wanted() and not self._has_work():
+            self.recovery.reserve(current.device)  # taken again once the engines are idle
+
+    def _margin_wanted(self) -> bool:
+        """Whether the out-of-memory margin may be held now (not while a load needs room)."""
+        return True
+
+    def _recovered(self, engine: LLMEngine, stepped: Stepped) -> None:
+        """A step ran out of memory and went on: the replies it had to end get a message
+        saying why and what to do, served requests their error; a lowered prefill chunk is
+        told in the chat. A tune's figures would measure the recovery: it stops."""
+        if engine is self._tune_engine:
+            self._end_tune("stopped: the engine ran out of memory during the load")
+        where = "GPU" if engine.device.type == "cuda" else str(engine.device)
+        for rid, exc in stepped.failed.items():
+            reply = self._replies.pop(rid, None)
+            if reply is not None:
+                seq = stepped.ended.get(rid)
+                size = f" ({seq.num_tokens} tokens)" if seq is not None else ""
+                message = (
+                    f"{where} memory ran out for this reply{size}, with nothing smaller left to "
+                    "try; shorten the conversation (a new chat, or delete earlier messages), "
+                    "ask for fewer new tokens, or load the model with a smaller KV pool"
+                )
+                self._pending.append(Delta(reply.tag, reply.candidate, "", "error", message))
+            served = self._served.pop(rid, None)
+            if served is not None:
+                served[1](exc)
+        if stepped.chunk is not None:
+            was, now = stepped.chunk
+            self.notice.emit(
+                f"{engine.name} ran out of memory computing a prompt {was} tokens a step; it "
+                f"now computes prompts {now} tokens a step, which needs less memory, and the "
+                "reply went on"
+            )
 
     def _finished(self, request_id: str, reply: _Reply) -> None:
         del self._replies[request_id]

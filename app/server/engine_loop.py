@@ -14,14 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-
 from app.server.logs import log, log_event
 from app.server.metrics import ServerMetrics
 from engine.core.engine import LLMEngine
 from engine.core.metrics import RequestMetrics
 from engine.core.output import TokenEvent
+from engine.core.recovery import StepRecovery
 from engine.core.sampling import SamplingParams
+from engine.core.sequence import Sequence as Seq
 
 # -- health -------------------------------------------------------------------------------------
 
@@ -89,12 +89,20 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="infersight-engine", daemon=True)
         self._last_snapshot = 0.0
-        #: memory held back from the allocator and let go when a step runs out of memory, so
-        #: that failing its requests and serving the next ones has room (taken again when idle)
-        self.margin_bytes = margin_bytes
-        self._margin: torch.Tensor | None = None
-        self.out_of_memory = 0  # steps that ran out of memory
+        #: steps the engine, and recovers from a step that runs out of memory the same way as
+        #: the app's worker (:mod:`engine.core.recovery`); ``margin_bytes`` is held back from
+        #: the allocator and let go then, so that recovering has room (taken again when idle)
+        self.recovery = StepRecovery(margin_bytes)
         self._reserve()
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.recovery.margin_bytes
+
+    @property
+    def out_of_memory(self) -> int:
+        """Steps that ran out of memory."""
+        return self.recovery.out_of_memory
 
     @property
     def alive(self) -> bool:
@@ -141,7 +149,7 @@ class EngineLoop:
                     self._step()
                     if engine.hold_s > 0:
                         time.sleep(min(engine.hold_s, 0.01))
-                elif self._margin is None:
+                elif not self.recovery.margin_held:
                     self._reserve()
                 self._snapshot()
             except Exception:  # whatever it was, the loop goes on serving
@@ -164,13 +172,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            events = self.engine.step()
+            stepped = self.recovery.step(self.engine)
         except Exception as exc:  # the step's requests end with the error; serving goes on
-            if isinstance(exc, torch.OutOfMemoryError):
-                self.out_of_memory += 1
-                self._margin = None  # the room to fail them in and go on
-                if self.engine.device.type == "cuda":
-                    torch.cuda.empty_cache()
             log.exception("engine step failed")
             self.metrics.engine_errors.inc()
             self.metrics.request_errors.inc(len(self._sinks))
@@ -182,7 +185,17 @@ class EngineLoop:
             with contextlib.suppress(Exception):
                 self.engine.step()  # collect the cancellations: the engine is idle and clean
             return
-        for event in events:
+        if stepped.failed:  # out of memory, with nothing smaller to try: those requests end
+            self.metrics.engine_errors.inc()
+            self.metrics.request_errors.inc(len(stepped.failed))
+        for rid, error in stepped.failed.items():
+            ended = self._sinks.pop(rid, None)
+            self._started.discard(rid)
+            if ended is not None:
+                context = self._context(rid, error, stepped.ended.get(rid))
+                log_event("error", logging.ERROR, **context)
+                ended(error)
+        for event in stepped.events:
             sink = self._sinks.get(event.request_id)
             if sink is None:
                 continue
@@ -211,22 +224,19 @@ class EngineLoop:
             )  # fmt: skip
 
     def _reserve(self) -> None:
-        if self.margin_bytes and self._margin is None:
-            with contextlib.suppress(torch.OutOfMemoryError):
-                self._margin = torch.empty(
-                    self.margin_bytes, dtype=torch.uint8, device=self.engine.device
-                )
+        self.recovery.reserve(self.engine.device)
 
     @property
     def margin_held(self) -> bool:
-        return self._margin is not None
+        return self.recovery.margin_held
 
-    def _context(self, rid: str, exc: BaseException) -> dict[str, Any]:
+    def _context(self, rid: str, exc: BaseException, seq: Seq | None = None) -> dict[str, Any]:
         """A failed request's whole story for its log line: the error, its prompt and output
-        so far (as token ids), where it was and how it was sampled."""
+        so far (as token ids), where it was and how it was sampled. ``seq``: the request as it
+        ended, where the engine has let it go already."""
         fields: dict[str, Any] = {"request_id": rid, "error": f"{type(exc).__name__}: {exc}"}
         with contextlib.suppress(KeyError):
-            seq = self.engine.sequence(rid)
+            seq = seq or self.engine.sequence(rid)
             fields.update(
                 prompt_ids=seq.prompt_ids, output_ids=seq.output_ids, status=seq.status.value,
                 num_computed=seq.num_computed, params=repr(seq.params),
