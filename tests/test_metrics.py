@@ -131,3 +131,47 @@ def test_snapshot_is_plain_data(engine):
             assert isinstance(value, (int, float, str, type(None)))
 
     walk(engine.metrics())
+
+
+class _FakeEvent:
+    """A CUDA event's part the layer timer uses, with what was asked of it."""
+
+    def __init__(self, at_ms: float, log: list[str]) -> None:
+        self.at_ms, self.log = at_ms, log
+
+    def synchronize(self) -> None:
+        self.log.append(f"wait {self.at_ms}")
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_cuda_layer_timings_wait_for_the_last_event_only(monkeypatch):
+    """On CUDA the timer reads its events back after the step waiting on the last one only
+    (they are recorded in order on one stream), never the whole device: other streams, the
+    A/B lab's, go on. Checked with events standing in for CUDA's."""
+    import torch
+    from torch import nn
+
+    from engine.core.instruments import LayerTimer
+
+    def device_wide(*_args: object) -> None:
+        raise AssertionError("the layer timer waited for the whole device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    layers = nn.ModuleList([nn.Module(), nn.Module()])
+    timer = LayerTimer(layers, torch.device("cpu"))
+    timer.cuda = True
+    log: list[str] = []
+    times = iter([0.0, 2.0, 2.5, 4.5, 5.0, 6.0, 6.5, 9.5])  # ms: attention, mlp per layer
+    for layer in range(2):
+        for kind in ("attention", "mlp"):
+            timer._events.append(
+                ((layer, kind), _FakeEvent(next(times), log), _FakeEvent(next(times), log))
+            )
+    timings = timer.collect()
+    assert log == ["wait 9.5"]
+    assert [(t.layer, t.attention_s, t.mlp_s) for t in timings] == [
+        (0, 0.002, 0.002),
+        (1, 0.001, 0.003),
+    ]

@@ -160,7 +160,10 @@ class LayerTimer:
     def collect(self) -> tuple[LayerTiming, ...]:
         """Timings of the forward passes since the last call (one step's, normally)."""
         if self.cuda and self._events:
-            torch.cuda.synchronize(self.device)
+            # The events were recorded in order on one stream: once the last has happened,
+            # every one has. Waiting for the whole device would also wait for other streams
+            # (the A/B lab's engines run on one of their own).
+            self._events[-1][2].synchronize()
             for key, start, end in self._events:
                 self._totals[key] = self._totals.get(key, 0.0) + start.elapsed_time(end) / 1e3
             self._events.clear()
