@@ -37,7 +37,18 @@ def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     "spec", precisions("int8+head", "int4-g32+head", "mixed:attn=int8,mlp=int4-g64,head=int8")
 )
-def test_a_prompt_longer_than_a_step_never_runs_the_head_on_zero_rows(long_context_dir, spec):
+def test_a_prompt_longer_than_a_step_never_runs_the_head_on_zero_rows(
+    long_context_dir, spec, monkeypatch
+):
+    from engine.core import step as stepping
+
+    sampled: list[int] = []  # rows of every sampler call: none for a step that samples nothing
+    real_sample = stepping.sample
+    monkeypatch.setattr(
+        stepping,
+        "sample",
+        lambda logits, *a: (sampled.append(len(logits)), real_sample(logits, *a))[1],
+    )
     engine = load_model(long_context_dir, precision=spec)
     model = engine.model
     head_rows: list[int] = []
@@ -57,6 +68,7 @@ def test_a_prompt_longer_than_a_step_never_runs_the_head_on_zero_rows(long_conte
     vocab = engine.cfg.vocab_size
     assert outputs[0] == ((0, vocab), torch.float32)
     assert [shape for shape, _ in outputs[1:]] == [(1, vocab)] * NEW_TOKENS
+    assert sampled == [1] * NEW_TOKENS  # nor the sampler (on a GPU, an op and a host transfer)
 
 
 # -- ops per decoder layer ------------------------------------------------------------------

@@ -99,6 +99,8 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
             [history(s) for s, _ in plain],
             [s.generator for s, _ in plain if s.generator is not None],
         )
+        if plain  # a step of prompt chunks only samples nothing: no op, no host transfer
+        else ()
     )
     now = time.perf_counter()
     generated = 0
