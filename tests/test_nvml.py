@@ -312,15 +312,23 @@ def test_a_cuda_int4_layout_that_cannot_be_read_is_refused_by_name(monkeypatch):
 class FakeEvent:
     def __init__(self, log: list[str], enable_timing: bool = False) -> None:
         self.log = log
+        self.index = sum(1 for line in log if line.startswith("record"))  # its order
 
     def record(self, stream: object = None) -> None:
+        self.index = sum(1 for line in self.log if line.startswith("record"))
         self.log.append(f"record on {stream}")
+
+    def synchronize(self) -> None:
+        self.log.append(f"wait for event {self.index}")
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return 2.0  # ms
 
 
 def test_layer_timer_records_and_waits_on_the_models_device(monkeypatch):
+    """Events on the model's device and stream; read back waiting for the last one only (they
+    are recorded in order on one stream), never the whole device: the A/B lab's stream goes
+    on."""
     log: list[str] = []
 
     @contextlib.contextmanager
@@ -342,7 +350,8 @@ def test_layer_timer_records_and_waits_on_the_models_device(monkeypatch):
         layer["mlp"](torch.ones(1))
     timings = timer.collect()
     assert [t.attention_s for t in timings] == [0.002, 0.002]
-    assert set(log) == {"enter cuda:1", "record on stream of cuda:1", "sync cuda:1"}
+    assert set(log) == {"enter cuda:1", "record on stream of cuda:1", "wait for event 7"}
+    assert log.count("wait for event 7") == 1  # the 8th and last event: 2 layers × 2 parts × 2
 
 
 # -- the worker's stream ---------------------------------------------------------------------------
