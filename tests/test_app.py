@@ -360,6 +360,9 @@ def test_lookup_speculation_marks_the_tokens_and_keeps_the_greedy_reply(
     send(qtbot, window, prompt)
     reply = window.chat.last
     assert reply is not None and reply.view.text == plain  # greedy: token for token the same
+    # The recorder's slot is queued after the window's: its last delta may arrive a moment
+    # after the window saw the reply end.
+    qtbot.waitUntil(lambda: any(d.finish for d in deltas), timeout=30_000)  # type: ignore[attr-defined]
     pieces = [p for d in deltas for p in d.pieces or ((d.text, ""),)]
     assert "".join(text for text, _ in pieces) == plain
     kinds = {kind for _, kind in pieces}
