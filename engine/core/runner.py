@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.scheduler import ScheduledChunk
+from engine.hardware.transfer import upload
 from engine.kernels import decode_graph
 from engine.kv_cache.contiguous import ContiguousKVCache
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
@@ -80,12 +81,18 @@ class ModelRunner:
     def forward(self, batch: Batch, kv: PagedKVCache) -> torch.Tensor:
         """Logits of the batch's sampled rows (each chunk's K/V written into ``kv`` on the
         way)."""
-        return self.model(
-            torch.tensor(batch.ids, device=self.device),
-            torch.tensor(batch.positions, device=self.device),
-            kv.context(batch.chunks),
-            torch.tensor(batch.rows, dtype=torch.long, device=self.device),
-        )
+        ids, positions, rows = self.inputs(batch.ids, batch.positions, batch.rows)
+        return self.model(ids, positions, kv.context(batch.chunks), rows)
+
+    def inputs(
+        self, ids: list[int], positions: list[int], rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, positions and the sampled rows on the device, in one queued copy
+        (:mod:`engine.hardware.transfer`): three views of one tensor, as the compiled decode
+        step was warmed up with."""
+        n = len(ids)
+        packed = upload(ids + positions + rows, self.device)
+        return packed[:n], packed[n : 2 * n], packed[2 * n :]
 
     # -- the compiled decode step -------------------------------------------------------------
     def settle_decode_graph(self, mode: str | None, kv: PagedKVCache) -> decode_graph.GraphChoice:
@@ -132,12 +139,13 @@ class ModelRunner:
                 for pos in (2, 3):
                     for rid in ids[:b]:
                         mgr.grow(rid, pos + 1)
+                    tokens, positions, rows = self.inputs([0] * b, [pos] * b, list(range(b)))
                     with torch.inference_mode():
                         compiled(
-                            model.embed(torch.zeros(b, dtype=torch.long, device=self.device)),
-                            torch.full((b,), pos, device=self.device),
+                            model.embed(tokens),
+                            positions,
                             kv.context([SeqChunk(rid, pos, 1) for rid in ids[:b]]),
-                            torch.arange(b, device=self.device),
+                            rows,
                         )
         finally:
             for rid in ids:

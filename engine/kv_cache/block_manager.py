@@ -367,11 +367,21 @@ class BlockManager:
     def held(self, seq_id: str, end: int) -> tuple[Tensor, Tensor]:
         """``(positions, slots)`` of the held positions ``< end`` of ``seq_id``."""
         bs = self.block_size
-        table = torch.tensor(self.tables[seq_id], dtype=torch.long)
-        positions = torch.arange(end)
-        blocks = table[positions // bs]
-        keep = blocks != RELEASED
-        return positions[keep], (blocks * bs + positions % bs)[keep]
+        count = -(-end // bs)
+        table = self.tables[seq_id][:count]
+        # Whole blocks, then the last one cut at ``end``: no boolean mask over positions
+        # (a decode step builds this for every sequence; a window's released blocks are the
+        # only gaps, and the block holding ``end - 1`` is never released).
+        kept: Sequence[int] = range(count)
+        if RELEASED in table:
+            kept = [i for i, block in enumerate(table) if block != RELEASED]
+            table = [table[i] for i in kept]
+        offsets = torch.arange(bs)
+        first = torch.tensor(kept, dtype=torch.long)[:, None] * bs
+        slot0 = torch.tensor(table, dtype=torch.long)[:, None] * bs
+        over = count * bs - end if kept and kept[-1] == count - 1 else 0
+        size = len(kept) * bs - over
+        return (first + offsets).view(-1)[:size], (slot0 + offsets).view(-1)[:size]
 
     def owners(self) -> list[tuple[str, ...]]:
         """The sequences holding each block of the pool (``()``: none; two or more: shared):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from engine.hardware.transfer import to_device, upload
 from engine.kernels.decode_attention import (
     decode_attention,
     paged_decode_attention,
@@ -102,7 +103,7 @@ class _PagedContext(AttentionContext):
         write: list[int] = []
         for c in chunks:
             write += mgr.slots(c.seq_id, c.start, c.start + c.length)
-        self.write_slots = torch.tensor(write, dtype=torch.long, device=dev)
+        self.write_slots = upload(write, dev)
 
         self.num_decode = 0
         while self.num_decode < len(chunks) and chunks[self.num_decode].length == 1:
@@ -121,19 +122,24 @@ class _PagedContext(AttentionContext):
                 mask_rows.append(
                     _visible(c.window, cache.model_window, positions, torch.tensor([c.start]))[0]
                 )
-            self.decode_slots = pad_sequence(
-                slot_rows, batch_first=True, padding_value=cache.pad_slot
-            ).to(dev)
-            self.decode_lens = torch.tensor([len(r) for r in slot_rows], device=dev)
+            lens = [len(r) for r in slot_rows]
+            self.decode_slots = to_device(
+                pad_sequence(slot_rows, batch_first=True, padding_value=cache.pad_slot), dev
+            )
+            self.decode_lens = upload(lens, dev)
             mask = pad_sequence(mask_rows, batch_first=True, padding_value=False)
             # Additive (0 / -inf, what SDPA makes of a boolean mask in every call), built once
             # per step for every layer. Eager steps leave it out where every key is visible
-            # (one sequence, no cache window); a compiled step always passes it, so that one
-            # graph serves both cases.
+            # by construction (rows of one length, no window: a decode query sees every key
+            # its sequence holds), decided from lengths alone, as a GPU step must not read
+            # a tensor back; a compiled step always passes it, so that one graph serves both.
             additive = torch.zeros(mask.shape, dtype=cache.kv[0].dtype)
             additive.masked_fill_(~mask, float("-inf"))
-            self.decode_mask = additive[:, None, None, :].to(dev)
-            self.mask_needed = not bool(mask.all())
+            self.decode_mask = to_device(additive[:, None, None, :], dev)
+            windowed = cache.model_window is not None or any(
+                c.window is not None for c in chunks[: self.num_decode]
+            )
+            self.mask_needed = windowed or min(lens) != max(lens)
         self.decode_only = self.num_decode == len(chunks)
         self.prefill: list[tuple[int, int, Tensor, Tensor]] = []  # (offset, length, slots, mask)
         offset = self.num_decode
@@ -141,7 +147,7 @@ class _PagedContext(AttentionContext):
             positions, slots = mgr.held(c.seq_id, c.start + c.length)
             queries = torch.arange(c.start, c.start + c.length)
             mask = _visible(c.window, cache.model_window, positions, queries)
-            self.prefill.append((offset, c.length, slots.to(dev), mask.to(dev)))
+            self.prefill.append((offset, c.length, to_device(slots, dev), to_device(mask, dev)))
             offset += c.length
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
