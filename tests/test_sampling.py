@@ -6,10 +6,13 @@ import pytest
 import torch
 
 from engine.core.sampling import (
+    SamplingBatch,
     SamplingParams,
     apply_repetition_penalty,
+    filter_batch,
     filter_logits,
     make_generator,
+    penalize,
     sample,
 )
 from engine.errors import InvalidRequestError
@@ -93,7 +96,8 @@ def test_sampled_tokens_stay_inside_the_filtered_set():
     allowed = set(torch.topk(logits[0], 5).indices.tolist())
     gen = make_generator(123)
     draws = {
-        sample(logits, [params], [torch.tensor([], dtype=torch.long)], [gen])[0] for _ in range(300)
+        int(sample(logits, [params], [torch.tensor([], dtype=torch.long)], [gen])[0])
+        for _ in range(300)
     }
     assert draws <= allowed
     assert len(draws) > 1  # it really samples
@@ -106,7 +110,7 @@ def test_same_seed_same_draws_different_seed_different_draws():
 
     def draws(seed: int) -> list[int]:
         gen = make_generator(seed)
-        return [sample(logits, [params], [empty], [gen])[0] for _ in range(20)]
+        return [int(sample(logits, [params], [empty], [gen])[0]) for _ in range(20)]
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
@@ -117,4 +121,74 @@ def test_greedy_is_argmax():
     params = [SamplingParams()] * 3
     empty = [torch.tensor([], dtype=torch.long)] * 3
     gens = [make_generator(0)] * 3
-    assert sample(logits, params, empty, gens) == logits.argmax(-1).tolist()
+    assert torch.equal(sample(logits, params, empty, gens), logits.argmax(-1))
+
+
+#: A batch whose rows each use different filters (and some none): what one vectorized pass
+#: must process exactly as each row alone.
+MIXED = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=20),
+    SamplingParams(),  # greedy
+    SamplingParams(temperature=0.9, top_p=0.8),
+    SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.2),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.02),
+    SamplingParams(temperature=1.1, top_k=3, repetition_penalty=0.9),
+]
+
+
+def test_one_pass_over_a_mixed_batch_filters_each_row_as_alone():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(MIXED), 1000, generator=gen) * 4
+    knobs = SamplingBatch.of(MIXED, 1000, logits.device)
+    batch = filter_batch(logits, knobs)
+    for i, params in enumerate(MIXED):
+        if not params.greedy:  # a greedy row's filtered logits go unused
+            assert torch.equal(batch[i], filter_logits(logits[i], params)), params
+    # each row alone equals transformers' warpers (test above), so the batch does too
+
+
+def test_one_pass_penalizes_each_row_as_alone():
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 300, generator=gen) * 3
+    seen = [
+        torch.tensor([3, 3, 17, 250]),
+        torch.tensor([], dtype=torch.long),
+        torch.tensor([0, 299]),
+    ]
+    padded = torch.nn.utils.rnn.pad_sequence(seen, batch_first=True, padding_value=300)
+    penalties = [1.3, 1.5, 0.8]
+    batch = penalize(logits, padded, torch.tensor(penalties))
+    for row, ids, penalty, got in zip(logits, seen, penalties, batch, strict=True):
+        assert torch.equal(got, apply_repetition_penalty(row, ids, penalty))
+
+
+def test_draws_follow_the_filtered_distribution():
+    """The exponential race draws token t with probability p[t]: counts over many seeded
+    draws (a fixed seed, so the figures are the same on every run) match p within 1%."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -30.0]])
+    params = SamplingParams(temperature=1.0, top_k=5)
+    p = torch.softmax(filter_logits(logits[0], params), -1)
+    gen = make_generator(11)
+    empty = [torch.tensor([], dtype=torch.long)]
+    n = 40_000
+    counts = torch.bincount(
+        torch.cat([sample(logits, [params], empty, [gen]) for _ in range(n)]), minlength=6
+    )
+    assert counts[5] == 0  # filtered out: never drawn
+    assert torch.allclose(counts / n, p, atol=0.01), (counts / n, p)
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_runs_beside_it():
+    gen = torch.Generator().manual_seed(8)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    empty = torch.tensor([], dtype=torch.long)
+    alone_gen, batch_gen = make_generator(42), make_generator(42)
+    alone, together = [], []
+    for _ in range(30):
+        logits = torch.randn(len(MIXED) + 1, 500, generator=gen)
+        alone.append(int(sample(logits[:1], [seeded], [empty], [alone_gen])[0]))
+        gens = [batch_gen] + [make_generator(None) for _ in MIXED]
+        row = sample(logits, [seeded, *MIXED], [empty] * (len(MIXED) + 1), gens)
+        together.append(int(row[0]))
+    assert alone == together

@@ -15,6 +15,7 @@ from engine.core.instruments import MetricsCollector
 from engine.core.metrics import RequestMetrics
 from engine.core.sequence import FinishReason, Status
 from engine.core.sequence import Sequence as Seq
+from engine.hardware.transfer import fetch, upload
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 #: a token's log-probability and ``(id, logprob)`` of the likeliest tokens at its step
@@ -128,19 +129,35 @@ class OutputProcessor:
 
 def logprobs(seq: Seq, logits: torch.Tensor, tokens: list[int]) -> list[Logprobs | None]:
     """Each token's log-probability under the model (row ``i`` for token ``i``) and the
-    likeliest tokens there, where the request asks for them."""
+    likeliest tokens there, where the request asks for them (one transfer for them all)."""
     k = seq.params.logprobs
     if k is None:
         return [None] * len(tokens)
+    host = fetch(*logprob_tensors(logits, upload(tokens, logits.device), k))
+    return [read_logprobs(host, i, k, k) for i in range(len(tokens))]
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """On the device, for rows ``logits: [R, V]`` and their ``tokens: [R]``: each token's
+    log-probability, then (``k`` > 0) the ``k`` likeliest log-probabilities and their ids,
+    best first, for :func:`read_logprobs` once they are on the host."""
     table = torch.log_softmax(logits.float(), dim=-1)
-    out: list[Logprobs | None] = []
-    for row, token in zip(table, tokens, strict=True):
-        top: tuple[tuple[int, float], ...] = ()
-        if k:
-            best = row.topk(k)
-            top = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
-        out.append((float(row[token]), top))
-    return out
+    chosen = table.gather(1, tokens[:, None])
+    if not k:
+        return [chosen]
+    best = table.topk(k)
+    return [chosen, best.values, best.indices]
+
+
+def read_logprobs(host: list[list[float]], row: int, width: int, k: int) -> Logprobs:
+    """Row ``row``'s :data:`Logprobs` from :func:`logprob_tensors`' values on the host (taken
+    with ``width`` ≥ ``k`` likeliest per row), keeping ``k`` of them."""
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        at = row * width
+        ids, values = host[2][at : at + k], host[1][at : at + k]
+        top = tuple((int(i), v) for i, v in zip(ids, values, strict=True))
+    return host[0][row], top
 
 
 def request_metrics(seq: Seq) -> RequestMetrics:

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import InvalidRequestError
+from engine.hardware.transfer import to_device
 
 MAX_LOGPROBS = 20
 
@@ -74,29 +76,97 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """Make tokens in ``seen`` less likely: positive logits divided, negative ones multiplied."""
+    """Make tokens in ``seen`` less likely: positive logits divided, negative ones multiplied
+    (one ``[V]`` row; :func:`penalize` does a batch)."""
     if penalty == 1.0 or seen.numel() == 0:
         return logits
-    picked = logits.gather(-1, seen)
-    picked = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits.scatter(-1, seen, picked)
+    return penalize(logits[None], seen[None], logits.new_full((1,), penalty))[0]
 
 
 def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, then top-k / top-p / min-p masking (``-inf``) over a ``[V]`` row."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative <= 1 - params.top_p
-        drop_sorted[-1] = False  # the most likely token always survives
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    if params.min_p > 0:
+    """Temperature, then top-k / top-p / min-p masking (``-inf``) over a ``[V]`` row
+    (:func:`filter_batch` does a batch)."""
+    knobs = SamplingBatch.of([params], logits.shape[-1], logits.device)
+    return filter_batch(logits[None], knobs)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """A batch's sampling settings on the device, one entry per row, sent up in one queued
+    copy (:mod:`engine.hardware.transfer`). A filter no row uses is None, and costs nothing."""
+
+    greedy: Tensor  # [B] bool
+    temperature: Tensor  # [B]; 1 on greedy rows (their filtered logits go unused)
+    top_k: Tensor | None  # [B] long; the vocabulary's size where a row has it off
+    top_p_drop: Tensor | None  # [B]; drop the tail whose mass is at most this (-1: off)
+    min_p: Tensor | None  # [B]; 0 where off
+    penalty: Tensor | None  # [B]; 1 where off
+    all_greedy: bool
+    any_greedy: bool
+
+    @classmethod
+    def of(
+        cls, params: Sequence[SamplingParams], vocab: int, device: torch.device
+    ) -> SamplingBatch:
+        host = torch.tensor(
+            [
+                [
+                    float(p.greedy),
+                    p.temperature or 1.0,
+                    p.top_k if 0 < p.top_k < vocab else vocab,
+                    1 - p.top_p if p.top_p < 1 else -1.0,
+                    p.min_p,
+                    p.repetition_penalty,
+                ]
+                for p in params
+            ],
+            dtype=torch.float32,
+        )
+        greedy, temperature, top_k, top_p_drop, min_p, penalty = to_device(
+            host.T.contiguous(), device
+        )
+        return cls(
+            greedy=greedy.bool(),
+            temperature=temperature,
+            top_k=top_k.long() if any(0 < p.top_k < vocab for p in params) else None,
+            top_p_drop=top_p_drop if any(p.top_p < 1 for p in params) else None,
+            min_p=min_p if any(p.min_p > 0 for p in params) else None,
+            penalty=penalty if any(p.repetition_penalty != 1 for p in params) else None,
+            all_greedy=all(p.greedy for p in params),
+            any_greedy=any(p.greedy for p in params),
+        )
+
+
+def penalize(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
+    """The repetition penalty over a batch: ``logits: [B, V]``; ``seen: [B, L]``, the ids each
+    row has seen, padded with ``V`` (which marks nothing); ``penalty: [B]`` (1: off)."""
+    rows, vocab = logits.shape
+    hit = logits.new_zeros((rows, vocab + 1), dtype=torch.bool).scatter_(1, seen, True)
+    scale = penalty[:, None]
+    penalized = torch.where(logits > 0, logits / scale, logits * scale)
+    return torch.where(hit[:, :vocab], penalized, logits)
+
+
+def filter_batch(logits: Tensor, knobs: SamplingBatch) -> Tensor:
+    """Temperature, then top-k / top-p / min-p masking (``-inf``) over ``[B, V]``, each row
+    with its own settings. Top-k and top-p share one sort: both keep a suffix of each row's
+    ascending order, and masking that order's front keeps it sorted."""
+    logits = logits / knobs.temperature[:, None]
+    if knobs.top_k is not None or knobs.top_p_drop is not None:
+        ascending, order = logits.sort(dim=-1)
+        if knobs.top_k is not None:
+            kth = ascending.gather(1, (logits.shape[-1] - knobs.top_k)[:, None])
+            ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+        if knobs.top_p_drop is not None:
+            cumulative = ascending.softmax(-1).cumsum(-1)
+            drop = cumulative <= knobs.top_p_drop[:, None]
+            drop[:, -1] = False  # the most likely token always survives
+            ascending = ascending.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, ascending)
+    if knobs.min_p is not None:
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        floor = knobs.min_p[:, None] * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
@@ -104,19 +174,30 @@ def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
     histories: Sequence[Tensor],
-    generators: Sequence[torch.Generator],
-) -> list[int]:
-    """One token for each row of ``logits: [B, V]``; row ``i`` uses ``params[i]``,
-    ``histories[i]`` (token ids seen so far, for the repetition penalty) and ``generators[i]``."""
-    out = []
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0]
-    if len(greedy_rows) == len(params):
-        return [int(t) for t in logits.argmax(-1).tolist()]
-    for i, p in enumerate(params):
-        row = apply_repetition_penalty(logits[i], histories[i], p.repetition_penalty)
-        if p.greedy:
-            out.append(int(row.argmax()))
-            continue
-        probs = filter_logits(row, p).softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i])))
-    return out
+    generators: Sequence[torch.Generator | None],
+) -> Tensor:
+    """One token for each row of ``logits: [B, V]``, as a ``[B]`` tensor on their device (no
+    host sync: the caller reads it back with whatever else it needs). Row ``i`` uses
+    ``params[i]``, ``histories[i]`` (token ids seen so far, for the repetition penalty) and
+    ``generators[i]``.
+
+    Every row is processed at once. The draw is an exponential race: ``argmax(p / E)`` with
+    ``E ~ Exp(1)`` drawn from each row's own generator picks token ``t`` with probability
+    ``p[t]``, so a seeded request draws the same tokens whatever runs beside it."""
+    vocab = logits.shape[-1]
+    knobs = SamplingBatch.of(params, vocab, logits.device)
+    if knobs.penalty is not None:
+        seen = pad_sequence(list(histories), batch_first=True, padding_value=vocab)
+        logits = penalize(logits, seen, knobs.penalty)
+    if knobs.all_greedy:
+        return logits.argmax(-1)
+    probs = filter_batch(logits, knobs).softmax(-1)
+    race = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        race[row].exponential_(generator=generator)
+    # a draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which argmax picks
+    race.clamp_min_(torch.finfo(race.dtype).tiny)
+    drawn = (probs / race).argmax(-1)
+    if knobs.any_greedy:
+        drawn = torch.where(knobs.greedy, logits.argmax(-1), drawn)
+    return drawn

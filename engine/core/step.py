@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.core.metrics import StepRecord
-from engine.core.output import TokenEvent, logprobs
+from engine.core.output import Logprobs, TokenEvent, logprob_tensors, logprobs, read_logprobs
 from engine.core.sampling import sample
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.core.sequence import FinishReason
 from engine.core.sequence import Sequence as Seq
+from engine.hardware.transfer import fetch, upload
 from engine.kv_cache.window import CacheWindow
 
 if TYPE_CHECKING:
@@ -92,30 +93,24 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
 
     # sample or verify, commit, events
     plain = [(c.seq, row) for c, row in batch.samplers if c.seq.request_id not in drafts]
-    tokens = iter(
-        sample(
-            logits[[row for _, row in plain]] if drafts else logits,
-            [s.params for s, _ in plain],
-            [history(s) for s, _ in plain],
-            [s.generator for s, _ in plain if s.generator is not None],
-        )
-        if plain  # a step of prompt chunks only samples nothing: no op, no host transfer
-        else ()
-    )
+    # a step of prompt chunks only samples nothing: no op, no host transfer
+    sampled = _sample(plain, logits, every_row=not drafts) if plain else {}
     now = time.perf_counter()
     generated = 0
     for c, row in batch.samplers:
         seq = c.seq
         draft = drafts.get(seq.request_id)
+        lps: list[Logprobs | None]
         if draft is None:
-            outs, kinds = [next(tokens)], [""]
+            token, lp = sampled[seq.request_id]
+            outs, kinds, lps = [token], [""], [lp]
         else:
             assert spec is not None
             outs, kinds = spec.verify(seq, draft, logits[row : row + 1 + len(draft.tokens)])
             # the last token and the accepted drafts are computed: key their full blocks now,
             # before a stop among them frees the sequence
             mgr.commit(seq.request_id, c.start + len(outs), _reader(seq, outs))
-        lps = logprobs(seq, logits[row : row + len(outs)], outs)
+            lps = logprobs(seq, logits[row : row + len(outs)], outs)
         for token, kind, lp in zip(outs, kinds, lps, strict=True):
             event = engine.append(seq, token, now)
             event.speculation = kind
@@ -143,6 +138,35 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
     )
     _record(engine, out, started, now, prompt_tokens=prompt_tokens, generated=generated)
     return events
+
+
+def _sample(
+    plain: list[tuple[Seq, int]], logits: torch.Tensor, *, every_row: bool
+) -> dict[str, tuple[int, Logprobs | None]]:
+    """Each sampling sequence's token, and its log-probabilities where it asks for them, read
+    back in one transfer: the step's one host sync. ``plain`` pairs each sequence with its
+    row of ``logits``; ``every_row``: they are all of its rows, in order."""
+    seqs = [seq for seq, _ in plain]
+    device = logits.device
+    rows = logits if every_row else logits.index_select(0, upload([r for _, r in plain], device))
+    tokens = sample(
+        rows, [s.params for s in seqs], [history(s) for s in seqs], [s.generator for s in seqs]
+    )
+    asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    width = max((seqs[i].params.logprobs or 0 for i in asking), default=0)
+    extra: list[torch.Tensor] = []
+    if asking:
+        pick = upload(asking, device) if len(asking) < len(seqs) else slice(None)
+        extra = logprob_tensors(rows[pick], tokens[pick], width)
+    host = fetch(tokens, *extra)
+    at = {i: j for j, i in enumerate(asking)}
+    return {
+        s.request_id: (
+            int(host[0][i]),
+            read_logprobs(host[1:], at[i], width, s.params.logprobs or 0) if i in at else None,
+        )
+        for i, s in enumerate(seqs)
+    }
 
 
 def history(seq: Seq) -> torch.Tensor:
