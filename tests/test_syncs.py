@@ -180,3 +180,30 @@ def test_the_counter_sees_each_kind_of_sync(monkeypatch):
         torch.tensor([1, 2])
         (t * 2).sum()
     assert counter.total == 0
+
+
+def test_a_verify_step_syncs_once_per_sequence_it_verifies(tiny_model_dir, monkeypatch):
+    """Speculative decoding by prompt lookup (drafting reads token lists, no tensor): each
+    sequence's drafts are checked at once and their outcome read back in one transfer, and
+    the rows sampled without drafts share one more."""
+    from engine.speculative.config import VerifyCost, parse_speculative
+
+    folder, _ = tiny_model_dir("llama", False)
+    engine = load_model(folder, config=EngineConfig(decode_graph="off"))
+    fixed = VerifyCost(0.1, 0.05)  # no timing probe
+    engine.set_speculation(
+        parse_speculative("lookup", k=3, ngram_min=1, adaptive=False, verify_cost=fixed)
+    )
+    prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1]  # repeats: lookup always finds a match
+    batch = 4
+    for i in range(batch):
+        engine.add_request(prompt, SAMPLED if i % 2 else GREEDY)
+    verified = 0
+    while engine.has_work():
+        with counting(monkeypatch) as counter:
+            engine.step()
+        drafted = engine.speculator.stats.num_drafts - verified
+        verified += drafted
+        if drafted:
+            assert counter.total <= drafted + 1, (counter.calls, counter.where)
+    assert verified >= batch  # the case under test happened

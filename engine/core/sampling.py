@@ -181,9 +181,8 @@ def sample(
     ``params[i]``, ``histories[i]`` (token ids seen so far, for the repetition penalty) and
     ``generators[i]``.
 
-    Every row is processed at once. The draw is an exponential race: ``argmax(p / E)`` with
-    ``E ~ Exp(1)`` drawn from each row's own generator picks token ``t`` with probability
-    ``p[t]``, so a seeded request draws the same tokens whatever runs beside it."""
+    Every row is processed at once, and drawn by :func:`race` from its own generator: a
+    seeded request draws the same tokens whatever runs beside it."""
     vocab = logits.shape[-1]
     knobs = SamplingBatch.of(params, vocab, logits.device)
     if knobs.penalty is not None:
@@ -191,13 +190,19 @@ def sample(
         logits = penalize(logits, seen, knobs.penalty)
     if knobs.all_greedy:
         return logits.argmax(-1)
-    probs = filter_batch(logits, knobs).softmax(-1)
-    race = torch.empty_like(probs)
-    for row, generator in enumerate(generators):
-        race[row].exponential_(generator=generator)
-    # a draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which argmax picks
-    race.clamp_min_(torch.finfo(race.dtype).tiny)
-    drawn = (probs / race).argmax(-1)
+    drawn = race(filter_batch(logits, knobs).softmax(-1), generators)
     if knobs.any_greedy:
         drawn = torch.where(knobs.greedy, logits.argmax(-1), drawn)
     return drawn
+
+
+def race(weights: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One index per row of ``weights: [R, V]`` (≥ 0, not necessarily normalised), drawn
+    with probability proportional to its weight, on the device (no host sync). An exponential
+    race: ``argmax(w / E)`` with ``E ~ Exp(1)`` from row ``i``'s ``generators[i]``."""
+    arrival = torch.empty_like(weights, dtype=torch.float32)
+    for row, generator in enumerate(generators):
+        arrival[row].exponential_(generator=generator)
+    # a draw of exactly 0 would make a zero weight's 0 / 0 a NaN, which argmax picks
+    arrival.clamp_min_(torch.finfo(arrival.dtype).tiny)
+    return (weights / arrival).argmax(-1)

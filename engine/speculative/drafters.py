@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from engine.core.sampling import race
 from engine.errors import InvalidRequestError
+from engine.hardware.transfer import fetch, upload
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.kv_cache.window import CacheWindow
 from engine.speculative.config import MAX_DRAFT_K
-from engine.speculative.rule import Draft, draw, processed_probs, seen_with
+from engine.speculative.rule import Draft, distributions, seen_with
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
@@ -268,14 +270,18 @@ class ModelDrafter(Drafter):
             for (_, draft, _), token in zip(rows, logits.argmax(-1).tolist(), strict=True):
                 draft.tokens.append(int(token))
             return
-        for j, (seq, draft, probs) in enumerate(rows):
+        seqs = [seq for seq, _, _ in rows]
+        seen = []
+        for seq, draft, _ in rows:
             assert seq.history is not None
-            seen = seen_with(seq.history[: seq.num_tokens], draft.tokens)
-            q = processed_probs(logits[j], seq.params, seen)
-            token = int(q.argmax()) if seq.params.greedy else draw(q, seq.generator)
-            draft.tokens.append(token)
+            drafted = upload(draft.tokens, logits.device)
+            seen.append(seen_with(seq.history[: seq.num_tokens], drafted))
+        q = distributions(logits, [s.params for s in seqs], seen)
+        tokens = fetch(race(q, [s.generator for s in seqs]))[0]  # greedy rows are one-hot
+        for (seq, draft, probs), token, row in zip(rows, tokens, q, strict=True):
+            draft.tokens.append(int(token))
             if not seq.params.greedy:
-                probs.append(q)
+                probs.append(row)
 
     def _make_room(self, rid: str, length: int, keep: set[str]) -> bool:
         """Slots for ``length`` tokens of ``rid``, evicting the least recently drafted
