@@ -20,7 +20,7 @@ from engine.hardware import gpu
 from engine.loader import memory_plan
 from engine.loader.memory_plan import plan_memory
 from engine.model.config import ModelConfig
-from engine.quant.spec import PrecisionSpec, parse_precision_spec
+from engine.quant.spec import PrecisionSpec, QuantKind, parse_precision_spec
 
 CONFIGS = Path(__file__).parent.parent / "resources" / "configs"
 SHAPES = str(CONFIGS / "llama-3.1-8b.json")
@@ -184,6 +184,46 @@ def test_an_int8_model_computing_in_fp16_stays_in_fp16(monkeypatch, tiny_model_d
     list(run)
     assert len(run.result.token_ids) == 4
     assert outputs and set(outputs) == {torch.float16}
+
+
+@pytest.mark.parametrize("cap", [TURING, AMPERE])
+def test_the_int8_probe_and_the_sensitivity_scan_use_the_gpus_compute_dtype(
+    monkeypatch, tiny_model_dir, cap
+):
+    """The INT8 kernel is probed, and blocks are scanned, in the dtype a quantized model
+    computes in on that GPU: fp16 below 8.0, bf16 from 8.0 (run on this CPU, reporting
+    ``cap``)."""
+    from engine.evals import sensitivity
+    from engine.loader.weights import load_transformer
+    from engine.quant import int8
+
+    want = torch.float16 if cap < AMPERE else torch.bfloat16
+    monkeypatch.setattr(gpu, "capability", lambda device: cap)
+    probed: list[torch.dtype] = []
+    real = torch._weight_int8pack_mm
+
+    def kernel(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        probed.append(x.dtype)
+        return real(x.float(), w, scales.float()).to(x.dtype)
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", kernel)
+    monkeypatch.setattr(int8, "_INT8_KERNEL", {})
+    assert int8.int8_kernel_runs(torch.device("cpu"))
+    assert probed == [want]
+
+    folder, _ = tiny_model_dir("llama", False)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    model = load_transformer(folder, cfg, torch.float32, torch.device("cpu"))
+    casts: set[torch.dtype] = set()
+    real_cast = sensitivity.CastActivations
+
+    def cast(inner: torch.nn.Module, compute: torch.dtype) -> torch.nn.Module:
+        casts.add(compute)
+        return real_cast(inner, compute)
+
+    monkeypatch.setattr(sensitivity, "CastActivations", cast)
+    scan = sensitivity.scan_model(model, QuantKind(8), None, [5, 6, 7, 8, 9])
+    assert len(scan.blocks) == 2 * cfg.num_layers and casts == {want}
 
 
 # -- the memory plan and `infersight plan` -----------------------------------------------------

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import InvalidRequestError
+from engine.hardware import gpu
 from engine.kernels.packed_linear import packs
 from engine.kv_cache.contiguous import ContiguousKVCache
 from engine.loader.weights import load_transformer
@@ -55,8 +56,6 @@ log = logging.getLogger(__name__)
 
 #: The linears of each block, by attribute of ``layer.attn`` / ``layer.mlp``.
 BLOCK_LINEARS = {"attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
-#: Quantized models compute in bf16 (see :func:`engine.quant.spec.parse_precision_spec`).
-COMPUTE = torch.bfloat16
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,9 +218,11 @@ def scan_model(
     called and on any error, so the model leaves as it came, cancelled or not."""
     cfg = model.cfg
     device = model.norm.weight.device
+    # what a quantized model computes in on this device (bf16; fp16 below sm80)
+    compute = gpu.compute_dtype_for(gpu.capability(device))
     _check_text(cfg, text_ids)
     sizes = {
-        part: (block_bytes(cfg, part, low, COMPUTE), block_bytes(cfg, part, high, COMPUTE))
+        part: (block_bytes(cfg, part, low, compute), block_bytes(cfg, part, high, compute))
         for part in LAYER_PARTS
     }
     if any(big <= small for small, big in sizes.values()):
@@ -236,7 +237,7 @@ def scan_model(
     quantized: dict[tuple[int, str], dict[str, nn.Module]] = {}
     results: list[BlockSensitivity] = []
     for done, (layer, part) in enumerate(blocks, start=1):
-        quantized[(layer, part)] = _quantize_block(model, layer, part, low)
+        quantized[(layer, part)] = _quantize_block(model, layer, part, low, compute)
         with _swapped(model, {(layer, part): quantized[(layer, part)]}):
             kl = runner.kl_from(layer)
         results.append(BlockSensitivity(layer, part, kl, *sizes[part]))
@@ -246,8 +247,8 @@ def scan_model(
         all_low_kl = runner.kl_from(0)
     if progress is not None:
         progress(total, total)
-    packed = device.type == "cpu" and packs(COMPUTE, cfg.vocab_size, cfg.hidden_size)
-    all_low = PrecisionSpec(format_mixed_spec(low, low), COMPUTE, {"attn": low, "mlp": low})
+    packed = device.type == "cpu" and packs(compute, cfg.vocab_size, cfg.hidden_size)
+    all_low = PrecisionSpec(format_mixed_spec(low, low), compute, {"attn": low, "mlp": low})
     fixed = estimate_weight_bytes(cfg, all_low, packed=packed) - sum(r.bytes_low for r in results)
     log.info(
         "sensitivity scan of %s at %s: %d blocks over %d tokens in %.1f s",
@@ -290,20 +291,22 @@ def plan_mixed(scan: Scan, budget_bytes: int) -> Plan:
 # -- the scan's machinery ---------------------------------------------------------------------
 
 
-class Bf16Activations(nn.Module):
-    """A quantized linear inside an fp32 model: the low-bit kernels take bf16 activations,
-    so the input is cast to bf16 and the output back to fp32."""
+class CastActivations(nn.Module):
+    """A quantized linear inside an fp32 model: the low-bit kernels take activations in the
+    quantized model's compute dtype, so the input is cast to it and the output back to
+    fp32."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, compute: torch.dtype) -> None:
         super().__init__()
         self.inner = inner
+        self.compute = compute
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.inner(x.to(COMPUTE)).float()
+        return self.inner(x.to(self.compute)).float()
 
 
 def _quantize_block(
-    model: Transformer, layer: int, part: str, kind: QuantKind
+    model: Transformer, layer: int, part: str, kind: QuantKind, compute: torch.dtype
 ) -> dict[str, nn.Module]:
     block = getattr(model.layers[layer], part)
     modules: dict[str, nn.Module] = {}
@@ -315,8 +318,8 @@ def _quantize_block(
                 "scan a model loaded in fp32 without packing or quantization"
             )
         with torch.inference_mode():
-            modules[attr] = Bf16Activations(
-                quantized_linear(linear.weight.float(), linear.bias, kind)
+            modules[attr] = CastActivations(
+                quantized_linear(linear.weight.float(), linear.bias, kind, compute), compute
             )
     return modules
 

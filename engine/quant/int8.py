@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.formats import quantize_int8
+from engine.hardware import gpu
 from engine.hardware.cpu_paths import cpu_paths
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,11 @@ def int8_kernel_runs(device: torch.device) -> bool:
     """
     key = str(device)
     if key not in _INT8_KERNEL:
-        x = torch.ones(1, 32, dtype=torch.bfloat16, device=device)
+        # the activations' dtype a quantized model computes in there (fp16 below sm80)
+        dtype = gpu.compute_dtype_for(gpu.capability(device))
+        x = torch.ones(1, 32, dtype=dtype, device=device)
         w = torch.full((8, 32), 2, dtype=torch.int8, device=device)
-        scales = torch.full((8,), 0.5, dtype=torch.bfloat16, device=device)
+        scales = torch.full((8,), 0.5, dtype=dtype, device=device)
         try:
             y = torch._weight_int8pack_mm(x, w, scales)
             runs = bool(torch.all(y.float() == 32.0))
