@@ -228,10 +228,10 @@ class ModelDrafter(Drafter):
                 chunks.append(SeqChunk(seq.request_id, start, len(tokens), window))
                 rows.append(len(ids) - 1)
             logits = self.model(
-                torch.tensor(ids, device=self.device),
-                torch.tensor(positions, device=self.device),
+                upload(ids, self.device),
+                upload(positions, self.device),
                 self.kv.context(chunks),
-                torch.tensor(rows, dtype=torch.long, device=self.device),
+                upload(rows, self.device),
             )[:, : self.vocab_size]
             self._pick(logits, [(seqs[i], drafts[i], probs[i]) for i, _ in batch])
         for i, k, _ in active:
@@ -251,11 +251,11 @@ class ModelDrafter(Drafter):
             ids += seq.tokens(start, start + CATCH_UP)
             positions += range(start, start + CATCH_UP)
             chunks.append(SeqChunk(seq.request_id, start, CATCH_UP, window))
-        self.model(
-            torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
+        self.model(  # no row of logits: only the draft cache is wanted
+            upload(ids, self.device),
+            upload(positions, self.device),
             self.kv.context(chunks),
-            torch.tensor([len(ids) - 1], dtype=torch.long, device=self.device),
+            upload([], self.device),
         )
         for seq, start in behind:
             self._done[seq.request_id] = start + CATCH_UP
