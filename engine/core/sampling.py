@@ -183,6 +183,8 @@ def sample(
 
     Every row is processed at once, and drawn by :func:`race` from its own generator: a
     seeded request draws the same tokens whatever runs beside it."""
+    if all(p.greedy and p.repetition_penalty == 1 for p in params):
+        return logits.argmax(-1)
     vocab = logits.shape[-1]
     knobs = SamplingBatch.of(params, vocab, logits.device)
     if knobs.penalty is not None:

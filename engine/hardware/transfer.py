@@ -39,8 +39,8 @@ def fetch(*tensors: Tensor) -> list[list[float]]:
     value exactly; a caller takes ``int()`` of what were ids."""
     if not tensors:
         return []
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-    values = flat.tolist()
+    flat = [t.reshape(-1).to(torch.float64) for t in tensors]
+    values = (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()
     out, start = [], 0
     for t in tensors:
         out.append(values[start : start + t.numel()])

@@ -369,18 +369,17 @@ class BlockManager:
         bs = self.block_size
         count = -(-end // bs)
         table = self.tables[seq_id][:count]
-        # Whole blocks, then the last one cut at ``end``: no boolean mask over positions
-        # (a decode step builds this for every sequence; a window's released blocks are the
-        # only gaps, and the block holding ``end - 1`` is never released).
-        kept: Sequence[int] = range(count)
-        if RELEASED in table:
-            kept = [i for i, block in enumerate(table) if block != RELEASED]
-            table = [table[i] for i in kept]
         offsets = torch.arange(bs)
+        if RELEASED not in table:  # no gap: every position below ``end``
+            slots = torch.tensor(table, dtype=torch.long)[:, None] * bs + offsets
+            return torch.arange(end), slots.view(-1)[:end]
+        # A cache window's released blocks are the gaps; the block holding ``end - 1`` is
+        # never released. Whole kept blocks, the last one cut at ``end``, and no boolean
+        # mask over positions (a decode step builds this for every sequence).
+        kept = [i for i, block in enumerate(table) if block != RELEASED]
         first = torch.tensor(kept, dtype=torch.long)[:, None] * bs
-        slot0 = torch.tensor(table, dtype=torch.long)[:, None] * bs
-        over = count * bs - end if kept and kept[-1] == count - 1 else 0
-        size = len(kept) * bs - over
+        slot0 = torch.tensor([table[i] for i in kept], dtype=torch.long)[:, None] * bs
+        size = len(kept) * bs - (count * bs - end)
         return (first + offsets).view(-1)[:size], (slot0 + offsets).view(-1)[:size]
 
     def owners(self) -> list[tuple[str, ...]]:
