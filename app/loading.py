@@ -35,7 +35,13 @@ class LoadSpec:
     model: str = "default"
     precision: str = "fp32"
     device: str = AUTO  # "auto", "cpu", "cuda", "cuda:1" …
-    kv_memory_mib: float = 512.0  # size of the paged KV pool
+    #: size of the paged KV pool; None: the load's choice (a GPU's pool profiled,
+    #: :mod:`engine.core.pool_profile`; :data:`CPU_POOL_MIB` on a CPU)
+    kv_memory_mib: float | None = 512.0
+
+
+#: the KV pool of a load on a CPU that leaves its size to the load
+CPU_POOL_MIB = 512.0
 
 
 def resolve_device(device: str) -> str:
@@ -89,10 +95,15 @@ def needs_download(model: str) -> bool:
 
 
 def engine_config(spec: LoadSpec) -> EngineConfig:
-    """The engine config a load of ``spec`` uses: a KV pool of ``spec.kv_memory_mib``."""
+    """The engine config a load of ``spec`` uses: a KV pool of ``spec.kv_memory_mib``, or
+    where that is None, a GPU's profiled pool (no size given) and :data:`CPU_POOL_MIB` on a
+    CPU."""
     from engine.core.config import EngineConfig
 
-    return EngineConfig(kv_memory=spec.kv_memory_mib * 2**20)
+    mib = spec.kv_memory_mib
+    if mib is None and not resolve_device(spec.device).startswith("cuda"):
+        mib = CPU_POOL_MIB
+    return EngineConfig(kv_memory=None if mib is None else mib * 2**20)
 
 
 def plan_load(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import torch
 from app.cli.main import main
 from engine.errors import InvalidRequestError
 from engine.hardware import gpu
+from engine.hardware import memory as hw_memory
+from engine.hardware.memory import MemoryFigures
 from engine.loader import memory_plan
 from engine.loader.memory_plan import plan_memory
 from engine.model.config import ModelConfig
@@ -252,9 +255,11 @@ def int4_only_budget() -> int:
 def test_the_plan_of_this_gpu_suggests_only_what_it_runs(monkeypatch, cap):
     """Through the seam: the plan of "the GPU here" asks its capability."""
     on_gpu(monkeypatch, cap)
-    # free memory leaves out the CUDA context, which a plan for memory= counts
-    free = int4_only_budget() - memory_plan.CUDA_RUNTIME_BYTES
-    monkeypatch.setattr(memory_plan, "free_memory", lambda device: free)
+    # the GPU here, its context (not torch's) as a plan for memory= estimates it
+    total = int4_only_budget()
+    figures = MemoryFigures(total, total - memory_plan.CUDA_RUNTIME_BYTES, 0, 0, 0)
+    reader = SimpleNamespace(read=lambda: figures)
+    monkeypatch.setattr(hw_memory, "device_memory", lambda device: reader)
     plan = plan_memory(llama_8b(), "fp16", "cuda")
     assert plan.capability == cap and f"compute capability {name(cap)}" in plan.lines()[0]
     assert not plan.fits

@@ -58,6 +58,7 @@ def engine_config(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_memory=args.kv_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         limits=SchedulerLimits(
             max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step
         ),

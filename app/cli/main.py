@@ -361,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the KV pool a load would allocate: bytes (> 1) or a fraction of what is left",
     )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=UTILIZATION_HELP)
     p.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
     p.set_defaults(handler=cmd_plan)
 
@@ -372,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+UTILIZATION_HELP = (
+    "on a GPU, without --kv-memory or --num-blocks: the share of its memory the engine takes "
+    "in all (weights, a step's peak measured in a warm-up, the KV pool), in (0, 1] "
+    "(default 0.9)"
+)
 THREADS_HELP = (
     "CPU threads (default: $INFERSIGHT_THREADS, else the fastest count for the model, timed "
     "once per machine)"
@@ -400,6 +406,7 @@ def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
         help="KV pool size: bytes (> 1) or a fraction of free memory (<= 1)",
     )
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=UTILIZATION_HELP)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     if limits:
         g.add_argument("--max-tokens-per-step", type=int, default=512, help="prefill chunk budget")

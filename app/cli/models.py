@@ -69,7 +69,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         folder = resolve_model_folder(args.model, progress_printer())
         cfg, name = ModelConfig.from_file(folder / "config.json"), folder.name
-    config = EngineConfig(kv_memory=args.kv_memory)
+    config = EngineConfig(
+        kv_memory=args.kv_memory, gpu_memory_utilization=args.gpu_memory_utilization
+    )
     texts = [t.strip() for t in (args.precision or ",".join(PLAN_PRECISIONS)).split(",")]
     plans: list[MemoryPlan] = []
     skipped: list[str] = []

@@ -79,7 +79,9 @@ def run_gui(args: argparse.Namespace) -> int:
     settle()
     spec = None
     if args.model is not None or args.precision is not None or args.device != "cpu":
-        spec = LoadSpec(args.model or "default", args.precision or "fp32", args.device)
+        spec = LoadSpec(  # the pool's size is the load's choice (a GPU's is profiled)
+            args.model or "default", args.precision or "fp32", args.device, kv_memory_mib=None
+        )
     window: MainWindow | None = None
 
     def close(signum: int) -> None:

@@ -4,6 +4,7 @@ and the streaming reply) the only place that knows both the widgets and the engi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -278,8 +279,18 @@ class MainWindow(ChatWindow):
             model or self._model_path(),
             precision or self._precision(),
             device or self._device(),
-            self.controls.kv_memory_mib(),
+            self._kv_memory_mib(device or self._device()),
         )
+
+    def _kv_memory_mib(self, device: str) -> float | None:
+        """The KV pool of the control; on a GPU None until the user sets one: the load
+        profiles the pool, and the control then shows the size it chose."""
+        import torch
+
+        gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if gpu and self.settings.value("kv_pool_chosen") not in (True, "true"):
+            return None
+        return self.controls.kv_memory_mib()
 
     def browse_models(self) -> None:
         """Show the model picker and scan (in the background) for the current precision and
@@ -326,6 +337,7 @@ class MainWindow(ChatWindow):
         self.chat.show_notice(text, "info")
 
     def _on_kv_pool(self, mib: float) -> None:
+        self.settings.setValue("kv_pool_chosen", True)  # the user's size from now on
         if self.model is None:  # nothing to resize: the next load takes the new size
             return
         self.worker.post(Resize(mib))
@@ -381,7 +393,8 @@ class MainWindow(ChatWindow):
         self._lab_models(info)
         self.controls.show_model(info.path, info.precision, info.requested_device, info.device)
         self.controls.set_model_defaults(info.path, info.default_sampling)
-        self.controls.kv_memory.set_value(info.kv_memory_mib)
+        with contextlib.suppress(ValueError):  # a profiled pool under the control's minimum
+            self.controls.kv_memory.set_value(info.kv_memory_mib)
         self.status_model.setText(model_label(info))
         self.status_model.setToolTip("\n".join(("Model · precision · device", *info.paths)))
         self.settings.setValue("model", info.path)
@@ -433,7 +446,7 @@ class MainWindow(ChatWindow):
         device = str(self.settings.value("device", "auto"))
         if device not in available_devices():
             device = "auto"
-        return LoadSpec(model, precision, device, self.controls.kv_memory_mib())
+        return LoadSpec(model, precision, device, self._kv_memory_mib(device))
 
     def _on_serve(self, on: bool) -> None:
         """Serve this engine on localhost (OpenAI-compatible), or stop serving."""

@@ -378,7 +378,10 @@ def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
         weights_bytes=engine.weights_bytes,
         kv_blocks=engine.kv.manager.num_blocks,
         block_size=engine.kv.block_size,
-        kv_memory_mib=spec.kv_memory_mib,
+        # the size the load chose where the spec left it to the load
+        kv_memory_mib=(
+            round(engine.kv.nbytes / 2**20) if spec.kv_memory_mib is None else spec.kv_memory_mib
+        ),
         requested_device=spec.device,
         default_sampling=dict(engine.default_sampling),
         paths=compute_paths(engine),
@@ -397,4 +400,6 @@ def compute_paths(engine: LLMEngine) -> tuple[str, ...]:
         attention = f"decode attention: {paged_decode.status()}"
         head = (cpu_paths().summary(), engine.threads_report, attention)
     head += (engine.graph.summary(),)
+    if engine.pool_sizing is not None:  # why a GPU's pool has its size
+        head += (f"KV pool: {engine.pool_sizing.summary()}",)
     return head + tuple(f"{g.kind}: {g.form}" for g in engine.weight_groups)

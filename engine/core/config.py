@@ -19,15 +19,19 @@ from engine.model.config import ModelConfig
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """KV pool size and scheduling. The pool is ``num_blocks`` blocks if given, else
-    ``kv_memory`` bytes (> 1) or that fraction of free memory (<= 1), else a default share
-    (10% of available RAM on CPU, 50% of free GPU memory), never more than the running set
-    can use at full context. ``prefix_caching``: full KV blocks of a prefix already computed
-    are shared by the requests that start with it
+    ``kv_memory`` bytes (> 1) or that fraction of free memory (<= 1), else on a CPU 10% of
+    the available RAM, and on a GPU what a profiled warm-up leaves of
+    ``gpu_memory_utilization`` × its memory (:mod:`engine.core.pool_profile`); never more than
+    the running set can use at full context. ``prefix_caching``: full KV blocks of a prefix
+    already computed are shared by the requests that start with it
     (:class:`~engine.kv_cache.block_manager.BlockManager`)."""
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory: float | None = None
+    #: the share of a GPU's memory the engine may take in all (weights, a step's peak, the
+    #: KV pool) when its pool is profiled; the rest is margin (vLLM's default, 0.9)
+    gpu_memory_utilization: float = 0.9
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     window: CacheWindow | None = None
     metrics_window_s: float = 30.0
@@ -47,6 +51,11 @@ class EngineConfig:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_memory is not None and not self.kv_memory > 0:
             raise InvalidRequestError(f"kv_memory must be > 0, got {self.kv_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(
+                "gpu_memory_utilization must be in (0, 1], the share of the GPU's memory the "
+                f"engine may take; got {self.gpu_memory_utilization}"
+            )
 
 
 def kv_pool_blocks(
@@ -58,15 +67,30 @@ def kv_pool_blocks(
 ) -> int:
     """KV blocks of the pool a load with ``config`` allocates: ``num_blocks`` if given, else
     ``kv_memory`` bytes (> 1) or that fraction of ``available`` memory (≤ 1; by default what
-    ``device`` has free now), else 10% of it on a CPU and 50% on a GPU; never more than the
-    running set can use at full context. The engine sizes its pool with this very function,
-    and the memory plan with it too."""
+    ``device`` has free now), else 10% of it on a CPU; never more than the running set can use
+    at full context. The engine sizes its pool with this very function, and the memory plan
+    with it too. A GPU's default pool is sized otherwise, from a profiled warm-up
+    (:func:`engine.core.pool_profile.size_pool`), and is refused here."""
     if config.num_blocks is not None:
         return config.num_blocks
-    per_block = PagedKVCache.bytes_per_block(cfg, config.block_size, dtype)
     budget = config.kv_memory
+    if budget is None and device.type == "cuda":
+        raise ValueError(
+            "a GPU's default KV pool is sized by engine.core.pool_profile.size_pool, from a "
+            "profiled warm-up; give num_blocks or kv_memory to size it here"
+        )
     if budget is None or budget <= 1:
-        fraction = budget if budget is not None else (0.5 if device.type == "cuda" else 0.1)
+        fraction = 0.1 if budget is None else budget
         budget = fraction * (free_memory(device) if available is None else available)
+    return blocks_for_budget(cfg, config, dtype, budget)
+
+
+def blocks_for_budget(
+    cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, budget: float
+) -> int:
+    """The KV blocks ``budget`` bytes hold (fewer than one where it holds none), never more
+    than the running set can use at full context (``max_batch_size`` sequences of the
+    model's context length)."""
+    per_block = PagedKVCache.bytes_per_block(cfg, config.block_size, dtype)
     useful = config.limits.max_batch_size * -(-cfg.max_position_embeddings // config.block_size)
     return min(int(budget // per_block), useful)

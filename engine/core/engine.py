@@ -29,6 +29,7 @@ from engine.core.output import (
     TokenEvent,
     request_metrics,
 )
+from engine.core.pool_profile import PoolSizing, profile_pool
 from engine.core.runner import ModelRunner
 from engine.core.sampling import SamplingParams, make_generator
 from engine.core.scheduler import Scheduler, SchedulerLimits
@@ -94,6 +95,9 @@ class LLMEngine:
         self.weights_bytes = weight_bytes(model)
         #: weights by kind and the form/path each runs in (the load report, the app's model info)
         self.weight_groups = weight_report(model)
+        #: why a GPU's pool has its size (the profiled warm-up's figures); None: the config
+        #: gave it, or a CPU's share of its RAM
+        self.pool_sizing: PoolSizing | None = None
         self.kv = PagedKVCache(
             cfg,
             num_blocks=self._pool_blocks(),
@@ -132,9 +136,10 @@ class LLMEngine:
         self, *, kv_memory: float | None = None, num_blocks: int | None = None
     ) -> LLMEngine:
         """The same model, tokenizer and settings behind a new KV pool (``kv_memory`` bytes or
-        ``num_blocks`` blocks): resizing the pool never loads the weights again. Refused while
-        this engine has requests (they live in its pool) or when the new pool would not fit
-        in the memory free now plus this engine's pool."""
+        ``num_blocks`` blocks; neither: a GPU's is profiled again, :mod:`engine.core.pool_profile`,
+        with this pool left out): resizing the pool never loads the weights again. Refused
+        while this engine has requests (they live in its pool) or when the new pool would not
+        fit in the memory free now plus this engine's pool."""
         from dataclasses import replace
 
         if self.has_work():
@@ -145,11 +150,17 @@ class LLMEngine:
         config = replace(self.config, kv_memory=kv_memory, num_blocks=num_blocks)
         if self.device.type == "cuda":  # what the allocator caches counts as free here
             torch.cuda.empty_cache()
+        # a GPU's default pool is profiled now, this pool left out (the new one replaces it)
+        sizing = profile_pool(
+            self.model, self.cfg, config, self.dtype, self.device, held=self.kv.nbytes
+        )
+        if sizing is not None:
+            config = replace(config, num_blocks=self._check_blocks(sizing.blocks, sizing))
         blocks = kv_pool_blocks(self.cfg, config, self.dtype, self.device)
         per_block = PagedKVCache.bytes_per_block(self.cfg, config.block_size, self.dtype)
         grow = (blocks - self.kv.manager.num_blocks) * per_block
         free = free_memory(self.device)
-        if grow > 0.9 * free:
+        if sizing is None and grow > 0.9 * free:  # a profiled pool fits by its measure
             raise OutOfMemoryError(
                 f"a KV pool of {blocks * per_block / 2**20:.0f} MiB needs "
                 f"{grow / 2**20:.0f} MiB more than the current one and {self.device} has "
@@ -164,6 +175,8 @@ class LLMEngine:
             self.kv = old  # this engine goes on as it was
             raise
         new.speculator, self.speculator = self.speculator, None  # no request holds drafts
+        if sizing is not None:  # the figures the new pool was sized from
+            new.pool_sizing = sizing
         return new
 
     def sibling(self, config: EngineConfig) -> LLMEngine:
@@ -180,15 +193,27 @@ class LLMEngine:
         return new
 
     def _pool_blocks(self) -> int:
+        """The pool's size: profiled on a GPU where the config does not give it
+        (:mod:`engine.core.pool_profile`, its figures kept in :attr:`pool_sizing`), else
+        :func:`kv_pool_blocks`."""
         conf = self.config
-        blocks = kv_pool_blocks(self.cfg, conf, self.dtype, self.device)
-        if blocks < 1:
-            per_block = PagedKVCache.bytes_per_block(self.cfg, conf.block_size, self.dtype)
-            raise InvalidRequestError(
-                f"the KV budget holds no block ({per_block / 2**20:.2f} MiB each); "
-                "give --kv-memory more"
-            )
-        return blocks
+        self.pool_sizing = profile_pool(self.model, self.cfg, conf, self.dtype, self.device)
+        if self.pool_sizing is not None:
+            return self._check_blocks(self.pool_sizing.blocks, self.pool_sizing)
+        return self._check_blocks(kv_pool_blocks(self.cfg, conf, self.dtype, self.device))
+
+    def _check_blocks(self, blocks: int, sizing: PoolSizing | None = None) -> int:
+        """``blocks``, refused when the budget holds none: with a GPU's figures where it was
+        profiled (``sizing``), else with what to give."""
+        if blocks >= 1:
+            return blocks
+        if sizing is not None:
+            raise InvalidRequestError(sizing.refusal())
+        per_block = PagedKVCache.bytes_per_block(self.cfg, self.config.block_size, self.dtype)
+        raise InvalidRequestError(
+            f"the KV budget holds no block ({per_block / 2**20:.2f} MiB each); "
+            "give --kv-memory more"
+        )
 
     # -- requests -------------------------------------------------------------------------
     @property

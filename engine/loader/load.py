@@ -25,8 +25,9 @@ from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
 from engine.model.inventory import linear_modules, parameter_count
 from engine.model.tokenizer import Tokenizer
+from engine.model.transformer import Transformer
 from engine.quant.inventory import quantized_parameter_count
-from engine.quant.spec import parse_precision_spec
+from engine.quant.spec import PrecisionSpec, parse_precision_spec
 
 log = logging.getLogger(__name__)
 
@@ -62,35 +63,59 @@ def load_model(
     model = load_transformer(
         folder, cfg, dtype, torch_device, quant=spec.kind_for if spec.quantized else None
     )
-    num_parameters = parameter_count(model) + quantized_parameter_count(model)
-    threads = ""
-    if torch_device.type == "cpu":
-        # Threads first: the layout timings below then run at the count decode will use.
-        threads = settle_threads(linear_modules(model), dtype)
-        if pack is not False:
-            pack_linears(model, timed=pack is None)
     eos = set(cfg.eos_token_ids) | set(generation_config_eos(folder))
-    engine = LLMEngine(
-        model, tokenizer, cfg, eos_token_ids=sorted(eos), dtype=dtype, device=torch_device,
-        name=folder.name, num_parameters=num_parameters, config=config, precision=spec,
+    engine = engine_for(
+        model, tokenizer, cfg, spec, torch_device,
+        name=folder.name, eos_token_ids=sorted(eos), config=config, pack=pack,
     )  # fmt: skip
     engine.default_sampling = generation_config_sampling(folder)
     engine.folder = folder
-    engine.threads_report = threads
     engine.speculation = functools.partial(speculation, load=load_model)
-    engine.graph = engine.runner.settle_decode_graph(engine.config.decode_graph, engine.kv)
+    num_parameters = engine.num_parameters
+    sizing = engine.pool_sizing  # why a GPU's pool has its size: the warm-up's figures
     log.info(
         "loaded %s: %s, %d layers, %.1fM parameters, %s, %.0f MiB of weights, "
-        "KV pool %d blocks × %d tokens (%.0f MiB)",
+        "KV pool %d blocks × %d tokens (%.0f MiB%s)",
         folder.name, cfg.model_type, cfg.num_layers, num_parameters / 1e6, precision,
         engine.weights_bytes / MiB, engine.kv.manager.num_blocks, engine.kv.block_size,
-        engine.kv.nbytes / MiB,
+        engine.kv.nbytes / MiB, "" if sizing is None else f"; sized {sizing.summary()}",
     )  # fmt: skip
     if torch_device.type == "cpu":
-        log.info("  %s; %s", cpu_paths().summary(), threads)
+        log.info("  %s; %s", cpu_paths().summary(), engine.threads_report)
         log.info("  decode attention: %s", paged_decode.status())
     log.info("  %s", engine.graph.summary())
     _log_weights(engine, num_parameters)
+    return engine
+
+
+def engine_for(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    cfg: ModelConfig,
+    spec: PrecisionSpec,
+    device: torch.device,
+    *,
+    name: str,
+    eos_token_ids: list[int],
+    config: EngineConfig | None = None,
+    pack: bool | None = None,
+) -> LLMEngine:
+    """An engine around a loaded ``model``, settled as every load settles it: on a CPU the
+    thread count, then the linears' layout (timed at that count; ``pack`` as in
+    :func:`load_model`); the KV pool (profiled on a GPU); the decode graph."""
+    num_parameters = parameter_count(model) + quantized_parameter_count(model)  # before packing
+    threads = ""
+    if device.type == "cpu":
+        # Threads first: the layout timings below then run at the count decode will use.
+        threads = settle_threads(linear_modules(model), spec.compute)
+        if pack is not False:
+            pack_linears(model, timed=pack is None)
+    engine = LLMEngine(
+        model, tokenizer, cfg, eos_token_ids=eos_token_ids, dtype=spec.compute, device=device,
+        name=name, num_parameters=num_parameters, config=config, precision=spec,
+    )  # fmt: skip
+    engine.threads_report = threads
+    engine.graph = engine.runner.settle_decode_graph(engine.config.decode_graph, engine.kv)
     return engine
 
 

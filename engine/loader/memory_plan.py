@@ -6,20 +6,29 @@ The plan (:func:`plan_memory`) adds up, from ``config.json`` alone:
 * **weights** at the chosen precision, every packed copy, scale and zero point included
   (:func:`engine.quant.sizes.weight_bytes_by_kind`, the figures a load then reports);
 * **KV bytes per token** (K and V, every layer, in the compute dtype) and the pool a load with
-  this :class:`~engine.core.engine.EngineConfig` allocates (:func:`kv_pool_blocks`, the function the
-  engine itself sizes its pool with);
-* **workspace**: the activations of one step of ``max_tokens_per_step`` tokens, the prefill's
-  attention scores and the logits (an estimate, stated as one);
-* **runtime**: on CUDA the context and library workspaces that the caching allocator does not
-  see (:data:`CUDA_RUNTIME_BYTES`, an estimate);
+  this :class:`~engine.core.engine.EngineConfig` allocates, sized by the functions the engine
+  itself sizes its pool with: on a GPU where the config gives no size,
+  :func:`engine.core.pool_profile.size_pool` (``utilization × total − peak − runtime``, the
+  peak here the weights plus the workspace, where a load measures it in a warm-up forward);
+  elsewhere :func:`kv_pool_blocks`;
+* **workspace**: the activations of one step of ``max_tokens_per_step`` tokens, the logits of
+  a full batch and their sampling (an estimate, stated as one), and the attention
+  temporaries that grow with the context a step reads, at the pool's reach
+  (:func:`engine.core.pool_profile.gather_bytes_per_token`, the load's own analytic term);
+* **runtime**: on CUDA what the caching allocator does not hold: measured on this machine's
+  GPU (the context, library workspaces, other processes, and the tensors this process keeps
+  beside the model being planned), else the context and library workspaces
+  (:data:`CUDA_RUNTIME_BYTES`, an estimate);
 * **load peak**: the weights, plus what the bounded load
   (:func:`engine.loader.weights.load_transformer`) holds at most beside them: the largest tensor
   being assembled in fp32, its copy read from the checkpoint, and a few chunks of quantization
   temporaries (:func:`load_overhead_bytes`).
 
-From the memory the device has (free memory now, or ``memory=`` for another machine), it gives
-the longest context one sequence can reach and the largest batch at a given context, and says
-why a load cannot fit with a precision or context that would. On a CUDA GPU the precisions it
+From the memory the device has (on a CPU its free memory now, on a GPU its memory, of which
+the running engine takes ``gpu_memory_utilization``; or ``memory=`` for another machine), it
+gives the longest context one sequence can
+reach and the largest batch at a given context, and says why a load cannot fit with a
+precision or context that would. On a CUDA GPU the precisions it
 plans and suggests are those its compute capability runs natively (:mod:`engine.hardware.gpu`):
 the GPU's own, or ``capability=`` for another machine's.
 """
@@ -33,9 +42,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.core.config import kv_pool_blocks
+from engine.core.pool_profile import PoolSizing, gather_bytes_per_token, size_pool
 from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.formats import QUANT_CHUNK_BYTES
 from engine.hardware import gpu
+from engine.hardware import memory as device_memory
 from engine.hardware.memory import free_memory
 from engine.model.config import ModelConfig
 from engine.quant.sizes import weight_bytes_by_kind
@@ -49,6 +60,9 @@ if TYPE_CHECKING:
 CUDA_RUNTIME_BYTES = 512 * 2**20
 #: Allocator slack a load may hold beyond its tensors (freed blocks not yet reused).
 LOAD_SLACK_BYTES = 64 * 2**20
+#: An upper estimate of the sampler's temporaries alive at once, per logit of a batch: a
+#: full-vocabulary sort's values and int64 order, softmaxes, masks (all rows at once).
+SAMPLER_BYTES_PER_LOGIT = 32
 #: The shortest context worth loading a model for.
 MIN_CONTEXT = 256
 #: Precisions a refused plan may suggest, best quality first (the compute dtype comes first).
@@ -77,6 +91,12 @@ class MemoryPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     #: the CUDA compute capability planned for; None: a CPU, or a GPU not known
     capability: tuple[int, int] | None = None
+    #: the share of the budget the engine takes once running: a GPU's
+    #: ``gpu_memory_utilization`` (the rest is margin), 1 on a CPU
+    utilization: float = 1.0
+    #: a GPU's default pool: the figures it is sized from, as a load sizes it (None: the
+    #: config gives its size, or a CPU's share of its RAM)
+    pool_sizing: PoolSizing | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -92,16 +112,25 @@ class MemoryPlan:
         return self.fixed_bytes + self.kv_pool_bytes
 
     @property
+    def load_bytes(self) -> int:
+        """The most the load holds (the pool comes after it)."""
+        return self.weight_bytes + self.runtime_bytes + self.load_overhead_bytes
+
+    @property
     def peak_bytes(self) -> int:
-        """The most the device holds at once: during the load (the pool comes after it) or
-        once running."""
-        load = self.weight_bytes + self.runtime_bytes + self.load_overhead_bytes
-        return max(load, self.steady_bytes)
+        """The most the device holds at once: during the load or once running."""
+        return max(self.load_bytes, self.steady_bytes)
+
+    @property
+    def usable_bytes(self) -> int:
+        """What the engine may take once running: ``utilization`` of the budget."""
+        return int(self.budget_bytes * self.utilization)
 
     @property
     def kv_room_bytes(self) -> int:
-        """What the budget leaves for KV once the weights, runtime and workspace are in."""
-        return max(0, self.budget_bytes - self.fixed_bytes)
+        """What the usable budget leaves for KV once the weights, runtime and workspace are
+        in."""
+        return max(0, self.usable_bytes - self.fixed_bytes)
 
     @property
     def max_context(self) -> int:
@@ -119,30 +148,34 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return (
-            self.peak_bytes <= self.budget_bytes
+            self._within()
             and self.max_context >= min(MIN_CONTEXT, self.max_position)
             and self.pool_tokens > 1  # a pool of at least one block beside its pad slot
         )
+
+    def _within(self) -> bool:
+        """The load within the budget, and the running engine within its usable share."""
+        return self.load_bytes <= self.budget_bytes and self.steady_bytes <= self.usable_bytes
 
     def refusal(self) -> str | None:
         """Why a load would not fit, with the numbers and what would (None when it fits)."""
         if self.fits:
             return None
-        load = self.weight_bytes + self.runtime_bytes + self.load_overhead_bytes
-        if self.peak_bytes <= self.budget_bytes:  # the weights fit; the context does not
+        share = f", {self.utilization:.0%} of it once running" if self.utilization < 1 else ""
+        if self._within():  # the weights fit; the context does not
             why = (
                 f"{self.model} at {self.precision} leaves room for {_tokens(self.max_context)} "
                 f"of context on {self.device} ({_gib(self.kv_room_bytes)} for the KV cache "
                 f"beside {_gib(self.weight_bytes)} of weights in {self.budget_source}, "
-                f"{_gib(self.budget_bytes)})"
+                f"{_gib(self.budget_bytes)}{share})"
             )
             return f"{why}; {self.suggestion}" if self.suggestion else why
         parts = [
             f"{self.model} at {self.precision} does not fit on {self.device}: it needs "
             f"{_gib(self.peak_bytes)} at its peak ({_gib(self.weight_bytes)} of weights, "
-            f"{_gib(load)} while loading, {_gib(self.steady_bytes)} running"
+            f"{_gib(self.load_bytes)} while loading, {_gib(self.steady_bytes)} running"
             + (f" with a {_gib(self.kv_pool_bytes)} KV pool" if self.kv_pool_bytes else "")
-            + f"), and {self.budget_source} is {_gib(self.budget_bytes)}"
+            + f"), and {self.budget_source} is {_gib(self.budget_bytes)}{share}"
         ]
         if self.suggestion:
             parts.append(self.suggestion)
@@ -171,17 +204,25 @@ class MemoryPlan:
             f"  KV cache per token  {self.kv_bytes_per_token / 1024:>9.1f} KiB "
             f"(pool {_mib(self.kv_pool_bytes)} = {_tokens(self.pool_tokens)})",
             f"  workspace (est.)    {_mib(self.workspace_bytes):>12}",
-            f"  runtime (est.)      {_mib(self.runtime_bytes):>12}",
+            f"  runtime             {_mib(self.runtime_bytes):>12}",
             f"  load overhead       {_mib(self.load_overhead_bytes):>12}  (bound while loading)",
             f"  peak                {_mib(self.peak_bytes):>12}",
             f"  budget              {_mib(self.budget_bytes):>12}  ({self.budget_source})",
             f"  longest context     {_tokens(self.max_context):>12}"
             f"  (model's own: {_tokens(self.max_position)})",
         ]
+        if self.utilization < 1:  # a GPU: the running engine leaves a margin
+            rows.insert(
+                len(rows) - 1,
+                f"  usable running      {_mib(self.usable_bytes):>12}  "
+                f"({self.utilization:.0%} of it: --gpu-memory-utilization)",
+            )
         batches = [c for c in (2048, 8192, 32768) if c <= self.max_position]
         if batches:
             shown = ", ".join(f"{self.max_batch(c)} × {_tokens(c)}" for c in batches)
             rows.append(f"  largest batch       {shown}")
+        if self.pool_sizing is not None:
+            rows.append(f"  KV pool sizing      {self.pool_sizing.summary()}")
         rows.append(f"  verdict             {'fits' if self.fits else 'does not fit'}")
         if not self.fits and self.suggestion:
             rows.append(f"  suggestion          {self.suggestion}")
@@ -202,6 +243,7 @@ class MemoryPlan:
             weight_bytes=self.weight_bytes,
             steady_bytes=self.steady_bytes,
             peak_bytes=self.peak_bytes,
+            usable_bytes=self.usable_bytes,
             kv_room_bytes=self.kv_room_bytes,
             max_context=self.max_context,
             max_batch={str(c): self.max_batch(c) for c in (2048, 8192, 32768)},
@@ -226,10 +268,13 @@ def plan_memory(
 
     ``memory``: the bytes to plan for (another machine's, say 12 GiB); by default what
     ``device`` has free now plus ``reclaimable`` (what unloading the current model would give
-    back). ``config``: the engine config the load would use (its KV pool); by default the
-    engine's own default pool. ``packed``: whether a CPU lays a tied float head out again
-    (:func:`engine.quant.sizes.estimate_weight_bytes`); ``None`` takes this machine's measured
-    verdict (never timing now), and planning for another device assumes it does not.
+    back); a GPU measured here is planned with its whole memory, what is not torch's and the
+    tensors that stay counted as runtime, and the running engine takes
+    ``config.gpu_memory_utilization`` of it. ``config``: the engine config the load would use
+    (its KV pool); by default the engine's own default pool. ``packed``: whether a CPU lays a
+    tied float head out again (:func:`engine.quant.sizes.estimate_weight_bytes`); ``None``
+    takes this machine's measured verdict (never timing now), and planning for another device
+    assumes it does not.
     ``capability``: the CUDA compute capability to plan for (another machine's GPU, ``(7, 5)``
     for an RTX 20xx); by default the GPU's own where it is in this machine. The plan is refused
     for a precision that GPU cannot run natively, and never suggests one.
@@ -253,7 +298,11 @@ def plan_memory(
     spec = parse_precision_spec(precision, probe, capability=given)
     spec.check_layers(cfg.num_layers)
     config = config or EngineConfig()
-    if memory is not None:
+    total, runtime = 0, 0
+    if torch_device.type == "cuda":
+        total, runtime, source = _gpu_memory(torch_device, memory, reclaimable)
+        budget = total
+    elif memory is not None:
         budget, source = int(memory), "the memory planned for"
     else:
         budget = int(free_memory(torch_device)) + reclaimable
@@ -266,11 +315,10 @@ def plan_memory(
         from engine.kernels.packed_linear import packs
 
         packed = packs(spec.compute, cfg.vocab_size, cfg.hidden_size, measure=False)
-    # On a GPU measured now the context already exists: its free memory leaves it out.
-    runtime = CUDA_RUNTIME_BYTES if torch_device.type == "cuda" and memory is not None else 0
     target = _Target(
-        cfg, torch_device, config, budget, source, runtime, packed, name, capability, probe, given
-    )
+        cfg, torch_device, config, budget, source, runtime, packed, name, capability, probe,
+        given, total,
+    )  # fmt: skip
     plan = target.plan(spec)
     if plan.fits:
         return plan
@@ -293,6 +341,7 @@ class _Target:
     capability: gpu.Capability | None  # the GPU's, or the one given; None: not known
     probe: torch.device  # the device specs are parsed for
     given: gpu.Capability | None  # the capability planned for instead of the probe's
+    total: int  # a GPU's memory (0: a CPU)
 
     def parse(self, text: str) -> PrecisionSpec:
         return parse_precision_spec(text, self.probe, capability=self.given)
@@ -301,9 +350,24 @@ class _Target:
         cfg, config = self.cfg, self.config
         weights = weight_bytes_by_kind(cfg, spec, packed=self.packed)
         per_token = kv_bytes_per_token(cfg, spec.compute)
-        workspace = workspace_bytes(cfg, spec.compute, config)
-        room = max(0, self.budget - sum(weights.values()) - self.runtime - workspace)
-        blocks = kv_pool_blocks(cfg, config, spec.compute, self.device, float(room))
+        step = workspace_bytes(cfg, spec.compute, config)
+        given = config.num_blocks is not None or config.kv_memory is not None
+        sizing = None
+        if self.device.type == "cuda" and not given:  # as a load sizes it, its peak estimated
+            sizing = size_pool(
+                cfg, config, spec.compute, total=self.total,
+                peak=sum(weights.values()) + step, non_torch=self.runtime, measured=False,
+            )  # fmt: skip
+            blocks = sizing.blocks
+        else:
+            room = max(0, self.budget - sum(weights.values()) - self.runtime - step)
+            blocks = kv_pool_blocks(cfg, config, spec.compute, self.device, float(room))
+        blocks = max(0, blocks)
+        # CUDA's decode gathers K/V; a CPU's paged kernel reads the pool in place
+        gather = gather_bytes_per_token(
+            cfg, spec.compute, config.limits, decode=self.device.type == "cuda"
+        )
+        reach = min(cfg.max_position_embeddings, blocks * config.block_size)
         window = cfg.sliding_window
         notes: tuple[str, ...] = ()
         if window:
@@ -320,7 +384,7 @@ class _Target:
             weights=weights,
             kv_bytes_per_token=per_token,
             kv_pool_bytes=(blocks * config.block_size + 1) * per_token,  # + the zero pad slot
-            workspace_bytes=workspace,
+            workspace_bytes=step + gather * reach,
             runtime_bytes=self.runtime,
             load_overhead_bytes=load_overhead_bytes(cfg, spec, self.device),
             budget_bytes=self.budget,
@@ -328,6 +392,8 @@ class _Target:
             max_position=cfg.max_position_embeddings,
             notes=notes,
             capability=self.capability,
+            utilization=config.gpu_memory_utilization if self.device.type == "cuda" else 1.0,
+            pool_sizing=sizing,
         )
 
     def suggestion(self, plan: MemoryPlan) -> str:
@@ -343,10 +409,25 @@ class _Target:
                     f"try {other.precision}: it fits ({_gib(other.peak_bytes)} at its peak, "
                     f"context up to {_tokens(other.max_context)})"
                 )
-        load = plan.weight_bytes + plan.runtime_bytes + plan.load_overhead_bytes
-        if load <= plan.budget_bytes and plan.kv_pool_bytes > plan.kv_room_bytes:
+        if plan.load_bytes <= plan.budget_bytes and plan.kv_pool_bytes > plan.kv_room_bytes:
             return f"a KV pool under {_gib(plan.kv_room_bytes)} would fit"
         return f"no precision fits in {self.source}; free memory or use a smaller model"
+
+
+def _gpu_memory(device: torch.device, memory: int | None, reclaimable: int) -> tuple[int, int, str]:
+    """A GPU's total memory, its runtime (what a load's pool is sized beside, as
+    :mod:`engine.core.pool_profile` measures it: not torch's, plus the tensors this process
+    keeps beside the model planned, ``reclaimable`` being let go first), and what they are."""
+    if memory is not None:
+        return int(memory), CUDA_RUNTIME_BYTES, "the memory planned for"
+    reader = device_memory.device_memory(device)
+    assert reader is not None  # a CUDA device has one
+    figures = reader.read()
+    kept = max(0, figures.allocated - reclaimable)
+    what = f"the memory of {device}" + (
+        " once the current model is unloaded" if reclaimable else ""
+    )
+    return figures.total, figures.non_torch + kept, what
 
 
 def plan_for_folder(
@@ -368,20 +449,19 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, config: EngineConfig) -> int:
-    """Activations of one step of ``max_tokens_per_step`` tokens (an upper estimate: fp32,
-    every intermediate of one layer alive at once), the attention scores of a prefill chunk
-    over a full context, the K/V that attention gathers for one layer, and the logits of a
-    full batch (fp32)."""
-    tokens = config.limits.max_tokens_per_step
+    """What the load's warm-up forward measures beside the weights, estimated: the
+    activations of one step of ``max_tokens_per_step`` tokens (an upper estimate: fp32, every
+    intermediate of one layer alive at once), the logits of a full batch (in the compute
+    dtype and fp32) and their sampling (:data:`SAMPLER_BYTES_PER_LOGIT`). No attention scores:
+    SDPA's fused kernels do not keep them (and below compute capability 8.0, where bf16's
+    would fall back to the math path, the policy computes in fp16). The temporaries that grow
+    with the context a step reads are the plan's gather term, added at the pool's reach."""
+    tokens = min(config.limits.max_tokens_per_step, cfg.max_position_embeddings)
     batch = config.limits.max_batch_size
-    context = cfg.max_position_embeddings
-    itemsize = torch.empty((), dtype=dtype).element_size()
     widths = cfg.hidden_size * 3 + cfg.q_size * 2 + cfg.kv_size * 2 + cfg.intermediate_size * 3
     activations = tokens * widths * 4
-    scores = cfg.num_heads * min(tokens, 512) * min(context, 8192) * 4
-    gathered = 2 * min(context, 8192) * cfg.kv_size * itemsize * min(batch, 4)
-    logits = batch * cfg.vocab_size * 4 * 2
-    return activations + scores + gathered + logits
+    logits = batch * cfg.vocab_size * (4 * 2 + SAMPLER_BYTES_PER_LOGIT)
+    return activations + logits
 
 
 def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, device: torch.device) -> int:

@@ -1,0 +1,254 @@
+"""A GPU's KV pool: what the largest step leaves of the memory the engine may take, measured.
+
+As vLLM (``determine_available_memory``) and nano-vllm (``allocate_kv_cache``) do: once the
+weights are in, one forward of the largest step the scheduler can make runs against a scratch
+KV pool just big enough for it (:func:`warm_up`), between ``reset_peak_memory_stats`` and
+``max_memory_allocated``. The pool then takes what is left (:func:`size_pool`)::
+
+    pool + gather = total × utilization − peak − non-torch
+
+* **total**: the device's memory; **utilization**: ``EngineConfig.gpu_memory_utilization``
+  (0.9 by default: the rest is margin);
+* **peak**: the most the warm-up's tensors took at once, its scratch pool left out: the
+  weights, a prefill chunk of ``max_tokens_per_step`` tokens in one sequence (its attention
+  the largest temporaries), the logits of ``max_batch_size`` rows and their sampling, and any
+  tensor this process holds beside them;
+* **non-torch**: memory in use that torch's allocator does not hold (``mem_get_info``'s used
+  minus ``memory_reserved``): the CUDA context, cuBLAS/cuDNN workspaces, other processes;
+* **gather** (an analytic term, stated as such, not measured): the warm-up's prompt starts at
+  position 0, so the temporaries that grow with the context a step reads are counted by
+  formula (:func:`gather_bytes_per_token`): the decode step's K/V gathered into padded rows
+  of ``max_batch_size`` sequences (:mod:`engine.kernels.gather_attention`, CUDA's decode
+  path until the paged Triton kernel of issue 28 replaces it) or a prefill chunk's gathered
+  K/V and its mask, the larger; at ``min(context, pool tokens)`` tokens, as no sequence reads
+  more than the pool holds.
+
+The pool is never more than the running set can use at full context, and a budget that holds
+no block is refused with the figures (:meth:`PoolSizing.refusal`). The memory plan
+(:mod:`engine.loader.memory_plan`) sizes its pool with this same :func:`size_pool`, its peak
+the weights plus its workspace estimate (it cannot run a forward before loading), so the two
+cannot drift. A CPU's pool stays a share of its RAM
+(:func:`~engine.core.config.kv_pool_blocks`).
+
+The memory figures come through :func:`engine.hardware.memory.device_memory`, the seam where
+tests put a fake GPU: the sizing and its warm-up forward then run on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.core.config import EngineConfig, blocks_for_budget
+from engine.core.sampling import SamplingParams, make_generator, sample
+from engine.core.scheduler import SchedulerLimits
+from engine.errors import OutOfMemoryError
+from engine.hardware import memory as device_memory
+from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.model.config import ModelConfig
+from engine.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+#: the warm-up's scratch sequence (no request id starts with a NUL)
+SCRATCH_ID = "\0profile"
+#: the warm-up samples as a costly request does: every filter and the penalty on
+WARM_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
+                               repetition_penalty=1.1, seed=0)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizing:
+    """Why a GPU's KV pool has its size: the figures of :func:`size_pool`, in bytes."""
+
+    total: int
+    utilization: float
+    peak: int  # the warm-up's measured peak, or the plan's weights + workspace
+    non_torch: int
+    gather_per_token: int  # the analytic gather term, per token of context read
+    context: int  # the most tokens one sequence reads (the model's context length)
+    block_size: int  # tokens
+    block_bytes: int
+    blocks: int
+    measured: bool  # a warm-up measured the peak (the load), or it is an estimate (the plan)
+
+    @property
+    def room(self) -> int:
+        """total × utilization − peak − non-torch: what the pool and the gather share."""
+        return int(self.total * self.utilization) - self.peak - self.non_torch
+
+    @property
+    def pool_bytes(self) -> int:
+        return max(0, self.blocks) * self.block_bytes
+
+    @property
+    def gather_tokens(self) -> int:
+        """The context the gather term is counted at: the model's, or the pool's if less."""
+        return min(self.context, max(0, self.blocks) * self.block_size)
+
+    @property
+    def gather_bytes(self) -> int:
+        return self.gather_per_token * self.gather_tokens
+
+    def summary(self) -> str:
+        """The figures as one line (the load report)."""
+        peak = "measured in a warm-up" if self.measured else "weights + workspace, estimated"
+        return (
+            f"{self.utilization:.2f} × {_gib(self.total)} total − {_gib(self.peak)} peak "
+            f"({peak}) − {_gib(self.non_torch)} not torch's = {_gib(self.room)}: "
+            f"{_gib(self.gather_bytes)} for the K/V a step gathers at {self.gather_tokens} "
+            f"tokens (analytic), {_gib(self.pool_bytes)} for the pool"
+        )
+
+    def refusal(self) -> str:
+        """Why no KV block fits, with the figures and what to change."""
+        return (
+            f"the GPU's memory leaves no room for a KV block ({self.block_bytes / 2**20:.2f} MiB "
+            f"each): {self.summary()}; raise --gpu-memory-utilization, lower "
+            "--max-tokens-per-step or the batch size, or choose a smaller precision"
+        )
+
+
+def gather_bytes_per_token(
+    cfg: ModelConfig, dtype: torch.dtype, limits: SchedulerLimits, *, decode: bool = True
+) -> int:
+    """Bytes of attention temporaries per token of context a step reads, in one layer (the
+    layers run one after another): the larger of
+
+    * a decode step's, where decode gathers (``decode``; CUDA): each of ``max_batch_size``
+      padded rows holds the token's K and V, and the additive mask an element;
+    * a prefill chunk's (``max_tokens_per_step`` queries): the token's K and V gathered, and
+      its mask column: the boolean mask on the device, its copy repeated over the query group
+      and negated, and SDPA's additive mask made of it in the compute dtype.
+
+    An analytic term: the warm-up reads only its own short context."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    group = cfg.num_heads // cfg.num_kv_heads
+    chunk = min(limits.max_tokens_per_step, cfg.max_position_embeddings)
+    prefill = row + chunk * (1 + group * (2 + itemsize))
+    gathered = limits.max_batch_size * (row + itemsize) if decode else 0
+    return max(prefill, gathered)
+
+
+def pool_budget(room: float, token_bytes: int, gather_per_token: int, context: int) -> float:
+    """The bytes of a pool's blocks that share ``room`` with the gather term: ``blocks +
+    gather × min(context, pool tokens) = room``, ``token_bytes`` a token."""
+    full = room - gather_per_token * context
+    if full >= token_bytes * context:  # a pool of at least one full context
+        return full
+    return room * token_bytes / (token_bytes + gather_per_token)
+
+
+def size_pool(
+    cfg: ModelConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    *,
+    total: int,
+    peak: int,
+    non_torch: int,
+    measured: bool,
+) -> PoolSizing:
+    """A GPU's KV pool from its figures: ``pool + gather = total × utilization − peak −
+    non-torch`` (the module's docstring), never more than the running set can use at full
+    context. The load passes the warm-up's measured peak, the memory plan its weights plus
+    its workspace estimate."""
+    block_bytes = PagedKVCache.bytes_per_block(cfg, config.block_size, dtype)
+    token_bytes = block_bytes // config.block_size
+    sizing = PoolSizing(
+        total=total,
+        utilization=config.gpu_memory_utilization,
+        peak=peak,
+        non_torch=non_torch,
+        gather_per_token=gather_bytes_per_token(cfg, dtype, config.limits),
+        context=cfg.max_position_embeddings,
+        block_size=config.block_size,
+        block_bytes=block_bytes,
+        blocks=0,
+        measured=measured,
+    )
+    # the pool's tensors are its blocks and one zero pad slot
+    budget = pool_budget(
+        sizing.room - token_bytes, token_bytes, sizing.gather_per_token, sizing.context
+    )
+    return replace(sizing, blocks=blocks_for_budget(cfg, config, dtype, budget))
+
+
+def profile_pool(
+    model: Transformer,
+    cfg: ModelConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    held: int = 0,
+) -> PoolSizing | None:
+    """The KV pool of an engine on ``device`` with ``config``, sized from a warm-up forward
+    (:func:`warm_up`); None where it is not profiled: ``config`` gives the size
+    (``num_blocks`` or ``kv_memory``), or the device is not a GPU (a CPU's pool is a share of
+    its RAM). ``held``: bytes allocated now that the new pool replaces (an engine's own pool,
+    freed once the new one is built), left out of the peak. A warm-up that runs out of memory
+    is refused as :class:`~engine.errors.OutOfMemoryError`, with what to lower."""
+    memory = device_memory.device_memory(device)
+    if memory is None or config.num_blocks is not None or config.kv_memory is not None:
+        return None
+    try:
+        peak, figures = warm_up(model, cfg, config, dtype, device, memory)
+    except torch.OutOfMemoryError:
+        memory.release()
+        limits = config.limits
+        raise OutOfMemoryError(
+            f"the largest step ({limits.max_tokens_per_step} tokens of prompt, the logits of "
+            f"{limits.max_batch_size} rows) does not fit on {device} beside the weights; lower "
+            "--max-tokens-per-step or the batch size, or choose a smaller precision"
+        ) from None
+    memory.release()  # the warm-up's activations, cached: the pool takes that room
+    sizing = size_pool(
+        cfg, config, dtype,
+        total=figures.total, peak=peak - held, non_torch=figures.non_torch, measured=True,
+    )  # fmt: skip
+    log.info("KV pool profiled: %s", sizing.summary())
+    return sizing
+
+
+def warm_up(
+    model: Transformer,
+    cfg: ModelConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    memory: device_memory.DeviceMemory,
+) -> tuple[int, device_memory.MemoryFigures]:
+    """The largest step the scheduler can make, run once: ``max_tokens_per_step`` tokens of
+    prompt in one sequence (at most the model's context) through a scratch KV pool just big
+    enough for them, the logits of ``max_batch_size`` rows, and their sampling with every
+    filter on. Returns the peak allocated over it less the scratch pool (the real pool takes
+    its place), and the figures read after it. The scratch pool is freed on return."""
+    limits = config.limits
+    chunk = min(limits.max_tokens_per_step, cfg.max_position_embeddings)
+    rows = limits.max_batch_size
+    memory.reset_peak()
+    scratch = PagedKVCache(
+        cfg, num_blocks=-(-chunk // config.block_size), block_size=config.block_size,
+        dtype=dtype, device=device, prefix_caching=False,
+    )  # fmt: skip
+    scratch.manager.grow(SCRATCH_ID, chunk)
+    logits = model(
+        torch.zeros(chunk, dtype=torch.long, device=device),
+        torch.arange(chunk, device=device),
+        scratch.context([SeqChunk(SCRATCH_ID, 0, chunk)]),
+        torch.arange(chunk - rows, chunk, device=device) % chunk,  # rows repeat past a chunk
+    )
+    history = torch.zeros(chunk, dtype=torch.long, device=device)
+    generators = [make_generator(0, device) for _ in range(rows)]
+    sample(logits, [WARM_SAMPLING] * rows, [history] * rows, generators)
+    figures = memory.read()
+    return figures.peak - scratch.nbytes, figures
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
