@@ -23,15 +23,25 @@ from engine.errors import InfersightError
 from engine.loader.load import load_model
 
 
-def measure_read_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+def measure_read_bandwidth(
+    mib: int = 256, repeats: int = 5, device: torch.device | str = "cpu"
+) -> float:
     """Memory read bandwidth in bytes/s: the best of ``repeats`` sums over a buffer far larger
-    than any cache, on the threads the engine uses (a sum is read-bound on every CPU here)."""
-    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    than any cache, on the threads the engine uses (a sum is read-bound on every CPU here); on
+    a GPU, of its memory (each sum waited for)."""
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+
+    def wait() -> None:
+        if data.is_cuda:
+            torch.cuda.synchronize(data.device)
+
     data.sum()  # fault the pages in
     best = float("inf")
     for _ in range(repeats):
+        wait()
         started = time.perf_counter()
         data.sum()
+        wait()
         best = min(best, time.perf_counter() - started)
     return data.numel() * 4 / best
 

@@ -9,10 +9,12 @@ receives real parameters as they arrive. q/k/v and gate/up are fused here, once,
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -81,12 +83,24 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
 QuantPlan = Callable[[str], "QuantKind | None"]
 
 
+class TensorSource(Protocol):
+    """Checkpoint tensors by HF name, as a safetensors file hands them out (``keys``,
+    ``get_tensor``): what :func:`load_transformer` reads instead of a folder's files when it is
+    given one (:class:`engine.loader.synthetic.SyntheticCheckpoint`: random weights)."""
+
+    def keys(self) -> Iterable[str]: ...
+
+    def get_tensor(self, name: str) -> Tensor: ...
+
+
 def load_transformer(
     folder: Path,
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     quant: QuantPlan | None = None,
+    *,
+    source: TensorSource | None = None,
 ) -> Transformer:
     """Build the model from a checkpoint folder, one tensor at a time.
 
@@ -96,13 +110,21 @@ def load_transformer(
     the device holds at most one fused tensor being assembled (fp32 where it will be
     quantized) and one chunk of quantization temporaries
     (:data:`engine.formats.QUANT_CHUNK_BYTES`);
-    the host, one checkpoint tensor read from the mapped file.
+    the host, one checkpoint tensor read from the mapped file. ``source``: the tensors, in
+    place of ``folder``'s safetensors files (``folder`` then only names the model in errors).
     """
     with torch.device("meta"):
         model = Transformer(cfg)
     model.rope = RotaryEmbedding(cfg).to(device)  # real buffers, not meta
 
-    files = checkpoint_files(folder)
+    tensors: Iterable[tuple[str, Tensor]]
+    read: Callable[[str], Tensor]
+    if source is None:
+        files = checkpoint_files(folder)
+        tensors, read = iter_checkpoint(files), functools.partial(_read_tensor, files)
+    else:
+        tensors = ((name, source.get_tensor(name)) for name in source.keys())  # noqa: SIM118
+        read = source.get_tensor
     expected = _expected_parameters(model, cfg)
     fusing: dict[str, _Fused] = {}
     loaded: set[str] = set()
@@ -111,11 +133,9 @@ def load_transformer(
     # where the final norm makes activations large, and the inverse is folded into that norm.
     # Read first, so the head is quantized the moment it arrives, never held in fp32.
     head_scale = (
-        head_channel_scale(_read_tensor(files, "model.norm.weight").float())
-        if head_kind is not None
-        else None
+        head_channel_scale(read("model.norm.weight").float()) if head_kind is not None else None
     )
-    for hf_name, tensor in iter_checkpoint(files):
+    for hf_name, tensor in tensors:
         target = _map_name(hf_name)
         if target is None:
             continue
