@@ -33,6 +33,11 @@ os.environ.setdefault("INFERSIGHT_LAYOUT", "packed")
 # Eager decode steps unless a test asks for a compiled one: ``auto`` would compile wherever a
 # CPU kind is listed as faster compiled (engine/kernels/decode_graph.py), minutes per load.
 os.environ.setdefault("INFERSIGHT_DECODE_GRAPH", "off")
+# Our Triton kernels run in Triton's interpreter on these CPUs, on CPU tensors
+# (engine/kernels/triton_support.py): set before anything imports Triton. The engine still
+# runs the torch kernels unless a test asks for ours (INFERSIGHT_KERNELS=triton).
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
 torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
 
 

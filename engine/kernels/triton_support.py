@@ -1,0 +1,157 @@
+"""Our Triton kernels: whether they run here, which are chosen, and their ahead-of-time build.
+
+The kernels themselves live in :mod:`engine.kernels.triton_kernels`, one module per kind, each
+beside the torch path that is its fallback and its reference. They run on a CUDA GPU; on a
+CPU only under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported),
+which runs each program of a kernel's grid with numpy on CPU tensors: slow, exact, and how
+the tests check every kernel on machines without a GPU.
+
+``INFERSIGHT_KERNELS`` picks by hand: ``triton`` (ours, an error where they cannot run),
+``torch`` (the torch paths), or ``auto`` (the default: ours on a CUDA GPU with Triton
+installed, the torch paths elsewhere).
+
+Every kernel module declares the configurations it launches (:class:`KernelConfig`: the
+signature, the compile-time constants, warps and stages). :func:`compile_for` builds one for
+an NVIDIA architecture with no GPU present, as ``python -m engine.kernels.triton_aot`` does
+for every configuration and every architecture from sm_75 to sm_90: the compiler rejects what
+a real build would, and the shared memory each needs is checked against the architecture's
+limit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import InfersightError
+
+ENV = "INFERSIGHT_KERNELS"
+MODES = ("auto", "triton", "torch")
+#: The NVIDIA architectures the kernels are built for ahead of time: Turing (RTX 20xx, T4),
+#: Ampere (A100; RTX 30xx), Ada (RTX 40xx), Hopper (H100).
+TARGETS = (75, 80, 86, 89, 90)
+#: Shared memory one thread block may use on each, in bytes (the opt-in maximum; CUDA C
+#: Programming Guide, "Technical Specifications per Compute Capability").
+SHARED_MEMORY = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+def installed() -> bool:
+    """Whether Triton can be imported here (a CUDA build of torch on Linux brings it; the
+    dev extras install it for the tests)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def requested() -> str:
+    chosen = (os.environ.get(ENV) or "auto").strip().lower()
+    if chosen not in MODES:
+        raise InfersightError(f"{ENV} must be one of {', '.join(MODES)}, not {chosen!r}")
+    return chosen
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether our Triton kernels run for tensors on ``device``: a CUDA GPU with Triton, or a
+    CPU under Triton's interpreter."""
+    if not installed():
+        return False
+    if device.type == "cuda":
+        return not interpreting()
+    return device.type == "cpu" and interpreting()
+
+
+def chosen(device: torch.device) -> tuple[bool, str]:
+    """Whether the engine on ``device`` runs our Triton kernels, and why (one line for the
+    load report). ``INFERSIGHT_KERNELS=triton`` where they cannot run is an error."""
+    mode = requested()
+    if mode == "torch":
+        return False, f"torch kernels ({ENV}=torch)"
+    if runs_on(device):
+        if device.type == "cpu":
+            if mode == "triton":
+                return True, "Triton kernels, interpreted on the CPU (TRITON_INTERPRET=1)"
+            return False, "torch kernels (Triton's interpreter runs only when asked for)"
+        return True, "Triton kernels"
+    why = (
+        "Triton is not installed"
+        if not installed()
+        else "Triton runs on a CUDA GPU, or on a CPU only with TRITON_INTERPRET=1"
+    )
+    if mode == "triton":
+        raise InfersightError(f"{ENV}=triton, but {why}; unset it to use the torch kernels")
+    return False, f"torch kernels ({why})"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """One configuration a kernel is launched with: what :func:`compile_for` needs to build it
+    for an architecture. ``signature`` maps each argument to its Triton type (``*fp16``,
+    ``i32``, ``constexpr`` …); ``constants`` gives each ``constexpr`` its value."""
+
+    name: str
+    fn: Any  # the @triton.jit function
+    signature: dict[str, str]
+    constants: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+    #: the oldest architecture it is built for (a kernel may need bf16 or a newer MMA)
+    min_target: int = 75
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """What building a configuration for one architecture gave."""
+
+    name: str
+    target: int
+    shared_bytes: int
+    num_warps: int
+    cubin_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= SHARED_MEMORY[self.target]
+
+
+def compile_for(config: KernelConfig, target: int) -> Compiled:
+    """Build ``config`` for NVIDIA compute capability ``target`` (75 for sm_75 …) with no GPU
+    present. Raises what Triton's compiler raises for code a real build would reject. Needs
+    Triton's real JIT: not under ``TRITON_INTERPRET=1``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
+    source = ASTSource(fn=config.fn, signature=config.signature, constexprs=config.constants)
+    kernel = triton.compile(
+        source,
+        target=GPUTarget("cuda", target, 32),
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+    )
+    return Compiled(
+        config.name, target, int(kernel.metadata.shared), int(kernel.metadata.num_warps),
+        len(kernel.asm["cubin"]),
+    )  # fmt: skip
+
+
+def configurations() -> list[KernelConfig]:
+    """Every configuration of every module of :mod:`engine.kernels.triton_kernels` (each
+    module's ``configs()``)."""
+    from engine.kernels import triton_kernels
+
+    out: list[KernelConfig] = []
+    for info in sorted(pkgutil.iter_modules(triton_kernels.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{triton_kernels.__name__}.{info.name}")
+        configs: Callable[[], list[KernelConfig]] = module.configs
+        out += configs()
+    return out
