@@ -124,16 +124,24 @@ def save_tiny(model: torch.nn.Module, folder: Path) -> Path:
     return folder
 
 
+#: The tiny models with heads 64 wide (4 query heads on 2 KV heads): what our Triton kernels
+#: are built for (engine/kernels/triton_support.py, HEAD_DIMS).
+WIDE_HEADS = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64}  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Callable[[str, bool], tuple[Path, torch.nn.Module]]:
-    cache: dict[tuple[str, bool], tuple[Path, torch.nn.Module]] = {}
+) -> Callable[..., tuple[Path, torch.nn.Module]]:
+    """``make(arch, tied, **overrides)``: a tiny model's folder and its transformers model,
+    built once per session."""
+    cache: dict[tuple[object, ...], tuple[Path, torch.nn.Module]] = {}
 
-    def make(arch: str, tied: bool) -> tuple[Path, torch.nn.Module]:
-        key = (arch, tied)
+    def make(arch: str, tied: bool, **overrides: object) -> tuple[Path, torch.nn.Module]:
+        key = (arch, tied, *sorted(overrides.items()))
         if key not in cache:
-            model = build_tiny_hf(arch, tied=tied)
+            model = build_tiny_hf(arch, tied=tied, **overrides)
             folder = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}")
             cache[key] = (save_tiny(model, folder), model)
         return cache[key]

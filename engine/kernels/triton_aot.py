@@ -10,11 +10,27 @@ compiler only: it refuses to run under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import pkgutil
 import sys
 import time
+from collections.abc import Callable
 
 from engine.kernels import triton_support
+
+
+def configurations() -> list[triton_support.KernelConfig]:
+    """Every configuration of every module of :mod:`engine.kernels.triton_kernels` (each
+    module's ``configs()``)."""
+    from engine.kernels import triton_kernels
+
+    out: list[triton_support.KernelConfig] = []
+    for info in sorted(pkgutil.iter_modules(triton_kernels.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{triton_kernels.__name__}.{info.name}")
+        configs: Callable[[], list[triton_support.KernelConfig]] = module.configs
+        out += configs()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results: list[dict[str, object]] = []
     started = time.perf_counter()
-    for config in triton_support.configurations():
+    for config in configurations():
         for target in triton_support.TARGETS:
             if target < config.min_target:
                 continue

@@ -20,11 +20,8 @@ limit.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
-import pkgutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +34,9 @@ MODES = ("auto", "triton", "torch")
 #: The NVIDIA architectures the kernels are built for ahead of time: Turing (RTX 20xx, T4),
 #: Ampere (A100; RTX 30xx), Ada (RTX 40xx), Hopper (H100).
 TARGETS = (75, 80, 86, 89, 90)
+#: The head dimensions the attention kernels are built for (Llama-3's 128, SmolLM2's and
+#: Qwen2-0.5B's 64); a model with others runs the torch paths.
+HEAD_DIMS = (64, 128)
 #: Shared memory one thread block may use on each, in bytes (the opt-in maximum; CUDA C
 #: Programming Guide, "Technical Specifications per Compute Capability").
 SHARED_MEMORY = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -70,12 +70,18 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and interpreting()
 
 
-def chosen(device: torch.device) -> tuple[bool, str]:
-    """Whether the engine on ``device`` runs our Triton kernels, and why (one line for the
-    load report). ``INFERSIGHT_KERNELS=triton`` where they cannot run is an error."""
+def chosen(device: torch.device, head_dim: int) -> tuple[bool, str]:
+    """Whether the engine on ``device`` runs our Triton kernels for a model with heads
+    ``head_dim`` wide, and why (one line for the load report). ``INFERSIGHT_KERNELS=triton``
+    where they cannot run is an error."""
     mode = requested()
     if mode == "torch":
         return False, f"torch kernels ({ENV}=torch)"
+    if head_dim not in HEAD_DIMS:
+        why = f"our Triton kernels are built for heads {' or '.join(map(str, HEAD_DIMS))} wide"
+        if mode == "triton":
+            raise InfersightError(f"{ENV}=triton, but {why}, not {head_dim}; unset it")
+        return False, f"torch kernels ({why}, this model's are {head_dim})"
     if runs_on(device):
         if device.type == "cpu":
             if mode == "triton":
@@ -106,6 +112,9 @@ class KernelConfig:
     num_stages: int = 2
     #: the oldest architecture it is built for (a kernel may need bf16 or a newer MMA)
     min_target: int = 75
+    #: whether the compiler may contract a multiply and an add into an FMA (off for a kernel
+    #: that must round each product and sum as the torch path does); passed at launch too
+    enable_fp_fusion: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +145,11 @@ def compile_for(config: KernelConfig, target: int) -> Compiled:
     kernel = triton.compile(
         source,
         target=GPUTarget("cuda", target, 32),
-        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+        options={
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+            "enable_fp_fusion": config.enable_fp_fusion,
+        },
     )
     return Compiled(
         config.name, target, int(kernel.metadata.shared), int(kernel.metadata.num_warps),
@@ -144,14 +157,26 @@ def compile_for(config: KernelConfig, target: int) -> Compiled:
     )  # fmt: skip
 
 
-def configurations() -> list[KernelConfig]:
-    """Every configuration of every module of :mod:`engine.kernels.triton_kernels` (each
-    module's ``configs()``)."""
-    from engine.kernels import triton_kernels
+def fix_interpreter_bf16_dot() -> None:
+    """Make Triton's interpreter multiply bf16 in ``tl.dot`` as a GPU does.
 
-    out: list[KernelConfig] = []
-    for info in sorted(pkgutil.iter_modules(triton_kernels.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{triton_kernels.__name__}.{info.name}")
-        configs: Callable[[], list[KernelConfig]] = module.configs
-        out += configs()
-    return out
+    The interpreter keeps bf16 values as their raw 16 bits and its ``tl.dot`` multiplies those
+    bits (triton-lang/triton#11584: "the interpreter does not support bf16"). Converted to fp32
+    first (exactly, as its casts already do), the products and their fp32 sum are what a bf16
+    MMA with fp32 accumulation computes. Applied once where Triton interprets (the kernel
+    package does on import); the compiled kernels are untouched."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "bf16_fixed", False):
+        return
+    plain = builder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, acc: Any, *args: Any) -> Any:
+        if a.dtype.scalar == tl.bfloat16:
+            a, b = self.cast_impl(a, tl.float32), self.cast_impl(b, tl.float32)
+        return plain(self, a, b, acc, *args)
+
+    create_dot.bf16_fixed = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot

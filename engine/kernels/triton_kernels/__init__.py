@@ -2,3 +2,8 @@
 where :func:`engine.kernels.triton_support.installed` says Triton is here. Each module has
 ``configs()``, the configurations it launches, which ``python -m engine.kernels.triton_aot``
 builds for every target architecture."""
+
+from engine.kernels import triton_support
+
+if triton_support.interpreting():  # the interpreter's bf16 tl.dot, as a GPU multiplies
+    triton_support.fix_interpreter_bf16_dot()
