@@ -1,8 +1,11 @@
 """The CUDA capability policy (engine/hardware/gpu.py), with no GPU: the seam is monkeypatched.
 
 Below compute capability 8.0 bf16 is emulated, so bf16 is refused there, INT8 and mixed specs
-compute in fp16, and INT4 (sm80+, bf16 activations only) is refused; from 8.0 on nothing
+compute in fp16, and INT4 (torch's kernel: sm80+, bf16 activations only) runs on 7.5 only
+through our Triton kernels, in fp16, and is refused where they do not run; from 8.0 on nothing
 changes. ``infersight plan`` plans and suggests only what the GPU it plans for runs natively.
+The tests run Triton's interpreter, so our kernels do not run on a CUDA GPU here unless a test
+says they do (:func:`triton_on_gpus`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from engine.errors import InvalidRequestError
 from engine.hardware import gpu
 from engine.hardware import memory as hw_memory
 from engine.hardware.memory import MemoryFigures
+from engine.kernels import triton_support
 from engine.loader import memory_plan
 from engine.loader.memory_plan import plan_memory
 from engine.model.config import ModelConfig
 from engine.quant.spec import PrecisionSpec, QuantKind, parse_precision_spec
+from tests.conftest import WIDE_HEADS
+from tests.probed import needs_int4
 
 CONFIGS = Path(__file__).parent.parent / "resources" / "configs"
 SHAPES = str(CONFIGS / "llama-3.1-8b.json")
@@ -48,6 +54,13 @@ def on_gpu(monkeypatch: pytest.MonkeyPatch, cap: tuple[int, int]) -> None:
 
 def _is_cuda(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
+
+
+@pytest.fixture
+def triton_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our Triton kernels run on CUDA GPUs, as on a GPU machine with Triton (and on this CPU
+    where a test asks for them)."""
+    monkeypatch.setattr(triton_support, "runs_on", lambda device: True)
 
 
 def name(cap: tuple[int, int]) -> str:
@@ -81,6 +94,8 @@ def test_the_seam_asks_torch_only_for_a_cuda_device(monkeypatch):
 def test_the_policy_is_a_function_of_the_capability(cap):
     ampere = cap >= (8, 0)
     assert gpu.runs_bf16(cap) is ampere and gpu.runs_int4(cap) is ampere
+    assert gpu.runs_int4(cap, triton=True)  # our kernels run from 7.5
+    assert not gpu.runs_int4((7, 0), triton=True)  # Volta: they are not built for it
     assert gpu.compute_dtype_for(cap) == (torch.bfloat16 if ampere else torch.float16)
     # None: no CUDA GPU, or one not known; the engine computes in bf16 as it always did
     assert gpu.runs_bf16(None) and gpu.runs_int4(None)
@@ -154,6 +169,34 @@ def test_int4_below_8_0_is_refused_suggesting_only_what_runs_there(monkeypatch, 
         parse_precision_spec(instead, "cuda")  # what it suggests parses on this GPU
 
 
+def test_int4_runs_on_7_5_through_our_triton_kernels_in_fp16(monkeypatch, capsys, triton_on_gpus):
+    on_gpu(monkeypatch, TURING)
+    for device, given in (("cuda", None), ("meta", TURING)):  # this GPU, or one planned for
+        for text in INT4_SPECS:
+            assert parse_precision_spec(text, device, capability=given).compute == torch.float16
+    with pytest.raises(InvalidRequestError, match="use fp16"):
+        parse_precision_spec("bf16", "cuda")  # bf16 stays refused
+    code, out, _ = plan_cli(capsys, "--memory", "11GiB", "--capability", "7.5", "--json")
+    planned = [p["precision"] for p in json.loads(out)]
+    assert code == 0 and planned == ["fp16", "int8", "int8+head", "int4-g32", "int4-g32+head",
+                                     "int4-g128+head"]  # fmt: skip
+    on_gpu(monkeypatch, (7, 0))  # Volta: our kernels are not built for it
+    with pytest.raises(InvalidRequestError, match=r"Triton kernels; this GPU is 7\.0"):
+        parse_precision_spec("int4-g32", "cuda")
+
+
+def test_int4_on_7_5_without_our_kernels_says_why(monkeypatch):
+    on_gpu(monkeypatch, TURING)
+    monkeypatch.setattr(triton_support, "installed", lambda: False)
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_precision_spec("int4-g32", "cuda")
+    assert "or 7.5 with Infersight's Triton kernels, but the engine here runs torch kernels " \
+           "(Triton is not installed); this GPU is 7.5" in str(caught.value)  # fmt: skip
+    monkeypatch.setenv("INFERSIGHT_KERNELS", "torch")
+    with pytest.raises(InvalidRequestError, match=r"runs torch kernels \(INFERSIGHT_KERNELS=torch"):
+        parse_precision_spec("int4-g32", "cuda")
+
+
 def test_a_cpu_is_not_asked_and_keeps_bf16(monkeypatch):
     def no_gpu(device=None):
         raise AssertionError("a CPU spec asked torch.cuda for a capability")
@@ -186,6 +229,34 @@ def test_an_int8_model_computing_in_fp16_stays_in_fp16(monkeypatch, tiny_model_d
     run = engine.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=4, ignore_eos=True))
     list(run)
     assert len(run.result.token_ids) == 4
+    assert outputs and set(outputs) == {torch.float16}
+
+
+@needs_int4
+def test_an_int4_model_on_7_5_computes_in_fp16_through_our_kernels(
+    monkeypatch, tiny_model_dir, triton_on_gpus
+):
+    """What runs on 7.5: INT4 layers in our Triton layout, fp16 in and out, biases and the tied
+    head's embedding rows too. Run on this CPU (Triton's interpreter) reporting 7.5."""
+    from engine.core.sampling import SamplingParams
+    from engine.loader.load import load_model
+    from engine.quant.int4 import Int4Linear
+
+    monkeypatch.setattr(gpu, "capability", lambda device: TURING)
+    monkeypatch.setenv("INFERSIGHT_KERNELS", "triton")
+    folder, _ = tiny_model_dir("qwen2", True, **WIDE_HEADS)  # q/k/v biases, a tied head
+    engine = load_model(folder, precision="int4-g32+head", pack=False)
+    layers = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
+    assert layers and engine.dtype == torch.float16
+    assert all(m.triton is not None and m.out_dtype == torch.float16 for m in layers)
+    biases = [m.bias for m in layers if m.bias is not None]
+    assert biases and {b.dtype for b in biases} == {torch.float16}
+    outputs: list[torch.dtype] = []
+    for layer in layers:
+        layer.register_forward_hook(lambda module, args, out: outputs.append(out.dtype))
+    run = engine.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    list(run)
+    assert len(run.result.token_ids) == 3
     assert outputs and set(outputs) == {torch.float16}
 
 

@@ -5,15 +5,18 @@ Below compute capability 8.0 (Volta, Turing: V100, T4, the RTX 20xx) bf16 has no
 path: cuBLAS emulates it, and SDPA has no bf16 flash or memory-efficient kernel there, so
 attention falls back to its math path with fp32 scores (about 1 GiB per prefill chunk at 16k
 context: out of memory on an 11 GB card). fp16 is the fast path on those GPUs. torch's INT4
-kernel (tinygemm) needs 8.0 too, and takes bf16 activations only. So, as vLLM does ("Bfloat16
-is only supported on GPUs with compute capability of at least 8.0 … use float16"):
+kernel (tinygemm) needs 8.0 too, and takes bf16 activations only; our Triton INT4 kernels
+(:mod:`engine.kernels.triton_kernels.quant_gemm`, built from sm_75) take fp16, so on 7.5 INT4
+runs where they do (Triton installed, not turned off). So, as vLLM does ("Bfloat16 is only
+supported on GPUs with compute capability of at least 8.0 … use float16"):
 
-==============  ====  ====  =======  ====================  =======
-capability      fp32  fp16  bf16     int8, mixed compute   int4
-==============  ====  ====  =======  ====================  =======
-below 8.0       runs  runs  refused  fp16                  refused
-8.0 and newer   runs  runs  runs     bf16                  runs
-==============  ====  ====  =======  ====================  =======
+==============  ====  ====  =======  =================  =======================
+capability      fp32  fp16  bf16     quantized compute  int4
+==============  ====  ====  =======  =================  =======================
+below 7.5       runs  runs  refused  fp16               refused
+7.5             runs  runs  refused  fp16               our Triton kernels only
+8.0 and newer   runs  runs  runs     bf16               runs
+==============  ====  ====  =======  =================  =======================
 
 The INT8 path takes fp16 activations: torch's CUDA ``_weight_int8pack_mm`` casts its inputs to
 fp32 whatever their dtype, and its fallback (:class:`~engine.quant.int8.Int8Linear`) converts
@@ -36,6 +39,8 @@ from engine.errors import InvalidRequestError
 Capability = tuple[int, int]
 #: The first capability with bf16 tensor cores and torch's INT4 kernel (Ampere, the A100)
 AMPERE: Capability = (8, 0)
+#: The oldest capability our Triton kernels are built for (Turing: T4, RTX 20xx)
+TURING: Capability = (7, 5)
 
 
 def capability(device: torch.device | str) -> Capability | None:
@@ -63,14 +68,15 @@ def runs_bf16(cap: Capability | None) -> bool:
     return cap is None or cap >= AMPERE
 
 
-def runs_int4(cap: Capability | None) -> bool:
-    """Whether torch's CUDA INT4 kernel runs (it needs 8.0; a CPU's is probed elsewhere)."""
-    return cap is None or cap >= AMPERE
+def runs_int4(cap: Capability | None, triton: bool = False) -> bool:
+    """Whether INT4 runs: torch's CUDA INT4 kernel needs 8.0, ours (``triton``: they run on
+    this GPU) 7.5; a CPU's is probed elsewhere."""
+    return cap is None or cap >= AMPERE or (triton and cap >= TURING)
 
 
 def compute_dtype_for(cap: Capability | None) -> torch.dtype:
     """The dtype a quantized model computes in: bf16 where it runs natively, else fp16 (the
-    INT8 kernel takes either; INT4, bf16 only, is refused there)."""
+    INT8 kernels take either; INT4 runs there only through our Triton kernels, in fp16)."""
     return torch.bfloat16 if runs_bf16(cap) else torch.float16
 
 

@@ -308,9 +308,10 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
     if getattr(module, "quantized", False) and attr == "bias":  # arrived after its weight
         if tuple(tensor.shape) != (int(getattr(module, "out_features", -1)),):
             raise ModelLoadError(f"tensor for {name} has shape {tuple(tensor.shape)}")
-        # in the layer's output dtype: INT8's scales' (the compute dtype), INT4's bf16
-        out = module.scales.dtype if isinstance(module, Int8Linear) else torch.bfloat16
-        module.bias = tensor.to(out)
+        # in the layer's output dtype: INT8's the compute dtype, INT4's bf16 (or, where our
+        # Triton kernels run it, the compute dtype)
+        assert isinstance(module, (Int8Linear, Int4Linear))
+        module.bias = tensor.to(module.out_dtype)
         return
     current = getattr(module, attr)
     if current.shape != tensor.shape:

@@ -37,7 +37,9 @@ class QuantizedEmbedding(nn.Module):
         self.embedding_dim = head.in_features
         self.own_rows: Tensor | None = None
         self.cuda_layout: Int4TileLayout | None = None
-        if isinstance(head, Int4Linear) and head.on_cuda:
+        if isinstance(head, Int4Linear) and head.triton is not None:
+            pass  # our layout keeps rows whole: head.values reads them
+        elif isinstance(head, Int4Linear) and head.on_cuda:
             self.cuda_layout = cuda_int4_layout(head.weight.device, head.inner_k_tiles)
             if self.cuda_layout is None:
                 raise InvalidRequestError(
@@ -45,7 +47,7 @@ class QuantizedEmbedding(nn.Module):
                     "read rows from, so a tied INT4 head cannot serve the embedding; use "
                     "int8+head, or INT4 without +head"
                 )
-        if isinstance(head, Int4Linear) and not head.on_cuda:
+        elif isinstance(head, Int4Linear):
             block = cpu_paths().int4_block_rows
             rows = head.out_features + head.padded_n
             if block is None or rows % block:
@@ -73,6 +75,8 @@ class QuantizedEmbedding(nn.Module):
 
     def _int4_rows(self, head: Int4Linear, ids: Tensor, k: int) -> Tensor:
         """Rows ``ids`` of the head's 4-bit values (0..15), read from its packed weight."""
+        if head.triton is not None:
+            return head.values(ids)
         if self.cuda_layout is not None:
             return self.cuda_layout.read_rows(head.weight, ids, k)
         return _read_int4_rows(head.weight, ids, self.block, k)

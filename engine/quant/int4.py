@@ -1,12 +1,18 @@
-"""The INT4 linear: group-wise INT4 weights packed for torch's INT4 kernels.
+"""The INT4 linear: group-wise INT4 weights packed for torch's INT4 kernels, or for ours.
 
 On CPU ``_weight_int4pack_mm_for_cpu``, on CUDA ``_weight_int4pack_mm`` (sm80+), both with bf16
-activations. Where the input width K does not fit a kernel (it must be a multiple of the group
-and of 32), K is padded with zero columns and the load report says so. There is no fallback: a
-device without the kernel refuses INT4 by name when the spec is parsed.
+activations. Where our Triton kernels run (:func:`engine.kernels.triton_support.chosen`: a CUDA
+GPU with Triton), the layer holds their layout instead
+(:func:`engine.kernels.triton_kernels.quant_gemm.pack_int4`, the same 4-bit values, scales and
+zeros) and computes in the model's dtype: that is how INT4 runs on sm_75, in fp16. Where the
+input width K does not fit a kernel (it must be a multiple of the group and of 32), K is padded
+with zero columns and the load report says so. There is no fallback: a device without a kernel
+refuses INT4 by name when the spec is parsed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +20,7 @@ from torch import Tensor, nn
 
 from engine.formats import pack_int4_cuda, quantize_int4, row_chunks
 from engine.hardware.cpu_paths import cpu_paths
+from engine.quant.int8 import TRITON_KERNEL, triton_gemms
 
 
 def _inner_k_tiles(k: int) -> int:
@@ -29,20 +36,38 @@ def padded_width(k: int, group: int) -> int:
     return -(-k // step) * step
 
 
+def _triton_int4(device: torch.device) -> Callable[..., Tensor] | None:
+    """Our INT4 launcher where our GEMMs run on ``device``
+    (:func:`~engine.quant.int8.triton_gemms`; imported only there: Triton may be missing)."""
+    if not triton_gemms(device)[0]:
+        return None
+    from engine.kernels.triton_kernels.quant_gemm import int4_linear
+
+    return int4_linear
+
+
 class Int4Linear(nn.Module):
     quantized = True
     weight: Tensor
     scales_and_zeros: Tensor
     bias: Tensor | None
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, group: int) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, group: int, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group = group
+        #: our Triton kernel (:func:`engine.kernels.triton_kernels.quant_gemm.int4_linear`) where
+        #: it runs, else None: chosen once, at load
+        self.triton = _triton_int4(weight.device)
+        # torch's kernels take bf16 only; ours the model's compute dtype (fp16 below sm80)
+        self.out_dtype = dtype if self.triton is not None else torch.bfloat16
         k = padded_width(self.in_features, group)
         self.padded_k = k - self.in_features
         # The CPU packing also wants N divisible by 16: extra zero rows, sliced off the output.
-        self.padded_n = -(-self.out_features // 16) * 16 - self.out_features
+        padded_n = -(-self.out_features // 16) * 16 - self.out_features
+        self.padded_n = 0 if self.triton is not None else padded_n
         self.on_cuda = weight.device.type == "cuda"
         tiles = self.inner_k_tiles = _inner_k_tiles(k)
         packed, scale, zero = self._quantize_and_pack(weight, k, tiles)
@@ -50,14 +75,17 @@ class Int4Linear(nn.Module):
         sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", sz)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(self.out_dtype))
 
     def _quantize_and_pack(self, weight: Tensor, k: int, tiles: int) -> tuple[Tensor, ...]:
         """Quantize ``weight`` (padded to ``[N + padded_n, k]`` with zeros) a chunk of rows at a
         time and pack it for the kernel: beside ``weight``, only the packed result and one
         chunk's temporaries exist. The CPU packing lays rows out in independent blocks
         (``cpu_paths().int4_block_rows``), so chunks of whole blocks are packed one by one;
-        for CUDA the 4-bit values are kept a byte each (a quarter of fp32) and packed once."""
+        for CUDA the 4-bit values are kept a byte each (a quarter of fp32) and packed once.
+        Our Triton layout packs each row by itself, so any chunk of rows packs alone."""
+        if self.triton is not None:
+            return self._quantize_for_triton(weight, k)
         n = self.out_features + self.padded_n
         block = None if self.on_cuda else cpu_paths().int4_block_rows
         chunks = row_chunks(n, k, block or 1) if self.on_cuda or block else [slice(0, n)]
@@ -82,8 +110,34 @@ class Int4Linear(nn.Module):
         packed = pack_int4_cuda(values, tiles) if values is not None else torch.cat(packed_rows)
         return packed, torch.cat(scales), torch.cat(zeros)
 
+    def _quantize_for_triton(self, weight: Tensor, k: int) -> tuple[Tensor, ...]:
+        """Quantize and pack ``weight`` for our kernels a chunk of rows at a time (beside
+        ``weight``, only the result and one chunk's temporaries exist)."""
+        from engine.kernels.triton_kernels.quant_gemm import pack_int4
+
+        packed, scales, zeros = [], [], []
+        for rows in row_chunks(self.out_features, k):
+            q, scale, zero = quantize_int4(
+                F.pad(weight[rows].float(), (0, self.padded_k)), self.group
+            )
+            packed.append(pack_int4(q))
+            scales.append(scale)
+            zeros.append(zero)
+        return torch.cat(packed), torch.cat(scales), torch.cat(zeros)
+
+    def values(self, rows: Tensor) -> Tensor:
+        """The 4-bit values (0..15) of rows ``rows`` of our Triton layout, int32 ``[T, K']``
+        (what a tied embedding reads)."""
+        from engine.kernels.triton_kernels.quant_gemm import unpack_int4
+
+        return unpack_int4(self.weight[rows])
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
+        if self.triton is not None:  # no padding of x, bias fused
+            x2 = x.reshape(-1, shape[-1]).to(self.out_dtype)
+            y = self.triton(x2, self.weight, self.scales_and_zeros, self.group, self.bias)
+            return y.reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if self.padded_k:
             x2 = F.pad(x2, (0, self.padded_k))
@@ -105,7 +159,11 @@ class Int4Linear(nn.Module):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales_and_zeros))
 
-    kernel = "int4 kernel"  # the only INT4 path: without it INT4 is refused at parse time
+    @property
+    def kernel(self) -> str:
+        """The path this layer runs, for the load report (without a kernel, INT4 is refused
+        when the spec is parsed)."""
+        return TRITON_KERNEL if self.triton is not None else "int4 kernel"
 
     def extra_repr(self) -> str:
         pad = f", K padded +{self.padded_k}" if self.padded_k else ""

@@ -1,6 +1,8 @@
-"""The INT8 linear: per-channel INT8 weights run by ``torch._weight_int8pack_mm``.
+"""The INT8 linear: per-channel INT8 weights run by ``torch._weight_int8pack_mm``, or by our
+Triton kernels where they run (:func:`engine.kernels.triton_support.chosen`: a CUDA GPU with
+Triton), on the same int8 matrix and scales.
 
-The kernel takes bf16 activations (on CUDA fp16 would do too); where a device has no such
+The torch kernel takes bf16 activations (on CUDA fp16 would do too); where a device has no such
 kernel, the weights stay int8 in memory and one matrix is converted per call. Which of the two
 runs is probed once per device on a tiny tensor, never decided by a failing call.
 """
@@ -8,6 +10,7 @@ runs is probed once per device on a tiny tensor, never decided by a failing call
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,7 @@ from torch import Tensor, nn
 from engine.formats import quantize_int8
 from engine.hardware import gpu
 from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels import triton_support
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,27 @@ def int8_kernel_runs(device: torch.device) -> bool:
     return _INT8_KERNEL[key]
 
 
+#: how the load report names the path of a layer our Triton kernels run
+TRITON_KERNEL = "Triton GEMM"
+
+
+def triton_gemms(device: torch.device) -> tuple[bool, str]:
+    """Whether our Triton GEMMs run the quantized linears on ``device``, and why not
+    (:func:`engine.kernels.triton_support.chosen`). ``INFERSIGHT_KERNELS=triton`` where they
+    cannot run is an error."""
+    return triton_support.chosen(device)
+
+
+def _triton_int8(device: torch.device) -> Callable[..., Tensor] | None:
+    """Our INT8 launcher where our GEMMs run on ``device`` (:func:`triton_gemms`; imported
+    only there: Triton may not be installed)."""
+    if not triton_gemms(device)[0]:
+        return None
+    from engine.kernels.triton_kernels.quant_gemm import int8_linear
+
+    return int8_linear
+
+
 class Int8Linear(nn.Module):
     quantized = True
     weight: Tensor
@@ -66,15 +91,25 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q)
         self.register_buffer("scales", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.out_dtype = dtype  # of the output, the bias and the scales
         self.padded_k = 0
+        #: our Triton kernel (:func:`engine.kernels.triton_kernels.quant_gemm.int8_linear`)
+        #: where it runs, else None: chosen once, at load
+        self.triton = _triton_int8(weight.device)
         # Probed once per device on a tiny tensor (on a CPU by engine.hardware), never decided
         # by a failing call: only a missing kernel may switch a layer to the converting path.
         cpu = weight.device.type == "cpu"
-        self.use_kernel = cpu_paths().int8_kernel.ok if cpu else int8_kernel_runs(weight.device)
+        if self.triton is not None:
+            self.use_kernel = False  # torch's kernel is not asked: ours runs this layer
+        else:
+            self.use_kernel = cpu_paths().int8_kernel.ok if cpu else int8_kernel_runs(weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.triton is not None:  # bias fused
+            y = self.triton(x2, self.weight, self.scales, self.bias)
+            return y.reshape(*shape[:-1], self.out_features)
         if self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
             y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
         else:  # weights stay int8 in memory; one matrix converted per call
@@ -90,6 +125,8 @@ class Int8Linear(nn.Module):
     @property
     def kernel(self) -> str:
         """The path this layer runs, for the load report."""
+        if self.triton is not None:
+            return TRITON_KERNEL
         return "int8 kernel" if self.use_kernel else "int8 converted per call"
 
     def extra_repr(self) -> str:

@@ -15,8 +15,9 @@ def quantized_linear(
 ) -> nn.Module:
     """Build the quantized module for one full-precision weight (any float dtype). ``dtype``:
     the model's compute dtype, INT8's activations and scales (fp16 on a GPU older than compute
-    capability 8.0); INT4 takes bf16 whatever it is."""
+    capability 8.0), and INT4's activations where our Triton kernels run it (torch's INT4
+    kernels take bf16 whatever it is)."""
     if kind.bits == 8:
         return Int8Linear(weight, bias, dtype)
     assert kind.group is not None
-    return Int4Linear(weight, bias, kind.group)
+    return Int4Linear(weight, bias, kind.group, dtype)

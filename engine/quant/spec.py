@@ -7,9 +7,10 @@ inclusive), which beat the default for those blocks; ``none`` keeps a block in t
 dtype: ``mixed:attn=int4-g128,mlp=int4-g128,attn.0-2=int8,mlp.7=none``. That is what the
 sensitivity planner (:mod:`engine.evals.sensitivity`) writes, via :func:`format_mixed_spec`.
 Embeddings and norms stay in the compute dtype; the LM head is quantized only when the spec
-names it. Quantized models compute in bf16 (INT4's kernels take bf16 activations only), except
-on a CUDA GPU older than compute capability 8.0, where bf16 is emulated: there they compute in
-fp16, and bf16 and INT4 are refused (the policy is :mod:`engine.hardware.gpu`'s).
+names it. Quantized models compute in bf16 (torch's INT4 kernels take bf16 activations only),
+except on a CUDA GPU older than compute capability 8.0, where bf16 is emulated: there they
+compute in fp16, bf16 is refused, and INT4 runs only through our Triton kernels (the policy is
+:mod:`engine.hardware.gpu`'s).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.hardware import gpu
 from engine.hardware.cpu_paths import cpu_paths
+from engine.quant.int8 import triton_gemms
 
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT4_GROUPS = (32, 64, 128)
@@ -237,16 +239,20 @@ def parse_precision_spec(
                 f"({probe.why}); use int8 or a float precision"
             )
     cap = _capability(dev, capability)
-    if int4 and not gpu.runs_int4(cap):
-        assert cap is not None
-        which, where = _which(capability)
-        raise InvalidRequestError(
-            f"INT4 needs a CUDA GPU of compute capability 8.0 or newer (Ampere+: torch's INT4 "
-            f"kernel takes bf16 activations only); {which} is {gpu.capability_text(cap)}, so "
-            f"{text} cannot run {where}. Use int8 (it computes in fp16 {where}) or fp16"
-        )
-    # INT8's kernel takes bf16 or fp16 activations; INT4's bf16 only, and it runs only where
-    # bf16 does.
+    if int4 and not gpu.runs_int4(cap):  # unless our Triton kernels run it (7.5, in fp16)
+        ours, kernels = triton_gemms(torch.device("cuda"))
+        if not gpu.runs_int4(cap, triton=ours):
+            assert cap is not None
+            which, where = _which(capability)
+            why_not = "" if ours else f", but the engine here runs {kernels}"
+            raise InvalidRequestError(
+                f"INT4 needs a CUDA GPU of compute capability 8.0 or newer (Ampere+: torch's "
+                f"INT4 kernel takes bf16 activations only), or 7.5 with Infersight's Triton "
+                f"kernels{why_not}; {which} is {gpu.capability_text(cap)}, so {text} cannot "
+                f"run {where}. Use int8 (it computes in fp16 {where}) or fp16"
+            )
+    # INT8's kernels take bf16 or fp16 activations; torch's INT4 kernels bf16 only (and they
+    # run only where bf16 does), ours either.
     return PrecisionSpec(text, gpu.compute_dtype_for(cap), parts, layers)
 
 
