@@ -70,18 +70,12 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and interpreting()
 
 
-def chosen(device: torch.device, head_dim: int) -> tuple[bool, str]:
-    """Whether the engine on ``device`` runs our Triton kernels for a model with heads
-    ``head_dim`` wide, and why (one line for the load report). ``INFERSIGHT_KERNELS=triton``
-    where they cannot run is an error."""
+def chosen(device: torch.device) -> tuple[bool, str]:
+    """Whether the engine on ``device`` runs our Triton kernels, and why (one line for the
+    load report). ``INFERSIGHT_KERNELS=triton`` where they cannot run is an error."""
     mode = requested()
     if mode == "torch":
         return False, f"torch kernels ({ENV}=torch)"
-    if head_dim not in HEAD_DIMS:
-        why = f"our Triton kernels are built for heads {' or '.join(map(str, HEAD_DIMS))} wide"
-        if mode == "triton":
-            raise InfersightError(f"{ENV}=triton, but {why}, not {head_dim}; unset it")
-        return False, f"torch kernels ({why}, this model's are {head_dim})"
     if runs_on(device):
         if device.type == "cpu":
             if mode == "triton":
@@ -180,3 +174,15 @@ def fix_interpreter_bf16_dot() -> None:
 
     create_dot.bf16_fixed = True  # type: ignore[attr-defined]
     builder.create_dot = create_dot
+
+
+def attention_chosen(device: torch.device, head_dim: int) -> tuple[bool, str]:
+    """:func:`chosen`, for the attention of a model with heads ``head_dim`` wide: our
+    attention kernels are built for :data:`HEAD_DIMS` only."""
+    ours, why = chosen(device)
+    if not ours or head_dim in HEAD_DIMS:
+        return ours, why
+    built = f"our attention kernels are built for heads {' or '.join(map(str, HEAD_DIMS))} wide"
+    if requested() == "triton":
+        raise InfersightError(f"{ENV}=triton, but {built}, not {head_dim}; unset it")
+    return False, f"torch kernels ({built}, this model's are {head_dim})"
