@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core import cuda_graphs
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
 from engine.hardware.memory import free_memory
@@ -38,6 +39,9 @@ class EngineConfig:
     #: ``auto`` / ``on`` / ``off`` (:mod:`engine.kernels.decode_graph`); None:
     #: INFERSIGHT_DECODE_GRAPH
     decode_graph: str | None = None
+    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.core.cuda_graphs`); None:
+    #: INFERSIGHT_CUDA_GRAPHS
+    cuda_graphs: str | None = None
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -45,6 +49,7 @@ class EngineConfig:
             decode_graph.requested_mode(self.decode_graph)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        cuda_graphs.requested_mode(self.cuda_graphs)
         if self.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

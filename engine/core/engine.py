@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.core import cuda_graphs
 from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
@@ -37,7 +38,7 @@ from engine.core.sequence import FinishReason
 from engine.core.sequence import Sequence as Seq
 from engine.errors import EngineBusyError, InvalidRequestError, OutOfMemoryError
 from engine.hardware.memory import free_memory
-from engine.kernels import decode_graph
+from engine.kernels import decode_graph, triton_support
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
@@ -98,6 +99,8 @@ class LLMEngine:
         #: why a GPU's pool has its size (the profiled warm-up's figures); None: the config
         #: gave it, or a CPU's share of its RAM
         self.pool_sizing: PoolSizing | None = None
+        #: whether attention runs our Triton kernels, and why (a line of the load report)
+        self.triton, self.kernels = _attention_kernels(cfg, dtype, device)
         self.kv = PagedKVCache(
             cfg,
             num_blocks=self._pool_blocks(),
@@ -105,6 +108,7 @@ class LLMEngine:
             dtype=dtype,
             device=device,
             prefix_caching=self.config.prefix_caching,
+            triton=self.triton,
         )
         self.scheduler = Scheduler(self.kv.manager, self.config.limits)
         #: the window every sequence runs under: the user's within the model's own sliding
@@ -124,6 +128,8 @@ class LLMEngine:
         self.hold_s = 0.0
         #: how decode steps run (eager or one compiled graph), settled by the load
         self.graph = decode_graph.GraphChoice(False, "not compiled (engine built directly)")
+        #: decode steps over static buffers, replayed as CUDA graphs, or why not
+        self.graphs = cuda_graphs.GraphsChoice(None, "off (engine built directly)")
         #: the CPU thread count the load settled, and why (one line)
         self.threads_report = ""
         #: builds speculative decoding for :meth:`set_speculation` (it may load a draft
@@ -152,8 +158,9 @@ class LLMEngine:
             torch.cuda.empty_cache()
         # a GPU's default pool is profiled now, this pool left out (the new one replaces it)
         sizing = profile_pool(
-            self.model, self.cfg, config, self.dtype, self.device, held=self.kv.nbytes
-        )
+            self.model, self.cfg, config, self.dtype, self.device, held=self.kv.nbytes,
+            triton=self.triton,
+        )  # fmt: skip
         if sizing is not None:
             config = replace(config, num_blocks=self._check_blocks(sizing.blocks, sizing))
         blocks = kv_pool_blocks(self.cfg, config, self.dtype, self.device)
@@ -168,16 +175,28 @@ class LLMEngine:
                 f"{(self.kv.nbytes + 0.9 * free) / 2**20:.0f} MiB"
             )
         self.enable_layer_timing(False)  # its hooks are on the shared model
-        old, self.kv = self.kv, None  # type: ignore[assignment]  # the old pool goes first
+        # the old pool goes first, and the graphs that hold its addresses with it
+        old, self.kv = self.kv, None  # type: ignore[assignment]
+        static, self.runner.static = self.runner.static, None
         try:
             new = self.sibling(config)
         except BaseException:
-            self.kv = old  # this engine goes on as it was
+            self.kv, self.runner.static = old, static  # this engine goes on as it was
             raise
         new.speculator, self.speculator = self.speculator, None  # no request holds drafts
+        if static is not None:  # captured anew over the new pool
+            new.settle_cuda_graphs()
         if sizing is not None:  # the figures the new pool was sized from
             new.pool_sizing = sizing
         return new
+
+    def settle_cuda_graphs(self) -> None:
+        """Build (and on a GPU capture) the static decode steps the config asks for
+        (:mod:`engine.core.cuda_graphs`): at load, and for a new pool."""
+        self.graphs = cuda_graphs.settle(
+            self.config.cuda_graphs, self.model, self.kv, self.config.limits.max_batch_size
+        )
+        self.runner.static = self.graphs.runner
 
     def sibling(self, config: EngineConfig) -> LLMEngine:
         """Another engine on this one's weights (shared, not copied), with a KV pool and
@@ -197,7 +216,9 @@ class LLMEngine:
         (:mod:`engine.core.pool_profile`, its figures kept in :attr:`pool_sizing`), else
         :func:`kv_pool_blocks`."""
         conf = self.config
-        self.pool_sizing = profile_pool(self.model, self.cfg, conf, self.dtype, self.device)
+        self.pool_sizing = profile_pool(
+            self.model, self.cfg, conf, self.dtype, self.device, triton=self.triton
+        )
         if self.pool_sizing is not None:
             return self._check_blocks(self.pool_sizing.blocks, self.pool_sizing)
         return self._check_blocks(kv_pool_blocks(self.cfg, conf, self.dtype, self.device))
@@ -518,3 +539,20 @@ class Generation:
         finally:
             if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
                 engine.cancel(self.request_id)
+
+
+def _attention_kernels(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[bool, str]:
+    """Whether attention runs our Triton kernels for this model, dtype and device, and why
+    (:func:`engine.kernels.triton_support.attention_chosen`, then what the prefill kernel
+    runs: not fp32 on a GPU, nor bf16 below sm80)."""
+    ours, why = triton_support.attention_chosen(device, cfg.head_dim)
+    if not ours:
+        return ours, why
+    from engine.kernels.triton_kernels import prefill_attention
+
+    refused = prefill_attention.unsupported(
+        dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device
+    )
+    return (False, f"torch attention ({refused})") if refused else (True, why)

@@ -186,18 +186,20 @@ def profile_pool(
     device: torch.device,
     *,
     held: int = 0,
+    triton: bool = False,
 ) -> PoolSizing | None:
     """The KV pool of an engine on ``device`` with ``config``, sized from a warm-up forward
     (:func:`warm_up`); None where it is not profiled: ``config`` gives the size
     (``num_blocks`` or ``kv_memory``), or the device is not a GPU (a CPU's pool is a share of
-    its RAM). ``held``: bytes allocated now that the new pool replaces (an engine's own pool,
+    its RAM). ``triton``: the engine attends through our Triton kernels (the warm-up does
+    too). ``held``: bytes allocated now that the new pool replaces (an engine's own pool,
     freed once the new one is built), left out of the peak. A warm-up that runs out of memory
     is refused as :class:`~engine.errors.OutOfMemoryError`, with what to lower."""
     memory = device_memory.device_memory(device)
     if memory is None or config.num_blocks is not None or config.kv_memory is not None:
         return None
     try:
-        peak, figures = warm_up(model, cfg, config, dtype, device, memory)
+        peak, figures = warm_up(model, cfg, config, dtype, device, memory, triton=triton)
     except torch.OutOfMemoryError:
         memory.release()
         limits = config.limits
@@ -222,6 +224,8 @@ def warm_up(
     dtype: torch.dtype,
     device: torch.device,
     memory: device_memory.DeviceMemory,
+    *,
+    triton: bool = False,
 ) -> tuple[int, device_memory.MemoryFigures]:
     """The largest step the scheduler can make, run once: ``max_tokens_per_step`` tokens of
     prompt in one sequence (at most the model's context) through a scratch KV pool just big
@@ -234,7 +238,7 @@ def warm_up(
     memory.reset_peak()
     scratch = PagedKVCache(
         cfg, num_blocks=-(-chunk // config.block_size), block_size=config.block_size,
-        dtype=dtype, device=device, prefix_caching=False,
+        dtype=dtype, device=device, prefix_caching=False, triton=triton,
     )  # fmt: skip
     scratch.manager.grow(SCRATCH_ID, chunk)
     logits = model(

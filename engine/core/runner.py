@@ -23,6 +23,7 @@ from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
 
 if TYPE_CHECKING:
+    from engine.core.cuda_graphs import StaticDecode
     from engine.speculative.rule import Draft
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class ModelRunner:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
+        #: decode steps over static buffers (CUDA graphs on a GPU), where the load settled
+        #: them (:mod:`engine.core.cuda_graphs`)
+        self.static: StaticDecode | None = None
 
     def batch(
         self,
@@ -81,6 +85,14 @@ class ModelRunner:
     def forward(self, batch: Batch, kv: PagedKVCache) -> torch.Tensor:
         """Logits of the batch's sampled rows (each chunk's K/V written into ``kv`` on the
         way)."""
+        static = self.static
+        if (
+            static is not None
+            and static.kv is kv
+            and not self.model.eager_reasons  # hooks (layer timings) run only eagerly
+            and static.fits(batch)
+        ):
+            return static.run(batch)
         ids, positions, rows = self.inputs(batch.ids, batch.positions, batch.rows)
         return self.model(ids, positions, kv.context(batch.chunks), rows)
 
@@ -101,6 +113,8 @@ class ModelRunner:
         choice = decode_graph.choose(mode, self.device)
         if not choice.compiled:
             return choice
+        if kv.triton:  # the graph's attention op is the torch paths'
+            return decode_graph.GraphChoice(False, "eager: our Triton kernels run the attention")
         model = self.model
         compiled = decode_graph.CompiledDecode(model.body)
         model.compiled_decode = compiled

@@ -22,7 +22,7 @@ from engine.kernels.decode_attention import (
     paged_decode_attention,
     store_and_attend,
 )
-from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.block_manager import RELEASED, BlockManager
 from engine.kv_cache.window import CacheWindow, _visible
 from engine.model.attention import AttentionContext, grouped_attention
 from engine.model.config import ModelConfig
@@ -55,8 +55,12 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         prefix_caching: bool = True,
+        triton: bool = False,
     ) -> None:
         self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
+        #: steps attend through our Triton kernels, reading K/V in place through the block
+        #: tables (:mod:`engine.kernels.triton_support` decides where they run)
+        self.triton = triton
         self.block_size = block_size
         #: the model's own sliding window, masked in every step whatever its chunks ask
         self.model_window = (
@@ -110,6 +114,11 @@ class _PagedContext(AttentionContext):
             self.num_decode += 1
         if any(c.length == 1 for c in chunks[self.num_decode :]):
             raise ValueError("decode chunks must come first in a step")
+        self.decode_only = self.num_decode == len(chunks)
+        #: the step's block tables and lengths, where the Triton kernels attend
+        self.tables = _BlockTables(cache, chunks, self.num_decode) if cache.triton else None
+        if self.tables is not None:
+            return
         self.decode_slots: Tensor | None = None
         self.decode_lens: Tensor | None = None  # real (unpadded) columns of each slot row
         self.decode_mask: Tensor | None = None
@@ -140,7 +149,6 @@ class _PagedContext(AttentionContext):
                 c.window is not None for c in chunks[: self.num_decode]
             )
             self.mask_needed = windowed or min(lens) != max(lens)
-        self.decode_only = self.num_decode == len(chunks)
         self.prefill: list[tuple[int, int, Tensor, Tensor]] = []  # (offset, length, slots, mask)
         offset = self.num_decode
         for c in chunks[self.num_decode :]:
@@ -152,6 +160,9 @@ class _PagedContext(AttentionContext):
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         pool = self.cache.kv[layer]
+        if self.tables is not None:
+            pool.index_copy_(0, self.write_slots, kv)
+            return self.tables.attend(q, pool)
         tokens, heads, dim = q.shape
         kv_heads = self.cache.kv_heads
         if self.decode_only:
@@ -180,3 +191,66 @@ class _PagedContext(AttentionContext):
                 q[offset : offset + length], rows[:kv_heads], rows[kv_heads:], mask
             )
         return out
+
+
+class _BlockTables:
+    """What our Triton kernels read for one step (:mod:`engine.kernels.triton_kernels`): each
+    sequence's block table (``RELEASED`` where the cache window gave a block back), padded
+    to the step's widest with ``RELEASED``; the decode sequences' lengths; the prefill
+    chunks' query offsets and first positions; the step's one cache window. Built once per
+    step for every layer, sent up in queued copies."""
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk], num_decode: int) -> None:
+        mgr, dev = cache.manager, cache.device
+        self.block_size = cache.block_size
+        windows = {c.window if c.window is not None else cache.model_window for c in chunks}
+        if len(windows) > 1:
+            raise ValueError("the chunks of one step must share one cache window")
+        (window,) = windows
+        self.sink, self.window = (0, 0) if window is None else (window.sink, window.window)
+        decode, prefill = chunks[:num_decode], chunks[num_decode:]
+        self.decode = self.decode_lens = None
+        if decode:
+            self.decode = block_tables(mgr, decode, dev)
+            self.decode_lens = upload([c.start + 1 for c in decode], dev, torch.int32)
+        self.prefill = self.q_starts = self.first_positions = None
+        self.max_query_len = max((c.length for c in prefill), default=0)
+        if prefill:
+            self.prefill = block_tables(mgr, prefill, dev)
+            starts = [0]
+            for c in prefill:
+                starts.append(starts[-1] + c.length)
+            self.q_starts = upload(starts, dev, torch.int32)
+            self.first_positions = upload([c.start for c in prefill], dev, torch.int32)
+        self.num_decode = num_decode
+
+    def attend(self, q: Tensor, pool: Tensor) -> Tensor:
+        """The step's attention output ``[T, H·D]`` (its K/V already in ``pool``)."""
+        from engine.kernels.triton_kernels.decode_attention import paged_decode_attention
+        from engine.kernels.triton_kernels.prefill_attention import paged_prefill_attention
+
+        window = {"block_size": self.block_size, "sink": self.sink, "window": self.window}
+        n = self.num_decode
+        decoded = prefilled = None
+        if self.decode is not None:
+            assert self.decode_lens is not None
+            decoded = paged_decode_attention(q[:n], pool, self.decode, self.decode_lens, **window)
+        if self.prefill is not None:
+            assert self.q_starts is not None and self.first_positions is not None
+            prefilled = paged_prefill_attention(
+                q[n:], pool, self.prefill, self.q_starts, self.first_positions,
+                max_query_len=self.max_query_len, **window,
+            )  # fmt: skip
+        if prefilled is None:
+            assert decoded is not None
+            return decoded
+        return prefilled if decoded is None else torch.cat([decoded, prefilled])
+
+
+def block_tables(mgr: BlockManager, chunks: list[SeqChunk], device: torch.device) -> Tensor:
+    """The block tables of ``chunks``' sequences, ``[len(chunks), widest]`` int32, padded with
+    ``RELEASED``."""
+    rows = [mgr.tables[c.seq_id] for c in chunks]
+    width = max(len(r) for r in rows)
+    flat = [b for r in rows for b in (*r, *[RELEASED] * (width - len(r)))]
+    return upload(flat, device, torch.int32).view(len(rows), width)

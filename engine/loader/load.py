@@ -84,6 +84,8 @@ def load_model(
         log.info("  %s; %s", cpu_paths().summary(), engine.threads_report)
         log.info("  decode attention: %s", paged_decode.status())
     log.info("  %s", engine.graph.summary())
+    log.info("  kernels: %s", engine.kernels)
+    log.info("  %s", engine.graphs.summary())
     _log_weights(engine, num_parameters)
     return engine
 
@@ -116,6 +118,7 @@ def engine_for(
     )  # fmt: skip
     engine.threads_report = threads
     engine.graph = engine.runner.settle_decode_graph(engine.config.decode_graph, engine.kv)
+    engine.settle_cuda_graphs()
     return engine
 
 
