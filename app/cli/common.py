@@ -64,6 +64,7 @@ def engine_config(
         ),
         window=window,
         decode_graph=args.decode_graph,
+        cuda_graphs=getattr(args, "cuda_graphs", None),
         prefix_caching=args.prefix_caching,
     )
 

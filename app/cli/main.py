@@ -430,6 +430,14 @@ def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
         help="run decode steps as one TorchInductor graph: on, off, or auto (where measured "
         "faster on this kind of CPU/GPU); default: $INFERSIGHT_DECODE_GRAPH or auto",
     )
+    g.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="replay decode steps as CUDA graphs, one per batch-size bucket (needs our Triton "
+        "kernels): on, off, or auto (on a GPU with them); default: $INFERSIGHT_CUDA_GRAPHS or "
+        "auto",
+    )
     g = p.add_argument_group("speculative decoding")
     g.add_argument(
         "--speculative", nargs="+", default=None, metavar="DRAFTER",

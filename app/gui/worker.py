@@ -390,16 +390,17 @@ def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
 
 def compute_paths(engine: LLMEngine) -> tuple[str, ...]:
     """What the load report says about how the model computes: on a CPU which fast paths the
-    probe found and the thread count, whether decode steps run compiled, then each kind of
-    weight with its format and path."""
+    probe found and the thread count, our Triton kernels or torch's, whether decode steps run
+    compiled or as CUDA graphs, then each kind of weight with its format and path."""
     from engine.hardware.cpu_paths import cpu_paths
     from engine.kernels import paged_decode
 
     head: tuple[str, ...] = ()
     if engine.device.type == "cpu":
-        attention = f"decode attention: {paged_decode.status()}"
-        head = (cpu_paths().summary(), engine.threads_report, attention)
-    head += (engine.graph.summary(),)
+        head = (cpu_paths().summary(), engine.threads_report)
+        if not engine.triton:
+            head += (f"decode attention: {paged_decode.status()}",)
+    head += (f"kernels: {engine.kernels}", engine.graph.summary(), engine.graphs.summary())
     if engine.pool_sizing is not None:  # why a GPU's pool has its size
         head += (f"KV pool: {engine.pool_sizing.summary()}",)
     return head + tuple(f"{g.kind}: {g.form}" for g in engine.weight_groups)
