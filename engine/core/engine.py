@@ -36,9 +36,14 @@ from engine.core.sampling import SamplingParams, make_generator
 from engine.core.scheduler import Scheduler, SchedulerLimits
 from engine.core.sequence import FinishReason
 from engine.core.sequence import Sequence as Seq
-from engine.errors import EngineBusyError, InvalidRequestError, OutOfMemoryError
+from engine.errors import (
+    EngineBusyError,
+    InfersightError,
+    InvalidRequestError,
+    OutOfMemoryError,
+)
 from engine.hardware.memory import free_memory
-from engine.kernels import decode_graph, triton_support
+from engine.kernels import decode_graph, triton_check, triton_support
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
@@ -546,7 +551,8 @@ def _attention_kernels(
 ) -> tuple[bool, str]:
     """Whether attention runs our Triton kernels for this model, dtype and device, and why
     (:func:`engine.kernels.triton_support.attention_chosen`, then what the prefill kernel
-    runs: not fp32 on a GPU, nor bf16 below sm80)."""
+    runs: not fp32 on a GPU, nor bf16 below sm80; then both kernels' check against the torch
+    path, :mod:`engine.kernels.triton_check`)."""
     ours, why = triton_support.attention_chosen(device, cfg.head_dim)
     if not ours:
         return ours, why
@@ -555,4 +561,11 @@ def _attention_kernels(
     refused = prefill_attention.unsupported(
         dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device
     )
-    return (False, f"torch attention ({refused})") if refused else (True, why)
+    if refused:
+        return False, f"torch attention ({refused})"
+    failed = triton_check.attention(device, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+    if not failed:
+        return True, why
+    if triton_support.requested() == "triton":
+        raise InfersightError(f"{triton_support.ENV}=triton, but {failed}")
+    return False, f"torch attention ({failed})"

@@ -36,10 +36,10 @@ def padded_width(k: int, group: int) -> int:
     return -(-k // step) * step
 
 
-def _triton_int4(device: torch.device) -> Callable[..., Tensor] | None:
+def _triton_int4(device: torch.device, dtype: torch.dtype) -> Callable[..., Tensor] | None:
     """Our INT4 launcher where our GEMMs run on ``device``
     (:func:`~engine.quant.int8.triton_gemms`; imported only there: Triton may be missing)."""
-    if not triton_gemms(device)[0]:
+    if not triton_gemms(device, dtype)[0]:
         return None
     from engine.kernels.triton_kernels.quant_gemm import int4_linear
 
@@ -60,7 +60,7 @@ class Int4Linear(nn.Module):
         self.group = group
         #: our Triton kernel (:func:`engine.kernels.triton_kernels.quant_gemm.int4_linear`) where
         #: it runs, else None: chosen once, at load
-        self.triton = _triton_int4(weight.device)
+        self.triton = _triton_int4(weight.device, dtype)
         # torch's kernels take bf16 only; ours the model's compute dtype (fp16 below sm80)
         self.out_dtype = dtype if self.triton is not None else torch.bfloat16
         k = padded_width(self.in_features, group)

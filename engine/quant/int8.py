@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.errors import InfersightError
 from engine.formats import quantize_int8
 from engine.hardware import gpu
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kernels import triton_support
+from engine.kernels import triton_check, triton_support
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +60,26 @@ def int8_kernel_runs(device: torch.device) -> bool:
 TRITON_KERNEL = "Triton GEMM"
 
 
-def triton_gemms(device: torch.device) -> tuple[bool, str]:
+def triton_gemms(device: torch.device, dtype: torch.dtype | None = None) -> tuple[bool, str]:
     """Whether our Triton GEMMs run the quantized linears on ``device``, and why not
-    (:func:`engine.kernels.triton_support.chosen`). ``INFERSIGHT_KERNELS=triton`` where they
-    cannot run is an error."""
-    return triton_support.chosen(device)
+    (:func:`engine.kernels.triton_support.chosen`; with the activations' ``dtype``, where they
+    also pass their check against the torch path, :mod:`engine.kernels.triton_check`).
+    ``INFERSIGHT_KERNELS=triton`` where they cannot run, or fail the check, is an error."""
+    ours, why = triton_support.chosen(device)
+    if not ours or dtype is None:
+        return ours, why
+    failed = triton_check.gemms(device, dtype)
+    if not failed:
+        return ours, why
+    if triton_support.requested() == "triton":
+        raise InfersightError(f"{triton_support.ENV}=triton, but {failed}")
+    return False, f"torch GEMMs ({failed})"
 
 
-def _triton_int8(device: torch.device) -> Callable[..., Tensor] | None:
+def _triton_int8(device: torch.device, dtype: torch.dtype) -> Callable[..., Tensor] | None:
     """Our INT8 launcher where our GEMMs run on ``device`` (:func:`triton_gemms`; imported
     only there: Triton may not be installed)."""
-    if not triton_gemms(device)[0]:
+    if not triton_gemms(device, dtype)[0]:
         return None
     from engine.kernels.triton_kernels.quant_gemm import int8_linear
 
@@ -95,7 +105,7 @@ class Int8Linear(nn.Module):
         self.padded_k = 0
         #: our Triton kernel (:func:`engine.kernels.triton_kernels.quant_gemm.int8_linear`)
         #: where it runs, else None: chosen once, at load
-        self.triton = _triton_int8(weight.device)
+        self.triton = _triton_int8(weight.device, dtype)
         # Probed once per device on a tiny tensor (on a CPU by engine.hardware), never decided
         # by a failing call: only a missing kernel may switch a layer to the converting path.
         cpu = weight.device.type == "cpu"

@@ -1,0 +1,203 @@
+"""Each of our Triton kernels checked against its torch reference before the engine uses it,
+once per device and dtype (as the paged C kernel is checked once per machine).
+
+A kernel can build and still be wrong on a GPU its author never ran: another architecture,
+another Triton or driver. Before a load hands its attention or its quantized linears to our
+kernels, each runs once on small random inputs of the model's head size and dtype (a ragged
+batch, a cached prefix, a shuffled block table; a GEMV row and a tile of rows) and is compared
+with the torch path it replaces. A kernel that fails, or raises, is not used: the load runs
+the torch path and its report says why. ``INFERSIGHT_KERNELS=triton`` turns the failure into
+an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+#: Largest error over the reference's largest magnitude, by dtype: a few roundings of each
+#: (the kernels accumulate in fp32 and round once or twice to the dtype).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
+BLOCK = 16
+
+
+def attention(
+    device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+) -> str:
+    """Why our attention kernels must not run here ("" where both pass their check)."""
+    return _attention(str(device), dtype, head_dim, heads, kv_heads)
+
+
+def gemms(device: torch.device, dtype: torch.dtype) -> str:
+    """Why our INT8/INT4 GEMMs must not run here ("" where they pass their check)."""
+    return _gemms(str(device), dtype)
+
+
+def _verdict(name: str, got: Tensor, want: Tensor) -> str:
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item() or 1.0
+    tol = TOLERANCE[got.dtype]
+    if not err <= tol * scale:  # NaN fails too
+        return (
+            f"our {name} kernel differs from the torch path by {err:.3g} (over {tol * scale:.3g})"
+        )
+    return ""
+
+
+def _guarded(name: str, check: functools.partial[str]) -> str:
+    try:
+        why = check()
+    except Exception as exc:  # a kernel that raises here is not used
+        why = f"our {name} kernel failed its check: {type(exc).__name__}: {exc}".splitlines()[0]
+    if why:
+        log.warning("%s; the torch path runs instead", why)
+    return why
+
+
+@functools.cache
+def _attention(device: str, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str:
+    for name, check in (("decode attention", _decode), ("prefill attention", _prefill)):
+        why = _guarded(
+            name, functools.partial(check, torch.device(device), dtype, head_dim, heads, kv_heads)
+        )
+        if why:
+            return why
+    return ""
+
+
+@functools.cache
+def _gemms(device: str, dtype: torch.dtype) -> str:
+    for name, check in (("INT8 GEMM", _int8), ("INT4 GEMM", _int4)):
+        why = _guarded(name, functools.partial(check, torch.device(device), dtype))
+        if why:
+            return why
+    return ""
+
+
+def _pool(
+    dev: torch.device,
+    dtype: torch.dtype,
+    kv_heads: int,
+    head_dim: int,
+    blocks: int,
+    gen: torch.Generator,
+) -> Tensor:
+    return torch.randn(blocks * BLOCK + 1, 2 * kv_heads, head_dim, generator=gen).to(dev, dtype)
+
+
+def _tables(lengths: list[int], blocks: int, gen: torch.Generator) -> list[list[int]]:
+    """Each sequence's blocks, drawn without repeats from a shuffled pool."""
+    order = torch.randperm(blocks, generator=gen).tolist()
+    out, at = [], 0
+    for n in lengths:
+        count = -(-n // BLOCK)
+        out.append(order[at : at + count])
+        at += count
+    return out
+
+
+def _padded(tables: list[list[int]], dev: torch.device) -> Tensor:
+    width = max(len(t) for t in tables)
+    rows = [t + [-1] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32).to(dev)
+
+
+def _keys(pool: Tensor, table: list[int], n: int, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """Positions ``0 .. n-1`` of a sequence, as ``[Hkv, n, D]`` keys and values."""
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
+    rows = pool[slots.to(pool.device)].float().transpose(0, 1)
+    return rows[:kv_heads], rows[kv_heads:]
+
+
+def _reference(q: Tensor, keys: Tensor, values: Tensor, first: int) -> Tensor:
+    """Causal GQA attention of queries at ``first …`` over keys ``0 …``, in fp32."""
+    length, heads, dim = q.shape
+    group = heads // keys.shape[0]
+    k = keys.repeat_interleave(group, 0)
+    v = values.repeat_interleave(group, 0)
+    scores = torch.einsum("lhd,htd->hlt", q.float(), k) / dim**0.5
+    pos = torch.arange(keys.shape[1], device=q.device)
+    visible = pos[None, :] <= (first + torch.arange(length, device=q.device))[:, None]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hlt,htd->lhd", scores.softmax(-1), v).reshape(length, heads * dim)
+
+
+def _decode(dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str:
+    from engine.kernels.triton_kernels.decode_attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    lengths, blocks = [1, 20, 37], 8
+    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen)
+    tables = _tables(lengths, blocks, gen)
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dev, dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32).to(dev)
+    got = paged_decode_attention(q, pool, _padded(tables, dev), lens, block_size=BLOCK)
+    want = torch.cat([
+        _reference(q[b : b + 1], *_keys(pool, tables[b], n, kv_heads), n - 1)
+        for b, n in enumerate(lengths)
+    ])  # fmt: skip
+    return _verdict("decode attention", got, want.to(dtype))
+
+
+def _prefill(
+    dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+) -> str:
+    from engine.kernels.triton_kernels.prefill_attention import paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(1)
+    firsts, chunks, blocks = [0, 21], [9, 14], 8  # a fresh prompt, and an extend of a prefix
+    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen)
+    tables = _tables([f + c for f, c in zip(firsts, chunks, strict=True)], blocks, gen)
+    q = torch.randn(sum(chunks), heads, head_dim, generator=gen).to(dev, dtype)
+    starts = torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32).to(dev)
+    first = torch.tensor(firsts, dtype=torch.int32).to(dev)
+    got = paged_prefill_attention(
+        q, pool, _padded(tables, dev), starts, first, max_query_len=max(chunks), block_size=BLOCK
+    )
+    want, at = [], 0
+    for table, f, c in zip(tables, firsts, chunks, strict=True):
+        want.append(_reference(q[at : at + c], *_keys(pool, table, f + c, kv_heads), f))
+        at += c
+    return _verdict("prefill attention", got, torch.cat(want).to(dtype))
+
+
+def _int8(dev: torch.device, dtype: torch.dtype) -> str:
+    from engine.kernels.triton_kernels.quant_gemm import int8_linear, int8_reference
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randint(-127, 128, (96, 160), generator=gen, dtype=torch.int8).to(dev)
+    scales = (torch.rand(96, generator=gen) * 0.01).to(dev, dtype)
+    bias = torch.randn(96, generator=gen).to(dev, dtype)
+    for rows in (1, 20):
+        x = torch.randn(rows, 160, generator=gen).to(dev, dtype)
+        why = _verdict(
+            "INT8 GEMM",
+            int8_linear(x, weight, scales, bias),
+            int8_reference(x, weight, scales, bias),
+        )
+        if why:
+            return why
+    return ""
+
+
+def _int4(dev: torch.device, dtype: torch.dtype) -> str:
+    from engine.kernels.triton_kernels.quant_gemm import int4_linear, int4_reference, pack_int4
+
+    gen = torch.Generator().manual_seed(3)
+    group, n, k = 32, 96, 160
+    weight = pack_int4(torch.randint(0, 16, (n, k), generator=gen)).to(dev)
+    sz = torch.stack([torch.rand(k // group, n, generator=gen) * 0.02,
+                      torch.randn(k // group, n, generator=gen) * 0.01], dim=-1)  # fmt: skip
+    sz = sz.to(dev, torch.bfloat16).contiguous()
+    for rows in (1, 20):
+        x = torch.randn(rows, k, generator=gen).to(dev, dtype)
+        got = int4_linear(x, weight, sz, group)
+        why = _verdict("INT4 GEMM", got, int4_reference(x, weight, sz, group, None))
+        if why:
+            return why
+    return ""
