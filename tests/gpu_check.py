@@ -63,7 +63,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from importlib import metadata
 from pathlib import Path
@@ -78,6 +78,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
+from engine.kernels import triton_support
 from engine.loader.memory_plan import (
     CUDA_RUNTIME_BYTES,
     MemoryPlan,
@@ -586,6 +587,106 @@ def cuda_runtime_bytes(device: torch.device) -> int | None:
     return None if nvml is None else nvml.used_bytes - torch.cuda.memory_reserved(device)
 
 
+# -- our Triton kernels and CUDA graphs (issue 28's targets) ---------------------------------
+
+#: Targets, reported as met or not (a figure below one is a finding, not a failed check).
+GRAPH_GAIN = 1.5  # CUDA graphs against eager steps, batch-1 decode of the 135M shapes
+LONG_CONTEXT = 0.85  # decode at LONG tokens of context against SHORT, the 8B at int4-g32+head
+SHORT, LONG = 512, 8192
+
+
+def smollm2() -> dict[str, Any]:
+    """SmolLM2-135M's shapes (the default model's): 30 layers, heads 64 wide, tied."""
+    return eight_b() | dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+        tie_word_embeddings=True, rope_theta=100000.0, rope_scaling=None, bos_token_id=1,
+        eos_token_id=[2],
+    )  # fmt: skip
+
+
+def wide_tiny() -> dict[str, Any]:
+    """The dry run's model with heads 64 wide, as our attention kernels are built for."""
+    return tiny() | dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
+@contextlib.contextmanager
+def kernels(choice: str) -> Iterator[None]:
+    """Loads inside take ``INFERSIGHT_KERNELS=choice``."""
+    before = os.environ.get("INFERSIGHT_KERNELS")
+    os.environ["INFERSIGHT_KERNELS"] = choice
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("INFERSIGHT_KERNELS", None)
+        else:
+            os.environ["INFERSIGHT_KERNELS"] = before
+
+
+def decode_speed(engine: LLMEngine, prompt: list[int], scale: Scale) -> float:
+    """Batch-1 decode tok/s after a warm-up, the median of the scale's repeats."""
+    run_ours(engine, prompt, min(8, scale.decode_tokens))
+    runs = [run_ours(engine, prompt, scale.decode_tokens) for _ in range(scale.repeats)]
+    config = BenchConfig(len(prompt), scale.decode_tokens, scale.repeats)
+    return BenchResult.from_runs("infersight", config, runs, 0.0).decode_tok_s
+
+
+def check_triton(scale: Scale, device: torch.device, dry: bool, figures: dict[str, Any]) -> None:
+    """Our kernels against torch's, and CUDA graphs against eager steps, on the default
+    model's shapes in fp16; then decode at 8k tokens of context against 512 (attention reads
+    in place, so a long context should cost little) on the 8B at the 12 GB card's precision.
+    The dry run forces our kernels on in Triton's interpreter, on tiny shapes."""
+    if dry and not triton_support.interpreting():
+        raise Skip("on a CPU our kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+    ours = "triton" if dry else "auto"
+    raw, precision = (wide_tiny(), "fp32") if dry else (smollm2(), "fp16")
+    config = EngineConfig(kv_memory=256 * MiB if not dry else 16 * MiB, decode_graph="off")
+    runs: dict[str, Any] = {}
+    for name, choice, graphs in (("graphs", ours, "on"), ("eager", ours, "off"),
+                                 ("torch", "torch", "off")):  # fmt: skip
+        with kernels(choice):
+            engine = build_engine(raw, precision, str(device),
+                                  config=replace(config, cuda_graphs=graphs))  # fmt: skip
+        prompt = bench_prompt(engine, scale.short_prompt, seed=1)
+        runs[name] = {
+            "kernels": engine.kernels, "graphs": engine.graphs.why,
+            "decode_tok_s": decode_speed(engine, prompt, scale),
+            "ids": greedy(engine, prompt, scale.compare_tokens),
+        }  # fmt: skip
+        del engine
+        release(device)
+    expect(runs["graphs"]["ids"] == runs["eager"]["ids"], "graph replays changed greedy ids")
+    expect(runs["graphs"]["graphs"].startswith(("captured", "static")), runs["graphs"]["graphs"])
+    expect(runs["torch"]["kernels"].startswith("torch"), runs["torch"]["kernels"])
+    gain = runs["graphs"]["decode_tok_s"] / runs["eager"]["decode_tok_s"]
+    figures.update(
+        small={k: {f: v for f, v in r.items() if f != "ids"} for k, r in runs.items()},
+        graph_gain=round(gain, 2),
+        ours_over_torch=round(runs["eager"]["decode_tok_s"] / runs["torch"]["decode_tok_s"], 2),
+        same_ids_as_torch=runs["eager"]["ids"] == runs["torch"]["ids"],
+        targets={"graphs ≥ 1.5× eager": gain >= GRAPH_GAIN},
+    )
+    if dry:
+        return  # the interpreter's speed says nothing, and the 8B is a GPU's
+    precision = native_choice(device)
+    short, long = SHORT, LONG
+    tokens = long + scale.decode_tokens * (scale.repeats + 2) + 64
+    per_token = kv_bytes_per_token(ModelConfig.from_dict(scale.raw), torch.float16)
+    long_config = EngineConfig(kv_memory=2 * tokens * per_token, decode_graph="off")
+    if not plan_for(scale, scale.raw, precision, device, long_config).fits:
+        raise Skip(f"the 8B at {precision} with {long} tokens of context does not fit here")
+    engine = build_engine(scale.raw, precision, str(device), config=long_config, name=scale.name)
+    prompt = bench_prompt(engine, long, seed=2)
+    at = {n: decode_speed(engine, prompt[:n], scale) for n in (short, long)}
+    del engine
+    release(device)
+    ratio = at[long] / at[short]
+    figures.update(long_context={"precision": precision, "short_tok_s": at[short],
+                                 "long_tok_s": at[long], "ratio": round(ratio, 2)})  # fmt: skip
+    figures["targets"][f"decode at {long} ≥ 0.85× at {short}"] = ratio >= LONG_CONTEXT
+
+
 # -- 4. transformers ----------------------------------------------------------------------------
 
 
@@ -998,6 +1099,12 @@ def table(data: dict[str, Any]) -> str:
                     f"{'fp16 ' + who:<20} {'':>8} {'':>7} {'':>7} {'':>6} {'':>6} {'':>9} "
                     f"{num(f[who]['decode_tok_s']):>8} {num(frac and 100 * frac, '.0f'):>5}%"
                 )
+        if check["name"] == "triton and graphs" and "small" in f:
+            for who, run in f["small"].items():
+                label = {"graphs": "ours, CUDA graphs", "eager": "ours, eager"}.get(who, who)
+                lines.append(f"{'135M fp16 ' + label:<38} {num(run['decode_tok_s']):>8} tok/s")
+            for target, met in f["targets"].items():
+                lines.append(f"target {target}: {'met' if met else 'NOT met'}")
     lines.append("")
     for check in data["checks"]:
         why = f"  {check['why'][:150]}" if check["why"] else ""
@@ -1053,6 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
     report.run("transformers fp16", partial(check_transformers, scale, device, state))
     report.run("out of memory", partial(check_out_of_memory, scale, device))
     report.run("compiled decode", partial(check_compiled, scale, device, args.dry_run))
+    report.run("triton and graphs", partial(check_triton, scale, device, args.dry_run))
     report.run("app worker", partial(check_worker, device))
     report.run("kernels at 0 rows", partial(check_empty_kernels, device))
     env.update(

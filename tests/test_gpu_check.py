@@ -58,7 +58,8 @@ def test_the_dry_run_passes_every_check_and_prints_the_json_it_writes(dry_run):
     names = [c["name"] for c in data["checks"]]
     precisions = [f"precision {p}" for p in gpu_check.PRECISIONS]
     assert names == ["bandwidth", "kernels", *precisions, "transformers fp16", "out of memory",
-                     "compiled decode", "app worker", "kernels at 0 rows"]  # fmt: skip
+                     "compiled decode", "triton and graphs", "app worker",
+                     "kernels at 0 rows"]  # fmt: skip
     for check in data["checks"]:
         refused = check["name"] in precisions and not runs_on_cpu(check["name"][10:])
         assert check["status"] == ("skipped" if refused else "passed"), check
@@ -102,6 +103,10 @@ def test_the_dry_run_reports_every_figure(dry_run):
     assert compiled["greedy"] == {"compared": gpu_check.DRY.compare_tokens,
                                   "same": gpu_check.DRY.compare_tokens, "agree": True}  # fmt: skip
     assert checks["app worker"]["finish"] in (["length"], ["stop"])
+    ours = checks["triton and graphs"]  # our kernels in the interpreter, the static steps
+    assert ours["small"]["graphs"]["graphs"].startswith("static steps")
+    assert "interpreted" in ours["small"]["eager"]["kernels"]
+    assert ours["same_ids_as_torch"] and set(ours["targets"]) == {"graphs ≥ 1.5× eager"}
     layers = ["int8"] + (["int4-g32"] if runs_on_cpu("int4-g32") else [])
     assert sorted(checks["kernels at 0 rows"]) == sorted(layers)
 
