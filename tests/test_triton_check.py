@@ -21,17 +21,24 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def _fresh() -> Iterator[None]:
     """Verdicts are kept per device and dtype: each test starts without them."""
-    triton_check._attention.cache_clear()
-    triton_check._gemms.cache_clear()
+    caches = (triton_check._attention, triton_check._gemms, triton_check._fused)
+    for cache in caches:
+        cache.cache_clear()
     yield
-    triton_check._attention.cache_clear()
-    triton_check._gemms.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernels_pass_their_check(dtype):
     assert triton_check.attention(CPU, dtype, 64, 9, 3) == ""
     assert triton_check.attention(CPU, dtype, 128, 4, 4) == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_norm_and_rope_pass_their_check(dtype):
+    assert triton_check.fused(CPU, dtype, 576, 9, 3, 64) == ""  # SmolLM2's shapes
+    assert triton_check.fused(CPU, dtype, 4096, 32, 8, 128) == ""  # Llama-3-8B's
 
 
 def test_the_gemms_pass_their_check():

@@ -11,6 +11,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplingParams
 from engine.errors import InfersightError
+from engine.kernels.triton_kernels import fused
 from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 from tests.conftest import WIDE_HEADS
@@ -75,6 +76,9 @@ def test_greedy_ids_equal_transformers_alone_and_llamas_in_a_ragged_batch(
     # blocks of 4 tokens: the block tables of a 13-token prompt span several blocks
     engine = load_model(folder, config=EngineConfig(block_size=4, num_blocks=96))
     assert engine.triton and "interpreted" in engine.kernels
+    # the layers' norms and RoPE + K/V write on our fused kernels too
+    assert "RoPE + KV write" in engine.kernels
+    assert engine.model.ops.rope_store is fused.rope_store
     calls = spy_kernels(monkeypatch)
     prompt = tiny_prompt(hf)
     want = hf_greedy(hf, prompt)

@@ -119,11 +119,17 @@ class _StaticContext(AttentionContext):
         self.sink, self.window = window
         self.decode_only = True
 
+    def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        return self.cache.kv[layer], self.slots
+
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        self.cache.kv[layer].index_copy_(0, self.slots, kv)
+        return self.attend_stored(layer, q)
+
+    def attend_stored(self, layer: int, q: Tensor) -> Tensor:
         from engine.kernels.triton_kernels.decode_attention import paged_decode_attention
 
         pool = self.cache.kv[layer]
-        pool.index_copy_(0, self.slots, kv)
         return paged_decode_attention(
             q, pool, self.tables, self.lens,
             block_size=self.cache.block_size, sink=self.sink, window=self.window,

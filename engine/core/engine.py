@@ -43,7 +43,7 @@ from engine.errors import (
     OutOfMemoryError,
 )
 from engine.hardware.memory import free_memory
-from engine.kernels import decode_graph, triton_check, triton_support
+from engine.kernels import decode_graph, layer_ops, triton_check, triton_support
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
@@ -106,6 +106,8 @@ class LLMEngine:
         self.pool_sizing: PoolSizing | None = None
         #: whether attention runs our Triton kernels, and why (a line of the load report)
         self.triton, self.kernels = _attention_kernels(cfg, dtype, device)
+        if self.triton:  # the layers' norms and RoPE on our fused kernels too, if they pass
+            self._fuse_layer_ops()
         self.kv = PagedKVCache(
             cfg,
             num_blocks=self._pool_blocks(),
@@ -194,6 +196,22 @@ class LLMEngine:
         if sizing is not None:  # the figures the new pool was sized from
             new.pool_sizing = sizing
         return new
+
+    def _fuse_layer_ops(self) -> None:
+        """Hand the layers' norms and RoPE + K/V write to our fused kernels
+        (:mod:`engine.kernels.layer_ops`) where they pass their check; the load report says
+        which run."""
+        cfg = self.cfg
+        failed = triton_check.fused(
+            self.device, self.dtype, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim,
+        )  # fmt: skip
+        if failed:
+            self.kernels += f"; norms and RoPE in torch ({failed})"
+            return
+        ops = layer_ops.triton_ops()
+        self.model.set_ops(ops)
+        self.kernels += f"; {ops.name}"
 
     def settle_cuda_graphs(self) -> None:
         """Build (and on a GPU capture) the static decode steps the config asks for

@@ -33,6 +33,13 @@ def attention(
     return _attention(str(device), dtype, head_dim, heads, kv_heads)
 
 
+def fused(
+    device: torch.device, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int
+) -> str:
+    """Why our fused norm and RoPE kernels must not run here ("" where they pass)."""
+    return _fused(str(device), dtype, hidden, heads, kv_heads, head_dim)
+
+
 def gemms(device: torch.device, dtype: torch.dtype) -> str:
     """Why our INT8/INT4 GEMMs must not run here ("" where they pass their check)."""
     return _gemms(str(device), dtype)
@@ -201,3 +208,56 @@ def _int4(dev: torch.device, dtype: torch.dtype) -> str:
         if why:
             return why
     return ""
+
+
+@functools.cache
+def _fused(
+    device: str, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int
+) -> str:
+    dev = torch.device(device)
+    for name, check in (("fused norm", _norms), ("fused RoPE", _rope)):
+        why = _guarded(
+            name, functools.partial(check, dev, dtype, hidden, heads, kv_heads, head_dim)
+        )
+        if why:
+            return why
+    return ""
+
+
+def _norms(dev: torch.device, dtype: torch.dtype, hidden: int, *_: int) -> str:
+    from engine.kernels.triton_kernels import fused
+    from engine.model.transformer import add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(4)
+    x, residual = (torch.randn(5, hidden, generator=gen).to(dev, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dev, dtype)
+    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5)
+    want_normed, want_summed = add_rms_norm(x, residual, weight, 1e-5)
+    return (
+        _verdict("fused RMSNorm", fused.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
+        or _verdict("fused residual add + RMSNorm", normed, want_normed)
+        or _verdict("fused residual add", summed, want_summed)
+    )
+
+
+def _rope(
+    dev: torch.device, dtype: torch.dtype, _hidden: int, heads: int, kv_heads: int, head_dim: int
+) -> str:
+    from engine.kernels.triton_kernels import fused
+    from engine.model.transformer import rotate_
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, slots = 6, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dev, dtype)
+    angles = torch.rand(tokens, 1, head_dim, generator=gen) * 6
+    cos, sin = angles.cos().to(dev, dtype), angles.sin().to(dev, dtype)
+    write = torch.randperm(slots, generator=gen)[:tokens].to(dev)
+    pool = torch.zeros(slots, 2 * kv_heads, head_dim, dtype=dtype, device=dev)
+    ours = qkv.clone()
+    q = fused.rope_store(ours, cos, sin, pool, write, num_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim)  # fmt: skip
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    rotate_(qk, cos, sin)
+    want_pool = torch.zeros_like(pool)
+    want_pool.index_copy_(0, write, qkv[:, heads * head_dim :].view(tokens, 2 * kv_heads, head_dim))
+    return _verdict("fused RoPE", q, qk[:, :heads]) or _verdict("fused K/V write", pool, want_pool)

@@ -158,6 +158,15 @@ class _PagedContext(AttentionContext):
             self.prefill.append((offset, c.length, to_device(slots, dev), to_device(mask, dev)))
             offset += c.length
 
+    def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """The pool and slots where our Triton kernels attend (the fused RoPE + K/V write
+        stores there); None on the torch paths."""
+        return None if self.tables is None else (self.cache.kv[layer], self.write_slots)
+
+    def attend_stored(self, layer: int, q: Tensor) -> Tensor:
+        assert self.tables is not None
+        return self.tables.attend(q, self.cache.kv[layer])
+
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         pool = self.cache.kv[layer]
         if self.tables is not None:

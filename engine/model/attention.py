@@ -27,6 +27,16 @@ class AttentionContext(ABC):
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         """Store ``kv`` of this step for ``layer`` and return attention output ``[T, H*D]``."""
 
+    def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """Where this step's K/V of ``layer`` go, ``(pool, slots)``, for a fused kernel that
+        rotates and stores them itself (then :meth:`attend_stored`); None: :meth:`attend`
+        stores them."""
+        return None
+
+    def attend_stored(self, layer: int, q: Tensor) -> Tensor:
+        """Attention output ``[T, H*D]`` with this step's K/V already in the pool."""
+        raise NotImplementedError(f"{type(self).__name__} stores K/V itself (attend)")
+
 
 def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """GQA attention of one sequence's queries ``q: [L, H, D]`` over its keys/values

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,30 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
     # Half precision: normalise in fp32, scale in the activation dtype (as HF does).
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: a residual add and the norm after it."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """The operations a decoder layer may hand to fused kernels: the torch code below by
+    default (the reference), ours where a load chooses them
+    (:mod:`engine.kernels.layer_ops`). ``rope_store`` (None: RoPE in torch, then the context
+    stores K/V) rotates q and k of the fused qkv and writes K/V into the pool in one pass,
+    where the attention context offers its pool (:meth:`AttentionContext.kv_target`)."""
+
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor] = rms_norm
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]] = add_rms_norm
+    rope_store: Callable[..., Tensor] | None = None
+    #: one line for the load report
+    name: str = "torch"
+
+
+TORCH_OPS = LayerOps()
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +139,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        #: the operations it may hand to fused kernels (:meth:`Transformer.set_ops`)
+        self.ops = TORCH_OPS
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -126,6 +154,8 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        ops = self.ops
+        target = None if ops.rope_store is None else ctx.kv_target(self.layer)
         # q and k rotate together and in place (one RoPE over H + Hkv heads); then k and v
         # lie next to each other in ``qkv`` and reach the cache as one [T, 2·Hkv, D] tensor.
         qk = qkv[:, : self.q_size + self.kv_size].view(
@@ -133,6 +163,13 @@ class Attention(nn.Module):
         )
         if self.q_norm_weight is not None and self.k_norm_weight is not None:
             self.norm_heads_(qk, self.q_norm_weight, self.k_norm_weight)
+        if target is not None:  # RoPE and the K/V write in one pass, then attention alone
+            assert ops.rope_store is not None
+            q = ops.rope_store(
+                qkv, cos, sin, *target, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            )  # fmt: skip
+            return self.o_proj(ctx.attend_stored(self.layer, q))
         rotate_(qk, cos, sin)
         q = qk[:, : self.num_heads]
         kv = qkv[:, self.q_size :].view(tokens, 2 * self.num_kv_heads, self.head_dim)
@@ -163,12 +200,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer)
+        #: the operations it may hand to fused kernels (:meth:`Transformer.set_ops`)
+        self.ops = TORCH_OPS
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attn_norm(x))
+        ops, eps = self.ops, self.input_norm.eps
+        attended = self.attn(ops.rms_norm(x, self.input_norm.weight, eps), cos, sin, ctx)
+        # the residual add and the norm after it, one pass where ours run
+        h, x = ops.add_rms_norm(attended, x, self.post_attn_norm.weight, self.post_attn_norm.eps)
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -184,6 +226,8 @@ class Transformer(nn.Module):
         self.compiled_decode: Callable[..., Tensor] | None = None
         #: why every module must run eagerly for now (hooks of layer timings, say)
         self.eager_reasons: set[str] = set()
+        #: the layers' fused operations (:meth:`set_ops`)
+        self.ops = TORCH_OPS
 
     def forward(
         self,
@@ -215,6 +259,13 @@ class Transformer(nn.Module):
                     log.warning("the compiled decode step failed, running eagerly: %s", exc)
                     self.compiled_decode = None
             return self.body(x, positions, ctx, logits_indices)
+
+    def set_ops(self, ops: LayerOps) -> None:
+        """Every layer's fused operations (:class:`LayerOps`): the torch code, or ours."""
+        self.ops = ops
+        for layer in self.layers:
+            decoder = cast(DecoderLayer, layer)
+            decoder.ops = decoder.attn.ops = ops
 
     def body(
         self,
