@@ -8,11 +8,11 @@ import pytest
 
 from engine.core import cuda_graphs
 from engine.core.config import EngineConfig
-from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 from tests.conftest import WIDE_HEADS
+from tests.test_triton_engine import generate
 
 NEW = 6
 PROMPTS = [[5, 17, 33, 8], [9, 9, 41, 2, 77, 3, 12], [100, 4, 4]]
@@ -30,15 +30,7 @@ def test_the_mode_is_checked():
 
 
 def run(engine, prompts: list[list[int]]) -> list[list[int]]:
-    ids = [
-        engine.add_request(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for p in prompts
-    ]
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    while engine.has_work():
-        for event in engine.step():
-            if event.token_id is not None:
-                out[event.request_id].append(event.token_id)
-    return [out[rid] for rid in ids]
+    return generate(engine, prompts, steps=NEW)
 
 
 @pytest.fixture(scope="module")
