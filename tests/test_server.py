@@ -308,15 +308,22 @@ def test_metrics_parse_and_count_the_finished_requests(server, client):
 
 
 def wait_idle(server: str) -> dict[str, float]:
-    """``/metrics`` once nothing runs, waits or holds a KV block (the engine's snapshot lags
-    the engine by at most a quarter second)."""
+    """``/metrics`` once nothing runs, waits or holds a KV block, and the engine's token count
+    has stood still over two snapshots (the snapshot lags the engine by at most a quarter
+    second, and a request an earlier test sent may still be on its way to the engine)."""
     deadline = time.monotonic() + 30
+    generated = "vllm:generation_tokens_total"
+    last: dict[str, float] | None = None
     while True:
         m = metrics(server)
         idle = m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
-        if (idle and m["vllm:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+        idle = idle and m["vllm:kv_cache_usage_perc"] == 0
+        if (idle and last is not None and last.get(generated) == m.get(generated)) or (
+            time.monotonic() > deadline
+        ):
             return m
-        time.sleep(0.1)
+        last = m if idle else None
+        time.sleep(0.3)
 
 
 def test_a_client_that_disconnects_cancels_its_request(server):
