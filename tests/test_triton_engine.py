@@ -19,8 +19,8 @@ from tests.test_exactness_tiny import tiny_prompt
 
 CASES = [("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", False)]
 #: Tokens per reply: the interpreter runs each program of a kernel's grid in numpy (tens of
-#: milliseconds a launch), and ten steps take Mistral's 13-token prompt past its window of 8.
-STEPS = 10
+#: milliseconds a launch); Mistral's 13-token prompt alone lies past its window of 8.
+STEPS = 6
 
 
 def hf_greedy(hf: torch.nn.Module, prompt: torch.Tensor, steps: int = STEPS) -> list[int]:
@@ -127,13 +127,12 @@ def test_a_model_with_other_head_dims_is_refused_by_name(tiny_model_dir, triton)
 
 
 def test_the_default_model_gives_the_plain_runs_tokens(default_model, triton):
-    prompt_text = [{"role": "user", "content": "Name three colours."}]
     engine = load_model(default_model)
     assert engine.triton
-    prompt = engine.chat_prompt_ids(prompt_text)
-    ours = generate(engine, [prompt], steps=6)
+    prompt = engine.tokenizer.encode("The capital of France is")  # a few tokens: 30 layers
+    ours = generate(engine, [prompt], steps=4)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("INFERSIGHT_KERNELS", "torch")
         plain = load_model(default_model)
         assert not plain.triton
-        assert generate(plain, [prompt], steps=6) == ours
+        assert generate(plain, [prompt], steps=4) == ours

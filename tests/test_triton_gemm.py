@@ -313,7 +313,7 @@ def test_the_linears_hold_our_layout_where_our_kernels_run(triton):
     assert torch.equal(int4.values(torch.tensor([4, 0])), q[[4, 0]])  # a tied head's rows
 
 
-def generate(engine, prompt: list[int], steps: int = 6) -> list[int]:
+def generate(engine, prompt: list[int], steps: int = 4) -> list[int]:
     run = engine.generate(prompt, SamplingParams(max_new_tokens=steps, ignore_eos=True))
     list(run)
     return run.result.token_ids
