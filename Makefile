@@ -45,7 +45,7 @@ chat: $(VENV)/.stamp-run
 
 # mypy (about 40 s on one core) type-checks while the default model is pulled and converted.
 # Our Triton kernels are built for sm_75…sm_90 in the background meanwhile, at the lowest
-# priority, filling the cores the tests leave idle (engine/kernels/triton_aot.py: about 200
+# priority, filling the cores the tests leave idle (engine/kernels/triton_aot.py: about 150
 # builds, a second each); its failures and total print at the end.
 test: $(VENV)/.stamp-dev
 	$(BIN)/ruff check .

@@ -40,6 +40,12 @@ HEAD_DIMS = (64, 128)
 #: Shared memory one thread block may use on each, in bytes (the opt-in maximum; CUDA C
 #: Programming Guide, "Technical Specifications per Compute Capability").
 SHARED_MEMORY = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+#: The dtypes our kernels compute in on a GPU, by their Triton names, with the oldest
+#: architecture each runs on there; the ahead-of-time build compiles these only. fp32 has no
+#: tensor-core path: a model in fp32 attends (and so norms) through torch on a GPU, and our
+#: kernels compute fp32 only under the interpreter, as the reference the tests check. bf16
+#: needs sm_80's MMA, below which the engine computes in fp16 (engine/hardware/gpu.py).
+GPU_DTYPES = {torch.float16: ("fp16", 75), torch.bfloat16: ("bf16", 80)}
 
 
 def installed() -> bool:

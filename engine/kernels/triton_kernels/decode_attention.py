@@ -64,7 +64,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels import triton_support
-from engine.kernels.triton_support import KernelConfig
+from engine.kernels.triton_support import GPU_DTYPES, KernelConfig
 
 #: Head dimensions the kernels are built for (``HEAD_DIM`` is a compile-time constant).
 HEAD_DIMS = triton_support.HEAD_DIMS
@@ -350,16 +350,19 @@ def _check(
 
 
 def configs() -> list[KernelConfig]:
-    """Every configuration :func:`paged_decode_attention` launches: for each dtype and head
-    dim, :func:`_attend` in one pass and split, and :func:`_combine`. Every one builds for
-    sm_75 too (bf16 included: Triton lowers its ``tl.dot`` to FMAs there)."""
+    """Every configuration :func:`paged_decode_attention` launches on a GPU: for each of
+    :data:`~engine.kernels.triton_support.GPU_DTYPES` from its oldest architecture on, and
+    each head dim, :func:`_attend` in one pass and split, and :func:`_combine` (fp32 runs only
+    under the interpreter)."""
     ints = [
         "block_size", "sink", "window", "kv_heads", "group", "head_chunks", "max_blocks",
         "splits", "stride_qb", "stride_qh", "stride_slot", "stride_head", "stride_tb",
     ]  # fmt: skip
-    build = partial(KernelConfig, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     out: list[KernelConfig] = []
-    for dtype, name in _TYPES.items():
+    for dtype, (name, min_target) in GPU_DTYPES.items():
+        build = partial(
+            KernelConfig, num_warps=NUM_WARPS, num_stages=NUM_STAGES, min_target=min_target
+        )
         ty, tile = f"*{name}", block_n(dtype)
         for dim in HEAD_DIMS:
             for split in (False, True):

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.triton_support import KernelConfig
+from engine.kernels.triton_support import GPU_DTYPES, KernelConfig
 
 #: The activation dtypes the kernels take, by their Triton names.
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -353,9 +353,12 @@ def rope_store(
 
 
 def configs() -> list[KernelConfig]:
-    """Every configuration :func:`add_rms_norm`, :func:`rms_norm` and :func:`rope_store` launch."""
+    """Every configuration :func:`add_rms_norm`, :func:`rms_norm` and :func:`rope_store`
+    launch on a GPU: they run where our attention does, so in
+    :data:`~engine.kernels.triton_support.GPU_DTYPES` from each one's oldest architecture on
+    (fp32 only under the interpreter)."""
     out = []
-    for dtype in DTYPES.values():
+    for dtype, min_target in GPU_DTYPES.values():
         pointer = f"*{dtype}"
         for block in NORM_BLOCKS:
             for has_residual in (True, False):
@@ -382,6 +385,7 @@ def configs() -> list[KernelConfig]:
                         constants={"BLOCK": block, "HAS_RESIDUAL": has_residual},
                         num_warps=_norm_warps(block),
                         num_stages=1,
+                        min_target=min_target,
                     )
                 )
         for half_block in ROPE_HALF_BLOCKS:
@@ -409,6 +413,7 @@ def configs() -> list[KernelConfig]:
                     constants={"HALF_BLOCK": half_block, "HEADS": _rope_heads(half_block)},
                     num_warps=ROPE_WARPS,
                     num_stages=1,
+                    min_target=min_target,
                     enable_fp_fusion=False,
                 )
             )
