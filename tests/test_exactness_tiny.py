@@ -19,7 +19,7 @@ from engine.core.config import EngineConfig
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.hardware.cpu_paths import cpu_paths, forced_level
-from engine.kernels import paged_decode
+from engine.kernels import native, paged_decode
 from engine.kernels.packed_linear import PackedLinear
 from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
@@ -95,7 +95,7 @@ def test_logits_and_greedy_ids_match_transformers(tiny_model_dir, arch, tied, pa
 def test_sliding_window_through_the_paged_cache(tiny_model_dir, monkeypatch, attention):
     """Mistral's window of 8 through ``generate``: blocks of 4 tokens, released as the window
     moves on; each step's logits (caught at the model's output) against transformers'."""
-    if attention == "paged" and (paged_decode._compiler() is None or forced_level() == "DEFAULT"):
+    if attention == "paged" and (native.compiler() is None or forced_level() == "DEFAULT"):
         pytest.skip(f"no paged kernel is built here: {paged_decode.status()}")
     if attention == "paged":  # where it is built, a failed build or check is a failure
         assert paged_decode.kernel().available, paged_decode.status()

@@ -16,7 +16,7 @@ import torch
 
 from engine.hardware import cpu_paths, isolated
 from engine.hardware.cpu_paths import LEVELS, native_level
-from engine.kernels import decode_graph, paged_decode
+from engine.kernels import decode_graph, native, paged_decode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,7 +159,7 @@ def test_a_compiler_crash_is_reported_and_the_load_stays_eager(
 def test_a_paged_kernel_that_crashes_its_check_leaves_the_portable_path(
     probe_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if paged_decode._compiler() is None or cpu_paths.forced_level() == "DEFAULT":
+    if native.compiler() is None or cpu_paths.forced_level() == "DEFAULT":
         pytest.skip("no paged kernel is built here")
     monkeypatch.setattr(paged_decode, "PROBE", f"{__name__}:crash")
     paged_decode.kernel.cache_clear()

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import paged_decode
+from engine.kernels import native, paged_decode
 from engine.kernels.gather_attention import gather_attention
 from engine.loader.load import load_model
 
 needs_compiler = pytest.mark.skipif(
-    paged_decode._compiler() is None, reason="no C compiler: the portable path runs"
+    native.compiler() is None, reason="no C compiler: the portable path runs"
 )
 
 
@@ -122,7 +122,7 @@ def test_gather_by_request_and_a_machine_without_a_compiler(monkeypatch) -> None
         paged_decode.kernel()
     paged_decode.kernel.cache_clear()
     monkeypatch.delenv(paged_decode.ENV)
-    monkeypatch.setattr(paged_decode, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
     assert "no C compiler" in paged_decode.status()
     q, pool, *_ = case(2, 10, 1, 2, 16, torch.float32)
     assert not paged_decode.usable(q, pool)
@@ -148,8 +148,8 @@ def test_the_forced_cpu_level_decides_the_build(tmp_path: Path, monkeypatch) -> 
     assert "DEFAULT" in paged_decode.status() and not paged_decode.kernel().available
     paged_decode.kernel.cache_clear()
     monkeypatch.setenv(FORCE_ENV, "AVX2")
-    if paged_decode._isa_flags():  # x86-64: an AVX2 build, apart from the native one
-        assert paged_decode._isa_flags() == ["-mavx2", "-mfma"]
+    if native.isa_flags():  # x86-64: an AVX2 build, apart from the native one
+        assert native.isa_flags() == ["-mavx2", "-mfma"]
     assert paged_decode.kernel().available
     q, pool, slots, lens, mask = case(4, 50, 3, 3, 64, torch.float32, seed=2)
     want = gather_attention(q, pool, slots, mask[:, None, None, :])

@@ -6,11 +6,8 @@ SDPA over it: each step writes a copy of every K/V it reads and reads it again. 
 512-token contexts that copy is most of the attention's time. ``csrc/paged_decode.c`` reads
 each key and value once, straight from the pool, for all the query heads that share it (GQA).
 
-It is C, compiled once per machine with the system's C compiler (``$CC``, else ``cc``, ``gcc``
-or ``clang``) for this CPU (``-O3 -march=native``, or ``-mavx2 -mfma`` where
-``INFERSIGHT_CPU_CAPABILITY=AVX2`` caps the level, off under ``DEFAULT``; OpenMP where the
-compiler has it), cached under the user cache by a hash of the source, the flags and the
-compiler, and called through ``ctypes`` (which releases the GIL). Like every fast path it is
+It is C, built once per machine for this CPU (:mod:`engine.kernels.native`; off under
+``INFERSIGHT_CPU_CAPABILITY=DEFAULT``) and called through ``ctypes``. Like every fast path it is
 probed: the build, then one call checked against the portable path; a machine without a
 compiler, or a failed check, runs the portable path, and :func:`status` says why.
 ``INFERSIGHT_ATTENTION`` picks by hand: ``paged`` (this kernel, an error if it is not
@@ -20,12 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -37,12 +30,11 @@ from torch import Tensor
 
 from engine.errors import InfersightError
 from engine.hardware import isolated
-from engine.hardware.measured import machine_name
-from engine.paths import home
+from engine.kernels import native
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
+SOURCE = native.CSRC / "paged_decode.c"
 ENV = "INFERSIGHT_ATTENTION"
 MODES = ("auto", "paged", "gather")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -67,73 +59,6 @@ def requested() -> str:
     return mode
 
 
-def _compiler() -> str | None:
-    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def _isa_flags() -> list[str]:
-    """Instruction sets to build for: this CPU's, or AVX2 where ``INFERSIGHT_CPU_CAPABILITY``
-    caps the level there (so an AVX-512 machine proves the AVX2 build)."""
-    from engine.hardware.cpu_paths import forced_level
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return []
-    return ["-mavx2", "-mfma"] if forced_level() == "AVX2" else ["-march=native"]
-
-
-def _build(cc: str, out: Path) -> str | None:
-    """Compile the kernel into ``out``; returns the flags used, or None."""
-    base = ["-O3", "-shared", "-fPIC", "-std=c11"]
-    for extra in (["-fopenmp"], []):  # without OpenMP (e.g. Apple clang): one thread
-        flags = [*base, *_isa_flags(), *extra]
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            log.debug("compiling the paged decode kernel failed: %s", exc)
-            continue
-        if done.returncode == 0:
-            tmp.replace(out)
-            return " ".join(flags)
-        log.debug("compiling with %s failed: %s", flags, done.stderr[-2000:])
-        tmp.unlink(missing_ok=True)
-    return None
-
-
-def _library_path(cc: str) -> Path:
-    try:
-        version = subprocess.run(
-            [cc, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        version = cc
-    # -march=native: the build holds for this CPU's instruction sets, not just its name
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + version.encode() + _cpu().encode() + str(_isa_flags()).encode()
-    ).hexdigest()
-    return home() / "kernels" / f"paged_decode-{key[:16]}{_suffix()}"
-
-
-def _cpu() -> str:
-    """The CPU's name and instruction-set flags (``/proc/cpuinfo``), else ``platform``'s."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = platform.platform()
-    return machine_name() + "|" + flags
-
-
-def _suffix() -> str:
-    return ".dll" if os.name == "nt" else (".dylib" if platform.system() == "Darwin" else ".so")
-
-
 @cache
 def kernel() -> Kernel:
     """Build (once per machine), load and check the kernel. With ``INFERSIGHT_ATTENTION=
@@ -151,19 +76,9 @@ def _kernel() -> Kernel:
         return Kernel(None, f"gather + SDPA ({ENV}=gather)")
     if forced_level() == "DEFAULT":
         return Kernel(None, f"gather + SDPA (forced off by {FORCE_ENV}=DEFAULT)")
-    cc = _compiler()
-    if cc is None:
-        return Kernel(None, "gather + SDPA (no C compiler found for the paged kernel)")
-    if not SOURCE.is_file():
-        return Kernel(None, f"gather + SDPA (the paged kernel's source {SOURCE} is missing)")
-    path = _library_path(cc)
-    if not path.is_file():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            return Kernel(None, f"gather + SDPA (no folder for the paged kernel's build: {exc})")
-        if _build(cc, path) is None:
-            return Kernel(None, "gather + SDPA (the paged kernel did not compile here)")
+    path, why = native.built(SOURCE, native.isa_flags())
+    if path is None:
+        return Kernel(None, f"gather + SDPA (the paged kernel: {why})")
     # The first load and check run in a child process, once per build: C that crashes there
     # leaves this process running on the portable path.
     problem = isolated.verdict("paged decode kernel", PROBE, str(path))
@@ -188,11 +103,11 @@ def _load(path: Path) -> Kernel:
 def _probe_build() -> str:
     """The first check (run in the child by :func:`_kernel`): the library this process would
     build loads, and agrees with the portable path; "" if so."""
-    cc = _compiler()
+    cc = native.compiler()
     if cc is None:
         return "no C compiler"
     try:
-        found = _load(_library_path(cc))
+        found = _load(native.library_path(SOURCE, cc, native.isa_flags()))
     except OSError as exc:
         return f"it did not load: {exc}"
     return _check(found)
