@@ -33,6 +33,9 @@ os.environ.setdefault("INFERSIGHT_LAYOUT", "packed")
 # Eager decode steps unless a test asks for a compiled one: ``auto`` would compile wherever a
 # CPU kind is listed as faster compiled (engine/kernels/decode_graph.py), minutes per load.
 os.environ.setdefault("INFERSIGHT_DECODE_GRAPH", "off")
+# torch's low-bit kernels unless a test asks for ours (tests/test_lowbit.py): ``auto`` would
+# take ours for the shapes where they timed faster, and their activations are quantized.
+os.environ.setdefault("INFERSIGHT_LOWBIT", "torch")
 # Our Triton kernels run in Triton's interpreter on these CPUs, on CPU tensors
 # (engine/kernels/triton_support.py): set before anything imports Triton. The engine still
 # runs the torch kernels unless a test asks for ours (INFERSIGHT_KERNELS=triton).

@@ -37,8 +37,8 @@ class QuantizedEmbedding(nn.Module):
         self.embedding_dim = head.in_features
         self.own_rows: Tensor | None = None
         self.cuda_layout: Int4TileLayout | None = None
-        if isinstance(head, Int4Linear) and head.triton is not None:
-            pass  # our layout keeps rows whole: head.values reads them
+        if isinstance(head, Int4Linear) and (head.triton is not None or head.lowbit):
+            pass  # our layouts keep rows whole: head.values reads them
         elif isinstance(head, Int4Linear) and head.on_cuda:
             self.cuda_layout = cuda_int4_layout(head.weight.device, head.inner_k_tiles)
             if self.cuda_layout is None:
@@ -75,7 +75,7 @@ class QuantizedEmbedding(nn.Module):
 
     def _int4_rows(self, head: Int4Linear, ids: Tensor, k: int) -> Tensor:
         """Rows ``ids`` of the head's 4-bit values (0..15), read from its packed weight."""
-        if head.triton is not None:
+        if head.triton is not None or head.lowbit:
             return head.values(ids)
         if self.cuda_layout is not None:
             return self.cuda_layout.read_rows(head.weight, ids, k)

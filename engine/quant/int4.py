@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from engine.formats import pack_int4_cuda, quantize_int4, row_chunks
 from engine.hardware.cpu_paths import cpu_paths
-from engine.quant.int8 import TRITON_KERNEL, triton_gemms
+from engine.quant.int8 import LOWBIT_KERNEL, TRITON_KERNEL, triton_gemms
 
 
 def _inner_k_tiles(k: int) -> int:
@@ -46,6 +46,19 @@ def _triton_int4(device: torch.device, dtype: torch.dtype) -> Callable[..., Tens
     return int4_linear
 
 
+def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int) -> bool:
+    """Whether our C kernel runs a CPU layer of this shape (:func:`engine.kernels.lowbit.chosen`;
+    it takes groups of 32 times a power of two)."""
+    from engine.kernels import lowbit
+
+    per_group = group // lowbit.QK
+    if group % lowbit.QK or per_group & (per_group - 1):
+        return False
+    runs = cpu_paths().int4_kernel.ok
+    timer = (lambda: lowbit.time_int4(n, k, group, inner_k_tiles)) if runs else None
+    return lowbit.chosen(f"int4-g{group}", n, k, timer)
+
+
 class Int4Linear(nn.Module):
     quantized = True
     weight: Tensor
@@ -61,8 +74,6 @@ class Int4Linear(nn.Module):
         #: our Triton kernel (:func:`engine.kernels.triton_kernels.quant_gemm.int4_linear`) where
         #: it runs, else None: chosen once, at load
         self.triton = _triton_int4(weight.device, dtype)
-        # torch's kernels take bf16 only; ours the model's compute dtype (fp16 below sm80)
-        self.out_dtype = dtype if self.triton is not None else torch.bfloat16
         k = padded_width(self.in_features, group)
         self.padded_k = k - self.in_features
         # The CPU packing also wants N divisible by 16: extra zero rows, sliced off the output.
@@ -70,9 +81,22 @@ class Int4Linear(nn.Module):
         self.padded_n = 0 if self.triton is not None else padded_n
         self.on_cuda = weight.device.type == "cuda"
         tiles = self.inner_k_tiles = _inner_k_tiles(k)
+        #: whether our C kernel runs this layer (on a CPU, where it measured faster than
+        #: torch's for this shape: :func:`engine.kernels.lowbit.chosen`); it keeps its layout
+        self.lowbit = (
+            not self.on_cuda
+            and self.triton is None
+            and _lowbit_int4(self.out_features, k, group, tiles)
+        )
+        if self.lowbit:
+            self.padded_n = 0
+        # torch's kernels take bf16 only; ours the model's compute dtype (fp16 below sm80)
+        self.out_dtype = dtype if self.triton is not None or self.lowbit else torch.bfloat16
         packed, scale, zero = self._quantize_and_pack(weight, k, tiles)
-        # [K/group, N, 2]: (scale, zero) per group and output channel, as the kernels want.
-        sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
+        # [K/group, N, 2]: (scale, zero) per group and output channel, as the kernels want;
+        # for ours a view of [N, K/group, 2], each channel's groups together.
+        sz = torch.stack([scale, zero], dim=2)
+        sz = sz.contiguous().transpose(0, 1) if self.lowbit else sz.transpose(0, 1).contiguous()
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().to(self.out_dtype))
@@ -84,8 +108,8 @@ class Int4Linear(nn.Module):
         (``cpu_paths().int4_block_rows``), so chunks of whole blocks are packed one by one;
         for CUDA the 4-bit values are kept a byte each (a quarter of fp32) and packed once.
         Our Triton layout packs each row by itself, so any chunk of rows packs alone."""
-        if self.triton is not None:
-            return self._quantize_for_triton(weight, k)
+        if self.triton is not None or self.lowbit:
+            return self._quantize_rows(weight, k)
         n = self.out_features + self.padded_n
         block = None if self.on_cuda else cpu_paths().int4_block_rows
         chunks = row_chunks(n, k, block or 1) if self.on_cuda or block else [slice(0, n)]
@@ -110,10 +134,14 @@ class Int4Linear(nn.Module):
         packed = pack_int4_cuda(values, tiles) if values is not None else torch.cat(packed_rows)
         return packed, torch.cat(scales), torch.cat(zeros)
 
-    def _quantize_for_triton(self, weight: Tensor, k: int) -> tuple[Tensor, ...]:
-        """Quantize and pack ``weight`` for our kernels a chunk of rows at a time (beside
-        ``weight``, only the result and one chunk's temporaries exist)."""
-        from engine.kernels.triton_kernels.quant_gemm import pack_int4
+    def _quantize_rows(self, weight: Tensor, k: int) -> tuple[Tensor, ...]:
+        """Quantize and pack ``weight`` for our Triton or C kernels a chunk of rows at a time
+        (beside ``weight``, only the result and one chunk's temporaries exist): both layouts
+        pack each row by itself."""
+        if self.lowbit:
+            from engine.kernels.lowbit import pack_int4
+        else:
+            from engine.kernels.triton_kernels.quant_gemm import pack_int4
 
         packed, scales, zeros = [], [], []
         for rows in row_chunks(self.out_features, k):
@@ -126,9 +154,12 @@ class Int4Linear(nn.Module):
         return torch.cat(packed), torch.cat(scales), torch.cat(zeros)
 
     def values(self, rows: Tensor) -> Tensor:
-        """The 4-bit values (0..15) of rows ``rows`` of our Triton layout, int32 ``[T, K']``
-        (what a tied embedding reads)."""
-        from engine.kernels.triton_kernels.quant_gemm import unpack_int4
+        """The 4-bit values (0..15) of rows ``rows`` of our Triton or C layout, int32
+        ``[T, K']`` (what a tied embedding reads)."""
+        if self.lowbit:
+            from engine.kernels.lowbit import unpack_int4
+        else:
+            from engine.kernels.triton_kernels.quant_gemm import unpack_int4
 
         return unpack_int4(self.weight[rows])
 
@@ -137,6 +168,17 @@ class Int4Linear(nn.Module):
         if self.triton is not None:  # no padding of x, bias fused
             x2 = x.reshape(-1, shape[-1]).to(self.out_dtype)
             y = self.triton(x2, self.weight, self.scales_and_zeros, self.group, self.bias)
+            return y.reshape(*shape[:-1], self.out_features)
+        if self.lowbit:
+            from engine.kernels import lowbit
+
+            x2 = x.reshape(-1, shape[-1])
+            if self.padded_k:
+                x2 = F.pad(x2, (0, self.padded_k))
+            sz = self.scales_and_zeros.transpose(0, 1)  # [N, K'/group, 2], contiguous
+            y = lowbit.int4_linear(x2, self.weight, sz, self.group).to(self.out_dtype)
+            if self.bias is not None:
+                y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if self.padded_k:
@@ -163,6 +205,8 @@ class Int4Linear(nn.Module):
     def kernel(self) -> str:
         """The path this layer runs, for the load report (without a kernel, INT4 is refused
         when the spec is parsed)."""
+        if self.lowbit:
+            return LOWBIT_KERNEL
         return TRITON_KERNEL if self.triton is not None else "int4 kernel"
 
     def extra_repr(self) -> str:

@@ -58,6 +58,8 @@ def int8_kernel_runs(device: torch.device) -> bool:
 
 #: how the load report names the path of a layer our Triton kernels run
 TRITON_KERNEL = "Triton GEMM"
+#: … and of one our C kernels run, activations quantized per block (engine/kernels/lowbit.py)
+LOWBIT_KERNEL = "our int8-activation kernel"
 
 
 def triton_gemms(device: torch.device, dtype: torch.dtype | None = None) -> tuple[bool, str]:
@@ -113,6 +115,18 @@ class Int8Linear(nn.Module):
             self.use_kernel = False  # torch's kernel is not asked: ours runs this layer
         else:
             self.use_kernel = cpu_paths().int8_kernel.ok if cpu else int8_kernel_runs(weight.device)
+        #: our C kernel's float32 scales where it runs this layer (on a CPU, where it measured
+        #: faster than torch's for this shape: :func:`engine.kernels.lowbit.chosen`), else None
+        self.lowbit_scales = self._lowbit_scales() if cpu and self.triton is None else None
+
+    def _lowbit_scales(self) -> Tensor | None:
+        from engine.kernels import lowbit
+
+        n, k = self.weight.shape
+        if k % lowbit.QK:
+            return None
+        timer = (lambda: lowbit.time_int8(n, k, self.out_dtype)) if self.use_kernel else None
+        return self.scales.float() if lowbit.chosen("int8", n, k, timer) else None
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -120,7 +134,11 @@ class Int8Linear(nn.Module):
         if self.triton is not None:  # bias fused
             y = self.triton(x2, self.weight, self.scales, self.bias)
             return y.reshape(*shape[:-1], self.out_features)
-        if self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
+        if self.lowbit_scales is not None:
+            from engine.kernels import lowbit
+
+            y = lowbit.int8_linear(x2, self.weight, self.lowbit_scales).to(self.out_dtype)
+        elif self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
             y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
         else:  # weights stay int8 in memory; one matrix converted per call
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
@@ -137,6 +155,8 @@ class Int8Linear(nn.Module):
         """The path this layer runs, for the load report."""
         if self.triton is not None:
             return TRITON_KERNEL
+        if self.lowbit_scales is not None:
+            return LOWBIT_KERNEL
         return "int8 kernel" if self.use_kernel else "int8 converted per call"
 
     def extra_repr(self) -> str:

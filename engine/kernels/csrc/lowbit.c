@@ -1,0 +1,404 @@
+/* Low-bit matrix products on the CPU: our INT8 and INT4 weights against activations quantized
+ * to int8 per block of 32 (engine/kernels/lowbit.py).
+ *
+ * Activations. Each row of x [M, K] (K a multiple of 32) is cut into blocks of 32 values;
+ * a block keeps d = max|x| / 127, its values q = round(x / d) (ties to even, as torch.round)
+ * and their sum s = sum(q). This is llama.cpp's q8 activation format, and the approximation
+ * these kernels add: everything after it is exact integer arithmetic, then float scaling.
+ *
+ * INT8 weights (per output channel): w [N, K] int8, one float scale per row, w ~ q * scale.
+ *   y[m, n] = scale[n] * sum_b d[m, b] * dot(q_x[m, b], q_w[n, b])
+ *
+ * INT4 weights (group-wise, zero points; torch's convention w ~ (q - 8) * s + z, q in 0..15):
+ * each row's 32-value blocks packed into 16 bytes (value j in the low nibble of byte j, value
+ * 16 + j in its high nibble, as llama.cpp's Q4 blocks), and (s, z) per group as bf16 bits.
+ * With m = z - 8 s, each block's share is d * (s * dot(q_w, q_x) + m * sum(q_x)):
+ *   y[m, n] = sum_b d[m, b] * s[n, g(b)] * dot(q_w[n, b], q_x[m, b])
+ *           + sum_g m[n, g] * c[m, g],   c[m, g] = sum_{b in g} d[m, b] * s_x[m, b]
+ * The second sum is G = K / group products per output; c is computed once per row of x.
+ *
+ * The integer dot product of a block is what the instruction sets differ in:
+ *   AVX-512 VNNI: vpdpbusd on 64 bytes (two blocks) at a time;
+ *   AVX-VNNI:     vpdpbusd on 32 bytes (the VEX form, Alder Lake / Zen 5);
+ *   AVX2:         vpmaddubsw then vpmaddwd (INT8 weights through the sign trick: |x| times
+ *                 w with x's sign, so that one operand is unsigned; no pair can saturate,
+ *                 as |q| <= 127);
+ *   NEON dotprod: sdot on 16 bytes;
+ *   portable:     plain C, the reference the others are checked against.
+ * Which one is built is decided by the compiler's target flags (-march=native, or what the
+ * CPU level forced by INFERSIGHT_CPU_CAPABILITY allows); infersight_lowbit_isa() names it.
+ *
+ * Each output is computed in the same order whatever M is and whichever rows share a tile,
+ * so a row's result does not depend on the rows beside it (batch invariance): rows of x are
+ * taken up to four at a time only to reuse each unpacked weight block.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+#define QK 32      /* values per activation block */
+#define MT 4       /* rows of x per tile */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ISA_AVX512_VNNI 1
+#define ISA_NAME "avx512-vnni"
+#elif defined(__AVXVNNI__)
+#define ISA_AVX_VNNI 1
+#define ISA_NAME "avx-vnni"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ISA_AVX2 1
+#define ISA_NAME "avx2"
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define ISA_NEON_DOT 1
+#define ISA_NAME "neon-dotprod"
+#else
+#define ISA_NAME "portable"
+#endif
+
+const char *infersight_lowbit_isa(void) { return ISA_NAME; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* -- activations ------------------------------------------------------------------------ */
+
+/* x [M, K] -> q [M, K] int8, d [M, K/32], s [M, K/32]. Division, not a multiplication by
+ * 1/d, so that every path (and torch's reference) rounds the same quotient. */
+void infersight_quantize_q8(const float *x, int64_t rows, int64_t k, int8_t *q, float *d,
+                            int32_t *s) {
+    const int64_t nb = k / QK;
+    for (int64_t r = 0; r < rows * nb; r++) {
+        const float *xb = x + r * QK;
+        int8_t *qb = q + r * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float db = amax / 127.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int32_t v = db == 0.0f ? 0 : (int32_t)nearbyintf(xb[i] / db);
+            qb[i] = (int8_t)v;
+            sum += v;
+        }
+        d[r] = db;
+        s[r] = sum;
+    }
+}
+
+/* -- the integer dot products of one block, per instruction set ------------------------- */
+/* Each returns (or accumulates into a float vector) the dot product of 32 int8 activations
+ * with 32 weights: `w4` 16 packed bytes of 4-bit values (0..15), or `w8` 32 int8 values. */
+
+#if ISA_AVX512_VNNI || ISA_AVX_VNNI
+static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if ISA_AVX512_VNNI
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
+
+#if ISA_AVX512_VNNI || ISA_AVX_VNNI || ISA_AVX2
+/* 16 packed bytes -> 32 values 0..15 in one register, in the activations' order */
+static inline __m256i unpack4(const uint8_t *w4) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)w4);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(packed, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* eight int32 partial sums of unsigned u times signed x */
+static inline __m256i dot_us(__m256i u, __m256i x) {
+#if ISA_AVX512_VNNI || ISA_AVX_VNNI
+    return dpbusd256(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* eight int32 partial sums of signed w times signed x: |x| times w carrying x's sign */
+static inline __m256i dot_ss(__m256i w, __m256i x) {
+    return dot_us(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#if ISA_AVX512_VNNI
+/* Two blocks at a time in 512 bits: lanes 0..7 of a dot product hold block b's partial sums,
+ * lanes 8..15 block b + 1's. */
+
+/* 32 packed bytes (blocks b, b + 1) -> 64 values 0..15 in the activations' order */
+static inline __m512i unpack4x2(const uint8_t *w4) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)w4);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(packed, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+static inline __m512i dot_us512(__m512i u, __m512i x) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+}
+
+static inline __m512i dot_ss512(__m512i w, __m512i x) {
+    const __m512i signed_w = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x),
+                                                  _mm512_setzero_si512(), w);
+    return dot_us512(_mm512_abs_epi8(x), signed_w);
+}
+
+/* a in lanes 0..7, b in lanes 8..15 */
+static inline __m512 halves(float a, float b) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+}
+#endif
+
+/* sum_g (z - 8 s) * c[g] over one row's G groups, (s, z) as bf16 bits: eight groups at a
+ * time, each pair read as one 32-bit word (s in its low half), then a fixed-order sum. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline float zero_part(const uint16_t *sz, const float *c, int64_t ng) {
+    v8f acc = {0};
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        v8u pairs;
+        v8f cv, sv, zv;
+        memcpy(&pairs, sz + 2 * g, sizeof pairs);
+        memcpy(&cv, c + g, sizeof cv);
+        const v8u s_bits = pairs << 16, z_bits = pairs & 0xFFFF0000u;
+        memcpy(&sv, &s_bits, sizeof sv);
+        memcpy(&zv, &z_bits, sizeof zv);
+        acc += (zv - 8.0f * sv) * cv;
+    }
+    float z = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; g < ng; g++) z += (bf16_to_f32(sz[2 * g + 1]) - 8.0f * bf16_to_f32(sz[2 * g])) * c[g];
+    return z;
+}
+
+/* -- INT8 weights ------------------------------------------------------------------------ */
+
+/* Rows n of y for rows m0 .. m0 + mt - 1 of x. */
+static inline void int8_rows(const int8_t *qx, const float *dx, int64_t k, const int8_t *w,
+                             const float *ws, int64_t n, int64_t n_out, float *y, int64_t m0,
+                             int mt) {
+    const int64_t nb = k / QK;
+    const int8_t *wr = w + n * k;
+#if ISA_AVX512_VNNI || ISA_AVX_VNNI || ISA_AVX2
+    __m256 acc[MT];
+    int64_t b = 0;
+#if ISA_AVX512_VNNI
+    __m512 acc2[MT];
+    for (int i = 0; i < mt; i++) acc2[i] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        const __m512i wb = _mm512_loadu_si512((const void *)(wr + b * QK));
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nb + b;
+            const __m512i xb = _mm512_loadu_si512((const void *)(qx + r * QK));
+            const __m512 dot = _mm512_cvtepi32_ps(dot_ss512(wb, xb));
+            acc2[i] = _mm512_fmadd_ps(dot, halves(dx[r], dx[r + 1]), acc2[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) {  /* the halves added lane by lane: eight partial sums */
+        acc[i] = _mm256_add_ps(_mm512_castps512_ps256(acc2[i]),
+                               _mm512_extractf32x8_ps(acc2[i], 1));
+    }
+#else
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+#endif
+    for (; b < nb; b++) {
+        const __m256i wb = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nb + b;
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(qx + r * QK));
+            const __m256 dot = _mm256_cvtepi32_ps(dot_ss(wb, xb));
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dx[r]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = hsum8(acc[i]) * ws[n];
+#elif ISA_NEON_DOT
+    float32x4_t acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const int8x16_t w0 = vld1q_s8(wr + b * QK), w1 = vld1q_s8(wr + b * QK + 16);
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nb + b;
+            int32x4_t dot = vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(qx + r * QK));
+            dot = vdotq_s32(dot, w1, vld1q_s8(qx + r * QK + 16));
+            acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(dot), dx[r]);
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = vaddvq_f32(acc[i]) * ws[n];
+#else
+    float acc[MT] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nb + b;
+            int32_t dot = 0;
+            for (int j = 0; j < QK; j++) dot += (int32_t)wr[b * QK + j] * qx[r * QK + j];
+            acc[i] += (float)dot * dx[r];
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = acc[i] * ws[n];
+#endif
+}
+
+/* -- INT4 weights ------------------------------------------------------------------------ */
+
+static inline void int4_rows(const int8_t *qx, const float *dx, const float *cg, int64_t k,
+                             int64_t group, const uint8_t *w, const uint16_t *sz, int64_t n,
+                             int64_t n_out, float *y, int64_t m0, int mt) {
+    const int64_t nb = k / QK, ng = k / group, per_group = group / QK;
+    const uint8_t *wr = w + n * (k / 2);
+    const uint16_t *szr = sz + n * ng * 2;
+    float zeros[MT];  /* sum_g m[n, g] * c[m, g] */
+    for (int i = 0; i < mt; i++) zeros[i] = zero_part(szr, cg + (m0 + i) * ng, ng);
+    /* block b's scale is group b >> shift's: groups are 32 times a power of two */
+    const int shift = __builtin_ctzll((unsigned long long)per_group);
+#define SCALE(b) bf16_to_f32(szr[2 * ((b) >> shift)])
+    (void)shift;
+#if ISA_AVX512_VNNI || ISA_AVX_VNNI || ISA_AVX2
+    __m256 acc[MT];
+    int64_t b = 0;
+#if ISA_AVX512_VNNI
+    __m512 acc2[MT];
+    for (int i = 0; i < mt; i++) acc2[i] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        const __m512i wb = unpack4x2(wr + b * (QK / 2));
+        const float s0 = SCALE(b), s1 = SCALE(b + 1);
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nb + b;
+            const __m512i xb = _mm512_loadu_si512((const void *)(qx + r * QK));
+            const __m512 dot = _mm512_cvtepi32_ps(dot_us512(wb, xb));
+            acc2[i] = _mm512_fmadd_ps(dot, halves(dx[r] * s0, dx[r + 1] * s1), acc2[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        acc[i] = _mm256_add_ps(_mm512_castps512_ps256(acc2[i]),
+                               _mm512_extractf32x8_ps(acc2[i], 1));
+    }
+#else
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+#endif
+    for (; b < nb; b++) {
+        const float s = SCALE(b);
+        const __m256i wb = unpack4(wr + b * (QK / 2));
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nb + b;
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(qx + r * QK));
+            const __m256 dot = _mm256_cvtepi32_ps(dot_us(wb, xb));
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dx[r] * s), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = hsum8(acc[i]) + zeros[i];
+#elif ISA_NEON_DOT
+    float32x4_t acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = vdupq_n_f32(0.0f);
+    const uint8x16_t low = vdupq_n_u8(0x0F);
+    for (int64_t g = 0; g < ng; g++) {
+        const float s = bf16_to_f32(szr[2 * g]);
+        for (int64_t bg = 0; bg < per_group; bg++) {
+            const int64_t b = g * per_group + bg;
+            const uint8x16_t packed = vld1q_u8(wr + b * (QK / 2));
+            const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(packed, low));
+            const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4));
+            for (int i = 0; i < mt; i++) {
+                const int64_t r = (m0 + i) * nb + b;
+                int32x4_t dot = vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(qx + r * QK));
+                dot = vdotq_s32(dot, hi, vld1q_s8(qx + r * QK + 16));
+                acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(dot), dx[r] * s);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = vaddvq_f32(acc[i]) + zeros[i];
+#else
+    float acc[MT] = {0};
+    for (int64_t g = 0; g < ng; g++) {
+        const float s = bf16_to_f32(szr[2 * g]);
+        for (int64_t bg = 0; bg < per_group; bg++) {
+            const int64_t b = g * per_group + bg;
+            const uint8_t *wb = wr + b * (QK / 2);
+            for (int i = 0; i < mt; i++) {
+                const int64_t r = (m0 + i) * nb + b;
+                int32_t dot = 0;
+                for (int j = 0; j < QK / 2; j++) {
+                    dot += (int32_t)(wb[j] & 0x0F) * qx[r * QK + j];
+                    dot += (int32_t)(wb[j] >> 4) * qx[r * QK + QK / 2 + j];
+                }
+                acc[i] += (float)dot * (dx[r] * s);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = acc[i] + zeros[i];
+#endif
+#undef SCALE
+}
+
+/* -- entry points ------------------------------------------------------------------------ */
+/* Output rows are split between `threads` OpenMP threads in chunks of 16 (a row of weights
+ * is read by one thread only); every row of x is taken by the thread that reads the weights.
+ * The mt argument is a literal at each call, so that the compiler unrolls the tile. */
+
+#define FOR_TILES(CALL)                                                                      \
+    for (int64_t m0 = 0; m0 < m; m0 += MT) {                                                 \
+        switch (m - m0 >= MT ? MT : (int)(m - m0)) {                                         \
+        case 4: CALL(4); break;                                                              \
+        case 3: CALL(3); break;                                                              \
+        case 2: CALL(2); break;                                                              \
+        default: CALL(1); break;                                                             \
+        }                                                                                    \
+    }
+
+void infersight_int8_gemm(const int8_t *qx, const float *dx, int64_t m, int64_t k,
+                          const int8_t *w, const float *ws, int64_t n_out, float *y,
+                          int threads) {
+    (void)threads;
+#pragma omp parallel for schedule(static, 16) num_threads(threads)
+    for (int64_t n = 0; n < n_out; n++) {
+#define INT8_CALL(T) int8_rows(qx, dx, k, w, ws, n, n_out, y, m0, T)
+        FOR_TILES(INT8_CALL)
+#undef INT8_CALL
+    }
+}
+
+/* `cg` [M, K / group]: sum over each group's blocks of d * s (see the top of this file) */
+void infersight_int4_gemm(const int8_t *qx, const float *dx, const int32_t *sx, int64_t m,
+                          int64_t k, int64_t group, const uint8_t *w, const uint16_t *sz,
+                          int64_t n_out, float *y, float *cg, int threads) {
+    const int64_t nb = k / QK, ng = k / group, per_group = group / QK;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < ng; g++) {
+            float c = 0.0f;
+            for (int64_t bg = 0; bg < per_group; bg++) {
+                const int64_t b = r * nb + g * per_group + bg;
+                c += dx[b] * (float)sx[b];
+            }
+            cg[r * ng + g] = c;
+        }
+    }
+    (void)threads;
+#pragma omp parallel for schedule(static, 16) num_threads(threads)
+    for (int64_t n = 0; n < n_out; n++) {
+#define INT4_CALL(T) int4_rows(qx, dx, cg, k, group, w, sz, n, n_out, y, m0, T)
+        FOR_TILES(INT4_CALL)
+#undef INT4_CALL
+    }
+}

@@ -1,0 +1,456 @@
+"""Low-bit matrix products of our own on the CPU: INT8 and INT4 weights against activations
+quantized to int8 per block of 32, with integer dot products (``csrc/lowbit.c``).
+
+torch's CPU kernels for our formats (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
+multiply float activations by dequantized weights. llama.cpp instead quantizes each block of
+32 activations to int8 (one scale per block) and multiplies integers: ``vpmaddubsw`` on AVX2,
+``vpdpbusd`` with VNNI, ``sdot`` on arm64. These kernels do the same on our weights: our INT8
+matrix and per-row scales as they are, and our INT4 values (group-wise, zero points) packed
+two to a byte in llama.cpp's block order, with the same bf16 scales and zeros. Quantizing the
+activations is an approximation the float paths do not make (about 0.4% of a value's size
+per block); everything after it is exact integer arithmetic, then float scaling.
+
+The library is built once per machine and CPU level (:mod:`engine.kernels.native`): which
+instruction set a build uses is the compiler's (:func:`isa`), and the portable C is built at
+``INFERSIGHT_CPU_CAPABILITY=DEFAULT``. Its first check runs in a child process
+(:mod:`engine.hardware.isolated`): each product against the same product computed in float64
+from the dequantized operands.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.errors import InfersightError
+from engine.hardware import isolated, measured
+from engine.hardware.measured import machine_key
+from engine.kernels import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = native.CSRC / "lowbit.c"
+#: activations per quantization block (and the granule of K the kernels take)
+QK = 32
+ENV = "INFERSIGHT_LOWBIT"
+#: ``auto``: ours where it measured faster than torch's kernel for the shape; ``ours``: ours
+#: wherever it builds (an error where it does not); ``torch``: torch's kernels, float
+#: activations
+MODES = ("auto", "ours", "torch")
+
+
+#: The formats whose layers ``auto`` may hand to our kernels: those where quantizing the
+#: activations costs under a tenth of the weight quantization's own KL. Measured on the
+#: default model over 1,024 tokens of the evaluation text (``docs/kernels.md``): INT4-g32+head
+#: 0.0072 against its own 0.0854 (0.08×); INT8+head 0.0049 against 0.0064 (0.77×), so INT8
+#: keeps float activations unless ``INFERSIGHT_LOWBIT=ours`` asks.
+ADMITTED = frozenset({"int4"})
+
+
+def requested() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise InfersightError(f"{ENV}={mode!r}: use one of {', '.join(MODES)}")
+    return mode
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    """The loaded kernels, or why there are none."""
+
+    lib: Any  # the ctypes library, or None
+    why: str
+    path: Path | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.lib is not None
+
+    @property
+    def isa(self) -> str:
+        """The instruction set the build uses (``avx512-vnni``, ``avx2``, ``portable`` …)."""
+        return self.lib.infersight_lowbit_isa().decode() if self.lib is not None else "none"
+
+
+def load(path: Path) -> Library:
+    """Load a build of ``lowbit.c`` and declare its functions."""
+    lib = ctypes.CDLL(str(path))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.infersight_lowbit_isa.restype = ctypes.c_char_p
+    lib.infersight_lowbit_isa.argtypes = []
+    lib.infersight_quantize_q8.restype = None
+    lib.infersight_quantize_q8.argtypes = [p, i64, i64, p, p, p]
+    lib.infersight_int8_gemm.restype = None
+    lib.infersight_int8_gemm.argtypes = [p, p, i64, i64, p, p, i64, p, i32]
+    lib.infersight_int4_gemm.restype = None
+    lib.infersight_int4_gemm.argtypes = [p, p, p, i64, i64, i64, p, p, i64, p, p, i32]
+    return Library(lib, "", path)
+
+
+def build(level: str | None = None) -> Library:
+    """Build (once per machine) and load the library for ``level``, without the child's
+    check: for tests, which check each level themselves."""
+    path, why = native.built(SOURCE, native.isa_flags(level))
+    if path is None:
+        return Library(None, f"the low-bit kernels: {why}")
+    return load(path)
+
+
+@cache
+def library() -> Library:
+    """This machine's build at the current CPU level, checked once in a child process."""
+    found = build()
+    if found.path is None:
+        return found
+    problem = isolated.verdict("low-bit kernels", PROBE, str(found.path))
+    if problem:
+        log.warning("our low-bit kernels failed their check (%s); not using them", problem)
+        return Library(None, f"our low-bit kernels failed their check: {problem}")
+    return found
+
+
+# -- the operands --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Q8:
+    """Activations ``[M, K]`` quantized per block of 32: ``q`` int8 ``[M, K]``, the blocks'
+    scales ``d`` float32 ``[M, K/32]`` and sums ``s`` int32 ``[M, K/32]``."""
+
+    q: Tensor
+    d: Tensor
+    s: Tensor
+
+    def dequantized(self) -> Tensor:
+        m, k = self.q.shape
+        return (self.q.double().view(m, -1, QK) * self.d.double()[..., None]).view(m, k)
+
+
+def padded(x: Tensor, k: int) -> Tensor:
+    """``x [M, K0]`` as contiguous float32 ``[M, k]``, zero columns added (k ≥ K0)."""
+    x = x.float()
+    if x.shape[1] != k:
+        x = torch.nn.functional.pad(x, (0, k - x.shape[1]))
+    return x.contiguous()
+
+
+def quantize(lib: Library, x: Tensor) -> Q8:
+    """``x`` (float32, contiguous, K a multiple of 32) quantized by the kernel."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // QK)
+    s = torch.empty(m, k // QK, dtype=torch.int32)
+    lib.lib.infersight_quantize_q8(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return Q8(q, d, s)
+
+
+def quantize_reference(x: Tensor) -> Q8:
+    """The same quantization in torch: ``d = max|x| / 127``, ``q = round(x / d)`` (ties to
+    even), per block of 32."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // QK, QK)
+    d = blocks.abs().amax(dim=2) / 127
+    q = torch.where(d[..., None] == 0, 0.0, torch.round(blocks / d[..., None]))
+    return Q8(q.to(torch.int8).view(m, k), d, q.sum(dim=2).to(torch.int32))
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """4-bit values ``q [N, K]`` (0..15, K a multiple of 32) two to a byte, ``uint8 [N, K/2]``:
+    in each block of 32, value ``j`` in the low nibble of byte ``j`` and value ``16 + j`` in
+    its high nibble (llama.cpp's Q4 order)."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // QK, 2, QK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """:func:`pack_int4` undone: ``int32 [N, K]``."""
+    n, half = packed.shape
+    blocks = packed.view(n, half // (QK // 2), 1, QK // 2)
+    both = torch.cat([blocks & 0x0F, blocks >> 4], dim=2)
+    return both.reshape(n, 2 * half).to(torch.int32)
+
+
+def int8_gemm(lib: Library, x: Q8, weight: Tensor, scales: Tensor, threads: int) -> Tensor:
+    """``y [M, N]`` float32 from quantized activations and INT8 weights ``[N, K]`` with
+    float32 per-row ``scales``."""
+    m, k = x.q.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n)
+    lib.lib.infersight_int8_gemm(
+        x.q.data_ptr(), x.d.data_ptr(), m, k, weight.data_ptr(), scales.data_ptr(), n,
+        y.data_ptr(), threads,
+    )  # fmt: skip
+    return y
+
+
+def int4_gemm(
+    lib: Library, x: Q8, packed: Tensor, scales_zeros: Tensor, group: int, threads: int
+) -> Tensor:
+    """``y [M, N]`` float32 from quantized activations and INT4 weights: ``packed`` from
+    :func:`pack_int4`, ``scales_zeros`` bf16 ``[N, K/group, 2]`` (scale, zero) per group."""
+    m, k = x.q.shape
+    n = packed.shape[0]
+    y = torch.empty(m, n)
+    groups = torch.empty(m, k // group)
+    lib.lib.infersight_int4_gemm(
+        x.q.data_ptr(), x.d.data_ptr(), x.s.data_ptr(), m, k, group, packed.data_ptr(),
+        scales_zeros.data_ptr(), n, y.data_ptr(), groups.data_ptr(), threads,
+    )  # fmt: skip
+    return y
+
+
+# -- the check -------------------------------------------------------------------------------
+
+#: The check :func:`library` runs in a child process (``module:function``; tests swap it).
+PROBE = f"{__name__}:_probe_build"
+#: Relative error a product may have against float64 (float32 sums in another order).
+TOLERANCE = 1e-5
+
+
+def _probe_build() -> str:
+    """The first check (run in the child by :func:`library`); "" if the build agrees."""
+    found = build()
+    return check(found) if found.available else found.why
+
+
+def check(lib: Library) -> str:
+    """Each product of ``lib`` on small ragged shapes against float64 on the dequantized
+    operands, and its quantization against :func:`quantize_reference`: "" if all agree."""
+    from engine.formats import quantize_int4, quantize_int8
+
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n in ((1, 64, 7), (5, 96, 19), (6, 128, 33)):
+        x = torch.randn(m, k, generator=gen)
+        x[0, :QK] = 0  # an all-zero block
+        qx = quantize(lib, x)
+        want = quantize_reference(x)
+        if not (torch.equal(qx.q, want.q) and torch.equal(qx.d, want.d)):
+            return f"quantizing [{m}, {k}] differs from torch's rounding"
+        if not torch.equal(qx.s, want.s):
+            return f"the block sums of [{m}, {k}] differ"
+        w = torch.randn(n, k, generator=gen)
+        wq, ws = quantize_int8(w)
+        reference = qx.dequantized() @ (wq.double() * ws.double()[:, None]).T
+        problem = _compare("int8", int8_gemm(lib, qx, wq, ws, 2), reference)
+        if problem:
+            return problem
+        for group in (32, 64):
+            if k % group:
+                continue
+            q4, scale, zero = quantize_int4(w, group)
+            sz = torch.stack([scale, zero], dim=2).contiguous()
+            dense = (q4.double().view(n, -1, group) - 8) * scale.double()[..., None]
+            dense = (dense + zero.double()[..., None]).view(n, k)
+            got = int4_gemm(lib, qx, pack_int4(q4), sz, group, 2)
+            problem = _compare(f"int4 g{group}", got, qx.dequantized() @ dense.T)
+            if problem:
+                return problem
+    return ""
+
+
+def _compare(name: str, got: Tensor, want: Tensor) -> str:
+    err = (got.double() - want).abs().max().item()
+    scale = want.abs().max().item() or 1.0
+    if err > TOLERANCE * scale:
+        return f"{name} [{got.shape[0]}, {got.shape[1]}]: max difference {err:.3g}"
+    return ""
+
+
+# -- the choice, per layer shape ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One shape's two kernels, timed streaming from memory: ms per one-row product."""
+
+    ours_ms: float
+    torch_ms: float
+
+    @property
+    def ours(self) -> bool:
+        return self.ours_ms < self.torch_ms
+
+
+#: bytes of weights each timing streams through: far beyond any last-level cache
+STREAM_BYTES = 64 * 2**20
+_LOCK = threading.Lock()  # the app loads models on a thread of its own
+
+
+def shape_key(fmt: str, out_features: int, in_features: int) -> str:
+    return f"lowbit {fmt} {out_features}x{in_features}"
+
+
+def time_kernels(
+    ours: Callable[[Tensor, int], object], theirs: Callable[[Tensor, int], object],
+    copies: int, in_features: int,
+) -> Timing:  # fmt: skip
+    """Time one-row products over ``copies`` distinct weights of one shape (``fn(x, i)``
+    multiplies by copy ``i``), so that every call reads its weights from memory as decode
+    does: the best of three, interleaved so that a noisy moment hurts both."""
+    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(0))
+    best = {ours: float("inf"), theirs: float("inf")}
+    for _ in range(3):
+        for run in best:
+            for i in range(copies):
+                run(x, i)
+            started = time.perf_counter()
+            for i in range(copies):
+                run(x, i)
+            best[run] = min(best[run], (time.perf_counter() - started) / copies * 1e3)
+    return Timing(ours_ms=best[ours], torch_ms=best[theirs])
+
+
+def chosen(
+    fmt: str, out_features: int, in_features: int, timer: Callable[[], Timing] | None
+) -> bool:
+    """Whether a CPU layer of this format and shape runs our kernels: the library builds and
+    passed its check, and (``auto``) it measured faster than torch's for this shape on this
+    machine, timed once by ``timer`` and kept in ``kernels.json`` (no ``timer``: torch has no
+    kernel here to time against)."""
+    mode = requested()
+    if mode == "torch" or (mode == "auto" and fmt.split("-")[0] not in ADMITTED):
+        return False
+    found = library()
+    if not found.available:
+        if mode == "ours":
+            raise InfersightError(f"{ENV}=ours, but {found.why}; unset it to fall back")
+        return False
+    if mode == "ours" or timer is None:
+        return True
+    key = shape_key(fmt, out_features, in_features)
+    with _LOCK:
+        machine = measured.read(measured_file()).get(_verdicts_key(found), {})
+        if key in machine:
+            try:
+                return Timing(**machine[key]).ours
+            except TypeError:
+                pass
+        timing = timer()
+        log.info("timed %s: ours %.3f ms, torch %.3f ms per token", key, timing.ours_ms,
+                 timing.torch_ms)  # fmt: skip
+        measured.write(measured_file(), {_verdicts_key(found): {key: asdict(timing)}})
+        return timing.ours
+
+
+def measured_file() -> str:
+    from engine.kernels.packed_linear import KERNELS_FILE
+
+    return KERNELS_FILE
+
+
+def _verdicts_key(found: Library) -> str:
+    """The verdicts' entry in ``kernels.json``: this machine and build (beside the layout
+    verdicts, under a key of its own)."""
+    return f"{machine_key()} | lowbit {found.isa}"
+
+
+def threads() -> int:
+    """The threads our kernels run on: torch's, as the thread probe settled them."""
+    return torch.get_num_threads()
+
+
+# -- the layers' products ----------------------------------------------------------------------
+# Called directly in eager steps (a custom op's dispatch would cost more than a small GEMV);
+# as opaque custom ops inside a compiled decode step.
+
+
+def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """``x [M, K]`` (any float dtype; K a multiple of 32) times INT8 ``weight [N, K]`` with
+    float32 ``scales [N]``: float32 ``[M, N]``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infersight.lowbit_int8(x, weight, scales)
+    lib = library()
+    return int8_gemm(lib, quantize(lib, x.float().contiguous()), weight, scales, threads())
+
+
+def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
+    """``x [M, K]`` (K a multiple of the group) times INT4 weights (:func:`pack_int4`, bf16
+    ``scales_zeros [N, K/group, 2]``): float32 ``[M, N]``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infersight.lowbit_int4(x, packed, scales_zeros, group)
+    lib = library()
+    q8 = quantize(lib, x.float().contiguous())
+    return int4_gemm(lib, q8, packed, scales_zeros, group, threads())
+
+
+@torch.library.custom_op("infersight::lowbit_int8", mutates_args=())
+def _int8_op(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    return int8_linear(x, weight, scales)
+
+
+@_int8_op.register_fake
+def _(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("infersight::lowbit_int4", mutates_args=())
+def _int4_op(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
+    return int4_linear(x, packed, scales_zeros, group)
+
+
+@_int4_op.register_fake
+def _(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+
+
+# -- the timings at load -----------------------------------------------------------------------
+
+
+def _copies(bytes_per_copy: int) -> int:
+    return max(1, min(64, STREAM_BYTES // max(bytes_per_copy, 1)))
+
+
+def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> Timing:
+    """Ours against ``torch._weight_int8pack_mm`` (activations in ``dtype``) for one shape."""
+    from engine.formats import quantize_int8
+
+    gen = torch.Generator().manual_seed(0)
+    copies = _copies(out_features * in_features)
+    weights = [quantize_int8(torch.randn(out_features, in_features, generator=gen), dtype)
+               for _ in range(copies)]  # fmt: skip
+    float_scales = [s.float() for _, s in weights]
+
+    def ours(x: Tensor, i: int) -> object:
+        return int8_linear(x, weights[i][0], float_scales[i])
+
+    def theirs(x: Tensor, i: int) -> object:
+        return torch._weight_int8pack_mm(x.to(dtype), weights[i][0], weights[i][1])
+
+    return time_kernels(ours, theirs, copies, in_features)
+
+
+def time_int4(out_features: int, in_features: int, group: int, inner_k_tiles: int) -> Timing:
+    """Ours against ``_weight_int4pack_mm_for_cpu`` (bf16 activations) for one shape."""
+    from engine.formats import quantize_int4
+
+    gen = torch.Generator().manual_seed(0)
+    copies = _copies(out_features * in_features // 2)
+    rows = -(-out_features // 16) * 16  # torch's packing takes whole 16s of rows
+    ours_w, torch_w = [], []
+    for _ in range(copies):
+        q, scale, zero = quantize_int4(torch.randn(rows, in_features, generator=gen), group)
+        n = out_features
+        ours_w.append((pack_int4(q[:n]), torch.stack([scale[:n], zero[:n]], dim=2).contiguous()))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)
+        torch_w.append((packed, torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()))
+
+    def ours(x: Tensor, i: int) -> object:
+        return int4_linear(x, *ours_w[i], group)
+
+    def theirs(x: Tensor, i: int) -> object:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), torch_w[i][0], group,
+                                                          torch_w[i][1])  # fmt: skip
+
+    return time_kernels(ours, theirs, copies, in_features)

@@ -1,0 +1,247 @@
+"""Our low-bit CPU kernels (engine/kernels/lowbit.py, csrc/lowbit.c): each product against
+float64 on the dequantized operands, at every CPU level this machine can build for, rows
+independent of the rows beside them, the instruction sets this machine cannot run compiled and
+read back, and the layers that run them."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.errors import InfersightError
+from engine.formats import quantize_int4, quantize_int8
+from engine.hardware import measured
+from engine.hardware.cpu_paths import LEVELS, native_level
+from engine.kernels import lowbit, native
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+#: The levels this machine builds for: its own and every one below (on x86-64).
+BUILT = [lvl for lvl in LEVELS if X86 and LEVELS.index(lvl) <= LEVELS.index(native_level())]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            line = next((ln for ln in info if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+def expected_isa(level: str) -> str:
+    """The instruction set a build at ``level`` must use, from what the CPU says it has."""
+    if level == "DEFAULT":
+        return "portable"
+    if level == "AVX2":
+        return "avx2"
+    flags = _cpu_flags()
+    if {"avx512_vnni", "avx512bw", "avx512vl"} <= flags:
+        return "avx512-vnni"
+    return "avx-vnni" if "avx_vnni" in flags else "avx2"
+
+
+@pytest.fixture(scope="module", params=BUILT or [None], ids=str)
+def lib(request: pytest.FixtureRequest) -> lowbit.Library:
+    built = lowbit.build(request.param)
+    assert built.available, built.why
+    if request.param is not None:
+        assert built.isa == expected_isa(request.param)
+    return built
+
+
+def _dense_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
+    n, k = q.shape
+    groups = (q.double().view(n, -1, group) - 8) * scale.double()[..., None]
+    return (groups + zero.double()[..., None]).view(n, k)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+SHAPES = [(1, 576, 1536), (2, 40, 7), (3, 100, 33), (4, 64, 17), (5, 200, 9), (8, 96, 100),
+          (13, 130, 5), (16, 256, 48)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("m", "k0", "n"), SHAPES)
+def test_each_product_matches_float64_on_the_dequantized_operands(lib, m, k0, n):
+    """M = 1…16, K not a multiple of 32 (activations and weights padded with zeros, as the
+    layers do), N not a multiple of any vector width; INT8 and INT4 in three group sizes."""
+    gen = torch.Generator().manual_seed(m * 1000 + k0 + n)
+    x0 = torch.randn(m, k0, generator=gen) * 2
+    x0[:, 3] = 40  # an outlier channel, as LLM activations have
+    w0 = torch.randn(n, k0, generator=gen)
+    for group in (32, 64, 128):
+        k = -(-k0 // group) * group
+        x, w = lowbit.padded(x0, k), F.pad(w0, (0, k - k0))
+        qx = lowbit.quantize(lib, x)
+        q4, scale, zero = quantize_int4(w, group)
+        sz = torch.stack([scale, zero], dim=2).contiguous()
+        got = lowbit.int4_gemm(lib, qx, lowbit.pack_int4(q4), sz, group, 2)
+        want = qx.dequantized() @ _dense_int4(q4, scale, zero, group).T
+        assert _relative_error(got, want) < lowbit.TOLERANCE
+    k = -(-k0 // 32) * 32
+    x, w = lowbit.padded(x0, k), F.pad(w0, (0, k - k0))
+    qx = lowbit.quantize(lib, x)
+    wq, ws = quantize_int8(w)
+    got = lowbit.int8_gemm(lib, qx, wq, ws, 2)
+    want = qx.dequantized() @ (wq.double() * ws.double()[:, None]).T
+    assert _relative_error(got, want) < lowbit.TOLERANCE
+
+
+def test_activations_round_as_torch_does(lib):
+    """Quantized exactly as torch's reference: ties to even, an all-zero block, huge and
+    tiny values, and the blocks' sums."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 256, generator=gen) * torch.logspace(-6, 4, 7)[:, None]
+    x[0, :32] = 0
+    x[1, :32] = torch.arange(32) - 15.5  # d = 16.5 / 127: many quotients near .5
+    x[2, 32:64] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] * 5 + [0.0, 1.0])
+    got, want = lowbit.quantize(lib, x), lowbit.quantize_reference(x)
+    assert torch.equal(got.q, want.q) and torch.equal(got.d, want.d)
+    assert torch.equal(got.s, want.s)
+    assert got.q.abs().max() <= 127
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib):
+    """Each row of a 1…16-row product equals, bit for bit, the same row alone: a decode row
+    computes the same in any batch, and a verify step the same as one token at a time."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 320, generator=gen)
+    w = torch.randn(70, 320, generator=gen)
+    q4, scale, zero = quantize_int4(w, 64)
+    packed, sz = lowbit.pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
+    wq, ws = quantize_int8(w)
+    qx = lowbit.quantize(lib, x)
+    alone4 = torch.cat([lowbit.int4_gemm(lib, lowbit.quantize(lib, x[i : i + 1].contiguous()),
+                                         packed, sz, 64, 1) for i in range(16)])  # fmt: skip
+    alone8 = torch.cat([lowbit.int8_gemm(lib, lowbit.quantize(lib, x[i : i + 1].contiguous()),
+                                         wq, ws, 1) for i in range(16)])  # fmt: skip
+    for m in (2, 3, 5, 16):
+        part = lowbit.quantize(lib, x[:m].contiguous())
+        assert torch.equal(lowbit.int4_gemm(lib, part, packed, sz, 64, 2), alone4[:m])
+        assert torch.equal(lowbit.int8_gemm(lib, part, wq, ws, 2), alone8[:m])
+    assert torch.equal(lowbit.int8_gemm(lib, qx, wq, ws, 2), alone8)
+
+
+def test_packing_round_trips():
+    q = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(3))
+    packed = lowbit.pack_int4(q)
+    assert packed.shape == (5, 48) and packed.dtype == torch.uint8
+    assert torch.equal(lowbit.unpack_int4(packed), q.int())
+    assert packed[0, 0] == q[0, 0] | (q[0, 16] << 4)  # llama.cpp's order within a block
+
+
+def _assembly(command: list[str], out: Path) -> str:
+    done = subprocess.run([*command, "-S", "-o", str(out), str(lowbit.SOURCE)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out.read_text(errors="replace")
+
+
+@pytest.mark.skipif(not X86, reason="x86-64 instruction sets")
+def test_the_avx_vnni_path_compiles_to_vex_dot_products(tmp_path: Path):
+    """AVX-VNNI (Alder Lake, Zen 5) is a path of its own, which CPUs with AVX-512 VNNI (and
+    those without either) do not run: it is built and read back here."""
+    cc = native.compiler()
+    assert cc is not None
+    code = _assembly([cc, "-O3", "-std=c11", "-mavx2", "-mfma", "-mavxvnni"], tmp_path / "s")
+    assert '"avx-vnni"' in code and "{vex} vpdpbusd" in code
+
+
+def test_the_neon_dot_product_path_compiles_for_arm64(tmp_path: Path):
+    """The arm64 path, cross-compiled with Zig's clang (the ``ziglang`` wheel of the dev
+    extras): ``sdot`` instructions and the ``neon-dotprod`` name. Running it needs arm64."""
+    zig = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu",
+           "-mcpu=generic+dotprod", "-O3", "-std=c11"]  # fmt: skip
+    code = _assembly(zig, tmp_path / "s")
+    assert "neon-dotprod" in code and "sdot" in code
+
+
+# -- the layers ------------------------------------------------------------------------------
+
+
+def test_auto_leaves_int8_to_torch_and_ours_is_an_error_where_nothing_builds(monkeypatch):
+    """Quantizing INT8's activations costs more than a tenth of its weights' own KL, so
+    ``auto`` never hands it to ours; ``ours`` without a build says what to do."""
+    monkeypatch.setenv(lowbit.ENV, "auto")
+    assert not lowbit.chosen("int8", 64, 64, lambda: lowbit.Timing(0.0, 1.0))
+    monkeypatch.setenv(lowbit.ENV, "ours")
+    broken = lowbit.Library(None, "the low-bit kernels: no C compiler found")
+    monkeypatch.setattr(lowbit, "library", lambda: broken)
+    refused = r"INFERSIGHT_LOWBIT=ours, but .*no C compiler found; unset it"
+    with pytest.raises(InfersightError, match=refused):
+        lowbit.chosen("int4-g32", 64, 64, None)
+    monkeypatch.setenv(lowbit.ENV, "fastest")
+    with pytest.raises(InfersightError, match="auto, ours, torch"):
+        lowbit.requested()
+
+
+def test_a_shape_is_timed_once_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+    monkeypatch.setenv(lowbit.ENV, "auto")
+    timings = []
+
+    def timer() -> lowbit.Timing:
+        timings.append(1)
+        return lowbit.Timing(ours_ms=1.0, torch_ms=2.0)
+
+    assert lowbit.chosen("int4-g32", 96, 64, timer)
+    assert lowbit.chosen("int4-g32", 96, 64, timer)
+    assert timings == [1]
+    kept = measured.read(lowbit.measured_file())
+    assert any("lowbit int4-g32 96x64" in shapes for shapes in kept.values())
+
+
+@pytest.mark.parametrize("precision", ["int4-g32+head", "int8"])
+def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
+    tiny_model_dir, monkeypatch, precision
+):
+    """A tiny Llama with every quantized linear on our kernels, and the tied head's rows
+    read from our INT4 layout by the embedding: the embedding equal to the one read from
+    torch's layout, and next-token distributions (a prefill, then a step per token) as the
+    same model's whose products are computed in float64 from the quantized activations and
+    dequantized weights. Not bit for bit: the model computes in bf16, and an output rounded
+    one ulp apart can round a later activation to the next int8 step, so the bound is on KL
+    (a nibble out of order, or a scale of the wrong group, gives KL above 0.1)."""
+    from engine.core.sampling import SamplingParams
+    from engine.evals.scoring import score
+    from engine.loader.load import load_model
+
+    folder, _ = tiny_model_dir("llama", True, hidden_size=128, intermediate_size=256)
+    ids = torch.arange(3, 300, 7)
+    monkeypatch.setenv(lowbit.ENV, "torch")
+    embedded = load_model(folder, precision=precision).model.embed(ids)
+    monkeypatch.setenv(lowbit.ENV, "ours")
+    engine = load_model(folder, precision=precision)
+    assert torch.equal(engine.model.embed(ids), embedded)
+    kernels = {m.kernel for m in engine.model.modules() if hasattr(m, "quantized")}
+    assert kernels == {"our int8-activation kernel"}
+    prompt = list(range(3, 40))
+    generated = engine.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    out = [e.token_id for e in generated if e.token_id is not None]
+    ours = score(engine, prompt, out, decode_steps=True)
+
+    def int8_reference(x, weight, scales):
+        q = lowbit.quantize_reference(x.float().contiguous())
+        return (q.dequantized() @ (weight.double() * scales.double()[:, None]).T).float()
+
+    def int4_reference(x, packed, sz, group):
+        q = lowbit.quantize_reference(x.float().contiguous())
+        dense = _dense_int4(lowbit.unpack_int4(packed), sz[..., 0], sz[..., 1], group)
+        return (q.dequantized() @ dense.T).float()
+
+    monkeypatch.setattr(lowbit, "int8_linear", int8_reference)
+    monkeypatch.setattr(lowbit, "int4_linear", int4_reference)
+    reference = score(engine, prompt, out, decode_steps=True)
+    assert len(out) == 12 and torch.equal(ours.argmax(dim=1), torch.tensor(out))
+    kl = (reference.exp() * (reference - ours)).sum(dim=1)
+    assert kl.max() < 1e-3, kl
