@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
-from engine.model.transformer import RotaryEmbedding, Transformer
+from engine.model.transformer import Transformer
 from engine.quant.embedding import QuantizedEmbedding, head_channel_scale
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
@@ -115,7 +115,7 @@ def load_transformer(
     """
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.rope = RotaryEmbedding(cfg).to(device)  # real buffers, not meta
+    model.rope = model.rope.to(device)  # real buffers (built on the CPU), not meta
 
     tensors: Iterable[tuple[str, Tensor]]
     read: Callable[[str], Tensor]

@@ -217,8 +217,14 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rope = RotaryEmbedding(cfg)
+        # Built under torch.device("meta") by the loader: the embedding gets an empty weight
+        # (its random init on meta imports TorchInductor's tracer, seconds per process) and
+        # the rotary tables are real, computed on the CPU.
+        self.embed = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
+        with torch.device("cpu"):
+            self.rope = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
