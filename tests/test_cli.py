@@ -235,7 +235,7 @@ def test_bench_mixed_with_a_shared_prefix_runs_prefix_caching_off_and_on(capsys,
 
 def test_bench_chat_reuses_earlier_turns_and_replies_alike(capsys, default_model):
     code, out, _ = run_cli(capsys, "bench", "--workload", "chat", "--turns", "3",
-                           "--message-tokens", "24", "--reply-tokens", "6",
+                           "--message-tokens", "24", "--reply-tokens", "3",
                            "--system-tokens", "20", "--json")  # fmt: skip
     assert code == 0
     report = json.loads(out)
