@@ -133,23 +133,34 @@ def mixed_arrivals(n: int = 6) -> list[Arrival]:
     return [(2 * i, repetitive(10 + i, 14 + 3 * i), GREEDY) for i in range(n)]
 
 
+#: a pool too small for everyone: it preempts
+SMALL_POOL = EngineConfig(
+    block_size=BS, num_blocks=16, limits=SchedulerLimits(max_tokens_per_step=24)
+)
+CANCEL = {1: 6, 4: 8}  # request 1 cancelled while decoding, 4 before its first step
+
+
+@pytest.fixture(scope="module")
+def plain_in_a_small_pool(tiny: Path) -> tuple[dict[int, list[int]], dict[int, str]]:
+    """Plain decoding's outputs and finish reasons for :func:`mixed_arrivals` in
+    :data:`SMALL_POOL`, cancelled as :data:`CANCEL` says: what every drafter must give."""
+    want, want_finish, _ = run(load_model(tiny, config=SMALL_POOL), mixed_arrivals(), CANCEL)
+    return want, want_finish
+
+
 @pytest.mark.parametrize("drafter", precisions("lookup", "self:int4-g32", "self:int8", "model"))
-def test_greedy_output_is_plain_greedy_output_with_every_drafter(tiny, other_tiny, drafter):
+def test_greedy_output_is_plain_greedy_output_with_every_drafter(
+    tiny, other_tiny, plain_in_a_small_pool, drafter
+):
     """Arrivals at different steps, a cancellation while decoding, one before its first
     step, and preemption in a pool too small for everyone: the outputs and finish reasons
     equal plain decoding's, and drafts were really accepted and rejected along the way."""
-    config = EngineConfig(
-        block_size=BS, num_blocks=16, limits=SchedulerLimits(max_tokens_per_step=24)
-    )
-    plain = load_model(tiny, config=config)
-    fast = load_model(tiny, config=config)
+    fast = load_model(tiny, config=SMALL_POOL)
     text = f"model:{other_tiny}" if drafter == "model" else drafter
     fast.set_speculation(spec(text, k=3, adaptive=False))
-    arrivals = mixed_arrivals()
-    cancel = {1: 6, 4: 8}
-    want, want_finish, _ = run(plain, arrivals, cancel)
-    got, finish, kinds = run(fast, arrivals, cancel)
-    assert_same(got, want, cancel)
+    want, want_finish = plain_in_a_small_pool
+    got, finish, kinds = run(fast, mixed_arrivals(), CANCEL)
+    assert_same(got, want, CANCEL)
     assert finish == want_finish
     assert finish[1] == finish[4] == "cancelled"
     stats = fast.speculator.stats
@@ -273,6 +284,28 @@ def chi_square_p(a: Counter[tuple[int, ...]], b: Counter[tuple[int, ...]]) -> fl
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
+def sampling_engine(
+    small_vocab: tuple[Path, Path], speculative: str | None = None, rule: str = "exact"
+) -> LLMEngine:
+    """The 8-token target in a pool for :data:`N_SAMPLES` sequences at once; with
+    ``speculative`` (``model``: the over-confident copy, or ``lookup``) every sequence drafts
+    each step, as far as its remaining tokens allow (the draft model's pool holds every
+    sequence whole: 8 blocks of 4 tokens each), so the rule ``rule`` decides everything."""
+    target, draft = small_vocab
+    n = N_SAMPLES
+    config = EngineConfig(
+        block_size=BS, num_blocks=3 * n,
+        limits=SchedulerLimits(max_batch_size=n, max_waiting=n, max_tokens_per_step=4 * n),
+    )  # fmt: skip
+    e = load_model(target, config=config)
+    if speculative:
+        text = f"model:{draft}" if speculative == "model" else speculative
+        e.set_speculation(spec(text, k=3, adaptive=False, max_verify_tokens=4 * n,
+                               ngram_min=1, draft_blocks=8 * n))  # fmt: skip
+        e.speculator.rule = rule
+    return e
+
+
 def first_tokens(
     engine: LLMEngine, prompt: list[int], n: int, seed0: int
 ) -> Counter[tuple[int, ...]]:
@@ -292,8 +325,23 @@ def first_tokens(
     return Counter(tuple(t[1:3]) for t in out.values())
 
 
+@pytest.fixture(scope="module")
+def plain_samples(
+    small_vocab: tuple[Path, Path],
+) -> tuple[list[int], Counter[tuple[int, ...]]]:
+    """The prompt, which ends with the target's own greedy continuation, and plain sampling's
+    draws from it: what both drafters' samples are compared with."""
+    plain_engine = sampling_engine(small_vocab)
+    start = [3, 1, 4, 1, 5, 0, 2, 6, 5, 7]  # every token: prompt lookup always finds a match
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = start + run(plain_engine, [(0, start, greedy)])[0][0]
+    return prompt, first_tokens(plain_engine, prompt, N_SAMPLES, seed0=0)
+
+
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
-def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_vocab, drafter):
+def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(
+    small_vocab, plain_samples, drafter
+):
     """The target samples at temperature 0.7 from a prompt that ends with its own greedy
     continuation, so prompt lookup proposes tokens the model finds likely (and the draft
     model, the over-confident copy, mostly its likeliest): many drafts are accepted and many
@@ -303,31 +351,9 @@ def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_voc
     version is a fresh draw: at p = 0.001 a correct rule fails one draw in a thousand, while
     the wrong rule's p-value lies many orders of magnitude lower (measured over three seed
     draws: below 1e-19 for the draft model, about 1e-12 for prompt lookup)."""
-    target, draft = small_vocab
     n = N_SAMPLES
-    config = EngineConfig(
-        block_size=BS, num_blocks=3 * n,
-        limits=SchedulerLimits(max_batch_size=n, max_waiting=n, max_tokens_per_step=4 * n),
-    )  # fmt: skip
-
-    def engine(speculative: str | None, rule: str = "exact") -> LLMEngine:
-        e = load_model(target, config=config)
-        if speculative:
-            text = f"model:{draft}" if speculative == "model" else speculative
-            # every sequence drafts each step, as far as its remaining tokens allow (the
-            # draft model's pool holds every sequence whole: 8 blocks of 4 tokens each): the
-            # rule decides everything
-            e.set_speculation(spec(text, k=3, adaptive=False, max_verify_tokens=4 * n,
-                                   ngram_min=1, draft_blocks=8 * n))  # fmt: skip
-            e.speculator.rule = rule
-        return e
-
-    plain_engine = engine(None)
-    start = [3, 1, 4, 1, 5, 0, 2, 6, 5, 7]  # every token: prompt lookup always finds a match
-    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    prompt = start + run(plain_engine, [(0, start, greedy)])[0][0]
-    plain = first_tokens(plain_engine, prompt, n, seed0=0)
-    fast_engine = engine(drafter)
+    prompt, plain = plain_samples
+    fast_engine = sampling_engine(small_vocab, drafter)
     fast = first_tokens(fast_engine, prompt, n, seed0=100_000)
     stats = fast_engine.speculator.stats
     assert stats.num_draft_tokens > n, "the drafts must be many for the test to mean anything"
@@ -336,7 +362,8 @@ def test_sampling_distribution_is_unchanged_and_a_wrong_rule_is_caught(small_voc
     assert stats.draft_tokens_per_pos[1] == n
     assert 0.1 < stats.acceptance_rate < 0.9, "many drafts accepted, many rejected"
     assert chi_square_p(plain, fast) > 1e-3
-    wrong = first_tokens(engine(drafter, "resample-from-p"), prompt, n, seed0=100_000)
+    wrong_engine = sampling_engine(small_vocab, drafter, "resample-from-p")
+    wrong = first_tokens(wrong_engine, prompt, n, seed0=100_000)
     assert chi_square_p(plain, wrong) < 1e-3
 
 
@@ -465,10 +492,13 @@ def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path
     cancel = {2: 9}
     want, want_finish, _ = run(engine, arrivals, cancel)
     # SmolLM2-135M is the smallest of its family: its first 22 layers make a smaller model
-    # with its tokenizer (a poor drafter, α ≈ 0.1, so drafted every step to be tested at all)
+    # with its tokenizer (a poor drafter, α ≈ 0.1, so drafted every step to be tested at all;
+    # two tokens a step: at that α a third or fourth guess is all but never accepted, and each
+    # costs a draft step and a verified token)
     draft_dir = truncated_copy(default_model, tmp_path / "draft", layers=22)
     for drafter in ("lookup", "self:int4-g32+head", f"model:{draft_dir}"):
-        engine.set_speculation(spec(drafter, k=4, adaptive=not drafter.startswith("model")))
+        model = drafter.startswith("model")
+        engine.set_speculation(spec(drafter, k=2 if model else 4, adaptive=not model))
         got, finish, kinds = run(engine, arrivals, cancel)
         assert_same(got, want, cancel)
         assert finish == want_finish, drafter
