@@ -14,7 +14,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from PySide6.QtCore import QObject, Slot
 
 from app.gui.main_window import MainWindow
-from app.loading import LoadSpec, load_engine
+from app.loading import LoadSpec, load_engine, resolve_device
 from engine.core.engine import LLMEngine
 
 SPEC = LoadSpec("default", "fp32", "cpu", kv_memory_mib=64)
@@ -39,7 +39,7 @@ class SharedWeights:
         from app.loading import engine_config
 
         config = config or engine_config(spec)
-        key = (spec.model, spec.precision, spec.device)
+        key = (spec.model, spec.precision, resolve_device(spec.device))
         base = self._bases.get(key)
         if base is None or _in_use(base):
             base = self._bases[key] = load_engine(spec, progress, config=config)
@@ -123,7 +123,7 @@ class GatedLoader:
         if spec.precision in self.gated:
             self.waiting.set()
             assert self.gate.wait(LONG_WAIT_MS / 1000)
-        return load_engine(spec, progress)
+        return SHARED_WEIGHTS(spec, progress)
 
     def release(self) -> None:
         self.gate.set()

@@ -191,12 +191,15 @@ def user_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return user
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def oracle(default_model: Path) -> LLMEngine:
-    """A second engine, outside the app, for the expected text."""
-    from engine.loader.load import load_model
+    """A second engine, outside the app, for the expected text: an engine of its own (pool,
+    limits, instruments) on the weights the app's windows share in this process
+    (``tests/app_window.py``), made per test, so that no window's layer timings can leave
+    hooks on it."""
+    from tests.app_window import SHARED_WEIGHTS, SPEC
 
-    return load_model(default_model, precision="fp32")
+    return SHARED_WEIGHTS(SPEC)
 
 
 @pytest.fixture

@@ -35,6 +35,10 @@ from tests.app_window import (
 )
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
+#: replies checked against the engine alone: a real answer of several streamed updates
+REPLY_TOKENS = 12
+#: replies that only have to be there (history, regenerate, edit, the chat going on)
+SHORT = 4
 
 
 def test_reply_streams_in_several_updates_and_equals_the_engine_alone(
@@ -43,6 +47,7 @@ def test_reply_streams_in_several_updates_and_equals_the_engine_alone(
     seen: list[str] = []
     recorder = Recorder(lambda _: seen.append(window.chat.last.view.text))  # type: ignore[union-attr]
     window.worker.deltas.connect(recorder.record)
+    window.controls.max_new_tokens.set_value(REPLY_TOKENS)
     send(qtbot, window, "Name three colours of the sea.")
     reply = window.chat.last
     assert reply is not None and reply.view.status == "done"
@@ -50,9 +55,10 @@ def test_reply_streams_in_several_updates_and_equals_the_engine_alone(
     assert len(set(texts)) >= 2, "the reply arrived in one piece, not streamed"
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     prompt = oracle.chat_prompt_ids([{"role": "user", "content": "Name three colours of the sea."}])
-    gen = oracle.generate(prompt, SamplingParams(max_new_tokens=24))
+    gen = oracle.generate(prompt, SamplingParams(max_new_tokens=REPLY_TOKENS))
     for _ in gen:
         pass
+    assert len(gen.result.token_ids) == REPLY_TOKENS
     assert reply.view.text == gen.result.text
     assert reply.body.text() == gen.result.text
     assert stored(window) == [
@@ -81,6 +87,7 @@ def test_stop_ends_within_one_step_and_keeps_the_partial_reply(
 
 
 def test_regenerate_replaces_the_last_reply(qtbot: object, window: MainWindow) -> None:
+    window.controls.max_new_tokens.set_value(SHORT)
     send(qtbot, window, "Say hello.")
     first = window.store.messages(window.conversation_id)[-1]  # type: ignore[arg-type]
     window.controls.temperature.set_value(1.0)
@@ -95,6 +102,7 @@ def test_regenerate_replaces_the_last_reply(qtbot: object, window: MainWindow) -
 
 
 def test_edit_last_takes_the_message_back(qtbot: object, window: MainWindow) -> None:
+    window.controls.max_new_tokens.set_value(SHORT)
     send(qtbot, window, "Say hello.")
     window.chat.edit_button.click()
     assert window.chat.input.toPlainText() == "Say hello."
@@ -106,6 +114,7 @@ def test_conversation_survives_closing_and_reopening(
 ) -> None:
     data = tmp_path / "data"
     first = open_window(qtbot, data)
+    first.controls.max_new_tokens.set_value(SHORT)
     send(qtbot, first, "What is a lighthouse?")
     first.chat.system_prompt.setText("Be brief.")
     first.chat.system_prompt.editingFinished.emit()
@@ -124,6 +133,7 @@ def test_conversation_survives_closing_and_reopening(
 def test_conversations_can_be_renamed_deleted_and_switched(
     qtbot: object, window: MainWindow
 ) -> None:
+    window.controls.max_new_tokens.set_value(SHORT)
     send(qtbot, window, "First chat.")
     first = window.conversation_id
     window.chat.new_button.click()
@@ -218,6 +228,7 @@ def test_instruments_show_the_engines_figures(qtbot: object, window: MainWindow)
     recorder = Recorder()
     window.worker.reply_stats.connect(recorder.record)
     stats: list[ReplyStats] = recorder.values  # type: ignore[assignment]
+    window.controls.max_new_tokens.set_value(SHORT)
     send(qtbot, window, "Count to five.")
     (s,) = stats
     engine = window.worker.engine
@@ -285,6 +296,7 @@ def test_out_of_range_value_is_refused_with_a_message(window: MainWindow) -> Non
 def test_engine_exception_ends_the_reply_with_an_error_and_the_chat_goes_on(
     qtbot: object, window: MainWindow
 ) -> None:
+    window.controls.max_new_tokens.set_value(SHORT)  # the third forward fails: mid-reply
     send(qtbot, window, "First question.")
     engine = window.worker.engine
     assert engine is not None
@@ -316,6 +328,7 @@ def test_candidates_are_batched_into_tabs(qtbot: object, window: MainWindow) -> 
     window.controls.candidates.set_value(3)
     window.controls.temperature.set_value(1.0)
     window.controls.seed.set_value(11)
+    window.controls.max_new_tokens.set_value(SHORT)
     deltas: list[Delta] = []
     recorder = Recorder(deltas.extend)  # type: ignore[arg-type]
     window.worker.deltas.connect(recorder.record)

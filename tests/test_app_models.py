@@ -36,6 +36,7 @@ from tests.app_window import (
 )
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
+SHORT = 4  # tokens of a reply that only has to come (its status, its model are what is checked)
 
 
 def test_a_gguf_is_imported_with_a_progress_dialog_then_chatted_with(
@@ -80,6 +81,7 @@ def test_switching_precision_keeps_the_chat_and_the_old_model_answers_meanwhile(
     recorder = Recorder()
     window.worker.reply_stats.connect(recorder.record)
     stats: list[ReplyStats] = recorder.values  # type: ignore[assignment]
+    window.controls.max_new_tokens.set_value(SHORT)
     try:
         send(qtbot, window, "Hi!")
         window.controls.precision_requested.emit("int8")
@@ -130,6 +132,7 @@ def test_bad_model_folder_and_gguf_keep_the_current_model(
     text = window.chat.notice.text()
     assert "does not fit on cpu" in text and "MiB" in text and "Still using" in text
     assert window.model == before and "⚠ bf16" in window.controls.plan_label.text()
+    window.controls.max_new_tokens.set_value(SHORT)
     send(qtbot, window, "Still there?")
     assert window.chat.last is not None and window.chat.last.view.status == "done"
 
@@ -148,6 +151,7 @@ def test_sending_while_the_first_model_loads_is_explained(
         assert stored(window) == [] and window.active is None
         loader.release()
         qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+        window.controls.max_new_tokens.set_value(SHORT)
         send(qtbot, window, "Hello?")
         assert window.chat.last is not None and window.chat.last.view.status == "done"
     finally:

@@ -167,7 +167,7 @@ def test_a_cancelled_pull_stops_its_child_and_leaves_nothing(
     started: list[float] = []
 
     def cancel_midway(stage: str, done: int, total: int) -> None:
-        if stage == "dequantize" and done >= 20:
+        if stage == "dequantize" and done >= 1:  # the first tensor: nearly all still to come
             started.append(time.perf_counter())
             raise CancelledError("the load was cancelled because the engine is stopping")
 

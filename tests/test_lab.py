@@ -20,6 +20,7 @@ from engine.evals.compare import compare_prompt
 from engine.evals.compare_file import read_document
 from engine.evals.sides import Side
 from engine.loader.load import load_model
+from tests.app_window import SHARED_WEIGHTS
 from tests.probed import needs_int4
 from widgets.ab_view import ABView
 
@@ -266,9 +267,12 @@ def test_the_lab_on_the_default_model_matches_eval_compare_and_generate(
 ):
     """fp32 against int8 streams into both columns; what the view shows equals
     ``infersight eval compare --json`` for the same prompt, and each column equals a separate
-    engine's ``generate``."""
-    tokens = 24
-    lab = Lab(qtbot)
+    engine's ``generate``: the command's, which generates each side alone on engines of its
+    own (:func:`engine.evals.sides.generate`) before it scores them. Twelve tokens: a real
+    answer, streamed in several updates, each of its figures checked. The lab's engines are
+    on the weights this test process shares (a window's, say), the command's its own."""
+    tokens = 12
+    lab = Lab(qtbot, loader=SHARED_WEIGHTS)
     try:
         report = lab.run(form("default", "fp32", b, REAL_PROMPT, tokens))
     finally:
@@ -287,12 +291,9 @@ def test_the_lab_on_the_default_model_matches_eval_compare_and_generate(
 
     assert format_kl(cli["summary"]["kl_mean"]) in shown, shown
     for key, precision in (("a", "fp32"), ("b", b)):
-        engine = load_model(default_model, precision=precision)
-        prompt = engine.chat_prompt_ids([{"role": "user", "content": REAL_PROMPT}])
-        gen = engine.generate(prompt, SamplingParams(max_new_tokens=tokens, seed=0))
-        list(gen)
-        assert lab.view.column_text(key) == gen.result.text == report[key]["text"]
-        assert report[key]["token_ids"] == gen.result.token_ids
+        assert cli[key]["precision"] == precision and len(cli[key]["token_ids"]) == tokens
+        assert report[key]["token_ids"] == cli[key]["token_ids"]
+        assert lab.view.column_text(key) == cli[key]["text"] == report[key]["text"]
 
 
 def test_cancel_stops_a_scan_and_the_lab_goes_on(qtbot, tiny):

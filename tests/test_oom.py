@@ -146,6 +146,7 @@ def test_the_ends_a_step_that_ran_out_had_taken_up_are_still_sent(tiny, monkeypa
 def test_the_app_ends_a_reply_that_runs_out_while_decoding_keeps_the_chat_and_answers_the_next(
     qtbot: object, window: MainWindow, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    window.controls.max_new_tokens.set_value(4)  # the second reply runs out at its third token
     send(qtbot, window, "First question.")
     engine = window.worker.engine
     assert engine is not None
@@ -181,13 +182,15 @@ def test_the_app_computes_a_prompt_that_ran_out_in_smaller_chunks_and_the_reply_
     assert engine is not None
     chunk = engine.scheduler.limits.max_tokens_per_step
     run_out(engine, monkeypatch, lambda call: call == 1)  # the prompt's first chunk
+    window.controls.max_new_tokens.set_value(12)  # a real answer on the recomputed cache
     send(qtbot, window, text)
     reply = window.chat.last
     assert reply is not None and reply.view.status == "done"
     ids = oracle.chat_prompt_ids([{"role": "user", "content": text}])
-    gen = oracle.generate(ids, SamplingParams(max_new_tokens=24))
+    gen = oracle.generate(ids, SamplingParams(max_new_tokens=12))
     for _ in gen:
         pass
+    assert len(gen.result.token_ids) == 12
     assert reply.view.text == gen.result.text  # the same reply as without running out
     lowered = max(MIN_CHUNK, min(chunk, len(ids)) // 2)
     assert len(ids) > MIN_CHUNK and engine.scheduler.limits.max_tokens_per_step == lowered

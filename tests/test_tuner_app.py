@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +15,13 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
 
+from app.cli.main import main
 from app.gui.commands import EngineView
 from app.gui.main_window import MainWindow
 from tests.app_window import LONG_WAIT_MS, Recorder, open_window, send
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
+CHAT_TOKENS = 4  # the chat answers after the tuner: a few tokens show it
 
 
 @pytest.fixture
@@ -80,6 +80,7 @@ def test_a_slider_reaches_the_engine_at_the_next_step_and_stop_frees_everything(
         timeout=LONG_WAIT_MS,
     )
     assert "stopped" in tuner.status_label.text()
+    window.controls.max_new_tokens.set_value(CHAT_TOKENS)
     send(qtbot, window, "Hello!")
     assert window.chat.last is not None and window.chat.last.view.text.strip()
 
@@ -101,17 +102,21 @@ def test_a_load_that_fails_ends_with_its_message_and_the_chat_goes_on(
         timeout=LONG_WAIT_MS,
     )
     assert window.tuner.start_button.isEnabled()
+    window.controls.max_new_tokens.set_value(CHAT_TOKENS)
     send(qtbot, window, "Hello!")
     assert window.chat.last is not None and window.chat.last.view.text.strip()
     assert window.engine_thread.isRunning()
 
 
 def test_a_sweep_in_the_app_measures_what_the_command_line_measures(
-    qtbot: object, window: MainWindow, tmp_path: Path
+    qtbot: object, window: MainWindow, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Two points of four short requests each (the shortest output the mix draws: a median of
+    16 tokens), both batched: 2 and 4 users. The command runs in this process, as ``main``
+    (``python -m app.cli`` is no more than that), on a model of its own."""
     tuner = window.tuner
     tuner.sweep_mode.setCurrentText("closed")
-    tuner.loads_edit.setText("1 4")
+    tuner.loads_edit.setText("2 4")
     tuner.batch_edit.setText("4")
     tuner.tokens_edit.setText("256")
     tuner.wait_edit.setText("0")
@@ -133,16 +138,13 @@ def test_a_sweep_in_the_app_measures_what_the_command_line_measures(
     tuner.export_sweep_png(png_path)
     assert len(csv_path.read_text().splitlines()) == 3 and png_path.stat().st_size > 5_000
 
+    capsys.readouterr()
     started = time.perf_counter()
-    cli = subprocess.run(
-        [sys.executable, "-m", "app.cli", "tune", "--model", "default", "--kv-memory",
-         str(64 * 2**20), "--users", "1", "4", "--max-batch-size", "4",
-         "--max-tokens-per-step", "256", "--requests", "4", "--output-median", "16",
-         "--conversations", "0", "--json"],
-        capture_output=True, text=True, timeout=600, check=True,
-    )  # fmt: skip
+    assert main(["tune", "--model", "default", "--kv-memory", str(64 * 2**20), "--users", "2",
+                 "4", "--max-batch-size", "4", "--max-tokens-per-step", "256", "--requests",
+                 "4", "--output-median", "16", "--conversations", "0", "--json"]) == 0  # fmt: skip
     cli_s = time.perf_counter() - started
-    report = json.loads(cli.stdout)
+    report = json.loads(capsys.readouterr().out)
     cli_points = {p["label"]: p for p in report["points"]}
     assert set(cli_points) == set(app_points)
     for label, ours in app_points.items():

@@ -27,13 +27,15 @@ from app.gui.commands import (
     Stop,
 )
 from app.gui.worker import EngineWorker, Loader
-from app.loading import LoadSpec, load_engine
+from app.loading import LoadSpec
 from engine.core.engine import LLMEngine
 from engine.errors import CancelledError, ModelLoadError
+from tests.app_window import SHARED_WEIGHTS
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 WAIT_MS = 120_000
-GREEDY = {"max_new_tokens": 48, "temperature": 0.0}
+GREEDY = {"max_new_tokens": 24, "temperature": 0.0}
+SHORT = {"max_new_tokens": 4, "temperature": 0.0}  # a reply that only has to come
 
 
 class Inbox(QObject):
@@ -106,11 +108,12 @@ def start(
     workers: list[Running],
     spec: LoadSpec,
     timeline: list[str] | None = None,
-    loader: Loader = load_engine,
+    loader: Loader = SHARED_WEIGHTS,
 ) -> Running:
     """Start a worker and load ``spec``; ``workers`` holds it from the start, so the fixture
     stops its thread even when the load below fails (a QThread destroyed while it runs aborts
-    the process)."""
+    the process). The loader shares each model's weights in this process, as the windows'
+    does (tests/app_window.py): each worker gets an engine of its own, without a load each."""
     running = launch(workers, loader, Inbox(spec.precision, [] if timeline is None else timeline))
     running.worker.post(Load(spec))
     qtbot.waitUntil(lambda: bool(running.inbox.models), timeout=WAIT_MS)  # type: ignore[attr-defined]
@@ -232,7 +235,7 @@ def test_a_failed_load_leaves_no_thread_and_the_worker_goes_on(
     def failing(spec: LoadSpec, progress: Callable[[str, int, int], None]) -> LLMEngine:
         if spec.precision == "int8":
             raise ModelLoadError("simulated: the weights are unreadable")
-        return load_engine(spec, progress)
+        return SHARED_WEIGHTS(spec, progress)
 
     r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64), loader=failing)
     r.worker.post(Load(LoadSpec("default", "int8", "cpu", 64)))
@@ -240,7 +243,7 @@ def test_a_failed_load_leaves_no_thread_and_the_worker_goes_on(
     assert "simulated" in r.inbox.failures[0]
     qtbot.waitUntil(lambda: not loader_threads(), timeout=5_000)  # type: ignore[attr-defined]
     assert r.worker.info is not None and r.worker.info.precision == "fp32"
-    r.worker.post(Send("after", [{"role": "user", "content": "Hi."}], GREEDY))
+    r.worker.post(Send("after", [{"role": "user", "content": "Hi."}], SHORT))
     qtbot.waitUntil(lambda: len(r.inbox.stats) == 1, timeout=WAIT_MS)  # type: ignore[attr-defined]
 
 
@@ -290,7 +293,7 @@ def test_when_the_load_after_an_unload_fails_the_old_model_comes_back(
     def failing(spec: LoadSpec, progress: Callable[[str, int, int], None]) -> LLMEngine:
         if spec.precision == "int8":
             raise ModelLoadError("simulated: the weights are unreadable")
-        return load_engine(spec, progress)
+        return SHARED_WEIGHTS(spec, progress)
 
     r = start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64), loader=failing)
     notes = r.inbox
@@ -316,7 +319,7 @@ def test_a_new_kv_pool_keeps_the_weights(qtbot: object, workers: list[Running]) 
     assert new.kv.nbytes == pytest.approx(32 * 2**20, rel=0.01)
     assert r.worker.info is not None and r.worker.info.kv_memory_mib == 32
     assert "not reloaded" in notes.notices[0]
-    r.worker.post(Send("after", [{"role": "user", "content": "Hi."}], GREEDY))
+    r.worker.post(Send("after", [{"role": "user", "content": "Hi."}], SHORT))
     qtbot.waitUntil(lambda: len(r.inbox.stats) == 1, timeout=WAIT_MS)  # type: ignore[attr-defined]
 
 
