@@ -95,6 +95,10 @@ def load(path: Path) -> Library:
     lib.infersight_int8_gemm.argtypes = [p, p, i64, i64, p, p, i64, p, i32]
     lib.infersight_int4_gemm.restype = None
     lib.infersight_int4_gemm.argtypes = [p, p, p, i64, i64, i64, p, p, i64, p, p, i32]
+    lib.infersight_int8_linear.restype = ctypes.c_int
+    lib.infersight_int8_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.infersight_int4_linear.restype = ctypes.c_int
+    lib.infersight_int4_linear.argtypes = [p, i64, i64, i64, p, p, i64, p, i32]
     return Library(lib, "", path)
 
 
@@ -351,9 +355,9 @@ def measured_file() -> str:
 
 
 def _verdicts_key(found: Library) -> str:
-    """The verdicts' entry in ``kernels.json``: this machine and build (beside the layout
-    verdicts, under a key of its own)."""
-    return f"{machine_key()} | lowbit {found.isa}"
+    """The verdicts' entry in ``kernels.json``: this machine, build and thread count (beside
+    the layout verdicts, under a key of its own)."""
+    return f"{machine_key()} | lowbit {found.isa} | {threads()} threads"
 
 
 def threads() -> int:
@@ -371,8 +375,15 @@ def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     float32 ``scales [N]``: float32 ``[M, N]``."""
     if torch.compiler.is_compiling():
         return torch.ops.infersight.lowbit_int8(x, weight, scales)
-    lib = library()
-    return int8_gemm(lib, quantize(lib, x.float().contiguous()), weight, scales, threads())
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0])
+    rc = library().lib.infersight_int8_linear(
+        x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), scales.data_ptr(),
+        weight.shape[0], y.data_ptr(), threads(),
+    )  # fmt: skip
+    if rc:
+        raise MemoryError("our INT8 kernel ran out of memory for its scratch space")
+    return y
 
 
 def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
@@ -380,9 +391,15 @@ def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> 
     ``scales_zeros [N, K/group, 2]``): float32 ``[M, N]``."""
     if torch.compiler.is_compiling():
         return torch.ops.infersight.lowbit_int4(x, packed, scales_zeros, group)
-    lib = library()
-    q8 = quantize(lib, x.float().contiguous())
-    return int4_gemm(lib, q8, packed, scales_zeros, group, threads())
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], packed.shape[0])
+    rc = library().lib.infersight_int4_linear(
+        x.data_ptr(), x.shape[0], x.shape[1], group, packed.data_ptr(), scales_zeros.data_ptr(),
+        packed.shape[0], y.data_ptr(), threads(),
+    )  # fmt: skip
+    if rc:
+        raise MemoryError("our INT4 kernel ran out of memory for its scratch space")
+    return y
 
 
 @torch.library.custom_op("infersight::lowbit_int8", mutates_args=())

@@ -34,6 +34,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -74,21 +75,35 @@ static inline float bf16_to_f32(uint16_t h) {
 /* -- activations ------------------------------------------------------------------------ */
 
 /* x [M, K] -> q [M, K] int8, d [M, K/32], s [M, K/32]. Division, not a multiplication by
- * 1/d, so that every path (and torch's reference) rounds the same quotient. */
+ * 1/d, so that every path (and torch's reference) rounds the same quotient; written in
+ * vectors of eight floats (IEEE division and a round-to-nearest-even by the 1.5 * 2^23 trick,
+ * exact for |q| <= 127), so that the compiler needs no fast-math to vectorize it. */
+typedef float q8f __attribute__((vector_size(32)));
+
 void infersight_quantize_q8(const float *x, int64_t rows, int64_t k, int8_t *q, float *d,
                             int32_t *s) {
     const int64_t nb = k / QK;
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
     for (int64_t r = 0; r < rows * nb; r++) {
         const float *xb = x + r * QK;
         int8_t *qb = q + r * QK;
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float db = amax / 127.0f;
-        int32_t sum = 0;
+        q8f v[QK / 8];
+        memcpy(v, xb, sizeof v);
+        float m = 0.0f;
         for (int i = 0; i < QK; i++) {
-            const int32_t v = db == 0.0f ? 0 : (int32_t)nearbyintf(xb[i] / db);
-            qb[i] = (int8_t)v;
-            sum += v;
+            const float a = __builtin_fabsf(xb[i]);
+            m = a > m ? a : m;
+        }
+        const float db = m / 127.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < QK / 8; j++) {
+            const q8f quotient = db == 0.0f ? (q8f){0} : v[j] / db;
+            const q8f rounded = (quotient + magic) - magic;
+            for (int i = 0; i < 8; i++) {
+                const int32_t value = (int32_t)rounded[i];
+                qb[8 * j + i] = (int8_t)value;
+                sum += value;
+            }
         }
         d[r] = db;
         s[r] = sum;
@@ -401,4 +416,46 @@ void infersight_int4_gemm(const int8_t *qx, const float *dx, const int32_t *sx, 
         FOR_TILES(INT4_CALL)
 #undef INT4_CALL
     }
+}
+
+/* -- one call per layer: the activations quantized into scratch space, then the product ---- */
+/* Returns 0, or -1 where the scratch space could not be allocated. */
+
+int infersight_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *w,
+                           const float *ws, int64_t n_out, float *y, int threads) {
+    const int64_t nb = k / QK;
+    int8_t *q = malloc((size_t)(m * k));
+    float *d = malloc((size_t)(m * nb) * sizeof *d);
+    int32_t *s = malloc((size_t)(m * nb) * sizeof *s);
+    int rc = -1;
+    if (q && d && s) {
+        infersight_quantize_q8(x, m, k, q, d, s);
+        infersight_int8_gemm(q, d, m, k, w, ws, n_out, y, threads);
+        rc = 0;
+    }
+    free(q);
+    free(d);
+    free(s);
+    return rc;
+}
+
+int infersight_int4_linear(const float *x, int64_t m, int64_t k, int64_t group,
+                           const uint8_t *w, const uint16_t *sz, int64_t n_out, float *y,
+                           int threads) {
+    const int64_t nb = k / QK;
+    int8_t *q = malloc((size_t)(m * k));
+    float *d = malloc((size_t)(m * nb) * sizeof *d);
+    int32_t *s = malloc((size_t)(m * nb) * sizeof *s);
+    float *cg = malloc((size_t)(m * (k / group)) * sizeof *cg);
+    int rc = -1;
+    if (q && d && s && cg) {
+        infersight_quantize_q8(x, m, k, q, d, s);
+        infersight_int4_gemm(q, d, s, m, k, group, w, sz, n_out, y, cg, threads);
+        rc = 0;
+    }
+    free(q);
+    free(d);
+    free(s);
+    free(cg);
+    return rc;
 }
