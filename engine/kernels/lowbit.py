@@ -298,12 +298,13 @@ def shape_key(fmt: str, out_features: int, in_features: int) -> str:
 
 def time_kernels(
     ours: Callable[[Tensor, int], object], theirs: Callable[[Tensor, int], object],
-    copies: int, in_features: int,
+    copies: int, in_features: int, dtype: torch.dtype,
 ) -> Timing:  # fmt: skip
     """Time one-row products over ``copies`` distinct weights of one shape (``fn(x, i)``
     multiplies by copy ``i``), so that every call reads its weights from memory as decode
-    does: the best of three, interleaved so that a noisy moment hurts both."""
-    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(0))
+    does, from activations in the model's ``dtype`` (each path's conversions are its cost):
+    the best of three, interleaved so that a noisy moment hurts both."""
+    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     best = {ours: float("inf"), theirs: float("inf")}
     for _ in range(3):
         for run in best:
@@ -319,12 +320,14 @@ def time_kernels(
 def chosen(
     fmt: str, out_features: int, in_features: int, timer: Callable[[], Timing] | None
 ) -> bool:
-    """Whether a CPU layer of this format and shape runs our kernels: the library builds and
+    """Whether a CPU layer of this format (``int4-g32 bfloat16``: the weights' format and the
+    activations' dtype) and shape runs our kernels: the library builds and
     passed its check, and (``auto``) it measured faster than torch's for this shape on this
     machine, timed once by ``timer`` and kept in ``kernels.json`` (no ``timer``: torch has no
     kernel here to time against)."""
     mode = requested()
-    if mode == "torch" or (mode == "auto" and fmt.split("-")[0] not in ADMITTED):
+    family = fmt.split()[0].split("-")[0]  # "int4-g32 bfloat16" -> "int4"
+    if mode == "torch" or (mode == "auto" and family not in ADMITTED):
         return False
     found = library()
     if not found.available:
@@ -440,16 +443,19 @@ def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> Timing
     float_scales = [s.float() for _, s in weights]
 
     def ours(x: Tensor, i: int) -> object:
-        return int8_linear(x, weights[i][0], float_scales[i])
+        return int8_linear(x, weights[i][0], float_scales[i]).to(dtype)
 
     def theirs(x: Tensor, i: int) -> object:
-        return torch._weight_int8pack_mm(x.to(dtype), weights[i][0], weights[i][1])
+        return torch._weight_int8pack_mm(x, weights[i][0], weights[i][1])
 
-    return time_kernels(ours, theirs, copies, in_features)
+    return time_kernels(ours, theirs, copies, in_features, dtype)
 
 
-def time_int4(out_features: int, in_features: int, group: int, inner_k_tiles: int) -> Timing:
-    """Ours against ``_weight_int4pack_mm_for_cpu`` (bf16 activations) for one shape."""
+def time_int4(
+    out_features: int, in_features: int, group: int, inner_k_tiles: int, dtype: torch.dtype
+) -> Timing:
+    """Ours against ``_weight_int4pack_mm_for_cpu`` (bf16 activations) for one shape, from
+    and to activations in ``dtype``."""
     from engine.formats import quantize_int4
 
     gen = torch.Generator().manual_seed(0)
@@ -464,10 +470,12 @@ def time_int4(out_features: int, in_features: int, group: int, inner_k_tiles: in
         torch_w.append((packed, torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()))
 
     def ours(x: Tensor, i: int) -> object:
-        return int4_linear(x, *ours_w[i], group)
+        return int4_linear(x, *ours_w[i], group).to(dtype)
 
     def theirs(x: Tensor, i: int) -> object:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), torch_w[i][0], group,
-                                                          torch_w[i][1])  # fmt: skip
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.bfloat16(), torch_w[i][0], group, torch_w[i][1]
+        )
+        return y.to(dtype)
 
-    return time_kernels(ours, theirs, copies, in_features)
+    return time_kernels(ours, theirs, copies, in_features, dtype)

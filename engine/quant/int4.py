@@ -46,7 +46,7 @@ def _triton_int4(device: torch.device, dtype: torch.dtype) -> Callable[..., Tens
     return int4_linear
 
 
-def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int) -> bool:
+def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int, dtype: torch.dtype) -> bool:
     """Whether our C kernel runs a CPU layer of this shape (:func:`engine.kernels.lowbit.chosen`;
     it takes groups of 32 times a power of two)."""
     from engine.kernels import lowbit
@@ -55,8 +55,8 @@ def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int) -> bool:
     if group % lowbit.QK or per_group & (per_group - 1):
         return False
     runs = cpu_paths().int4_kernel.ok
-    timer = (lambda: lowbit.time_int4(n, k, group, inner_k_tiles)) if runs else None
-    return lowbit.chosen(f"int4-g{group}", n, k, timer)
+    timer = (lambda: lowbit.time_int4(n, k, group, inner_k_tiles, dtype)) if runs else None
+    return lowbit.chosen(f"int4-g{group} {str(dtype).removeprefix('torch.')}", n, k, timer)
 
 
 class Int4Linear(nn.Module):
@@ -86,7 +86,7 @@ class Int4Linear(nn.Module):
         self.lowbit = (
             not self.on_cuda
             and self.triton is None
-            and _lowbit_int4(self.out_features, k, group, tiles)
+            and _lowbit_int4(self.out_features, k, group, tiles, dtype)
         )
         if self.lowbit:
             self.padded_n = 0

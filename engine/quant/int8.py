@@ -126,7 +126,8 @@ class Int8Linear(nn.Module):
         if k % lowbit.QK:
             return None
         timer = (lambda: lowbit.time_int8(n, k, self.out_dtype)) if self.use_kernel else None
-        return self.scales.float() if lowbit.chosen("int8", n, k, timer) else None
+        fmt = f"int8 {str(self.out_dtype).removeprefix('torch.')}"
+        return self.scales.float() if lowbit.chosen(fmt, n, k, timer) else None
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
