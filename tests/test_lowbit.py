@@ -14,17 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.errors import InfersightError
+from engine.errors import InfersightError, InvalidRequestError
 from engine.formats import quantize_int4, quantize_int8
 from engine.hardware import measured
-from engine.hardware.cpu_paths import LEVELS, native_level
+from engine.hardware.cpu_paths import LEVELS, cpu_paths, forced_level, native_level
 from engine.kernels import lowbit, native
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-#: The levels this machine builds for: its own and every one below (on x86-64).
-BUILT = [lvl for lvl in LEVELS if X86 and LEVELS.index(lvl) <= LEVELS.index(native_level())]
+#: The builds this machine makes: its own (None: ``-march=native``, or the level this process
+#: is held to) and, on x86-64, each level below that ``INFERSIGHT_CPU_CAPABILITY`` can force.
+OWN = forced_level() or native_level()
+BUILT = [None] + [lvl for lvl in LEVELS if X86 and LEVELS.index(lvl) < LEVELS.index(OWN)]
 
 
 def _cpu_flags() -> set[str]:
@@ -36,8 +38,10 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
-def expected_isa(level: str) -> str:
-    """The instruction set a build at ``level`` must use, from what the CPU says it has."""
+def expected_isa(level: str | None) -> str:
+    """The instruction set a build at ``level`` (None: this CPU's own) must use, from what the
+    CPU says it has."""
+    level = level or forced_level()
     if level == "DEFAULT":
         return "portable"
     if level == "AVX2":
@@ -48,11 +52,11 @@ def expected_isa(level: str) -> str:
     return "avx-vnni" if "avx_vnni" in flags else "avx2"
 
 
-@pytest.fixture(scope="module", params=BUILT or [None], ids=str)
+@pytest.fixture(scope="module", params=BUILT, ids=lambda level: level or "native")
 def lib(request: pytest.FixtureRequest) -> lowbit.Library:
     built = lowbit.build(request.param)
     assert built.available, built.why
-    if request.param is not None:
+    if X86:
         assert built.isa == expected_isa(request.param)
     return built
 
@@ -217,6 +221,10 @@ def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
     from engine.loader.load import load_model
 
     folder, _ = tiny_model_dir("llama", True, hidden_size=128, intermediate_size=256)
+    if precision.startswith("int4") and not cpu_paths().int4_kernel.ok:  # refused by name
+        with pytest.raises(InvalidRequestError, match="torch's INT4 kernel is unavailable"):
+            load_model(folder, precision=precision)
+        return
     ids = torch.arange(3, 300, 7)
     monkeypatch.setenv(lowbit.ENV, "torch")
     embedded = load_model(folder, precision=precision).model.embed(ids)
