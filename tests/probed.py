@@ -21,3 +21,14 @@ needs_int4 = pytest.mark.skipif(not _INT4.ok, reason=f"no INT4 kernel here: {_IN
 def precisions(*specs: str) -> list[Any]:
     """``specs`` as parameters, those with INT4 parts marked :data:`needs_int4`."""
     return [pytest.param(s, marks=needs_int4) if "int4" in s else s for s in specs]
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags the CPU reports of itself (``/proc/cpuinfo``), empty where it
+    cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            line = next((x for x in info if x.startswith(("flags", "Features"))), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())

@@ -16,6 +16,7 @@ from engine.hardware.cpu_paths import FORCE_ENV, CpuPaths, cpu_paths, native_lev
 from engine.kernels import paged_decode
 from engine.kernels.packed_linear import PackedLinear
 from engine.loader.load import load_model
+from tests.probed import cpu_flags
 from tests.test_quant import _dequantized_reference, _relative_error
 
 LEVELS = [None, "AVX2", "DEFAULT"]  # None: what this CPU really has
@@ -46,20 +47,11 @@ def test_the_switch_only_lowers_what_the_cpu_has(paths: CpuPaths) -> None:
     assert paths.summary().startswith(f"CPU {paths.capability}")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            line = next((x for x in info if x.startswith(("flags", "Features"))), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
-
-
 def test_the_probes_find_what_the_cpu_says_it_has(paths: CpuPaths) -> None:
     """An anchor for every test that takes its expectation from the probes: were a probe to
     fail everywhere, those would pass on the fallbacks. What each path needs is read here from
     the CPU's own flags, apart from the probes, at the level this process is held to."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if "avx2" not in flags or not torch.backends.mkldnn.is_available():
         pytest.skip("the expectations below are for x86 CPUs with AVX2 and a oneDNN build")
     level = paths.forced or native_level()

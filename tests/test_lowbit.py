@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.errors import InfersightError, InvalidRequestError
+from engine.errors import InfersightError
 from engine.formats import quantize_int4, quantize_int8
 from engine.hardware import measured
-from engine.hardware.cpu_paths import LEVELS, cpu_paths, forced_level, native_level
+from engine.hardware.cpu_paths import LEVELS, forced_level, native_level
 from engine.kernels import lowbit, native
+from tests.probed import cpu_flags, precisions
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
@@ -29,15 +30,6 @@ OWN = forced_level() or native_level()
 BUILT = [None] + [lvl for lvl in LEVELS if X86 and LEVELS.index(lvl) < LEVELS.index(OWN)]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            line = next((ln for ln in info if ln.startswith(("flags", "Features"))), "")
-    except OSError:
-        return set()
-    return set(line.split(":", 1)[-1].split())
-
-
 def expected_isa(level: str | None) -> str:
     """The instruction set a build at ``level`` (None: this CPU's own) must use, from what the
     CPU says it has."""
@@ -46,7 +38,7 @@ def expected_isa(level: str | None) -> str:
         return "portable"
     if level == "AVX2":
         return "avx2"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if {"avx512_vnni", "avx512bw", "avx512vl"} <= flags:
         return "avx512-vnni"
     return "avx-vnni" if "avx_vnni" in flags else "avx2"
@@ -205,7 +197,7 @@ def test_a_shape_is_timed_once_per_machine(monkeypatch, tmp_path):
     assert any("lowbit int4-g32 96x64" in shapes for shapes in kept.values())
 
 
-@pytest.mark.parametrize("precision", ["int4-g32+head", "int8"])
+@pytest.mark.parametrize("precision", precisions("int4-g32+head", "int8"))
 def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
     tiny_model_dir, monkeypatch, precision
 ):
@@ -221,10 +213,6 @@ def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
     from engine.loader.load import load_model
 
     folder, _ = tiny_model_dir("llama", True, hidden_size=128, intermediate_size=256)
-    if precision.startswith("int4") and not cpu_paths().int4_kernel.ok:  # refused by name
-        with pytest.raises(InvalidRequestError, match="torch's INT4 kernel is unavailable"):
-            load_model(folder, precision=precision)
-        return
     ids = torch.arange(3, 300, 7)
     monkeypatch.setenv(lowbit.ENV, "torch")
     embedded = load_model(folder, precision=precision).model.embed(ids)
