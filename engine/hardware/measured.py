@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import platform
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +75,17 @@ def machine_key() -> str:
     count: a memory estimate asks before a load has settled it.)"""
     capability = torch.backends.cpu.get_cpu_capability()
     return f"{machine_name()} | {capability} | torch {torch.__version__}"
+
+
+def best_of_three(runs: Sequence[Callable[[], object]], calls: int) -> list[float]:
+    """Milliseconds per call of each of ``runs`` (each makes ``calls`` calls): each run once to
+    warm up and once timed, three rounds interleaved so that a noisy moment hurts them all;
+    the best round of each."""
+    best = [float("inf")] * len(runs)
+    for _ in range(3):
+        for i, run in enumerate(runs):
+            run()
+            started = time.perf_counter()
+            run()
+            best[i] = min(best[i], (time.perf_counter() - started) / calls * 1e3)
+    return best

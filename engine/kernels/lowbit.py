@@ -23,7 +23,6 @@ import ctypes
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -37,6 +36,7 @@ from engine.errors import InfersightError
 from engine.hardware import isolated, measured
 from engine.hardware.measured import machine_key
 from engine.kernels import native
+from engine.kernels.packed_linear import KERNELS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -305,16 +305,16 @@ def time_kernels(
     does, from activations in the model's ``dtype`` (each path's conversions are its cost):
     the best of three, interleaved so that a noisy moment hurts both."""
     x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
-    best = {ours: float("inf"), theirs: float("inf")}
-    for _ in range(3):
-        for run in best:
+
+    def every_copy(fn: Callable[[Tensor, int], object]) -> Callable[[], None]:
+        def run() -> None:
             for i in range(copies):
-                run(x, i)
-            started = time.perf_counter()
-            for i in range(copies):
-                run(x, i)
-            best[run] = min(best[run], (time.perf_counter() - started) / copies * 1e3)
-    return Timing(ours_ms=best[ours], torch_ms=best[theirs])
+                fn(x, i)
+
+        return run
+
+    ours_ms, torch_ms = measured.best_of_three([every_copy(ours), every_copy(theirs)], copies)
+    return Timing(ours_ms=ours_ms, torch_ms=torch_ms)
 
 
 def chosen(
@@ -352,8 +352,6 @@ def chosen(
 
 
 def measured_file() -> str:
-    from engine.kernels.packed_linear import KERNELS_FILE
-
     return KERNELS_FILE
 
 

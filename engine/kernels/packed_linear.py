@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -115,14 +114,8 @@ def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> Lay
         for w in packed:
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    best = {plain_run: float("inf"), packed_run: float("inf")}
-    for _ in range(3):
-        for run in best:  # interleaved, so that a noisy moment hurts both
-            run()
-            started = time.perf_counter()
-            run()
-            best[run] = min(best[run], (time.perf_counter() - started) / copies * 1e3)
-    return LayoutTiming(packed_ms=best[packed_run], plain_ms=best[plain_run])
+    plain_ms, packed_ms = measured.best_of_three([plain_run, packed_run], copies)
+    return LayoutTiming(packed_ms=packed_ms, plain_ms=plain_ms)
 
 
 @functools.cache

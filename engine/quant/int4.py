@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from engine.formats import pack_int4_cuda, quantize_int4, row_chunks
 from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels import lowbit
 from engine.quant.int8 import LOWBIT_KERNEL, TRITON_KERNEL, triton_gemms
 
 
@@ -49,8 +50,6 @@ def _triton_int4(device: torch.device, dtype: torch.dtype) -> Callable[..., Tens
 def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int, dtype: torch.dtype) -> bool:
     """Whether our C kernel runs a CPU layer of this shape (:func:`engine.kernels.lowbit.chosen`;
     it takes groups of 32 times a power of two)."""
-    from engine.kernels import lowbit
-
     per_group = group // lowbit.QK
     if group % lowbit.QK or per_group & (per_group - 1):
         return False
@@ -139,7 +138,7 @@ class Int4Linear(nn.Module):
         (beside ``weight``, only the result and one chunk's temporaries exist): both layouts
         pack each row by itself."""
         if self.lowbit:
-            from engine.kernels.lowbit import pack_int4
+            pack_int4 = lowbit.pack_int4
         else:
             from engine.kernels.triton_kernels.quant_gemm import pack_int4
 
@@ -157,9 +156,8 @@ class Int4Linear(nn.Module):
         """The 4-bit values (0..15) of rows ``rows`` of our Triton or C layout, int32
         ``[T, K']`` (what a tied embedding reads)."""
         if self.lowbit:
-            from engine.kernels.lowbit import unpack_int4
-        else:
-            from engine.kernels.triton_kernels.quant_gemm import unpack_int4
+            return lowbit.unpack_int4(self.weight[rows])
+        from engine.kernels.triton_kernels.quant_gemm import unpack_int4
 
         return unpack_int4(self.weight[rows])
 
@@ -170,8 +168,6 @@ class Int4Linear(nn.Module):
             y = self.triton(x2, self.weight, self.scales_and_zeros, self.group, self.bias)
             return y.reshape(*shape[:-1], self.out_features)
         if self.lowbit:
-            from engine.kernels import lowbit
-
             x2 = x.reshape(-1, shape[-1])
             if self.padded_k:
                 x2 = F.pad(x2, (0, self.padded_k))

@@ -20,7 +20,7 @@ from engine.errors import InfersightError
 from engine.formats import quantize_int8
 from engine.hardware import gpu
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kernels import triton_check, triton_support
+from engine.kernels import lowbit, triton_check, triton_support
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,6 @@ class Int8Linear(nn.Module):
         self.lowbit_scales = self._lowbit_scales() if cpu and self.triton is None else None
 
     def _lowbit_scales(self) -> Tensor | None:
-        from engine.kernels import lowbit
-
         n, k = self.weight.shape
         if k % lowbit.QK:
             return None
@@ -136,8 +134,6 @@ class Int8Linear(nn.Module):
             y = self.triton(x2, self.weight, self.scales, self.bias)
             return y.reshape(*shape[:-1], self.out_features)
         if self.lowbit_scales is not None:
-            from engine.kernels import lowbit
-
             y = lowbit.int8_linear(x2, self.weight, self.lowbit_scales).to(self.out_dtype)
         elif self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
             y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
