@@ -69,7 +69,9 @@ def _counting(engine: LLMEngine) -> list[int]:
 
 @pytest.fixture(scope="module")
 def compiled_llama(tiny_model_dir) -> tuple[LLMEngine, Any]:
-    folder, hf = tiny_model_dir("llama", True)
+    # Two layers: a step still goes from layer to layer, each over its own cache; a third
+    # would only add nodes for TorchInductor to generate code for (about 4 s a layer, cold).
+    folder, hf = tiny_model_dir("llama", True, num_hidden_layers=2)
     problem = decode_graph.compiler_problem("cpu")
     if problem.startswith("the probe"):  # it crashed, or died: a fault to fix, never a skip
         pytest.fail(f"the compile probe {problem} (delete probes.json once it is fixed)")

@@ -473,10 +473,16 @@ def truncated_copy(folder: Path, out: Path, layers: int) -> Path:
     return out
 
 
-def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path):
-    """Two chat prompts and a bug-fixing prompt with the code in it, arriving at different
-    steps, one cancelled mid-reply, under a cache window: every drafter gives plain greedy's
-    tokens."""
+REAL_CANCEL = {2: 9}
+
+
+@pytest.fixture(scope="module")
+def real_plain(
+    default_model: Path,
+) -> tuple[LLMEngine, list[Arrival], tuple[dict[int, list[int]], dict[int, str]]]:
+    """The real model under a cache window, and plain greedy's replies to two chat prompts
+    and a bug-fixing prompt with the code in it, arriving at different steps, one cancelled
+    mid-reply: what every drafter must give."""
     config = EngineConfig(num_blocks=96, window=CacheWindow(sink=4, window=160))
     engine = load_model(default_model, config=config)
     chats = [
@@ -489,20 +495,40 @@ def test_real_model_greedy_is_unchanged_by_every_drafter(default_model, tmp_path
         (at, engine.chat_prompt_ids([{"role": "user", "content": c}]), params)
         for at, c in zip((0, 0, 3), chats, strict=True)
     ]
-    cancel = {2: 9}
-    want, want_finish, _ = run(engine, arrivals, cancel)
-    # SmolLM2-135M is the smallest of its family: its first 22 layers make a smaller model
-    # with its tokenizer (a poor drafter, α ≈ 0.1, so drafted every step to be tested at all;
-    # two tokens a step: at that α a third or fourth guess is all but never accepted, and each
-    # costs a draft step and a verified token)
-    draft_dir = truncated_copy(default_model, tmp_path / "draft", layers=22)
-    for drafter in ("lookup", "self:int4-g32+head", f"model:{draft_dir}"):
-        model = drafter.startswith("model")
-        engine.set_speculation(spec(drafter, k=2 if model else 4, adaptive=not model))
-        got, finish, kinds = run(engine, arrivals, cancel)
-        assert_same(got, want, cancel)
-        assert finish == want_finish, drafter
-        assert kinds["accepted"] > 0, drafter
+    want, want_finish, _ = run(engine, arrivals, REAL_CANCEL)
+    return engine, arrivals, (want, want_finish)
+
+
+# The self-drafter runs on every CPU path (the AVX2 leg too: its INT4 draft weights take the
+# level's kernel); the others draft down paths the tiny models' cases already take.
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        pytest.param("lookup", marks=pytest.mark.breadth),
+        "self:int4-g32+head",
+        pytest.param("model", marks=pytest.mark.breadth),
+    ],
+)
+def test_real_model_greedy_is_unchanged_by_every_drafter(real_plain, default_model, drafter,
+                                                         tmp_path):  # fmt: skip
+    """Every drafter gives plain greedy's tokens on the real model (see :func:`real_plain`)."""
+    engine, arrivals, (want, want_finish) = real_plain
+    if drafter == "model":
+        # SmolLM2-135M is the smallest of its family: its first 22 layers make a smaller
+        # model with its tokenizer (a poor drafter, α ≈ 0.1, so drafted every step to be
+        # tested at all; two tokens a step: at that α a third or fourth guess is all but
+        # never accepted, and each costs a draft step and a verified token)
+        draft_dir = truncated_copy(default_model, tmp_path / "draft", layers=22)
+        engine.set_speculation(spec(f"model:{draft_dir}", k=2, adaptive=False))
+    else:
+        engine.set_speculation(spec(drafter, k=4, adaptive=True))
+    try:
+        got, finish, kinds = run(engine, arrivals, REAL_CANCEL)
+    finally:
+        engine.set_speculation(None)
+    assert_same(got, want, REAL_CANCEL)
+    assert finish == want_finish, drafter
+    assert kinds["accepted"] > 0, drafter
 
 
 def test_draft_slots_never_keep_a_waiting_request_out():
