@@ -1,7 +1,8 @@
-"""The paged decode kernel (engine/kernels/paged_decode.py, engine/kernels/csrc/paged_decode.c):
-the same attention as the portable gather + SDPA path for every shape the engine makes,
-batch-invariant to the bit, used by the engine's decode steps, and a clear fallback where it
-cannot run."""
+"""The paged attention kernels (engine/kernels/paged_decode.py, engine/kernels/csrc/paged_decode.c):
+decode, the same attention as the portable gather + SDPA path for every shape the engine
+makes, batch-invariant to the bit, used by the engine's decode steps; prefill chunks, against
+a float64 reference at every CPU level this machine can build for, used by the engine's
+prefill steps with the same tokens; and a clear fallback where they cannot run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.hardware.cpu_paths import LEVELS, forced_level, native_level
 from engine.kernels import native, paged_decode
 from engine.kernels.gather_attention import gather_attention
 from engine.loader.load import load_model
@@ -155,3 +157,146 @@ def test_the_forced_cpu_level_decides_the_build(tmp_path: Path, monkeypatch) -> 
     want = gather_attention(q, pool, slots, mask[:, None, None, :])
     torch.testing.assert_close(paged_decode.paged_attention(q, pool, slots, lens, mask), want,
                                atol=2e-6, rtol=2e-6)  # fmt: skip
+
+
+# -- prefill chunks ------------------------------------------------------------------------
+
+#: The builds this machine makes: its own (None) and, on x86-64, each level below it that
+#: ``INFERSIGHT_CPU_CAPABILITY`` can force (DEFAULT: the portable C, no vector extensions).
+OWN = forced_level() or native_level()
+LOWER = [lvl for lvl in LEVELS if native.isa_flags() and LEVELS.index(lvl) < LEVELS.index(OWN)]
+
+
+@pytest.fixture(scope="module", params=[None, *LOWER], ids=lambda level: level or "native")
+def built_at(request: pytest.FixtureRequest) -> paged_decode.Kernel:
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler: the portable path runs")
+    path, why = native.built(paged_decode.SOURCE, native.isa_flags(request.param))
+    assert path is not None, why
+    return paged_decode._load(path)
+
+
+def prefill_case(length: int, start: int, kv_heads: int, group: int, dim: int, dtype,
+                 sink: int = 0, window: int = 0, seed: int = 0):  # fmt: skip
+    """A chunk of ``length`` queries after ``start`` cached tokens, its keys' slots scattered in
+    the pool; with a window, the keys it gave back (between the sink and the chunk's first
+    query's window) are no longer held."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.arange(start + length)
+    if window:
+        positions = positions[(positions < sink) | (positions > start - window)]
+    total = 2 * positions.numel() + 7
+    pool = torch.randn(total, 2 * kv_heads, dim, generator=gen).to(dtype)
+    slots = torch.randperm(total, generator=gen)[: positions.numel()]
+    q = torch.randn(length, kv_heads * group, dim, generator=gen).to(dtype)
+    return q, pool, slots, positions
+
+
+def float64_attention(q, pool, slots, positions, start, sink, window):
+    """Textbook attention in float64: K/V repeated per query head, mask, softmax."""
+    length, heads, dim = q.shape
+    kv_heads = pool.shape[1] // 2
+    rows = pool.index_select(0, slots).double()
+    k = rows[:, :kv_heads].repeat_interleave(heads // kv_heads, dim=1)  # [T, H, D]
+    v = rows[:, kv_heads:].repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("lhd,thd->hlt", q.double(), k) / dim**0.5
+    queries = torch.arange(start, start + length)[:, None]
+    seen = positions[None, :] <= queries
+    if window:
+        seen &= (positions[None, :] > queries - window) | (positions[None, :] < sink)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hlt,thd->lhd", scores.softmax(-1), v).reshape(length, heads * dim)
+
+
+PREFILL_CASES = [
+    (1, 0, 3, 3, 64, 0, 0),  # one query: the decode kernel's case
+    (37, 0, 3, 3, 64, 0, 0),  # SmolLM2's heads, a first chunk shorter than a tile of queries
+    (70, 50, 2, 4, 128, 0, 0),  # after a cached prefix, over three tiles of queries
+    (70, 200, 3, 3, 64, 4, 60),  # a cache window with a sink: keys 4…140 were given back
+    (33, 5, 4, 1, 32, 2, 10),  # no GQA, a window shorter than the chunk
+    (20, 9, 2, 4, 8, 0, 0),  # the tiny test models' head size: eight dimensions
+    (26, 0, 2, 2, 44, 0, 0),  # 32 + 8 + 4 dimensions: every part of the value product
+    (100, 0, 1, 8, 64, 0, 0),  # eight query heads on one KV head
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("length", "start", "kv_heads", "group", "dim", "sink", "window"),
+                         PREFILL_CASES)  # fmt: skip
+def test_the_prefill_kernel_matches_float64_attention(
+    built_at, length, start, kv_heads, group, dim, sink, window, dtype
+) -> None:
+    q, pool, slots, positions = prefill_case(length, start, kv_heads, group, dim, dtype, sink,
+                                             window)  # fmt: skip
+    got = paged_decode._call_prefill(built_at, q, pool, slots, positions, start, sink, window)
+    want = float64_attention(q, pool, slots, positions, start, sink, window)
+    assert got.dtype == dtype and got.shape == want.shape
+    # fp32 arithmetic from the same inputs; a bf16 result is rounded once more at the end
+    tol = 2e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), want.to(dtype).double(), atol=tol, rtol=tol)
+
+
+def test_a_query_gets_the_same_bits_in_any_chunk_and_thread_count(built_at) -> None:
+    """A query's output depends on its own position and keys only: not on the chunk it came
+    in (where its tile of queries starts) nor on the threads."""
+    q, pool, slots, positions = prefill_case(90, 30, 3, 3, 64, torch.float32, seed=3)
+    whole = paged_decode._call_prefill(built_at, q, pool, slots, positions, 30, 0, 0)
+    for cut in (1, 32, 57):  # a later chunk starting at each of these queries
+        tail = paged_decode._call_prefill(built_at, q[cut:], pool, slots, positions, 30 + cut, 0, 0)
+        assert torch.equal(tail, whole[cut:])
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        try:
+            again = paged_decode._call_prefill(built_at, q, pool, slots, positions, 30, 0, 0)
+            assert torch.equal(again, whole)
+        finally:
+            torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, (4, 24)], ids=["causal", "window"])
+def test_the_engine_prefills_through_the_kernel(tiny_model_dir, monkeypatch, window) -> None:
+    """Prompts computed in chunks after cached prefixes (and under a cache window) give the
+    portable path's tokens, every prefill chunk through the kernel."""
+    from engine.core.config import EngineConfig
+    from engine.core.sampling import SamplingParams
+    from engine.core.scheduler import SchedulerLimits
+    from engine.kv_cache.window import CacheWindow
+
+    folder, _ = tiny_model_dir("llama", False)
+    config = EngineConfig(
+        num_blocks=64,
+        limits=SchedulerLimits(max_tokens_per_step=24),  # a 60-token prompt: three chunks
+        window=None if window is None else CacheWindow(*window),
+    )
+    engine = load_model(folder, config=config)
+    assert paged_decode.prefill_usable(engine.kv.kv[0]), paged_decode.status()
+    calls = []
+    real = paged_decode._call_prefill
+    monkeypatch.setattr(
+        paged_decode, "_call_prefill", lambda *a: calls.append(a[1].shape[0]) or real(*a)
+    )
+    prompt = [(7 * i + 3) % 300 for i in range(60)]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    fast = [e.token_id for e in engine.generate(prompt, params)]
+    assert sorted(set(calls)) == [12, 24]  # chunks of 24, 24 and 12 queries, in every layer
+    assert len(calls) == 3 * engine.cfg.num_layers
+    with paged_decode.portable():
+        calls.clear()
+        engine.clear_prefix_cache()
+        slow = [e.token_id for e in engine.generate(prompt, params)]
+    assert not calls
+    assert slow == fast
+
+
+def test_a_chunk_under_two_windows_takes_the_portable_path() -> None:
+    from engine.kv_cache.paged import _one_window
+    from engine.kv_cache.window import CacheWindow
+
+    mine, models = CacheWindow(4, 24), CacheWindow(0, 32)
+    assert _one_window(None, None) == (True, None)
+    assert _one_window(mine, None) == (True, mine)
+    assert _one_window(None, models) == (True, models)
+    assert _one_window(mine, mine) == (True, mine)
+    assert _one_window(mine, models) == (False, None)

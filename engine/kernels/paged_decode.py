@@ -1,10 +1,16 @@
-"""Decode attention that reads K/V through the block tables, with no padded copy.
+"""Attention that reads K/V through the block tables, with no padded copy: decode, and
+prefill chunks (flash attention that skips what the causal mask and the window hide).
 
 The portable decode path (:func:`engine.kernels.gather_attention.gather_attention`) gathers
 every decoding sequence's keys and values into a padded ``[B, W, 2·Hkv, D]`` tensor, then runs
 SDPA over it: each step writes a copy of every K/V it reads and reads it again. At batch 16 with
 512-token contexts that copy is most of the attention's time. ``csrc/paged_decode.c`` reads
 each key and value once, straight from the pool, for all the query heads that share it (GQA).
+
+A prefill chunk's portable path gathers its sequence's keys, then runs SDPA with an explicit
+``[L, T]`` mask repeated per query group: every score of the square is computed, half of them
+to be masked away. ``infersight_paged_prefill`` (the same library) tiles the queries over the
+keys with an online softmax and never reads a tile that no query of its tile can see.
 
 It is C, built once per machine for this CPU (:mod:`engine.kernels.native`; off under
 ``INFERSIGHT_CPU_CAPABILITY=DEFAULT``) and called through ``ctypes``. Like every fast path it is
@@ -46,6 +52,7 @@ class Kernel:
 
     fn: Any  # the ctypes function, or None
     why: str
+    prefill: Any = None  # the prefill entry of the same library
 
     @property
     def available(self) -> bool:
@@ -92,12 +99,17 @@ def _kernel() -> Kernel:
 
 
 def _load(path: Path) -> Kernel:
-    fn = ctypes.CDLL(str(path)).infersight_paged_decode
+    library = ctypes.CDLL(str(path))
+    fn = library.infersight_paged_decode
     fn.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
                    ctypes.c_int]  # fmt: skip
-    return Kernel(fn, "paged kernel (K/V read through the block tables)")
+    prefill = library.infersight_paged_prefill
+    prefill.restype = ctypes.c_int
+    prefill.argtypes = [p, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64,
+                        ctypes.c_float, i64, i64, ctypes.c_int]  # fmt: skip
+    return Kernel(fn, "paged kernel (K/V read through the block tables)", prefill)
 
 
 def _probe_build() -> str:
@@ -137,6 +149,15 @@ def _check(k: Kernel) -> str:
         if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
             err = (got.float() - want.float()).abs().max().item()
             return f"{dtype}: max difference {err:.3g}"
+        # a prefill chunk of 21 queries after 40 cached keys, under a window with a sink
+        held = torch.cat([torch.arange(4), torch.arange(20, 61)])  # the window gave 4..19 back
+        chunk = torch.randn(21, 6, 32, generator=gen).to(dtype)
+        kept = slots.view(-1)[: held.numel()].contiguous()
+        want = prefill_reference(chunk, pool, kept, held, 40, 4, 24)
+        got = _call_prefill(k, chunk, pool, kept, held, 40, 4, 24)
+        if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+            err = (got.float() - want.float()).abs().max().item()
+            return f"{dtype} prefill: max difference {err:.3g}"
     return ""
 
 
@@ -210,6 +231,87 @@ def _call(
     if rc != 0:
         raise MemoryError("the paged decode kernel ran out of memory for its scratch space")
     return out.view(b, heads * dim).to(q.dtype)
+
+
+# The prefill kernel as a torch op too (the profiler's "attention" scope names it).
+_LIB.define(  # type: ignore[no-untyped-call]
+    "paged_prefill_kernel(Tensor q, Tensor pool, Tensor slots, Tensor positions, int start, "
+    "int sink, int window) -> Tensor"
+)
+
+
+def _prefill_op(
+    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int, window: int
+) -> Tensor:
+    return _call_prefill(kernel(), q, pool, slots, positions, start, sink, window)
+
+
+_LIB.impl("paged_prefill_kernel", _prefill_op, "CPU")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("infersight::paged_prefill_kernel", lib=_LIB)  # type: ignore[untyped-decorator]
+def _(
+    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int, window: int
+) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def prefill_usable(pool: Tensor) -> bool:
+    """Whether prefill chunks over ``pool`` attend through the kernel: a CPU pool of a dtype it
+    reads."""
+    return not _off and pool.device.type == "cpu" and pool.dtype in DTYPES and kernel().available
+
+
+def paged_prefill(
+    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int, window: int
+) -> Tensor:
+    """One sequence's chunk ``q: [L, H, D]`` at positions ``start …`` over the keys in
+    ``slots`` (positions ``positions``, ascending); a key is seen by query ``p`` when its
+    position is ``<= p`` and, with ``window > 0``, ``> p - window`` or ``< sink``. Returns
+    ``[L, H·D]`` in ``q``'s dtype. Call where :func:`prefill_usable` said yes."""
+    return torch.ops.infersight.paged_prefill_kernel(q, pool, slots, positions, start, sink, window)
+
+
+def prefill_reference(
+    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int, window: int
+) -> Tensor:
+    """What :func:`paged_prefill` computes, the portable way: gather, mask, SDPA."""
+    from engine.model.attention import grouped_attention
+
+    kv_heads = pool.shape[1] // 2
+    rows = pool.index_select(0, slots).transpose(0, 1)
+    queries = torch.arange(start, start + q.shape[0])
+    mask = positions[None, :] <= queries[:, None]
+    if window > 0:
+        mask &= (positions[None, :] > queries[:, None] - window) | (positions[None, :] < sink)
+    return grouped_attention(q, rows[:kv_heads], rows[kv_heads:], mask)
+
+
+def _call_prefill(
+    k: Kernel,
+    q: Tensor,
+    pool: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    start: int,
+    sink: int,
+    window: int,
+) -> Tensor:
+    assert k.prefill is not None
+    if slots.dtype != torch.long or positions.dtype != torch.long or not pool.is_contiguous():
+        raise ValueError("paged prefill needs int64 slots and positions and a contiguous pool")
+    length, heads, dim = q.shape
+    qf = q.float().contiguous()
+    out = torch.empty_like(qf)
+    slots, positions = slots.contiguous(), positions.contiguous()
+    rc = k.prefill(
+        qf.data_ptr(), pool.data_ptr(), int(pool.dtype == torch.bfloat16), slots.data_ptr(),
+        positions.data_ptr(), out.data_ptr(), length, slots.numel(), start, heads,
+        pool.shape[1] // 2, dim, dim**-0.5, sink, window, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the paged prefill kernel ran out of memory for its copy of K/V")
+    return out.view(length, heads * dim).to(q.dtype)
 
 
 def status() -> str:

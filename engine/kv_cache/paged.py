@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from engine.hardware.transfer import to_device, upload
+from engine.kernels import paged_decode
 from engine.kernels.decode_attention import (
     decode_attention,
     paged_decode_attention,
@@ -149,13 +150,21 @@ class _PagedContext(AttentionContext):
                 c.window is not None for c in chunks[: self.num_decode]
             )
             self.mask_needed = windowed or min(lens) != max(lens)
-        self.prefill: list[tuple[int, int, Tensor, Tensor]] = []  # (offset, length, slots, mask)
+        #: each prefill chunk: its query offset, and what the kernel or SDPA reads
+        self.prefill: list[tuple[int, int, _Prefill | Tensor, Tensor]] = []
         offset = self.num_decode
+        kernel = len(chunks) > self.num_decode and paged_decode.prefill_usable(cache.kv[0])
         for c in chunks[self.num_decode :]:
             positions, slots = mgr.held(c.seq_id, c.start + c.length)
-            queries = torch.arange(c.start, c.start + c.length)
-            mask = _visible(c.window, cache.model_window, positions, queries)
-            self.prefill.append((offset, c.length, to_device(slots, dev), to_device(mask, dev)))
+            one, window = _one_window(c.window, cache.model_window)
+            if kernel and one:
+                sink, width = (0, 0) if window is None else (window.sink, window.window)
+                # the kernel masks as it goes: what it needs is the keys' positions
+                read: _Prefill | Tensor = _Prefill(positions, c.start, sink, width)
+            else:
+                queries = torch.arange(c.start, c.start + c.length)
+                read = to_device(_visible(c.window, cache.model_window, positions, queries), dev)
+            self.prefill.append((offset, c.length, read, to_device(slots, dev)))
             offset += c.length
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
@@ -194,12 +203,39 @@ class _PagedContext(AttentionContext):
             out[: self.num_decode] = decode_attention(
                 q[: self.num_decode], pool, self.decode_slots, self.decode_lens, mask
             )
-        for offset, length, slots, mask in self.prefill:
+        for offset, length, read, slots in self.prefill:
+            chunk = q[offset : offset + length]
+            if isinstance(read, _Prefill):
+                out[offset : offset + length] = paged_decode.paged_prefill(
+                    chunk, pool, slots, read.positions, read.start, read.sink, read.window
+                )
+                continue
             rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
             out[offset : offset + length] = grouped_attention(
-                q[offset : offset + length], rows[:kv_heads], rows[kv_heads:], mask
+                chunk, rows[:kv_heads], rows[kv_heads:], read
             )
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefill:
+    """A prefill chunk as the paged prefill kernel reads it: its keys' positions, its first
+    query's, and the one cache window over it (``window == 0``: none)."""
+
+    positions: Tensor
+    start: int
+    sink: int
+    window: int
+
+
+def _one_window(
+    window: CacheWindow | None, model_window: CacheWindow | None
+) -> tuple[bool, CacheWindow | None]:
+    """``(True, w)`` where :func:`_visible` applies one window ``w`` for ``window`` and
+    ``model_window`` (None: causal only); ``(False, None)`` where it applies both."""
+    if window is None or model_window is None or window == model_window:
+        return True, window if window is not None else model_window
+    return False, None
 
 
 class _BlockTables:

@@ -223,3 +223,294 @@ int infersight_paged_decode(const float *q, const void *pool, int bf16, const in
     }
     return failed ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------------------------------
+ * Prefill: a chunk of L queries of one sequence, at positions start .. start+L-1, over the
+ * keys its slots hold (positions kpos[0..T), ascending: the sink's and the window's blocks
+ * where a cache window gave the others back). The decode kernel above is its one-query case.
+ *
+ * Flash attention: a work item is a tile of QT queries and one KV head (the `group` query
+ * heads under it, so K/V are read once for all of them and never repeated). It walks the
+ * keys in tiles of KT with an online softmax. Tiles no query of the item can see are never
+ * read: causal (keys after the item's last query) and, under a window, the keys between the
+ * sink and the first query's window. Only the tiles on those edges are masked key by key.
+ *
+ * The two products are register-blocked micro-GEMMs over tiles kept in L1: S = Q·Kᵀ with the
+ * key tile transposed ([D][KT], four query rows by KT keys in eight-lane vectors), and
+ * acc += P·V (VB rows by 32 dimensions), with fused multiply-adds where the CPU has them.
+ * Each item's arithmetic runs in the same order whatever the chunk's length or the batch
+ * around it.
+ */
+#define QT 32 /* queries per work item */
+#define KT 32 /* keys per tile */
+#define RB 4  /* query rows per block of the score micro-kernel */
+
+/* a * b + c, fused where the CPU has FMA (one rounding, and twice the throughput of a
+ * multiply then an add, which is what ISO C's no-contraction rule makes of `a * b + c`). */
+#if defined(__FMA__)
+#include <immintrin.h>
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+    float32x4_t x[2], y[2], z[2];
+    memcpy(x, &a, sizeof a), memcpy(y, &b, sizeof b), memcpy(z, &c, sizeof c);
+    z[0] = vfmaq_f32(z[0], x[0], y[0]), z[1] = vfmaq_f32(z[1], x[1], y[1]);
+    memcpy(&c, z, sizeof c);
+    return c;
+}
+#else
+static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+#endif
+
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+static inline int visible(int64_t kp, int64_t qp, int64_t sink, int64_t window) {
+    return kp <= qp && (window == 0 || kp > qp - window || kp < sink);
+}
+
+/* The first index in kpos[lo..hi) whose position is > limit (kpos ascending). */
+static int64_t upper(const int64_t *kpos, int64_t lo, int64_t hi, int64_t limit) {
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (kpos[mid] <= limit) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* S[r][0..KT) = qs[r] . K[j] for rows [0, rows): qs is [rows][D] (scaled), kt is [D][KT].
+ * RB rows at a time, KT/8 vectors each: the accumulators stay in registers (the small
+ * constant loops are unrolled), each K vector loaded once for the RB rows. */
+#define KV (KT / 8)
+static inline void scores_rows(const float *qs, const float *kt, int64_t r, int64_t nr,
+                               int64_t D, float *S) {
+    v8 a[RB][KV];
+    for (int i = 0; i < RB; i++)
+        for (int c = 0; c < KV; c++) a[i][c] = (v8){0};
+    for (int64_t d = 0; d < D; d++) {
+        v8 k[KV];
+        for (int c = 0; c < KV; c++) k[c] = load8(kt + d * KT + 8 * c);
+        for (int i = 0; i < RB; i++) {
+            const v8 x = splat8(i < nr ? qs[(r + i) * D + d] : 0.0f);
+            for (int c = 0; c < KV; c++) a[i][c] = fma8(x, k[c], a[i][c]);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < KV; c++) store8(S + (r + i) * KT + 8 * c, a[i][c]);
+}
+
+static void scores_tile(const float *qs, const float *kt, int64_t rows, int64_t D, float *S) {
+    for (int64_t r = 0; r < rows; r += RB)
+        scores_rows(qs, kt, r, rows - r < RB ? rows - r : RB, D, S);
+}
+
+/* acc[r][0..D) += sum_j P[r][j] * V[j][0..D) for rows [0, rows); V is [KT][D].
+ * VB rows by 32 dimensions at a time, in registers over the tile's keys: each V vector is
+ * loaded once for the VB rows. Sixteen accumulators where the CPU has 32 vector registers
+ * (AVX-512), eight otherwise. Dimensions past the last 32: eight, then one at a time. */
+#if defined(__AVX512F__)
+#define VB 4
+#else
+#define VB 2
+#endif
+static inline void values_rows(const float *P, const float *V, int64_t tn, int64_t r,
+                               int64_t nr, int64_t D, float *acc) {
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        v8 b[VB][4];
+        for (int i = 0; i < VB; i++)
+            for (int c = 0; c < 4; c++)
+                b[i][c] = i < nr ? load8(acc + (r + i) * D + d + 8 * c) : (v8){0};
+        for (int64_t j = 0; j < tn; j++) {
+            const float *v = V + j * D + d;
+            const v8 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+            for (int i = 0; i < VB; i++) {
+                const v8 p = splat8(i < nr ? P[(r + i) * KT + j] : 0.0f);
+                b[i][0] = fma8(p, v0, b[i][0]), b[i][1] = fma8(p, v1, b[i][1]);
+                b[i][2] = fma8(p, v2, b[i][2]), b[i][3] = fma8(p, v3, b[i][3]);
+            }
+        }
+        for (int i = 0; i < nr; i++)
+            for (int c = 0; c < 4; c++) store8(acc + (r + i) * D + d + 8 * c, b[i][c]);
+    }
+    for (; d + 8 <= D; d += 8)
+        for (int64_t i = 0; i < nr; i++) {
+            v8 x = load8(acc + (r + i) * D + d);
+            for (int64_t j = 0; j < tn; j++)
+                x = fma8(splat8(P[(r + i) * KT + j]), load8(V + j * D + d), x);
+            store8(acc + (r + i) * D + d, x);
+        }
+    for (; d < D; d++)
+        for (int64_t i = 0; i < nr; i++)
+            for (int64_t j = 0; j < tn; j++)
+                acc[(r + i) * D + d] += P[(r + i) * KT + j] * V[j * D + d];
+}
+
+static void values_tile(const float *P, const float *V, int64_t tn, int64_t rows, int64_t D,
+                        float *acc) {
+    for (int64_t r = 0; r < rows; r += VB)
+        values_rows(P, V, tn, r, rows - r < VB ? rows - r : VB, D, acc);
+}
+
+/* One item: queries [i0, i1) under KV head kh, over kt ([tiles][D][KT]: each key tile of
+ * this head transposed) and vc ([tiles * KT][D]) from the call's one copy of K/V. Rows are
+ * query-major: row r is query i0 + r / group, head kh*group + r % group. `scratch` holds
+ * QT*group*(2*D + KT + 2) floats. */
+static void prefill_item(const float *q, const float *kt, const float *vc, const int64_t *kpos,
+                         int64_t T, int64_t start, int64_t i0, int64_t i1, int64_t kh,
+                         int64_t H, int64_t Hkv, int64_t D, float scale, int64_t sink,
+                         int64_t window, float *out, float *scratch) {
+    const int64_t group = H / Hkv, rows = (i1 - i0) * group;
+    float *qs = scratch;        /* [rows][D] scaled queries */
+    float *acc = qs + rows * D; /* [rows][D] */
+    float *S = acc + rows * D;  /* [rows][KT] scores, then probabilities */
+    float *m = S + rows * KT;   /* [rows] running maximum */
+    float *l = m + rows;        /* [rows] running sum */
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t g = 0; g < group; g++) {
+            const float *src = q + (i * H + kh * group + g) * D;
+            float *dst = qs + ((i - i0) * group + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
+        }
+    memset(acc, 0, (size_t)(rows * D) * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
+
+    const int64_t first_q = start + i0, last_q = start + i1 - 1;
+    const int64_t end = upper(kpos, 0, T, last_q); /* keys after it: no query sees them */
+    /* Under a window, the keys from the sink's end up to the first query's window are seen
+     * by no query of the item (later queries see even less of them). In whole tiles: the
+     * sink's tiles, then the tiles from the one holding the first key seen again. */
+    int64_t sink_tiles = 0, from = 0;
+    if (window > 0) {
+        const int64_t sink_end = upper(kpos, 0, end, sink - 1);
+        sink_tiles = (sink_end + KT - 1) / KT;
+        from = upper(kpos, sink_end, end, first_q - window) / KT;
+        from = from > sink_tiles ? from : sink_tiles;
+    }
+    const int64_t end_tiles = (end + KT - 1) / KT;
+    for (int64_t tile = 0; tile < end_tiles; tile++) {
+        if (tile == sink_tiles && from > tile) tile = from; /* the keys no query sees */
+        if (tile >= end_tiles) break;
+        const int64_t t0 = tile * KT, tn = T - t0 < KT ? T - t0 : KT;
+        scores_tile(qs, kt + tile * D * KT, rows, D, S);
+        /* Masked key by key only on an edge: a key after some query, or (windowed) one
+         * out of some query's window that is not a sink. */
+        const int64_t kfirst = kpos[t0], klast = kpos[t0 + tn - 1];
+        const int edge = klast > first_q ||
+                         (window > 0 && klast >= sink && kfirst <= last_q - window);
+        for (int64_t r = 0; r < rows; r++) {
+            float *s = S + r * KT;
+            const int64_t qp = start + i0 + r / group;
+            for (int64_t j = tn; j < KT; j++) s[j] = -INFINITY;
+            if (edge)
+                for (int64_t j = 0; j < tn; j++)
+                    if (!visible(kpos[t0 + j], qp, sink, window)) s[j] = -INFINITY;
+            v8 top8 = splat8(m[r]);
+            for (int64_t j = 0; j < KT; j += 8) {
+                const v8 x = load8(s + j);
+                top8 = (v8)((x > top8) & (v8i)x) + (v8)((x <= top8) & (v8i)top8);
+            }
+            float top = top8[0];
+            for (int k = 1; k < 8; k++) top = top8[k] > top ? top8[k] : top;
+            if (top == -INFINITY) { /* nothing visible to this row yet */
+                for (int64_t j = 0; j < KT; j++) s[j] = 0.0f;
+                continue;
+            }
+            if (top > m[r]) {
+                const float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - top);
+                float *x = acc + r * D;
+                for (int64_t d = 0; d < D; d++) x[d] *= corr;
+                l[r] *= corr;
+                m[r] = top;
+            }
+            const v8 top_v = splat8(top);
+            v8 sum = {0};
+            for (int64_t j = 0; j < KT; j += 8) {
+                const v8 e = exp8(load8(s + j) - top_v);
+                store8(s + j, e);
+                sum += e;
+            }
+            l[r] += ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+        }
+        values_tile(S, vc + t0 * D, tn, rows, D, acc);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t i = i0 + r / group, h = kh * group + r % group;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        float *dst = out + (i * H + h) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+    }
+}
+
+/* Key tile `tile` of head kh: K transposed into kt ([D][KT], zero past the last key) and V
+ * into vc ([KT][D]), as fp32. */
+static void copy_tile(const void *pool, int bf16, const int64_t *slots, int64_t T,
+                      int64_t tile, int64_t kh, int64_t Hkv, int64_t D, float *kt, float *vc) {
+    const int64_t row = 2 * Hkv * D, t0 = tile * KT;
+    for (int64_t j = 0; j < KT; j++) {
+        if (t0 + j >= T) {
+            for (int64_t d = 0; d < D; d++) kt[d * KT + j] = 0.0f;
+            memset(vc + j * D, 0, (size_t)D * sizeof(float));
+            continue;
+        }
+        const int64_t base = slots[t0 + j] * row;
+        const int64_t ko = base + kh * D, vo = base + (Hkv + kh) * D;
+        if (bf16) {
+            const uint16_t *k = (const uint16_t *)pool + ko;
+            for (int64_t d = 0; d < D; d++) {
+                const uint32_t bits = (uint32_t)k[d] << 16;
+                memcpy(kt + d * KT + j, &bits, sizeof(float));
+            }
+            bf16_row((const uint16_t *)pool + vo, D, vc + j * D);
+        } else {
+            const float *k = (const float *)pool + ko;
+            for (int64_t d = 0; d < D; d++) kt[d * KT + j] = k[d];
+            memcpy(vc + j * D, (const float *)pool + vo, (size_t)D * sizeof(float));
+        }
+    }
+}
+
+/* q: [L, H, D] fp32 for positions start .. start+L-1; pool as for decode; slots[T] and
+ * kpos[T]: the sequence's slots and their positions, ascending; a key is seen by query p
+ * when kpos <= p and (window == 0, or kpos > p - window, or kpos < sink); out: [L, H, D]
+ * fp32. Returns 0, or -1 when out of memory.
+ *
+ * The keys and values are read from the pool once, into one fp32 copy of the call (K
+ * transposed tile by tile), which every query tile then reads. */
+int infersight_paged_prefill(const float *q, const void *pool, int bf16, const int64_t *slots,
+                             const int64_t *kpos, float *out, int64_t L, int64_t T,
+                             int64_t start, int64_t H, int64_t Hkv, int64_t D, float scale,
+                             int64_t sink, int64_t window, int threads) {
+    const int64_t group = H / Hkv, tiles = (L + QT - 1) / QT, ktiles = (T + KT - 1) / KT;
+    const size_t per_head = (size_t)(ktiles * KT * D);
+    float *kv = malloc(2 * (size_t)Hkv * per_head * sizeof(float));
+    if (kv == NULL) return -1;
+    const size_t scratch = (size_t)(QT * group * (2 * D + KT + 2));
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < Hkv * ktiles; item++) {
+            const int64_t kh = item / ktiles, tile = item % ktiles;
+            copy_tile(pool, bf16, slots, T, tile, kh, Hkv, D, kv + kh * per_head + tile * D * KT,
+                      kv + (Hkv + kh) * per_head + tile * KT * D);
+        }
+        float *buf = malloc(scratch * sizeof(float));
+        if (buf == NULL) failed = 1;
+        /* the last query tiles see the most keys: handed out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < tiles * Hkv; item++) {
+            const int64_t tile = tiles - 1 - item / Hkv, kh = item % Hkv;
+            const int64_t i0 = tile * QT, i1 = i0 + QT < L ? i0 + QT : L;
+            if (buf == NULL) continue;
+            prefill_item(q, kv + kh * per_head, kv + (Hkv + kh) * per_head, kpos, T, start, i0,
+                         i1, kh, H, Hkv, D, scale, sink, window, out, buf);
+        }
+        free(buf);
+    }
+    free(kv);
+    return failed ? -1 : 0;
+}
