@@ -120,16 +120,19 @@ def gather_bytes_per_token(
 
     * a decode step's, where decode gathers (``decode``; CUDA): each of ``max_batch_size``
       padded rows holds the token's K and V, and the additive mask an element;
-    * a prefill chunk's (``max_tokens_per_step`` queries): the token's K and V gathered, and
-      its mask column: the boolean mask on the device, its copy repeated over the query group
-      and negated, and SDPA's additive mask made of it in the compute dtype.
+    * a prefill chunk's (``max_tokens_per_step`` queries): on the portable path the token's K
+      and V gathered, and its mask column: the boolean mask on the device, its copy repeated
+      over the query group and negated, and SDPA's additive mask made of it in the compute
+      dtype; through the CPU's prefill kernel (:mod:`engine.kernels.paged_decode`) its K and
+      V copied in fp32, whichever is larger.
 
     An analytic term: the warm-up reads only its own short context."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
     group = cfg.num_heads // cfg.num_kv_heads
     chunk = min(limits.max_tokens_per_step, cfg.max_position_embeddings)
-    prefill = row + chunk * (1 + group * (2 + itemsize))
+    portable = row + chunk * (1 + group * (2 + itemsize))
+    prefill = max(portable, 2 * cfg.num_kv_heads * cfg.head_dim * 4)
     gathered = limits.max_batch_size * (row + itemsize) if decode else 0
     return max(prefill, gathered)
 

@@ -109,7 +109,7 @@ def _load(path: Path) -> Kernel:
     prefill.restype = ctypes.c_int
     prefill.argtypes = [p, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64,
                         ctypes.c_float, i64, i64, ctypes.c_int]  # fmt: skip
-    return Kernel(fn, "paged kernel (K/V read through the block tables)", prefill)
+    return Kernel(fn, "paged kernels (K/V read through the block tables)", prefill)
 
 
 def _probe_build() -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.kernels import paged_decode
 from engine.model.attention import AttentionContext, sequence_attention
 from engine.model.config import ModelConfig
 
@@ -66,8 +67,17 @@ class _ContiguousContext(AttentionContext):
             k_buf[slot, :, start:end] = k[offset : offset + length].transpose(0, 1)
             v_buf[slot, :, start:end] = v[offset : offset + length].transpose(0, 1)
             keys, values = k_buf[slot, :, :end], v_buf[slot, :, :end]
-            outputs.append(
-                sequence_attention(q[offset : offset + length], keys, values, start, window)
-            )
+            chunk = q[offset : offset + length]
+            if paged_decode.prefill_usable(k_buf):
+                # The paged cache's prefill kernel, over this sequence's K/V laid out as a
+                # pool: the same arithmetic as the engine's own steps, so that scoring a text
+                # here and through the engine agree to the bit.
+                pool = torch.cat((keys, values)).transpose(0, 1).contiguous()
+                held = torch.arange(end, device=pool.device)
+                outputs.append(
+                    paged_decode.paged_prefill(chunk, pool, held, held, start, 0, window or 0)
+                )
+            else:
+                outputs.append(sequence_attention(chunk, keys, values, start, window))
             offset += length
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
