@@ -221,6 +221,9 @@ PREFILL_CASES = [
 ]
 
 
+# These two build every level below this process's own themselves: the AVX2 leg would build
+# and test what the main run on an AVX-512 machine already does.
+@pytest.mark.no_engine_paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("length", "start", "kv_heads", "group", "dim", "sink", "window"),
                          PREFILL_CASES)  # fmt: skip
@@ -237,6 +240,7 @@ def test_the_prefill_kernel_matches_float64_attention(
     torch.testing.assert_close(got.double(), want.to(dtype).double(), atol=tol, rtol=tol)
 
 
+@pytest.mark.no_engine_paths
 def test_a_query_gets_the_same_bits_in_any_chunk_and_thread_count(built_at) -> None:
     """A query's output depends on its own position and keys only: not on the chunk it came
     in (where its tile of queries starts) nor on the threads."""
