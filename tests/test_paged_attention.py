@@ -20,6 +20,12 @@ from engine.loader.load import load_model
 needs_compiler = pytest.mark.skipif(
     native.compiler() is None, reason="no C compiler: the portable path runs"
 )
+#: Where the engine takes the kernels: a compiler, and a level above DEFAULT (the level this
+#: process is held to, if any: the kernels are off at DEFAULT).
+needs_kernel = pytest.mark.skipif(
+    native.compiler() is None or forced_level() == "DEFAULT",
+    reason="no C compiler, or held to DEFAULT: the portable path runs",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +58,7 @@ def case(b: int, width: int, kv_heads: int, group: int, dim: int, dtype, seed: i
     return q, pool, slots, lens, mask
 
 
-@needs_compiler
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("b", "width", "kv_heads", "group", "dim", "window"),
@@ -74,7 +80,7 @@ def test_matches_gather_and_sdpa(b, width, kv_heads, group, dim, window, dtype) 
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@needs_compiler
+@needs_kernel
 def test_a_sequence_gets_the_same_bits_alone_or_in_any_batch() -> None:
     q, pool, slots, lens, mask = case(6, 90, 3, 3, 64, torch.float32, seed=1)
     together = paged_decode.paged_attention(q, pool, slots, lens, mask)
@@ -93,7 +99,7 @@ def test_a_sequence_gets_the_same_bits_alone_or_in_any_batch() -> None:
             torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
 
 
-@needs_compiler
+@needs_kernel
 def test_the_engine_decodes_through_the_kernel(tiny_model_dir, monkeypatch) -> None:
     from engine.core.sampling import SamplingParams
 
@@ -115,6 +121,9 @@ def test_the_engine_decodes_through_the_kernel(tiny_model_dir, monkeypatch) -> N
 
 
 def test_gather_by_request_and_a_machine_without_a_compiler(monkeypatch) -> None:
+    from engine.hardware.cpu_paths import FORCE_ENV
+
+    monkeypatch.delenv(FORCE_ENV, raising=False)  # the reasons below come before the level's
     monkeypatch.setenv(paged_decode.ENV, "gather")
     assert not paged_decode.kernel().available
     assert "INFERSIGHT_ATTENTION=gather" in paged_decode.status()
@@ -130,7 +139,7 @@ def test_gather_by_request_and_a_machine_without_a_compiler(monkeypatch) -> None
     assert not paged_decode.usable(q, pool)
 
 
-@needs_compiler
+@needs_kernel
 def test_built_once_per_machine(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     assert paged_decode.kernel().available
@@ -258,7 +267,7 @@ def test_a_query_gets_the_same_bits_in_any_chunk_and_thread_count(built_at) -> N
             torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
 
 
-@needs_compiler
+@needs_kernel
 @pytest.mark.parametrize("window", [None, (4, 24)], ids=["causal", "window"])
 def test_the_engine_prefills_through_the_kernel(tiny_model_dir, monkeypatch, window) -> None:
     """Prompts computed in chunks after cached prefixes (and under a cache window) give the
