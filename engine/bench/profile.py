@@ -43,8 +43,10 @@ SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head"
 SCOPE_EVENTS = {SCOPE + s: s for s in SCOPES}
 #: the compiled decode step's attention op: the "attention" scope of a compiled step
 ATTENTION_OPS = frozenset({"infersight::paged_decode_attention"})
-#: the paged decode kernel (engine/kernels/paged_decode.py), attention wherever it is called
-ATTENTION_KERNELS = frozenset({"infersight::paged_attention_kernel"})
+#: the paged attention kernels (engine/kernels/paged_decode.py), attention wherever called
+ATTENTION_KERNELS = frozenset(
+    {"infersight::paged_attention_kernel", "infersight::paged_prefill_kernel"}
+)
 #: what torch.compile records around a compiled call: guards, the graph's wrapper
 GRAPH_EVENTS = ("Torch-Compiled Region", "## Call CompiledFxGraph", "TorchDynamo Cache Lookup",
                 "Pregraph bytecode")  # fmt: skip
