@@ -241,3 +241,41 @@ def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
     assert len(out) == 12 and torch.equal(ours.argmax(dim=1), torch.tensor(out))
     kl = (reference.exp() * (reference - ours)).sum(dim=1)
     assert kl.max() < 1e-3, kl
+
+
+@pytest.mark.parametrize("precision", precisions("int4-g32+head"))
+def test_eval_compare_puts_our_kernels_beside_torchs_on_the_same_weights(
+    tiny_model_dir, monkeypatch, capsys, precision
+):
+    """``eval compare --a-lowbit torch --b-lowbit ours``: the same weights, one side with float
+    activations and one with our int8 ones, whatever ``INFERSIGHT_LOWBIT`` says; each side's
+    layers run the kernels asked for, and the loads leave the environment's choice alone."""
+    import json
+
+    from app.cli.main import main
+    from engine.loader import load
+
+    folder, _ = tiny_model_dir("llama", True, hidden_size=128, intermediate_size=256)
+    monkeypatch.setenv(lowbit.ENV, "auto")
+    kernels: list[set[str]] = []
+    real = load.load_model
+
+    def recording(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        kernels.append({m.kernel for m in engine.model.modules() if hasattr(m, "quantized")})
+        return engine
+
+    monkeypatch.setattr(load, "load_model", recording)
+    argv = ["eval", "compare", "--model", str(folder), "--a", precision, "--a-lowbit", "torch",
+            "--b", precision, "--b-lowbit", "ours", "--prompt", "t1 t7 t3", "--new-tokens",
+            "6", "--no-noise", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)["comparisons"][0]
+    assert len(kernels) == 2
+    assert "our int8-activation kernel" not in kernels[0]
+    assert kernels[1] == {"our int8-activation kernel"}
+    kl = report["summary"]["kl_mean"]
+    assert 0 < kl < 0.05  # the activations' rounding: small, and not nothing
+    assert lowbit.requested() == "auto"
+    with pytest.raises(InfersightError, match="auto, ours, torch"), lowbit.choosing("fast"):
+        pass

@@ -84,9 +84,13 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
 
     tokens = max(len(p.encode()) for p in prompts) + 256 + args.new_tokens
     pool = EngineConfig(num_blocks=-(-tokens // 16) + 2)
-    a = load_engine(args, args.a, pool)
-    b = load_engine(argparse.Namespace(**{**vars(args), "model": args.b_model or args.model}),
-                    args.b, pool)  # fmt: skip
+    from engine.kernels import lowbit
+
+    with lowbit.choosing(args.a_lowbit):
+        a = load_engine(args, args.a, pool)
+    with lowbit.choosing(args.b_lowbit):
+        b = load_engine(argparse.Namespace(**{**vars(args), "model": args.b_model or args.model}),
+                        args.b, pool)  # fmt: skip
     reports = []
     for i, prompt in enumerate(prompts):
         reports.append(compare_prompt(
@@ -96,7 +100,10 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document(reports), indent=1, ensure_ascii=False))
         return 0
-    print(f"A = {reports[0]['a']['precision']}, B = {reports[0]['b']['precision']}, "
+    kernels = {side: f" ({mode} low-bit kernels)" if mode else ""
+               for side, mode in (("a", args.a_lowbit), ("b", args.b_lowbit))}  # fmt: skip
+    print(f"A = {reports[0]['a']['precision']}{kernels['a']}, "
+          f"B = {reports[0]['b']['precision']}{kernels['b']}, "
           f"{args.new_tokens} tokens a prompt; figures on A's output, KL in nats")  # fmt: skip
     print(f"{'KL mean':>9} {'KL p99':>9} {'noise':>9} {'top-1':>6} {'1st diff':>8}  prompt")
     for r in reports:

@@ -277,6 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--b-model", help="B's model, if not A's (it must share A's tokenizer)")
     ep.add_argument("--a", default="fp32", help="reference precision")
     ep.add_argument("--b", required=True, help="precision to judge, e.g. int4-g32")
+    for side in ("a", "b"):
+        ep.add_argument(
+            f"--{side}-lowbit", choices=("auto", "ours", "torch"), default=None,
+            help=f"{side.upper()}'s INT4/INT8 CPU kernels: ours (activations quantized to int8 "
+            "per block), torch's (float activations), or auto (default: INFERSIGHT_LOWBIT); "
+            "the same precision on both sides with ours and torch measures what quantizing "
+            "the activations costs",
+        )  # fmt: skip
     source = ep.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="one prompt (default: eight built-in prompts)")
     source.add_argument("--prompts", help="a file with one prompt per line")

@@ -19,11 +19,13 @@ from the dequantized operands.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -58,11 +60,29 @@ MODES = ("auto", "ours", "torch")
 ADMITTED = frozenset({"int4"})
 
 
+#: The mode of the loads inside :func:`choosing` (this thread's), over ``INFERSIGHT_LOWBIT``.
+_CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowbit_mode", default=None)
+
+
 def requested() -> str:
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    mode = _CHOSEN.get() or os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise InfersightError(f"{ENV}={mode!r}: use one of {', '.join(MODES)}")
     return mode
+
+
+@contextlib.contextmanager
+def choosing(mode: str | None) -> Iterator[None]:
+    """Loads inside this block (in this thread) take ``mode`` (one of :data:`MODES`; None:
+    ``INFERSIGHT_LOWBIT`` as set) instead of the environment's: ``eval compare`` loads the
+    same weights with torch's kernels on one side and ours on the other."""
+    if mode is not None and mode not in MODES:
+        raise InfersightError(f"low-bit kernels {mode!r}: use one of {', '.join(MODES)}")
+    token = _CHOSEN.set(mode)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
