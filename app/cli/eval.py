@@ -100,7 +100,7 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document(reports), indent=1, ensure_ascii=False))
         return 0
-    kernels = {side: f" ({mode} low-bit kernels)" if mode else ""
+    kernels = {side: f" (low-bit kernels: {mode})" if mode else ""
                for side, mode in (("a", args.a_lowbit), ("b", args.b_lowbit))}  # fmt: skip
     print(f"A = {reports[0]['a']['precision']}{kernels['a']}, "
           f"B = {reports[0]['b']['precision']}{kernels['b']}, "
