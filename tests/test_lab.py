@@ -109,6 +109,33 @@ def test_an_ab_on_a_tiny_model_equals_the_engines_own_comparison(qtbot, tiny, tm
     assert ", measured " in lab.view.summary_text()
 
 
+@needs_int4
+def test_the_same_weights_on_torchs_kernels_and_ours_side_by_side(qtbot, tiny_model_dir):
+    """A at int4-g32 on torch's kernels, B at int4-g32 on ours (their int8 activations): two
+    engines, each side's layers on the kernels its form asked for, and the KL between them
+    what quantizing the activations alone costs: small, and not nothing."""
+    from engine.kernels import native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler: our low-bit kernels are not built here")
+    folder, _ = tiny_model_dir("llama", True, hidden_size=128, intermediate_size=256)
+    lab = Lab(qtbot)
+    try:
+        request = form(str(folder), "int4-g32", "int4-g32", TINY_PROMPT, 8)
+        request["a"]["lowbit"], request["b"]["lowbit"] = "torch", "ours"
+        report = lab.run(request)
+        engines = lab.controller.worker._engines
+        kernels = {key[3]: {m.kernel for m in e.model.modules() if hasattr(m, "quantized")}
+                   for key, e in engines.items()}  # fmt: skip
+    finally:
+        lab.close()
+    assert set(kernels) == {"torch", "ours"}
+    assert "our int8-activation kernel" not in kernels["torch"]
+    assert kernels["ours"] == {"our int8-activation kernel"}
+    assert 0 < report["summary"]["kl_mean"] < 0.05
+    assert "our low-bit kernels" in lab.view.columns["b"].header.text()
+
+
 def test_when_a_and_b_do_not_fit_they_run_one_after_the_other(qtbot, tiny):
     together = Lab(qtbot)
     # 200 kB free: room for the score tables (2 × 6 × 10 tokens × 320 × 4 bytes = 154 kB), not

@@ -276,6 +276,7 @@ def test_eval_compare_puts_our_kernels_beside_torchs_on_the_same_weights(
     assert kernels[1] == {"our int8-activation kernel"}
     kl = report["summary"]["kl_mean"]
     assert 0 < kl < 0.05  # the activations' rounding: small, and not nothing
+    assert (report["a"]["lowbit"], report["b"]["lowbit"]) == ("torch", "ours")
     assert lowbit.requested() == "auto"
     with pytest.raises(InfersightError, match="auto, ours, torch"), lowbit.choosing("fast"):
         pass

@@ -195,6 +195,18 @@ class Column(QWidget):
         layout.addWidget(self.text, 1)
 
 
+#: The low-bit kernel choices a side offers, as (label, mode); None: INFERSIGHT_LOWBIT's
+LOWBIT_CHOICES = (
+    ("auto (faster per shape)", None),
+    ("ours: int8 activations", "ours"),
+    ("torch's: float activations", "torch"),
+)
+
+
+#: How a column's header names the kernels its side ran on
+LOWBIT_TITLES = {"ours": "our low-bit kernels", "torch": "torch's low-bit kernels"}
+
+
 class SideForm(QGroupBox):
     """Model, precision, temperature and cache window of one side."""
 
@@ -246,8 +258,17 @@ class SideForm(QGroupBox):
         window_row = QHBoxLayout()
         window_row.addWidget(self.sinks)
         window_row.addWidget(self.recent)
+        self.lowbit = QComboBox()
+        for label, mode in LOWBIT_CHOICES:
+            self.lowbit.addItem(label, mode)
+        self.lowbit.setToolTip(
+            "INT4/INT8 layers on a CPU: our kernels quantize the activations to int8 per block "
+            "of 32, torch's keep them in float. The same precision on both sides, one with "
+            "each, shows what quantizing the activations costs"
+        )
         form.addRow("Model", self.model)
         form.addRow("Precision", self.precision)
+        form.addRow("CPU kernels", self.lowbit)
         form.addRow("Temperature", self.temperature)
         form.addRow(self.window_on, window_row)  # the switch as the row's label: compact
 
@@ -281,6 +302,7 @@ class SideForm(QGroupBox):
         return {
             "model": self.model_path(),
             "precision": self.precision.currentText().strip(),
+            "lowbit": self.lowbit.currentData(),
             "temperature": self.temperature.value(),
             "window": window,
         }

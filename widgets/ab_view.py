@@ -92,7 +92,7 @@ from widgets.ab_format import (
     token_tooltip,
 )
 from widgets.ab_plots import KLPlot, ScanPlot
-from widgets.ab_sides import Column, SideForm
+from widgets.ab_sides import LOWBIT_TITLES, Column, SideForm
 
 RUNNING = "Running…"
 BUDGET_STEPS = 1000  # slider positions between the smallest and the largest plan
@@ -411,6 +411,8 @@ class ABView(QWidget):
         for side in SIDES:
             info = report[side]
             parts = [side.upper(), info.get("precision", "?"), info.get("device", "?")]
+            if info.get("lowbit") in LOWBIT_TITLES:
+                parts.append(LOWBIT_TITLES[info["lowbit"]])
             if len(models) > 1:
                 parts.append(Path(str(info.get("model", ""))).name)
             self.columns[side].header.setText(" · ".join(parts))

@@ -93,9 +93,13 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
                         args.b, pool)  # fmt: skip
     reports = []
     for i, prompt in enumerate(prompts):
-        reports.append(compare_prompt(
+        report = compare_prompt(
             a, b, prompt, side, side, noise=not args.no_noise, speculate=args.speculation
-        ))  # fmt: skip
+        )
+        for name, mode in (("a", args.a_lowbit), ("b", args.b_lowbit)):
+            if mode:  # the kernels asked for: the A/B lab's header names them
+                report[name]["lowbit"] = mode
+        reports.append(report)
         print(f"compared {i + 1}/{len(prompts)}", file=sys.stderr)
     if args.json:
         print(json.dumps(document(reports), indent=1, ensure_ascii=False))

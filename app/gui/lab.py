@@ -24,6 +24,7 @@ from app.gui.lab_worker import (
 )
 from app.loading import load_engine
 from engine.errors import InfersightError
+from widgets.ab_sides import LOWBIT_TITLES
 
 if TYPE_CHECKING:
     from widgets.ab_view import ABView
@@ -237,9 +238,11 @@ def _lab_side(form: dict[str, Any]) -> LabSide:
         device=str(form.get("device") or "auto"),
         temperature=float(form.get("temperature") or 0.0),
         window=None if not window else (int(window[0]), int(window[1])),
+        lowbit=form.get("lowbit") or None,
     )
 
 
 def _title(name: str, side: LabSide) -> str:
     model = "default" if side.model == "default" else Path(side.model).name
-    return f"{name} · {model} · {side.precision}"
+    kernels = f" · {LOWBIT_TITLES[side.lowbit]}" if side.lowbit in LOWBIT_TITLES else ""
+    return f"{name} · {model} · {side.precision}{kernels}"

@@ -39,6 +39,7 @@ from PySide6.QtCore import QObject, Signal
 from app.gui.threads import FRAME_S, OwnStreams, yield_to_the_ui
 from app.loading import LoadSpec, load_engine, resolve_device, resolve_model_folder
 from engine.errors import CancelledError, InfersightError, InvalidRequestError
+from engine.kernels import lowbit
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
@@ -55,6 +56,10 @@ TOGETHER = "side by side"
 NOT_TOGETHER = "A and B do not fit in memory together, and B can draft for A only beside it"
 
 
+#: What a loaded engine is kept under: model, precision, device, low-bit kernels
+SideKey = tuple[str, str, str, str]
+
+
 @dataclass(frozen=True, slots=True)
 class LabSide:
     """One side of an A/B: what to load and how it samples and caches."""
@@ -64,10 +69,13 @@ class LabSide:
     device: str = "auto"
     temperature: float = 0.0
     window: tuple[int, int] | None = None  # (sink, window) of a sliding cache window
+    #: INT4/INT8 CPU kernels: "ours" (int8 activations), "torch" (float ones), None: as
+    #: INFERSIGHT_LOWBIT says (:func:`engine.kernels.lowbit.choosing`)
+    lowbit: str | None = None
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.model, self.precision, resolve_device(self.device))
+    def key(self) -> SideKey:
+        return (self.model, self.precision, resolve_device(self.device), self.lowbit or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +152,7 @@ class LabWorker(QObject):
         self._available = available
         self._jobs: queue.Queue[Job] = queue.Queue()
         self._cancel = threading.Event()
-        self._engines: dict[tuple[str, str, str], LLMEngine] = {}
+        self._engines: dict[SideKey, LLMEngine] = {}
         self._streams = _Streams()
         self._cuda_streams = OwnStreams()  # the lab's own CUDA stream on each device
 
@@ -221,12 +229,14 @@ class LabWorker(QObject):
             self._cuda_streams.use(side.key[2])
             spec = LoadSpec(side.model, side.precision, side.device)
             config = EngineConfig(num_blocks=blocks)
-            engine = self._engines[side.key] = self._loader(spec, self._progress, config=config)
+            with lowbit.choosing(side.lowbit):
+                engine = self._loader(spec, self._progress, config=config)
+            self._engines[side.key] = engine
         elif engine.kv.manager.num_blocks < blocks:
             engine = self._engines[side.key] = _with_pool(engine, blocks)
         return engine
 
-    def _keep_only(self, keys: set[tuple[str, str, str]]) -> None:
+    def _keep_only(self, keys: set[SideKey]) -> None:
         for key in [k for k in self._engines if k not in keys]:
             del self._engines[key]
         _empty_cuda_cache()
@@ -357,6 +367,9 @@ class LabWorker(QObject):
         report = build_report(
             job.prompt, prompt_ids, run_a, run_b, scores, a.tokenizer, memory, speculation
         )
+        for name, side in (("a", job.a), ("b", job.b)):
+            if side.lowbit:  # the kernels asked for, which the header then names
+                report[name]["lowbit"] = side.lowbit
         self.status.emit("done")
         self.report_ready.emit(report)
 
