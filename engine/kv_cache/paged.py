@@ -99,7 +99,9 @@ class _PagedContext(AttentionContext):
 
     Decode chunks (one token each) are attended together: their keys are gathered into a
     padded ``[B, Tmax]`` slot matrix (pad = the zero slot, masked out). Longer chunks
-    (prefill) are attended one sequence at a time with a causal mask.
+    (prefill) are attended one sequence at a time: on a CPU through the paged prefill kernel
+    (:func:`engine.kernels.paged_decode.paged_prefill`, which masks as it goes), else with a
+    causal (and window) mask.
     """
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
