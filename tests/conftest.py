@@ -210,3 +210,28 @@ def window(qtbot: object, tmp_path: Path, default_model: Path) -> Iterator[MainW
     w = open_window(qtbot, tmp_path / "data")
     yield w
     w.shutdown()
+
+
+def truncated_copy(folder: Path, out: Path, layers: int) -> Path:
+    """The model's first ``layers`` layers, final norm and head as a model of its own, with
+    the same tokenizer: a smaller draft model, or a real model's weights and shapes at a
+    fraction of its depth."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config))
+    kept = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
+                kept[name] = t
+    save_file(kept, out / "model.safetensors")
+    return out

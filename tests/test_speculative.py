@@ -11,16 +11,13 @@
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.bench.speculative import GROUNDED_PROMPTS
 from engine.core.config import EngineConfig
@@ -35,7 +32,7 @@ from engine.speculative.config import SpeculativeConfig, VerifyCost, parse_specu
 from engine.speculative.drafters import LookupDrafter
 from engine.speculative.rule import Draft, accept
 from engine.speculative.speculator import SpecStats
-from tests.conftest import build_tiny_hf, save_tiny
+from tests.conftest import build_tiny_hf, save_tiny, truncated_copy
 from tests.probed import precisions
 
 BS = 4
@@ -452,25 +449,6 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny, small_vocab):
 
 
 # -- the real default model -----------------------------------------------------------------
-
-
-def truncated_copy(folder: Path, out: Path, layers: int) -> Path:
-    """The model's first ``layers`` layers, final norm and head as a model of its own: a
-    separate, smaller draft model with the same tokenizer."""
-    out.mkdir()
-    for f in folder.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    config = json.loads((folder / "config.json").read_text())
-    config["num_hidden_layers"] = layers
-    (out / "config.json").write_text(json.dumps(config))
-    kept = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        for name, t in load_file(f).items():
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
-                kept[name] = t
-    save_file(kept, out / "model.safetensors")
-    return out
 
 
 REAL_CANCEL = {2: 9}
