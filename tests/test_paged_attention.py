@@ -304,8 +304,7 @@ def test_the_engine_prefills_through_the_kernel(tiny_model_dir, monkeypatch, win
 
 
 def test_a_chunk_under_two_windows_takes_the_portable_path() -> None:
-    from engine.kv_cache.paged import _one_window
-    from engine.kv_cache.window import CacheWindow
+    from engine.kv_cache.window import CacheWindow, _one_window
 
     mine, models = CacheWindow(4, 24), CacheWindow(0, 32)
     assert _one_window(None, None) == (True, None)

@@ -24,7 +24,7 @@ from engine.kernels.decode_attention import (
     store_and_attend,
 )
 from engine.kv_cache.block_manager import RELEASED, BlockManager
-from engine.kv_cache.window import CacheWindow, _visible
+from engine.kv_cache.window import CacheWindow, _one_window, _visible
 from engine.model.attention import AttentionContext, grouped_attention
 from engine.model.config import ModelConfig
 
@@ -228,16 +228,6 @@ class _Prefill:
     start: int
     sink: int
     window: int
-
-
-def _one_window(
-    window: CacheWindow | None, model_window: CacheWindow | None
-) -> tuple[bool, CacheWindow | None]:
-    """``(True, w)`` where :func:`_visible` applies one window ``w`` for ``window`` and
-    ``model_window`` (None: causal only); ``(False, None)`` where it applies both."""
-    if window is None or model_window is None or window == model_window:
-        return True, window if window is not None else model_window
-    return False, None
 
 
 class _BlockTables:

@@ -55,6 +55,16 @@ def effective_window(user: CacheWindow | None, sliding_window: int | None) -> Ca
     return user
 
 
+def _one_window(
+    window: CacheWindow | None, model_window: CacheWindow | None
+) -> tuple[bool, CacheWindow | None]:
+    """``(True, w)`` where a chunk's cache ``window`` and the model's own come to one window
+    ``w`` (None: causal only); ``(False, None)`` where both apply."""
+    if window is None or model_window is None or window == model_window:
+        return True, window if window is not None else model_window
+    return False, None
+
+
 def _visible(
     window: CacheWindow | None,
     model_window: CacheWindow | None,
@@ -62,10 +72,10 @@ def _visible(
     query_pos: Tensor,
 ) -> Tensor:
     """Mask ``[Q, K]``: causal, within a chunk's cache ``window`` and the model's own."""
-    if window is None:
-        mask = key_pos[None, :] <= query_pos[:, None]
-    else:
-        mask = window.visible(key_pos, query_pos)
-    if model_window is not None and model_window != window:
-        mask &= model_window.visible(key_pos, query_pos)
-    return mask
+    one, only = _one_window(window, model_window)
+    if not one:
+        assert window is not None and model_window is not None
+        return window.visible(key_pos, query_pos) & model_window.visible(key_pos, query_pos)
+    if only is None:
+        return key_pos[None, :] <= query_pos[:, None]
+    return only.visible(key_pos, query_pos)
