@@ -24,16 +24,18 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-#: The ops each path's attention runs (the portable one also gathers and builds its mask).
-ATTENTION_OPS = (
-    "infersight::paged_prefill_kernel",
+from engine.bench.profile import ATTENTION_KERNELS
+
+#: The ops each path's attention runs: our kernels (as ``bench --profile`` counts them), and
+#: the portable path's SDPA, gather and mask.
+ATTENTION_OPS = ATTENTION_KERNELS | {
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::scaled_dot_product_attention",
     "aten::index_select",
     "aten::repeat",
     "aten::le",
     "aten::bitwise_and",
-)
+}
 
 
 def main(argv: list[str] | None = None) -> int:
