@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from engine.bench.report import format_table
+from engine.bench.report import format_table, peer_type
 from engine.bench.speed import BenchConfig
-from engine.bench.table import LlamaCppPeer, measure_read_bandwidth, run_table
+from engine.bench.table import LlamaCppPeer, gguf_file_type, measure_read_bandwidth, run_table
 from engine.errors import InfersightError
 from engine.loader.load import load_model
 from engine.model.inventory import weight_bytes
 from engine.quant.embedding import QuantizedEmbedding
 from engine.quant.inventory import decode_read_bytes
+from engine.store.synthetic_store import gguf_path, write_synthetic
 from tests.probed import precisions
+from tests.test_gguf_writer import TINY_LLAMA3
 
 FAKE_LLAMA_CPP = textwrap.dedent(
     """
@@ -45,6 +47,17 @@ FAKE_LLAMA_CPP = textwrap.dedent(
 
     def llama_print_system_info():
         return b"AVX2 = 1 | FAKE = 1 "
+
+    class _Params:
+        ftype = None
+
+    def llama_model_quantize_default_params():
+        return _Params()
+
+    def llama_model_quantize(src, dst, params):  # a copy, with the asked type named in it
+        with open(src, "rb") as f, open(dst, "wb") as out:
+            out.write(f.read() + f"ftype {params.ftype}".encode())
+        return 0
     """
 )
 
@@ -85,29 +98,42 @@ def test_read_bandwidth_is_a_plausible_rate():
     assert 1e8 < rate < 1e13  # between 0.1 GB/s and 10 TB/s
 
 
-def test_table_rows_are_each_precision_against_its_limit_and_llama_cpp(
-    tiny_model_dir, fake_python, tmp_path
-):
-    folder, _ = tiny_model_dir("llama", True)
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"\0" * 4096)
+def test_table_rows_are_each_precision_against_its_limit_and_llama_cpp(fake_python, tmp_path):
+    # A synthetic model: its folder for the engine, its F16 GGUF for llama.cpp, which
+    # requantizes that file to each other type it is asked for.
+    folder = write_synthetic(TINY_LLAMA3, tmp_path / "synthetic")
+    gguf = gguf_path(folder)
+    assert gguf is not None and gguf_file_type(gguf) == "F16"
     report = run_table(
         folder, ["fp32", "int8"], BenchConfig(prompt_len=4, new_tokens=6, repeats=2),
-        llama_python=fake_python, gguf=gguf,
+        llama_python=fake_python, gguf=gguf, gguf_types=("F16", "Q8_0"),
     )  # fmt: skip
     rows = report["rows"]
     assert [(r["engine"], r["precision"]) for r in rows] == [
-        ("infersight", "fp32"), ("infersight", "int8"), ("llama.cpp", "Q4_1"),
+        ("infersight", "fp32"), ("infersight", "int8"), ("llama.cpp", "F16"),
+        ("llama.cpp", "Q8_0"),
     ]  # fmt: skip
     best = max(report["bandwidth_gb_s"]) * 1e9
     for r in rows:
         assert r["decode_tok_s"] > 0
         assert r["limit_tok_s"] == pytest.approx(best / (r["read_mib"] * 2**20))
         assert r["fraction"] == pytest.approx(r["decode_tok_s"] / r["limit_tok_s"])
-    assert rows[2]["read_mib"] == pytest.approx(4096 / 2**20)
+    # F16 ran on the file as written; Q8_0 on llama.cpp's requantization of it (ftype 7)
+    assert rows[2]["read_mib"] == pytest.approx(gguf.stat().st_size / 2**20)
+    assert rows[3]["read_mib"] == pytest.approx((gguf.stat().st_size + len("ftype 7")) / 2**20)
     assert rows[0]["read_mib"] > rows[1]["read_mib"]  # int8 reads fewer bytes
     text = format_table(report)
-    assert "vs llama.cpp Q4_1" in text and "FAKE = 1" in text
+    assert "FAKE = 1" in text and "vs llama.cpp Q4_1" not in text
+    ours = {line.split()[1]: line for line in text.splitlines() if line.startswith("infersight")}
+    assert ours["fp32"].split()[-1] == "-"  # fp32's peer (F32) did not run
+    ratio = rows[1]["decode_tok_s"] / rows[3]["decode_tok_s"]
+    assert ours["int8"].split()[-2:] == [f"{ratio:.2f}x", "Q8_0"]
+
+
+def test_each_precision_is_compared_with_llama_cpps_type_of_the_same_bits():
+    assert [peer_type(p) for p in ("int4-g32+head", "int8+head", "fp32", "bf16", "fp16")] == [
+        "Q4_1", "Q8_0", "F32", "F16", "F16",
+    ]  # fmt: skip
 
 
 def test_a_peer_that_cannot_start_gives_a_clear_error(tmp_path):
@@ -141,13 +167,14 @@ def test_a_peer_refusing_the_model_says_why(fake_python, tmp_path):
     # (the failed peer was closed: no process of this test is left running)
 
 
-def test_bench_table_needs_the_default_model_for_llama_cpp(tiny_model_dir, capsys):
+def test_bench_table_needs_a_model_with_a_gguf_for_llama_cpp(tiny_model_dir, capsys):
     from app.cli.main import main
 
     folder, _ = tiny_model_dir("llama", True)
     rc = main(["bench", "--model", str(folder), "--table", "fp32", "--llama-cpp", sys.executable])
     assert rc != 0
-    assert "--model default" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "has none" in err and "--model default" in err and "models synth" in err
 
 
 def test_a_missing_peer_python_is_refused_before_anything_loads(capsys):

@@ -117,8 +117,6 @@ def _check_table_args(args: argparse.Namespace) -> None:
         parse_precision_spec(precision, "cpu")
     if args.llama_cpp is None:
         return
-    if args.model != "default":
-        raise InvalidRequestError("--llama-cpp runs the default model's GGUF; use --model default")
     if shutil.which(args.llama_cpp) is None:
         raise InvalidRequestError(
             f"--llama-cpp {args.llama_cpp}: no such program; give the Python of an environment "
@@ -131,10 +129,18 @@ def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -
     from engine.bench.speed import BenchConfig
     from engine.bench.table import run_table
     from engine.store.model_store import default_gguf_path, fetch_default_gguf
+    from engine.store.synthetic_store import gguf_path
 
     gguf = None
-    if args.llama_cpp:
+    if args.llama_cpp and args.model == "default":
         gguf = default_gguf_path() if default_gguf_path().is_file() else fetch_default_gguf()
+    elif args.llama_cpp:
+        gguf = gguf_path(folder)
+        if gguf is None:
+            raise InvalidRequestError(
+                f"--llama-cpp runs the model's GGUF, and {folder} has none; use --model default "
+                "or a synthetic model (`infersight models synth llama-3.2-1b` prints its folder)"
+            )
     report = run_table(
         folder,
         args.table,

@@ -22,6 +22,7 @@ from app.cli.models import (
     cmd_import_gguf,
     cmd_models_list,
     cmd_models_pull,
+    cmd_models_synth,
     cmd_plan,
 )
 from app.cli.run import cmd_chat, cmd_generate, cmd_tokenize
@@ -197,15 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--llama-cpp",
         metavar="PYTHON",
         default=None,
-        help="with --table: also time llama.cpp on the default model's own GGUF, run by this "
-        "Python of an environment with llama-cpp-python (make bench-peers builds one)",
+        help="with --table: also time llama.cpp on the model's own GGUF (the default model's, "
+        "or the one beside a synthetic model's weights), run by this Python of an environment "
+        "with llama-cpp-python (make bench-peers builds one)",
     )
     p.add_argument(
         "--gguf-types",
         nargs="+",
         default=["Q4_1"],
-        choices=("Q4_1", "Q8_0", "F32"),
-        help="with --llama-cpp: the GGUF's Q4_1 as shipped, and llama.cpp's requantizations",
+        choices=("Q4_0", "Q4_1", "Q8_0", "F16", "F32"),
+        help="with --llama-cpp: the model's GGUF in its own type (the default model's Q4_1, a "
+        "synthetic model's F16), and llama.cpp's requantizations of it to the others",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=cmd_bench)
@@ -335,6 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
     mp.set_defaults(handler=cmd_models_pull)
     mp = msub.add_parser("list", help="known models: size on disk, parameters, architecture")
     mp.set_defaults(handler=cmd_models_list)
+    mp = msub.add_parser(
+        "synth",
+        help="write random weights of a published config (once), as a model folder and an "
+        "F16 GGUF of the same values: real-size benchmarks without a download",
+    )
+    mp.add_argument("name", help="a config in resources/configs, e.g. llama-3.2-1b")
+    mp.set_defaults(handler=cmd_models_synth)
 
     p = sub.add_parser(
         "plan",

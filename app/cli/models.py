@@ -17,6 +17,13 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_synth(args: argparse.Namespace) -> int:
+    from engine.store.synthetic_store import synthesize
+
+    print(synthesize(args.name, progress=progress_printer()))
+    return 0
+
+
 def cmd_models_list(args: argparse.Namespace) -> int:
     from engine.store.model_store import known_models
 

@@ -113,6 +113,17 @@ def format_workload_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: the llama.cpp file type that stores weights as our precision does (by its prefix)
+PEER_TYPES = (("int4", "Q4_1"), ("int8", "Q8_0"), ("fp32", "F32"), ("bf16", "F16"), ("fp16", "F16"))
+
+
+def peer_type(precision: str) -> str | None:
+    """The llama.cpp file type a precision of ours is compared with: group-wise INT4 with zero
+    points against Q4_1 (32 weights, a scale and a minimum), INT8 against Q8_0, fp32 against
+    F32, 16-bit floats against F16."""
+    return next((t for prefix, t in PEER_TYPES if precision.startswith(prefix)), None)
+
+
 def format_table(report: dict[str, Any]) -> str:
     bw = report["bandwidth_gb_s"]
     lines = [
@@ -122,9 +133,12 @@ def format_table(report: dict[str, Any]) -> str:
         f"memory read bandwidth {max(bw):.1f} GB/s (before {bw[0]:.1f}, after {bw[-1]:.1f}); "
         "limit = bandwidth / weights read per token",
     ]
-    q4 = [r for r in report["rows"] if r["engine"] == "llama.cpp" and r["precision"] == "Q4_1"]
+    peers = {r["precision"]: r for r in report["rows"] if r["engine"] == "llama.cpp"}
+    q4 = peers.get("Q4_1")
+    matched = any(peer_type(r["precision"]) in peers for r in report["rows"])
     cols = ["engine", "precision", "mode", "read MiB", "decode tok/s", "limit tok/s",
             "of limit", "kernels-only tok/s"] + (["vs llama.cpp Q4_1"] if q4 else [])  # fmt: skip
+    cols += ["vs llama.cpp, same bits"] if matched else []
     rows = []
     for r in report["rows"]:
         floor = r.get("kernels_tok_s")
@@ -132,7 +146,13 @@ def format_table(report: dict[str, Any]) -> str:
                f"{r['decode_tok_s']:.1f}", f"{r['limit_tok_s']:.0f}",
                f"{r['fraction']:.2f}", "-" if floor is None else f"{floor:.1f}"]  # fmt: skip
         if q4:
-            row.append(f"{r['decode_tok_s'] / q4[0]['decode_tok_s']:.2f}x")
+            row.append(f"{r['decode_tok_s'] / q4['decode_tok_s']:.2f}x")
+        if matched:
+            peer = peers.get(peer_type(r["precision"]) or "")
+            if r["engine"] == "infersight" and peer is not None:
+                row.append(f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x {peer['precision']}")
+            else:
+                row.append("-")
         rows.append(row)
     lines += text_table(cols, rows)
     lines.append(

@@ -177,6 +177,21 @@ class LlamaCppPeer:
                 self.proc.wait()
 
 
+def gguf_file_type(path: Path) -> str:
+    """The file type of a GGUF (``Q4_1``, ``F16`` …) by llama.cpp's name, from its header's
+    ``general.file_type``."""
+    from engine.bench.llamacpp_peer import FTYPES
+    from engine.store.gguf_reader import gguf_metadata, open_gguf
+
+    code = gguf_metadata(open_gguf(path)).get("general.file_type")
+    names = {v: k for k, v in FTYPES.items()}
+    if code is None or int(code) not in names:
+        raise InfersightError(
+            f"{path.name}: file type {code} is not one the bench knows ({', '.join(FTYPES)})"
+        )
+    return names[int(code)]
+
+
 def _decode_tok_s(runs: list[RunTiming]) -> float:
     return statistics.median((r.new_tokens - r.batch) / r.decode_s for r in runs)
 
@@ -193,8 +208,9 @@ def run_table(
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Batch-1 decode of each precision (eager and, where the load compiled it, compiled),
-    llama.cpp on ``gguf`` in each of ``gguf_types`` if ``llama_python`` is given, all in
-    turn within every repeat, with the memory read bandwidth measured before and after."""
+    llama.cpp on ``gguf`` in each of ``gguf_types`` if ``llama_python`` is given (the file as
+    it is for its own type, requantized by llama.cpp from it for the others), all in turn
+    within every repeat, with the memory read bandwidth measured before and after."""
     from engine.quant.inventory import decode_read_bytes
 
     bandwidth = [measure_read_bandwidth()]
@@ -219,10 +235,11 @@ def run_table(
                 raise InfersightError("the llama.cpp comparison needs the model's GGUF file")
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="infersight-")))
             threads = torch.get_num_threads()
+            shipped = gguf_file_type(gguf)
             for ftype in gguf_types:
                 path = gguf
-                if ftype != "Q4_1":
-                    log(f"llama.cpp: requantizing {gguf.name} to {ftype}")
+                if ftype != shipped:
+                    log(f"llama.cpp: requantizing {gguf.name} ({shipped}) to {ftype}")
                     path = tmp / f"{ftype}.gguf"
                     quantizer = LlamaCppPeer(llama_python, gguf, threads)
                     try:

@@ -156,15 +156,24 @@ def build_engine(
     )  # fmt: skip
 
 
-def write_folder(raw: dict[str, Any], folder: Path, *, seed: int = 0) -> Path:
+def write_folder(
+    raw: dict[str, Any],
+    folder: Path,
+    *,
+    seed: int = 0,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """A model folder of the config ``raw`` on random weights (``config.json``, one
     safetensors file, the word-level tokenizer with its chat template), for what loads only
-    from a folder (the app's worker). Meant for small shapes: the file holds every tensor."""
+    from a folder (the app's worker, the benchmark's peer). ``state``: the tensors to write
+    (drawn by :class:`SyntheticCheckpoint` with ``seed`` if not given); the file holds every
+    tensor at once."""
     from safetensors.torch import save_file
 
     cfg = ModelConfig.from_dict(raw)
     folder.mkdir(parents=True, exist_ok=True)
-    state = dict(SyntheticCheckpoint(cfg, seed=seed).tensors())
+    if state is None:
+        state = dict(SyntheticCheckpoint(cfg, seed=seed).tensors())
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     _backend(cfg.vocab_size).save(str(folder / "tokenizer.json"))

@@ -1,0 +1,138 @@
+"""Hugging Face-style weights → a llama.cpp GGUF file (F16), for the benchmark peer.
+
+``make bench-peers`` runs llama.cpp beside the engine on a synthetic model too (random weights
+of a published config, :mod:`engine.store.synthetic_store`): both must read the very same
+values. This writes them as llama.cpp's own converter would lay out a Llama checkpoint: GGUF
+tensor names (the inverse of :mod:`engine.store.gguf_reader`'s), each head's Q/K rows
+interleaved for llama.cpp's adjacent-pair rotation (:func:`permute_rotary`, the inverse of
+:func:`~engine.store.gguf_reader.unpermute_rotary`), Llama 3's RoPE scaling as the per-pair
+frequency divisors llama.cpp reads from ``rope_freqs.weight``, and a vocabulary of as many
+tokens as the model has (token ids go in and out; their text is the synthetic tokenizer's
+``t0`` … ``tN``). llama.cpp then requantizes the file to Q4_1, Q8_0 … itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model.config import ModelConfig
+
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+#: llama.cpp's ``general.file_type`` for matrices in F16 (``LLAMA_FTYPE_MOSTLY_F16``)
+FILE_TYPE_F16 = 1
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF name of an HF Llama tensor (``model.layers.3.mlp.up_proj.weight`` →
+    ``blk.3.ffn_up.weight``)."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER:
+        return f"blk.{parts[2]}.{_LAYER[parts[3]]}"
+    raise ValueError(f"{hf_name}: no GGUF name for this tensor of a Llama checkpoint")
+
+
+def permute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Each head's Q/K rows from HF's half-split order into llama.cpp's interleaved one: row
+    ``j`` of a head's first half goes to ``2j``, row ``j`` of its second half to ``2j + 1``."""
+    rows = weight.shape[0]
+    half = rows // heads // 2
+    return weight.reshape(heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def rope_divisors(cfg: ModelConfig) -> np.ndarray | None:
+    """Llama 3's RoPE scaling as llama.cpp reads it: per rotary pair, the unscaled frequency
+    over the scaled one (``rope_freqs.weight``); None where the config scales nothing
+    per pair."""
+    from dataclasses import replace
+
+    from engine.model.config import RopeScaling
+    from engine.model.transformer import rope_inverse_frequencies
+
+    if cfg.rope_scaling.kind != "llama3":
+        return None
+    plain = rope_inverse_frequencies(replace(cfg, rope_scaling=RopeScaling()))
+    return (plain / rope_inverse_frequencies(cfg)).numpy().astype(np.float32)
+
+
+def write_gguf(
+    path: Path,
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    name: str,
+    tokens: list[str],
+) -> Path:
+    """Write ``tensors`` (HF names; matrices in float16, norms kept as float32, as llama.cpp's
+    converter does) of a Llama model of ``cfg`` to the GGUF ``path``, with ``tokens`` as its
+    vocabulary."""
+    import gguf
+
+    if cfg.model_type != "llama":
+        raise ValueError(f"writing a GGUF of a {cfg.model_type!r} model is not supported")
+    if len(tokens) != cfg.vocab_size:
+        raise ValueError(f"{len(tokens)} tokens for a vocabulary of {cfg.vocab_size}")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(name)
+    writer.add_file_type(FILE_TYPE_F16)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    # a SentencePiece-style vocabulary: llama.cpp reads the tokens' text, scores and types
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    if cfg.bos_token_id is not None:
+        writer.add_bos_token_id(cfg.bos_token_id)
+    if cfg.eos_token_ids:
+        writer.add_eos_token_id(cfg.eos_token_ids[0])
+    divisors = rope_divisors(cfg)
+    if divisors is not None:
+        writer.add_tensor("rope_freqs.weight", divisors)
+    for hf_name, tensor in tensors:
+        host = tensor.detach().cpu()
+        array = (host.float() if host.dim() == 1 else host.half()).numpy()
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = permute_rotary(array, cfg.num_heads)
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = permute_rotary(array, cfg.num_kv_heads)
+        writer.add_tensor(gguf_tensor_name(hf_name), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
