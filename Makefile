@@ -98,9 +98,13 @@ package: $(VENV)/.stamp-run
 bench: $(VENV)/.stamp-dev
 	$(BIN)/infersight bench --model default --compare-hf
 
-# Our precisions next to llama.cpp on the default model's own GGUF (Q4_1 as shipped, and
-# llama.cpp's Q8_0/F32 requantizations of it: the very values our fp32 weights hold), back to
-# back in each repeat, as fractions of the memory-bandwidth limit measured in the same run.
+# Our precisions next to llama.cpp, back to back in each repeat, as fractions of the
+# memory-bandwidth limit measured in the same run, on two models:
+# - the default model's own GGUF (Q4_1 as shipped, and llama.cpp's Q8_0/F32 requantizations of
+#   it: the very values our fp32 weights hold);
+# - a synthetic Llama-3.2-1B (Meta's config, random float16 weights written once as our folder
+#   and, with the same values, as an F16 GGUF that llama.cpp requantizes itself):
+#   engine/store/synthetic_store.py. About 5 GB in the user cache.
 # llama-cpp-python is built from source for this CPU into $(PEERS) (several minutes, once);
 # it never enters $(VENV). DECODE_GRAPH=on adds compiled rows (minutes of compiling per
 # precision).
@@ -111,6 +115,10 @@ bench-peers: $(VENV)/.stamp-dev $(PEERS)/.stamp
 	$(BIN)/infersight models pull
 	$(BIN)/infersight bench --model default --table fp32 int8+head int4-g32+head \
 	  --decode-graph $(DECODE_GRAPH) --llama-cpp $(PEERS)/bin/python --gguf-types Q4_1 Q8_0 F32
+	$(BIN)/infersight models synth llama-3.2-1b
+	$(BIN)/infersight bench --model "$$($(BIN)/infersight models synth llama-3.2-1b)" \
+	  --table fp32 bf16 int8+head int4-g32+head --decode-graph $(DECODE_GRAPH) \
+	  --llama-cpp $(PEERS)/bin/python --gguf-types Q4_1 Q8_0 F16
 
 $(PEERS)/.stamp:
 	$(PYTHON) -m venv $(PEERS)
