@@ -27,6 +27,10 @@ from engine.paths import home
 log = logging.getLogger(__name__)
 
 
+#: the kernel and layout verdicts (engine/kernels/packed_linear.py, lowbit.py, gemv.py)
+KERNELS_FILE = "kernels.json"
+
+
 def path(name: str) -> Path:
     return home() / name
 

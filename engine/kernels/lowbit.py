@@ -36,9 +36,8 @@ from torch import Tensor
 
 from engine.errors import InfersightError
 from engine.hardware import isolated, measured
-from engine.hardware.measured import machine_key
+from engine.hardware.measured import KERNELS_FILE, machine_key
 from engine.kernels import native
-from engine.kernels.packed_linear import KERNELS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +308,9 @@ class Timing:
 
 #: bytes of weights each timing streams through: far beyond any last-level cache
 STREAM_BYTES = 64 * 2**20
-_LOCK = threading.Lock()  # the app loads models on a thread of its own
+#: held while a shape's verdict is read, timed and written (the app loads models on a thread
+#: of its own; :mod:`engine.kernels.gemv` keeps its verdicts under it too)
+LOCK = threading.Lock()
 
 
 def shape_key(fmt: str, out_features: int, in_features: int) -> str:
@@ -357,7 +358,7 @@ def chosen(
     if mode == "ours" or timer is None:
         return True
     key = shape_key(fmt, out_features, in_features)
-    with _LOCK:
+    with LOCK:
         machine = measured.read(measured_file()).get(_verdicts_key(found), {})
         if key in machine:
             try:
@@ -446,7 +447,8 @@ def _(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
 # -- the timings at load -----------------------------------------------------------------------
 
 
-def _copies(bytes_per_copy: int) -> int:
+def copies_for(bytes_per_copy: int) -> int:
+    """How many distinct weights of this size a timing streams through (:data:`STREAM_BYTES`)."""
     return max(1, min(64, STREAM_BYTES // max(bytes_per_copy, 1)))
 
 
@@ -455,7 +457,7 @@ def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> Timing
     from engine.formats import quantize_int8
 
     gen = torch.Generator().manual_seed(0)
-    copies = _copies(out_features * in_features)
+    copies = copies_for(out_features * in_features)
     weights = [quantize_int8(torch.randn(out_features, in_features, generator=gen), dtype)
                for _ in range(copies)]  # fmt: skip
     float_scales = [s.float() for _, s in weights]
@@ -477,7 +479,7 @@ def time_int4(
     from engine.formats import quantize_int4
 
     gen = torch.Generator().manual_seed(0)
-    copies = _copies(out_features * in_features // 2)
+    copies = copies_for(out_features * in_features // 2)
     rows = -(-out_features // 16) * 16  # torch's packing takes whole 16s of rows
     ours_w, torch_w = [], []
     for _ in range(copies):

@@ -26,7 +26,9 @@ from torch import Tensor, nn
 
 from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
-from engine.hardware.measured import machine_key
+from engine.hardware.measured import KERNELS_FILE, machine_key
+from engine.kernels import gemv
+from engine.kernels.lowbit import Timing
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,6 @@ class LayoutTiming:
 
 #: bytes of weights each timing streams through: far beyond any last-level cache
 STREAM_BYTES = 96 * 2**20
-KERNELS_FILE = "kernels.json"
 
 
 def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
@@ -180,25 +181,101 @@ def packs(dtype: torch.dtype, out_features: int, in_features: int, *, measure: b
     return layout_timing(dtype, out_features, in_features).packed
 
 
+class GemvLinear(nn.Linear):
+    """``nn.Linear`` (the same weight and bias tensors, row-major) whose small step shapes, up
+    to :data:`engine.kernels.gemv.MAX_ROWS` rows of activations (decode, verification, small
+    batches), run our GEMV kernel; prefill chunks take ``F.linear``, as compiled graphs do."""
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> GemvLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias  # shared: a tied head stays tied
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > gemv.MAX_ROWS or torch.compiler.is_compiling():
+            return F.linear(x, self.weight, self.bias)
+        y = gemv.product(gemv.library(), x.reshape(rows, -1), self.weight, None, x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, ours ≤ 16 rows"
+
+
+def time_gemv(dtype: torch.dtype, out_features: int, in_features: int) -> Timing:
+    """Our GEMV against the best of torch's layouts (``nn.Linear``, and oneDNN's packed one
+    where this CPU runs it) for one token, every call reading its weights from memory."""
+    nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(64, STREAM_BYTES // max(nbytes, 1)))
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(copies)
+    ]
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    lib = gemv.library()
+
+    def ours() -> None:
+        for w in weights:
+            gemv.product(lib, x, w, None, dtype)
+
+    def plain() -> None:
+        for w in weights:
+            F.linear(x, w)
+
+    runs = [ours, plain]
+    if cpu_paths().packed(dtype).ok:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, batch_size=PACK_BATCH_HINT)
+                  for w in weights]  # fmt: skip
+
+        def packed_run() -> None:
+            for w in packed:
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        runs.append(packed_run)
+    ours_ms, *theirs = measured.best_of_three(runs, copies)
+    return Timing(ours_ms=ours_ms, torch_ms=min(theirs))
+
+
+def takes_gemv(dtype: torch.dtype, out_features: int, in_features: int) -> bool:
+    """Whether a CPU linear of this dtype (fp32, bf16) and shape runs our GEMV for its small
+    step shapes (:func:`engine.kernels.gemv.chosen`: timed once per machine against torch's
+    layouts, under ``INFERSIGHT_LOWBIT``'s modes)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    fmt = str(dtype).removeprefix("torch.")
+    return gemv.chosen(fmt, out_features, in_features,
+                       lambda: time_gemv(dtype, out_features, in_features))  # fmt: skip
+
+
 def pack_linears(model: nn.Module, *, timed: bool = True) -> int:
-    """Swap every CPU ``nn.Linear`` in ``model`` that :func:`packs` (or, with ``timed=False``,
-    whose dtype this CPU packs at all) for a :class:`PackedLinear`. Returns the number of
-    modules swapped (0 where packing does not apply)."""
+    """Swap every CPU ``nn.Linear`` in ``model`` that :func:`takes_gemv` for a
+    :class:`GemvLinear` (``timed`` only), and of the others each that :func:`packs` (or, with
+    ``timed=False``, whose dtype this CPU packs at all) for a :class:`PackedLinear`. Returns
+    the number of modules swapped (0 where neither applies)."""
     paths = cpu_paths()
 
-    def chosen(m: nn.Linear) -> bool:
+    def chosen(m: nn.Linear) -> type[nn.Module] | None:
         w = m.weight
+        if timed and takes_gemv(w.dtype, m.out_features, m.in_features):
+            return GemvLinear
         if timed:
-            return packs(w.dtype, m.out_features, m.in_features)
-        return paths.packed(w.dtype).ok
+            return PackedLinear if packs(w.dtype, m.out_features, m.in_features) else None
+        return PackedLinear if paths.packed(w.dtype).ok else None
 
     swaps = [
-        (name, module)
+        (name, module, kind)
         for name, module in model.named_modules()
-        if type(module) is nn.Linear and module.weight.device.type == "cpu" and chosen(module)
+        if type(module) is nn.Linear
+        and module.weight.device.type == "cpu"
+        and (kind := chosen(module)) is not None
     ]
-    for name, module in swaps:
+    for name, module, kind in swaps:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(module))
+        setattr(parent, attr, GemvLinear.of(module) if kind is GemvLinear else PackedLinear(module))
     return len(swaps)

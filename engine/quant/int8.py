@@ -20,7 +20,7 @@ from engine.errors import InfersightError
 from engine.formats import quantize_int8
 from engine.hardware import gpu
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kernels import lowbit, triton_check, triton_support
+from engine.kernels import gemv, lowbit, triton_check, triton_support
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ def int8_kernel_runs(device: torch.device) -> bool:
 TRITON_KERNEL = "Triton GEMM"
 #: … and of one our C kernels run, activations quantized per block (engine/kernels/lowbit.py)
 LOWBIT_KERNEL = "our int8-activation kernel"
+#: … and of one whose small step shapes our float-activation kernel runs (engine/kernels/gemv.py)
+GEMV_KERNEL = "our GEMV"
 
 
 def triton_gemms(device: torch.device, dtype: torch.dtype | None = None) -> tuple[bool, str]:
@@ -118,6 +120,13 @@ class Int8Linear(nn.Module):
         #: our C kernel's float32 scales where it runs this layer (on a CPU, where it measured
         #: faster than torch's for this shape: :func:`engine.kernels.lowbit.chosen`), else None
         self.lowbit_scales = self._lowbit_scales() if cpu and self.triton is None else None
+        #: float32 scales where our float-activation kernel runs this layer's small step
+        #: shapes (up to :data:`engine.kernels.gemv.MAX_ROWS` rows; torch's kernel the rest:
+        #: :func:`engine.kernels.gemv.chosen`), else None
+        self.gemv_scales = (
+            self._gemv_scales() if cpu and self.triton is None and self.lowbit_scales is None
+            else None
+        )  # fmt: skip
 
     def _lowbit_scales(self) -> Tensor | None:
         n, k = self.weight.shape
@@ -127,13 +136,21 @@ class Int8Linear(nn.Module):
         fmt = f"int8 {str(self.out_dtype).removeprefix('torch.')}"
         return self.scales.float() if lowbit.chosen(fmt, n, k, timer) else None
 
+    def _gemv_scales(self) -> Tensor | None:
+        n, k = self.weight.shape
+        timer = (lambda: gemv.time_int8(n, k, self.out_dtype)) if self.use_kernel else None
+        fmt = f"int8 {str(self.out_dtype).removeprefix('torch.')}"
+        return self.scales.float() if gemv.chosen(fmt, n, k, timer) else None
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.triton is not None:  # bias fused
             y = self.triton(x2, self.weight, self.scales, self.bias)
             return y.reshape(*shape[:-1], self.out_features)
-        if self.lowbit_scales is not None:
+        if self.gemv_scales is not None and x2.shape[0] <= gemv.MAX_ROWS:
+            y = gemv.int8_linear(x2, self.weight, self.gemv_scales, self.out_dtype)
+        elif self.lowbit_scales is not None:
             y = lowbit.int8_linear(x2, self.weight, self.lowbit_scales).to(self.out_dtype)
         elif self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
             y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
@@ -154,7 +171,10 @@ class Int8Linear(nn.Module):
             return TRITON_KERNEL
         if self.lowbit_scales is not None:
             return LOWBIT_KERNEL
-        return "int8 kernel" if self.use_kernel else "int8 converted per call"
+        torch_path = "int8 kernel" if self.use_kernel else "int8 converted per call"
+        if self.gemv_scales is not None:
+            return f"{GEMV_KERNEL} (≤ {gemv.MAX_ROWS} rows), {torch_path}"
+        return torch_path
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

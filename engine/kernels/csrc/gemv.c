@@ -1,0 +1,194 @@
+/* Matrix products of a few rows with float activations: y [M, N] = x [M, K] · Wᵀ, W [N, K]
+ * stored as int8 with one float scale per output row (our INT8 weights), as bf16, or as fp32
+ * (engine/kernels/gemv.py).
+ *
+ * These serve the step shapes that read every weight once and do little with it: a decode
+ * step (M = 1) and a verification or a small batch (M up to 16). There a product is bound by
+ * memory, and what matters is streaming the weights at the bandwidth the CPU has: each output
+ * row's weights are read once, converted to fp32 in registers and multiplied into fp32
+ * accumulators (one per output row and x row), four output rows at a time so that each load
+ * of x serves four of them. Nothing is approximated beyond the order of the sums: the
+ * activations stay float (unlike csrc/lowbit.c, which quantizes them).
+ *
+ * x and y are fp32 or bf16 (y rounded to nearest even, as torch rounds); bf16 x is widened
+ * into scratch space once per call. Rows of x are taken up to four at a time; each output is
+ * computed in the same order whatever M is, so a row's result does not depend on its
+ * neighbours.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define NT 4 /* output rows per tile */
+#define MT 4 /* rows of x per tile */
+
+enum { W_INT8 = 0, W_BF16 = 1, W_FP32 = 2 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ISA_NAME "avx512"
+#define VW 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VLOADX(p) _mm512_loadu_ps(p)
+static inline vf load_w(const void *w, int type, int64_t i) {
+    if (type == W_INT8) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)w + i));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    }
+    if (type == W_BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)w + i);
+}
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ISA_NAME "avx2"
+#define VW 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VLOADX(p) _mm256_loadu_ps(p)
+static inline vf load_w(const void *w, int type, int64_t i) {
+    if (type == W_INT8) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + i));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
+    if (type == W_BF16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)w + i);
+}
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#define ISA_NAME "portable"
+#define VW 8
+typedef float vf __attribute__((vector_size(32)));
+#define VZERO() ((vf){0})
+#define VFMA(a, b, c) ((a) * (b) + (c))
+static inline vf VLOADX(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline float bf16_bits_to_f32(uint16_t h);
+static inline vf load_w(const void *w, int type, int64_t i) {
+    vf v;
+    for (int j = 0; j < VW; j++) {
+        v[j] = type == W_INT8   ? (float)((const int8_t *)w)[i + j]
+               : type == W_BF16 ? bf16_bits_to_f32(((const uint16_t *)w)[i + j])
+                                : ((const float *)w)[i + j];
+    }
+    return v;
+}
+static inline float vsum(vf v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+#endif
+
+const char *infersight_gemv_isa(void) { return ISA_NAME; }
+
+static inline float bf16_bits_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float w_at(const void *w, int type, int64_t i) {
+    return type == W_INT8   ? (float)((const int8_t *)w)[i]
+           : type == W_BF16 ? bf16_bits_to_f32(((const uint16_t *)w)[i])
+                            : ((const float *)w)[i];
+}
+
+static inline size_t w_size(int type) { return type == W_INT8 ? 1 : type == W_BF16 ? 2 : 4; }
+
+/* Output rows n0 .. n0 + nt - 1 for rows m0 .. m0 + mt - 1 of x (fp32). The vector part
+ * covers K rounded down to the vector width; the rest is added in scalar, in order. */
+static inline void tile(const float *x, int64_t k, const void *w, int type, const float *ws,
+                        int64_t n0, int nt, int64_t m0, int mt, float *out) {
+    const size_t row_bytes = (size_t)k * w_size(type);
+    const void *wr[NT];
+    for (int j = 0; j < nt; j++) wr[j] = (const char *)w + (size_t)(n0 + j) * row_bytes;
+    vf acc[MT][NT];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = VZERO();
+    const int64_t kv = k / VW * VW;
+    for (int64_t c = 0; c < kv; c += VW) {
+        vf wv[NT];
+        for (int j = 0; j < nt; j++) wv[j] = load_w(wr[j], type, c);
+        for (int i = 0; i < mt; i++) {
+            const vf xv = VLOADX(x + (m0 + i) * k + c);
+            for (int j = 0; j < nt; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        for (int j = 0; j < nt; j++) {
+            float s = vsum(acc[i][j]);
+            for (int64_t c = kv; c < k; c++) s += x[(m0 + i) * k + c] * w_at(wr[j], type, c);
+            out[i * NT + j] = ws ? s * ws[n0 + j] : s;
+        }
+    }
+}
+
+/* y [M, N] = (x [M, K] · Wᵀ) (· scales, for int8 weights). x_bf16 / y_bf16: x and y are bf16
+ * (else fp32). Returns 0, or -1 where the scratch space for a bf16 x could not be had. */
+int infersight_gemv(const void *x, int x_bf16, int64_t m, int64_t k, const void *w, int type,
+                    const float *scales, int64_t n_out, void *y, int y_bf16, int threads) {
+    float *wide = NULL;
+    const float *xf = (const float *)x;
+    if (x_bf16) {
+        wide = malloc((size_t)(m * k) * sizeof *wide);
+        if (!wide) return -1;
+        for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_bits_to_f32(((const uint16_t *)x)[i]);
+        xf = wide;
+    }
+    const float *ws = type == W_INT8 ? scales : NULL;
+    const int64_t tiles = (n_out + NT - 1) / NT;
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NT;
+        const int nt = n_out - n0 < NT ? (int)(n_out - n0) : NT;
+        for (int64_t m0 = 0; m0 < m; m0 += MT) {
+            const int mt = m - m0 < MT ? (int)(m - m0) : MT;
+            float out[MT * NT];
+            /* literal tile sizes where they are full, so the compiler unrolls them */
+            if (nt == NT && mt == 1)
+                tile(xf, k, w, type, ws, n0, NT, m0, 1, out);
+            else if (nt == NT && mt == MT)
+                tile(xf, k, w, type, ws, n0, NT, m0, MT, out);
+            else
+                tile(xf, k, w, type, ws, n0, nt, m0, mt, out);
+            for (int i = 0; i < mt; i++) {
+                for (int j = 0; j < nt; j++) {
+                    const int64_t at = (m0 + i) * n_out + n0 + j;
+                    if (y_bf16)
+                        ((uint16_t *)y)[at] = f32_to_bf16_bits(out[i * NT + j]);
+                    else
+                        ((float *)y)[at] = out[i * NT + j];
+                }
+            }
+        }
+    }
+    free(wide);
+    return 0;
+}

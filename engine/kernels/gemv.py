@@ -1,0 +1,215 @@
+"""Products of a few rows with float activations, of our own on the CPU (``csrc/gemv.c``):
+our INT8 weights (per-row scales), bf16 or fp32 weights, times fp32 or bf16 activations.
+
+A decode step multiplies one row of activations by every weight of the model once: bound by
+memory, not arithmetic. torch's INT8 kernel for one row (``_weight_int8pack_mm``) streams its
+weights at about a third of the bandwidth the CPU has (``make bench-peers``, Llama-3.2-1B's
+shapes), where llama.cpp's Q8_0 reaches 0.6. This kernel converts each weight to fp32 in
+registers and multiplies it into fp32 sums, four output rows at a time: the activations stay
+float, so nothing is approximated beyond the order of the sums (unlike
+:mod:`engine.kernels.lowbit`, which quantizes them).
+
+**A kernel per step shape.** The weights keep one layout, the one torch's kernel reads too, so
+a layer takes ours for the shapes it is fastest at (one row, a verification's or a small
+batch's few: up to :data:`MAX_ROWS`) and torch's for prefill chunks, each call by its row
+count. Whether ours runs a layer's small shapes is timed once per machine and shape at load,
+against torch's kernel at one row (``kernels.json``), under ``INFERSIGHT_LOWBIT``'s modes
+(:func:`engine.kernels.lowbit.requested`): ``auto`` times, ``ours`` always, ``torch`` never.
+
+Built once per machine and CPU level like the other kernels (:mod:`engine.kernels.native`),
+first checked in a child process (:mod:`engine.hardware.isolated`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.errors import InfersightError
+from engine.hardware import isolated, measured
+from engine.hardware.measured import machine_key
+from engine.kernels import lowbit, native
+
+log = logging.getLogger(__name__)
+
+SOURCE = native.CSRC / "gemv.c"
+#: rows of activations up to which a layer that chose ours takes it (decode, verification,
+#: small batches); above, torch's kernel (prefill chunks)
+MAX_ROWS = 16
+#: weight types, as the C code numbers them
+INT8, BF16, FP32 = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    lib: Any  # the ctypes library, or None
+    why: str
+    path: Path | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.lib is not None
+
+    @property
+    def isa(self) -> str:
+        return self.lib.infersight_gemv_isa().decode() if self.lib is not None else "none"
+
+
+def load(path: Path) -> Library:
+    lib = ctypes.CDLL(str(path))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.infersight_gemv_isa.restype = ctypes.c_char_p
+    lib.infersight_gemv_isa.argtypes = []
+    lib.infersight_gemv.restype = ctypes.c_int
+    lib.infersight_gemv.argtypes = [p, i32, i64, i64, p, i32, p, i64, p, i32, i32]
+    return Library(lib, "", path)
+
+
+def build(level: str | None = None) -> Library:
+    """Build (once per machine) and load the library for ``level``, without the child's
+    check: for tests, which check each level themselves."""
+    path, why = native.built(SOURCE, native.isa_flags(level))
+    if path is None:
+        return Library(None, f"our GEMV kernel: {why}")
+    return load(path)
+
+
+@cache
+def library() -> Library:
+    """This machine's build at the current CPU level, checked once in a child process."""
+    found = build()
+    if found.path is None:
+        return found
+    problem = isolated.verdict("GEMV kernel", PROBE, str(found.path))
+    if problem:
+        log.warning("our GEMV kernel failed its check (%s); not using it", problem)
+        return Library(None, f"our GEMV kernel failed its check: {problem}")
+    return found
+
+
+_WIDTH = {torch.float32: 0, torch.bfloat16: 1}
+_TYPES = {torch.int8: INT8, torch.bfloat16: BF16, torch.float32: FP32}
+
+
+def product(
+    lib: Library, x: Tensor, weight: Tensor, scales: Tensor | None, out: torch.dtype
+) -> Tensor:
+    """``x [M, K]`` (fp32 or bf16; others are converted) times ``weight [N, K]`` (int8 with
+    float32 ``scales [N]``, bf16 or fp32): ``[M, N]`` in ``out`` (fp32 or bf16; others
+    converted)."""
+    if x.dtype not in _WIDTH:
+        x = x.float()
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=out if out in _WIDTH else torch.float32)
+    rc = lib.lib.infersight_gemv(
+        x.data_ptr(), _WIDTH[x.dtype], x.shape[0], x.shape[1], weight.data_ptr(),
+        _TYPES[weight.dtype], None if scales is None else scales.data_ptr(), weight.shape[0],
+        y.data_ptr(), _WIDTH[y.dtype], lowbit.threads(),
+    )  # fmt: skip
+    if rc:
+        raise MemoryError("our GEMV kernel ran out of memory for its scratch space")
+    return y if y.dtype == out else y.to(out)
+
+
+def int8_linear(x: Tensor, weight: Tensor, scales: Tensor, out: torch.dtype) -> Tensor:
+    """This machine's kernel (:func:`library`) on INT8 weights with float32 ``scales``."""
+    return product(library(), x, weight, scales, out)
+
+
+# -- the check ---------------------------------------------------------------------------------
+
+PROBE = f"{__name__}:_probe_build"
+#: Relative error a product may have against float64 (float32 sums in another order)
+TOLERANCE = 1e-5
+
+
+def _probe_build() -> str:
+    found = build()
+    return check(found) if found.available else found.why
+
+
+def check(lib: Library) -> str:
+    """Every weight type, from and to fp32 and bf16, on ragged shapes against float64: ""
+    if all agree."""
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n in ((1, 40, 7), (3, 129, 18), (6, 64, 33)):
+        x = torch.randn(m, k, generator=gen)
+        w = torch.randn(n, k, generator=gen)
+        q = (w * 40).round().clamp(-127, 127).to(torch.int8)
+        scales = torch.rand(n, generator=gen) + 0.5
+        cases = [(q, scales, q.double() * scales.double()[:, None]),
+                 (w.bfloat16(), None, w.bfloat16().double()), (w, None, w.double())]  # fmt: skip
+        for weight, s, dense in cases:
+            for x_dtype in (torch.float32, torch.bfloat16):
+                xs = x.to(x_dtype)
+                want = xs.double() @ dense.T
+                got = product(lib, xs, weight, s, torch.float32)
+                err = ((got.double() - want).abs().max() / want.abs().max()).item()
+                if err > TOLERANCE:
+                    return f"{weight.dtype} [{m}, {k}] x [{n}, {k}] from {x_dtype}: {err:.3g}"
+                if not torch.equal(product(lib, xs, weight, s, torch.bfloat16), got.bfloat16()):
+                    return f"{weight.dtype} [{m}, {k}]: bf16 output rounds otherwise than torch"
+    return ""
+
+
+# -- the choice, per layer shape -----------------------------------------------------------------
+
+
+def chosen(
+    fmt: str, out_features: int, in_features: int, timer: Callable[[], lowbit.Timing] | None
+) -> bool:
+    """Whether a CPU layer of this format (``int8 bfloat16``: weights and activations) and
+    shape takes our kernel for its small step shapes: the library builds and passed its check,
+    and (``auto``) it measured faster at one row than torch's kernel, timed once by ``timer``
+    and kept in ``kernels.json`` (no ``timer``: torch has no kernel here to time against)."""
+    mode = lowbit.requested()
+    if mode == "torch":
+        return False
+    found = library()
+    if not found.available:
+        if mode == "ours":
+            raise InfersightError(f"{lowbit.ENV}=ours, but {found.why}; unset it to fall back")
+        return False
+    if mode == "ours" or timer is None:
+        return True
+    key = lowbit.shape_key(f"gemv {fmt}", out_features, in_features)
+    verdicts = f"{machine_key()} | gemv {found.isa} | {lowbit.threads()} threads"
+    with lowbit.LOCK:
+        known = measured.read(lowbit.measured_file()).get(verdicts, {}).get(key)
+        if known is not None:
+            try:
+                return lowbit.Timing(**known).ours
+            except TypeError:
+                pass
+        timing = timer()
+        log.info("timed %s: ours %.3f ms, torch %.3f ms per token", key, timing.ours_ms,
+                 timing.torch_ms)  # fmt: skip
+        measured.write(lowbit.measured_file(), {verdicts: {key: asdict(timing)}})
+        return bool(timing.ours)
+
+
+def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> lowbit.Timing:
+    """Ours against ``torch._weight_int8pack_mm`` at one row of ``dtype`` activations."""
+    from engine.formats import quantize_int8
+
+    gen = torch.Generator().manual_seed(0)
+    copies = lowbit.copies_for(out_features * in_features)
+    weights = [quantize_int8(torch.randn(out_features, in_features, generator=gen), dtype)
+               for _ in range(copies)]  # fmt: skip
+    float_scales = [s.float() for _, s in weights]
+
+    def ours(x: Tensor, i: int) -> object:
+        return int8_linear(x, weights[i][0], float_scales[i], dtype)
+
+    def theirs(x: Tensor, i: int) -> object:
+        return torch._weight_int8pack_mm(x, weights[i][0], weights[i][1])
+
+    return lowbit.time_kernels(ours, theirs, copies, in_features, dtype)
