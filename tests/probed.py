@@ -4,11 +4,12 @@ kind."""
 
 from __future__ import annotations
 
+import platform
 from typing import Any
 
 import pytest
 
-from engine.hardware.cpu_paths import cpu_paths
+from engine.hardware.cpu_paths import LEVELS, cpu_paths, forced_level, native_level
 
 _INT4 = cpu_paths().int4_kernel
 
@@ -32,3 +33,15 @@ def cpu_flags() -> set[str]:
     except OSError:
         return set()
     return set(line.partition(":")[2].split())
+
+
+#: Whether this is an x86-64 CPU, whose lower levels our C kernels build for.
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def built_levels() -> list[str | None]:
+    """The builds of our C kernels this machine makes: its own (None: ``-march=native``, or
+    the level this process is held to) and, on x86-64, each level below it that
+    ``INFERSIGHT_CPU_CAPABILITY`` can force."""
+    own = forced_level() or native_level()
+    return [None] + [lvl for lvl in LEVELS if X86 and LEVELS.index(lvl) < LEVELS.index(own)]

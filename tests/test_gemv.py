@@ -3,24 +3,20 @@ builds, and the layers that take it for their small step shapes only."""
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.formats import quantize_int8
-from engine.hardware.cpu_paths import LEVELS, forced_level, native_level
+from engine.hardware.cpu_paths import forced_level
 from engine.kernels import gemv, lowbit, native
 from engine.kernels.packed_linear import GemvLinear
 from engine.quant.int8 import Int8Linear
-from tests.probed import cpu_flags
+from tests.probed import X86, built_levels, cpu_flags
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-OWN = forced_level() or native_level()
-BUILT = [None] + [lvl for lvl in LEVELS if X86 and LEVELS.index(lvl) < LEVELS.index(OWN)]
+BUILT = built_levels()
 
 
 def expected_isa(level: str | None) -> str:

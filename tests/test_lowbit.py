@@ -5,7 +5,6 @@ read back, and the layers that run them."""
 
 from __future__ import annotations
 
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -17,17 +16,13 @@ import torch.nn.functional as F
 from engine.errors import InfersightError
 from engine.formats import quantize_int4, quantize_int8
 from engine.hardware import measured
-from engine.hardware.cpu_paths import LEVELS, forced_level, native_level
+from engine.hardware.cpu_paths import forced_level
 from engine.kernels import lowbit, native
-from tests.probed import cpu_flags, precisions
+from tests.probed import X86, built_levels, cpu_flags, precisions
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-#: The builds this machine makes: its own (None: ``-march=native``, or the level this process
-#: is held to) and, on x86-64, each level below that ``INFERSIGHT_CPU_CAPABILITY`` can force.
-OWN = forced_level() or native_level()
-BUILT = [None] + [lvl for lvl in LEVELS if X86 and LEVELS.index(lvl) < LEVELS.index(OWN)]
+BUILT = built_levels()
 
 
 def expected_isa(level: str | None) -> str:

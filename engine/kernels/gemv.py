@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.errors import InfersightError
-from engine.hardware import isolated, measured
-from engine.hardware.measured import machine_key
 from engine.kernels import lowbit, native
 
 log = logging.getLogger(__name__)
@@ -48,51 +44,31 @@ MAX_ROWS = 16
 INT8, BF16, FP32 = 0, 1, 2
 
 
-@dataclass(frozen=True, slots=True)
-class Library:
-    lib: Any  # the ctypes library, or None
-    why: str
-    path: Path | None = None
-
-    @property
-    def available(self) -> bool:
-        return self.lib is not None
-
-    @property
-    def isa(self) -> str:
-        return self.lib.infersight_gemv_isa().decode() if self.lib is not None else "none"
+#: A loaded build of ``gemv.c``, or why there is none.
+Library = native.Library
 
 
 def load(path: Path) -> Library:
-    lib = ctypes.CDLL(str(path))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.infersight_gemv_isa.restype = ctypes.c_char_p
-    lib.infersight_gemv_isa.argtypes = []
-    lib.infersight_gemv.restype = ctypes.c_int
-    lib.infersight_gemv.argtypes = [p, i32, i64, i64, p, i32, p, i64, p, i32, i32]
-    return Library(lib, "", path)
+    """Load a build of ``gemv.c`` and declare its function."""
+
+    def declare(lib: Any) -> None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.infersight_gemv.restype = ctypes.c_int
+        lib.infersight_gemv.argtypes = [p, i32, i64, i64, p, i32, p, i64, p, i32, i32]
+
+    return native.load(path, "infersight_gemv_isa", declare)
 
 
 def build(level: str | None = None) -> Library:
     """Build (once per machine) and load the library for ``level``, without the child's
     check: for tests, which check each level themselves."""
-    path, why = native.built(SOURCE, native.isa_flags(level))
-    if path is None:
-        return Library(None, f"our GEMV kernel: {why}")
-    return load(path)
+    return native.build_library(SOURCE, "our GEMV kernel", level, load)
 
 
 @cache
 def library() -> Library:
     """This machine's build at the current CPU level, checked once in a child process."""
-    found = build()
-    if found.path is None:
-        return found
-    problem = isolated.verdict("GEMV kernel", PROBE, str(found.path))
-    if problem:
-        log.warning("our GEMV kernel failed its check (%s); not using it", problem)
-        return Library(None, f"our GEMV kernel failed its check: {problem}")
-    return found
+    return native.checked(build(), "GEMV kernel", PROBE)
 
 
 _WIDTH = {torch.float32: 0, torch.bfloat16: 1}
@@ -170,30 +146,10 @@ def chosen(
     shape takes our kernel for its small step shapes: the library builds and passed its check,
     and (``auto``) it measured faster at one row than torch's kernel, timed once by ``timer``
     and kept in ``kernels.json`` (no ``timer``: torch has no kernel here to time against)."""
-    mode = lowbit.requested()
-    if mode == "torch":
+    if lowbit.requested() == "torch":
         return False
-    found = library()
-    if not found.available:
-        if mode == "ours":
-            raise InfersightError(f"{lowbit.ENV}=ours, but {found.why}; unset it to fall back")
-        return False
-    if mode == "ours" or timer is None:
-        return True
     key = lowbit.shape_key(f"gemv {fmt}", out_features, in_features)
-    verdicts = f"{machine_key()} | gemv {found.isa} | {lowbit.threads()} threads"
-    with lowbit.LOCK:
-        known = measured.read(lowbit.measured_file()).get(verdicts, {}).get(key)
-        if known is not None:
-            try:
-                return lowbit.Timing(**known).ours
-            except TypeError:
-                pass
-        timing = timer()
-        log.info("timed %s: ours %.3f ms, torch %.3f ms per token", key, timing.ours_ms,
-                 timing.torch_ms)  # fmt: skip
-        measured.write(lowbit.measured_file(), {verdicts: {key: asdict(timing)}})
-        return bool(timing.ours)
+    return lowbit.decided(library, "gemv", key, timer)
 
 
 def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> lowbit.Timing:

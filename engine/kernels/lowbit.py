@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InfersightError
-from engine.hardware import isolated, measured
+from engine.hardware import measured
 from engine.hardware.measured import KERNELS_FILE, machine_key
 from engine.kernels import native
 
@@ -84,63 +84,39 @@ def choosing(mode: str | None) -> Iterator[None]:
         _CHOSEN.reset(token)
 
 
-@dataclass(frozen=True, slots=True)
-class Library:
-    """The loaded kernels, or why there are none."""
-
-    lib: Any  # the ctypes library, or None
-    why: str
-    path: Path | None = None
-
-    @property
-    def available(self) -> bool:
-        return self.lib is not None
-
-    @property
-    def isa(self) -> str:
-        """The instruction set the build uses (``avx512-vnni``, ``avx2``, ``portable`` …)."""
-        return self.lib.infersight_lowbit_isa().decode() if self.lib is not None else "none"
+#: A loaded build of ``lowbit.c``, or why there is none.
+Library = native.Library
 
 
 def load(path: Path) -> Library:
     """Load a build of ``lowbit.c`` and declare its functions."""
-    lib = ctypes.CDLL(str(path))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.infersight_lowbit_isa.restype = ctypes.c_char_p
-    lib.infersight_lowbit_isa.argtypes = []
-    lib.infersight_quantize_q8.restype = None
-    lib.infersight_quantize_q8.argtypes = [p, i64, i64, p, p, p]
-    lib.infersight_int8_gemm.restype = None
-    lib.infersight_int8_gemm.argtypes = [p, p, i64, i64, p, p, i64, p, i32]
-    lib.infersight_int4_gemm.restype = None
-    lib.infersight_int4_gemm.argtypes = [p, p, p, i64, i64, i64, p, p, i64, p, p, i32]
-    lib.infersight_int8_linear.restype = ctypes.c_int
-    lib.infersight_int8_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
-    lib.infersight_int4_linear.restype = ctypes.c_int
-    lib.infersight_int4_linear.argtypes = [p, i64, i64, i64, p, p, i64, p, i32]
-    return Library(lib, "", path)
+
+    def declare(lib: Any) -> None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.infersight_quantize_q8.restype = None
+        lib.infersight_quantize_q8.argtypes = [p, i64, i64, p, p, p]
+        lib.infersight_int8_gemm.restype = None
+        lib.infersight_int8_gemm.argtypes = [p, p, i64, i64, p, p, i64, p, i32]
+        lib.infersight_int4_gemm.restype = None
+        lib.infersight_int4_gemm.argtypes = [p, p, p, i64, i64, i64, p, p, i64, p, p, i32]
+        lib.infersight_int8_linear.restype = ctypes.c_int
+        lib.infersight_int8_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
+        lib.infersight_int4_linear.restype = ctypes.c_int
+        lib.infersight_int4_linear.argtypes = [p, i64, i64, i64, p, p, i64, p, i32]
+
+    return native.load(path, "infersight_lowbit_isa", declare)
 
 
 def build(level: str | None = None) -> Library:
     """Build (once per machine) and load the library for ``level``, without the child's
     check: for tests, which check each level themselves."""
-    path, why = native.built(SOURCE, native.isa_flags(level))
-    if path is None:
-        return Library(None, f"the low-bit kernels: {why}")
-    return load(path)
+    return native.build_library(SOURCE, "the low-bit kernels", level, load)
 
 
 @cache
 def library() -> Library:
     """This machine's build at the current CPU level, checked once in a child process."""
-    found = build()
-    if found.path is None:
-        return found
-    problem = isolated.verdict("low-bit kernels", PROBE, str(found.path))
-    if problem:
-        log.warning("our low-bit kernels failed their check (%s); not using them", problem)
-        return Library(None, f"our low-bit kernels failed their check: {problem}")
-    return found
+    return native.checked(build(), "low-bit kernels", PROBE)
 
 
 # -- the operands --------------------------------------------------------------------------
@@ -350,36 +326,42 @@ def chosen(
     family = fmt.split()[0].split("-")[0]  # "int4-g32 bfloat16" -> "int4"
     if mode == "torch" or (mode == "auto" and family not in ADMITTED):
         return False
-    found = library()
+    return decided(library, "lowbit", shape_key(fmt, out_features, in_features), timer)
+
+
+def decided(
+    built: Callable[[], Library], name: str, key: str, timer: Callable[[], Timing] | None
+) -> bool:
+    """Whether our kernel ``built()`` runs the layer shape ``key`` in ``INFERSIGHT_LOWBIT``'s
+    mode (``auto`` or ``ours``; callers answer ``torch`` themselves): it builds and passed its
+    check, and (``auto``) it measured faster than torch's, timed once by ``timer`` and kept in
+    ``kernels.json`` under this machine, the ``name`` build's instruction set and the thread
+    count (no ``timer``: torch has no kernel here to time against)."""
+    mode = requested()
+    found = built()
     if not found.available:
         if mode == "ours":
             raise InfersightError(f"{ENV}=ours, but {found.why}; unset it to fall back")
         return False
     if mode == "ours" or timer is None:
         return True
-    key = shape_key(fmt, out_features, in_features)
+    verdicts = f"{machine_key()} | {name} {found.isa} | {threads()} threads"
     with LOCK:
-        machine = measured.read(measured_file()).get(_verdicts_key(found), {})
-        if key in machine:
+        known = measured.read(measured_file()).get(verdicts, {}).get(key)
+        if known is not None:
             try:
-                return Timing(**machine[key]).ours
+                return bool(Timing(**known).ours)
             except TypeError:
                 pass
         timing = timer()
         log.info("timed %s: ours %.3f ms, torch %.3f ms per token", key, timing.ours_ms,
                  timing.torch_ms)  # fmt: skip
-        measured.write(measured_file(), {_verdicts_key(found): {key: asdict(timing)}})
+        measured.write(measured_file(), {verdicts: {key: asdict(timing)}})
         return timing.ours
 
 
 def measured_file() -> str:
     return KERNELS_FILE
-
-
-def _verdicts_key(found: Library) -> str:
-    """The verdicts' entry in ``kernels.json``: this machine, build and thread count (beside
-    the layout verdicts, under a key of its own)."""
-    return f"{machine_key()} | lowbit {found.isa} | {threads()} threads"
 
 
 def threads() -> int:

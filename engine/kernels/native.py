@@ -12,13 +12,17 @@ leaves this process on the portable path.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.hardware.measured import machine_name
 from engine.paths import home
@@ -120,3 +124,59 @@ def built(source: Path, flags: list[str]) -> tuple[Path | None, str]:
     if build(cc, source, path, flags) is None:
         return None, "it did not compile here"
     return path, ""
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    """A loaded build of one of our C sources, or why there is none."""
+
+    lib: Any  # the ctypes library, or None
+    why: str
+    path: Path | None = None
+    #: the library's function that names the instruction set its build uses
+    isa_symbol: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.lib is not None
+
+    @property
+    def isa(self) -> str:
+        """The instruction set the build uses (``avx512-vnni``, ``avx2``, ``portable`` …)."""
+        if self.lib is None:
+            return "none"
+        return str(getattr(self.lib, self.isa_symbol)().decode())
+
+
+def load(path: Path, isa_symbol: str, declare: Callable[[Any], None]) -> Library:
+    """Load the build ``path``; ``declare`` gives its functions their C signatures."""
+    lib = ctypes.CDLL(str(path))
+    getattr(lib, isa_symbol).restype = ctypes.c_char_p
+    getattr(lib, isa_symbol).argtypes = []
+    declare(lib)
+    return Library(lib, "", path, isa_symbol)
+
+
+def build_library(
+    source: Path, what: str, level: str | None, loader: Callable[[Path], Library]
+) -> Library:
+    """Build ``source`` (once per machine) for ``level`` and load it with ``loader``, without
+    the child's check (tests check each level themselves); ``what`` names it in the reason
+    there is none."""
+    path, why = built(source, isa_flags(level))
+    return Library(None, f"{what}: {why}") if path is None else loader(path)
+
+
+def checked(found: Library, what: str, probe: str) -> Library:
+    """``found`` if its first check (``probe``, ``module:function``) passes, run once per
+    build in a child process and kept (:func:`engine.hardware.isolated.verdict`: C that
+    crashes there leaves this process on torch's paths); else no library, and why."""
+    from engine.hardware import isolated
+
+    if found.path is None:
+        return found
+    problem = isolated.verdict(what, probe, str(found.path))
+    if problem:
+        log.warning("our %s failed the check (%s); not using it", what, problem)
+        return Library(None, f"our {what} failed the check: {problem}")
+    return found

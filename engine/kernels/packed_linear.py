@@ -96,16 +96,10 @@ STREAM_BYTES = 96 * 2**20
 def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
     """Time ``y = x Wᵀ`` for one token in both layouts over enough distinct matrices of this
     shape that every call reads its weights from memory, as decode does; the best of three."""
-    nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
-    copies = max(1, min(64, STREAM_BYTES // max(nbytes, 1)))
-    gen = torch.Generator().manual_seed(0)
-    weights = [
-        torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(copies)
-    ]
+    weights, x = _streamed(dtype, out_features, in_features)
     packed = [
         torch.ops.mkldnn._reorder_linear_weight(w, batch_size=PACK_BATCH_HINT) for w in weights
     ]
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
 
     def plain_run() -> None:
         for w in weights:
@@ -115,8 +109,22 @@ def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> Lay
         for w in packed:
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    plain_ms, packed_ms = measured.best_of_three([plain_run, packed_run], copies)
+    plain_ms, packed_ms = measured.best_of_three([plain_run, packed_run], len(weights))
     return LayoutTiming(packed_ms=packed_ms, plain_ms=plain_ms)
+
+
+def _streamed(
+    dtype: torch.dtype, out_features: int, in_features: int
+) -> tuple[list[Tensor], Tensor]:
+    """Enough distinct random matrices of this shape that a pass over them reads each from
+    memory (:data:`STREAM_BYTES`), and one row of activations."""
+    nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(64, STREAM_BYTES // max(nbytes, 1)))
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(copies)
+    ]
+    return weights, torch.randn(1, in_features, generator=gen).to(dtype)
 
 
 @functools.cache
@@ -204,19 +212,16 @@ class GemvLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, ours ≤ 16 rows"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"ours ≤ {gemv.MAX_ROWS} rows"
+        )
 
 
 def time_gemv(dtype: torch.dtype, out_features: int, in_features: int) -> Timing:
     """Our GEMV against the best of torch's layouts (``nn.Linear``, and oneDNN's packed one
     where this CPU runs it) for one token, every call reading its weights from memory."""
-    nbytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
-    copies = max(1, min(64, STREAM_BYTES // max(nbytes, 1)))
-    gen = torch.Generator().manual_seed(0)
-    weights = [
-        torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(copies)
-    ]
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    weights, x = _streamed(dtype, out_features, in_features)
     lib = gemv.library()
 
     def ours() -> None:
@@ -237,7 +242,7 @@ def time_gemv(dtype: torch.dtype, out_features: int, in_features: int) -> Timing
                 torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
         runs.append(packed_run)
-    ours_ms, *theirs = measured.best_of_three(runs, copies)
+    ours_ms, *theirs = measured.best_of_three(runs, len(weights))
     return Timing(ours_ms=ours_ms, torch_ms=min(theirs))
 
 
