@@ -49,7 +49,7 @@ from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
 from engine.model.inventory import weight_bytes
 from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import Transformer
+from engine.model.transformer import TORCH_OPS, Transformer
 from engine.quant.inventory import weight_report
 from engine.quant.spec import PrecisionSpec, dtype_name
 
@@ -108,6 +108,10 @@ class LLMEngine:
         self.triton, self.kernels = _attention_kernels(cfg, dtype, device)
         if self.triton:  # the layers' norms and RoPE on our fused kernels too, if they pass
             self._fuse_layer_ops()
+        elif device.type == "cpu":  # the norms in C, where our CPU kernels are allowed
+            ops, why = layer_ops.cpu_ops()
+            self.model.set_ops(ops or TORCH_OPS)
+            self.kernels += f"; {why}"
         self.kv = PagedKVCache(
             cfg,
             num_blocks=self._pool_blocks(),
