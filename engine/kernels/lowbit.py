@@ -335,8 +335,8 @@ def decided(
     """Whether our kernel ``built()`` runs the layer shape ``key`` in ``INFERSIGHT_LOWBIT``'s
     mode (``auto`` or ``ours``; callers answer ``torch`` themselves): it builds and passed its
     check, and (``auto``) it measured faster than torch's, timed once by ``timer`` and kept in
-    ``kernels.json`` under this machine, the ``name`` build's instruction set and the thread
-    count (no ``timer``: torch has no kernel here to time against)."""
+    ``kernels.json`` under this machine, the ``name`` build (its instruction set and source)
+    and the thread count (no ``timer``: torch has no kernel here to time against)."""
     mode = requested()
     found = built()
     if not found.available:
@@ -345,7 +345,9 @@ def decided(
         return False
     if mode == "ours" or timer is None:
         return True
-    verdicts = f"{machine_key()} | {name} {found.isa} | {threads()} threads"
+    # the build's name carries a hash of its source and flags: a changed kernel is timed anew
+    build = found.path.stem if found.path is not None else name
+    verdicts = f"{machine_key()} | {build} {found.isa} | {threads()} threads"
     with LOCK:
         known = measured.read(measured_file()).get(verdicts, {}).get(key)
         if known is not None:
