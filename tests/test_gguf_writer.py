@@ -13,7 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from engine.model.config import ModelConfig
-from engine.store.gguf_reader import hf_tensor_name, open_gguf, read_gguf_header, unpermute_rotary
+from engine.store.gguf_reader import (
+    hf_tensor_name,
+    llama3_scaling,
+    open_gguf,
+    read_gguf_header,
+    unpermute_rotary,
+)
 from engine.store.gguf_writer import rope_divisors, write_gguf
 from engine.store.synthetic_store import GGUF_NAME, published_config, write_synthetic
 from tests.conftest import TINY, build_tiny_hf
@@ -116,3 +122,36 @@ def test_an_unknown_synthetic_model_is_refused_with_the_known_ones(capsys):
     assert main(["models", "synth", "llama-9"]) != 0
     err = capsys.readouterr().err
     assert "no published config named 'llama-9'" in err and "llama-3.2-1b" in err
+
+
+def test_the_gguf_header_gives_back_llama3_rope_scaling(tmp_path):
+    """The import reads Llama 3's scaling back from llama.cpp's per-pair divisors: the config
+    it writes rotates as the original (a GGUF of a Llama 3.x model lost it before)."""
+    from engine.model.transformer import rope_inverse_frequencies
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 2.0, "original_max_position_embeddings": 256}  # fmt: skip
+    raw = {**TINY_LLAMA3, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "rope_theta": 10000.0, "rope_scaling": scaling}  # fmt: skip  # head_dim 32
+    folder = write_synthetic(raw, tmp_path / "synthetic")
+    read = read_gguf_header(folder / GGUF_NAME).config
+    assert read["rope_scaling"] == scaling
+    want = rope_inverse_frequencies(ModelConfig.from_dict(raw))
+    torch.testing.assert_close(rope_inverse_frequencies(ModelConfig.from_dict(read)), want)
+    # Meta's published configs, through the divisors llama.cpp would keep, and back
+    for name in ("llama-3.2-1b", "llama-3.1-8b"):
+        cfg = ModelConfig.from_dict(published_config(name))
+        divisors = rope_divisors(cfg)
+        assert divisors is not None
+        got = llama3_scaling(divisors.astype(np.float64), cfg.rope_theta, cfg.head_dim)
+        assert got == published_config(name)["rope_scaling"]
+
+
+def test_divisors_that_are_not_llama3s_scaling_are_refused_by_name():
+    from engine.errors import UnsupportedModelError
+
+    with pytest.raises(
+        UnsupportedModelError, match=r"not Llama 3's RoPE scaling.*Hugging Face folder"
+    ):
+        llama3_scaling(np.linspace(1, 5, 16), 10000.0, 32)
+    assert llama3_scaling(np.ones(16), 10000.0, 32) is None  # no scaling at all

@@ -159,6 +159,13 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
+    if "rope_freqs.weight" in names:  # Llama 3's RoPE scaling, as llama.cpp keeps it
+        divisors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = llama3_scaling(
+            np.asarray(divisors.data, dtype=np.float64), config["rope_theta"], config["head_dim"]
+        )
+        if scaling is not None:
+            config["rope_scaling"] = scaling
     for gguf_key, hf_key in (
         ("bos_token_id", "bos_token_id"),
         ("padding_token_id", "pad_token_id"),
@@ -184,6 +191,83 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 
     data = dequantize(tensor.data, tensor.tensor_type)
     return np.asarray(data, dtype=np.float32)
+
+
+#: how far the divisors a recovered scaling gives may be from the file's (float32, relative)
+_DIVISOR_TOLERANCE = 1e-4
+
+
+def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """The ``rope_scaling`` of ``config.json`` that gives llama.cpp's per-pair frequency
+    divisors (``rope_freqs.weight``: a pair's frequency is its plain one over its divisor),
+    None where they scale nothing. Llama 3's scaling divides the low frequencies by ``factor``,
+    keeps the high ones and blends between, linearly in 1/wavelength (``low_freq_factor`` 1,
+    as every Llama 3 config has it): Llama 3's own (4, 8192) where they give the same divisors,
+    else two blended pairs give the span and the original length, one blended pair the length
+    for a span, none any length between the kept and the divided pairs; the first that gives
+    the file's divisors (by the engine's own formula) is taken. Raises
+    :class:`UnsupportedModelError` for divisors no such scaling gives, rather than import a
+    model that would rotate its queries and keys otherwise than it was trained."""
+    import math
+
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    plain = 1.0 / (theta ** exponents.astype(np.float64))
+    if divisors.shape != plain.shape:
+        raise UnsupportedModelError(
+            f"the GGUF's rope_freqs has {divisors.size} values for {plain.size} rotary pairs"
+        )
+    factor = float(divisors.max())
+    if abs(factor - 1.0) < _DIVISOR_TOLERANCE and abs(float(divisors.min()) - 1.0) < 1e-6:
+        return None
+    wavelength = 2 * math.pi / plain
+    ones = np.abs(divisors - 1) <= _DIVISOR_TOLERANCE
+    full = np.abs(divisors - factor) <= _DIVISOR_TOLERANCE * factor
+    blended = ~(ones | full)
+    # the blend of a pair is (original / wavelength - lf) / (hf - lf), lf = 1 in every Llama 3
+    blend = (1 / divisors - 1 / factor) / (1 - 1 / factor)
+    candidates: list[tuple[float, float]] = [(4.0, 8192.0)]  # (hf, original): Llama 3's own
+    if blended.sum() >= 2:  # a line through the blended pairs gives both
+        slope, intercept = np.polyfit(1 / wavelength[blended], blend[blended], 1)
+        if intercept < 0:
+            high = 1 - 1 / intercept
+            candidates.append((round(high, 4), slope * (high - 1)))
+    for high in (4.0, 2.0, 8.0, 3.0, 1.5, 16.0):  # the blend's span: Llama 3's, then others
+        if blended.sum() == 1:  # one blended pair: the original length for this span
+            w, b = wavelength[blended][0], blend[blended][0]
+            candidates.append((high, w * (1 + b * (high - 1))))
+        elif not blended.any():  # any length whose span falls between the kept and the divided
+            kept = wavelength[ones].max() if ones.any() else 0.0
+            divided = wavelength[full].min() if full.any() else math.inf
+            fits = [2.0**k for k in range(4, 24) if high * kept < 2.0**k < divided]
+            candidates += [(high, fits[-1])] if fits else []
+    for high, original in candidates:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": round(original),
+        }
+        if np.allclose(_llama3_divisors(theta, head_dim, scaling), divisors,
+                       rtol=_DIVISOR_TOLERANCE):  # fmt: skip
+            return scaling
+    raise UnsupportedModelError(
+        "the GGUF's rope_freqs are not Llama 3's RoPE scaling, the only per-pair scaling the "
+        "import knows (a model imported without it would rotate its queries and keys otherwise "
+        "than it was trained); load the model's Hugging Face folder instead"
+    )
+
+
+def _llama3_divisors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """Each pair's divisor under ``scaling``, by the engine's own formula."""
+    from engine.model.transformer import rope_inverse_frequencies
+
+    raw = {"model_type": "llama", "vocab_size": 1, "hidden_size": head_dim,
+           "intermediate_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1,
+           "head_dim": head_dim, "rope_theta": theta}  # fmt: skip
+    plain = rope_inverse_frequencies(ModelConfig.from_dict(raw))
+    scaled = rope_inverse_frequencies(ModelConfig.from_dict({**raw, "rope_scaling": scaling}))
+    return (plain / scaled).double().numpy()
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
