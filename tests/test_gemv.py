@@ -152,6 +152,7 @@ def test_a_model_loaded_with_ours_gives_the_plain_paths_tokens(tiny_model_dir, m
         ours = load_model(folder, precision="fp32")
     linears = [m for m in ours.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(isinstance(m, GemvLinear) for m in linears)
+    assert any("our GEMV" in group.form for group in ours.weight_groups)  # the load report
     rows = _counting(monkeypatch)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = list(range(3, 40))  # 37 tokens: the prefill's rows go to torch

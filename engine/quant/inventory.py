@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from engine.kernels.packed_linear import PackedLinear
+from engine.kernels import gemv
+from engine.kernels.packed_linear import GemvLinear, PackedLinear
 from engine.quant.embedding import QuantizedEmbedding
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
@@ -86,7 +87,9 @@ def weight_report(model: nn.Module) -> list[WeightGroup]:
                 continue
             seen.add(id(param))
             form = dtype_name(param.dtype)
-            if isinstance(module, nn.Linear) and param is module.weight:
+            if isinstance(module, GemvLinear) and param is module.weight:
+                form += f" (nn.Linear, our GEMV ≤ {gemv.MAX_ROWS} rows)"
+            elif isinstance(module, nn.Linear) and param is module.weight:
                 form += " (nn.Linear)"
             add(kind, form, param.numel(), param.numel() * param.element_size())
         bias = getattr(module, "bias", None)
