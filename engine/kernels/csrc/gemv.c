@@ -132,7 +132,15 @@ static inline void tile(const float *x, int64_t k, const void *w, int type, cons
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < nt; j++) acc[i][j] = VZERO();
     const int64_t kv = k / VW * VW;
+    const size_t ws_bytes = w_size(type);
     for (int64_t c = 0; c < kv; c += VW) {
+        /* The next tile's rows follow this tile's in memory: fetch them while this one
+         * computes, a cache line per row per 64 bytes read. Rows of a few KiB end before the
+         * hardware prefetcher has caught up with four streams (Llama-3.2-1B's int8 rows read at
+         * half the bandwidth without this). A prefetch past the matrix never faults. */
+        if ((c * ws_bytes) % 64 == 0)
+            for (int j = 0; j < nt; j++)
+                __builtin_prefetch((const char *)wr[j] + NT * row_bytes + c * ws_bytes, 0, 1);
         vf wv[NT];
         for (int j = 0; j < nt; j++) wv[j] = load_w(wr[j], type, c);
         for (int i = 0; i < mt; i++) {
