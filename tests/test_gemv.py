@@ -27,7 +27,9 @@ def expected_isa(level: str | None) -> str:
         return "portable"
     if level == "AVX2":
         return "avx2"
-    return "avx512" if {"avx512f", "avx512bw"} <= cpu_flags() else "avx2"
+    if not {"avx512f", "avx512bw"} <= cpu_flags():
+        return "avx2"
+    return "avx512-bf16" if "avx512_bf16" in cpu_flags() else "avx512"
 
 
 @pytest.fixture(scope="module", params=BUILT, ids=lambda level: level or "native")

@@ -65,7 +65,8 @@ SHAPES = [(1, 576, 1536), (2, 40, 7), (3, 100, 33), (4, 64, 17), (5, 200, 9), (8
 @pytest.mark.parametrize(("m", "k0", "n"), SHAPES)
 def test_each_product_matches_float64_on_the_dequantized_operands(lib, m, k0, n):
     """M = 1…16, K not a multiple of 32 (activations and weights padded with zeros, as the
-    layers do), N not a multiple of any vector width; INT8 and INT4 in three group sizes."""
+    layers do) nor of INT8's int16 block, N not a multiple of any vector width; INT8 and INT4
+    in three group sizes."""
     gen = torch.Generator().manual_seed(m * 1000 + k0 + n)
     x0 = torch.randn(m, k0, generator=gen) * 2
     x0[:, 3] = 40  # an outlier channel, as LLM activations have
@@ -79,9 +80,9 @@ def test_each_product_matches_float64_on_the_dequantized_operands(lib, m, k0, n)
         got = lowbit.int4_gemm(lib, qx, lowbit.pack_int4(q4), sz, group, 2)
         want = qx.dequantized() @ _dense_int4(q4, scale, zero, group).T
         assert _relative_error(got, want) < lowbit.TOLERANCE
-    k = -(-k0 // 32) * 32
+    k = -(-k0 // 32) * 32  # INT8: int16 blocks of 128, the last one of 32, 64 or 96
     x, w = lowbit.padded(x0, k), F.pad(w0, (0, k - k0))
-    qx = lowbit.quantize(lib, x)
+    qx = lowbit.quantize16(lib, x)
     wq, ws = quantize_int8(w)
     got = lowbit.int8_gemm(lib, qx, wq, ws, 2)
     want = qx.dequantized() @ (wq.double() * ws.double()[:, None]).T
@@ -100,6 +101,11 @@ def test_activations_round_as_torch_does(lib):
     assert torch.equal(got.q, want.q) and torch.equal(got.d, want.d)
     assert torch.equal(got.s, want.s)
     assert got.q.abs().max() <= 127
+    x16 = x[:, :224].clone()  # int16 blocks of 128, the last of 96
+    x16[4, :128] = 0
+    got16, want16 = lowbit.quantize16(lib, x16), lowbit.quantize16_reference(x16)
+    assert torch.equal(got16.q, want16.q) and torch.equal(got16.d, want16.d)
+    assert got16.q.abs().max() == 32767 and got16.d.shape == (7, 2) and got16.d[4, 0] == 0
 
 
 @pytest.mark.parametrize("group", [32, 64])
@@ -113,16 +119,16 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, group):
     q4, scale, zero = quantize_int4(w, group)
     packed, sz = lowbit.pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
     wq, ws = quantize_int8(w)
-    qx = lowbit.quantize(lib, x)
     alone4 = torch.cat([lowbit.int4_gemm(lib, lowbit.quantize(lib, x[i : i + 1].contiguous()),
                                          packed, sz, group, 1) for i in range(16)])  # fmt: skip
-    alone8 = torch.cat([lowbit.int8_gemm(lib, lowbit.quantize(lib, x[i : i + 1].contiguous()),
+    alone8 = torch.cat([lowbit.int8_gemm(lib, lowbit.quantize16(lib, x[i : i + 1].contiguous()),
                                          wq, ws, 1) for i in range(16)])  # fmt: skip
     for m in (2, 3, 5, 16):
         part = lowbit.quantize(lib, x[:m].contiguous())
         assert torch.equal(lowbit.int4_gemm(lib, part, packed, sz, group, 2), alone4[:m])
-        assert torch.equal(lowbit.int8_gemm(lib, part, wq, ws, 2), alone8[:m])
-    assert torch.equal(lowbit.int8_gemm(lib, qx, wq, ws, 2), alone8)
+        part16 = lowbit.quantize16(lib, x[:m].contiguous())
+        assert torch.equal(lowbit.int8_gemm(lib, part16, wq, ws, 2), alone8[:m])
+    assert torch.equal(lowbit.int8_gemm(lib, lowbit.quantize16(lib, x), wq, ws, 2), alone8)
 
 
 def test_packing_round_trips():
@@ -162,10 +168,16 @@ def test_the_neon_dot_product_path_compiles_for_arm64(tmp_path: Path):
 # -- the layers ------------------------------------------------------------------------------
 
 
-def test_auto_leaves_int8_to_torch_and_ours_is_an_error_where_nothing_builds(monkeypatch):
-    """Quantizing INT8's activations costs more than a tenth of its weights' own KL, so
-    ``auto`` never hands it to ours; ``ours`` without a build says what to do."""
+def test_auto_hands_only_admitted_formats_and_ours_is_an_error_where_nothing_builds(
+    monkeypatch, tmp_path
+):
+    """A format whose activations' quantization has not been measured below a tenth of its
+    weights' own KL is never handed to ours by ``auto``, however fast; ``ours`` without a
+    build says what to do."""
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     monkeypatch.setenv(lowbit.ENV, "auto")
+    assert lowbit.chosen("int8", 64, 64, lambda: lowbit.Timing(0.0, 1.0))
+    monkeypatch.setattr(lowbit, "ADMITTED", frozenset({"int4"}))
     assert not lowbit.chosen("int8", 64, 64, lambda: lowbit.Timing(0.0, 1.0))
     monkeypatch.setenv(lowbit.ENV, "ours")
     broken = lowbit.Library(None, "the low-bit kernels: no C compiler found")
@@ -203,7 +215,7 @@ def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
     torch's layout, and next-token distributions (a prefill, then a step per token) as the
     same model's whose products are computed in float64 from the quantized activations and
     dequantized weights. Not bit for bit: the model computes in bf16, and an output rounded
-    one ulp apart can round a later activation to the next int8 step, so the bound is on KL
+    one ulp apart can round a later activation to the next int8 (int16) step, so the bound is on KL
     (a nibble out of order, or a scale of the wrong group, gives KL above 0.1)."""
     from engine.core.sampling import SamplingParams
     from engine.evals.scoring import score
@@ -217,14 +229,17 @@ def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
     engine = load_model(folder, precision=precision)
     assert torch.equal(engine.model.embed(ids), embedded)
     kernels = {m.kernel for m in engine.model.modules() if hasattr(m, "quantized")}
-    assert kernels == {"our int8-activation kernel"}
+    if precision.startswith("int4"):
+        assert kernels == {"our int8-activation kernel"}
+    else:  # INT8: int16 activations, for up to 16 rows (prefill chunks: torch's kernel)
+        assert len(kernels) == 1 and kernels.pop().startswith("our int16-activation kernel")
     prompt = list(range(3, 40))
     generated = engine.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
     out = [e.token_id for e in generated if e.token_id is not None]
     ours = score(engine, prompt, out, decode_steps=True)
 
     def int8_reference(x, weight, scales):
-        q = lowbit.quantize_reference(x.float().contiguous())
+        q = lowbit.quantize16_reference(x.float().contiguous())
         return (q.dequantized() @ (weight.double() * scales.double()[:, None]).T).float()
 
     def int4_reference(x, packed, sz, group):

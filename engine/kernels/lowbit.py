@@ -1,14 +1,18 @@
-"""Low-bit matrix products of our own on the CPU: INT8 and INT4 weights against activations
-quantized to int8 per block of 32, with integer dot products (``csrc/lowbit.c``).
+"""Low-bit matrix products of our own on the CPU, with integer dot products
+(``csrc/lowbit.c``): INT4 weights against activations quantized to int8 per block of 32, INT8
+weights against activations quantized to int16 per block of 128.
 
 torch's CPU kernels for our formats (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
 multiply float activations by dequantized weights. llama.cpp instead quantizes each block of
 32 activations to int8 (one scale per block) and multiplies integers: ``vpmaddubsw`` on AVX2,
-``vpdpbusd`` with VNNI, ``sdot`` on arm64. These kernels do the same on our weights: our INT8
-matrix and per-row scales as they are, and our INT4 values (group-wise, zero points) packed
-two to a byte in llama.cpp's block order, with the same bf16 scales and zeros. Quantizing the
-activations is an approximation the float paths do not make (about 0.4% of a value's size
-per block); everything after it is exact integer arithmetic, then float scaling.
+``vpdpbusd`` with VNNI, ``sdot`` on arm64. Our INT4 kernel does the same on our INT4 values
+(group-wise, zero points) packed two to a byte in llama.cpp's block order, with the same bf16
+scales and zeros. For INT8 weights int8 activations cost too much accuracy (0.77 of the weight
+quantization's own KL on the default model), so that kernel quantizes them to int16
+(``vpdpwssd`` with VNNI, ``vpmaddwd`` on AVX2) and keeps our INT8 matrix and per-row scales as
+they are. Quantizing the activations is an approximation the float paths do not make (in
+int8 about 0.4% of a block's largest value, in int16 256 times less); everything after it is
+exact integer arithmetic, then float scaling.
 
 The library is built once per machine and CPU level (:mod:`engine.kernels.native`): which
 instruction set a build uses is the compiler's (:func:`isa`), and the portable C is built at
@@ -42,8 +46,10 @@ from engine.kernels import native
 log = logging.getLogger(__name__)
 
 SOURCE = native.CSRC / "lowbit.c"
-#: activations per quantization block (and the granule of K the kernels take)
+#: activations per int8 quantization block (INT4 weights), and the granule of K the kernels take
 QK = 32
+#: activations per int16 quantization block (INT8 weights; a row's last block may be shorter)
+QK16 = 128
 ENV = "INFERSIGHT_LOWBIT"
 #: ``auto``: ours where it measured faster than torch's kernel for the shape; ``ours``: ours
 #: wherever it builds (an error where it does not); ``torch``: torch's kernels, float
@@ -52,11 +58,13 @@ MODES = ("auto", "ours", "torch")
 
 
 #: The formats whose layers ``auto`` may hand to our kernels: those where quantizing the
-#: activations costs under a tenth of the weight quantization's own KL. Measured on the
-#: default model over 1,024 tokens of the evaluation text (``docs/kernels.md``): INT4-g32+head
-#: 0.0072 against its own 0.0854 (0.08×); INT8+head 0.0049 against 0.0064 (0.77×), so INT8
-#: keeps float activations unless ``INFERSIGHT_LOWBIT=ours`` asks.
-ADMITTED = frozenset({"int4"})
+#: activations costs under a tenth of the weight quantization's own KL, measured on the default
+#: model over 1,024 tokens of the evaluation text, one decode step per token
+#: (``tests/lowbit_kl.py``, ``docs/cpu-kernels.md``). INT4-g32+head, int8 activations: 0.0052
+#: against its own 0.085 (0.06×). INT8+head: int8 activations cost 0.77× its own KL, so its
+#: kernel takes int16 ones; computed in fp32 (where kernels that only add in another order
+#: agree to KL 1e-8) they cost 2e-7 against 0.0048 (4e-5×).
+ADMITTED = frozenset({"int4", "int8"})
 
 
 #: The mode of the loads inside :func:`choosing` (this thread's), over ``INFERSIGHT_LOWBIT``.
@@ -95,6 +103,8 @@ def load(path: Path) -> Library:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.infersight_quantize_q8.restype = None
         lib.infersight_quantize_q8.argtypes = [p, i64, i64, p, p, p]
+        lib.infersight_quantize_q16.restype = None
+        lib.infersight_quantize_q16.argtypes = [p, i64, i64, p, p]
         lib.infersight_int8_gemm.restype = None
         lib.infersight_int8_gemm.argtypes = [p, p, i64, i64, p, p, i64, p, i32]
         lib.infersight_int4_gemm.restype = None
@@ -136,6 +146,21 @@ class Q8:
         return (self.q.double().view(m, -1, QK) * self.d.double()[..., None]).view(m, k)
 
 
+@dataclass(frozen=True, slots=True)
+class Q16:
+    """Activations ``[M, K]`` quantized to int16 per block of :data:`QK16` (the last block of a
+    row may be shorter): ``q`` int16 ``[M, K]``, the blocks' scales ``d`` float32
+    ``[M, ⌈K/128⌉]``."""
+
+    q: Tensor
+    d: Tensor
+
+    def dequantized(self) -> Tensor:
+        k = self.q.shape[1]
+        d = self.d.double().repeat_interleave(QK16, dim=1)[:, :k]
+        return self.q.double() * d
+
+
 def padded(x: Tensor, k: int) -> Tensor:
     """``x [M, K0]`` as contiguous float32 ``[M, k]``, zero columns added (k ≥ K0)."""
     x = x.float()
@@ -152,6 +177,26 @@ def quantize(lib: Library, x: Tensor) -> Q8:
     s = torch.empty(m, k // QK, dtype=torch.int32)
     lib.lib.infersight_quantize_q8(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
     return Q8(q, d, s)
+
+
+def quantize16(lib: Library, x: Tensor) -> Q16:
+    """``x`` (float32, contiguous, K a multiple of 32) quantized to int16 by the kernel."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int16)
+    d = torch.empty(m, -(-k // QK16))
+    lib.lib.infersight_quantize_q16(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr())
+    return Q16(q, d)
+
+
+def quantize16_reference(x: Tensor) -> Q16:
+    """The same quantization in torch: ``d = max|x| / 32767``, ``q = round(x / d)`` (ties to
+    even), per block of :data:`QK16`."""
+    k = x.shape[1]
+    blocks = [x[:, c : c + QK16].float() for c in range(0, k, QK16)]
+    d = torch.stack([b.abs().amax(dim=1) / 32767 for b in blocks], dim=1)
+    dk = d.repeat_interleave(QK16, dim=1)[:, :k]
+    q = torch.where(dk == 0, 0.0, torch.round(x.float() / dk))
+    return Q16(q.to(torch.int16), d)
 
 
 def quantize_reference(x: Tensor) -> Q8:
@@ -181,8 +226,8 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return both.reshape(n, 2 * half).to(torch.int32)
 
 
-def int8_gemm(lib: Library, x: Q8, weight: Tensor, scales: Tensor, threads: int) -> Tensor:
-    """``y [M, N]`` float32 from quantized activations and INT8 weights ``[N, K]`` with
+def int8_gemm(lib: Library, x: Q16, weight: Tensor, scales: Tensor, threads: int) -> Tensor:
+    """``y [M, N]`` float32 from int16-quantized activations and INT8 weights ``[N, K]`` with
     float32 per-row ``scales``."""
     m, k = x.q.shape
     n = weight.shape[0]
@@ -230,7 +275,7 @@ def check(lib: Library) -> str:
     from engine.formats import quantize_int4, quantize_int8
 
     gen = torch.Generator().manual_seed(0)
-    for m, k, n in ((1, 64, 7), (5, 96, 19), (6, 128, 33)):
+    for m, k, n in ((1, 64, 7), (5, 96, 19), (6, 128, 33), (2, 160, 9)):
         x = torch.randn(m, k, generator=gen)
         x[0, :QK] = 0  # an all-zero block
         qx = quantize(lib, x)
@@ -239,10 +284,14 @@ def check(lib: Library) -> str:
             return f"quantizing [{m}, {k}] differs from torch's rounding"
         if not torch.equal(qx.s, want.s):
             return f"the block sums of [{m}, {k}] differ"
+        q16 = quantize16(lib, x)
+        want16 = quantize16_reference(x)
+        if not (torch.equal(q16.q, want16.q) and torch.equal(q16.d, want16.d)):
+            return f"quantizing [{m}, {k}] to int16 differs from torch's rounding"
         w = torch.randn(n, k, generator=gen)
         wq, ws = quantize_int8(w)
-        reference = qx.dequantized() @ (wq.double() * ws.double()[:, None]).T
-        problem = _compare("int8", int8_gemm(lib, qx, wq, ws, 2), reference)
+        reference = q16.dequantized() @ (wq.double() * ws.double()[:, None]).T
+        problem = _compare("int8", int8_gemm(lib, q16, wq, ws, 2), reference)
         if problem:
             return problem
         for group in (32, 64):

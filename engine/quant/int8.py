@@ -58,8 +58,10 @@ def int8_kernel_runs(device: torch.device) -> bool:
 
 #: how the load report names the path of a layer our Triton kernels run
 TRITON_KERNEL = "Triton GEMM"
-#: … and of one our C kernels run, activations quantized per block (engine/kernels/lowbit.py)
+#: … and of one our C kernels run, activations quantized per block (engine/kernels/lowbit.py):
+#: to int8 for INT4 weights, to int16 for INT8 ones
 LOWBIT_KERNEL = "our int8-activation kernel"
+LOWBIT16_KERNEL = "our int16-activation kernel"
 #: … and of one whose small step shapes our float-activation kernel runs (engine/kernels/gemv.py)
 GEMV_KERNEL = "our GEMV"
 
@@ -117,8 +119,10 @@ class Int8Linear(nn.Module):
             self.use_kernel = False  # torch's kernel is not asked: ours runs this layer
         else:
             self.use_kernel = cpu_paths().int8_kernel.ok if cpu else int8_kernel_runs(weight.device)
-        #: our C kernel's float32 scales where it runs this layer (on a CPU, where it measured
-        #: faster than torch's for this shape: :func:`engine.kernels.lowbit.chosen`), else None
+        #: our C kernel's float32 scales where it runs this layer's small step shapes (up to
+        #: :data:`engine.kernels.gemv.MAX_ROWS` rows, activations quantized to int16; torch's
+        #: kernel the rest), on a CPU where it measured faster than torch's for this shape
+        #: (:func:`engine.kernels.lowbit.chosen`), else None
         self.lowbit_scales = self._lowbit_scales() if cpu and self.triton is None else None
         #: float32 scales where our float-activation kernel runs this layer's small step
         #: shapes (up to :data:`engine.kernels.gemv.MAX_ROWS` rows; torch's kernel the rest:
@@ -148,10 +152,10 @@ class Int8Linear(nn.Module):
         if self.triton is not None:  # bias fused
             y = self.triton(x2, self.weight, self.scales, self.bias)
             return y.reshape(*shape[:-1], self.out_features)
-        if self.gemv_scales is not None and x2.shape[0] <= gemv.MAX_ROWS:
-            y = gemv.int8_linear(x2, self.weight, self.gemv_scales, self.out_dtype)
-        elif self.lowbit_scales is not None:
+        if self.lowbit_scales is not None and x2.shape[0] <= gemv.MAX_ROWS:
             y = lowbit.int8_linear(x2, self.weight, self.lowbit_scales).to(self.out_dtype)
+        elif self.gemv_scales is not None and x2.shape[0] <= gemv.MAX_ROWS:
+            y = gemv.int8_linear(x2, self.weight, self.gemv_scales, self.out_dtype)
         elif self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
             y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
         else:  # weights stay int8 in memory; one matrix converted per call
@@ -169,9 +173,9 @@ class Int8Linear(nn.Module):
         """The path this layer runs, for the load report."""
         if self.triton is not None:
             return TRITON_KERNEL
-        if self.lowbit_scales is not None:
-            return LOWBIT_KERNEL
         torch_path = "int8 kernel" if self.use_kernel else "int8 converted per call"
+        if self.lowbit_scales is not None:
+            return f"{LOWBIT16_KERNEL} (≤ {gemv.MAX_ROWS} rows), {torch_path}"
         if self.gemv_scales is not None:
             return f"{GEMV_KERNEL} (≤ {gemv.MAX_ROWS} rows), {torch_path}"
         return torch_path

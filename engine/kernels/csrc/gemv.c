@@ -11,7 +11,8 @@
  * activations stay float (unlike csrc/lowbit.c, which quantizes them).
  *
  * x and y are fp32 or bf16 (y rounded to nearest even, as torch rounds); bf16 x is widened
- * into scratch space once per call. Rows of x are taken up to four at a time; each output is
+ * into scratch space once per call, except where bf16 weights meet bf16 x on a CPU with
+ * AVX512-BF16, which multiplies the pairs as they are (tile_dpbf16). Rows of x are taken up to four at a time; each output is
  * computed in the same order whatever M is, so a row's result does not depend on its
  * neighbours.
  */
@@ -29,7 +30,11 @@
 enum { W_INT8 = 0, W_BF16 = 1, W_FP32 = 2 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__)
+#define ISA_NAME "avx512-bf16"
+#else
 #define ISA_NAME "avx512"
+#endif
 #define VW 16
 typedef __m512 vf;
 #define VZERO() _mm512_setzero_ps()
@@ -157,13 +162,55 @@ static inline void tile(const float *x, int64_t k, const void *w, int type, cons
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_DPBF16 1
+/* bf16 weights times bf16 activations where the CPU has AVX512-BF16 (Zen 4, Cooper Lake and
+ * later Xeons): `vdpbf16ps` multiplies 32 pairs at once and adds them into 16 fp32 sums. A
+ * product of two bf16 values is exact in fp32, so this computes what `tile` computes from the
+ * widened operands, in another order (the two products of a pair are added first) and with
+ * denormal operands read as zero, as the instruction does; a third of the instructions per
+ * weight, where the widening otherwise costs more than the bandwidth leaves time for. */
+static inline void tile_dpbf16(const uint16_t *x, int64_t k, const uint16_t *w, int64_t n0,
+                               int nt, int64_t m0, int mt, float *out) {
+    const uint16_t *wr[NT];
+    for (int j = 0; j < nt; j++) wr[j] = w + (size_t)(n0 + j) * (size_t)k;
+    __m512 acc[MT][NT];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t kv = k / 32 * 32;
+    for (int64_t c = 0; c < kv; c += 32) {
+        for (int j = 0; j < nt; j++)
+            __builtin_prefetch((const char *)(wr[j] + NT * (size_t)k + c), 0, 1);
+        __m512bh wv[NT];
+        for (int j = 0; j < nt; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + c);
+        for (int i = 0; i < mt; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * k + c);
+            for (int j = 0; j < nt; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        for (int j = 0; j < nt; j++) {
+            float s = _mm512_reduce_add_ps(acc[i][j]);
+            for (int64_t c = kv; c < k; c++)
+                s += bf16_bits_to_f32(x[(m0 + i) * k + c]) * bf16_bits_to_f32(wr[j][c]);
+            out[i * NT + j] = s;
+        }
+    }
+}
+#endif
+
 /* y [M, N] = (x [M, K] · Wᵀ) (· scales, for int8 weights). x_bf16 / y_bf16: x and y are bf16
  * (else fp32). Returns 0, or -1 where the scratch space for a bf16 x could not be had. */
 int infersight_gemv(const void *x, int x_bf16, int64_t m, int64_t k, const void *w, int type,
                     const float *scales, int64_t n_out, void *y, int y_bf16, int threads) {
     float *wide = NULL;
     const float *xf = (const float *)x;
-    if (x_bf16) {
+#if HAVE_DPBF16
+    const int dp = x_bf16 && type == W_BF16;
+#else
+    const int dp = 0;
+#endif
+    if (x_bf16 && !dp) {
         wide = malloc((size_t)(m * k) * sizeof *wide);
         if (!wide) return -1;
         for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_bits_to_f32(((const uint16_t *)x)[i]);
@@ -180,6 +227,13 @@ int infersight_gemv(const void *x, int x_bf16, int64_t m, int64_t k, const void 
             const int mt = m - m0 < MT ? (int)(m - m0) : MT;
             float out[MT * NT];
             /* literal tile sizes where they are full, so the compiler unrolls them */
+#if HAVE_DPBF16
+            if (dp && nt == NT && mt == 1)
+                tile_dpbf16(x, k, w, n0, NT, m0, 1, out);
+            else if (dp)
+                tile_dpbf16(x, k, w, n0, nt, m0, mt, out);
+            else
+#endif
             if (nt == NT && mt == 1)
                 tile(xf, k, w, type, ws, n0, NT, m0, 1, out);
             else if (nt == NT && mt == MT)

@@ -1,18 +1,15 @@
-/* Low-bit matrix products on the CPU: our INT8 and INT4 weights against activations quantized
- * to int8 per block of 32 (engine/kernels/lowbit.py).
- *
- * Activations. Each row of x [M, K] (K a multiple of 32) is cut into blocks of 32 values;
- * a block keeps d = max|x| / 127, its values q = round(x / d) (ties to even, as torch.round)
- * and their sum s = sum(q). This is llama.cpp's q8 activation format, and the approximation
- * these kernels add: everything after it is exact integer arithmetic, then float scaling.
- *
- * INT8 weights (per output channel): w [N, K] int8, one float scale per row, w ~ q * scale.
- *   y[m, n] = scale[n] * sum_b d[m, b] * dot(q_x[m, b], q_w[n, b])
+/* Low-bit matrix products on the CPU: our INT4 weights against activations quantized to int8
+ * per block of 32, our INT8 weights against activations quantized to int16 per block of 128
+ * (engine/kernels/lowbit.py).
  *
  * INT4 weights (group-wise, zero points; torch's convention w ~ (q - 8) * s + z, q in 0..15):
  * each row's 32-value blocks packed into 16 bytes (value j in the low nibble of byte j, value
  * 16 + j in its high nibble, as llama.cpp's Q4 blocks), and (s, z) per group as bf16 bits.
- * With m = z - 8 s, each block's share is d * (s * dot(q_w, q_x) + m * sum(q_x)):
+ * Their activations: each row of x [M, K] (K a multiple of 32) is cut into blocks of 32
+ * values; a block keeps d = max|x| / 127, its values q = round(x / d) (ties to even, as
+ * torch.round) and their sum s = sum(q). This is llama.cpp's q8 activation format, and the
+ * approximation these kernels add: everything after it is exact integer arithmetic, then
+ * float scaling. With m = z - 8 s, each block's share is d * (s * dot(q_w, q_x) + m * sum(q_x)):
  *   y[m, n] = sum_b d[m, b] * s[n, g(b)] * dot(q_w[n, b], q_x[m, b])
  *           + sum_g m[n, g] * c[m, g],   c[m, g] = sum_{b in g} d[m, b] * s_x[m, b]
  * The second sum is G = K / group products per output; c is computed once per row of x.
@@ -20,13 +17,17 @@
  * The integer dot product of a block is what the instruction sets differ in:
  *   AVX-512 VNNI: vpdpbusd on 64 bytes (two blocks) at a time;
  *   AVX-VNNI:     vpdpbusd on 32 bytes (the VEX form, Alder Lake / Zen 5);
- *   AVX2:         vpmaddubsw then vpmaddwd (INT8 weights through the sign trick: |x| times
- *                 w with x's sign, so that one operand is unsigned; no pair can saturate,
- *                 as |q| <= 127);
+ *   AVX2:         vpmaddubsw then vpmaddwd (no pair can saturate: the weights are 0..15);
  *   NEON dotprod: sdot on 16 bytes;
  *   portable:     plain C, the reference the others are checked against.
- * Which one is built is decided by the compiler's target flags (-march=native, or what the
- * CPU level forced by INFERSIGHT_CPU_CAPABILITY allows); infersight_lowbit_isa() names it.
+ *
+ * INT8 weights (per output channel): w [N, K] int8, one float scale per row, w ~ q * scale,
+ * against int16 activations (their section below says why):
+ *   y[m, n] = scale[n] * sum_b d16[m, b] * dot(q_w[n, b], q16_x[m, b])
+ *
+ * Which instruction set is built is decided by the compiler's target flags (-march=native, or
+ * what the CPU level forced by INFERSIGHT_CPU_CAPABILITY allows); infersight_lowbit_isa()
+ * names it.
  *
  * Each output is computed in the same order whatever M is and whichever rows share a tile,
  * so a row's result does not depend on the rows beside it (batch invariance): rows of x are
@@ -44,7 +45,8 @@
 #include <arm_neon.h>
 #endif
 
-#define QK 32      /* values per activation block */
+#define QK 32      /* values per int8 activation block (INT4 weights) */
+#define QK16 128   /* values per int16 activation block (INT8 weights) */
 #define MT 4       /* rows of x per tile */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -72,12 +74,6 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* -- activations ------------------------------------------------------------------------ */
-
-/* x [M, K] -> q [M, K] int8, d [M, K/32], s [M, K/32]. Division, not a multiplication by
- * 1/d, so that every path (and torch's reference) rounds the same quotient; written in
- * vectors of eight floats (IEEE division and a round-to-nearest-even by the 1.5 * 2^23 trick,
- * exact for |q| <= 127), so that the compiler needs no fast-math to vectorize it. */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096
 #endif
@@ -88,6 +84,12 @@ static inline void ahead(const void *p) {
     __builtin_prefetch((const char *)p + PREFETCH_AHEAD, 0, 1);
 }
 
+/* -- activations ------------------------------------------------------------------------ */
+
+/* x [M, K] -> q [M, K] int8, d [M, K/32], s [M, K/32]. Division, not a multiplication by
+ * 1/d, so that every path (and torch's reference) rounds the same quotient; written in
+ * vectors of eight floats (IEEE division and a round-to-nearest-even by the 1.5 * 2^23 trick,
+ * exact for |q| <= 127), so that the compiler needs no fast-math to vectorize it. */
 typedef float q8f __attribute__((vector_size(32)));
 
 void infersight_quantize_q8(const float *x, int64_t rows, int64_t k, int8_t *q, float *d,
@@ -153,11 +155,6 @@ static inline __m256i dot_us(__m256i u, __m256i x) {
 #endif
 }
 
-/* eight int32 partial sums of signed w times signed x: |x| times w carrying x's sign */
-static inline __m256i dot_ss(__m256i w, __m256i x) {
-    return dot_us(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-}
-
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -182,12 +179,6 @@ static inline __m512i unpack4x2(const uint8_t *w4) {
 
 static inline __m512i dot_us512(__m512i u, __m512i x) {
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
-}
-
-static inline __m512i dot_ss512(__m512i w, __m512i x) {
-    const __m512i signed_w = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x),
-                                                  _mm512_setzero_si512(), w);
-    return dot_us512(_mm512_abs_epi8(x), signed_w);
 }
 
 /* a in lanes 0..7, b in lanes 8..15 */
@@ -219,45 +210,85 @@ static inline float zero_part(const uint16_t *sz, const float *c, int64_t ng) {
     return z;
 }
 
-/* -- INT8 weights ------------------------------------------------------------------------ */
+/* -- INT8 weights: activations in int16 ------------------------------------------------ */
+/* INT8 weights take their activations quantized to int16, not int8: per block of QK16 values
+ * (a row's last block may be shorter, down to 32), d = max|x| / 32767, q = round(x / d). In
+ * int8, as llama.cpp's Q8_0 does, quantizing the activations cost 0.77 of the INT8 weights'
+ * own KL on the default model (docs/cpu-kernels.md); in int16 an activation is rounded more
+ * finely than bf16 rounds it, unless it is 128 times smaller than its block's largest. The
+ * products are int8 x int16 pairs summed in int32 (a block's sum is at most
+ * 128 * 127 * 32767 < 2^31): vpdpwssd with AVX-512 VNNI, vpmaddwd + vpaddd with AVX2, smlal
+ * on arm64, 32 weights in two instructions where widening them to floats takes six. */
 
-/* Rows n of y for rows m0 .. m0 + mt - 1 of x. */
-static inline void int8_rows(const int8_t *qx, const float *dx, int64_t k, const int8_t *w,
-                             const float *ws, int64_t n, int64_t n_out, float *y, int64_t m0,
-                             int mt) {
-    const int64_t nb = k / QK;
-    const int8_t *wr = w + n * k;
-#if ISA_AVX512_VNNI || ISA_AVX_VNNI || ISA_AVX2
-    __m256 acc[MT];
-    int64_t b = 0;
-#if ISA_AVX512_VNNI
-    __m512 acc2[MT];
-    for (int i = 0; i < mt; i++) acc2[i] = _mm512_setzero_ps();
-    for (; b + 2 <= nb; b += 2) {
-        ahead(wr + b * QK);
-        const __m512i wb = _mm512_loadu_si512((const void *)(wr + b * QK));
-        for (int i = 0; i < mt; i++) {
-            const int64_t r = (m0 + i) * nb + b;
-            const __m512i xb = _mm512_loadu_si512((const void *)(qx + r * QK));
-            const __m512 dot = _mm512_cvtepi32_ps(dot_ss512(wb, xb));
-            acc2[i] = _mm512_fmadd_ps(dot, halves(dx[r], dx[r + 1]), acc2[i]);
+void infersight_quantize_q16(const float *x, int64_t rows, int64_t k, int16_t *q, float *d) {
+    const int64_t nb = (k + QK16 - 1) / QK16;
+    const float magic = 12582912.0f; /* 1.5 * 2^23: rounds to nearest even, exact here */
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t c0 = b * QK16, len = k - c0 < QK16 ? k - c0 : QK16;
+            const float *xb = x + r * k + c0;
+            int16_t *qb = q + r * k + c0;
+            float m = 0.0f;
+            for (int64_t i = 0; i < len; i++) {
+                const float a = __builtin_fabsf(xb[i]);
+                m = a > m ? a : m;
+            }
+            const float db = m / 32767.0f;
+            for (int64_t i = 0; i < len; i++) {
+                const float quotient = db == 0.0f ? 0.0f : xb[i] / db;
+                qb[i] = (int16_t)(int32_t)((quotient + magic) - magic);
+            }
+            d[r * nb + b] = db;
         }
     }
-    for (int i = 0; i < mt; i++) {  /* the halves added lane by lane: eight partial sums */
-        acc[i] = _mm256_add_ps(_mm512_castps512_ps256(acc2[i]),
-                               _mm512_extractf32x8_ps(acc2[i], 1));
-    }
-#else
-    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-#endif
-    for (; b < nb; b++) {
-        if (!(b & 1)) ahead(wr + b * QK);
-        const __m256i wb = _mm256_loadu_si256((const __m256i *)(wr + b * QK));
+}
+
+/* Output row n of y for rows m0 .. m0 + mt - 1 of x (K a multiple of 32). */
+static inline void int8_rows(const int16_t *qx, const float *dx, int64_t k, const int8_t *w,
+                             const float *ws, int64_t n, int64_t n_out, float *y, int64_t m0,
+                             int mt) {
+    const int64_t nb = (k + QK16 - 1) / QK16;
+    const int8_t *wr = w + n * k;
+#if ISA_AVX512_VNNI
+    __m512 acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t c0 = b * QK16, end = k - c0 < QK16 ? k : c0 + QK16;
+        __m512i dot[MT];
+        for (int i = 0; i < mt; i++) dot[i] = _mm512_setzero_si512();
+        for (int64_t c = c0; c < end; c += 32) {
+            if (!(c & 63)) ahead(wr + c);
+            const __m512i wv =
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + c)));
+            for (int i = 0; i < mt; i++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(qx + (m0 + i) * k + c));
+                dot[i] = _mm512_dpwssd_epi32(dot[i], wv, xv);
+            }
+        }
         for (int i = 0; i < mt; i++) {
-            const int64_t r = (m0 + i) * nb + b;
-            const __m256i xb = _mm256_loadu_si256((const __m256i *)(qx + r * QK));
-            const __m256 dot = _mm256_cvtepi32_ps(dot_ss(wb, xb));
-            acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dx[r]), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                     _mm512_set1_ps(dx[(m0 + i) * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = _mm512_reduce_add_ps(acc[i]) * ws[n];
+#elif ISA_AVX_VNNI || ISA_AVX2
+    __m256 acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t c0 = b * QK16, end = k - c0 < QK16 ? k : c0 + QK16;
+        __m256i dot[MT];
+        for (int i = 0; i < mt; i++) dot[i] = _mm256_setzero_si256();
+        for (int64_t c = c0; c < end; c += 16) {
+            if (!(c & 63)) ahead(wr + c);
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + c)));
+            for (int i = 0; i < mt; i++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + (m0 + i) * k + c));
+                dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(wv, xv));
+            }
+        }
+        for (int i = 0; i < mt; i++) {
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]),
+                                     _mm256_set1_ps(dx[(m0 + i) * nb + b]), acc[i]);
         }
     }
     for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = hsum8(acc[i]) * ws[n];
@@ -265,23 +296,33 @@ static inline void int8_rows(const int8_t *qx, const float *dx, int64_t k, const
     float32x4_t acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = vdupq_n_f32(0.0f);
     for (int64_t b = 0; b < nb; b++) {
-        const int8x16_t w0 = vld1q_s8(wr + b * QK), w1 = vld1q_s8(wr + b * QK + 16);
-        for (int i = 0; i < mt; i++) {
-            const int64_t r = (m0 + i) * nb + b;
-            int32x4_t dot = vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(qx + r * QK));
-            dot = vdotq_s32(dot, w1, vld1q_s8(qx + r * QK + 16));
-            acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(dot), dx[r]);
+        const int64_t c0 = b * QK16, end = k - c0 < QK16 ? k : c0 + QK16;
+        int32x4_t dot[MT];
+        for (int i = 0; i < mt; i++) dot[i] = vdupq_n_s32(0);
+        for (int64_t c = c0; c < end; c += 16) {
+            const int8x16_t wv = vld1q_s8(wr + c);
+            const int16x8_t lo = vmovl_s8(vget_low_s8(wv)), hi = vmovl_high_s8(wv);
+            for (int i = 0; i < mt; i++) {
+                const int16_t *xr = qx + (m0 + i) * k + c;
+                const int16x8_t x0 = vld1q_s16(xr), x1 = vld1q_s16(xr + 8);
+                dot[i] = vmlal_s16(dot[i], vget_low_s16(lo), vget_low_s16(x0));
+                dot[i] = vmlal_high_s16(dot[i], lo, x0);
+                dot[i] = vmlal_s16(dot[i], vget_low_s16(hi), vget_low_s16(x1));
+                dot[i] = vmlal_high_s16(dot[i], hi, x1);
+            }
         }
+        for (int i = 0; i < mt; i++)
+            acc[i] = vfmaq_n_f32(acc[i], vcvtq_f32_s32(dot[i]), dx[(m0 + i) * nb + b]);
     }
     for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = vaddvq_f32(acc[i]) * ws[n];
 #else
     float acc[MT] = {0};
     for (int64_t b = 0; b < nb; b++) {
+        const int64_t c0 = b * QK16, end = k - c0 < QK16 ? k : c0 + QK16;
         for (int i = 0; i < mt; i++) {
-            const int64_t r = (m0 + i) * nb + b;
             int32_t dot = 0;
-            for (int j = 0; j < QK; j++) dot += (int32_t)wr[b * QK + j] * qx[r * QK + j];
-            acc[i] += (float)dot * dx[r];
+            for (int64_t c = c0; c < end; c++) dot += (int32_t)wr[c] * qx[(m0 + i) * k + c];
+            acc[i] += (float)dot * dx[(m0 + i) * nb + b];
         }
     }
     for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = acc[i] * ws[n];
@@ -512,7 +553,7 @@ static inline void int4_rows_g32(const int8_t *qx, const float *dx, const float 
         }                                                                                    \
     }
 
-void infersight_int8_gemm(const int8_t *qx, const float *dx, int64_t m, int64_t k,
+void infersight_int8_gemm(const int16_t *qx, const float *dx, int64_t m, int64_t k,
                           const int8_t *w, const float *ws, int64_t n_out, float *y,
                           int threads) {
     (void)threads;
@@ -564,19 +605,17 @@ void infersight_int4_gemm(const int8_t *qx, const float *dx, const int32_t *sx, 
 
 int infersight_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *w,
                            const float *ws, int64_t n_out, float *y, int threads) {
-    const int64_t nb = k / QK;
-    int8_t *q = malloc((size_t)(m * k));
+    const int64_t nb = (k + QK16 - 1) / QK16;
+    int16_t *q = malloc((size_t)(m * k) * sizeof *q);
     float *d = malloc((size_t)(m * nb) * sizeof *d);
-    int32_t *s = malloc((size_t)(m * nb) * sizeof *s);
     int rc = -1;
-    if (q && d && s) {
-        infersight_quantize_q8(x, m, k, q, d, s);
+    if (q && d) {
+        infersight_quantize_q16(x, m, k, q, d);
         infersight_int8_gemm(q, d, m, k, w, ws, n_out, y, threads);
         rc = 0;
     }
     free(q);
     free(d);
-    free(s);
     return rc;
 }
 
