@@ -355,8 +355,11 @@ def test_speculation_follows_new_engines_and_a_failure_keeps_the_model(
     assert engine.speculator is not None and engine.speculator.label == "lookup"
 
     # a new KV pool keeps the weights and the speculation
+    loads = len(r.inbox.models)
     r.worker.post(Resize(2))
     assert answer(4) == ("lookup", 3, "")
+    # the swap says what it drafts with before it announces the engine: wait for the latter
+    qtbot.waitUntil(lambda: len(r.inbox.models) == loads + 1, timeout=WAIT_MS)  # type: ignore[attr-defined]
     resized = r.worker.engine
     assert resized is not None and resized is not engine and resized.speculator is not None
 
