@@ -1,7 +1,10 @@
-"""The layers' RMSNorms in C on a CPU (``engine/kernels/csrc/layer_ops.c``): what the model's
-torch code computes, at every CPU level this machine builds, one call each."""
+"""The layers' RMSNorms, and RoPE with the K/V write, in C on a CPU
+(``engine/kernels/csrc/layer_ops.c``): what the model's torch code computes, at every CPU level
+this machine builds, one call each."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -50,6 +53,40 @@ def test_the_norms_compute_what_the_torch_code_computes(ops, rows, h):
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5).double(), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim"),
+                         [(1, 9, 3, 64), (5, 4, 4, 8), (3, 8, 1, 128), (2, 6, 2, 32)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_the_kv_write_are_the_torch_codes_bit_for_bit(ops, tokens, heads, kv_heads,
+                                                                 dim, dtype):  # fmt: skip
+    """The rotated q heads (in place in qkv), the rotated k heads and the v heads at their
+    slots, and every other slot of the pool untouched: equal to the torch code, to the bit,
+    GQA and MHA, head sizes 8 to 128, the model's own angle tables."""
+    from engine.model.config import ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=heads * dim,
+                      intermediate_size=64, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=dim, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False,
+                      max_position_embeddings=4096)  # fmt: skip
+    gen = torch.Generator().manual_seed(tokens * dim + heads)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cos, sin = transformer.RotaryEmbedding(cfg).angles(positions, dtype)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    slots = torch.randperm(2 * tokens + 3, generator=gen)[:tokens]
+    results = []
+    for fn in (ops.rope_store, transformer.rope_store):
+        pool = torch.full((2 * tokens + 3, 2 * kv_heads, dim), 7.0, dtype=dtype)
+        q = fn(qkv.clone(), cos, sin, pool, slots, num_heads=heads, num_kv_heads=kv_heads,
+               head_dim=dim)  # fmt: skip
+        results.append((q, pool))
+    (q, pool), (want_q, want_pool) = results
+    assert q.shape == (tokens, heads, dim)
+    assert torch.equal(q, want_q) and torch.equal(pool, want_pool)
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert (pool[untouched] == 7).all()
+
+
 def test_what_the_c_code_does_not_take_goes_to_torch(monkeypatch):
     norms = layer_ops.CNorms(layer_ops.build())
     calls: list[str] = []
@@ -71,24 +108,47 @@ def test_what_the_c_code_does_not_take_goes_to_torch(monkeypatch):
     for xs, ws in cases:
         torch.testing.assert_close(norms.rms_norm(xs, ws, 1e-5), transformer.rms_norm(xs, ws, 1e-5))
     assert calls == []
+    qkv, pool = torch.randn(2, 4 * 8).half(), torch.zeros(4, 2, 8).half()
+    angles = torch.zeros(2, 1, 8).half()
+    kw = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 8}
+    norms.rope_store(qkv, angles, angles, pool, torch.tensor([1, 3]), **kw)  # fp16
+    assert calls == []
     norms.rms_norm(x, w, 1e-5)
     norms.add_rms_norm(x, x, w, 1e-5)
-    assert calls == ["infersight_rms_norm", "infersight_add_rms_norm"]
+    norms.rope_store(qkv.float(), angles.float(), angles.float(), pool.float(),
+                     torch.tensor([1, 3]), **kw)  # fmt: skip
+    assert calls == ["infersight_rms_norm", "infersight_add_rms_norm", "infersight_rope_store"]
 
 
-def test_a_cpu_load_takes_them_where_our_kernels_are_allowed(tiny_model_dir):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_cpu_load_takes_them_where_our_kernels_are_allowed(tiny_model_dir, precision):
+    """The C operations in every layer (the RoPE + K/V write counted), with a prefill after a
+    cached prefix and decode steps: the torch path's tokens."""
     from engine.core.sampling import SamplingParams
     from engine.loader.load import load_model
 
     folder, _ = tiny_model_dir("llama", True)
-    plain = load_model(folder, precision="fp32")  # the tests pin INFERSIGHT_LOWBIT=torch
+    plain = load_model(folder, precision=precision)  # the tests pin INFERSIGHT_LOWBIT=torch
     assert "norms in torch (INFERSIGHT_LOWBIT=torch)" in plain.kernels
     with lowbit.choosing("auto"):
-        ours = load_model(folder, precision="fp32")
-    assert "C: RMSNorm, residual add + RMSNorm" in ours.kernels
+        ours = load_model(folder, precision=precision)
+    assert "C: RMSNorm, residual add + RMSNorm, RoPE + KV write" in ours.kernels
     assert ours.model.ops.name.startswith("C:")
+    stores = []
+    rope_store = ours.model.ops.rope_store
+    assert rope_store is not None
+
+    def counted(*args, **kwargs):
+        stores.append(args[0].shape[0])
+        return rope_store(*args, **kwargs)
+
+    ours.model.set_ops(dataclasses.replace(ours.model.ops, rope_store=counted))
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    got = [e.generate(list(range(3, 30)), params) for e in (ours, plain)]
-    for g in got:
-        list(g)
-    assert got[0].result.token_ids == got[1].result.token_ids
+    prompt = list(range(3, 40))
+    for prompts in ([prompt], [[*prompt, 50, 51, 52]]):  # the second finds 32 tokens cached
+        got = [[e.generate(p, params) for p in prompts] for e in (ours, plain)]
+        for g in got[0] + got[1]:
+            list(g)
+        assert [g.result.token_ids for g in got[0]] == [g.result.token_ids for g in got[1]]
+    layers = ours.cfg.num_layers
+    assert len(stores) == layers * (1 + 7 + 1 + 7) and stores[layers * 8] == 8

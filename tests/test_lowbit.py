@@ -131,6 +131,25 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, group):
     assert torch.equal(lowbit.int8_gemm(lib, lowbit.quantize16(lib, x), wq, ws, 2), alone8)
 
 
+def test_bf16_in_and_out_are_what_converting_around_an_fp32_call_gives():
+    """The layers hand bf16 activations in and take bf16 out: the kernel widens and rounds
+    them itself, bit for bit as ``.float()`` before and ``.to(bf16)`` after would."""
+    if not lowbit.library().available:
+        pytest.skip(lowbit.library().why)
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 160, generator=gen) * 3).bfloat16()
+    w = torch.randn(37, 160, generator=gen)
+    wq, ws = quantize_int8(w)
+    q4, scale, zero = quantize_int4(w, 32)
+    packed, sz = lowbit.pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
+    for out in (torch.float32, torch.bfloat16):
+        got = lowbit.int8_linear(x, wq, ws.float(), out)
+        assert got.dtype == out
+        assert torch.equal(got, lowbit.int8_linear(x.float(), wq, ws.float()).to(out))
+        got = lowbit.int4_linear(x, packed, sz, 32, out)
+        assert torch.equal(got, lowbit.int4_linear(x.float(), packed, sz, 32).to(out))
+
+
 def test_packing_round_trips():
     q = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(3))
     packed = lowbit.pack_int4(q)
@@ -238,14 +257,14 @@ def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
     out = [e.token_id for e in generated if e.token_id is not None]
     ours = score(engine, prompt, out, decode_steps=True)
 
-    def int8_reference(x, weight, scales):
+    def int8_reference(x, weight, scales, out=torch.float32):
         q = lowbit.quantize16_reference(x.float().contiguous())
-        return (q.dequantized() @ (weight.double() * scales.double()[:, None]).T).float()
+        return (q.dequantized() @ (weight.double() * scales.double()[:, None]).T).float().to(out)
 
-    def int4_reference(x, packed, sz, group):
+    def int4_reference(x, packed, sz, group, out=torch.float32):
         q = lowbit.quantize_reference(x.float().contiguous())
         dense = _dense_int4(lowbit.unpack_int4(packed), sz[..., 0], sz[..., 1], group)
-        return (q.dequantized() @ dense.T).float()
+        return (q.dequantized() @ dense.T).float().to(out)
 
     monkeypatch.setattr(lowbit, "int8_linear", int8_reference)
     monkeypatch.setattr(lowbit, "int4_linear", int4_reference)

@@ -10,7 +10,7 @@ detokenization, the engine's bookkeeping) is "engine". Every operator the profil
 into the innermost scope around it and into one of these kinds of time:
 
 * **matmul**: the self time of a matrix-product kernel (``aten::mm``, ``aten::addmm``,
-  oneDNN's packed linear, the INT8/INT4 kernels, …);
+  oneDNN's packed linear, the INT8/INT4 kernels, our C GEMV and low-bit kernels, …);
 * **attention**: every operator inside the attention proper;
 * **other ops**: the self time of every other operator (norms, RoPE, activations, copies,
   views, index building, sampling, …);
@@ -34,6 +34,7 @@ from torch import nn
 
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
+from engine.kernels import native
 from engine.model.attention import AttentionContext
 
 SCOPE = "infersight:"
@@ -58,6 +59,8 @@ MATMUL_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
     "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
     "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+    # our C kernels, recorded by engine.kernels.native.call while profiling
+    "infersight::gemv", "infersight::lowbit_int8", "infersight::lowbit_int4",
 })  # fmt: skip
 
 
@@ -202,11 +205,15 @@ def _profile_steps(engine: LLMEngine, steps: int, batch: int) -> StepProfile:
     # A compiled step has no modules to hook: its parts are the graph's kernels, the
     # opaque matmuls and the attention op (kernels are recorded, see decode_graph).
     scopes = nullcontext() if engine.graph.compiled else _scopes(engine)
-    with scopes, profile(activities=[ProfilerActivity.CPU]) as prof:
-        started = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall_ms = (time.perf_counter() - started) * 1e3
+    native.RECORDING = True  # our C kernels' calls as events (a ctypes call is none)
+    try:
+        with scopes, profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall_ms = (time.perf_counter() - started) * 1e3
+    finally:
+        native.RECORDING = False
 
     ms = {s: dict.fromkeys(KINDS, 0.0) for s in SCOPES}
     calls = {s: dict.fromkeys(KINDS[:3], 0.0) for s in SCOPES}

@@ -85,7 +85,8 @@ def product(
         x = x.float()
     x = x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=out if out in _WIDTH else torch.float32)
-    rc = lib.lib.infersight_gemv(
+    rc = native.call(
+        "infersight::gemv", lib.lib.infersight_gemv,
         x.data_ptr(), _WIDTH[x.dtype], x.shape[0], x.shape[1], weight.data_ptr(),
         _TYPES[weight.dtype], None if scales is None else scales.data_ptr(), weight.shape[0],
         y.data_ptr(), _WIDTH[y.dtype], lowbit.threads(),

@@ -3,8 +3,8 @@
 it, and RoPE with the K/V write, one pass each, in place of the model's torch code
 (:class:`engine.model.transformer.LayerOps`, which stays the reference). A load that attends
 through our kernels hands its layers these too, once they pass their check against the torch
-code (:func:`engine.kernels.triton_check.fused`). On a CPU, the norms in C (:func:`cpu_ops`):
-one call each where eager PyTorch dispatches a dozen operators."""
+code (:func:`engine.kernels.triton_check.fused`). On a CPU, the same three in C
+(:func:`cpu_ops`): one call each where eager PyTorch dispatches a dozen operators."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def _load(path: Path) -> native.Library:
         lib.infersight_rms_norm.argtypes = [p, p, i64, i64, f32, i32, p]
         lib.infersight_add_rms_norm.restype = None
         lib.infersight_add_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32, p, p]
+        lib.infersight_rope_store.restype = None
+        lib.infersight_rope_store.argtypes = [p, i32, i64, i64, i64, i64, p, p, p, p]
 
     return native.load(path, "infersight_layer_ops_isa", declare)
 
@@ -63,10 +65,14 @@ def library() -> native.Library:
     return native.checked(build(), "C norms", PROBE)
 
 
+#: the longest head the C RoPE takes (it rotates a head through a buffer of this many floats)
+MAX_HEAD_DIM = 512
+
+
 class CNorms:
-    """The layers' RMSNorm and residual add + RMSNorm on one C call each, for contiguous fp32
-    and bf16 rows with a weight of their dtype; anything else (and a compiled graph, which
-    cannot trace a C call) takes the torch code."""
+    """The layers' RMSNorm, residual add + RMSNorm, and RoPE + K/V write on one C call each,
+    for contiguous fp32 and bf16 rows with weights (angles, a pool) of their dtype; anything
+    else (and a compiled graph, which cannot trace a C call) takes the torch code."""
 
     def __init__(self, lib: native.Library) -> None:
         self.lib = lib.lib
@@ -86,7 +92,8 @@ class CNorms:
             return transformer.rms_norm(x, weight, eps)
         h = x.shape[-1]
         out = torch.empty_like(x)
-        self.lib.infersight_rms_norm(
+        native.call(
+            "infersight::rms_norm", self.lib.infersight_rms_norm,
             x.data_ptr(), weight.data_ptr(), x.numel() // h, h, eps,
             int(x.dtype == torch.bfloat16), out.data_ptr(),
         )  # fmt: skip
@@ -100,20 +107,52 @@ class CNorms:
             return transformer.add_rms_norm(x, residual, weight, eps)
         h = x.shape[-1]
         out, summed = torch.empty_like(x), torch.empty_like(x)
-        self.lib.infersight_add_rms_norm(
+        native.call(
+            "infersight::add_rms_norm", self.lib.infersight_add_rms_norm,
             x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // h, h, eps,
             int(x.dtype == torch.bfloat16), out.data_ptr(), summed.data_ptr(),
         )  # fmt: skip
         return out, summed
 
+    def rope_store(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, write_slots: Tensor, *,
+        num_heads: int, num_kv_heads: int, head_dim: int,
+    ) -> Tensor:  # fmt: skip
+        """:func:`engine.model.transformer.rope_store` in one C call."""
+        tokens = qkv.shape[0]
+        dtype = qkv.dtype
+        ours = (
+            dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == sin.dtype == pool.dtype == dtype
+            and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+            and pool.is_contiguous() and write_slots.dtype == torch.int64
+            and write_slots.is_contiguous() and write_slots.numel() == tokens
+            and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+            and cos.numel() == sin.numel() == tokens * head_dim
+            and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
+            and qkv.device.type == "cpu" and not torch.compiler.is_compiling()
+        )  # fmt: skip
+        if not ours:
+            return transformer.rope_store(
+                qkv, cos, sin, pool, write_slots, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim,
+            )  # fmt: skip
+        native.call(
+            "infersight::rope_store", self.lib.infersight_rope_store,
+            qkv.data_ptr(), int(dtype == torch.bfloat16), tokens, num_heads, num_kv_heads,
+            head_dim, cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), write_slots.data_ptr(),
+        )  # fmt: skip
+        return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+
 
 def c_ops(lib: native.Library) -> LayerOps:
-    """The norms of ``lib`` as the layers' operations (RoPE and the K/V write stay torch's)."""
+    """The kernels of ``lib`` as the layers' operations."""
     norms = CNorms(lib)
     return LayerOps(
         rms_norm=norms.rms_norm,
         add_rms_norm=norms.add_rms_norm,
-        name="C: RMSNorm, residual add + RMSNorm",
+        rope_store=norms.rope_store,
+        name="C: RMSNorm, residual add + RMSNorm, RoPE + KV write",
     )
 
 
@@ -167,4 +206,26 @@ def check(lib: native.Library) -> str:
                 err = (g.double() - wnt.double()).abs() / wnt.double().abs().clamp_min(1e-3)
                 if err.max().item() > tolerance:
                     return f"RMSNorm of [{rows}, {h}] {dtype}: {err.max().item():.3g} from torch's"
+    return _check_rope_store(ops)
+
+
+def _check_rope_store(ops: LayerOps) -> str:
+    """RoPE + the K/V write against the torch code, bit for bit, fp32 and bf16, GQA."""
+    assert ops.rope_store is not None
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 3
+    angles = torch.rand(tokens, 1, dim, generator=gen) * 6
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        slots = torch.tensor([5, 0, 2])
+        results = []
+        for fn in (ops.rope_store, transformer.rope_store):
+            pool = torch.zeros(6, 2 * kv_heads, dim, dtype=dtype)
+            q = fn(qkv.clone(), cos, sin, pool, slots, num_heads=heads, num_kv_heads=kv_heads,
+                   head_dim=dim)  # fmt: skip
+            results.append((q, pool))
+        (q, pool), (want_q, want_pool) = results
+        if not (torch.equal(q, want_q) and torch.equal(pool, want_pool)):
+            return f"RoPE + the K/V write in {dtype} differ from torch's"
     return ""

@@ -110,9 +110,9 @@ def load(path: Path) -> Library:
         lib.infersight_int4_gemm.restype = None
         lib.infersight_int4_gemm.argtypes = [p, p, p, i64, i64, i64, p, p, i64, p, p, i32]
         lib.infersight_int8_linear.restype = ctypes.c_int
-        lib.infersight_int8_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
+        lib.infersight_int8_linear.argtypes = [p, i32, i64, i64, p, p, i64, p, i32, i32]
         lib.infersight_int4_linear.restype = ctypes.c_int
-        lib.infersight_int4_linear.argtypes = [p, i64, i64, i64, p, p, i64, p, i32]
+        lib.infersight_int4_linear.argtypes = [p, i32, i64, i64, i64, p, p, i64, p, i32, i32]
 
     return native.load(path, "infersight_lowbit_isa", declare)
 
@@ -425,36 +425,54 @@ def threads() -> int:
 # as opaque custom ops inside a compiled decode step.
 
 
-def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+_BF16 = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _operands(x: Tensor, out: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``x`` as the kernels take it (fp32 or bf16, contiguous) and ``y [M, N]`` to fill (in
+    ``out`` where it is fp32 or bf16, else fp32)."""
+    if x.dtype not in _BF16:
+        x = x.float()
+    return x.contiguous(), torch.empty(0, dtype=out if out in _BF16 else torch.float32)
+
+
+def int8_linear(
+    x: Tensor, weight: Tensor, scales: Tensor, out: torch.dtype = torch.float32
+) -> Tensor:
     """``x [M, K]`` (any float dtype; K a multiple of 32) times INT8 ``weight [N, K]`` with
-    float32 ``scales [N]``: float32 ``[M, N]``."""
+    float32 ``scales [N]``: ``[M, N]`` in ``out``."""
     if torch.compiler.is_compiling():
-        return torch.ops.infersight.lowbit_int8(x, weight, scales)
-    x = x.float().contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0])
-    rc = library().lib.infersight_int8_linear(
-        x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), scales.data_ptr(),
-        weight.shape[0], y.data_ptr(), threads(),
+        return torch.ops.infersight.lowbit_int8(x, weight, scales).to(out)
+    x, y = _operands(x, out)
+    y = y.new_empty(x.shape[0], weight.shape[0])
+    rc = native.call(
+        "infersight::lowbit_int8", library().lib.infersight_int8_linear,
+        x.data_ptr(), _BF16[x.dtype], x.shape[0], x.shape[1], weight.data_ptr(),
+        scales.data_ptr(), weight.shape[0], y.data_ptr(), _BF16[y.dtype], threads(),
     )  # fmt: skip
     if rc:
         raise MemoryError("our INT8 kernel ran out of memory for its scratch space")
-    return y
+    return y if y.dtype == out else y.to(out)
 
 
-def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
+def int4_linear(
+    x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int,
+    out: torch.dtype = torch.float32,
+) -> Tensor:  # fmt: skip
     """``x [M, K]`` (K a multiple of the group) times INT4 weights (:func:`pack_int4`, bf16
-    ``scales_zeros [N, K/group, 2]``): float32 ``[M, N]``."""
+    ``scales_zeros [N, K/group, 2]``): ``[M, N]`` in ``out``."""
     if torch.compiler.is_compiling():
-        return torch.ops.infersight.lowbit_int4(x, packed, scales_zeros, group)
-    x = x.float().contiguous()
-    y = torch.empty(x.shape[0], packed.shape[0])
-    rc = library().lib.infersight_int4_linear(
-        x.data_ptr(), x.shape[0], x.shape[1], group, packed.data_ptr(), scales_zeros.data_ptr(),
-        packed.shape[0], y.data_ptr(), threads(),
+        return torch.ops.infersight.lowbit_int4(x, packed, scales_zeros, group).to(out)
+    x, y = _operands(x, out)
+    y = y.new_empty(x.shape[0], packed.shape[0])
+    rc = native.call(
+        "infersight::lowbit_int4", library().lib.infersight_int4_linear,
+        x.data_ptr(), _BF16[x.dtype], x.shape[0], x.shape[1], group, packed.data_ptr(),
+        scales_zeros.data_ptr(), packed.shape[0], y.data_ptr(), _BF16[y.dtype], threads(),
     )  # fmt: skip
     if rc:
         raise MemoryError("our INT4 kernel ran out of memory for its scratch space")
-    return y
+    return y if y.dtype == out else y.to(out)
 
 
 @torch.library.custom_op("infersight::lowbit_int8", mutates_args=())
@@ -496,7 +514,7 @@ def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> Timing
     float_scales = [s.float() for _, s in weights]
 
     def ours(x: Tensor, i: int) -> object:
-        return int8_linear(x, weights[i][0], float_scales[i]).to(dtype)
+        return int8_linear(x, weights[i][0], float_scales[i], dtype)
 
     def theirs(x: Tensor, i: int) -> object:
         return torch._weight_int8pack_mm(x, weights[i][0], weights[i][1])
@@ -523,7 +541,7 @@ def time_int4(
         torch_w.append((packed, torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()))
 
     def ours(x: Tensor, i: int) -> object:
-        return int4_linear(x, *ours_w[i], group).to(dtype)
+        return int4_linear(x, *ours_w[i], group, dtype)
 
     def theirs(x: Tensor, i: int) -> object:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -29,6 +29,23 @@ from engine.paths import home
 
 log = logging.getLogger(__name__)
 
+#: While True (``bench --profile``: :mod:`engine.bench.profile`), :func:`call` records each
+#: call of our C kernels as a profiler event: ``torch.profiler`` sees operators, and a ctypes
+#: call is none, so its time would read as Python.
+RECORDING = False
+
+
+def call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a C function of ours, recorded as the profiler event ``name`` while
+    :data:`RECORDING`."""
+    if not RECORDING:
+        return fn(*args)
+    import torch
+
+    with torch.profiler.record_function(name):
+        return fn(*args)
+
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 

@@ -21,7 +21,6 @@ from engine.kernels import paged_decode
 from engine.kernels.decode_attention import (
     decode_attention,
     paged_decode_attention,
-    store_and_attend,
 )
 from engine.kv_cache.block_manager import RELEASED, BlockManager
 from engine.kv_cache.window import CacheWindow, _one_window, _visible
@@ -170,21 +169,24 @@ class _PagedContext(AttentionContext):
             offset += c.length
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
-        """The pool and slots where our Triton kernels attend (the fused RoPE + K/V write
-        stores there); None on the torch paths."""
-        return None if self.tables is None else (self.cache.kv[layer], self.write_slots)
+        """The pool and slots where a fused RoPE + K/V write stores this step's K/V (our
+        Triton kernels' or our C one's); None in a compiled step, which stores them through
+        its attention op."""
+        if self.tables is None and torch.compiler.is_compiling():
+            return None
+        return self.cache.kv[layer], self.write_slots
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
-        assert self.tables is not None
-        return self.tables.attend(q, self.cache.kv[layer])
+        pool = self.cache.kv[layer]
+        if self.tables is not None:
+            return self.tables.attend(q, pool)
+        return self._attend_pool(q, pool)
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         pool = self.cache.kv[layer]
         if self.tables is not None:
             pool.index_copy_(0, self.write_slots, kv)
             return self.tables.attend(q, pool)
-        tokens, heads, dim = q.shape
-        kv_heads = self.cache.kv_heads
         if self.decode_only:
             assert self.decode_slots is not None
             assert self.decode_lens is not None
@@ -193,11 +195,18 @@ class _PagedContext(AttentionContext):
                     q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens,
                     self.decode_mask,
                 )  # fmt: skip
-            mask = self.decode_mask if self.mask_needed else None
-            return store_and_attend(
-                q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens, mask
-            )
         pool.index_copy_(0, self.write_slots, kv)
+        return self._attend_pool(q, pool)
+
+    def _attend_pool(self, q: Tensor, pool: Tensor) -> Tensor:
+        """The step's attention on the torch and C paths, its K/V already in ``pool``."""
+        if self.decode_only:
+            assert self.decode_slots is not None
+            assert self.decode_lens is not None
+            mask = self.decode_mask if self.mask_needed else None
+            return decode_attention(q, pool, self.decode_slots, self.decode_lens, mask)
+        tokens, heads, dim = q.shape
+        kv_heads = self.cache.kv_heads
         out = q.new_empty(tokens, heads * dim)
         if self.decode_slots is not None:
             assert self.decode_lens is not None

@@ -40,6 +40,22 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return rms_norm(summed, weight, eps), summed
 
 
+def rope_store(
+    qkv: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, write_slots: Tensor, *,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> Tensor:  # fmt: skip
+    """RoPE on the q and k heads of a fused ``qkv: [T, (H + 2·Hkv)·D]`` and the K/V write into
+    ``pool: [slots, 2·Hkv, D]`` at ``write_slots``, in torch (the reference of the fused
+    kernels, :class:`LayerOps`): the rotated q heads as a ``[T, H, D]`` view of ``qkv``."""
+    tokens = qkv.shape[0]
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(
+        tokens, num_heads + num_kv_heads, head_dim
+    )
+    rotate_(qk, cos, sin)
+    pool.index_copy_(0, write_slots, qkv[:, num_heads * head_dim :].view(tokens, -1, head_dim))
+    return qk[:, :num_heads]
+
+
 @dataclass(frozen=True, slots=True)
 class LayerOps:
     """The operations a decoder layer may hand to fused kernels: the torch code below by

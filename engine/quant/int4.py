@@ -172,7 +172,7 @@ class Int4Linear(nn.Module):
             if self.padded_k:
                 x2 = F.pad(x2, (0, self.padded_k))
             sz = self.scales_and_zeros.transpose(0, 1)  # [N, K'/group, 2], contiguous
-            y = lowbit.int4_linear(x2, self.weight, sz, self.group).to(self.out_dtype)
+            y = lowbit.int4_linear(x2, self.weight, sz, self.group, self.out_dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)

@@ -153,7 +153,7 @@ class Int8Linear(nn.Module):
             y = self.triton(x2, self.weight, self.scales, self.bias)
             return y.reshape(*shape[:-1], self.out_features)
         if self.lowbit_scales is not None and x2.shape[0] <= gemv.MAX_ROWS:
-            y = lowbit.int8_linear(x2, self.weight, self.lowbit_scales).to(self.out_dtype)
+            y = lowbit.int8_linear(x2, self.weight, self.lowbit_scales, self.out_dtype)
         elif self.gemv_scales is not None and x2.shape[0] <= gemv.MAX_ROWS:
             y = gemv.int8_linear(x2, self.weight, self.gemv_scales, self.out_dtype)
         elif self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is

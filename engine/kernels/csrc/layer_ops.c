@@ -1,4 +1,5 @@
-/* A decoder layer's RMSNorms on the CPU, one call each (engine/kernels/layer_ops.py).
+/* A decoder layer's RMSNorms, and its RoPE with the K/V write, on the CPU, one call each
+ * (engine/kernels/layer_ops.py).
  *
  * In eager PyTorch an RMSNorm of one bf16 row is about a dozen operators (the cast to fp32,
  * the square, the mean, the add, the rsqrt, the products, the casts back), each paying its
@@ -97,6 +98,56 @@ void infersight_add_rms_norm(const void *x, const void *residual, const void *w,
             for (int64_t i = 0; i < h; i++) ((float *)s)[i] = xf[i] + rf[i];
         }
         norm_row(s, w, h, eps, bf16, (void *)row_of(out, bf16, r, h));
+    }
+}
+
+/* RoPE on the q and k heads of a fused qkv [T, (H + 2 Hkv) D], and the K/V write: the rotated
+ * k heads and the v heads go to pool[slots[t]] ([slots, 2 Hkv, D], k heads first), the rotated
+ * q heads stay in place in qkv; qkv's k columns are left as they were. cos and sin [T, D] are
+ * the model's tables (sin holding [-sin, sin]: engine/model/transformer.py, RotaryEmbedding),
+ * so a head x rotates to x * cos + roll(x, D/2) * sin, each product and the sum rounded to the
+ * dtype as torch's three operators round them (never contracted into a fused multiply-add).
+ * Where the torch code runs two operators per layer for the rotation and one for the write,
+ * plus their dispatch, this is one pass over the step's q, k and v. */
+__attribute__((optimize("fp-contract=off")))
+static inline float rotated(const void *x, int bf16, const void *cos, const void *sin,
+                            int64_t i, int64_t partner, int64_t angle) {
+    const float p = at(x, bf16, i) * at(cos, bf16, angle);
+    const float r = at(x, bf16, partner) * at(sin, bf16, angle);
+    if (bf16) return from_bf16(to_bf16(from_bf16(to_bf16(p)) + from_bf16(to_bf16(r))));
+    return p + r;
+}
+
+static inline void put(void *v, int bf16, int64_t i, float value) {
+    if (bf16)
+        ((uint16_t *)v)[i] = to_bf16(value);
+    else
+        ((float *)v)[i] = value;
+}
+
+__attribute__((optimize("fp-contract=off")))
+void infersight_rope_store(void *qkv, int bf16, int64_t tokens, int64_t heads, int64_t kv_heads,
+                           int64_t dim, const void *cos, const void *sin, void *pool,
+                           const int64_t *slots) {
+    const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2, pool_row = 2 * kv_heads * dim;
+    const size_t size = bf16 ? 2 : 4;
+    float head[512];  /* one head's rotated values: a q head is read whole before it is written */
+    for (int64_t t = 0; t < tokens; t++) {
+        char *row = (char *)qkv + (size_t)(t * width) * size;
+        char *dst = (char *)pool + (size_t)(slots[t] * pool_row) * size;
+        const void *c = (const char *)cos + (size_t)(t * dim) * size;
+        const void *s = (const char *)sin + (size_t)(t * dim) * size;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            const void *x = row + (size_t)(h * dim) * size;
+            for (int64_t i = 0; i < dim; i++) {
+                const int64_t partner = i < half ? i + half : i - half;
+                head[i] = rotated(x, bf16, c, s, i, partner, i);
+            }
+            void *out = h < heads ? (void *)x : (void *)(dst + (size_t)((h - heads) * dim) * size);
+            for (int64_t i = 0; i < dim; i++) put(out, bf16, i, head[i]);
+        }
+        memcpy(dst + (size_t)(kv_heads * dim) * size, row + (size_t)((heads + kv_heads) * dim) * size,
+               (size_t)(kv_heads * dim) * size);
     }
 }
 

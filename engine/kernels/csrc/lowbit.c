@@ -601,38 +601,85 @@ void infersight_int4_gemm(const int8_t *qx, const float *dx, const int32_t *sx, 
 }
 
 /* -- one call per layer: the activations quantized into scratch space, then the product ---- */
-/* Returns 0, or -1 where the scratch space could not be allocated. */
+/* x and y are fp32 or bf16 (x_bf16, y_bf16): a bf16 x is widened (exactly) before it is
+ * quantized, and a bf16 y is the fp32 result rounded to nearest even, as torch's .to()
+ * rounds, so each gives what converting around an fp32 call gives, without the two torch
+ * operators per layer. Returns 0, or -1 where the scratch space could not be allocated. */
 
-int infersight_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *w,
-                           const float *ws, int64_t n_out, float *y, int threads) {
+static const float *widened(const void *x, int x_bf16, int64_t count, float **scratch) {
+    *scratch = NULL;
+    if (!x_bf16) return (const float *)x;
+    float *wide = malloc((size_t)count * sizeof *wide);
+    if (wide)
+        for (int64_t i = 0; i < count; i++) wide[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    *scratch = wide;
+    return wide;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y as the product wants it: the caller's fp32 buffer, or scratch space for a bf16 one */
+static float *product_out(void *y, int y_bf16, int64_t count) {
+    return y_bf16 ? malloc((size_t)count * sizeof(float)) : (float *)y;
+}
+
+static void finish_out(void *y, int y_bf16, float *yf, int64_t count) {
+    if (!y_bf16) return;
+    for (int64_t i = 0; i < count; i++) ((uint16_t *)y)[i] = f32_to_bf16(yf[i]);
+    free(yf);
+}
+
+int infersight_int8_linear(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w,
+                           const float *ws, int64_t n_out, void *y, int y_bf16, int threads) {
     const int64_t nb = (k + QK16 - 1) / QK16;
+    float *wide;
+    const float *xf = widened(x, x_bf16, m * k, &wide);
     int16_t *q = malloc((size_t)(m * k) * sizeof *q);
     float *d = malloc((size_t)(m * nb) * sizeof *d);
+    float *yf = product_out(y, y_bf16, m * n_out);
     int rc = -1;
-    if (q && d) {
-        infersight_quantize_q16(x, m, k, q, d);
-        infersight_int8_gemm(q, d, m, k, w, ws, n_out, y, threads);
+    if (xf && q && d && yf) {
+        infersight_quantize_q16(xf, m, k, q, d);
+        infersight_int8_gemm(q, d, m, k, w, ws, n_out, yf, threads);
         rc = 0;
     }
+    if (yf) {
+        if (rc == 0) finish_out(y, y_bf16, yf, m * n_out);
+        else if (y_bf16) free(yf);
+    }
+    free(wide);
     free(q);
     free(d);
     return rc;
 }
 
-int infersight_int4_linear(const float *x, int64_t m, int64_t k, int64_t group,
-                           const uint8_t *w, const uint16_t *sz, int64_t n_out, float *y,
-                           int threads) {
+int infersight_int4_linear(const void *x, int x_bf16, int64_t m, int64_t k, int64_t group,
+                           const uint8_t *w, const uint16_t *sz, int64_t n_out, void *y,
+                           int y_bf16, int threads) {
     const int64_t nb = k / QK;
+    float *wide;
+    const float *xf = widened(x, x_bf16, m * k, &wide);
     int8_t *q = malloc((size_t)(m * k));
     float *d = malloc((size_t)(m * nb) * sizeof *d);
     int32_t *s = malloc((size_t)(m * nb) * sizeof *s);
     float *cg = malloc((size_t)(m * (k / group)) * sizeof *cg);
+    float *yf = product_out(y, y_bf16, m * n_out);
     int rc = -1;
-    if (q && d && s && cg) {
-        infersight_quantize_q8(x, m, k, q, d, s);
-        infersight_int4_gemm(q, d, s, m, k, group, w, sz, n_out, y, cg, threads);
+    if (xf && q && d && s && cg && yf) {
+        infersight_quantize_q8(xf, m, k, q, d, s);
+        infersight_int4_gemm(q, d, s, m, k, group, w, sz, n_out, yf, cg, threads);
         rc = 0;
     }
+    if (yf) {
+        if (rc == 0) finish_out(y, y_bf16, yf, m * n_out);
+        else if (y_bf16) free(yf);
+    }
+    free(wide);
     free(q);
     free(d);
     free(s);
