@@ -111,6 +111,8 @@ def load(path: Path) -> Library:
         lib.infersight_int4_gemm.argtypes = [p, p, p, i64, i64, i64, p, p, i64, p, p, i32]
         lib.infersight_int8_linear.restype = ctypes.c_int
         lib.infersight_int8_linear.argtypes = [p, i32, i64, i64, p, p, i64, p, i32, i32]
+        lib.infersight_int4_dequantize.restype = None
+        lib.infersight_int4_dequantize.argtypes = [p, p, i64, i64, i64, i64, p, i32]
         lib.infersight_int4_linear.restype = ctypes.c_int
         lib.infersight_int4_linear.argtypes = [p, i32, i64, i64, i64, p, p, i64, p, i32, i32]
 
@@ -396,7 +398,15 @@ def decided(
         return True
     # the build's name carries a hash of its source and flags: a changed kernel is timed anew
     build = found.path.stem if found.path is not None else name
-    verdicts = f"{machine_key()} | {build} {found.isa} | {threads()} threads"
+    return faster(f"{build} {found.isa}", key, timer)
+
+
+def faster(ours: str, key: str, timer: Callable[[], Timing]) -> bool:
+    """Whether ``ours`` (a build of our kernel, or a path of ours through torch's operators,
+    with what makes it that version) measured faster than torch's kernel for the layer shape
+    ``key``: timed once by ``timer`` and kept in ``kernels.json`` under this machine, ``ours``
+    and the thread count."""
+    verdicts = f"{machine_key()} | {ours} | {threads()} threads"
     with LOCK:
         known = measured.read(measured_file()).get(verdicts, {}).get(key)
         if known is not None:
@@ -473,6 +483,22 @@ def int4_linear(
     if rc:
         raise MemoryError("our INT4 kernel ran out of memory for its scratch space")
     return y if y.dtype == out else y.to(out)
+
+
+def int4_dequantized(
+    packed: Tensor, scales_zeros: Tensor, group: int, rows: slice, lib: Library | None = None
+) -> Tensor:
+    """Rows ``rows`` of INT4 weights (:func:`pack_int4`, bf16 ``scales_zeros [N, K/group,
+    2]``) as bf16 ``[rows, K]``: ``(q − 8)·s + z`` in fp32, rounded to nearest even (``lib``:
+    this machine's build, or another level's)."""
+    n0, n1 = rows.start or 0, min(rows.stop, packed.shape[0])
+    k = 2 * packed.shape[1]
+    out = torch.empty(n1 - n0, k, dtype=torch.bfloat16)
+    native.call(
+        "infersight::int4_dequantize", (lib or library()).lib.infersight_int4_dequantize,
+        packed.data_ptr(), scales_zeros.data_ptr(), k, group, n0, n1, out.data_ptr(), threads(),
+    )  # fmt: skip
+    return out
 
 
 @torch.library.custom_op("infersight::lowbit_int8", mutates_args=())

@@ -19,9 +19,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.formats import pack_int4_cuda, quantize_int4, row_chunks
+from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kernels import lowbit
-from engine.quant.int8 import LOWBIT_KERNEL, TRITON_KERNEL, triton_gemms
+from engine.kernels import gemv, lowbit
+from engine.quant.int8 import (
+    LOWBIT_KERNEL,
+    PREFILL_BF16,
+    PREFILL_TIMED_ROWS,
+    TRITON_KERNEL,
+    in_row_blocks,
+    triton_gemms,
+)
 
 
 def _inner_k_tiles(k: int) -> int:
@@ -58,6 +66,32 @@ def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int, dtype: torch.dt
     return lowbit.chosen(f"int4-g{group} {str(dtype).removeprefix('torch.')}", n, k, timer)
 
 
+def bf16_product(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
+    """``x [M, K]`` (bf16) times our INT4 weights (:func:`engine.kernels.lowbit.pack_int4`)
+    dequantized to bf16 a block of output rows at a time (:func:`in_row_blocks`), so that
+    oneDNN's bf16 GEMM runs a prefill chunk's product."""
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    return in_row_blocks(
+        x, n, k,
+        lambda rows: F.linear(x, lowbit.int4_dequantized(packed, scales_zeros, group, rows)),
+    )  # fmt: skip
+
+
+def time_prefill(out_features: int, in_features: int, group: int) -> lowbit.Timing:
+    """:func:`bf16_product` against our INT4 kernel on a prefill chunk's rows of bf16
+    activations (``torch_ms``: the kernel the layer runs otherwise; ms per call, the weights in
+    cache: a prefill is bound by compute)."""
+    gen = torch.Generator().manual_seed(0)
+    q, scale, zero = quantize_int4(torch.randn(out_features, in_features, generator=gen), group)
+    packed, sz = lowbit.pack_int4(q), torch.stack([scale, zero], dim=2).contiguous()
+    x = torch.randn(PREFILL_TIMED_ROWS, in_features, generator=gen).bfloat16()
+    ours_ms, kernel_ms = measured.best_of_three(
+        [lambda: bf16_product(x, packed, sz, group),
+         lambda: lowbit.int4_linear(x, packed, sz, group, torch.bfloat16)], 1,
+    )  # fmt: skip
+    return lowbit.Timing(ours_ms=ours_ms, torch_ms=kernel_ms)
+
+
 class Int4Linear(nn.Module):
     quantized = True
     weight: Tensor
@@ -87,6 +121,10 @@ class Int4Linear(nn.Module):
             and self.triton is None
             and _lowbit_int4(self.out_features, k, group, tiles, dtype)
         )
+        #: whether prefill chunks (more than :data:`engine.kernels.gemv.MAX_ROWS` rows) take
+        #: bf16 GEMMs on weights dequantized a block at a time (:func:`bf16_product`), where our
+        #: kernel runs the layer and that measured faster than it for this shape
+        self.prefill_bf16 = self.lowbit and self._prefill(k)
         if self.lowbit:
             self.padded_n = 0
         # torch's kernels take bf16 only; ours the model's compute dtype (fp16 below sm80)
@@ -99,6 +137,18 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().to(self.out_dtype))
+
+    def _prefill(self, k: int) -> bool:
+        mode = lowbit.requested()
+        if mode == "torch":
+            return False
+        if mode == "ours":
+            return True
+        n, group = self.out_features, self.group
+        key = lowbit.shape_key(f"prefill int4-g{group} bfloat16", n, k)
+        found = lowbit.library()
+        ours = f"bf16 GEMM, torch {torch.__version__}, {found.path.stem if found.path else ''}"
+        return lowbit.faster(ours, key, lambda: time_prefill(n, k, group))
 
     def _quantize_and_pack(self, weight: Tensor, k: int, tiles: int) -> tuple[Tensor, ...]:
         """Quantize ``weight`` (padded to ``[N + padded_n, k]`` with zeros) a chunk of rows at a
@@ -172,7 +222,11 @@ class Int4Linear(nn.Module):
             if self.padded_k:
                 x2 = F.pad(x2, (0, self.padded_k))
             sz = self.scales_and_zeros.transpose(0, 1)  # [N, K'/group, 2], contiguous
-            y = lowbit.int4_linear(x2, self.weight, sz, self.group, self.out_dtype)
+            if self.prefill_bf16 and x2.shape[0] > gemv.MAX_ROWS:
+                y = bf16_product(x2.to(torch.bfloat16), self.weight, sz, self.group)
+                y = y.to(self.out_dtype)
+            else:
+                y = lowbit.int4_linear(x2, self.weight, sz, self.group, self.out_dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)
@@ -202,6 +256,8 @@ class Int4Linear(nn.Module):
         """The path this layer runs, for the load report (without a kernel, INT4 is refused
         when the spec is parsed)."""
         if self.lowbit:
+            if self.prefill_bf16:
+                return f"{LOWBIT_KERNEL} (≤ {gemv.MAX_ROWS} rows), {PREFILL_BF16}"
             return LOWBIT_KERNEL
         return TRITON_KERNEL if self.triton is not None else "int4 kernel"
 

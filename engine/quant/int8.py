@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from engine.errors import InfersightError
 from engine.formats import quantize_int8
-from engine.hardware import gpu
+from engine.hardware import gpu, measured
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels import gemv, lowbit, triton_check, triton_support
 
@@ -64,6 +64,50 @@ LOWBIT_KERNEL = "our int8-activation kernel"
 LOWBIT16_KERNEL = "our int16-activation kernel"
 #: … and of one whose small step shapes our float-activation kernel runs (engine/kernels/gemv.py)
 GEMV_KERNEL = "our GEMV"
+#: … and of one whose prefill chunks convert the weights to bf16 for oneDNN's GEMM
+PREFILL_BF16 = "prefill in bf16 GEMMs"
+#: rows of a prefill product each conversion to bf16 covers at most (weights of
+#: ``PREFILL_CHUNK`` elements: a bounded copy beside the model, whatever its size)
+PREFILL_CHUNK = 4 * 2**20
+#: the rows of activations the prefill choice is timed at (a prefill chunk's)
+PREFILL_TIMED_ROWS = 256
+
+
+def in_row_blocks(x: Tensor, n: int, k: int, product: Callable[[slice], Tensor]) -> Tensor:
+    """``[M, N]`` from ``product(rows)`` (``[M, len(rows)]``: ``x`` times those output rows of
+    the weights), over blocks of output rows of at most :data:`PREFILL_CHUNK` weights each:
+    whatever a quantized layer converts for a GEMM stays a bounded copy beside the model."""
+    rows = max(1, PREFILL_CHUNK // max(k, 1))
+    if rows >= n:
+        return product(slice(0, n))
+    y = x.new_empty(x.shape[0], n)
+    for n0 in range(0, n, rows):
+        block = slice(n0, min(n0 + rows, n))
+        y[:, block] = product(block)
+    return y
+
+
+def bf16_product(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """``(x · q) · scales`` for bf16 ``x [M, K]`` and INT8 ``weight [N, K]``: the int8 values
+    converted to bf16 (exactly: |q| ≤ 127) a block of output rows at a time
+    (:func:`in_row_blocks`), so that oneDNN's bf16 GEMM runs the product, each block's scales
+    applied to its output: the values of the converting path (``F.linear`` on the converted
+    weights, then the scales)."""
+    n, k = weight.shape
+    return in_row_blocks(x, n, k, lambda rows: F.linear(x, weight[rows].to(x.dtype)) * scales[rows])
+
+
+def time_prefill(out_features: int, in_features: int) -> lowbit.Timing:
+    """:func:`bf16_product` against ``torch._weight_int8pack_mm`` on a prefill chunk's rows of
+    bf16 activations (ms per call; the weights stay in cache: a prefill is bound by compute)."""
+    gen = torch.Generator().manual_seed(0)
+    q, scales = quantize_int8(torch.randn(out_features, in_features, generator=gen),
+                              torch.bfloat16)  # fmt: skip
+    x = torch.randn(PREFILL_TIMED_ROWS, in_features, generator=gen).bfloat16()
+    ours_ms, torch_ms = measured.best_of_three(
+        [lambda: bf16_product(x, q, scales), lambda: torch._weight_int8pack_mm(x, q, scales)], 1
+    )
+    return lowbit.Timing(ours_ms=ours_ms, torch_ms=torch_ms)
 
 
 def triton_gemms(device: torch.device, dtype: torch.dtype | None = None) -> tuple[bool, str]:
@@ -131,6 +175,10 @@ class Int8Linear(nn.Module):
             self._gemv_scales() if cpu and self.triton is None and self.lowbit_scales is None
             else None
         )  # fmt: skip
+        #: whether prefill chunks (more than :data:`engine.kernels.gemv.MAX_ROWS` rows) convert
+        #: the weights to bf16 for oneDNN's GEMM (:func:`bf16_product`), on a CPU where that
+        #: measured faster than torch's INT8 kernel for this shape
+        self.prefill_bf16 = cpu and self.triton is None and self.use_kernel and self._prefill()
 
     def _lowbit_scales(self) -> Tensor | None:
         n, k = self.weight.shape
@@ -139,6 +187,17 @@ class Int8Linear(nn.Module):
         timer = (lambda: lowbit.time_int8(n, k, self.out_dtype)) if self.use_kernel else None
         fmt = f"int8 {str(self.out_dtype).removeprefix('torch.')}"
         return self.scales.float() if lowbit.chosen(fmt, n, k, timer) else None
+
+    def _prefill(self) -> bool:
+        mode = lowbit.requested()
+        if self.out_dtype != torch.bfloat16 or mode == "torch":
+            return False
+        if mode == "ours":
+            return True
+        n, k = self.weight.shape
+        key = lowbit.shape_key("prefill int8 bfloat16", n, k)
+        return lowbit.faster(f"bf16 GEMM, torch {torch.__version__}", key,
+                             lambda: time_prefill(n, k))  # fmt: skip
 
     def _gemv_scales(self) -> Tensor | None:
         n, k = self.weight.shape
@@ -156,6 +215,8 @@ class Int8Linear(nn.Module):
             y = lowbit.int8_linear(x2, self.weight, self.lowbit_scales, self.out_dtype)
         elif self.gemv_scales is not None and x2.shape[0] <= gemv.MAX_ROWS:
             y = gemv.int8_linear(x2, self.weight, self.gemv_scales, self.out_dtype)
+        elif self.prefill_bf16 and x2.shape[0] > gemv.MAX_ROWS:
+            y = bf16_product(x2.to(torch.bfloat16), self.weight, self.scales)
         elif self.use_kernel:  # an error here (CUDA out of memory, say) propagates as it is
             y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
         else:  # weights stay int8 in memory; one matrix converted per call
@@ -174,6 +235,8 @@ class Int8Linear(nn.Module):
         if self.triton is not None:
             return TRITON_KERNEL
         torch_path = "int8 kernel" if self.use_kernel else "int8 converted per call"
+        if self.prefill_bf16:
+            torch_path = PREFILL_BF16
         if self.lowbit_scales is not None:
             return f"{LOWBIT16_KERNEL} (≤ {gemv.MAX_ROWS} rows), {torch_path}"
         if self.gemv_scales is not None:

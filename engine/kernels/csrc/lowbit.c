@@ -74,6 +74,13 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096
 #endif
@@ -600,6 +607,32 @@ void infersight_int4_gemm(const int8_t *qx, const float *dx, const int32_t *sx, 
     }
 }
 
+/* -- INT4 weights dequantized, for prefill chunks ---------------------------------------- */
+/* Rows n0 .. n1 of INT4 weights as bf16, out [n1 - n0, K]: w = (q - 8) s + z in fp32 (the
+ * product is exact: 4 bits times bf16's 8), rounded to nearest even. A prefill chunk's rows
+ * then share oneDNN's bf16 GEMM (engine/quant/int4.py) where our kernel reuses each weight
+ * block for four rows only. */
+void infersight_int4_dequantize(const uint8_t *w, const uint16_t *sz, int64_t k, int64_t group,
+                                int64_t n0, int64_t n1, uint16_t *out, int threads) {
+    const int64_t ng = k / group;
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = w + n * (k / 2);
+        uint16_t *o = out + (n - n0) * k;
+        for (int64_t b = 0; b < k / QK; b++) {
+            const int64_t g = b * QK / group;
+            const float s = bf16_to_f32(sz[2 * (n * ng + g)]);
+            const float z = bf16_to_f32(sz[2 * (n * ng + g) + 1]);
+            const uint8_t *wb = wr + b * (QK / 2);
+            for (int j = 0; j < QK / 2; j++) {
+                o[b * QK + j] = f32_to_bf16((float)((wb[j] & 0x0F) - 8) * s + z);
+                o[b * QK + QK / 2 + j] = f32_to_bf16((float)((wb[j] >> 4) - 8) * s + z);
+            }
+        }
+    }
+}
+
 /* -- one call per layer: the activations quantized into scratch space, then the product ---- */
 /* x and y are fp32 or bf16 (x_bf16, y_bf16): a bf16 x is widened (exactly) before it is
  * quantized, and a bf16 y is the fp32 result rounded to nearest even, as torch's .to()
@@ -614,13 +647,6 @@ static const float *widened(const void *x, int x_bf16, int64_t count, float **sc
         for (int64_t i = 0; i < count; i++) wide[i] = bf16_to_f32(((const uint16_t *)x)[i]);
     *scratch = wide;
     return wide;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 /* y as the product wants it: the caller's fp32 buffer, or scratch space for a bf16 one */
