@@ -61,6 +61,7 @@ MATMUL_OPS = frozenset({
     "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu",
     # our C kernels, recorded by engine.kernels.native.call while profiling
     "infersight::gemv", "infersight::lowbit_int8", "infersight::lowbit_int4",
+    "infersight::int4_dequantize",
 })  # fmt: skip
 
 
@@ -90,7 +91,8 @@ class StepProfile:
 
 
 class _ScopedContext(AttentionContext):
-    """The step's attention context with its ``attend`` inside the "attention" scope."""
+    """The step's attention context with its attention inside the "attention" scope; a fused
+    RoPE + K/V write (:meth:`kv_target`) stays in the attention block's."""
 
     def __init__(self, inner: AttentionContext) -> None:
         self.inner = inner
@@ -98,6 +100,13 @@ class _ScopedContext(AttentionContext):
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> Any:
         with torch.profiler.record_function(SCOPE + "attention"):
             return self.inner.attend(layer, q, kv)
+
+    def kv_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.inner.kv_target(layer)
+
+    def attend_stored(self, layer: int, q: torch.Tensor) -> Any:
+        with torch.profiler.record_function(SCOPE + "attention"):
+            return self.inner.attend_stored(layer, q)
 
 
 @contextmanager

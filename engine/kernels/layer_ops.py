@@ -125,7 +125,9 @@ class CNorms:
             dtype in (torch.float32, torch.bfloat16)
             and cos.dtype == sin.dtype == pool.dtype == dtype
             and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-            and pool.is_contiguous() and write_slots.dtype == torch.int64
+            and pool.is_contiguous() and pool.dim() == 3
+            and pool.shape[1:] == (2 * num_kv_heads, head_dim)
+            and write_slots.dtype == torch.int64
             and write_slots.is_contiguous() and write_slots.numel() == tokens
             and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
             and cos.numel() == sin.numel() == tokens * head_dim

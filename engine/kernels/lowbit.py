@@ -52,8 +52,10 @@ QK = 32
 QK16 = 128
 ENV = "INFERSIGHT_LOWBIT"
 #: ``auto``: ours where it measured faster than torch's kernel for the shape; ``ours``: ours
-#: wherever it builds (an error where it does not); ``torch``: torch's kernels, float
-#: activations
+#: wherever it builds (an error where it does not), for every shape it serves (INT8: up to
+#: :data:`engine.kernels.gemv.MAX_ROWS` rows; the prefill chunks of INT8 and INT4 layers then
+#: take bf16 GEMMs on converted weights, a path of ours too); ``torch``: torch's kernels,
+#: float activations
 MODES = ("auto", "ours", "torch")
 
 
@@ -197,7 +199,7 @@ def quantize16_reference(x: Tensor) -> Q16:
     blocks = [x[:, c : c + QK16].float() for c in range(0, k, QK16)]
     d = torch.stack([b.abs().amax(dim=1) / 32767 for b in blocks], dim=1)
     dk = d.repeat_interleave(QK16, dim=1)[:, :k]
-    q = torch.where(dk == 0, 0.0, torch.round(x.float() / dk))
+    q = torch.where(dk == 0, 0.0, torch.round((x.float() / dk).clamp(-32767, 32767)))
     return Q16(q.to(torch.int16), d)
 
 

@@ -123,8 +123,8 @@ class Int4Linear(nn.Module):
         )
         #: whether prefill chunks (more than :data:`engine.kernels.gemv.MAX_ROWS` rows) take
         #: bf16 GEMMs on weights dequantized a block at a time (:func:`bf16_product`), where our
-        #: kernel runs the layer and that measured faster than it for this shape
-        self.prefill_bf16 = self.lowbit and self._prefill(k)
+        #: kernel runs the layer of a bf16 model and that measured faster than it for this shape
+        self.prefill_bf16 = self.lowbit and dtype == torch.bfloat16 and self._prefill(k)
         if self.lowbit:
             self.padded_n = 0
         # torch's kernels take bf16 only; ours the model's compute dtype (fp16 below sm80)

@@ -167,9 +167,10 @@ static inline void tile(const float *x, int64_t k, const void *w, int type, cons
 /* bf16 weights times bf16 activations where the CPU has AVX512-BF16 (Zen 4, Cooper Lake and
  * later Xeons): `vdpbf16ps` multiplies 32 pairs at once and adds them into 16 fp32 sums. A
  * product of two bf16 values is exact in fp32, so this computes what `tile` computes from the
- * widened operands, in another order (the two products of a pair are added first) and with
- * denormal operands read as zero, as the instruction does; a third of the instructions per
- * weight, where the widening otherwise costs more than the bandwidth leaves time for. */
+ * widened operands, in another order (each lane adds its pair's odd product, then its even
+ * one) and with denormal operands and results read as zero, as the instruction does whatever
+ * the FPU's control register says; a third of the instructions per weight, where the
+ * widening otherwise costs more than the bandwidth leaves time for. */
 static inline void tile_dpbf16(const uint16_t *x, int64_t k, const uint16_t *w, int64_t n0,
                                int nt, int64_t m0, int mt, float *out) {
     const uint16_t *wr[NT];

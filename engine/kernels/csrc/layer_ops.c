@@ -129,7 +129,8 @@ __attribute__((optimize("fp-contract=off")))
 void infersight_rope_store(void *qkv, int bf16, int64_t tokens, int64_t heads, int64_t kv_heads,
                            int64_t dim, const void *cos, const void *sin, void *pool,
                            const int64_t *slots) {
-    const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2, pool_row = 2 * kv_heads * dim;
+    const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
+    const int64_t pool_row = 2 * kv_heads * dim;
     const size_t size = bf16 ? 2 : 4;
     float head[512];  /* one head's rotated values: a q head is read whole before it is written */
     for (int64_t t = 0; t < tokens; t++) {
@@ -146,8 +147,8 @@ void infersight_rope_store(void *qkv, int bf16, int64_t tokens, int64_t heads, i
             void *out = h < heads ? (void *)x : (void *)(dst + (size_t)((h - heads) * dim) * size);
             for (int64_t i = 0; i < dim; i++) put(out, bf16, i, head[i]);
         }
-        memcpy(dst + (size_t)(kv_heads * dim) * size, row + (size_t)((heads + kv_heads) * dim) * size,
-               (size_t)(kv_heads * dim) * size);
+        const char *v = row + (size_t)((heads + kv_heads) * dim) * size;
+        memcpy(dst + (size_t)(kv_heads * dim) * size, v, (size_t)(kv_heads * dim) * size);
     }
 }
 

@@ -242,7 +242,11 @@ void infersight_quantize_q16(const float *x, int64_t rows, int64_t k, int16_t *q
             }
             const float db = m / 32767.0f;
             for (int64_t i = 0; i < len; i++) {
-                const float quotient = db == 0.0f ? 0.0f : xb[i] / db;
+                /* within ±32767 by construction, unless d is a denormal that lost bits (a
+                 * block below 4e-34): clamped, as the reference clamps */
+                float quotient = db == 0.0f ? 0.0f : xb[i] / db;
+                quotient = quotient > 32767.0f ? 32767.0f : quotient;
+                quotient = quotient < -32767.0f ? -32767.0f : quotient;
                 qb[i] = (int16_t)(int32_t)((quotient + magic) - magic);
             }
             d[r * nb + b] = db;
