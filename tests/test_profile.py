@@ -54,3 +54,36 @@ def test_bench_profile_cli(tiny_model_dir, capsys):
     assert out["calls_per_step"]["lm_head"]["matmul"] == pytest.approx(1)
     assert main(argv[:-1]) == 0
     assert "python/dispatch" in capsys.readouterr().out
+
+
+def test_our_c_kernels_are_counted_where_they_run(tiny_model_dir):
+    """With our CPU kernels (``INFERSIGHT_LOWBIT=ours``), whose ctypes calls the profiler does
+    not see by itself: the products are recorded as matmuls in their scopes, and the step runs
+    as it does unprofiled, the fused RoPE + K/V write included (once per layer and step)."""
+    import dataclasses
+
+    from engine.kernels import lowbit, native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler: our CPU kernels are not built here")
+    folder, _ = tiny_model_dir("llama", False, hidden_size=128, intermediate_size=256)
+    with lowbit.choosing("ours"):
+        engine = load_model(folder, precision="int8")
+    rope_store = engine.model.ops.rope_store
+    assert rope_store is not None
+    stores: list[int] = []
+
+    def counted(*args, **kwargs):
+        stores.append(args[0].shape[0])
+        return rope_store(*args, **kwargs)
+
+    engine.model.set_ops(dataclasses.replace(engine.model.ops, rope_store=counted))
+    layers, steps = engine.cfg.num_layers, 4
+    p = profile_decode(engine, list(range(5, 25)), steps=steps)
+    assert p.calls["attention block"]["matmul"] == pytest.approx(2 * layers)
+    assert p.calls["mlp"]["matmul"] == pytest.approx(2 * layers)
+    assert p.calls["lm_head"]["matmul"] == pytest.approx(1)
+    assert p.calls["attention"]["attention"] > 0
+    # the prefill, then the unprofiled and the profiled steps: each layer rotated and stored
+    assert len(stores) == layers * (1 + 2 * steps)
+    assert not native.RECORDING  # the recording ends with the profile
