@@ -158,7 +158,9 @@ GATHER = {
     "aten.transpose.int": 1,
     "aten.reshape.default": 1,
 }
-PAGED_KERNEL = {"infersight.paged_attention_kernel.default": 1}
+#: The paged C kernel's, called directly by an eager step: its output and the view of it (the
+#: kernel itself is a ctypes call, no operator).
+PAGED_KERNEL = {"aten.empty_like.default": 1, "aten.view.default": 1}
 
 
 @contextlib.contextmanager

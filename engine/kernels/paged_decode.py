@@ -175,8 +175,8 @@ def portable() -> Iterator[None]:
         _off = before
 
 
-# The kernel as a torch op, so that the profiler records it by name (inside the "attention"
-# scope of ``bench --profile``) and a compiled graph calls it as one opaque kernel.
+# The kernel as a torch op, so that a compiled graph calls it as one opaque kernel (an eager
+# step calls it directly, recorded under the op's name while ``bench --profile`` runs).
 _LIB = torch.library.Library("infersight", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIB.define(  # type: ignore[no-untyped-call]
     "paged_attention_kernel(Tensor q, Tensor pool, Tensor slots, Tensor lens, Tensor? mask) "
@@ -205,8 +205,14 @@ def paged_attention(
 ) -> Tensor:
     """``q: [B, H, D]`` over the keys in the first ``lens[b]`` columns of ``slots[b]``
     (``mask``: additive, ``[B, W]`` or ``[B, 1, 1, W]``, or None). Returns ``[B, H·D]`` in
-    ``q``'s dtype. Call where :func:`usable` said yes."""
-    return torch.ops.infersight.paged_attention_kernel(q, pool, slots, lens, mask)
+    ``q``'s dtype. Call where :func:`usable` said yes. An eager step calls the kernel directly
+    (the torch op's dispatch costs about what the call of a small step does), recorded under
+    the op's name while ``bench --profile`` runs; a compiled graph calls the op."""
+    if torch.compiler.is_compiling():
+        return torch.ops.infersight.paged_attention_kernel(q, pool, slots, lens, mask)
+    return native.call(
+        "infersight::paged_attention_kernel", _call, kernel(), q, pool, slots, lens, mask
+    )
 
 
 def _call(
@@ -218,10 +224,11 @@ def _call(
         raise ValueError("paged attention needs int64 slots and lens and a contiguous pool")
     b, heads, dim = q.shape
     kv_heads = pool.shape[1] // 2
-    qf = q.float().contiguous()
+    # (an eager step calls this directly: no operator where nothing needs converting)
+    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
     out = torch.empty_like(qf)
-    slots = slots.contiguous()
-    lens = lens.contiguous()
+    slots = slots if slots.is_contiguous() else slots.contiguous()
+    lens = lens if lens.is_contiguous() else lens.contiguous()
     m = None if mask is None else mask.reshape(b, -1).float().contiguous()
     rc = k.fn(
         qf.data_ptr(), pool.data_ptr(), int(pool.dtype == torch.bfloat16), slots.data_ptr(),
@@ -230,10 +237,11 @@ def _call(
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("the paged decode kernel ran out of memory for its scratch space")
-    return out.view(b, heads * dim).to(q.dtype)
+    out = out.view(b, heads * dim)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-# The prefill kernel as a torch op too (the profiler's "attention" scope names it).
+# The prefill kernel as a torch op too, for the same reasons.
 _LIB.define(  # type: ignore[no-untyped-call]
     "paged_prefill_kernel(Tensor q, Tensor pool, Tensor slots, Tensor positions, int start, "
     "int sink, int window) -> Tensor"
@@ -269,7 +277,14 @@ def paged_prefill(
     ``slots`` (positions ``positions``, ascending); a key is seen by query ``p`` when its
     position is ``<= p`` and, with ``window > 0``, ``> p - window`` or ``< sink``. Returns
     ``[L, H·D]`` in ``q``'s dtype. Call where :func:`prefill_usable` said yes."""
-    return torch.ops.infersight.paged_prefill_kernel(q, pool, slots, positions, start, sink, window)
+    if torch.compiler.is_compiling():
+        return torch.ops.infersight.paged_prefill_kernel(
+            q, pool, slots, positions, start, sink, window
+        )
+    return native.call(
+        "infersight::paged_prefill_kernel", _call_prefill, kernel(), q, pool, slots, positions,
+        start, sink, window,
+    )  # fmt: skip
 
 
 def prefill_reference(
