@@ -440,12 +440,15 @@ def threads() -> int:
 _BF16 = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _operands(x: Tensor, out: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``x`` as the kernels take it (fp32 or bf16, contiguous) and ``y [M, N]`` to fill (in
-    ``out`` where it is fp32 or bf16, else fp32)."""
+def _operands(x: Tensor, n: int, out: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``x`` as the kernels take it (fp32 or bf16, contiguous) and ``y [M, n]`` to fill (in
+    ``out`` where it is fp32 or bf16, else fp32): no operator where none is needed (a decode
+    step calls this for every linear)."""
     if x.dtype not in _BF16:
         x = x.float()
-    return x.contiguous(), torch.empty(0, dtype=out if out in _BF16 else torch.float32)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x, torch.empty(x.shape[0], n, dtype=out if out in _BF16 else torch.float32)
 
 
 def int8_linear(
@@ -455,8 +458,7 @@ def int8_linear(
     float32 ``scales [N]``: ``[M, N]`` in ``out``."""
     if torch.compiler.is_compiling():
         return torch.ops.infersight.lowbit_int8(x, weight, scales).to(out)
-    x, y = _operands(x, out)
-    y = y.new_empty(x.shape[0], weight.shape[0])
+    x, y = _operands(x, weight.shape[0], out)
     rc = native.call(
         "infersight::lowbit_int8", library().lib.infersight_int8_linear,
         x.data_ptr(), _BF16[x.dtype], x.shape[0], x.shape[1], weight.data_ptr(),
@@ -475,8 +477,7 @@ def int4_linear(
     ``scales_zeros [N, K/group, 2]``): ``[M, N]`` in ``out``."""
     if torch.compiler.is_compiling():
         return torch.ops.infersight.lowbit_int4(x, packed, scales_zeros, group).to(out)
-    x, y = _operands(x, out)
-    y = y.new_empty(x.shape[0], packed.shape[0])
+    x, y = _operands(x, packed.shape[0], out)
     rc = native.call(
         "infersight::lowbit_int4", library().lib.infersight_int4_linear,
         x.data_ptr(), _BF16[x.dtype], x.shape[0], x.shape[1], group, packed.data_ptr(),
