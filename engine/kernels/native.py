@@ -96,9 +96,11 @@ def library_path(source: Path, cc: str, flags: list[str]) -> Path:
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         version = cc
-    # -march=native: the build holds for this CPU's instruction sets, not just its name
+    # -march=native: the build holds for this CPU's instruction sets, not just its name; the
+    # headers beside the source (csrc/*.h) are part of it too
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes() + version.encode() + _cpu().encode() + str(flags).encode()
+        source.read_bytes() + headers + version.encode() + _cpu().encode() + str(flags).encode()
     ).hexdigest()
     return home() / "kernels" / f"{source.stem}-{key[:16]}{suffix()}"
 

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -87,12 +89,11 @@ static inline vf VLOADX(const float *p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
-static inline float bf16_bits_to_f32(uint16_t h);
 static inline vf load_w(const void *w, int type, int64_t i) {
     vf v;
     for (int j = 0; j < VW; j++) {
         v[j] = type == W_INT8   ? (float)((const int8_t *)w)[i + j]
-               : type == W_BF16 ? bf16_bits_to_f32(((const uint16_t *)w)[i + j])
+               : type == W_BF16 ? bf16_to_f32(((const uint16_t *)w)[i + j])
                                 : ((const float *)w)[i + j];
     }
     return v;
@@ -104,23 +105,9 @@ static inline float vsum(vf v) {
 
 const char *infersight_gemv_isa(void) { return ISA_NAME; }
 
-static inline float bf16_bits_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static inline float w_at(const void *w, int type, int64_t i) {
     return type == W_INT8   ? (float)((const int8_t *)w)[i]
-           : type == W_BF16 ? bf16_bits_to_f32(((const uint16_t *)w)[i])
+           : type == W_BF16 ? bf16_to_f32(((const uint16_t *)w)[i])
                             : ((const float *)w)[i];
 }
 
@@ -193,7 +180,7 @@ static inline void tile_dpbf16(const uint16_t *x, int64_t k, const uint16_t *w, 
         for (int j = 0; j < nt; j++) {
             float s = _mm512_reduce_add_ps(acc[i][j]);
             for (int64_t c = kv; c < k; c++)
-                s += bf16_bits_to_f32(x[(m0 + i) * k + c]) * bf16_bits_to_f32(wr[j][c]);
+                s += bf16_to_f32(x[(m0 + i) * k + c]) * bf16_to_f32(wr[j][c]);
             out[i * NT + j] = s;
         }
     }
@@ -214,7 +201,7 @@ int infersight_gemv(const void *x, int x_bf16, int64_t m, int64_t k, const void 
     if (x_bf16 && !dp) {
         wide = malloc((size_t)(m * k) * sizeof *wide);
         if (!wide) return -1;
-        for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_bits_to_f32(((const uint16_t *)x)[i]);
+        for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_to_f32(((const uint16_t *)x)[i]);
         xf = wide;
     }
     const float *ws = type == W_INT8 ? scales : NULL;
@@ -245,7 +232,7 @@ int infersight_gemv(const void *x, int x_bf16, int64_t m, int64_t k, const void 
                 for (int j = 0; j < nt; j++) {
                     const int64_t at = (m0 + i) * n_out + n0 + j;
                     if (y_bf16)
-                        ((uint16_t *)y)[at] = f32_to_bf16_bits(out[i * NT + j]);
+                        ((uint16_t *)y)[at] = f32_to_bf16(out[i * NT + j]);
                     else
                         ((float *)y)[at] = out[i * NT + j];
                 }

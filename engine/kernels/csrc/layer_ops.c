@@ -17,23 +17,11 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float from_bf16(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 /* value i of a row of fp32, or of bf16 where `bf16` */
 static inline float at(const void *v, int bf16, int64_t i) {
-    return bf16 ? from_bf16(((const uint16_t *)v)[i]) : ((const float *)v)[i];
+    return bf16 ? bf16_to_f32(((const uint16_t *)v)[i]) : ((const float *)v)[i];
 }
 
 /* 1 / sqrt(mean of squares + eps) of one row */
@@ -62,8 +50,8 @@ static inline void norm_row(const void *row, const void *w, int64_t h, float eps
         const uint16_t *rb = (const uint16_t *)row, *wb = (const uint16_t *)w;
         uint16_t *ob = (uint16_t *)out;
         for (int64_t i = 0; i < h; i++) {
-            const float n = from_bf16(to_bf16(from_bf16(rb[i]) * inv));
-            ob[i] = to_bf16(from_bf16(wb[i]) * n);
+            const float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(rb[i]) * inv));
+            ob[i] = f32_to_bf16(bf16_to_f32(wb[i]) * n);
         }
     } else {
         const float *rf = (const float *)row, *wf = (const float *)w;
@@ -92,7 +80,7 @@ void infersight_add_rms_norm(const void *x, const void *residual, const void *w,
         if (bf16) {
             const uint16_t *xb = row_of(x, 1, r, h), *rb = row_of(residual, 1, r, h);
             for (int64_t i = 0; i < h; i++)
-                ((uint16_t *)s)[i] = to_bf16(from_bf16(xb[i]) + from_bf16(rb[i]));
+                ((uint16_t *)s)[i] = f32_to_bf16(bf16_to_f32(xb[i]) + bf16_to_f32(rb[i]));
         } else {
             const float *xf = row_of(x, 0, r, h), *rf = row_of(residual, 0, r, h);
             for (int64_t i = 0; i < h; i++) ((float *)s)[i] = xf[i] + rf[i];
@@ -114,13 +102,16 @@ static inline float rotated(const void *x, int bf16, const void *cos, const void
                             int64_t i, int64_t partner, int64_t angle) {
     const float p = at(x, bf16, i) * at(cos, bf16, angle);
     const float r = at(x, bf16, partner) * at(sin, bf16, angle);
-    if (bf16) return from_bf16(to_bf16(from_bf16(to_bf16(p)) + from_bf16(to_bf16(r))));
+    if (bf16) {
+        const float sum = bf16_to_f32(f32_to_bf16(p)) + bf16_to_f32(f32_to_bf16(r));
+        return bf16_to_f32(f32_to_bf16(sum));
+    }
     return p + r;
 }
 
 static inline void put(void *v, int bf16, int64_t i, float value) {
     if (bf16)
-        ((uint16_t *)v)[i] = to_bf16(value);
+        ((uint16_t *)v)[i] = f32_to_bf16(value);
     else
         ((float *)v)[i] = value;
 }
