@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         precision=args.precision,
         config=EngineConfig(prefix_caching=False, num_blocks=blocks),
     )
-    if not paged_decode.prefill_usable(engine.kv.kv[0]):
+    if not paged_decode.reads_pool(engine.kv.kv[0]):
         print(f"the prefill kernel does not run here: {paged_decode.status()}")
         return 1
     prompt = [(13 * i + 7) % 40_000 + 100 for i in range(args.prompt_len)]

@@ -284,7 +284,7 @@ def test_the_engine_prefills_through_the_kernel(tiny_model_dir, monkeypatch, win
         window=None if window is None else CacheWindow(*window),
     )
     engine = load_model(folder, config=config)
-    assert paged_decode.prefill_usable(engine.kv.kv[0]), paged_decode.status()
+    assert paged_decode.reads_pool(engine.kv.kv[0]), paged_decode.status()
     calls = []
     real = paged_decode._call_prefill
     monkeypatch.setattr(

@@ -7,6 +7,7 @@ import pytest
 
 from engine.bench.profile import KINDS, SCOPES, format_profile, profile_decode
 from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels import decode_step
 from engine.kernels.packed_linear import PackedLinear
 from engine.loader.load import load_model
 
@@ -19,7 +20,8 @@ def test_every_matmul_and_attention_of_a_step_lands_in_its_scope(tiny_model_dir,
     # the float linears (all at fp32; at int8 the bf16 head) take the probed layout
     assert packed == (pack and cpu_paths().packed(engine.dtype).ok)
     layers = engine.cfg.num_layers
-    p = profile_decode(engine, list(range(5, 25)), steps=6)
+    with decode_step.eager():  # the modules' split (the C step's: below)
+        p = profile_decode(engine, list(range(5, 25)), steps=6)
     calls = p.calls
     # per decode step: qkv + o per layer, gate_up + down per layer, one LM head
     assert calls["attention block"]["matmul"] == pytest.approx(2 * layers)
@@ -79,7 +81,8 @@ def test_our_c_kernels_are_counted_where_they_run(tiny_model_dir):
 
     engine.model.set_ops(dataclasses.replace(engine.model.ops, rope_store=counted))
     layers, steps = engine.cfg.num_layers, 4
-    p = profile_decode(engine, list(range(5, 25)), steps=steps)
+    with decode_step.eager():
+        p = profile_decode(engine, list(range(5, 25)), steps=steps)
     assert p.calls["attention block"]["matmul"] == pytest.approx(2 * layers)
     assert p.calls["mlp"]["matmul"] == pytest.approx(2 * layers)
     assert p.calls["lm_head"]["matmul"] == pytest.approx(1)
@@ -87,3 +90,31 @@ def test_our_c_kernels_are_counted_where_they_run(tiny_model_dir):
     # the prefill, then the unprofiled and the profiled steps: each layer rotated and stored
     assert len(stores) == layers * (1 + 2 * steps)
     assert not native.RECORDING  # the recording ends with the profile
+
+
+def test_the_c_decode_step_splits_its_own_time(tiny_model_dir):
+    """Where a decode step runs in one C call (:mod:`engine.kernels.decode_step`), the profile
+    splits that call by the step's own clocks: four products per layer and the LM head as
+    matmuls, one attention per layer, the loops between them as other ops; the kinds still
+    share out the wall time, and nothing runs through the modules' scopes."""
+    from engine.kernels import lowbit, native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler: our CPU kernels are not built here")
+    folder, _ = tiny_model_dir("llama", False, intermediate_size=128)
+    with lowbit.choosing("ours"):
+        engine = load_model(folder, precision="int8")
+    assert engine.model.decode_step is not None, engine.kernels
+    layers, steps = engine.cfg.num_layers, 5
+    p = profile_decode(engine, list(range(5, 25)), steps=steps)
+    row = p.ms["C decode step"]
+    assert p.calls["C decode step"]["matmul"] == pytest.approx(4 * layers)
+    assert p.calls["C decode step"]["attention"] == pytest.approx(layers)
+    assert row["matmul"] > 0 and row["attention"] > 0 and row["other ops"] > 0
+    for scope in ("attention block", "attention", "mlp", "lm_head"):
+        assert not any(p.ms[scope].values()), scope
+    total = sum(p.kind_total(k) for k in KINDS)
+    assert total == pytest.approx(p.profiled_step_ms, rel=0.02)
+    assert all(v >= 0 for r in p.ms.values() for v in r.values())
+    assert 0 < p.outside < 1
+    assert "outside matrix products and attention" in format_profile(p, "tiny")

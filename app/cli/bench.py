@@ -170,12 +170,47 @@ def _bench_profile(args: argparse.Namespace, folder: Any, device: str, config: A
     title = f"{engine.name} · {args.precision} · {where}"
     if args.attention == "compare":
         return _profile_attention_paths(args, engine, prompt, title)
+    if engine.model.decode_step is not None:
+        return _profile_c_step(args, engine, prompt, title, where)
     result = profile_decode(engine, prompt, steps=args.new_tokens, batch=args.batch)
     if args.json:
         print(json.dumps({"model": engine.name, "precision": args.precision, "device": where,
                           **result.as_dict()}, indent=2))  # fmt: skip
     else:
         print(format_profile(result, title))
+    return 0
+
+
+def _profile_c_step(
+    args: argparse.Namespace, engine: Any, prompt: Any, title: str, where: str
+) -> int:
+    """``bench --profile`` where decode steps run in one C call
+    (:mod:`engine.kernels.decode_step`): that step and the eager one, taking turns on the same
+    requests (``--repeats`` times), the fastest repeat of each (in JSON the C step's
+    profile, with the eager one under ``"eager"``)."""
+    from contextlib import nullcontext
+
+    from engine.bench.profile import format_profile, profile_decode_variants
+    from engine.kernels import decode_step
+
+    runs = profile_decode_variants(
+        engine, prompt, {"C step": nullcontext, "eager": decode_step.eager},
+        steps=args.new_tokens, batch=args.batch, repeats=args.repeats,
+    )  # fmt: skip
+    best = {name: min(ps, key=lambda p: p.step_ms) for name, ps in runs.items()}
+    if args.json:
+        print(json.dumps({"model": engine.name, "precision": args.precision, "device": where,
+                          **best["C step"].as_dict(), "eager": best["eager"].as_dict()},
+                         indent=2))  # fmt: skip
+        return 0
+    for name, p in best.items():
+        print(format_profile(p, f"{title} · decode step: {name}"), end="\n\n")
+    c, eager = best["C step"], best["eager"]
+    print(
+        f"decode step {c.step_ms:.2f} ms in one C call against {eager.step_ms:.2f} ms eager "
+        f"({eager.step_ms / c.step_ms:.2f}×; fastest of {args.repeats} each); outside matrix "
+        f"products and attention: {c.outside:.0%} against {eager.outside:.0%}"
+    )
     return 0
 
 

@@ -17,6 +17,10 @@ into the innermost scope around it and into one of these kinds of time:
 * **python/dispatch**: what is left of the step's wall time: Python in and around the model,
   and torch's dispatch between operators (an operator's self time is its own C++ work).
 
+A decode step run in one C call (:mod:`engine.kernels.decode_step`) calls no module: its
+layers and LM head are one event, the "C decode step" scope, split by the step's own clocks
+into its products, its attention and the loops between them.
+
 The profiler adds its own overhead to every operator, so the split is read as shares; the
 report also gives the unprofiled time of a decode step, measured just before.
 """
@@ -35,11 +39,14 @@ from torch import nn
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.kernels import native
-from engine.model.attention import AttentionContext
+from engine.model.attention import AttentionContext, DecodeTables
 
 SCOPE = "infersight:"
 SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head",
-          "decode graph", "engine")  # fmt: skip
+          "decode graph", "C decode step", "engine")  # fmt: skip
+#: the C decode step's call (:mod:`engine.kernels.decode_step`): one event for every layer,
+#: split into products, attention and the rest by the step's own clocks
+C_STEP_EVENT = "infersight::decode_step"
 #: the profiler events of the scopes (not ``infersight::…`` ops, which share the prefix)
 SCOPE_EVENTS = {SCOPE + s: s for s in SCOPES}
 #: the compiled decode step's attention op: the "attention" scope of a compiled step
@@ -79,6 +86,12 @@ class StepProfile:
     def kind_total(self, kind: str) -> float:
         return sum(row.get(kind, 0.0) for row in self.ms.values())
 
+    @property
+    def outside(self) -> float:
+        """The share of the profiled step outside matrix products and attention."""
+        inside = self.kind_total("matmul") + self.kind_total("attention")
+        return 1.0 - inside / self.profiled_step_ms if self.profiled_step_ms else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
@@ -87,6 +100,7 @@ class StepProfile:
             "ms_per_step": self.ms,
             "calls_per_step": self.calls,
             "batch": self.batch,
+            "outside_matmul_and_attention": self.outside,
         }
 
 
@@ -100,6 +114,13 @@ class _ScopedContext(AttentionContext):
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> Any:
         with torch.profiler.record_function(SCOPE + "attention"):
             return self.inner.attend(layer, q, kv)
+
+    @property
+    def decode_only(self) -> bool:
+        return bool(getattr(self.inner, "decode_only", False))
+
+    def decode_tables(self) -> DecodeTables | None:  # the C decode step splits its own time
+        return self.inner.decode_tables()
 
     def kv_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.inner.kv_target(layer)
@@ -214,6 +235,10 @@ def _profile_steps(engine: LLMEngine, steps: int, batch: int) -> StepProfile:
     # A compiled step has no modules to hook: its parts are the graph's kernels, the
     # opaque matmuls and the attention op (kernels are recorded, see decode_graph).
     scopes = nullcontext() if engine.graph.compiled else _scopes(engine)
+    c_step = engine.model.decode_step
+    spent = getattr(c_step, "spent", None)
+    if spent is not None:
+        spent[:] = [0.0, 0.0, 0.0]
     native.RECORDING = True  # our C kernels' calls as events (a ctypes call is none)
     try:
         with scopes, profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -226,9 +251,15 @@ def _profile_steps(engine: LLMEngine, steps: int, batch: int) -> StepProfile:
 
     ms = {s: dict.fromkeys(KINDS, 0.0) for s in SCOPES}
     calls = {s: dict.fromkeys(KINDS[:3], 0.0) for s in SCOPES}
-    accounted = inside = 0.0
+    accounted = inside = c_step_ms = 0.0
+    c_calls = 0
     for event in prof.events():
         self_ms = event.self_cpu_time_total / 1e3
+        if event.name == C_STEP_EVENT:
+            c_step_ms += self_ms
+            c_calls += 1
+            accounted += self_ms
+            continue
         if event.name in SCOPE_EVENTS or event.name.startswith(GRAPH_EVENTS):
             # a scope's own time is time in it outside its ops: Python and dispatch
             scope = SCOPE_EVENTS.get(event.name, "decode graph")
@@ -245,6 +276,18 @@ def _profile_steps(engine: LLMEngine, steps: int, batch: int) -> StepProfile:
         ms[scope][kind] += self_ms / steps
         calls[scope][kind] += 1 / steps
         accounted += self_ms
+    if c_calls and spent is not None:
+        # the C step's clocks split its calls: products, attention, the loops between them,
+        # and what is left of the calls' time (entering the call, its scratch space)
+        products, attention, other = (1e3 * v / steps for v in spent)
+        row = ms["C decode step"]
+        row["matmul"] += products
+        row["attention"] += attention
+        row["other ops"] += other
+        row["python/dispatch"] += max(0.0, c_step_ms / steps - products - attention - other)
+        layers = engine.cfg.num_layers
+        calls["C decode step"]["matmul"] += 4 * layers * c_calls / steps
+        calls["C decode step"]["attention"] += layers * c_calls / steps
     # the rest of the wall time ran outside every scope and op: the engine's Python
     outside = max(0.0, wall_ms - accounted - inside)
     ms["engine"]["python/dispatch"] += outside / steps
@@ -274,4 +317,5 @@ def format_profile(p: StepProfile, title: str) -> str:
         + "".join(f"{p.kind_total(k):9.2f} ({p.kind_total(k) / total:4.0%})" for k in KINDS)
         + f"{sum(p.kind_total(k) for k in KINDS):10.2f}"
     )
+    lines.append(f"outside matrix products and attention: {p.outside:.0%} of the profiled step")
     return "\n".join(lines)

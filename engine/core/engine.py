@@ -43,7 +43,7 @@ from engine.errors import (
     OutOfMemoryError,
 )
 from engine.hardware.memory import free_memory
-from engine.kernels import decode_graph, layer_ops, triton_check, triton_support
+from engine.kernels import decode_graph, decode_step, layer_ops, triton_check, triton_support
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
@@ -111,6 +111,9 @@ class LLMEngine:
         elif device.type == "cpu":  # the norms in C, where our CPU kernels are allowed
             ops, why = layer_ops.cpu_ops()
             self.model.set_ops(ops or TORCH_OPS)
+            self.kernels += f"; {why}"
+            # the decode step's layers in one C call, where every part runs a kernel of ours
+            self.model.decode_step, why = decode_step.plan(self.model, dtype)
             self.kernels += f"; {why}"
         self.kv = PagedKVCache(
             cfg,

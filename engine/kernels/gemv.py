@@ -141,16 +141,18 @@ def check(lib: Library) -> str:
 
 
 def chosen(
-    fmt: str, out_features: int, in_features: int, timer: Callable[[], lowbit.Timing] | None
-) -> bool:
+    fmt: str, out_features: int, in_features: int, timer: Callable[[], lowbit.Timing] | None,
+    slack: float = 1.0,
+) -> bool:  # fmt: skip
     """Whether a CPU layer of this format (``int8 bfloat16``: weights and activations) and
     shape takes our kernel for its small step shapes: the library builds and passed its check,
-    and (``auto``) it measured faster at one row than torch's kernel, timed once by ``timer``
-    and kept in ``kernels.json`` (no ``timer``: torch has no kernel here to time against)."""
+    and (``auto``) it measured faster at one row than torch's kernel (or within ``slack`` × its
+    time), timed once by ``timer`` and kept in ``kernels.json`` (no ``timer``: torch has no
+    kernel here to time against)."""
     if lowbit.requested() == "torch":
         return False
     key = lowbit.shape_key(f"gemv {fmt}", out_features, in_features)
-    return lowbit.decided(library, "gemv", key, timer)
+    return lowbit.decided(library, "gemv", key, timer, slack)
 
 
 def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> lowbit.Timing:

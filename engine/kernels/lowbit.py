@@ -334,6 +334,10 @@ class Timing:
     def ours(self) -> bool:
         return self.ours_ms < self.torch_ms
 
+    def ours_within(self, slack: float) -> bool:
+        """Whether ours runs the shape when it may take up to ``slack`` × torch's time."""
+        return self.ours_ms < slack * self.torch_ms
+
 
 #: bytes of weights each timing streams through: far beyond any last-level cache
 STREAM_BYTES = 64 * 2**20
@@ -368,28 +372,32 @@ def time_kernels(
 
 
 def chosen(
-    fmt: str, out_features: int, in_features: int, timer: Callable[[], Timing] | None
-) -> bool:
+    fmt: str, out_features: int, in_features: int, timer: Callable[[], Timing] | None,
+    slack: float = 1.0,
+) -> bool:  # fmt: skip
     """Whether a CPU layer of this format (``int4-g32 bfloat16``: the weights' format and the
     activations' dtype) and shape runs our kernels: the library builds and
     passed its check, and (``auto``) it measured faster than torch's for this shape on this
-    machine, timed once by ``timer`` and kept in ``kernels.json`` (no ``timer``: torch has no
-    kernel here to time against)."""
+    machine (or within ``slack`` × its time: :func:`engine.kernels.decode_step.slack`), timed
+    once by ``timer`` and kept in ``kernels.json`` (no ``timer``: torch has no kernel here to
+    time against)."""
     mode = requested()
     family = fmt.split()[0].split("-")[0]  # "int4-g32 bfloat16" -> "int4"
     if mode == "torch" or (mode == "auto" and family not in ADMITTED):
         return False
-    return decided(library, "lowbit", shape_key(fmt, out_features, in_features), timer)
+    return decided(library, "lowbit", shape_key(fmt, out_features, in_features), timer, slack)
 
 
 def decided(
-    built: Callable[[], Library], name: str, key: str, timer: Callable[[], Timing] | None
-) -> bool:
+    built: Callable[[], Library], name: str, key: str, timer: Callable[[], Timing] | None,
+    slack: float = 1.0,
+) -> bool:  # fmt: skip
     """Whether our kernel ``built()`` runs the layer shape ``key`` in ``INFERSIGHT_LOWBIT``'s
     mode (``auto`` or ``ours``; callers answer ``torch`` themselves): it builds and passed its
     check, and (``auto``) it measured faster than torch's, timed once by ``timer`` and kept in
     ``kernels.json`` under this machine, the ``name`` build (its instruction set and source)
-    and the thread count (no ``timer``: torch has no kernel here to time against)."""
+    and the thread count (no ``timer``: torch has no kernel here to time against); ``slack``:
+    as for :func:`faster`."""
     mode = requested()
     found = built()
     if not found.available:
@@ -400,27 +408,27 @@ def decided(
         return True
     # the build's name carries a hash of its source and flags: a changed kernel is timed anew
     build = found.path.stem if found.path is not None else name
-    return faster(f"{build} {found.isa}", key, timer)
+    return faster(f"{build} {found.isa}", key, timer, slack)
 
 
-def faster(ours: str, key: str, timer: Callable[[], Timing]) -> bool:
+def faster(ours: str, key: str, timer: Callable[[], Timing], slack: float = 1.0) -> bool:
     """Whether ``ours`` (a build of our kernel, or a path of ours through torch's operators,
     with what makes it that version) measured faster than torch's kernel for the layer shape
-    ``key``: timed once by ``timer`` and kept in ``kernels.json`` under this machine, ``ours``
-    and the thread count."""
+    ``key`` (or within ``slack`` × its time): timed once by ``timer`` and kept in
+    ``kernels.json`` under this machine, ``ours`` and the thread count."""
     verdicts = f"{machine_key()} | {ours} | {threads()} threads"
     with LOCK:
         known = measured.read(measured_file()).get(verdicts, {}).get(key)
         if known is not None:
             try:
-                return bool(Timing(**known).ours)
+                return Timing(**known).ours_within(slack)
             except TypeError:
                 pass
         timing = timer()
         log.info("timed %s: ours %.3f ms, torch %.3f ms per token", key, timing.ours_ms,
                  timing.torch_ms)  # fmt: skip
         measured.write(measured_file(), {verdicts: {key: asdict(timing)}})
-        return timing.ours
+        return timing.ours_within(slack)
 
 
 def measured_file() -> str:

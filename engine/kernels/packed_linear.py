@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
 from engine.hardware.measured import KERNELS_FILE, machine_key
-from engine.kernels import gemv
+from engine.kernels import decode_step, gemv
 from engine.kernels.lowbit import Timing
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,15 @@ class GemvLinear(nn.Linear):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
+        """This layer in the C decode step (:mod:`engine.kernels.decode_step`)."""
+        if self.weight.dtype != dtype:
+            return f"holds {self.weight.dtype} weights, the activations are {dtype}"
+        return decode_step.product(
+            decode_step.GEMV, self.weight, None, self.bias, dtype,
+            n=self.out_features, k=self.in_features,
+        )  # fmt: skip
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -254,7 +263,8 @@ def takes_gemv(dtype: torch.dtype, out_features: int, in_features: int) -> bool:
         return False
     fmt = str(dtype).removeprefix("torch.")
     return gemv.chosen(fmt, out_features, in_features,
-                       lambda: time_gemv(dtype, out_features, in_features))  # fmt: skip
+                       lambda: time_gemv(dtype, out_features, in_features),
+                       decode_step.slack())  # fmt: skip
 
 
 def pack_linears(model: nn.Module, *, timed: bool = True) -> int:

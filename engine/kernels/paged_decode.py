@@ -264,9 +264,9 @@ def _(
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def prefill_usable(pool: Tensor) -> bool:
-    """Whether prefill chunks over ``pool`` attend through the kernel: a CPU pool of a dtype it
-    reads."""
+def reads_pool(pool: Tensor) -> bool:
+    """Whether the kernels attend over ``pool`` (prefill chunks, and the C decode step's
+    decode: :mod:`engine.kernels.decode_step`): a CPU pool of a dtype they read."""
     return not _off and pool.device.type == "cpu" and pool.dtype in DTYPES and kernel().available
 
 
@@ -276,7 +276,7 @@ def paged_prefill(
     """One sequence's chunk ``q: [L, H, D]`` at positions ``start …`` over the keys in
     ``slots`` (positions ``positions``, ascending); a key is seen by query ``p`` when its
     position is ``<= p`` and, with ``window > 0``, ``> p - window`` or ``< sink``. Returns
-    ``[L, H·D]`` in ``q``'s dtype. Call where :func:`prefill_usable` said yes."""
+    ``[L, H·D]`` in ``q``'s dtype. Call where :func:`reads_pool` said yes."""
     if torch.compiler.is_compiling():
         return torch.ops.infersight.paged_prefill_kernel(
             q, pool, slots, positions, start, sink, window

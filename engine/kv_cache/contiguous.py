@@ -68,7 +68,7 @@ class _ContiguousContext(AttentionContext):
             v_buf[slot, :, start:end] = v[offset : offset + length].transpose(0, 1)
             keys, values = k_buf[slot, :, :end], v_buf[slot, :, :end]
             chunk = q[offset : offset + length]
-            if paged_decode.prefill_usable(k_buf):
+            if paged_decode.reads_pool(k_buf):
                 # The paged cache's prefill kernel, over this sequence's K/V laid out as a
                 # pool: the same arithmetic as the engine's own steps, so that scoring a text
                 # here and through the engine agree to the bit.

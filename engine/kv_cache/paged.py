@@ -24,7 +24,7 @@ from engine.kernels.decode_attention import (
 )
 from engine.kv_cache.block_manager import RELEASED, BlockManager
 from engine.kv_cache.window import CacheWindow, _one_window, _visible
-from engine.model.attention import AttentionContext, grouped_attention
+from engine.model.attention import AttentionContext, DecodeTables, grouped_attention
 from engine.model.config import ModelConfig
 
 
@@ -154,7 +154,7 @@ class _PagedContext(AttentionContext):
         #: each prefill chunk: its query offset, and what the kernel or SDPA reads
         self.prefill: list[tuple[int, int, _Prefill | Tensor, Tensor]] = []
         offset = self.num_decode
-        kernel = len(chunks) > self.num_decode and paged_decode.prefill_usable(cache.kv[0])
+        kernel = len(chunks) > self.num_decode and paged_decode.reads_pool(cache.kv[0])
         for c in chunks[self.num_decode :]:
             positions, slots = mgr.held(c.seq_id, c.start + c.length)
             one, window = _one_window(c.window, cache.model_window)
@@ -167,6 +167,21 @@ class _PagedContext(AttentionContext):
                 read = to_device(_visible(c.window, cache.model_window, positions, queries), dev)
             self.prefill.append((offset, c.length, read, to_device(slots, dev)))
             offset += c.length
+
+    def decode_tables(self) -> DecodeTables | None:
+        if not self.decode_only or self.tables is not None:
+            return None
+        if not paged_decode.reads_pool(self.cache.kv[0]):
+            return None
+        assert self.decode_slots is not None and self.decode_lens is not None
+        mask = None
+        if self.mask_needed:
+            assert self.decode_mask is not None
+            mask = self.decode_mask.reshape(self.num_decode, -1).float().contiguous()
+        return DecodeTables(
+            self.cache.kv, self.write_slots, self.decode_slots.contiguous(),
+            self.decode_lens, mask,
+        )  # fmt: skip
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """The pool and slots where a fused RoPE + K/V write stores this step's K/V (our

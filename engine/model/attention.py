@@ -14,10 +14,26 @@ concatenated, ``q: [T, H, D]``, ``kv: [T, 2·Hkv, D]`` (K heads, then V heads), 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTables:
+    """What a decode step's attention reads, for a step run outside the model's modules
+    (:mod:`engine.kernels.decode_step`): each layer's pool ``[slots, 2·Hkv, D]``, where each
+    sequence's new K/V go (``write_slots: [B]``), the slots each one's query reads
+    (``slots: [B, W]``, the first ``lens[b]`` real) and their additive fp32 mask ``[B, W]``
+    (None: every key is visible), all int64 and contiguous."""
+
+    pools: list[Tensor]
+    write_slots: Tensor
+    slots: Tensor
+    lens: Tensor
+    mask: Tensor | None
 
 
 class AttentionContext(ABC):
@@ -36,6 +52,11 @@ class AttentionContext(ABC):
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
         """Attention output ``[T, H*D]`` with this step's K/V already in the pool."""
         raise NotImplementedError(f"{type(self).__name__} stores K/V itself (attend)")
+
+    def decode_tables(self) -> DecodeTables | None:
+        """The step's :class:`DecodeTables` where it decodes only, on a CPU pool that the
+        paged C kernel reads; None otherwise."""
+        return None
 
 
 def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:

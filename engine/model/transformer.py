@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.model.attention import AttentionContext
+from engine.model.attention import AttentionContext, DecodeTables
 from engine.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -246,6 +246,12 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         #: :meth:`body` compiled for decode-only steps (:mod:`engine.kernels.decode_graph`)
         self.compiled_decode: Callable[..., Tensor] | None = None
+        #: the decode step in one C call (:mod:`engine.kernels.decode_step`): takes the
+        #: embedded tokens, positions, the step's decode tables and the rows to sample,
+        #: returns their logits, or None where it does not apply
+        self.decode_step: (
+            Callable[[Tensor, Tensor, DecodeTables, Tensor | None], Tensor | None] | None
+        ) = None
         #: why every module must run eagerly for now (hooks of layer timings, say)
         self.eager_reasons: set[str] = set()
         #: the layers' fused operations (:meth:`set_ops`)
@@ -268,18 +274,27 @@ class Transformer(nn.Module):
             # The embedding stays out of the graph: a few rows, read by index (and, for a
             # tied INT4 head, unpacked from its tiles), in one or two ops either way.
             x = self.embed(input_ids)
+            decode_only = not self.eager_reasons and getattr(ctx, "decode_only", False)
             compiled = self.compiled_decode
-            if (
-                compiled is not None
-                and not self.eager_reasons
-                and getattr(ctx, "decode_only", False)
-            ):
+            if compiled is not None and decode_only:
                 try:
                     return compiled(x, positions, ctx, logits_indices)
                 except Exception as exc:  # the graph broke: this step and every later one
                     # run eagerly (a cache write the graph made is made again, the same)
                     log.warning("the compiled decode step failed, running eagerly: %s", exc)
                     self.compiled_decode = None
+            step = self.decode_step
+            tables = ctx.decode_tables() if step is not None and decode_only else None
+            if step is not None and tables is not None:
+                try:
+                    logits = step(x, positions, tables, logits_indices)
+                except Exception as exc:  # as for the graph: eager from here on (the layers
+                    # ran on x in place; the cache writes are made again, the same)
+                    log.warning("the C decode step failed, running eagerly: %s", exc)
+                    self.decode_step, logits = None, None
+                    x = self.embed(input_ids)
+                if logits is not None:
+                    return logits
             return self.body(x, positions, ctx, logits_indices)
 
     def set_ops(self, ops: LayerOps) -> None:
@@ -301,6 +316,11 @@ class Transformer(nn.Module):
         cos, sin = self.rope.angles(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
+        return self.head(x, logits_indices)
+
+    def head(self, x: Tensor, logits_indices: Tensor | None = None) -> Tensor:
+        """fp32 logits of the rows ``logits_indices`` (default: all) of the hidden states
+        ``x`` after the last layer: the final norm and the LM head."""
         if logits_indices is not None:
             if logits_indices.numel() == 0:
                 # A step of mid-prompt chunks only samples nothing. No GEMM is launched on 0

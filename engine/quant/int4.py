@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from engine.formats import pack_int4_cuda, quantize_int4, row_chunks
 from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kernels import gemv, lowbit
+from engine.kernels import decode_step, gemv, lowbit
 from engine.quant.int8 import (
     LOWBIT_KERNEL,
     PREFILL_BF16,
@@ -56,14 +56,15 @@ def _triton_int4(device: torch.device, dtype: torch.dtype) -> Callable[..., Tens
 
 
 def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int, dtype: torch.dtype) -> bool:
-    """Whether our C kernel runs a CPU layer of this shape (:func:`engine.kernels.lowbit.chosen`;
-    it takes groups of 32 times a power of two)."""
+    """Whether our C kernel runs a CPU layer of this shape (:func:`engine.kernels.lowbit.chosen`,
+    with the C decode step's slack; it takes groups of 32 times a power of two)."""
     per_group = group // lowbit.QK
     if group % lowbit.QK or per_group & (per_group - 1):
         return False
     runs = cpu_paths().int4_kernel.ok
     timer = (lambda: lowbit.time_int4(n, k, group, inner_k_tiles, dtype)) if runs else None
-    return lowbit.chosen(f"int4-g{group} {str(dtype).removeprefix('torch.')}", n, k, timer)
+    fmt = f"int4-g{group} {str(dtype).removeprefix('torch.')}"
+    return lowbit.chosen(fmt, n, k, timer, decode_step.slack())
 
 
 def bf16_product(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
@@ -246,6 +247,20 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
+        """This layer in the C decode step (:mod:`engine.kernels.decode_step`), where our
+        kernel runs it."""
+        if not self.lowbit:
+            return "runs torch's INT4 kernel" if self.triton is None else "runs Triton"
+        if self.padded_k:
+            return f"pads its {self.in_features} inputs to the group"
+        if self.out_dtype != dtype:
+            return f"gives {self.out_dtype}, the activations are {dtype}"
+        return decode_step.product(
+            decode_step.INT4, self.weight, self.scales_and_zeros.transpose(0, 1), self.bias,
+            dtype, n=self.out_features, k=self.in_features, group=self.group,
+        )  # fmt: skip
 
     @property
     def nbytes(self) -> int:

@@ -20,7 +20,7 @@ from engine.errors import InfersightError
 from engine.formats import quantize_int8
 from engine.hardware import gpu, measured
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kernels import gemv, lowbit, triton_check, triton_support
+from engine.kernels import decode_step, gemv, lowbit, triton_check, triton_support
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,8 @@ class Int8Linear(nn.Module):
             return None
         timer = (lambda: lowbit.time_int8(n, k, self.out_dtype)) if self.use_kernel else None
         fmt = f"int8 {str(self.out_dtype).removeprefix('torch.')}"
-        return self.scales.float() if lowbit.chosen(fmt, n, k, timer) else None
+        chosen = lowbit.chosen(fmt, n, k, timer, decode_step.slack())
+        return self.scales.float() if chosen else None
 
     def _prefill(self) -> bool:
         mode = lowbit.requested()
@@ -205,7 +206,8 @@ class Int8Linear(nn.Module):
         n, k = self.weight.shape
         timer = (lambda: gemv.time_int8(n, k, self.out_dtype)) if self.use_kernel else None
         fmt = f"int8 {str(self.out_dtype).removeprefix('torch.')}"
-        return self.scales.float() if gemv.chosen(fmt, n, k, timer) else None
+        chosen = gemv.chosen(fmt, n, k, timer, decode_step.slack())
+        return self.scales.float() if chosen else None
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -226,6 +228,22 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
+        """This layer in the C decode step (:mod:`engine.kernels.decode_step`): the kernel
+        its small step shapes run."""
+        if self.out_dtype != dtype:
+            return f"gives {self.out_dtype}, the activations are {dtype}"
+        n, k = self.out_features, self.in_features
+        if self.lowbit_scales is not None:
+            return decode_step.product(
+                decode_step.INT8, self.weight, self.lowbit_scales, self.bias, dtype, n=n, k=k
+            )
+        if self.gemv_scales is not None:
+            return decode_step.product(
+                decode_step.GEMV, self.weight, self.gemv_scales, self.bias, dtype, n=n, k=k
+            )
+        return "runs torch's INT8 kernel"
 
     @property
     def nbytes(self) -> int:

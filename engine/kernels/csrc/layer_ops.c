@@ -13,9 +13,12 @@
  *
  * Only the order of the sum of squares differs from torch's (eight partial sums here).
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bf16.h"
 
@@ -141,6 +144,201 @@ void infersight_rope_store(void *qkv, int bf16, int64_t tokens, int64_t heads, i
         const char *v = row + (size_t)((heads + kv_heads) * dim) * size;
         memcpy(dst + (size_t)(kv_heads * dim) * size, v, (size_t)(kv_heads * dim) * size);
     }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * A decode step's decoder layers in one call (engine/kernels/decode_step.py).
+ *
+ * An eager decode step of a small model spends most of its time between its kernels: each
+ * layer is about fifteen Python calls (the norms, four products, RoPE + the K/V write, the
+ * attention, SiLU * up, two residual adds), each paying Python's call and, for torch's
+ * operators, their dispatch. Here one call runs every layer of the step, each part on the
+ * same kernel the eager step calls: the norms and RoPE above, the products and the
+ * attention through pointers to our other libraries' entry points (gemv.c, lowbit.c,
+ * paged_decode.c), filled in once at load. What is left in between is a few loops over a
+ * row: the bias, the query heads widened to fp32 for the attention and its output rounded
+ * back, SiLU(gate) * up and the residual add, each rounded to the activations' dtype where
+ * torch's operator rounds.
+ */
+typedef int (*gemv_fn)(const void *x, int x_bf16, int64_t m, int64_t k, const void *w,
+                       int type, const float *scales, int64_t n, void *y, int y_bf16,
+                       int threads);
+typedef int (*int8_fn)(const void *x, int x_bf16, int64_t m, int64_t k, const void *w,
+                       const float *scales, int64_t n, void *y, int y_bf16, int threads);
+typedef int (*int4_fn)(const void *x, int x_bf16, int64_t m, int64_t k, int64_t group,
+                       const void *w, const void *sz, int64_t n, void *y, int y_bf16,
+                       int threads);
+typedef int (*attend_fn)(const float *q, const void *pool, int bf16, const int64_t *slots,
+                         const int64_t *lens, const float *mask, float *out, int64_t B,
+                         int64_t W, int64_t H, int64_t Hkv, int64_t D, float scale,
+                         int threads);
+
+/* one linear: which kernel, and its operands (engine/kernels/decode_step.py: Product) */
+enum { PRODUCT_GEMV = 0, PRODUCT_INT8 = 1, PRODUCT_INT4 = 2 };
+typedef struct {
+    int32_t kind;    /* PRODUCT_* */
+    int32_t wtype;   /* the GEMV's weight type (gemv.c: W_INT8, W_BF16, W_FP32) */
+    int64_t n, k, group;
+    const void *weight;
+    const void *scales; /* fp32 [n] (INT8), bf16 [n, k / group, 2] (INT4), or NULL */
+    const void *bias;   /* [n] in the activations' dtype, or NULL */
+} product_t;
+
+typedef struct {
+    product_t qkv, o, gate_up, down;
+    const void *input_norm, *post_norm; /* [hidden] in the activations' dtype */
+} layer_t;
+
+typedef struct {
+    gemv_fn gemv;
+    int8_fn int8;
+    int4_fn int4;
+    attend_fn attend;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    int32_t bf16, threads;
+} model_t;
+
+/* seconds spent, by kind, where the caller asked (bench --profile) */
+enum { SPENT_PRODUCTS = 0, SPENT_ATTENTION = 1, SPENT_OTHER = 2 };
+
+static inline double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* y [m, n] = x [m, k] W^T (+ bias), both in the activations' dtype */
+static int product(const model_t *m, const product_t *p, const void *x, int64_t rows, void *y) {
+    const int bf16 = m->bf16;
+    int rc;
+    if (p->kind == PRODUCT_GEMV)
+        rc = m->gemv(x, bf16, rows, p->k, p->weight, p->wtype, (const float *)p->scales, p->n,
+                     y, bf16, m->threads);
+    else if (p->kind == PRODUCT_INT8)
+        rc = m->int8(x, bf16, rows, p->k, p->weight, (const float *)p->scales, p->n, y, bf16,
+                     m->threads);
+    else
+        rc = m->int4(x, bf16, rows, p->k, p->group, p->weight, p->scales, p->n, y, bf16,
+                     m->threads);
+    if (rc || p->bias == NULL) return rc;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < p->n; i++)
+            put(y, bf16, r * p->n + i, at(y, bf16, r * p->n + i) + at(p->bias, bf16, i));
+    return 0;
+}
+
+/* act [rows, I] = silu(gate) * up of gate_up [rows, 2 I], as torch's F.silu(gate) * up: the
+ * SiLU x / (1 + exp(-x)) rounded to the dtype, then the product rounded */
+static void silu_mul(const void *gate_up, int bf16, int64_t rows, int64_t inter, void *act) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < inter; i++) {
+            const float g = at(gate_up, bf16, r * 2 * inter + i);
+            float s = g / (1.0f + expf(-g));
+            if (bf16) s = bf16_to_f32(f32_to_bf16(s));
+            put(act, bf16, r * inter + i, s * at(gate_up, bf16, r * 2 * inter + inter + i));
+        }
+}
+
+/* bf16 values [n] at the front of `v` widened in place to fp32 [n], from the back: element
+ * i's four bytes cover bf16 elements 2i and 2i + 1, both read already. */
+static void widen_in_place(float *v, int64_t n) {
+    const uint16_t *narrow = (const uint16_t *)v;
+    for (int64_t i = n - 1; i >= 0; i--) {
+        const float f = bf16_to_f32(narrow[i]);
+        v[i] = f;
+    }
+}
+
+/* The decoder layers of a decode step: x [B, hidden] (one token of each of B sequences, in
+ * the activations' dtype) goes through every layer in place. cos, sin [B, D]: the step's
+ * angles (as for infersight_rope_store); write_slots [B]: where each token's K/V go; slots
+ * [B, W], lens [B], mask [B, W] or NULL: what each sequence's query reads (as for
+ * infersight_paged_decode); pools[l]: layer l's [S, 2 Hkv, D]. Where `head` is not NULL, then
+ * the fp32 logits [n_rows, vocab] of x's rows `rows` (final norm weights `norm`) into
+ * `logits`. spent[3], or NULL: seconds added by kind. Returns 0, or the first failing
+ * kernel's code (-1: out of memory), or -2 for a row outside x. */
+__attribute__((optimize("fp-contract=off")))
+int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_layers,
+                           void *const *pools, void *x, int64_t B, const void *cos,
+                           const void *sin, const int64_t *write_slots, const int64_t *slots,
+                           const int64_t *lens, const float *mask, int64_t W,
+                           const product_t *head, const void *norm, const int64_t *rows,
+                           int64_t n_rows, float *logits, double *spent) {
+    const int bf16 = m->bf16;
+    const size_t es = bf16 ? 2 : 4;
+    const int64_t hidden = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
+    const int64_t inter = m->intermediate, width = (H + 2 * Hkv) * D, qd = H * D;
+    char *buf = malloc(es * (size_t)B * (size_t)(3 * hidden + width + qd + 3 * inter) +
+                       sizeof(float) * (size_t)(2 * B * qd));
+    if (buf == NULL) return -1;
+    void *h = buf, *sum = buf + es * B * hidden, *o = buf + 2 * es * B * hidden;
+    void *qkv = buf + 3 * es * B * hidden, *a = (char *)qkv + es * B * width;
+    void *gate_up = (char *)a + es * B * qd, *act = (char *)gate_up + 2 * es * B * inter;
+    float *qf = (float *)((char *)act + es * B * inter), *af = qf + B * qd;
+    double t = spent ? now() : 0.0, dt[3] = {0, 0, 0};
+#define SPENT(kind)                                                                           \
+    do {                                                                                      \
+        if (spent) {                                                                          \
+            const double t1 = now();                                                          \
+            dt[kind] += t1 - t;                                                               \
+            t = t1;                                                                           \
+        }                                                                                     \
+    } while (0)
+    int rc = 0;
+    for (int64_t l = 0; l < n_layers && rc == 0; l++) {
+        const layer_t *L = layers + l;
+        infersight_rms_norm(x, L->input_norm, B, hidden, m->eps, bf16, h);
+        SPENT(SPENT_OTHER);
+        if ((rc = product(m, &L->qkv, h, B, qkv))) break;
+        SPENT(SPENT_PRODUCTS);
+        infersight_rope_store(qkv, bf16, B, H, Hkv, D, cos, sin, pools[l], write_slots);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < qd; i++) qf[b * qd + i] = at(qkv, bf16, b * width + i);
+        SPENT(SPENT_OTHER);
+        if ((rc = m->attend(qf, pools[l], bf16, slots, lens, mask, af, B, W, H, Hkv, D,
+                            m->scale, m->threads)))
+            break;
+        SPENT(SPENT_ATTENTION);
+        const void *attended = af;
+        if (bf16) {
+            for (int64_t i = 0; i < B * qd; i++) put(a, 1, i, af[i]);
+            attended = a;
+        }
+        SPENT(SPENT_OTHER);
+        if ((rc = product(m, &L->o, attended, B, o))) break;
+        SPENT(SPENT_PRODUCTS);
+        infersight_add_rms_norm(o, x, L->post_norm, B, hidden, m->eps, bf16, h, sum);
+        SPENT(SPENT_OTHER);
+        if ((rc = product(m, &L->gate_up, h, B, gate_up))) break;
+        SPENT(SPENT_PRODUCTS);
+        silu_mul(gate_up, bf16, B, inter, act);
+        SPENT(SPENT_OTHER);
+        if ((rc = product(m, &L->down, act, B, o))) break;
+        SPENT(SPENT_PRODUCTS);
+        for (int64_t i = 0; i < B * hidden; i++) put(x, bf16, i, at(sum, bf16, i) + at(o, bf16, i));
+        SPENT(SPENT_OTHER);
+    }
+    for (int64_t r = 0; r < n_rows && head != NULL; r++)
+        if (rows[r] < 0 || rows[r] >= B) rc = -2;
+    if (rc == 0 && head != NULL && n_rows > 0) {
+        /* the final norm of the sampled rows, the head's product in the activations' dtype
+         * (written into the front of `logits`), widened to fp32 */
+        const size_t row = es * (size_t)hidden;
+        for (int64_t r = 0; r < n_rows; r++)
+            memcpy((char *)sum + r * row, (const char *)x + rows[r] * row, row);
+        infersight_rms_norm(sum, norm, n_rows, hidden, m->eps, bf16, h);
+        SPENT(SPENT_OTHER);
+        rc = product(m, head, h, n_rows, logits);
+        SPENT(SPENT_PRODUCTS);
+        if (rc == 0 && bf16) widen_in_place(logits, n_rows * head->n);
+        SPENT(SPENT_OTHER);
+    }
+#undef SPENT
+    free(buf);
+    if (spent)
+        for (int k = 0; k < 3; k++) spent[k] += dt[k];
+    return rc;
 }
 
 const char *infersight_layer_ops_isa(void) { return "scalar"; }
