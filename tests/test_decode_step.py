@@ -159,9 +159,7 @@ def test_why_a_load_keeps_the_eager_step(tiny_model_dir):
     assert f"decode steps eager ({lowbit.ENV}=torch)" in engine.kernels
 
 
-def test_a_failing_c_step_hands_this_and_every_later_step_to_the_eager_code(
-    tiny_model_dir, caplog
-):
+def test_a_failing_c_step_hands_this_and_every_later_step_to_the_eager_code(tiny_model_dir, caplog):
     """A kernel that fails inside the call (here: out of memory) costs nothing but the
     speed: the step runs again eagerly, from its embedding, and so does every later one."""
     folder, _ = tiny_model_dir("llama", False, **WIDE)
