@@ -474,7 +474,7 @@ class LLMEngine:
     # -- instruments -------------------------------------------------------------------------
     def enable_layer_timing(self, on: bool = True) -> None:
         """Per-layer timings need every layer called eagerly: while they are on, a compiled
-        decode step runs eagerly."""
+        decode step, or one in C (:mod:`engine.kernels.decode_step`), runs eagerly."""
         if on:
             self.model.eager_reasons.add("layer timings")
             self.layer_timer.enable()
