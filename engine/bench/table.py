@@ -50,7 +50,7 @@ def measure_read_bandwidth(
 class TableRow:
     engine: str  # infersight | llama.cpp
     precision: str
-    mode: str  # eager | compiled | the GGUF's file type
+    mode: str  # eager | compiled | C step | the GGUF's file type
     read_mib: float  # weights a decode step reads
     decode_tok_s: float
     limit_tok_s: float  # bandwidth / read bytes
@@ -207,7 +207,8 @@ def run_table(
     gguf_types: tuple[str, ...] = ("Q4_1",),
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """Batch-1 decode of each precision (eager and, where the load compiled it, compiled),
+    """Batch-1 decode of each precision (as the load settled it: eager, in one C call, or
+    compiled and eager where it compiled),
     llama.cpp on ``gguf`` in each of ``gguf_types`` if ``llama_python`` is given (the file as
     it is for its own type, requantized by llama.cpp from it for the others), all in turn
     within every repeat, with the memory read bandwidth measured before and after."""
@@ -225,7 +226,10 @@ def run_table(
         prompt = prompt or bench_prompt(engine, cfg.prompt_len, cfg.seed)
         read = float(decode_read_bytes(engine.model))
         floors[precision] = 1e3 / kernel_floor_ms(engine, cfg.prompt_len + cfg.new_tokens // 2)
-        modes = ["compiled", "eager"] if engine.graph.compiled else ["eager"]
+        # a decode step in one C call (engine.kernels.decode_step) is the engine's own mode
+        # where the load planned it; "eager" runs every module (as layer timings do)
+        own = "C step" if engine.model.decode_step is not None else "eager"
+        modes = ["compiled", "eager"] if engine.graph.compiled else [own]
         for mode in modes:
             runners.append(("infersight", precision, mode, read, _mode_runner(engine, mode)))
     info = None
