@@ -174,3 +174,29 @@ def test_a_failing_c_step_hands_this_and_every_later_step_to_the_eager_code(tiny
     assert got == want
     assert engine.model.decode_step is None
     assert "the C decode step failed, running eagerly" in caplog.text
+
+
+def test_engines_sharing_the_model_each_read_and_write_their_own_pool(tiny_model_dir):
+    """Two engines on one model (the A/B lab's siblings), their decode steps interleaved, and
+    an engine whose pool was swapped for a new one: each gives the tokens it gives alone."""
+    folder, _ = tiny_model_dir("llama", False, **WIDE)
+    engine = _ours(folder, "fp32")
+    want, _ = _generate(engine, PROMPTS, 8)
+    with lowbit.choosing("ours"):  # as the load was (the tests' default is torch's kernels)
+        other = engine.sibling(engine.config)
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    rids = [(e, e.add_request(p, sampling)) for p in PROMPTS for e in (engine, other)]
+    with _counting(other) as calls:
+        while engine.has_work() or other.has_work():
+            for e in (engine, other):
+                for event in e.step():
+                    if event.token_id is not None:
+                        got.setdefault(event.request_id, []).append(event.token_id)
+    assert sum(calls) >= 2 * 7  # both engines' decode steps ran in C (the model's one plan)
+    for e in (engine, other):
+        assert [got[rid] for owner, rid in rids if owner is e] == want
+    with lowbit.choosing("ours"):
+        resized = engine.with_pool(num_blocks=engine.kv.manager.num_blocks + 8)
+    assert resized.model.decode_step is not None
+    assert _generate(resized, PROMPTS, 8)[0] == want

@@ -171,8 +171,9 @@ class DecodeStep:
             cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
             cfg.head_dim**-0.5, int(dtype == torch.bfloat16), 1,
         )  # fmt: skip
-        self._pools: list[Tensor] | None = None
-        self._pool_ptrs: Any = None
+        #: each KV cache's pools as the C call takes them (arrays of pointers): engines
+        #: that share this model (the A/B lab's) each have their own
+        self._pools: dict[tuple[Any, ...], Any] = {}
         #: seconds in products, attention and the rest, while :data:`native.RECORDING`
         self.spent = (ctypes.c_double * 3)()
 
@@ -185,11 +186,9 @@ class DecodeStep:
         rows = x.shape[0]
         if _off or x.dtype != self.dtype or rows > gemv.MAX_ROWS or not x.is_contiguous():
             return None
-        if tables.pools is not self._pools:  # a new pool (the engine may swap it)
-            self._pools = tables.pools
-            self._pool_ptrs = (ctypes.c_void_p * len(tables.pools))(
-                *(t.data_ptr() for t in tables.pools)
-            )
+        pools = self._pool_pointers(tables.pools)
+        if pools is None:
+            return None
         picked = logits_indices
         if picked is None:
             picked = torch.arange(rows)
@@ -203,7 +202,7 @@ class DecodeStep:
         mask = tables.mask
         rc = native.call(
             "infersight::decode_step", self.fn, ctypes.byref(self.c_model), self.layers,
-            len(self.layers), self._pool_ptrs, x.data_ptr(), rows, cos.data_ptr(),
+            len(self.layers), pools, x.data_ptr(), rows, cos.data_ptr(),
             sin.data_ptr(), tables.write_slots.data_ptr(), tables.slots.data_ptr(),
             tables.lens.data_ptr(), None if mask is None else mask.data_ptr(),
             tables.slots.shape[1], None if head is None else ctypes.byref(head),
@@ -216,6 +215,26 @@ class DecodeStep:
         if rc:
             raise MemoryError("a kernel of the C decode step ran out of memory")
         return logits if logits is not None else self.model.head(x, logits_indices)
+
+    def _pool_pointers(self, pools: list[Tensor]) -> Any:
+        """``pools`` as an array of pointers, made once per KV cache (kept by the addresses
+        and dtype, never holding the tensors: a pool the engine swapped out is freed); None
+        where the pools are not what the step reads (one per layer, contiguous, the
+        activations' dtype)."""
+        addresses = [t.data_ptr() for t in pools]
+        key = (pools[0].dtype if pools else None, *addresses)
+        known = self._pools.get(key)
+        if known is not None:
+            return known
+        if len(pools) != len(self.layers) or any(
+            t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu" for t in pools
+        ):
+            return None
+        if len(self._pools) >= 8:  # the pools of engines gone since
+            self._pools.clear()
+        array = (ctypes.c_void_p * len(pools))(*addresses)
+        self._pools[key] = array
+        return array
 
 
 def _declare(lib: Any) -> None:
