@@ -186,3 +186,20 @@ def test_a_missing_peer_python_is_refused_before_anything_loads(capsys):
     assert "no such program" in err and "make bench-peers" in err
     with pytest.raises(InfersightError, match="cannot start /no/such/python"):
         LlamaCppPeer("/no/such/python", Path("model.gguf"), 1)
+
+
+def test_a_c_step_row_takes_its_kernels_only_figure_from_its_own_clocks(tmp_path):
+    """Where decode steps run in one C call (engine/kernels/decode_step.py) the row says so,
+    and its kernels-only figure is the step's products and attention as the step's own
+    clocks timed them: part of each step, so faster than the whole step."""
+    from engine.kernels import lowbit, native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler: our CPU kernels are not built here")
+    folder = write_synthetic(TINY_LLAMA3, tmp_path / "synthetic")
+    with lowbit.choosing("ours"):
+        report = run_table(folder, ["int8"], BenchConfig(prompt_len=4, new_tokens=6, repeats=2))
+    (row,) = report["rows"]
+    assert row["mode"] == "C step"
+    assert row["kernels_tok_s"] > row["decode_tok_s"] > 0
+    assert "C step" in format_table(report)

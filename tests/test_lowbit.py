@@ -166,6 +166,27 @@ def test_int4_dequantization_is_the_formula_in_fp32_rounded_to_bf16(lib, group):
     assert torch.equal(lowbit.int4_dequantized(packed, sz, group, slice(5, 21), lib), want[5:21])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_heads_embedding_rows_read_in_one_call_are_the_torch_codes(dtype):
+    """The rows a tied INT4 head's embedding reads from our layout (``lowbit.int4_rows``): bit
+    for bit ``((q − 8)·s + z)·inverse_scale`` in fp32 as the embedding's torch code computes
+    it, the first columns of a K padded to the group, any ids in any order, repeated; an id
+    outside the vocabulary is an IndexError, as torch's indexing gives."""
+    if not lowbit.library().available:
+        pytest.skip(lowbit.library().why)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(41, 96, generator=gen) * 2
+    q4, scale, zero = quantize_int4(w, 32)
+    packed, sz = lowbit.pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
+    inverse = torch.rand(90, generator=gen) + 0.5
+    ids = torch.tensor([0, 40, 7, 7, 19])
+    groups = (q4.float().view(41, -1, 32) - 8) * scale.float()[..., None] + zero.float()[..., None]
+    want = (groups.view(41, 96)[ids][:, :90] * inverse).to(dtype)
+    assert torch.equal(lowbit.int4_rows(packed, sz, 32, ids, inverse, 90, dtype), want)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        lowbit.int4_rows(packed, sz, 32, torch.tensor([3, 41]), inverse, 90, dtype)
+
+
 def test_int4_prefill_chunks_run_bf16_gemms_and_decode_rows_our_kernel(monkeypatch, tmp_path):
     """With ``ours``, an INT4 layer on our layout takes bf16 GEMMs on weights dequantized a
     block of rows at a time for more than 16 rows, the int8-activation kernel for fewer; the

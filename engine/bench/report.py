@@ -157,7 +157,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines += text_table(cols, rows)
     lines.append(
         "kernels-only: the step's matmuls and attention timed back to back with nothing "
-        "between them (the floor under Python, dispatch and small ops)"
+        "between them (the floor under Python, dispatch and small ops); for a C step, its "
+        "products and attention as its own clocks timed them in the runs"
     )
     if report.get("llama_cpp_system_info"):
         lines.append(f"llama.cpp: {report['llama_cpp_system_info']}")

@@ -174,8 +174,12 @@ class DecodeStep:
         #: each KV cache's pools as the C call takes them (arrays of pointers): engines
         #: that share this model (the A/B lab's) each have their own
         self._pools: dict[tuple[Any, ...], Any] = {}
-        #: seconds in products, attention and the rest, while :data:`native.RECORDING`
+        #: seconds in products (the LM head's included), attention and the rest, added up
+        #: while :data:`native.RECORDING` or :attr:`clocks` (:meth:`clocked`)
         self.spent = (ctypes.c_double * 3)()
+        self.clocks = False
+        #: the calls that ran a step while the clocks ran
+        self.steps = 0
 
     def __call__(
         self, x: Tensor, positions: Tensor, tables: DecodeTables, logits_indices: Tensor | None
@@ -208,13 +212,29 @@ class DecodeStep:
             tables.slots.shape[1], None if head is None else ctypes.byref(head),
             self.model.norm.weight.data_ptr(), picked.data_ptr(), sampled,
             None if logits is None else logits.data_ptr(),
-            self.spent if native.RECORDING else None,
+            self.spent if native.RECORDING or self.clocks else None,
         )  # fmt: skip
+        self.steps += self.clocks
         if rc == -2:
             raise IndexError(f"logits rows {picked.tolist()} outside the step's {rows} rows")
         if rc:
             raise MemoryError("a kernel of the C decode step ran out of memory")
         return logits if logits is not None else self.model.head(x, logits_indices)
+
+    @contextlib.contextmanager
+    def clocked(self) -> Iterator[list[float]]:
+        """Inside, every step adds up its own time by kind; on the way out the list given
+        holds the milliseconds per step in products and in attention (``bench --table``'s
+        kernels-only figure)."""
+        self.spent[:] = [0.0, 0.0, 0.0]
+        self.clocks, self.steps = True, 0
+        per_step: list[float] = []
+        try:
+            yield per_step
+        finally:
+            self.clocks = False
+            if self.steps:
+                per_step += [1e3 * self.spent[0] / self.steps, 1e3 * self.spent[1] / self.steps]
 
     def _pool_pointers(self, pools: list[Tensor]) -> Any:
         """``pools`` as an array of pointers, made once per KV cache (kept by the addresses

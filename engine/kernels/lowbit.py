@@ -117,6 +117,8 @@ def load(path: Path) -> Library:
         lib.infersight_int4_dequantize.argtypes = [p, p, i64, i64, i64, i64, p, i32]
         lib.infersight_int4_linear.restype = ctypes.c_int
         lib.infersight_int4_linear.argtypes = [p, i32, i64, i64, i64, p, p, i64, p, i32, i32]
+        lib.infersight_int4_rows.restype = i32
+        lib.infersight_int4_rows.argtypes = [p, p, i64, i64, i64, p, i64, p, i64, p, i32]
 
     return native.load(path, "infersight_lowbit_isa", declare)
 
@@ -510,6 +512,27 @@ def int4_dequantized(
         packed.data_ptr(), scales_zeros.data_ptr(), k, group, n0, n1, out.data_ptr(), threads(),
     )  # fmt: skip
     return out
+
+
+def int4_rows(
+    packed: Tensor, scales_zeros: Tensor, group: int, ids: Tensor, inverse_scale: Tensor,
+    width: int, out: torch.dtype,
+) -> Tensor:  # fmt: skip
+    """Rows ``ids`` of INT4 weights (:func:`pack_int4`, bf16 ``scales_zeros [N, K/group,
+    2]``), each column times fp32 ``inverse_scale [width]``, the first ``width`` columns, in
+    ``out`` (fp32 or bf16): a tied INT4 head's embedding lookup in one call, computed as its
+    torch code computes it (:class:`engine.quant.embedding.QuantizedEmbedding`)."""
+    ids = ids if ids.dtype == torch.long and ids.is_contiguous() else ids.long().contiguous()
+    rows = torch.empty(ids.numel(), width, dtype=out)
+    rc = native.call(
+        "infersight::int4_rows", library().lib.infersight_int4_rows,
+        packed.data_ptr(), scales_zeros.data_ptr(), packed.shape[0], 2 * packed.shape[1], group,
+        ids.data_ptr(), ids.numel(), inverse_scale.data_ptr(), width, rows.data_ptr(),
+        _BF16[out],
+    )  # fmt: skip
+    if rc:
+        raise IndexError(f"token ids {ids.tolist()} outside the vocabulary of {packed.shape[0]}")
+    return rows
 
 
 @torch.library.custom_op("infersight::lowbit_int8", mutates_args=())

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from engine.errors import InvalidRequestError
 from engine.formats import Int4TileLayout, _read_int4_rows, cuda_int4_layout
 from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels import lowbit
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
 
@@ -61,6 +62,17 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         head = self.__dict__["head"]
         flat = ids.reshape(-1)
+        if (
+            isinstance(head, Int4Linear)
+            and head.lowbit
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and not torch.compiler.is_compiling()
+        ):  # our layout, read by our C kernel: the code below in one call
+            rows = lowbit.int4_rows(
+                head.weight, head.scales_and_zeros.transpose(0, 1), head.group, flat,
+                self.inverse_scale[: head.in_features], head.in_features, self.dtype,
+            )  # fmt: skip
+            return rows.reshape(*ids.shape, self.embedding_dim)
         if isinstance(head, Int8Linear):
             rows = head.weight[flat].float() * head.scales[flat].float()[:, None]
         else:

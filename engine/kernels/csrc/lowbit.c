@@ -627,6 +627,38 @@ void infersight_int4_dequantize(const uint8_t *w, const uint16_t *sz, int64_t k,
     }
 }
 
+/* Rows ids[0 .. n) of INT4 weights [N, K] as a tied head's embedding reads them
+ * (engine/quant/embedding.py): each value (q - 8) s + z as above, times inv[c], in fp32 with
+ * every product and sum rounded as torch's operators round them, columns [0, width), into
+ * out [n, width] as fp32 or bf16 (out_bf16, rounded to nearest even). One call where the
+ * torch code runs about ten operators per step. Returns 0, or -1 for an id outside [0, N)
+ * (nothing is read then). */
+__attribute__((optimize("fp-contract=off")))
+int infersight_int4_rows(const uint8_t *w, const uint16_t *sz, int64_t N, int64_t k,
+                         int64_t group, const int64_t *ids, int64_t n, const float *inv,
+                         int64_t width, void *out, int out_bf16) {
+    const int64_t ng = k / group;
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= N) return -1;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t row = ids[r];
+        const uint8_t *wr = w + row * (k / 2);
+        const uint16_t *szr = sz + 2 * row * ng;
+        for (int64_t c = 0; c < width; c++) {
+            const int64_t j = c % QK, g = c / group;
+            const uint8_t byte = wr[(c / QK) * (QK / 2) + j % (QK / 2)];
+            const int q = (j < QK / 2 ? (byte & 0x0F) : (byte >> 4)) - 8;
+            const float v = ((float)q * bf16_to_f32(szr[2 * g]) + bf16_to_f32(szr[2 * g + 1]))
+                            * inv[c];
+            if (out_bf16)
+                ((uint16_t *)out)[r * width + c] = f32_to_bf16(v);
+            else
+                ((float *)out)[r * width + c] = v;
+        }
+    }
+    return 0;
+}
+
 /* -- one call per layer: the activations quantized into scratch space, then the product ---- */
 /* x and y are fp32 or bf16 (x_bf16, y_bf16): a bf16 x is widened (exactly) before it is
  * quantized, and a bf16 y is the fp32 result rounded to nearest even, as torch's .to()
