@@ -117,4 +117,7 @@ def test_the_c_decode_step_splits_its_own_time(tiny_model_dir):
     assert total == pytest.approx(p.profiled_step_ms, rel=0.02)
     assert all(v >= 0 for r in p.ms.values() for v in r.values())
     assert 0 < p.outside < 1
+    # unprofiled, by the step's clocks: its kernels are part of its wall time
+    assert p.clocked_ms is not None and 0 < p.clocked_ms < p.step_ms
+    assert p.outside_unprofiled == pytest.approx(1 - p.clocked_ms / p.step_ms)
     assert "outside matrix products and attention" in format_profile(p, "tiny")
