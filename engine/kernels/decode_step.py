@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -171,9 +172,10 @@ class DecodeStep:
             cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
             cfg.head_dim**-0.5, int(dtype == torch.bfloat16), 1,
         )  # fmt: skip
-        #: each KV cache's pools as the C call takes them (arrays of pointers): engines
-        #: that share this model (the A/B lab's) each have their own
-        self._pools: dict[tuple[Any, ...], Any] = {}
+        #: each KV cache's pools as the C call takes them (an array of pointers, or None
+        #: where the step cannot read them), by the cache: engines that share this model
+        #: (the A/B lab's) each have their own, and a cache gone takes its entry with it
+        self._pools: weakref.WeakKeyDictionary[object, Any] = weakref.WeakKeyDictionary()
         #: seconds in products (the LM head's included), attention and the rest, added up
         #: while :data:`native.RECORDING` or :attr:`clocks` (:meth:`clocked`)
         self.spent = (ctypes.c_double * 3)()
@@ -190,7 +192,10 @@ class DecodeStep:
         rows = x.shape[0]
         if _off or x.dtype != self.dtype or rows > gemv.MAX_ROWS or not x.is_contiguous():
             return None
-        pools = self._pool_pointers(tables.pools)
+        try:
+            pools = self._pools[tables.owner]
+        except KeyError:
+            pools = self._pools[tables.owner] = self._pool_pointers(tables.pools)
         if pools is None:
             return None
         picked = logits_indices
@@ -237,24 +242,13 @@ class DecodeStep:
                 per_step += [1e3 * self.spent[0] / self.steps, 1e3 * self.spent[1] / self.steps]
 
     def _pool_pointers(self, pools: list[Tensor]) -> Any:
-        """``pools`` as an array of pointers, made once per KV cache (kept by the addresses
-        and dtype, never holding the tensors: a pool the engine swapped out is freed); None
-        where the pools are not what the step reads (one per layer, contiguous, the
-        activations' dtype)."""
-        addresses = [t.data_ptr() for t in pools]
-        key = (pools[0].dtype if pools else None, *addresses)
-        known = self._pools.get(key)
-        if known is not None:
-            return known
+        """``pools`` as an array of pointers; None where they are not what the step reads
+        (one per layer, contiguous CPU tensors of the activations' dtype)."""
         if len(pools) != len(self.layers) or any(
             t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu" for t in pools
         ):
             return None
-        if len(self._pools) >= 8:  # the pools of engines gone since
-            self._pools.clear()
-        array = (ctypes.c_void_p * len(pools))(*addresses)
-        self._pools[key] = array
-        return array
+        return (ctypes.c_void_p * len(pools))(*(t.data_ptr() for t in pools))
 
 
 def _declare(lib: Any) -> None:

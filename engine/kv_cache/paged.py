@@ -179,7 +179,7 @@ class _PagedContext(AttentionContext):
             assert self.decode_mask is not None
             mask = self.decode_mask.reshape(self.num_decode, -1).float().contiguous()
         return DecodeTables(
-            self.cache.kv, self.write_slots, self.decode_slots.contiguous(),
+            self.cache, self.cache.kv, self.write_slots, self.decode_slots.contiguous(),
             self.decode_lens, mask,
         )  # fmt: skip
 

@@ -27,8 +27,10 @@ class DecodeTables:
     (:mod:`engine.kernels.decode_step`): each layer's pool ``[slots, 2·Hkv, D]``, where each
     sequence's new K/V go (``write_slots: [B]``), the slots each one's query reads
     (``slots: [B, W]``, the first ``lens[b]`` real) and their additive fp32 mask ``[B, W]``
-    (None: every key is visible), all int64 and contiguous."""
+    (None: every key is visible), all int64 and contiguous; ``owner``: the cache that holds
+    the pools (one object per pool, for what is kept per pool)."""
 
+    owner: object
     pools: list[Tensor]
     write_slots: Tensor
     slots: Tensor

@@ -1,0 +1,58 @@
+/* Eight floats as one value, and e^x on them, for the kernels in this folder
+ * (paged_decode.c, layer_ops.c). engine/kernels/native.py hashes the headers here with each
+ * source, so a change here rebuilds them all. */
+#ifndef INFERSIGHT_VEC8_H
+#define INFERSIGHT_VEC8_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* Eight floats as one value (GCC and clang vector extensions): one AVX register on x86-64,
+ * two NEON registers on arm64. Loads and stores go through memcpy, so nothing needs to be
+ * aligned. */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8i bits8(v8 v) {
+    v8i b;
+    memcpy(&b, &v, sizeof b);
+    return b;
+}
+
+static inline v8 floats8(v8i b) {
+    v8 v;
+    memcpy(&v, &b, sizeof v);
+    return v;
+}
+
+/* e^x for eight lanes: Cephes' expf (range reduction by ln 2, a degree-5 polynomial; within
+ * 2 ulp of expf), written in vectors so the softmax of a tile is a few instructions. Lanes
+ * below -87.3 (a masked key's -inf) give exactly 0; lanes above 88.7 are not taken (callers
+ * clamp them). */
+static inline v8 exp8(v8 x) {
+    const v8 floor_ = (v8){0} - 87.3f;
+    const v8i below = x < floor_; /* all ones in the lanes whose result is 0 */
+    x = floats8((bits8(x) & ~below) | (bits8(floor_) & below));
+    v8 n = x * 1.44269504088896341f + 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    n -= 12582912.0f;
+    const v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v8i pow2 = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return floats8(bits8(p * floats8(pow2)) & ~below);
+}
+
+#endif
