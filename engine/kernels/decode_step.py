@@ -125,19 +125,11 @@ def _pointer(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-_off = False  # set by :func:`eager`, for side-by-side measurements
-
-
-@contextlib.contextmanager
-def eager() -> Iterator[None]:
-    """Run decode steps through the model's modules inside this block (``bench --profile``
-    measures both)."""
-    global _off
-    before, _off = _off, True
-    try:
-        yield
-    finally:
-        _off = before
+#: off inside :func:`eager`, for side-by-side measurements
+_SWITCH = native.Switch()
+#: run decode steps through the model's modules inside this block (``bench --profile``
+#: measures both)
+eager = _SWITCH.turned_off
 
 
 def _address(fn: Any) -> int:
@@ -190,7 +182,7 @@ class DecodeStep:
         the decoder layers on ``x: [B, hidden]`` (the step's embedded tokens, changed in place),
         or None where this step does not apply (nothing ran)."""
         rows = x.shape[0]
-        if _off or x.dtype != self.dtype or rows > gemv.MAX_ROWS or not x.is_contiguous():
+        if _SWITCH.off or x.dtype != self.dtype or rows > gemv.MAX_ROWS or not x.is_contiguous():
             return None
         try:
             pools = self._pools[tables.owner]

@@ -12,6 +12,7 @@ leaves this process on the portable path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -19,7 +20,7 @@ import os
 import platform
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,22 @@ def call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
 
     with torch.profiler.record_function(name):
         return fn(*args)
+
+
+class Switch:
+    """A fast path of ours that a block of code can turn off, for side-by-side measurements
+    (``with switch.turned_off(): …`` runs the fallback)."""
+
+    def __init__(self) -> None:
+        self.off = False
+
+    @contextlib.contextmanager
+    def turned_off(self) -> Iterator[None]:
+        before, self.off = self.off, True
+        try:
+            yield
+        finally:
+            self.off = before
 
 
 CSRC = Path(__file__).resolve().parent / "csrc"

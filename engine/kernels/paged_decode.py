@@ -21,11 +21,9 @@ available) or ``gather``."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -161,18 +159,10 @@ def _check(k: Kernel) -> str:
     return ""
 
 
-_off = False  # set by :func:`portable`, for side-by-side measurements
-
-
-@contextlib.contextmanager
-def portable() -> Iterator[None]:
-    """Run the portable gather + SDPA path inside this block (``bench --attention``)."""
-    global _off
-    before, _off = _off, True
-    try:
-        yield
-    finally:
-        _off = before
+#: off inside :func:`portable`, for side-by-side measurements
+_SWITCH = native.Switch()
+#: run the portable gather + SDPA path inside this block (``bench --attention``)
+portable = _SWITCH.turned_off
 
 
 # The kernel as a torch op, so that a compiled graph calls it as one opaque kernel (an eager
@@ -197,7 +187,9 @@ def _(q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None)
 
 
 def usable(q: Tensor, pool: Tensor) -> bool:
-    return not _off and q.device.type == "cpu" and pool.dtype in DTYPES and kernel().available
+    return (
+        not _SWITCH.off and q.device.type == "cpu" and pool.dtype in DTYPES and kernel().available
+    )
 
 
 def paged_attention(
@@ -267,7 +259,12 @@ def _(
 def reads_pool(pool: Tensor) -> bool:
     """Whether the kernels attend over ``pool`` (prefill chunks, and the C decode step's
     decode: :mod:`engine.kernels.decode_step`): a CPU pool of a dtype they read."""
-    return not _off and pool.device.type == "cpu" and pool.dtype in DTYPES and kernel().available
+    return (
+        not _SWITCH.off
+        and pool.device.type == "cpu"
+        and pool.dtype in DTYPES
+        and kernel().available
+    )
 
 
 def paged_prefill(
