@@ -207,31 +207,7 @@ int infersight_paged_decode(const float *q, const void *pool, int bf16, const in
 #define KT 32
 #endif
 
-/* a * b + c, fused where the CPU has FMA (one rounding, and twice the throughput of a
- * multiply then an add, which is what ISO C's no-contraction rule makes of `a * b + c`). */
-#if defined(__FMA__)
-#include <immintrin.h>
-static inline v8 fma8(v8 a, v8 b, v8 c) {
-    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-}
-#elif defined(__aarch64__)
-#include <arm_neon.h>
-static inline v8 fma8(v8 a, v8 b, v8 c) {
-    float32x4_t x[2], y[2], z[2];
-    memcpy(x, &a, sizeof a), memcpy(y, &b, sizeof b), memcpy(z, &c, sizeof c);
-    z[0] = vfmaq_f32(z[0], x[0], y[0]), z[1] = vfmaq_f32(z[1], x[1], y[1]);
-    memcpy(&c, z, sizeof c);
-    return c;
-}
-#else
-static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
-#endif
-
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-
-static inline int visible(int64_t kp, int64_t qp, int64_t sink, int64_t window) {
-    return kp <= qp && (window == 0 || kp > qp - window || kp < sink);
-}
 
 /* The first index in kpos[lo..hi) whose position is > limit (kpos ascending). */
 static int64_t upper(const int64_t *kpos, int64_t lo, int64_t hi, int64_t limit) {
@@ -367,9 +343,15 @@ static void prefill_item(const float *q, const float *kt, const float *vc, const
             float *s = S + r * KT;
             const int64_t qp = start + i0 + r / group;
             for (int64_t j = tn; j < KT; j++) s[j] = -INFINITY;
-            if (edge)
-                for (int64_t j = 0; j < tn; j++)
-                    if (!visible(kpos[t0 + j], qp, sink, window)) s[j] = -INFINITY;
+            if (edge) { /* keys ascend: what this row sees is the sink's keys, then one run */
+                const int64_t seen = upper(kpos, t0, t0 + tn, qp) - t0; /* keys <= qp */
+                for (int64_t j = seen; j < tn; j++) s[j] = -INFINITY;
+                if (window > 0) { /* [from sink's end, first key in the window): hidden */
+                    const int64_t in = upper(kpos, t0, t0 + seen, qp - window) - t0;
+                    const int64_t sunk = upper(kpos, t0, t0 + in, sink - 1) - t0;
+                    for (int64_t j = sunk; j < in; j++) s[j] = -INFINITY;
+                }
+            }
             v8 top8 = splat8(m[r]);
             for (int64_t j = 0; j < KT; j += 8) {
                 const v8 x = load8(s + j);
