@@ -160,8 +160,11 @@ def test_two_engines_stream_side_by_side(qtbot: object, workers: list[Running]) 
     start(qtbot, workers, LoadSpec("default", "fp32", "cpu", 64), timeline)
     start(qtbot, workers, LoadSpec("default", "int8", "cpu", 64), timeline)
     messages = [{"role": "user", "content": "Describe a harbour at dawn."}]
-    for r in workers:
-        r.worker.post(Send("ab", messages, GREEDY))
+    # fp32 writes the longer reply: its stream still runs while INT8's first (its prefill)
+    # waits on a loaded machine, so that the overlap does not hang on which starts first
+    longer = {**GREEDY, "max_new_tokens": 4 * GREEDY["max_new_tokens"]}
+    for r, params in zip(workers, (longer, GREEDY), strict=True):
+        r.worker.post(Send("ab", messages, params))
     qtbot.waitUntil(lambda: all(r.inbox.stats for r in workers), timeout=WAIT_MS)  # type: ignore[attr-defined]
     (a,), (b,) = (r.inbox.stats for r in workers)
     assert (a.precision, b.precision) == ("fp32", "int8")
