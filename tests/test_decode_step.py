@@ -35,12 +35,16 @@ def _counting(engine) -> Iterator[list[bool]]:
     step = engine.model.decode_step
     assert step is not None, engine.kernels
 
-    def counted(*args):
-        out = step(*args)
-        calls.append(out is not None)
-        return out
+    class Counted:  # the step, its calls counted
+        def __getattr__(self, name: str):
+            return getattr(step, name)
 
-    engine.model.decode_step = counted
+        def __call__(self, *args):
+            out = step(*args)
+            calls.append(out is not None)
+            return out
+
+    engine.model.decode_step = Counted()
     try:
         yield calls
     finally:
@@ -123,7 +127,7 @@ def test_a_cache_window_with_a_sink_reads_what_the_eager_step_reads(tiny_model_d
 
 def test_the_eager_step_runs_where_the_c_step_does_not_apply(tiny_model_dir):
     """Prefill steps never reach it; more sequences than our kernels take rows are declined;
-    layer timings (hooks on the modules) keep every step eager."""
+    a reason to run eagerly (a benchmark's eager row) keeps every step eager."""
     from engine.core.config import EngineConfig
     from engine.core.scheduler import SchedulerLimits
 
@@ -135,13 +139,13 @@ def test_the_eager_step_runs_where_the_c_step_does_not_apply(tiny_model_dir):
         _generate(engine, many, 3)
     # the prefill never reaches it; the two decode steps of 17 rows are declined
     assert calls == [False, False]
-    engine.enable_layer_timing(True)
+    engine.model.eager_reasons.add("bench: eager row")
     try:
         with _counting(engine) as calls:
             _generate(engine, PROMPTS[:1], 4)
         assert calls == []
     finally:
-        engine.enable_layer_timing(False)
+        engine.model.eager_reasons.discard("bench: eager row")
     with _counting(engine) as calls:
         _generate(engine, PROMPTS[:1], 4)
     assert calls == [True] * 3
@@ -200,3 +204,33 @@ def test_engines_sharing_the_model_each_read_and_write_their_own_pool(tiny_model
         resized = engine.with_pool(num_blocks=engine.kv.manager.num_blocks + 8)
     assert resized.model.decode_step is not None
     assert _generate(resized, PROMPTS, 8)[0] == want
+
+
+def test_layer_timings_come_from_the_c_step_itself(tiny_model_dir):
+    """With layer timings on, decode steps still run in C, and each layer's attention block
+    and MLP are timed there (the prefill by the modules' hooks); the tokens are the same.
+    Off again, nothing is timed."""
+    folder, _ = tiny_model_dir("llama", False, **WIDE)
+    engine = _ours(folder, "fp32")
+    want, _ = _generate(engine, PROMPTS, 6)
+    engine.enable_layer_timing(True)
+    seen: list[tuple] = []
+    collect = engine.collect_layer_timings
+
+    def collecting() -> None:
+        collect()
+        seen.append(engine.layer_timings)
+
+    engine.collect_layer_timings = collecting
+    try:
+        with _counting(engine) as calls:
+            got, _ = _generate(engine, PROMPTS, 6)
+    finally:
+        engine.enable_layer_timing(False)
+    assert got == want and calls == [True] * 5
+    decode_steps = seen[-5:]  # after the prefill's, each decode step's from the C step
+    for timings in decode_steps:
+        assert [t.layer for t in timings] == list(range(engine.cfg.num_layers))
+        assert all(t.attention_s > 0 and t.mlp_s > 0 for t in timings)
+    step = engine.model.decode_step
+    assert step is not None and not step.times_layers and step.take_layer_seconds() == []

@@ -49,7 +49,7 @@ from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
 from engine.model.inventory import weight_bytes
 from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import TORCH_OPS, Transformer
+from engine.model.transformer import LAYER_TIMINGS, TORCH_OPS, Transformer
 from engine.quant.inventory import weight_report
 from engine.quant.spec import PrecisionSpec, dtype_name
 
@@ -474,19 +474,24 @@ class LLMEngine:
     # -- instruments -------------------------------------------------------------------------
     def enable_layer_timing(self, on: bool = True) -> None:
         """Per-layer timings need every layer called eagerly: while they are on, a compiled
-        decode step, or one in C (:mod:`engine.kernels.decode_step`), runs eagerly."""
+        decode step runs eagerly; a C one (:mod:`engine.kernels.decode_step`) times its
+        layers itself."""
+        time_layers = getattr(self.model.decode_step, "time_layers", None)
         if on:
-            self.model.eager_reasons.add("layer timings")
+            self.model.eager_reasons.add(LAYER_TIMINGS)
             self.layer_timer.enable()
         else:
             self.layer_timer.disable()
-            self.model.eager_reasons.discard("layer timings")
+            self.model.eager_reasons.discard(LAYER_TIMINGS)
             self.layer_timings = ()
+        if time_layers is not None:
+            time_layers(on)
 
     def collect_layer_timings(self) -> None:
         """The step's per-layer timings, where they are on."""
         if self.layer_timer.enabled:
-            self.layer_timings = self.layer_timer.collect()
+            take = getattr(self.model.decode_step, "take_layer_seconds", None)
+            self.layer_timings = self.layer_timer.collect(take() if take is not None else ())
 
     def metrics(self) -> MetricsSnapshot:
         now = time.perf_counter()

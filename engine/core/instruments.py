@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -157,8 +158,10 @@ class LayerTimer:
 
         return hook
 
-    def collect(self) -> tuple[LayerTiming, ...]:
-        """Timings of the forward passes since the last call (one step's, normally)."""
+    def collect(self, timed: Sequence[tuple[float, float]] = ()) -> tuple[LayerTiming, ...]:
+        """Timings of the forward passes since the last call (one step's, normally), with
+        ``timed``'s (each layer's attention and MLP seconds, as a C decode step times them:
+        :mod:`engine.kernels.decode_step`) added."""
         if self.cuda and self._events:
             # The events were recorded in order on one stream: once the last has happened,
             # every one has. Waiting for the whole device would also wait for other streams
@@ -168,6 +171,9 @@ class LayerTimer:
                 self._totals[key] = self._totals.get(key, 0.0) + start.elapsed_time(end) / 1e3
             self._events.clear()
         totals, self._totals = self._totals, {}
+        for i, (attention, mlp) in enumerate(timed):
+            totals[(i, "attention")] = totals.get((i, "attention"), 0.0) + attention
+            totals[(i, "mlp")] = totals.get((i, "mlp"), 0.0) + mlp
         if not totals:
             return ()
         count = len(self.layers)

@@ -15,9 +15,10 @@ activations' dtype, not bit for bit.
 
 The step falls back to the eager code, as a compiled decode step does, wherever this does not
 apply: a step that prefills, more rows than our kernels take
-(:data:`engine.kernels.gemv.MAX_ROWS`), attention not on the paged C kernel, hooks on the
-layers (layer timings), a kernel that fails (the step is run again eagerly, and every later
-one)."""
+(:data:`engine.kernels.gemv.MAX_ROWS`), attention not on the paged C kernel, a reason in
+the model's ``eager_reasons`` (a benchmark's eager row, a check), a kernel that fails (the step
+is run again eagerly, and every later one). Layer timings do not stop it: it times each layer's
+attention block and MLP itself, as the eager step's hooks do."""
 
 from __future__ import annotations
 
@@ -174,6 +175,9 @@ class DecodeStep:
         self.clocks = False
         #: the calls that ran a step while the clocks ran
         self.steps = 0
+        #: seconds of each layer's attention block and MLP, added up while layer timings are
+        #: on (:meth:`time_layers`), as the eager step's hooks time them
+        self.layer_seconds: Any = None
 
     def __call__(
         self, x: Tensor, positions: Tensor, tables: DecodeTables, logits_indices: Tensor | None
@@ -209,7 +213,7 @@ class DecodeStep:
             tables.slots.shape[1], None if head is None else ctypes.byref(head),
             self.model.norm.weight.data_ptr(), picked.data_ptr(), sampled,
             None if logits is None else logits.data_ptr(),
-            self.spent if native.RECORDING or self.clocks else None,
+            self.spent if native.RECORDING or self.clocks else None, self.layer_seconds,
         )  # fmt: skip
         self.steps += self.clocks
         if rc == -2:
@@ -217,6 +221,24 @@ class DecodeStep:
         if rc:
             raise MemoryError("a kernel of the C decode step ran out of memory")
         return logits if logits is not None else self.model.head(x, logits_indices)
+
+    @property
+    def times_layers(self) -> bool:
+        """Whether layer timings are on: the step times its layers as the hooks would."""
+        return self.layer_seconds is not None
+
+    def time_layers(self, on: bool) -> None:
+        self.layer_seconds = (ctypes.c_double * (2 * len(self.layers)))() if on else None
+
+    def take_layer_seconds(self) -> list[tuple[float, float]]:
+        """Each layer's (attention block, MLP) seconds since the last call, zeroed; [] where
+        layer timings are off or no step ran."""
+        got = self.layer_seconds
+        if got is None or not any(got):
+            return []
+        pairs = [(got[2 * i], got[2 * i + 1]) for i in range(len(self.layers))]
+        got[:] = [0.0] * len(got)
+        return pairs
 
     @contextlib.contextmanager
     def clocked(self) -> Iterator[list[float]]:
@@ -247,7 +269,7 @@ def _declare(lib: Any) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.infersight_decode_step.restype = ctypes.c_int
     lib.infersight_decode_step.argtypes = [p, p, i64, p, p, i64, p, p, p, p, p, p, i64,
-                                           p, p, p, i64, p, p]  # fmt: skip
+                                           p, p, p, i64, p, p, p]  # fmt: skip
 
 
 def plan(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, str]:

@@ -73,6 +73,10 @@ class LayerOps:
 
 TORCH_OPS = LayerOps()
 
+#: the reason in :attr:`Transformer.eager_reasons` while per-layer timings are on (a C decode
+#: step that times its own layers runs anyway)
+LAYER_TIMINGS = "layer timings"
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -274,9 +278,9 @@ class Transformer(nn.Module):
             # The embedding stays out of the graph: a few rows, read by index (and, for a
             # tied INT4 head, unpacked from its tiles), in one or two ops either way.
             x = self.embed(input_ids)
-            decode_only = not self.eager_reasons and getattr(ctx, "decode_only", False)
+            decode_only = getattr(ctx, "decode_only", False)
             compiled = self.compiled_decode
-            if compiled is not None and decode_only:
+            if compiled is not None and decode_only and not self.eager_reasons:
                 try:
                     return compiled(x, positions, ctx, logits_indices)
                 except Exception as exc:  # the graph broke: this step and every later one
@@ -284,7 +288,10 @@ class Transformer(nn.Module):
                     log.warning("the compiled decode step failed, running eagerly: %s", exc)
                     self.compiled_decode = None
             step = self.decode_step
-            tables = ctx.decode_tables() if step is not None and decode_only else None
+            # the C step times its layers itself where layer timings are on
+            timed = getattr(step, "times_layers", False)
+            runs_c = not self.eager_reasons or (timed and self.eager_reasons == {LAYER_TIMINGS})
+            tables = ctx.decode_tables() if step is not None and decode_only and runs_c else None
             if step is not None and tables is not None:
                 try:
                     logits = step(x, positions, tables, logits_indices)

@@ -276,15 +276,17 @@ static void widen_in_place(float *v, int64_t n) {
  * [B, W], lens [B], mask [B, W] or NULL: what each sequence's query reads (as for
  * infersight_paged_decode); pools[l]: layer l's [S, 2 Hkv, D]. Where `head` is not NULL, then
  * the fp32 logits [n_rows, vocab] of x's rows `rows` (final norm weights `norm`) into
- * `logits`. spent[3], or NULL: seconds added by kind. Returns 0, or the first failing
- * kernel's code (-1: out of memory), or -2 for a row outside x. */
+ * `logits`. spent[3], or NULL: seconds added by kind; layer_spent[2 l], [2 l + 1], or NULL:
+ * seconds added for layer l's attention block (its q/k/v product to its o product) and its
+ * MLP (gate/up product to down product), what the eager step's layer timings time. Returns
+ * 0, or the first failing kernel's code (-1: out of memory), or -2 for a row outside x. */
 __attribute__((optimize("fp-contract=off")))
 int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_layers,
                            void *const *pools, void *x, int64_t B, const void *cos,
                            const void *sin, const int64_t *write_slots, const int64_t *slots,
                            const int64_t *lens, const float *mask, int64_t W,
                            const product_t *head, const void *norm, const int64_t *rows,
-                           int64_t n_rows, float *logits, double *spent) {
+                           int64_t n_rows, float *logits, double *spent, double *layer_spent) {
     const int bf16 = m->bf16;
     const size_t es = bf16 ? 2 : 4;
     const int64_t hidden = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
@@ -310,6 +312,7 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         const layer_t *L = layers + l;
         infersight_rms_norm(x, L->input_norm, B, hidden, m->eps, bf16, h);
         SPENT(SPENT_OTHER);
+        double lt = layer_spent ? now() : 0.0;
         if ((rc = product(m, &L->qkv, h, B, qkv))) break;
         SPENT(SPENT_PRODUCTS);
         infersight_rope_store(qkv, bf16, B, H, Hkv, D, cos, sin, pools[l], write_slots);
@@ -328,14 +331,17 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         SPENT(SPENT_OTHER);
         if ((rc = product(m, &L->o, attended, B, o))) break;
         SPENT(SPENT_PRODUCTS);
+        if (layer_spent) layer_spent[2 * l] += now() - lt;
         infersight_add_rms_norm(o, x, L->post_norm, B, hidden, m->eps, bf16, h, sum);
         SPENT(SPENT_OTHER);
+        if (layer_spent) lt = now();
         if ((rc = product(m, &L->gate_up, h, B, gate_up))) break;
         SPENT(SPENT_PRODUCTS);
         silu_mul(gate_up, bf16, B, inter, act);
         SPENT(SPENT_OTHER);
         if ((rc = product(m, &L->down, act, B, o))) break;
         SPENT(SPENT_PRODUCTS);
+        if (layer_spent) layer_spent[2 * l + 1] += now() - lt;
         for (int64_t i = 0; i < B * hidden; i++) put(x, bf16, i, at(sum, bf16, i) + at(o, bf16, i));
         SPENT(SPENT_OTHER);
     }
