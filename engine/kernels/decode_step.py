@@ -200,6 +200,8 @@ class DecodeStep:
         elif picked.dtype != torch.long or not picked.is_contiguous():
             picked = picked.long().contiguous()
         sampled = picked.numel()
+        if sampled > rows:  # a row sampled twice: the call's scratch holds each row once
+            return None
         head = self.head if sampled else None
         logits = torch.empty(sampled, self.vocab) if head is not None else None
         cos, sin = self.model.rope.angles(positions, x.dtype)

@@ -279,7 +279,8 @@ static void widen_in_place(float *v, int64_t n) {
  * `logits`. spent[3], or NULL: seconds added by kind; layer_spent[2 l], [2 l + 1], or NULL:
  * seconds added for layer l's attention block (its q/k/v product to its o product) and its
  * MLP (gate/up product to down product), what the eager step's layer timings time. Returns
- * 0, or the first failing kernel's code (-1: out of memory), or -2 for a row outside x. */
+ * 0, or the first failing kernel's code (-1: out of memory), or -2 for a row outside x or
+ * more rows than x has. */
 __attribute__((optimize("fp-contract=off")))
 int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_layers,
                            void *const *pools, void *x, int64_t B, const void *cos,
@@ -291,6 +292,9 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
     const size_t es = bf16 ? 2 : 4;
     const int64_t hidden = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
     const int64_t inter = m->intermediate, width = (H + 2 * Hkv) * D, qd = H * D;
+    if (head != NULL && n_rows > B) return -2; /* the scratch space holds B rows */
+    for (int64_t r = 0; r < n_rows && head != NULL; r++)
+        if (rows[r] < 0 || rows[r] >= B) return -2;
     char *buf = malloc(es * (size_t)B * (size_t)(3 * hidden + width + qd + 3 * inter) +
                        sizeof(float) * (size_t)(2 * B * qd));
     if (buf == NULL) return -1;
@@ -345,8 +349,6 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         for (int64_t i = 0; i < B * hidden; i++) put(x, bf16, i, at(sum, bf16, i) + at(o, bf16, i));
         SPENT(SPENT_OTHER);
     }
-    for (int64_t r = 0; r < n_rows && head != NULL; r++)
-        if (rows[r] < 0 || rows[r] >= B) rc = -2;
     if (rc == 0 && head != NULL && n_rows > 0) {
         /* the final norm of the sampled rows, the head's product in the activations' dtype
          * (written into the front of `logits`), widened to fp32 */
