@@ -9,9 +9,10 @@ runs one of our C kernels, :func:`plan` describes the layers once, at load (each
 kernel and operands: :class:`Product`, from the linear's own ``c_product``), and each decode
 step then runs them all in one call, on the very kernels the eager step would call. Only the
 loops between kernels are new C (the bias, SiLU·up, the residual add, the query heads' widening
-to fp32 for the attention), each rounded where torch's operator rounds; SiLU's ``exp`` is
-libm's where torch uses its own vectorized one, so the two steps agree within an ulp of the
-activations' dtype, not bit for bit.
+to fp32 for the attention), each rounded where torch's operator rounds; SiLU's ``exp`` is ours
+(``exp8``, csrc/vec8.h) where torch uses its own vectorized one, so the two steps agree within
+a few ulp of fp32, not bit for bit (in bf16 they rounded to the same bits on every model
+tested).
 
 The step falls back to the eager code, as a compiled decode step does, wherever this does not
 apply: a step that prefills, more rows than our kernels take
@@ -151,7 +152,6 @@ class DecodeStep:
         self.layers = (_Layer * len(layers))(*(_Layer(*row) for row in layers))
         #: the LM head in the same call (None: its module runs it)
         self.head = head
-        self.vocab = cfg.vocab_size
         self.fn = layer_ops.library().lib.infersight_decode_step
         kernel = paged_decode.kernel()
         libs = (gemv.library(), lowbit.library())
@@ -203,7 +203,7 @@ class DecodeStep:
         if sampled > rows:  # a row sampled twice: the call's scratch holds each row once
             return None
         head = self.head if sampled else None
-        logits = torch.empty(sampled, self.vocab) if head is not None else None
+        logits = torch.empty(sampled, head.n) if head is not None else None
         cos, sin = self.model.rope.angles(positions, x.dtype)
         self.c_model.threads = lowbit.threads()
         mask = tables.mask
@@ -218,8 +218,8 @@ class DecodeStep:
             self.spent if native.RECORDING or self.clocks else None, self.layer_seconds,
         )  # fmt: skip
         self.steps += self.clocks
-        if rc == -2:
-            raise IndexError(f"logits rows {picked.tolist()} outside the step's {rows} rows")
+        if rc == -2:  # refused before anything ran: the eager code says what is wrong
+            return None
         if rc:
             raise MemoryError("a kernel of the C decode step ran out of memory")
         return logits if logits is not None else self.model.head(x, logits_indices)
@@ -294,6 +294,13 @@ def plan(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, str
     if cfg.head_dim > layer_ops.MAX_HEAD_DIM or cfg.head_dim % 2:
         return None, f"decode steps eager (head size {cfg.head_dim})"
     _declare(found.lib)
+    hidden, q_size, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+    #: (n, k) of each product, as the C step sizes its buffers
+    shapes = {
+        "qkv_proj": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, hidden),
+        "o_proj": (hidden, q_size), "gate_up_proj": (2 * inter, hidden),
+        "down_proj": (hidden, inter),
+    }  # fmt: skip
     rows: list[tuple[Any, ...]] = []
     held: list[Tensor] = []
     for i, module in enumerate(model.layers):
@@ -309,6 +316,8 @@ def plan(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, str
             got = describe(dtype) if describe is not None else "runs torch's kernel"
             if isinstance(got, str):
                 return None, f"decode steps eager (layer {i}'s {name} {got})"
+            if (got.product.n, got.product.k) != shapes[name]:  # the C buffers' sizes
+                return None, f"decode steps eager (layer {i}'s {name} is not {shapes[name]})"
             products.append(got.product)
             held += got.tensors
         held += norms
@@ -318,10 +327,16 @@ def plan(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, str
     describe = getattr(model.lm_head, "c_product", None)
     got = describe(dtype) if describe is not None else "runs torch's kernel"
     head = None
-    if not isinstance(got, str) and norm.dtype == dtype and norm.is_contiguous():
+    if isinstance(got, str):
+        why = f"the LM head {got}"
+    elif got.product.k != hidden:
+        why = f"the LM head takes {got.product.k} inputs"
+    elif norm.dtype != dtype or not norm.is_contiguous():
+        why = f"the final norm is not {dtype}"
+    else:
         head = got.product
         held += [*got.tensors, norm]
     step = DecodeStep(model, dtype, rows, head, held)
     if head is None:
-        return step, f"decode steps' layers in one C call (the LM head {got})"
+        return step, f"decode steps' layers in one C call ({why})"
     return step, "decode steps in one C call"

@@ -231,9 +231,10 @@ static int product(const model_t *m, const product_t *p, const void *x, int64_t 
 
 /* act [rows, I] = silu(gate) * up of gate_up [rows, 2 I], as torch's F.silu(gate) * up: the
  * SiLU x / (1 + e^-x) rounded to the dtype, then the product rounded. e^-x comes from exp8,
- * eight lanes at a time (Cephes, within 2 ulp of libm's expf; torch uses its own vectorized
- * exp, so the two SiLUs agree within a few ulp of fp32), clamped at 88.7, beyond which
- * fp32's e^-x is infinite and the SiLU -0 as torch's. The last I mod 8 values take libm. */
+ * eight lanes at a time (a few ulp from libm's expf; torch uses its own vectorized exp, so the
+ * two SiLUs agree within a few ulp of fp32), its argument clamped at 88.7: from about 88.4 up
+ * e^-x is +inf and the SiLU -0 (torch's turns -0 from 88.7 up; below it, -3e-37 at most). The
+ * last I mod 8 values take libm. */
 static void silu_mul(const void *gate_up, int bf16, int64_t rows, int64_t inter, void *act) {
     const v8 cap = (v8){0} + 88.7f;
     float g[8], s[8];
@@ -263,10 +264,12 @@ static void silu_mul(const void *gate_up, int bf16, int64_t rows, int64_t inter,
 /* bf16 values [n] at the front of `v` widened in place to fp32 [n], from the back: element
  * i's four bytes cover bf16 elements 2i and 2i + 1, both read already. */
 static void widen_in_place(float *v, int64_t n) {
-    const uint16_t *narrow = (const uint16_t *)v;
+    char *bytes = (char *)v; /* through memcpy: one buffer, read as bf16, written as fp32 */
     for (int64_t i = n - 1; i >= 0; i--) {
-        const float f = bf16_to_f32(narrow[i]);
-        v[i] = f;
+        uint16_t h;
+        memcpy(&h, bytes + 2 * i, sizeof h);
+        const float f = bf16_to_f32(h);
+        memcpy(bytes + 4 * i, &f, sizeof f);
     }
 }
 
@@ -295,13 +298,15 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
     if (head != NULL && n_rows > B) return -2; /* the scratch space holds B rows */
     for (int64_t r = 0; r < n_rows && head != NULL; r++)
         if (rows[r] < 0 || rows[r] >= B) return -2;
-    char *buf = malloc(es * (size_t)B * (size_t)(3 * hidden + width + qd + 3 * inter) +
-                       sizeof(float) * (size_t)(2 * B * qd));
+    /* the activations' buffers, then the fp32 ones from a 64-byte boundary */
+    const size_t narrow = (es * (size_t)B * (size_t)(3 * hidden + width + qd + 3 * inter) + 63)
+                          & ~(size_t)63;
+    char *buf = malloc(narrow + sizeof(float) * (size_t)(2 * B * qd));
     if (buf == NULL) return -1;
     void *h = buf, *sum = buf + es * B * hidden, *o = buf + 2 * es * B * hidden;
     void *qkv = buf + 3 * es * B * hidden, *a = (char *)qkv + es * B * width;
     void *gate_up = (char *)a + es * B * qd, *act = (char *)gate_up + 2 * es * B * inter;
-    float *qf = (float *)((char *)act + es * B * inter), *af = qf + B * qd;
+    float *qf = (float *)(buf + narrow), *af = qf + B * qd;
     double t = spent ? now() : 0.0, dt[3] = {0, 0, 0};
 #define SPENT(kind)                                                                           \
     do {                                                                                      \

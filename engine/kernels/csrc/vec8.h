@@ -56,9 +56,11 @@ static inline v8 floats8(v8i b) {
 }
 
 /* e^x for eight lanes: Cephes' expf (range reduction by ln 2, a degree-5 polynomial in fused
- * multiply-adds where the CPU has them; within 2 ulp of expf), written in vectors so the softmax of a tile is a few instructions. Lanes
- * below -87.3 (a masked key's -inf) give exactly 0; lanes above 88.7 are not taken (callers
- * clamp them). */
+ * multiply-adds where the CPU has them; a few ulp from libm's expf), written in vectors so
+ * that the softmax of a tile is a few instructions. Lanes below -87.3 (a masked key's -inf)
+ * give exactly 0; from about 88.38 up the result is +inf (2^128), and past 88.7 garbage:
+ * callers clamp there. */
+
 static inline v8 exp8(v8 x) {
     const v8 floor_ = (v8){0} - 87.3f;
     const v8i below = x < floor_; /* all ones in the lanes whose result is 0 */
