@@ -234,3 +234,27 @@ def test_layer_timings_come_from_the_c_step_itself(tiny_model_dir):
         assert all(t.attention_s > 0 and t.mlp_s > 0 for t in timings)
     step = engine.model.decode_step
     assert step is not None and not step.times_layers and step.take_layer_seconds() == []
+
+
+def test_the_step_is_checked_before_a_load_uses_it(tiny_model_dir, monkeypatch):
+    """The check (run in a child process by the load, once per set of builds) passes here,
+    with the C step running its decode step; a check that fails keeps the eager step and
+    says why."""
+    assert decode_step.check() == ""
+    from engine.hardware import isolated
+
+    asked: list[str] = []
+    verdict = isolated.verdict
+
+    def failing(name: str, target: str, key: str, **kwargs: object) -> str:
+        if target != decode_step.PROBE:  # the kernels' own checks, as they are
+            return verdict(name, target, key, **kwargs)  # type: ignore[arg-type]
+        asked.append(target)
+        return "it crashed"
+
+    monkeypatch.setattr(isolated, "verdict", failing)
+    folder, _ = tiny_model_dir("llama", False, **WIDE)
+    engine = _ours(folder, "fp32")
+    assert asked == [decode_step.PROBE]
+    assert engine.model.decode_step is None
+    assert "decode steps eager (the C step failed its check: it crashed)" in engine.kernels
