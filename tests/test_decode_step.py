@@ -240,14 +240,16 @@ def test_the_step_is_checked_before_a_load_uses_it(tiny_model_dir, monkeypatch):
     """The check (run in a child process by the load, once per set of builds) passes here,
     with the C step running its decode step; a check that fails keeps the eager step and
     says why."""
-    assert decode_step.check() == ""
+    from engine.core import decode_check
     from engine.hardware import isolated
+
+    assert decode_check.check() == ""
 
     asked: list[str] = []
     verdict = isolated.verdict
 
     def failing(name: str, target: str, key: str, **kwargs: object) -> str:
-        if target != decode_step.PROBE:  # the kernels' own checks, as they are
+        if target != decode_check.PROBE:  # the kernels' own checks, as they are
             return verdict(name, target, key, **kwargs)  # type: ignore[arg-type]
         asked.append(target)
         return "it crashed"
@@ -255,6 +257,6 @@ def test_the_step_is_checked_before_a_load_uses_it(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(isolated, "verdict", failing)
     folder, _ = tiny_model_dir("llama", False, **WIDE)
     engine = _ours(folder, "fp32")
-    assert asked == [decode_step.PROBE]
+    assert asked == [decode_check.PROBE]
     assert engine.model.decode_step is None
     assert "decode steps eager (the C step failed its check: it crashed)" in engine.kernels

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core import cuda_graphs
+from engine.core import cuda_graphs, decode_check
 from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
@@ -113,7 +113,12 @@ class LLMEngine:
             self.model.set_ops(ops or TORCH_OPS)
             self.kernels += f"; {why}"
             # the decode step's layers in one C call, where every part runs a kernel of ours
-            self.model.decode_step, why = decode_step.plan(self.model, dtype)
+            # and the step passed its check
+            step, why = decode_step.plan(self.model, dtype)
+            problem = decode_check.verdict() if step is not None else ""
+            if problem:
+                step, why = None, f"decode steps eager (the C step failed its check: {problem})"
+            self.model.decode_step = step
             self.kernels += f"; {why}"
         self.kv = PagedKVCache(
             cfg,

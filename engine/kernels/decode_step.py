@@ -277,24 +277,16 @@ def _declare(lib: Any) -> None:
 def plan(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, str]:
     """The model's decode step in one C call where every linear of every layer runs one of
     our C kernels on activations of ``dtype``, the attention the paged C kernel, and the
-    norms and RoPE ours (``INFERSIGHT_LOWBIT`` not ``torch``), and the step passed its check
-    in a child process (:func:`check`, once per set of builds); else None, and why (a line of
-    the load report either way)."""
+    norms and RoPE ours (``INFERSIGHT_LOWBIT`` not ``torch``); else None, and why (a line of
+    the load report either way). The engine then has it checked in a child process
+    (:mod:`engine.core.decode_check`) before it runs a step."""
     if lowbit.requested() == "torch":
         return None, f"decode steps eager ({lowbit.ENV}=torch)"
-    step, why = _planned(model, dtype)
-    if step is None:
-        return None, why
-    from engine.hardware import isolated
-
-    problem = isolated.verdict("C decode step", PROBE, _builds())
-    if problem:
-        return None, f"decode steps eager (the C step failed its check: {problem})"
-    return step, why
+    return planned(model, dtype)
 
 
-def _planned(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, str]:
-    """:func:`plan` without the mode and the check."""
+def planned(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, str]:
+    """:func:`plan` whatever ``INFERSIGHT_LOWBIT`` says (the check builds its own model)."""
     if dtype not in DTYPES:
         return None, f"decode steps eager (activations in {dtype})"
     found = layer_ops.library()
@@ -356,71 +348,11 @@ def _planned(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None,
     return step, "decode steps in one C call"
 
 
-# -- the check ---------------------------------------------------------------------------------
-
-PROBE = f"{__name__}:check"
-
-
-def _builds() -> str:
-    """The builds a C step calls into: its check holds for these."""
+def builds() -> str:
+    """The builds a C step calls into (its check, :mod:`engine.core.decode_check`, holds for
+    these)."""
     paths = [layer_ops.library().path, gemv.library().path, lowbit.library().path]
     cc = native.compiler()
     if cc is not None:
         paths.append(native.library_path(paged_decode.SOURCE, cc, native.isa_flags()))
     return " | ".join(str(p) for p in paths)
-
-
-def check() -> str:
-    """A tiny random Llama on our GEMV, fp32 and bf16: two sequences of different lengths
-    prefilled eagerly, then a decode step through the C step and through the modules, whose
-    logits must agree (the C glue's roundings, within 1e-4 in fp32 and 0.05 in bf16). Run in
-    a child process by :func:`plan` (a crash there leaves the load on the eager step); ""
-    where all agree."""
-    from engine.kernels.packed_linear import GemvLinear
-    from engine.kv_cache.paged import PagedKVCache, SeqChunk
-    from engine.model.config import ModelConfig
-    from engine.model.transformer import Transformer
-
-    if not gemv.library().available:
-        return f"no GEMV to check it on ({gemv.library().why})"
-    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                      max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      tie_word_embeddings=False, attention_bias=False)  # fmt: skip
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
-        torch.manual_seed(0)
-        model = Transformer(cfg)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.normal_(0.0, 0.1).add_(1.0 if "norm" in name else 0.0)
-        for module in model.layers:
-            layer = cast("DecoderLayer", module)
-            attn, mlp = layer.attn, layer.mlp
-            attn.qkv_proj = GemvLinear.of(attn.qkv_proj)
-            attn.o_proj = GemvLinear.of(attn.o_proj)
-            mlp.gate_up_proj = GemvLinear.of(mlp.gate_up_proj)
-            mlp.down_proj = GemvLinear.of(mlp.down_proj)
-        model.lm_head = GemvLinear.of(model.lm_head)
-        model = model.to(dtype).eval()
-        step, why = _planned(model, dtype)
-        if step is None:
-            return why
-        model.decode_step = step
-        cache = PagedKVCache(cfg, num_blocks=8, block_size=4, dtype=dtype)
-        lengths = {"a": 7, "b": 3}
-        for seq, n in lengths.items():
-            cache.manager.grow(seq, n + 1)
-            model(torch.arange(n) + 5, torch.arange(n), cache.context([SeqChunk(seq, 0, n)]))
-        ids = torch.tensor([11, 12])
-        positions = torch.tensor(list(lengths.values()))
-        chunks = [SeqChunk(seq, n, 1) for seq, n in lengths.items()]
-        with step.clocked():
-            got = model(ids, positions, cache.context(chunks))  # the C step
-        if step.steps != 1:
-            return "the C step did not run the step"
-        model.decode_step = None
-        want = model(ids, positions, cache.context(chunks))  # the modules, the same K/V
-        if not torch.allclose(got, want, rtol=tolerance, atol=tolerance):
-            err = (got - want).abs().max().item()
-            return f"{dtype}: logits {err:.3g} from the eager step's"
-    return ""

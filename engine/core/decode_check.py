@@ -1,0 +1,83 @@
+"""The C decode step's check (:mod:`engine.kernels.decode_step`), run in a child process
+before a load uses the step, once per set of builds: new C that crashes there leaves loads on
+the eager step, as every kernel of ours is checked before it runs."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from engine.kernels import decode_step, gemv
+from engine.kernels.packed_linear import GemvLinear
+from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.model.config import ModelConfig
+from engine.model.transformer import DecoderLayer, Transformer
+
+PROBE = f"{__name__}:check"
+NAME = "C decode step"
+
+
+def verdict() -> str:
+    """The check's verdict for this machine's builds ("" where it passed): read from
+    ``probes.json``, else run in a child process now."""
+    from engine.hardware import isolated
+
+    return isolated.verdict(NAME, PROBE, decode_step.builds())
+
+
+def check() -> str:
+    """A tiny random Llama on our GEMV, fp32 and bf16: two sequences of different lengths
+    prefilled through the modules, then one decode step through the C step and through the
+    modules, whose logits must agree (within 1e-4 in fp32, 0.05 in bf16: the C glue's
+    roundings); "" where they do."""
+    if not gemv.library().available:
+        return f"no GEMV to check it on ({gemv.library().why})"
+    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      tie_word_embeddings=False, attention_bias=False)  # fmt: skip
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        problem = _check(cfg, dtype, tolerance)
+        if problem:
+            return problem
+    return ""
+
+
+def _check(cfg: ModelConfig, dtype: torch.dtype, tolerance: float) -> str:
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1).add_(1.0 if "norm" in name else 0.0)
+    for module in model.layers:
+        layer = cast(DecoderLayer, module)
+        attn, mlp = layer.attn, layer.mlp
+        attn.qkv_proj = GemvLinear.of(attn.qkv_proj)
+        attn.o_proj = GemvLinear.of(attn.o_proj)
+        mlp.gate_up_proj = GemvLinear.of(mlp.gate_up_proj)
+        mlp.down_proj = GemvLinear.of(mlp.down_proj)
+    model.lm_head = GemvLinear.of(model.lm_head)
+    model = model.to(dtype).eval()
+    step, why = decode_step.planned(model, dtype)
+    if step is None:
+        return why
+    model.decode_step = step
+    cache = PagedKVCache(cfg, num_blocks=8, block_size=4, dtype=dtype)
+    lengths = {"a": 7, "b": 3}
+    for seq, n in lengths.items():
+        cache.manager.grow(seq, n + 1)
+        model(torch.arange(n) + 5, torch.arange(n), cache.context([SeqChunk(seq, 0, n)]))
+    ids = torch.tensor([11, 12])
+    positions = torch.tensor(list(lengths.values()))
+    chunks = [SeqChunk(seq, n, 1) for seq, n in lengths.items()]
+    with step.clocked():
+        got = model(ids, positions, cache.context(chunks))  # the C step
+    if step.steps != 1:
+        return "the C step did not run the step"
+    model.decode_step = None
+    want = model(ids, positions, cache.context(chunks))  # the modules, over the same K/V
+    if not torch.allclose(got, want, rtol=tolerance, atol=tolerance):
+        err = (got - want).abs().max().item()
+        return f"{dtype}: logits {err:.3g} from the eager step's"
+    return ""
