@@ -95,3 +95,37 @@ def test_real_timing_gives_a_time_per_count(tiny_model_dir):
     assert calls == [1] * (4 * len(linears))  # four rounds of every linear, at 1 thread
     assert torch.get_num_threads() == before  # and the count it had is back
     assert 0 < 4 * ms / 1e3 <= took
+
+
+def test_a_c_decode_step_settles_the_count_on_its_own_steps(tiny_model_dir, untimed,
+                                                             monkeypatch):  # fmt: skip
+    """Where decode steps run in one C call, the load times that step at each count (three
+    interleaved rounds, on a scratch sequence it frees again) and takes the fastest, kept
+    under a key that names the step's kernels: the linears' probe, which calls each from
+    Python, is not what decode runs."""
+    from engine.kernels import lowbit, native
+    from engine.loader import load
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler: our CPU kernels are not built here")
+    stepped: list[int] = []
+    step_ms = {1: 5.0, 2: 9.0, 4: 2.0}
+    time_step = load._time_step
+
+    def fake(engine, count):
+        stepped.append(count)
+        assert time_step(engine, count) > 0  # the real step runs at that count
+        return step_ms[count]
+
+    monkeypatch.setattr(load, "_time_step", fake)
+    folder, _ = tiny_model_dir("llama", False, intermediate_size=128)
+    with lowbit.choosing("ours"):
+        engine = load_model(folder)
+    assert engine.model.decode_step is not None, engine.kernels
+    assert untimed == [1, 2, 4] * 3 and stepped == [1, 2, 4] * 3
+    assert torch.get_num_threads() == 4  # the step's fastest, where the linears' said 2
+    assert engine.threads_report.startswith("4 threads, the fastest for this model's decode")
+    assert engine.kv.manager.num_free == engine.kv.manager.num_blocks  # the scratch is gone
+    with lowbit.choosing("ours"):
+        again = load_model(folder)
+    assert len(stepped) == 9 and again.threads_report.endswith("kept)")

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -104,6 +105,40 @@ def settle_threads(linears: list[nn.Module], dtype: torch.dtype) -> str:
     spread = ", ".join(f"{t}: {ms:.1f} ms" for t, ms in timings.items())
     kept = ", kept" if cached else ""
     return f"{best} threads, the fastest for this model's matmuls ({spread}{kept})"
+
+
+def settle_step_threads(key: str, time_step: Callable[[int], float]) -> str | None:
+    """Where the engine's decode step can be timed whole (a decode step in one C call:
+    :mod:`engine.kernels.decode_step`), the thread count whose step ``time_step(count)`` (ms)
+    measured fastest, interleaved three times and kept under ``key`` (which names what the
+    step runs), then set as :func:`settle_threads` sets it; the load report's line, or None
+    where the count was asked for or there is one core (nothing to time). The linears' probe
+    calls each from Python, with waits between them that a C step does not have."""
+    if asked_threads() is not None:
+        return None
+    options = candidates()
+    if len(options) == 1:
+        return None
+    with _LOCK:
+        verdicts = _verdicts()
+        timings = verdicts.get(key)
+        cached = timings is not None
+        if timings is None:
+            best_ms = dict.fromkeys(options, float("inf"))
+            for _ in range(3):
+                for t in options:
+                    best_ms[t] = min(best_ms[t], time_step(t))
+            timings = {str(t): ms for t, ms in best_ms.items()}
+            verdicts[key] = timings
+            _save(verdicts)
+    fastest = min(timings, key=lambda t: timings[t])
+    best = (
+        int(fastest) if timings[fastest] < 0.9 * timings[str(DEFAULT_THREADS)] else DEFAULT_THREADS
+    )
+    torch.set_num_threads(best)
+    spread = ", ".join(f"{t}: {ms:.1f} ms" for t, ms in timings.items())
+    kept = ", kept" if cached else ""
+    return f"{best} threads, the fastest for this model's decode step in C ({spread}{kept})"
 
 
 #: weights the timing streams through: beyond any cache, yet a fraction of a big model

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -15,10 +16,13 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.errors import ModelLoadError
+from engine.hardware import threads as cpu_threads
 from engine.hardware.cpu_paths import cpu_paths
-from engine.hardware.threads import settle_threads
-from engine.kernels import paged_decode
+from engine.hardware.measured import machine_name
+from engine.hardware.threads import settle_step_threads, settle_threads
+from engine.kernels import decode_step, paged_decode
 from engine.kernels.packed_linear import pack_linears
+from engine.kv_cache.paged import SeqChunk
 from engine.loader.drafter import speculation
 from engine.loader.generation_config import generation_config_eos, generation_config_sampling
 from engine.loader.weights import load_transformer
@@ -104,7 +108,8 @@ def engine_for(
 ) -> LLMEngine:
     """An engine around a loaded ``model``, settled as every load settles it: on a CPU the
     thread count, then the linears' layout (timed at that count; ``pack`` as in
-    :func:`load_model`); the KV pool (profiled on a GPU); the decode graph."""
+    :func:`load_model`), and where decode steps run in one C call the thread count again,
+    timed on that step; the KV pool (profiled on a GPU); the decode graph."""
     num_parameters = parameter_count(model) + quantized_parameter_count(model)  # before packing
     threads = ""
     if device.type == "cpu":
@@ -117,9 +122,56 @@ def engine_for(
         name=name, num_parameters=num_parameters, config=config, precision=spec,
     )  # fmt: skip
     engine.threads_report = threads
+    if device.type == "cpu" and engine.model.decode_step is not None:
+        # decode steps run in one C call: time that step itself at each count
+        step_threads = settle_step_threads(_step_key(engine), lambda t: _time_step(engine, t))
+        engine.threads_report = step_threads or threads
     engine.graph = engine.runner.settle_decode_graph(engine.config.decode_graph, engine.kv)
     engine.settle_cuda_graphs()
     return engine
+
+
+def _step_key(engine: LLMEngine) -> str:
+    """What the C decode step's thread timing holds for: this machine, the model's shapes,
+    each linear's kernel and the builds of our kernels."""
+    cfg = engine.cfg
+    kernels = sorted({str(getattr(m, "kernel", type(m).__name__))
+                      for m in linear_modules(engine.model)})  # fmt: skip
+    return (
+        f"{machine_name()} | torch {torch.__version__} | {cpu_threads.DEFAULT_THREADS} cores | "
+        f"C step | {engine.precision.text} {cfg.num_layers}x{cfg.hidden_size}/"
+        f"{cfg.intermediate_size}/{cfg.vocab_size} | {kernels} | {decode_step.builds()}"
+    )
+
+
+#: the context the thread timing decodes at, and its decode steps per count
+TIMED_CONTEXT, TIMED_STEPS = 64, 8
+
+
+def _time_step(engine: LLMEngine, threads: int) -> float:
+    """ms of one batch-1 decode step (the best of :data:`TIMED_STEPS`) at ``threads``, on a
+    scratch sequence of :data:`TIMED_CONTEXT` tokens prefilled first; inf where the pool has
+    no room for it."""
+    mgr, model = engine.kv.manager, engine.model
+    rid, n = "\0threads", TIMED_CONTEXT
+    if mgr.num_free < mgr.blocks_for(n + TIMED_STEPS):
+        return float("inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    best = float("inf")
+    try:
+        mgr.grow(rid, n + TIMED_STEPS)
+        model(torch.zeros(n, dtype=torch.long), torch.arange(n),
+              engine.kv.context([SeqChunk(rid, 0, n)]))  # fmt: skip
+        for i in range(TIMED_STEPS):
+            ids, positions, rows = engine.runner.inputs([0], [n + i], [0])
+            started = time.perf_counter()
+            model(ids, positions, engine.kv.context([SeqChunk(rid, n + i, 1)]), rows)
+            best = min(best, time.perf_counter() - started)
+    finally:
+        mgr.free(rid)
+        torch.set_num_threads(before)
+    return best * 1e3
 
 
 def _log_weights(engine: LLMEngine, num_parameters: int) -> None:
