@@ -84,27 +84,7 @@ def settle_threads(linears: list[nn.Module], dtype: torch.dtype) -> str:
         f"{machine_name()} | torch {torch.__version__} | {DEFAULT_THREADS} cores | "
         f"{str(dtype).removeprefix('torch.')} {len(linears)} linears {shapes}"
     )
-    with _LOCK:
-        verdicts = _verdicts()
-        timings = verdicts.get(key)
-        cached = timings is not None
-        if timings is None:
-            best_ms = dict.fromkeys(options, float("inf"))
-            for _ in range(3):  # interleaved, so that a noisy moment hurts every count alike
-                for t in options:
-                    best_ms[t] = min(best_ms[t], _time_linears(linears, dtype, t))
-            timings = {str(t): ms for t, ms in best_ms.items()}
-            verdicts[key] = timings
-            _save(verdicts)
-    # torch's default holds unless another count is clearly (10%) faster.
-    fastest = min(timings, key=lambda t: timings[t])
-    best = (
-        int(fastest) if timings[fastest] < 0.9 * timings[str(DEFAULT_THREADS)] else DEFAULT_THREADS
-    )
-    torch.set_num_threads(best)
-    spread = ", ".join(f"{t}: {ms:.1f} ms" for t, ms in timings.items())
-    kept = ", kept" if cached else ""
-    return f"{best} threads, the fastest for this model's matmuls ({spread}{kept})"
+    return _fastest(key, options, lambda t: _time_linears(linears, dtype, t), "matmuls")
 
 
 def settle_step_threads(key: str, time_step: Callable[[int], float]) -> str | None:
@@ -119,6 +99,14 @@ def settle_step_threads(key: str, time_step: Callable[[int], float]) -> str | No
     options = candidates()
     if len(options) == 1:
         return None
+    return _fastest(key, options, time_step, "decode step in C")
+
+
+def _fastest(key: str, options: list[int], time_ms: Callable[[int], float], what: str) -> str:
+    """Set the count of ``options`` whose ``time_ms(count)`` is fastest, timed in three
+    interleaved rounds (a noisy moment hurts every count alike) and kept under ``key``, or
+    read back from there; torch's default holds unless another count is clearly (10%)
+    faster. Returns the load report's line for ``what`` was timed."""
     with _LOCK:
         verdicts = _verdicts()
         timings = verdicts.get(key)
@@ -127,7 +115,7 @@ def settle_step_threads(key: str, time_step: Callable[[int], float]) -> str | No
             best_ms = dict.fromkeys(options, float("inf"))
             for _ in range(3):
                 for t in options:
-                    best_ms[t] = min(best_ms[t], time_step(t))
+                    best_ms[t] = min(best_ms[t], time_ms(t))
             timings = {str(t): ms for t, ms in best_ms.items()}
             verdicts[key] = timings
             _save(verdicts)
@@ -138,7 +126,7 @@ def settle_step_threads(key: str, time_step: Callable[[int], float]) -> str | No
     torch.set_num_threads(best)
     spread = ", ".join(f"{t}: {ms:.1f} ms" for t, ms in timings.items())
     kept = ", kept" if cached else ""
-    return f"{best} threads, the fastest for this model's decode step in C ({spread}{kept})"
+    return f"{best} threads, the fastest for this model's {what} ({spread}{kept})"
 
 
 #: weights the timing streams through: beyond any cache, yet a fraction of a big model
