@@ -250,10 +250,22 @@ def test_the_prefill_kernel_matches_float64_attention(
 
 
 @pytest.mark.no_engine_paths
-def test_a_query_gets_the_same_bits_in_any_chunk_and_thread_count(built_at) -> None:
+def test_fp32_queries_over_a_bf16_pool_keep_their_precision(built_at) -> None:
+    """Only queries of bf16 values take the bf16 dot products: fp32 queries over a bf16 pool
+    (the bf16 KV cache of an fp32 model) are multiplied in fp32, not cut to bf16 first."""
+    q, pool, slots, positions = prefill_case(70, 50, 2, 4, 128, torch.bfloat16, seed=5)
+    q = q.float() + torch.randn(q.shape, generator=torch.Generator().manual_seed(6)) * 1e-3
+    got = paged_decode._call_prefill(built_at, q, pool, slots, positions, 50, 0, 0)
+    want = float64_attention(q, pool, slots, positions, 50, 0, 0)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.no_engine_paths
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_gets_the_same_bits_in_any_chunk_and_thread_count(built_at, dtype) -> None:
     """A query's output depends on its own position and keys only: not on the chunk it came
     in (where its tile of queries starts) nor on the threads."""
-    q, pool, slots, positions = prefill_case(90, 30, 3, 3, 64, torch.float32, seed=3)
+    q, pool, slots, positions = prefill_case(90, 30, 3, 3, 64, dtype, seed=3)
     whole = paged_decode._call_prefill(built_at, q, pool, slots, positions, 30, 0, 0)
     for cut in (1, 32, 57):  # a later chunk starting at each of these queries
         tail = paged_decode._call_prefill(built_at, q[cut:], pool, slots, positions, 30 + cut, 0, 0)

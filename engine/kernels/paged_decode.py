@@ -316,8 +316,10 @@ def _call_prefill(
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     slots, positions = slots.contiguous(), positions.contiguous()
+    # bit 0: a bf16 pool; bit 1: queries of bf16 values too, so Q.K may take bf16 dot products
+    formats = int(pool.dtype == torch.bfloat16) | int(q.dtype == torch.bfloat16) << 1
     rc = k.prefill(
-        qf.data_ptr(), pool.data_ptr(), int(pool.dtype == torch.bfloat16), slots.data_ptr(),
+        qf.data_ptr(), pool.data_ptr(), formats, slots.data_ptr(),
         positions.data_ptr(), out.data_ptr(), length, slots.numel(), start, heads,
         pool.shape[1] // 2, dim, dim**-0.5, sink, window, torch.get_num_threads(),
     )  # fmt: skip
