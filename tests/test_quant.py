@@ -420,3 +420,17 @@ def test_quantizing_a_chunk_of_rows_at_a_time_equals_the_whole_matrix(monkeypatc
     assert torch.equal(whole4.weight, part4.weight)
     assert torch.equal(whole4.scales_and_zeros, part4.scales_and_zeros)
     assert torch.equal(whole8.weight, part8.weight) and torch.equal(whole8.scales, part8.scales)
+
+
+def test_int8_widths_torchs_cpu_kernel_cannot_take_convert_per_call() -> None:
+    """torch 2.13's CPU INT8 kernel crashes the process on more than one row where K is not a
+    multiple of 16 (K = 40, 72, 136 did): such a layer converts its weights per call instead,
+    and a prefill chunk through it gives the dequantized product."""
+    from engine.quant.int8 import CPU_KERNEL_K
+
+    gen = torch.Generator().manual_seed(0)
+    layer = Int8Linear(torch.randn(24, 40, generator=gen), None, torch.bfloat16)
+    assert 40 % CPU_KERNEL_K and not layer.use_kernel
+    x = torch.randn(17, 40, generator=gen).bfloat16()
+    want = x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).t()
+    torch.testing.assert_close(layer(x).double(), want, rtol=2**-6, atol=2e-2)

@@ -56,6 +56,11 @@ def int8_kernel_runs(device: torch.device) -> bool:
     return _INT8_KERNEL[key]
 
 
+#: torch's CPU INT8 kernel takes widths (K) in multiples of this: on more than one row of
+#: activations, torch 2.13's crashes the process (a segfault) at K = 40, 72 or 136, where
+#: multiples of 16 up to 576 gave the right products; other widths convert per call
+CPU_KERNEL_K = 16
+
 #: how the load report names the path of a layer our Triton kernels run
 TRITON_KERNEL = "Triton GEMM"
 #: … and of one our C kernels run, activations quantized per block (engine/kernels/lowbit.py):
@@ -163,8 +168,10 @@ class Int8Linear(nn.Module):
         cpu = weight.device.type == "cpu"
         if self.triton is not None:
             self.use_kernel = False  # torch's kernel is not asked: ours runs this layer
+        elif cpu:
+            self.use_kernel = cpu_paths().int8_kernel.ok and self.in_features % CPU_KERNEL_K == 0
         else:
-            self.use_kernel = cpu_paths().int8_kernel.ok if cpu else int8_kernel_runs(weight.device)
+            self.use_kernel = int8_kernel_runs(weight.device)
         #: our C kernel's float32 scales where it runs this layer's small step shapes (up to
         #: :data:`engine.kernels.gemv.MAX_ROWS` rows, activations quantized to int16; torch's
         #: kernel the rest), on a CPU where it measured faster than torch's for this shape
