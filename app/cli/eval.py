@@ -204,3 +204,43 @@ def cmd_eval_scan(args: argparse.Namespace) -> int:
               f"{mixed:.3f}, {args.budget_like} {uniform:.3f}: the plan {verdict} "
               f"{args.budget_like}, the spec of its size")  # fmt: skip
     return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from app.loading import resolve_device, resolve_model_folder
+    from engine.evals.calibrate import Recipe, calibrate
+    from engine.loader.load import load_model
+
+    source = "file" if args.from_file else "random" if args.random else "self"
+    recipe = Recipe(
+        source=source, prompts=args.prompts, samples=args.samples, min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens, seed=args.seed, file=args.from_file,
+    )  # fmt: skip
+    recipe.check()  # bad options fail before the load
+    text = _read_text_file(args.from_file) if args.from_file else None
+    set_threads(args.threads)
+    folder = resolve_model_folder(args.model, progress_printer())
+    device = resolve_device(args.device)
+
+    def load(path: Any, **kwargs: Any) -> Any:
+        return load_model(path, device=device, **kwargs)
+
+    report = calibrate(
+        folder, recipe, load=load, precision=args.precision, text=text,
+        progress=progress_printer(),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(asdict(report), indent=2))
+        return 0
+    sweep = ", ".join(f"α {k} {v:.4f}" for k, v in report.losses.items() if k != "float")
+    print(
+        f"calibration {report.name!r} of {folder.name}: {report.sequences} sequences, "
+        f"{report.tokens} tokens ({report.seconds_generating:.0f} s writing); α = "
+        f"{report.alpha:g}, held loss {report.losses[f'{report.alpha:g}']:.4f} against the "
+        f"float model's {report.losses['float']:.4f} ({sweep})\n"
+        f"saved in {report.path}; load it with --precision w8a8-sq"
+        + ("" if report.name == "self" else f"@{report.name}")
+    )
+    return 0

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from app.cli.bench import cmd_bench, cmd_tune
 from app.cli.common import configure_cuda_allocator
-from app.cli.eval import cmd_eval_compare, cmd_eval_ppl, cmd_eval_scan
+from app.cli.eval import cmd_calibrate, cmd_eval_compare, cmd_eval_ppl, cmd_eval_scan
 from app.cli.models import (
     PLAN_PRECISIONS,
     cmd_import_gguf,
@@ -331,6 +331,29 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_scan)
+
+    p = sub.add_parser(
+        "calibrate",
+        help="activation statistics for w8a8-sq, from text the model writes itself "
+        "(saved beside the model, reused by later loads)",
+    )
+    p.add_argument("--model", default="default", help=MODEL_HELP)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--from-file", metavar="TEXT", help="calibrate on this UTF-8 text instead")
+    source.add_argument(
+        "--random", action="store_true",
+        help="calibrate on random tokens (the counter-example: w8a8-sq@random)",
+    )  # fmt: skip
+    p.add_argument("--prompts", type=int, default=20, help="prompts the model answers")
+    p.add_argument("--samples", type=int, default=10, help="answers sampled per prompt")
+    p.add_argument("--min-tokens", type=int, default=32, help="shortest sequence")
+    p.add_argument("--max-tokens", type=int, default=2048, help="longest sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="fp32", help="the float model that writes and reads")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_calibrate)
 
     p = sub.add_parser("models", help="the default model and the models in the cache")
     msub = p.add_subparsers(metavar="ACTION", required=True)

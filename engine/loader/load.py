@@ -30,8 +30,10 @@ from engine.model.config import ModelConfig
 from engine.model.inventory import linear_modules, parameter_count
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
+from engine.quant import calibration as calibration_files
+from engine.quant.calibration import SmoothingPlan
 from engine.quant.inventory import quantized_parameter_count
-from engine.quant.spec import PrecisionSpec, parse_precision_spec
+from engine.quant.spec import LAYER_PARTS, PrecisionSpec, parse_precision_spec
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +47,13 @@ def load_model(
     device: str = "cpu",
     pack: bool | None = None,
     config: EngineConfig | None = None,
+    alpha: float | None = None,
 ) -> LLMEngine:
     """Load a HF-style model folder into an engine (published as ``engine.load``). CPU linears
     are laid out for oneDNN where that measured faster on this machine
     (:func:`engine.kernels.packed_linear.packs`); ``pack=True`` packs every linear this CPU can
-    pack, ``False`` none (plain ``nn.Linear``)."""
+    pack, ``False`` none (plain ``nn.Linear``). ``alpha``: SmoothQuant's α for a ``w8a8-sq``
+    spec in place of the one its calibration chose (the calibration's own sweep)."""
     folder = Path(folder)
     torch_device = torch.device(device)
     spec = parse_precision_spec(precision, torch_device)
@@ -65,8 +69,9 @@ def load_model(
     spec.check_layers(cfg.num_layers)
     tokenizer = Tokenizer.from_folder(folder)
     model = load_transformer(
-        folder, cfg, dtype, torch_device, quant=spec.kind_for if spec.quantized else None
-    )
+        folder, cfg, dtype, torch_device, quant=spec.kind_for if spec.quantized else None,
+        smoothing=smoothing_plan(folder, cfg, spec, alpha),
+    )  # fmt: skip
     eos = set(cfg.eos_token_ids) | set(generation_config_eos(folder))
     engine = engine_for(
         model, tokenizer, cfg, spec, torch_device,
@@ -92,6 +97,25 @@ def load_model(
     log.info("  %s", engine.graphs.summary())
     _log_weights(engine, num_parameters)
     return engine
+
+
+def smoothing_plan(
+    folder: Path, cfg: ModelConfig, spec: PrecisionSpec, alpha: float | None = None
+) -> SmoothingPlan | None:
+    """SmoothQuant's factors for the blocks ``spec`` smooths (``w8a8-sq``), from the
+    calibration it names of the model in ``folder`` (refused with what to do where it is
+    missing, made for other weights or by another format); ``alpha`` in place of the one it
+    chose (the calibration's sweep)."""
+    if spec.calibration is None:
+        return None
+    blocks = {
+        (part, layer)
+        for layer in range(cfg.num_layers)
+        for part in LAYER_PARTS
+        if (kind := spec.block_kind(part, layer)) is not None and kind.smooth
+    }
+    cal = calibration_files.load(folder, spec.calibration, cfg)
+    return SmoothingPlan(cal, cfg, blocks, alpha)
 
 
 def engine_for(

@@ -26,6 +26,7 @@ from tokenizers import models, pre_tokenizers
 
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
+from engine.errors import InvalidRequestError
 from engine.loader.load import engine_for
 from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
@@ -144,6 +145,12 @@ def build_engine(
     drawn on ``device``."""
     torch_device = torch.device(device)
     spec = parse_precision_spec(precision, torch_device)
+    if spec.smoothed:
+        raise InvalidRequestError(
+            f"{precision} smooths with a calibration of the model's own text, and random "
+            "weights have none; write the model as a folder (`infersight models synth`), "
+            "calibrate it, or use w8a8"
+        )
     cfg = ModelConfig.from_dict(raw)
     spec.check_layers(cfg.num_layers)
     source = SyntheticCheckpoint(cfg, seed=seed, device=torch_device)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
+from engine.quant.calibration import SmoothingPlan
 from engine.quant.embedding import QuantizedEmbedding, head_channel_scale
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
@@ -101,6 +102,7 @@ def load_transformer(
     quant: QuantPlan | None = None,
     *,
     source: TensorSource | None = None,
+    smoothing: SmoothingPlan | None = None,
 ) -> Transformer:
     """Build the model from a checkpoint folder, one tensor at a time.
 
@@ -112,6 +114,8 @@ def load_transformer(
     (:data:`engine.formats.QUANT_CHUNK_BYTES`);
     the host, one checkpoint tensor read from the mapped file. ``source``: the tensors, in
     place of ``folder``'s safetensors files (``folder`` then only names the model in errors).
+    ``smoothing``: SmoothQuant's factors, folded into each parameter they touch (in fp32) as
+    it is loaded, before it is quantized (:class:`engine.quant.calibration.SmoothingPlan`).
     """
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -154,7 +158,8 @@ def load_transformer(
         )
         # fp32 where it will be quantized or divided by the head's channel scale
         scaled_norm = ours == "norm.weight" and head_scale is not None
-        store = torch.float32 if kind is not None or is_head or scaled_norm else dtype
+        smooth = smoothing is not None and smoothing.touches(ours)
+        store = torch.float32 if kind is not None or is_head or scaled_norm or smooth else dtype
         if part is not None:
             fused = fusing.get(ours) or fusing.setdefault(
                 ours, _Fused(_fused_sizes(ours, cfg), expected[ours], store, device)
@@ -175,6 +180,10 @@ def load_transformer(
         if scaled_norm:
             assert head_scale is not None
             tensor = (tensor / head_scale.to(device)).to(dtype)
+        if smooth:
+            assert smoothing is not None
+            tensor = smoothing.apply(ours, tensor)
+            tensor = tensor if kind is not None else tensor.to(dtype)
         if kind is not None:
             _quantize_into(model, module_name, tensor, kind, dtype)
         else:

@@ -14,6 +14,7 @@ from engine.quant.embedding import QuantizedEmbedding
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
 from engine.quant.spec import dtype_name
+from engine.quant.w8a8 import W8A8Linear
 
 
 def decode_read_bytes(model: nn.Module) -> int:
@@ -74,7 +75,10 @@ def weight_report(model: nn.Module) -> list[WeightGroup]:
             add("embedding", "shares the quantized lm_head", 0, 0)
             continue
         if isinstance(module, (Int8Linear, Int4Linear)):
-            form = "int8" if isinstance(module, Int8Linear) else f"int4-g{module.group}"
+            form = (
+                "w8a8" if isinstance(module, W8A8Linear)
+                else "int8" if isinstance(module, Int8Linear) else f"int4-g{module.group}"
+            )  # fmt: skip
             form += f" ({module.kernel})"
             if module.padded_k:
                 form += f", K padded +{module.padded_k}"

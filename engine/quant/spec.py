@@ -1,7 +1,10 @@
 """The precision spec: which format each linear of a model is stored in.
 
 A precision is a spec string: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4-g64``,
-``int8+head``, or ``mixed:attn=int8,mlp=int4-g32[,head=int8]``. A mixed spec may follow the
+``int8+head``, ``w8a8`` (INT8 activations too, in prefill chunks and batches), ``w8a8-sq``
+(the same, smoothed with the model's calibration of its own text: ``infersight calibrate``;
+``w8a8-sq@random`` takes the calibration named ``random`` instead), or
+``mixed:attn=int8,mlp=int4-g32[,head=int8]``. A mixed spec may follow the
 part defaults with per-layer overrides, ``attn.N=<q>`` or ``mlp.N-M=<q>`` (layers N to M,
 inclusive), which beat the default for those blocks; ``none`` keeps a block in the compute
 dtype: ``mixed:attn=int4-g128,mlp=int4-g128,attn.0-2=int8,mlp.7=none``. That is what the
@@ -39,8 +42,9 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 PARTS = ("attn", "mlp", "head")
 LAYER_PARTS = ("attn", "mlp")  # the parts every decoder layer has, so overrides can name them
 SPEC_HELP = (
-    "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128 (add +head to quantize the LM head "
-    "too), or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of int8, int4-gN, none, "
+    "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128, w8a8, w8a8-sq[@calibration] (add "
+    "+head to quantize the LM head too), or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of "
+    "int8, int4-gN, w8a8, w8a8-sq, none, "
     "optionally followed by per-layer overrides such as attn.3=<q> or mlp.0-5=<q>"
 )
 
@@ -49,9 +53,21 @@ SPEC_HELP = (
 class QuantKind:
     bits: int  # 8 or 4
     group: int | None = None  # INT4 group size
+    #: W8A8 (:mod:`engine.quant.w8a8`): INT8 weights and, in products of more rows than a
+    #: decode step's, INT8 activations per token
+    activations: bool = False
+    #: … with SmoothQuant's per-channel factors from the model's calibration folded in
+    #: (:mod:`engine.quant.calibration`)
+    smooth: bool = False
+    #: which of the model's calibrations smooths it (``w8a8-sq@random``; ``self`` by default)
+    calibration: str = "self"
 
     @property
     def name(self) -> str:
+        if self.activations and self.smooth:
+            return "w8a8-sq" + ("" if self.calibration == "self" else f"@{self.calibration}")
+        if self.activations:
+            return "w8a8"
         return "int8" if self.bits == 8 else f"int4-g{self.group}"
 
 
@@ -72,6 +88,17 @@ class PrecisionSpec:
     def kinds(self) -> set[QuantKind]:
         """Every quantized format the spec uses anywhere (what the device must run)."""
         return set(self.parts.values()) | {k for k in self.layers.values() if k is not None}
+
+    @property
+    def smoothed(self) -> bool:
+        """Whether some block is smoothed with the model's calibration (``w8a8-sq``)."""
+        return any(k.smooth for k in self.kinds)
+
+    @property
+    def calibration(self) -> str | None:
+        """The calibration the smoothed blocks take (one per spec), or None."""
+        names = sorted({k.calibration for k in self.kinds if k.smooth})
+        return names[0] if names else None
 
     def block_kind(self, part: str, layer: int) -> QuantKind | None:
         """The format of one layer's ``attn`` or ``mlp`` block: its override, else the part's."""
@@ -113,6 +140,17 @@ def _quant_kind(text: str, whole: str) -> QuantKind | None:
         return None
     if text == "int8":
         return QuantKind(8)
+    if text == "w8a8":
+        return QuantKind(8, activations=True)
+    if text == "w8a8-sq" or text.startswith("w8a8-sq@"):
+        name = text.partition("@")[2] or "self"
+        if not _CALIBRATION_NAME.fullmatch(name):
+            raise InvalidRequestError(
+                f"{name!r} in {whole!r} is no calibration name; write w8a8-sq (the model's own "
+                "text), w8a8-sq@random or w8a8-sq@file-<name>, as `infersight calibrate` names "
+                "them"
+            )
+        return QuantKind(8, activations=True, smooth=True, calibration=name)
     if text.startswith("int4-g") and text[6:].isdigit():
         group = int(text[6:])
         if group not in INT4_GROUPS:
@@ -124,6 +162,8 @@ def _quant_kind(text: str, whole: str) -> QuantKind | None:
     raise InvalidRequestError(f"unknown precision {whole!r}; choose one of: {SPEC_HELP}")
 
 
+#: a calibration's name (a file name in the model's ``calibration/`` folder)
+_CALIBRATION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 _LAYER_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
 #: Overrides are expanded layer by layer; an index past this is a typo, not a model (the
 #: largest open models have about a hundred layers), and must not expand into a hang.
@@ -251,6 +291,13 @@ def parse_precision_spec(
                 f"kernels{why_not}; {which} is {gpu.capability_text(cap)}, so {text} cannot "
                 f"run {where}. Use int8 (it computes in fp16 {where}) or fp16"
             )
+    calibrations = sorted({k.calibration for k in [*parts.values(), *layers.values()]
+                           if k is not None and k.smooth})  # fmt: skip
+    if len(calibrations) > 1:
+        raise InvalidRequestError(
+            f"{text!r} smooths with {len(calibrations)} calibrations "
+            f"({', '.join(calibrations)}); one load takes one: name the same in every w8a8-sq"
+        )
     # INT8's kernels take bf16 or fp16 activations; torch's INT4 kernels bf16 only (and they
     # run only where bf16 does), ours either.
     return PrecisionSpec(text, gpu.compute_dtype_for(cap), parts, layers)

@@ -1,0 +1,235 @@
+"""W8A8 (engine/quant/w8a8.py), its calibration and SmoothQuant's smoothing
+(engine/quant/calibration.py, engine/evals/calibrate.py): the int8 × int8 product against the
+dequantized float product, which step shapes quantize their activations, smoothing as an exact
+rescaling of the float model, calibration files that round-trip and refuse what does not fit,
+and ``infersight calibrate`` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.kernels import gemv
+from engine.loader.load import engine_for, load_model, smoothing_plan
+from engine.loader.weights import load_transformer
+from engine.model.config import ModelConfig
+from engine.model.tokenizer import Tokenizer
+from engine.quant import calibration
+from engine.quant.calibration import Calibration, CalibrationError, SmoothingPlan
+from engine.quant.int8 import Int8Linear
+from engine.quant.spec import QuantKind, parse_precision_spec
+from engine.quant.w8a8 import W8A8Linear, dequantized_product, quantize_rows
+
+# -- the product -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(17, 64, 24), (40, 40, 72), (33, 136, 8), (64, 576, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_int8_product_is_the_dequantized_product(m, k, n, bias) -> None:
+    """Over a decode step's rows, the output is the float64 product of the dequantized int8
+    activations (per token) and weights (per channel), rounded once to bf16: the int32 sums
+    are exact and only the scales are applied in fp32."""
+    gen = torch.Generator().manual_seed(m * k + n)
+    weight = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    layer = W8A8Linear(weight, b, torch.bfloat16, int_mm=True)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    got = layer(x)
+    want = dequantized_product(x, layer.weight, layer.w_scales)
+    if b is not None:
+        want = want + layer.bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5)
+
+
+def test_rows_quantize_per_token() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [100.0, 1.0, -50.0]])
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.int8 and scale.shape == (3, 1)
+    assert q[0].tolist() == [64, -127, 32] and q[1].tolist() == [0, 0, 0]
+    assert q[2].abs().max() == 127  # each row's own scale: the large row leaves the others be
+    torch.testing.assert_close(q.float() * scale, x, atol=100 / 254, rtol=0)
+
+
+def test_decode_shapes_keep_weight_only_and_larger_ones_quantize_activations(monkeypatch) -> None:
+    """Up to gemv.MAX_ROWS rows (a decode step) the layer is exactly weight-only INT8; above,
+    one int8 × int8 product runs; with int_mm off (measured slower), weight-only throughout."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen)
+    layer = W8A8Linear(weight, None, torch.bfloat16, int_mm=True)
+    reference = Int8Linear(weight, None, torch.bfloat16)
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda *a: calls.append(a[0].shape) or real(*a))
+    small = torch.randn(gemv.MAX_ROWS, 64, generator=gen).bfloat16()
+    assert torch.equal(layer(small), reference(small)) and calls == []
+    large = torch.randn(gemv.MAX_ROWS + 1, 64, generator=gen).bfloat16()
+    layer(large)
+    assert calls == [(gemv.MAX_ROWS + 1, 64)]
+    off = W8A8Linear(weight, None, torch.bfloat16, int_mm=False)
+    assert torch.equal(off(large), reference(large)) and len(calls) == 1
+    assert "measured slower" in off.kernel and "_int_mm" in layer.kernel
+
+
+def test_smoothing_moves_an_outlier_channel_into_the_weights() -> None:
+    """Why smoothing: with one activation channel 60× the others, per-token INT8 activations
+    lose the rest of the row; dividing the channels by SmoothQuant's factors (and multiplying
+    the weights' columns) makes the same product several times more accurate."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 128, generator=gen)
+    x[:, 7] *= 60
+    w = torch.randn(96, 128, generator=gen) * 0.05
+    exact = x.double() @ w.double().t()
+
+    def w8a8_error(xs, ws):
+        layer = W8A8Linear(ws, None, torch.float32, int_mm=True)
+        return (layer(xs).double() - exact).pow(2).mean().sqrt()
+
+    s = calibration.factors(x.abs().amax(0), w.abs().amax(0), 0.5)
+    plain, smoothed = w8a8_error(x, w), w8a8_error(x / s, w * s)
+    assert smoothed < plain / 3
+
+
+# -- specs -------------------------------------------------------------------------------
+
+
+def test_w8a8_specs() -> None:
+    spec = parse_precision_spec("w8a8")
+    w8a8 = QuantKind(8, activations=True)
+    assert spec.parts == {"attn": w8a8, "mlp": w8a8} and w8a8.name == "w8a8"
+    assert not spec.smoothed and spec.calibration is None
+    sq = parse_precision_spec("w8a8-sq+head")
+    assert sq.smoothed and sq.calibration == "self" and sq.parts["head"].name == "w8a8-sq"
+    assert parse_precision_spec("w8a8-sq@random").calibration == "random"
+    mixed = parse_precision_spec("mixed:attn=w8a8-sq,mlp=w8a8-sq,mlp.0-1=int8")
+    assert mixed.block_kind("mlp", 0) == QuantKind(8) and mixed.block_kind("mlp", 2).smooth
+    with pytest.raises(InvalidRequestError, match="no calibration name"):
+        parse_precision_spec("w8a8-sq@../x")
+    with pytest.raises(InvalidRequestError, match="one load takes one"):
+        parse_precision_spec("mixed:attn=w8a8-sq@random,mlp=w8a8-sq")
+
+
+# -- smoothing and calibration files -----------------------------------------------------
+
+
+def _fake_calibration(folder, cfg: ModelConfig, seed: int = 0) -> Calibration:
+    """Statistics of the right shapes, with spread-out channels (a few large): what a
+    calibration run keeps, without running one."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = calibration._widths(cfg)
+    act, weight = {}, {}
+    for layer in range(cfg.num_layers):
+        for module, width in widths.items():
+            name = f"layers.{layer}.{module}"
+            act[name] = torch.rand(width, generator=gen) * 4 + 0.1
+            act[name][:2] *= 20
+            weight[name] = torch.rand(width, generator=gen) * 0.3 + 0.01
+    return Calibration(act, weight, {"alpha": 0.6})
+
+
+def _engine(model, folder, cfg):
+    return engine_for(
+        model, Tokenizer.from_folder(folder), cfg, parse_precision_spec("fp32"),
+        torch.device("cpu"), name="t", eos_token_ids=[],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_smoothing_leaves_the_float_models_logits_unchanged(tiny_model_dir, arch) -> None:
+    """Smoothing is an exact rescaling before quantization: the float model with every
+    block's factors folded in (norms, qkv, v rows and bias, o, gate/up, up rows, down) gives
+    the plain float model's logits to fp32 rounding, though its weights changed."""
+    folder, _ = tiny_model_dir(arch, False)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    blocks = {(part, layer) for layer in range(cfg.num_layers) for part in ("attn", "mlp")}
+    plan = SmoothingPlan(_fake_calibration(folder, cfg), cfg, blocks)
+    cpu = torch.device("cpu")
+    plain = load_transformer(folder, cfg, torch.float32, cpu)
+    smoothed = load_transformer(folder, cfg, torch.float32, cpu, smoothing=plan)
+    for name in ("layers.0.input_norm.weight", "layers.1.mlp.down_proj.weight"):
+        before, after = plain.get_parameter(name), smoothed.get_parameter(name)
+        assert (before - after).abs().max() > 1e-2 * before.abs().max()
+    ids = list(range(3, 40))
+    a, b = _engine(plain, folder, cfg), _engine(smoothed, folder, cfg)
+    want = a.runner.forward_logits(ids, a.runner.new_cache(len(ids)), 0)
+    got = b.runner.forward_logits(ids, b.runner.new_cache(len(ids)), 0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def own_folder(tiny_model_dir, tmp_path):
+    """A copy of the tiny Llama's folder: calibrations are written into it."""
+    folder, _ = tiny_model_dir("llama", False)
+    return shutil.copytree(folder, tmp_path / "tiny")
+
+
+def test_calibration_files_round_trip(own_folder) -> None:
+    cfg = ModelConfig.from_file(own_folder / "config.json")
+    cal = _fake_calibration(own_folder, cfg)
+    cal.save(own_folder, "self")
+    back = calibration.load(own_folder, "self", cfg)
+    assert back.act.keys() == cal.act.keys() and back.alpha == 0.6
+    assert all(torch.equal(back.act[k], cal.act[k]) for k in cal.act)
+    assert all(torch.equal(back.weight[k], cal.weight[k]) for k in cal.weight)
+    assert back.meta["model"] == calibration.model_fingerprint(own_folder)
+
+
+def test_missing_foreign_and_stale_calibrations_are_refused(own_folder, tiny_model_dir) -> None:
+    cfg = ModelConfig.from_file(own_folder / "config.json")
+    spec = parse_precision_spec("w8a8-sq")
+    with pytest.raises(CalibrationError, match="infersight calibrate"):
+        smoothing_plan(own_folder, cfg, spec)
+    _fake_calibration(own_folder, cfg).save(own_folder, "self")
+    assert smoothing_plan(own_folder, cfg, spec) is not None
+    # another model's statistics, copied in: refused
+    other, _ = tiny_model_dir("qwen2", False)
+    foreign = shutil.copytree(other, own_folder.parent / "other")
+    shutil.copytree(own_folder / "calibration", foreign / "calibration")
+    with pytest.raises(CalibrationError, match="other weights"):
+        smoothing_plan(foreign, ModelConfig.from_file(foreign / "config.json"), spec)
+    # this model's weights converted again since: stale
+    weights = next(own_folder.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-4:] = b"\x00\x00\x80\x3f"
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CalibrationError, match="other weights"):
+        smoothing_plan(own_folder, cfg, spec)
+    # a file of another format version
+    _fake_calibration(own_folder, cfg).save(own_folder, "self")
+    meta_path = calibration.files(own_folder, "self")[1]
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "version": 99}))
+    with pytest.raises(CalibrationError, match="format version"):
+        smoothing_plan(own_folder, cfg, spec)
+    # and the load says so without a traceback's worth of anything else
+    with pytest.raises(CalibrationError, match="format version"):
+        load_model(own_folder, precision="w8a8-sq")
+
+
+def test_calibrate_writes_statistics_that_w8a8_sq_loads(own_folder, capsys) -> None:
+    """``infersight calibrate`` on a tiny model: the model writes its own text, the float
+    model reads it, the α sweep runs, and ``w8a8-sq`` then loads and generates; the
+    statistics are the largest input magnitudes (norm outputs are never all zero)."""
+    from app.cli.main import main
+
+    argv = ["calibrate", "--model", str(own_folder), "--prompts", "2", "--samples", "2",
+            "--max-tokens", "48", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["name"] == "self" and report["sequences"] == 4
+    assert report["alpha"] in (0.4, 0.5, 0.6, 0.7, 0.8) and "float" in report["losses"]
+    cfg = ModelConfig.from_file(own_folder / "config.json")
+    cal = calibration.load(own_folder, "self", cfg)
+    assert cal.meta["recipe"]["samples"] == 2 and cal.meta["tokens"] == report["tokens"]
+    assert all(v.min() > 0 for k, v in cal.act.items() if k.endswith("qkv_proj"))
+    eng = load_model(own_folder, precision="w8a8-sq")
+    assert any(isinstance(m, W8A8Linear) for m in eng.model.modules())
+    from engine.core.sampling import SamplingParams
+
+    out = list(eng.generate(list(range(3, 30)), SamplingParams(max_new_tokens=4)))
+    assert out[-1].finish_reason is not None
+    assert main(["calibrate", "--model", str(own_folder), "--prompts", "0"]) == 2
