@@ -142,6 +142,7 @@ def test_plain_helpers() -> None:
     assert format_pct(0.952) == "95.2%" and format_pct(0.00012) == "0.012%"
     assert quant_format("int4-g32+head") == "int4-g32" and quant_format("int8") == "int8"
     assert quant_format("fp32") is None and quant_format("mixed:attn=int8") is None
+    assert quant_format("w8a8") == "w8a8" and quant_format("w8a8-sq") is None
     assert kl_level(1e-5) == 0 and kl_level(1e-2) == pytest.approx(0.5) and kl_level(5) == 1
     assert probability_level(1.0) == 0 and probability_level(0.0) == 1
     assert heat_colour(0) is None

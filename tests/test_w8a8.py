@@ -36,7 +36,7 @@ def test_the_int8_product_is_the_dequantized_product(m, k, n, bias) -> None:
     gen = torch.Generator().manual_seed(m * k + n)
     weight = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
-    layer = W8A8Linear(weight, b, torch.bfloat16, int_mm=True)
+    layer = W8A8Linear(weight, b, torch.bfloat16, decode_int_mm=False)
     x = torch.randn(m, k, generator=gen).bfloat16()
     got = layer(x)
     want = dequantized_product(x, layer.weight, layer.w_scales)
@@ -56,11 +56,11 @@ def test_rows_quantize_per_token() -> None:
 
 
 def test_decode_shapes_keep_weight_only_and_larger_ones_quantize_activations(monkeypatch) -> None:
-    """Up to gemv.MAX_ROWS rows (a decode step) the layer is exactly weight-only INT8; above,
-    one int8 × int8 product runs; with int_mm off (measured slower), weight-only throughout."""
+    """Up to gemv.MAX_ROWS rows (a decode step) the layer is exactly weight-only INT8 unless
+    int8 × int8 measured faster there; above, one int8 × int8 product runs."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 64, generator=gen)
-    layer = W8A8Linear(weight, None, torch.bfloat16, int_mm=True)
+    layer = W8A8Linear(weight, None, torch.bfloat16, decode_int_mm=False)
     reference = Int8Linear(weight, None, torch.bfloat16)
     calls = []
     real = torch._int_mm
@@ -70,9 +70,10 @@ def test_decode_shapes_keep_weight_only_and_larger_ones_quantize_activations(mon
     large = torch.randn(gemv.MAX_ROWS + 1, 64, generator=gen).bfloat16()
     layer(large)
     assert calls == [(gemv.MAX_ROWS + 1, 64)]
-    off = W8A8Linear(weight, None, torch.bfloat16, int_mm=False)
-    assert torch.equal(off(large), reference(large)) and len(calls) == 1
-    assert "measured slower" in off.kernel and "_int_mm" in layer.kernel
+    every = W8A8Linear(weight, None, torch.bfloat16, decode_int_mm=True)
+    every(small)
+    assert len(calls) == 2 and "every row count" in every.kernel
+    assert isinstance(every.c_product(torch.bfloat16), str)  # the decode step stays eager
 
 
 def test_smoothing_moves_an_outlier_channel_into_the_weights() -> None:
@@ -86,7 +87,7 @@ def test_smoothing_moves_an_outlier_channel_into_the_weights() -> None:
     exact = x.double() @ w.double().t()
 
     def w8a8_error(xs, ws):
-        layer = W8A8Linear(ws, None, torch.float32, int_mm=True)
+        layer = W8A8Linear(ws, None, torch.float32, decode_int_mm=False)
         return (layer(xs).double() - exact).pow(2).mean().sqrt()
 
     s = calibration.factors(x.abs().amax(0), w.abs().amax(0), 0.5)
@@ -233,3 +234,48 @@ def test_calibrate_writes_statistics_that_w8a8_sq_loads(own_folder, capsys) -> N
     out = list(eng.generate(list(range(3, 30)), SamplingParams(max_new_tokens=4)))
     assert out[-1].finish_reason is not None
     assert main(["calibrate", "--model", str(own_folder), "--prompts", "0"]) == 2
+
+
+# -- where people look: the sensitivity scan ----------------------------------------------
+
+
+def test_the_layer_scan_takes_w8a8_as_its_low_format(tiny_model_dir) -> None:
+    """``eval scan --low w8a8``: every block scanned with INT8 activations (more error than
+    weight-only INT8 on the same block, in sum over the blocks), while ``w8a8-sq``, whose
+    smoothing spans a layer's norms and linears, is refused with what to do instead."""
+    from engine.evals.sensitivity import scan_formats, scan_sensitivity
+
+    assert scan_formats("w8a8", None) == (QuantKind(8, activations=True), None)
+    with pytest.raises(InvalidRequestError, match="scan with w8a8"):
+        scan_formats("w8a8-sq", None)
+    folder, _ = tiny_model_dir("llama", True)
+    text = [(7 * i + 3) % 320 for i in range(48)]
+    w8a8 = scan_sensitivity(folder, "w8a8", text_ids=text)
+    int8 = scan_sensitivity(folder, "int8", text_ids=text)
+    assert len(w8a8.blocks) == len(int8.blocks) > 0
+    assert sum(b.kl for b in w8a8.blocks) > sum(b.kl for b in int8.blocks) > 0
+
+
+def test_the_prefill_table_computes_each_prompt_in_each_precision(tiny_model_dir, monkeypatch):
+    """``bench --prefill-table fp32 w8a8``: every repeat computes the whole prompt in each
+    precision (nothing found cached), w8a8's through int8 × int8 products, and the first row
+    is the reference."""
+    from engine.bench import prefill, speed
+    from engine.bench.prefill import format_prefill_table, run_prefill_table
+
+    folder, _ = tiny_model_dir("llama", False)
+    cached, int_mm = [], []
+    run, real = speed.run_ours, torch._int_mm
+
+    def counted(eng, prompt, new_tokens, batch=1):
+        timing = run(eng, prompt, new_tokens, batch)
+        cached.append(timing.cached_prompt_tokens)
+        return timing
+
+    monkeypatch.setattr(prefill, "run_ours", counted)
+    monkeypatch.setattr(torch, "_int_mm", lambda *a: int_mm.append(a[0].shape[0]) or real(*a))
+    report = run_prefill_table(folder, ["fp32", "w8a8"], prompt_len=40, repeats=2)
+    assert [r["precision"] for r in report["rows"]] == ["fp32", "w8a8"]
+    assert report["rows"][0]["vs_first"] == 1.0 and len(cached) == 2 * (1 + 2)
+    assert set(cached) == {0} and int_mm and min(int_mm) == 40
+    assert "w8a8" in format_prefill_table(report)

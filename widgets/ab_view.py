@@ -481,7 +481,7 @@ class ABView(QWidget):
         if low is None:
             self.set_notice(
                 f"A layer scan quantizes one block at a time to B's format; B's precision "
-                f"{precision!r} is not one (choose int8 or int4-g32, say).",
+                f"{precision!r} is not one (choose int8, int4-g32 or w8a8, say).",
                 "warning",
             )
             return

@@ -46,6 +46,8 @@ PRECISIONS = (
     "int4-g32+head",
     "int4-g64",
     "int4-g128",
+    "w8a8",
+    "w8a8-sq",
     "mixed:attn=int8,mlp=int4-g32,head=int8",
 )
 

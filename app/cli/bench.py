@@ -38,6 +38,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _check_table_args(args)
     folder = resolve_model_folder(args.model, progress_printer())
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if args.prefill_table:
+        from engine.bench.prefill import format_prefill_table, run_prefill_table
+
+        for precision in args.prefill_table:
+            parse_precision_spec(precision, device)
+        report = run_prefill_table(
+            folder, args.prefill_table, prompt_len=args.prompt_len, repeats=args.repeats,
+            device=device, engine_config=config, log=say,
+        )  # fmt: skip
+        print(json.dumps(report, indent=2) if args.json else format_prefill_table(report))
+        return 0
     if args.profile:
         return _bench_profile(args, folder, device, config)
     if args.table:

@@ -187,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
         "kernel and with gather + SDPA, taking turns on the same requests (--repeats times)",
     )
     p.add_argument(
+        "--prefill-table",
+        nargs="+",
+        metavar="PRECISION",
+        default=None,
+        help="prefill of one --prompt-len prompt in each precision (the first is the "
+        "reference), every row in turn within each of --repeats; e.g. fp32 bf16 int8 w8a8 "
+        "w8a8-sq",
+    )
+    p.add_argument(
         "--table",
         nargs="+",
         metavar="PRECISION",
@@ -312,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="which layers cost the quality: quantize one block at a time, plan a mixed: spec",
     )
     ep.add_argument("--model", default="default", help=MODEL_HELP)
-    ep.add_argument("--low", required=True, help="each block's format: int8, int4-g32|g64|g128")
+    ep.add_argument(
+        "--low", required=True, help="each block's format: int8, int4-g32|g64|g128, w8a8"
+    )
     ep.add_argument("--high", help="the format kept blocks get (default: int8 above INT4, "
                     "else none = bf16)")  # fmt: skip
     budget = ep.add_mutually_exclusive_group()
@@ -431,7 +442,8 @@ def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
         p.add_argument(
             "--precision",
             default="fp32",
-            help="fp32, bf16, fp16, int8, int4-g32|g64|g128 (+head), or mixed:attn=int8,"
+            help="fp32, bf16, fp16, int8, int4-g32|g64|g128 (+head), w8a8 (INT8 activations "
+            "too), w8a8-sq[@calibration] (smoothed: see calibrate), or mixed:attn=int8,"
             "mlp=int4-g32 with per-layer overrides such as mlp.0-2=int8 (see eval scan)",
         )
         p.add_argument("--device", default="auto", help=DEVICE_HELP)

@@ -197,8 +197,15 @@ def scan_formats(low: str, high: str | None) -> tuple[QuantKind, QuantKind | Non
     low_kind = parse_quant_kind(low)
     if low_kind is None:
         raise InvalidRequestError(
-            "the scan's low format must be quantized: int8, int4-g32, int4-g64 or int4-g128"
+            "the scan's low format must be quantized: int8, int4-g32, int4-g64, int4-g128 or w8a8"
         )
+    for kind in (low_kind, None if high is None else parse_quant_kind(high)):
+        if kind is not None and kind.smooth:
+            raise InvalidRequestError(
+                f"the scan quantizes one block at a time, and {kind.name}'s smoothing is "
+                "folded across a layer's norms and linears at load; scan with w8a8, then "
+                "compare w8a8-sq as a whole (eval compare --b w8a8-sq)"
+            )
     if high is None:
         return low_kind, QuantKind(8) if low_kind.bits == 4 else None
     return low_kind, parse_quant_kind(high)

@@ -9,11 +9,10 @@ VNNI where it has it; cuBLASLt on CUDA), and applies the two scales to the int32
 
     y[m, n] = (Σ_k xq[m, k] · wq[n, k]) · sx[m] · sw[n]
 
-Decode steps (up to ``MAX_ROWS`` rows) keep the weight-only path: reading the weights is their
-cost, and our C kernels (the decode step in one C call) already run it. Which path a
-product's row count takes is decided per machine: ``torch._int_mm`` is timed against the
-weight-only path on a prefill chunk's rows of this layer's shape at load, and kept where it
-measured faster (``kernels.json``); the load report names the path of each shape.
+Decode steps (up to ``MAX_ROWS`` rows) keep the weight-only path where it is faster there:
+reading the weights is their cost, and our C kernels (the decode step in one C call) run it.
+That is measured per machine and layer shape at load (int8 × int8 against weight-only on one
+row, kept in ``kernels.json``); the load report names the path of each step shape.
 
 Quantizing the activations is an approximation the weights' quantization does not make: an
 activation channel with outliers takes the whole row's scale. SmoothQuant's per-channel
@@ -30,8 +29,8 @@ from torch import Tensor
 
 from engine.formats import quantize_int8
 from engine.hardware import measured
-from engine.kernels import gemv, lowbit
-from engine.quant.int8 import PREFILL_TIMED_ROWS, Int8Linear
+from engine.kernels import decode_step, gemv, lowbit
+from engine.quant.int8 import Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,12 @@ def int8_product(
     """``(xq · weightᵀ) · x_scale · w_scales + bias`` in ``dtype``: the int32 sums exact, the
     scales and the bias applied in fp32, one rounding to ``dtype`` at the end. ``xq [M, K]``
     and ``weight [N, K]`` int8, ``x_scale [M, 1]`` and ``w_scales [N]`` fp32."""
-    y = torch._int_mm(xq, weight.t()).float() * x_scale * w_scales
+    m, k = xq.shape
+    if xq.is_cuda and (m <= 16 or k % 8 or weight.shape[0] % 8):  # outside cuBLASLt's int8 GEMM
+        sums = xq.float() @ weight.float().t()  # the same integers below 2^24
+    else:
+        sums = torch._int_mm(xq, weight.t()).float()
+    y = sums * x_scale * w_scales
     if bias is not None:
         y += bias.float()
     return y.to(dtype)
@@ -67,12 +71,12 @@ def dequantized_product(x: Tensor, weight: Tensor, w_scales: Tensor) -> Tensor:
     return (xq.double() * sx.double()) @ (weight.double() * w_scales.double()[:, None]).t()
 
 
-def time_int_mm(out_features: int, in_features: int, weight_only: Int8Linear) -> lowbit.Timing:
-    """The int8 × int8 path (quantizing the activations included) against the weight-only
-    layer's own path for a prefill chunk's rows (ms per call; bound by compute)."""
+def time_decode(out_features: int, in_features: int, weight_only: Int8Linear) -> lowbit.Timing:
+    """The int8 × int8 path (quantizing the activation included) against the weight-only
+    layer's own path on one row, a batch-1 decode step's (ms per call)."""
     gen = torch.Generator().manual_seed(0)
     q, scales = quantize_int8(torch.randn(out_features, in_features, generator=gen))
-    x = torch.randn(PREFILL_TIMED_ROWS, in_features, generator=gen).to(weight_only.out_dtype)
+    x = torch.randn(1, in_features, generator=gen).to(weight_only.out_dtype)
     dtype = weight_only.out_dtype
 
     def ours() -> None:
@@ -80,44 +84,50 @@ def time_int_mm(out_features: int, in_features: int, weight_only: Int8Linear) ->
         int8_product(xq, sx, q, scales, dtype)
 
     ours_ms, theirs_ms = measured.best_of_three(
-        [ours, lambda: Int8Linear.forward(weight_only, x)], 1
+        [ours, lambda: Int8Linear.forward(weight_only, x)], 20
     )
     return lowbit.Timing(ours_ms=ours_ms, torch_ms=theirs_ms)
 
 
 class W8A8Linear(Int8Linear):
-    """INT8 weights (per output channel, as :class:`Int8Linear`), INT8 activations per token
-    in products of more than :data:`engine.kernels.gemv.MAX_ROWS` rows.
-
-    ``int_mm``: whether those products run int8 × int8 (None: as measured on this machine,
-    :func:`time_int_mm`; the tests force it)."""
+    """INT8 weights (per output channel, as :class:`Int8Linear`) and INT8 activations per
+    token, multiplied int8 × int8, in products of more than :data:`engine.kernels.gemv.MAX_ROWS`
+    rows. Up to that (decode steps) the weight-only path runs unless int8 × int8 measured
+    faster on one row here (``decode_int_mm``; None: timed at load, :func:`time_decode`, and
+    kept in ``kernels.json``; never on CUDA, whose int8 GEMM takes more than 16 rows)."""
 
     w_scales: Tensor
 
     def __init__(
-        self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, *, int_mm: bool | None = None
-    ) -> None:
+        self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, *,
+        decode_int_mm: bool | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(weight, bias, dtype)
         #: the weights' scales in fp32, as the int32 sums take them
         self.register_buffer("w_scales", self.scales.float())
-        self.int_mm = self._int_mm() if int_mm is None else int_mm
+        self.decode_int_mm = self._decode_int_mm() if decode_int_mm is None else decode_int_mm
 
-    def _int_mm(self) -> bool:
+    def _decode_int_mm(self) -> bool:
+        if self.weight.device.type != "cpu":
+            return False
         n, k = self.out_features, self.in_features
-        if self.weight.device.type == "cuda":  # cuBLASLt's int8 GEMM: K and N multiples of 8
-            return n % 8 == 0 and k % 8 == 0
-        key = lowbit.shape_key(f"prefill w8a8 {str(self.out_dtype).removeprefix('torch.')}", n, k)
+        key = lowbit.shape_key(f"decode w8a8 {str(self.out_dtype).removeprefix('torch.')}", n, k)
         return lowbit.faster(f"torch._int_mm, torch {torch.__version__}", key,
-                             lambda: time_int_mm(n, k, self))  # fmt: skip
+                             lambda: time_decode(n, k, self))  # fmt: skip
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if not self.int_mm or x2.shape[0] <= gemv.MAX_ROWS:
+        if x2.shape[0] <= gemv.MAX_ROWS and not self.decode_int_mm:
             return super().forward(x)
         xq, sx = quantize_rows(x2)
         y = int8_product(xq, sx, self.weight, self.w_scales, self.out_dtype, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
+        if self.decode_int_mm:
+            return "multiplies decode rows int8 × int8 (torch._int_mm measured faster)"
+        return super().c_product(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -126,10 +136,12 @@ class W8A8Linear(Int8Linear):
     @property
     def kernel(self) -> str:
         """The path of each step shape, for the load report."""
-        small = super().kernel
-        if not self.int_mm:
-            return f"w8a8 as int8 weight-only ({INT_MM} measured slower here): {small}"
-        return f"w8a8: over {gemv.MAX_ROWS} rows {INT_MM}; up to {gemv.MAX_ROWS}: {small}"
+        if self.decode_int_mm:
+            return f"w8a8: {INT_MM} at every row count (measured faster on one row here)"
+        return (
+            f"w8a8: over {gemv.MAX_ROWS} rows {INT_MM}; up to {gemv.MAX_ROWS} weight-only "
+            f"(measured faster on one row here): {super().kernel}"
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
