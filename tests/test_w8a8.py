@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.kernels import gemv
-from engine.loader.load import engine_for, load_model, smoothing_plan
+from engine.loader.load import engine_for, load_model
 from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
 from engine.model.tokenizer import Tokenizer
@@ -181,31 +181,30 @@ def test_calibration_files_round_trip(own_folder) -> None:
 
 def test_missing_foreign_and_stale_calibrations_are_refused(own_folder, tiny_model_dir) -> None:
     cfg = ModelConfig.from_file(own_folder / "config.json")
-    spec = parse_precision_spec("w8a8-sq")
     with pytest.raises(CalibrationError, match="infersight calibrate"):
-        smoothing_plan(own_folder, cfg, spec)
+        load_model(own_folder, precision="w8a8-sq")
     _fake_calibration(own_folder, cfg).save(own_folder, "self")
-    assert smoothing_plan(own_folder, cfg, spec) is not None
+    assert calibration.load(own_folder, "self", cfg).alpha == 0.6
     # another model's statistics, copied in: refused
     other, _ = tiny_model_dir("qwen2", False)
     foreign = shutil.copytree(other, own_folder.parent / "other")
     shutil.copytree(own_folder / "calibration", foreign / "calibration")
     with pytest.raises(CalibrationError, match="other weights"):
-        smoothing_plan(foreign, ModelConfig.from_file(foreign / "config.json"), spec)
+        calibration.load(foreign, "self", ModelConfig.from_file(foreign / "config.json"))
     # this model's weights converted again since: stale
     weights = next(own_folder.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-4:] = b"\x00\x00\x80\x3f"
     weights.write_bytes(bytes(data))
     with pytest.raises(CalibrationError, match="other weights"):
-        smoothing_plan(own_folder, cfg, spec)
+        calibration.load(own_folder, "self", cfg)
     # a file of another format version
     _fake_calibration(own_folder, cfg).save(own_folder, "self")
     meta_path = calibration.files(own_folder, "self")[1]
     meta = json.loads(meta_path.read_text())
     meta_path.write_text(json.dumps({**meta, "version": 99}))
     with pytest.raises(CalibrationError, match="format version"):
-        smoothing_plan(own_folder, cfg, spec)
+        calibration.load(own_folder, "self", cfg)
     # and the load says so without a traceback's worth of anything else
     with pytest.raises(CalibrationError, match="format version"):
         load_model(own_folder, precision="w8a8-sq")
@@ -279,3 +278,28 @@ def test_the_prefill_table_computes_each_prompt_in_each_precision(tiny_model_dir
     assert report["rows"][0]["vs_first"] == 1.0 and len(cached) == 2 * (1 + 2)
     assert set(cached) == {0} and int_mm and min(int_mm) == 40
     assert "w8a8" in format_prefill_table(report)
+
+
+@pytest.mark.parametrize("precision", ["w8a8-static", "w8a8-sq-static"])
+def test_static_scales_come_from_the_calibration(own_folder, precision) -> None:
+    """``-static``: each W8A8 linear takes one activation scale, the calibration's largest
+    input magnitude (after smoothing, where smoothed) over 127, and quantizes every token with
+    it; the LM head, which the calibration does not read, keeps per-token scales."""
+    cfg = ModelConfig.from_file(own_folder / "config.json")
+    cal = _fake_calibration(own_folder, cfg)
+    cal.save(own_folder, "self")
+    eng = load_model(own_folder, precision=precision + "+head")
+    blocks = {(part, layer) for layer in range(cfg.num_layers) for part in ("attn", "mlp")}
+    plan = SmoothingPlan(cal, cfg, blocks) if "-sq" in precision else None
+    for name in calibration.SMOOTHED:
+        module = eng.model.get_submodule(f"layers.1.{name}")
+        act = cal.act[f"layers.1.{name}"]
+        if plan is not None:
+            act = act / plan.input_factors(f"layers.1.{name}")
+        assert module.act_scale == pytest.approx(float(act.max()) / 127, rel=1e-6)
+    assert eng.model.lm_head.act_scale is None
+    x = torch.randn(20, cfg.hidden_size) * 1000  # far past the range: saturates at ±127
+    layer = eng.model.get_submodule("layers.0.mlp.gate_up_proj")
+    y = layer(x.bfloat16()).double()
+    limit = 127 * layer.act_scale * (layer.weight.double().abs().sum(1) * layer.w_scales.double())
+    assert (y.abs() <= limit * (1 + 2**-7) + 1e-3).all()

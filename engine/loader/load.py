@@ -68,10 +68,16 @@ def load_model(
     cfg = ModelConfig.from_file(folder / "config.json")
     spec.check_layers(cfg.num_layers)
     tokenizer = Tokenizer.from_folder(folder)
+    cal = (
+        None if spec.calibration is None else calibration_files.load(folder, spec.calibration, cfg)
+    )
+    plan = smoothing_plan(cfg, spec, cal, alpha)
     model = load_transformer(
         folder, cfg, dtype, torch_device, quant=spec.kind_for if spec.quantized else None,
-        smoothing=smoothing_plan(folder, cfg, spec, alpha),
+        smoothing=plan,
     )  # fmt: skip
+    if cal is not None:
+        calibration_files.set_static_scales(model, cal, plan, spec.kind_for)
     eos = set(cfg.eos_token_ids) | set(generation_config_eos(folder))
     engine = engine_for(
         model, tokenizer, cfg, spec, torch_device,
@@ -100,21 +106,22 @@ def load_model(
 
 
 def smoothing_plan(
-    folder: Path, cfg: ModelConfig, spec: PrecisionSpec, alpha: float | None = None
-) -> SmoothingPlan | None:
-    """SmoothQuant's factors for the blocks ``spec`` smooths (``w8a8-sq``), from the
-    calibration it names of the model in ``folder`` (refused with what to do where it is
-    missing, made for other weights or by another format); ``alpha`` in place of the one it
-    chose (the calibration's sweep)."""
-    if spec.calibration is None:
+    cfg: ModelConfig, spec: PrecisionSpec, cal: calibration_files.Calibration | None,
+    alpha: float | None = None,
+) -> SmoothingPlan | None:  # fmt: skip
+    """SmoothQuant's factors for the blocks ``spec`` smooths (``w8a8-sq``), from calibration
+    ``cal`` of the model (:func:`engine.quant.calibration.load`: refused with what to do where
+    it is missing, made for other weights or by another format); ``alpha`` in place of the one
+    it chose (the calibration's sweep)."""
+    if not spec.smoothed:
         return None
+    assert cal is not None
     blocks = {
         (part, layer)
         for layer in range(cfg.num_layers)
         for part in LAYER_PARTS
         if (kind := spec.block_kind(part, layer)) is not None and kind.smooth
     }
-    cal = calibration_files.load(folder, spec.calibration, cfg)
     return SmoothingPlan(cal, cfg, blocks, alpha)
 
 

@@ -34,15 +34,19 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.errors import InvalidRequestError
 from engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.quant.spec import QuantKind
 
 #: the format of the files; a load refuses any other
 VERSION = 1
@@ -225,6 +229,11 @@ class SmoothingPlan:
     def touches(self, name: str) -> bool:
         return name in self._ops
 
+    def input_factors(self, module: str) -> Tensor | None:
+        """The factors linear ``module``'s input is divided by, or None (not smoothed)."""
+        ops = self._ops.get(f"{module}.weight")
+        return None if ops is None else ops[0]
+
     def apply(self, name: str, tensor: Tensor) -> Tensor:
         """``tensor`` (parameter ``name``, fp32) with its factors folded in: columns
         multiplied, rows from the first given divided (``v`` of ``qkv_proj``, ``up`` of
@@ -240,3 +249,29 @@ class SmoothingPlan:
         if divide is not None:
             out /= divide.to(out.device)
         return out
+
+
+def set_static_scales(
+    model: nn.Module, cal: Calibration, plan: SmoothingPlan | None,
+    kind_for: Callable[[str], QuantKind | None],
+) -> int:  # fmt: skip
+    """Give each W8A8 linear whose format is static (``w8a8-static``, ``w8a8-sq-static``) one
+    activation scale: the largest magnitude its input took in the calibration (divided by its
+    smoothing factors where it is smoothed) over 127. Returns how many it set; the LM head,
+    which the calibration does not read, keeps per-token scales."""
+    from engine.quant.w8a8 import W8A8Linear
+
+    count = 0
+    for name, module in model.named_modules():
+        kind = kind_for(name)
+        if not isinstance(module, W8A8Linear) or kind is None or not kind.static:
+            continue
+        if name not in cal.act:
+            continue
+        act = cal.act[name].float()
+        factors_ = plan.input_factors(name) if plan is not None else None
+        if factors_ is not None:
+            act = act / factors_.float()
+        module.act_scale = max(float(act.max()), EPS) / 127
+        count += 1
+    return count

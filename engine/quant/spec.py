@@ -3,7 +3,8 @@
 A precision is a spec string: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4-g64``,
 ``int8+head``, ``w8a8`` (INT8 activations too, in prefill chunks and batches), ``w8a8-sq``
 (the same, smoothed with the model's calibration of its own text: ``infersight calibrate``;
-``w8a8-sq@random`` takes the calibration named ``random`` instead), or
+``w8a8-sq@random`` takes the calibration named ``random`` instead; ``w8a8-static`` and
+``w8a8-sq-static`` quantize activations with one scale per linear from the calibration), or
 ``mixed:attn=int8,mlp=int4-g32[,head=int8]``. A mixed spec may follow the
 part defaults with per-layer overrides, ``attn.N=<q>`` or ``mlp.N-M=<q>`` (layers N to M,
 inclusive), which beat the default for those blocks; ``none`` keeps a block in the compute
@@ -42,9 +43,10 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 PARTS = ("attn", "mlp", "head")
 LAYER_PARTS = ("attn", "mlp")  # the parts every decoder layer has, so overrides can name them
 SPEC_HELP = (
-    "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128, w8a8, w8a8-sq[@calibration] (add "
-    "+head to quantize the LM head too), or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of "
-    "int8, int4-gN, w8a8, w8a8-sq, none, "
+    "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128, w8a8, w8a8-sq, w8a8-static, "
+    "w8a8-sq-static (@name: another calibration than the model's own text; add +head to "
+    "quantize the LM head too), or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of "
+    "int8, int4-gN, w8a8…, none, "
     "optionally followed by per-layer overrides such as attn.3=<q> or mlp.0-5=<q>"
 )
 
@@ -59,15 +61,24 @@ class QuantKind:
     #: … with SmoothQuant's per-channel factors from the model's calibration folded in
     #: (:mod:`engine.quant.calibration`)
     smooth: bool = False
-    #: which of the model's calibrations smooths it (``w8a8-sq@random``; ``self`` by default)
+    #: … with one activation scale per linear from the calibration (``-static``), in place of
+    #: one per token computed as it runs
+    static: bool = False
+    #: which of the model's calibrations smooths it or gives its static scales
+    #: (``w8a8-sq@random``; ``self`` by default)
     calibration: str = "self"
 
     @property
+    def calibrated(self) -> bool:
+        """Whether loading it takes a calibration of the model (smoothing, static scales)."""
+        return self.smooth or self.static
+
+    @property
     def name(self) -> str:
-        if self.activations and self.smooth:
-            return "w8a8-sq" + ("" if self.calibration == "self" else f"@{self.calibration}")
         if self.activations:
-            return "w8a8"
+            base = "w8a8" + ("-sq" if self.smooth else "") + ("-static" if self.static else "")
+            named = self.calibrated and self.calibration != "self"
+            return base + (f"@{self.calibration}" if named else "")
         return "int8" if self.bits == 8 else f"int4-g{self.group}"
 
 
@@ -96,8 +107,8 @@ class PrecisionSpec:
 
     @property
     def calibration(self) -> str | None:
-        """The calibration the smoothed blocks take (one per spec), or None."""
-        names = sorted({k.calibration for k in self.kinds if k.smooth})
+        """The calibration the calibrated blocks take (one per spec), or None."""
+        names = sorted({k.calibration for k in self.kinds if k.calibrated})
         return names[0] if names else None
 
     def block_kind(self, part: str, layer: int) -> QuantKind | None:
@@ -140,17 +151,19 @@ def _quant_kind(text: str, whole: str) -> QuantKind | None:
         return None
     if text == "int8":
         return QuantKind(8)
-    if text == "w8a8":
-        return QuantKind(8, activations=True)
-    if text == "w8a8-sq" or text.startswith("w8a8-sq@"):
-        name = text.partition("@")[2] or "self"
+    base, at, name = text.partition("@")
+    if base in W8A8_KINDS and (base != "w8a8" or not at):
+        name = name or "self"
         if not _CALIBRATION_NAME.fullmatch(name):
             raise InvalidRequestError(
-                f"{name!r} in {whole!r} is no calibration name; write w8a8-sq (the model's own "
-                "text), w8a8-sq@random or w8a8-sq@file-<name>, as `infersight calibrate` names "
+                f"{name!r} in {whole!r} is no calibration name; write {base} (the model's own "
+                f"text), {base}@random or {base}@file-<name>, as `infersight calibrate` names "
                 "them"
             )
-        return QuantKind(8, activations=True, smooth=True, calibration=name)
+        return QuantKind(
+            8, activations=True, smooth="-sq" in base, static=base.endswith("-static"),
+            calibration=name,
+        )  # fmt: skip
     if text.startswith("int4-g") and text[6:].isdigit():
         group = int(text[6:])
         if group not in INT4_GROUPS:
@@ -162,6 +175,8 @@ def _quant_kind(text: str, whole: str) -> QuantKind | None:
     raise InvalidRequestError(f"unknown precision {whole!r}; choose one of: {SPEC_HELP}")
 
 
+#: the W8A8 formats: dynamic per-token activation scales, smoothed, static (calibrated) scales
+W8A8_KINDS = ("w8a8", "w8a8-sq", "w8a8-static", "w8a8-sq-static")
 #: a calibration's name (a file name in the model's ``calibration/`` folder)
 _CALIBRATION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 _LAYER_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
@@ -292,11 +307,11 @@ def parse_precision_spec(
                 f"run {where}. Use int8 (it computes in fp16 {where}) or fp16"
             )
     calibrations = sorted({k.calibration for k in [*parts.values(), *layers.values()]
-                           if k is not None and k.smooth})  # fmt: skip
+                           if k is not None and k.calibrated})  # fmt: skip
     if len(calibrations) > 1:
         raise InvalidRequestError(
             f"{text!r} smooths with {len(calibrations)} calibrations "
-            f"({', '.join(calibrations)}); one load takes one: name the same in every w8a8-sq"
+            f"({', '.join(calibrations)}); one load takes one: name the same one throughout"
         )
     # INT8's kernels take bf16 or fp16 activations; torch's INT4 kernels bf16 only (and they
     # run only where bf16 does), ours either.

@@ -106,6 +106,9 @@ class W8A8Linear(Int8Linear):
         #: the weights' scales in fp32, as the int32 sums take them
         self.register_buffer("w_scales", self.scales.float())
         self.decode_int_mm = self._decode_int_mm() if decode_int_mm is None else decode_int_mm
+        #: one activation scale for every token (``w8a8-static``: from the calibration, set by
+        #: :func:`engine.quant.calibration.set_static_scales`), or None: per token
+        self.act_scale: float | None = None
 
     def _decode_int_mm(self) -> bool:
         if self.weight.device.type != "cpu":
@@ -120,7 +123,11 @@ class W8A8Linear(Int8Linear):
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] <= gemv.MAX_ROWS and not self.decode_int_mm:
             return super().forward(x)
-        xq, sx = quantize_rows(x2)
+        if self.act_scale is None:
+            xq, sx = quantize_rows(x2)
+        else:  # values past the calibration's range saturate at ±127
+            sx = x2.new_full((x2.shape[0], 1), self.act_scale, dtype=torch.float32)
+            xq = torch.round(x2.float() / self.act_scale).clamp_(-127, 127).to(torch.int8)
         y = int8_product(xq, sx, self.weight, self.w_scales, self.out_dtype, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
@@ -144,4 +151,5 @@ class W8A8Linear(Int8Linear):
         )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
+        scales = "per token" if self.act_scale is None else f"static {self.act_scale:.4g}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 ({scales})"
