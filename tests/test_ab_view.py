@@ -439,6 +439,16 @@ def test_scan_requests_b_format_or_says_why_not(view: ABView, qtbot: Any) -> Non
     with qtbot.assertNotEmitted(view.scan_requested):
         view.scan_button.click()
     assert "'bf16'" in view.notice.text() and not view.notice.isHidden()
+    # W8A8 from B's list: scanned block by block unsmoothed; smoothed, it spans blocks
+    combo = view.forms["b"].precision
+    combo.setCurrentIndex(combo.findText("w8a8"))
+    with qtbot.waitSignal(view.scan_requested) as asked:
+        view.scan_button.click()
+    assert asked.args[0]["low"] == "w8a8"
+    combo.setCurrentIndex(combo.findText("w8a8-sq"))
+    with qtbot.assertNotEmitted(view.scan_requested):
+        view.scan_button.click()
+    assert "'w8a8-sq'" in view.notice.text()
 
 
 def test_run_requested_carries_the_form(view: ABView, qtbot: Any) -> None:
