@@ -108,6 +108,28 @@ def test_activations_round_as_torch_does(lib):
     assert got16.q.abs().max() == 32767 and got16.d.shape == (7, 2) and got16.d[4, 0] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_rows_quantize_and_scale_as_torch_does(lib, dtype):
+    """W8A8's per-row quantization (per-row and static scales, ties to even, an all-zero row,
+    values far past a static scale) and the scaling of its int32 sums, bit for bit against
+    torch's operators, in one pass of C each."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 100, generator=gen) * torch.logspace(-5, 5, 6)[:, None]
+    x[0] = 0
+    x[1, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5])  # scale 1: quotients at .5
+    x = x.to(dtype)
+    for fixed in (None, 0.5):
+        got, want = lowbit.quantize_rows(x, fixed, lib), lowbit.quantize_rows_reference(x, fixed)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert lowbit.quantize_rows(x, 0.5, lib)[0].abs().max() == 127  # saturated
+    acc = torch.randint(-(2**24), 2**24, (6, 40), generator=gen, dtype=torch.int32)
+    sx, sw = torch.rand(6, 1, generator=gen), torch.rand(40, generator=gen)
+    for bias in (None, torch.randn(40, generator=gen)):
+        got_y = lowbit.scale_rows(acc, sx, sw, bias, dtype, lib)
+        assert got_y.dtype == dtype
+        assert torch.equal(got_y, lowbit.scale_rows_reference(acc, sx, sw, bias, dtype))
+
+
 @pytest.mark.parametrize("group", [32, 64])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, group):
     """Each row of a 1…16-row product equals, bit for bit, the same row alone: a decode row

@@ -38,12 +38,13 @@ log = logging.getLogger(__name__)
 INT_MM = "int8 × int8 GEMM (torch._int_mm, activations per token)"
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows(x: Tensor, fixed: float | None = None) -> tuple[Tensor, Tensor]:
     """Per-row (per-token) symmetric INT8: ``(q int8 [M, K], scale fp32 [M, 1])`` with
-    ``x ≈ q · scale``; a row of zeros gets scale 1e-12 and zeros."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / 127).clamp_(min=1e-12)
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+    ``x ≈ q · scale``, ``scale = max|row| / 127`` (or ``fixed`` for every row: static scales,
+    values past it saturate); a row of zeros gets scale 1e-12 and zeros. One pass of our C
+    where it runs, torch's operators otherwise, the same values either way
+    (:func:`engine.kernels.lowbit.quantize_rows`)."""
+    return lowbit.quantize_rows(x, fixed)
 
 
 def int8_product(
@@ -55,13 +56,10 @@ def int8_product(
     and ``weight [N, K]`` int8, ``x_scale [M, 1]`` and ``w_scales [N]`` fp32."""
     m, k = xq.shape
     if xq.is_cuda and (m <= 16 or k % 8 or weight.shape[0] % 8):  # outside cuBLASLt's int8 GEMM
-        sums = xq.float() @ weight.float().t()  # the same integers below 2^24
+        sums = (xq.float() @ weight.float().t()).int()  # the same integers below 2^24
     else:
-        sums = torch._int_mm(xq, weight.t()).float()
-    y = sums * x_scale * w_scales
-    if bias is not None:
-        y += bias.float()
-    return y.to(dtype)
+        sums = torch._int_mm(xq, weight.t())
+    return lowbit.scale_rows(sums, x_scale, w_scales, bias, dtype)
 
 
 def dequantized_product(x: Tensor, weight: Tensor, w_scales: Tensor) -> Tensor:
@@ -110,6 +108,17 @@ class W8A8Linear(Int8Linear):
         #: :func:`engine.quant.calibration.set_static_scales`), or None: per token
         self.act_scale: float | None = None
 
+    @property
+    def bias_f32(self) -> Tensor | None:
+        """The bias as the int32 sums' scaling adds it (fp32; kept once made)."""
+        if self.bias is None:
+            return None
+        source, cached = getattr(self, "_bias_f32", (None, None))
+        if source is not self.bias or cached is None:
+            cached = self.bias.float()
+            self._bias_f32 = (self.bias, cached)
+        return cached
+
     def _decode_int_mm(self) -> bool:
         if self.weight.device.type != "cpu":
             return False
@@ -123,12 +132,8 @@ class W8A8Linear(Int8Linear):
         x2 = x.reshape(-1, shape[-1])
         if x2.shape[0] <= gemv.MAX_ROWS and not self.decode_int_mm:
             return super().forward(x)
-        if self.act_scale is None:
-            xq, sx = quantize_rows(x2)
-        else:  # values past the calibration's range saturate at ±127
-            sx = x2.new_full((x2.shape[0], 1), self.act_scale, dtype=torch.float32)
-            xq = torch.round(x2.float() / self.act_scale).clamp_(-127, 127).to(torch.int8)
-        y = int8_product(xq, sx, self.weight, self.w_scales, self.out_dtype, self.bias)
+        xq, sx = quantize_rows(x2, self.act_scale)
+        y = int8_product(xq, sx, self.weight, self.w_scales, self.out_dtype, self.bias_f32)
         return y.reshape(*shape[:-1], self.out_features)
 
     def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
