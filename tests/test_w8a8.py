@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.evals.calibrate import ALPHAS
 from engine.kernels import gemv
 from engine.loader.load import engine_for, load_model
 from engine.loader.weights import load_transformer
@@ -129,7 +130,7 @@ def _fake_calibration(folder, cfg: ModelConfig, seed: int = 0) -> Calibration:
             act[name] = torch.rand(width, generator=gen) * 4 + 0.1
             act[name][:2] *= 20
             weight[name] = torch.rand(width, generator=gen) * 0.3 + 0.01
-    return Calibration(act, weight, {"alpha": 0.6})
+    return Calibration(act, weight, {"alpha": 0.6}, held=[[3, 4, 5], [6, 7]])
 
 
 def _engine(model, folder, cfg):
@@ -173,7 +174,8 @@ def test_calibration_files_round_trip(own_folder) -> None:
     cal = _fake_calibration(own_folder, cfg)
     cal.save(own_folder, "self")
     back = calibration.load(own_folder, "self", cfg)
-    assert back.act.keys() == cal.act.keys() and back.alpha == 0.6
+    assert back.act.keys() == cal.act.keys() and back.held == [[3, 4, 5], [6, 7]]
+    assert back.alphas == dict.fromkeys(calibration.SMOOTHED, 0.6)
     assert all(torch.equal(back.act[k], cal.act[k]) for k in cal.act)
     assert all(torch.equal(back.weight[k], cal.weight[k]) for k in cal.weight)
     assert back.meta["model"] == calibration.model_fingerprint(own_folder)
@@ -184,7 +186,7 @@ def test_missing_foreign_and_stale_calibrations_are_refused(own_folder, tiny_mod
     with pytest.raises(CalibrationError, match="infersight calibrate"):
         load_model(own_folder, precision="w8a8-sq")
     _fake_calibration(own_folder, cfg).save(own_folder, "self")
-    assert calibration.load(own_folder, "self", cfg).alpha == 0.6
+    assert calibration.load(own_folder, "self", cfg).alphas["mlp.down_proj"] == 0.6
     # another model's statistics, copied in: refused
     other, _ = tiny_model_dir("qwen2", False)
     foreign = shutil.copytree(other, own_folder.parent / "other")
@@ -221,7 +223,11 @@ def test_calibrate_writes_statistics_that_w8a8_sq_loads(own_folder, capsys) -> N
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["name"] == "self" and report["sequences"] == 4
-    assert report["alpha"] in (0.4, 0.5, 0.6, 0.7, 0.8) and "float" in report["losses"]
+    alphas = report["alphas"]
+    assert set(alphas) == set(calibration.SMOOTHED) and set(alphas.values()) <= set(ALPHAS)
+    chosen = ",".join(f"{alphas[k]:g}" for k in calibration.SMOOTHED)
+    # the kept choice scored lowest of every α tried, one for all or one kind at a time
+    assert report["losses"][chosen] == min(v for k, v in report["losses"].items() if k != "float")
     cfg = ModelConfig.from_file(own_folder / "config.json")
     cal = calibration.load(own_folder, "self", cfg)
     assert cal.meta["recipe"]["samples"] == 2 and cal.meta["tokens"] == report["tokens"]
@@ -233,6 +239,10 @@ def test_calibrate_writes_statistics_that_w8a8_sq_loads(own_folder, capsys) -> N
     out = list(eng.generate(list(range(3, 30)), SamplingParams(max_new_tokens=4)))
     assert out[-1].finish_reason is not None
     assert main(["calibrate", "--model", str(own_folder), "--prompts", "0"]) == 2
+    # α again on the saved statistics: the same choice from the same held text
+    capsys.readouterr()
+    assert main(["calibrate", "--model", str(own_folder), "--sweep", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["alphas"] == alphas
 
 
 # -- where people look: the sensitivity scan ----------------------------------------------

@@ -219,7 +219,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, seed=args.seed, file=args.from_file,
     )  # fmt: skip
     recipe.check()  # bad options fail before the load
-    text = _read_text_file(args.from_file) if args.from_file else None
+    text = _read_text_file(args.from_file) if args.from_file and not args.sweep else None
     set_threads(args.threads)
     folder = resolve_model_folder(args.model, progress_printer())
     device = resolve_device(args.device)
@@ -227,13 +227,39 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     def load(path: Any, **kwargs: Any) -> Any:
         return load_model(path, device=device, **kwargs)
 
-    report = calibrate(
-        folder, recipe, load=load, precision=args.precision, text=text,
-        progress=progress_printer(),
-    )  # fmt: skip
+    if args.sweep:
+        from engine.evals.calibrate import report_of, sweep
+        from engine.model.config import ModelConfig
+        from engine.quant import calibration
+
+        cal = calibration.load(folder, recipe.name, ModelConfig.from_file(folder / "config.json"))
+        if not cal.held or "float_loss" not in cal.meta:
+            raise InvalidRequestError(
+                f"calibration {recipe.name!r} of {folder.name} keeps no held text to sweep α "
+                "on (it predates that); run `infersight calibrate` again without --sweep"
+            )
+        sweep(folder, recipe.name, cal, load=load, alphas=recipe.alphas,
+              progress=progress_printer())  # fmt: skip
+        report = report_of(folder, recipe.name, cal, 0.0)
+    else:
+        report = calibrate(
+            folder, recipe, load=load, precision=args.precision, text=text,
+            progress=progress_printer(),
+        )  # fmt: skip
     if args.json:
         print(json.dumps(asdict(report), indent=2))
         return 0
+    alphas = ", ".join(f"{k.split('.')[-1]} {v:g}" for k, v in report.alphas.items())
+    best = ",".join(f"{report.alphas[k]:g}" for k in report.alphas)
+    print(
+        f"calibration {report.name!r} of {folder.name}: {report.sequences} sequences, "
+        f"{report.tokens} tokens ({report.seconds_generating:.0f} s writing); α: {alphas}; "
+        f"held loss {report.losses[best]:.4f} against the float model's "
+        f"{report.losses['float']:.4f}\n"
+        f"saved in {report.path}; load it with --precision w8a8-sq"
+        + ("" if report.name == "self" else f"@{report.name}")
+    )
+    return 0
     sweep = ", ".join(f"α {k} {v:.4f}" for k, v in report.losses.items() if k != "float")
     print(
         f"calibration {report.name!r} of {folder.name}: {report.sequences} sequences, "

@@ -361,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=2048, help="longest sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="fp32", help="the float model that writes and reads")
+    p.add_argument(
+        "--sweep", action="store_true",
+        help="only choose α again, on the calibration's saved statistics and held text",
+    )  # fmt: skip
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--json", action="store_true")

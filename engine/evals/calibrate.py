@@ -7,9 +7,11 @@ on each smoothed linear keeps the largest magnitude of each input channel
 (:mod:`engine.quant.calibration` says what they become). Calibrating on random tokens instead
 (``--random``) is the counter-example: those activations are not the ones real text makes.
 
-SmoothQuant's α is chosen last, by a small sweep: each α's ``w8a8-sq`` model scores a held
-part of the calibration text, and the α with the lowest loss (mean negative log-likelihood
-of the text's next tokens) is kept in the calibration's JSON with every α's loss.
+SmoothQuant's α is chosen last, by a small sweep: ``w8a8-sq`` scores a held part of the
+calibration text at each α, one α for every linear first, then one per kind of linear from
+there (:func:`sweep`), and the α with the lowest loss (mean negative log-likelihood of the
+text's next tokens) is kept in the calibration's JSON with every loss tried. ``infersight
+calibrate --sweep`` runs the sweep again on saved statistics.
 """
 
 from __future__ import annotations
@@ -253,8 +255,10 @@ class CalibrationReport:
     path: str
     sequences: int
     tokens: int
-    alpha: float
-    losses: dict[str, float]  # α → held loss of w8a8-sq; "float" → the float model's
+    alphas: dict[str, float]  # the α chosen for each kind of linear
+    #: the held loss of w8a8-sq at each α tried ("0.6,0.6,0.6,0.75": qkv, o, gate_up, down),
+    #: and "float": the float model's
+    losses: dict[str, float]
     seconds_generating: float
 
 
@@ -300,21 +304,64 @@ def calibrate(
         "sequences": len(sequences),
         "tokens": sum(len(s) for s in sequences),
         "infersight": _version(),
-        "alpha": ALPHAS[1],
+        "float_loss": float_loss,
     }
-    cal = Calibration(act, weight, meta)
+    cal = Calibration(act, weight, meta, held)
     cal.save(folder, recipe.name)  # the sweep's loads read it
-    losses: dict[str, float] = {"float": float_loss}
-    for i, alpha in enumerate(recipe.alphas):
-        sq = load(folder, precision=f"w8a8-sq@{recipe.name}", alpha=alpha)
-        losses[f"{alpha:g}"] = held_loss(sq, held)
-        del sq
-        if progress is not None:
-            progress("sweeping α", i + 1, len(recipe.alphas))
-    best = min(recipe.alphas, key=lambda a: losses[f"{a:g}"])
-    meta |= {"alpha": best, "losses": losses, "held": {"sequences": len(held),
-                                                       "tokens": HELD_TOKENS}}  # fmt: skip
-    path = cal.save(folder, recipe.name)
+    sweep(folder, recipe.name, cal, load=load, alphas=recipe.alphas, progress=progress)
+    return report_of(folder, recipe.name, cal, generating)
+
+
+def report_of(folder: Path, name: str, cal: Calibration, generating: float) -> CalibrationReport:
     return CalibrationReport(
-        recipe.name, str(path), len(sequences), meta["tokens"], best, losses, generating
-    )
+        name, str(files.files(folder, name)[1]), int(cal.meta["sequences"]),
+        int(cal.meta["tokens"]), cal.alphas, cal.meta["losses"], generating,
+    )  # fmt: skip
+
+
+def _all(alpha: float) -> dict[str, float]:
+    return dict.fromkeys(files.SMOOTHED, alpha)
+
+
+def sweep(
+    folder: Path,
+    name: str,
+    cal: Calibration,
+    *,
+    load: Callable[..., LLMEngine],
+    alphas: tuple[float, ...] = ALPHAS,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, float]:
+    """Choose SmoothQuant's α for calibration ``name`` (saved with ``cal``'s statistics and
+    held text) and save it: one α for every linear first, then, from there, one per kind of
+    linear (a coordinate descent: each kind tried at every α with the others kept), each
+    choice the lowest loss of ``w8a8-sq`` on the held text. Returns the α per kind."""
+    losses: dict[str, float] = {"float": float(cal.meta["float_loss"])}
+    spec = f"w8a8-sq@{name}"
+    tried = 0
+    total = len(alphas) * (1 + len(files.SMOOTHED))
+
+    def loss(choice: dict[str, float], label: str) -> float:
+        nonlocal tried
+        key = ",".join(f"{choice[k]:g}" for k in files.SMOOTHED)
+        if key not in losses:
+            engine = load(folder, precision=spec, alpha=choice)
+            losses[key] = held_loss(engine, cal.held)
+            del engine
+        tried += 1
+        if progress is not None:
+            progress(label, tried, total)
+        return losses[key]
+
+    every = min(alphas, key=lambda a: loss(_all(a), "sweeping α"))
+    chosen = dict.fromkeys(files.SMOOTHED, every)
+    for kind in files.SMOOTHED:
+        chosen[kind] = min(alphas, key=lambda a: loss({**chosen, kind: a}, "α per linear"))
+    cal.meta |= {
+        "alphas": chosen,
+        "losses": losses,
+        "held": {"sequences": len(cal.held), "tokens": HELD_TOKENS},
+    }
+    cal.meta.pop("alpha", None)
+    cal.save(folder, name)
+    return chosen

@@ -47,7 +47,7 @@ def load_model(
     device: str = "cpu",
     pack: bool | None = None,
     config: EngineConfig | None = None,
-    alpha: float | None = None,
+    alpha: float | dict[str, float] | None = None,
 ) -> LLMEngine:
     """Load a HF-style model folder into an engine (published as ``engine.load``). CPU linears
     are laid out for oneDNN where that measured faster on this machine
@@ -107,7 +107,7 @@ def load_model(
 
 def smoothing_plan(
     cfg: ModelConfig, spec: PrecisionSpec, cal: calibration_files.Calibration | None,
-    alpha: float | None = None,
+    alpha: float | dict[str, float] | None = None,
 ) -> SmoothingPlan | None:  # fmt: skip
     """SmoothQuant's factors for the blocks ``spec`` smooths (``w8a8-sq``), from calibration
     ``cal`` of the model (:func:`engine.quant.calibration.load`: refused with what to do where

@@ -24,8 +24,10 @@ Nothing of it runs at inference; the factors are folded at load (:class:`Smoothi
   ``qkv_proj`` (and bias) are divided, so ``s`` is shared by the query heads of a KV head
   (each channel takes the largest statistics of its group).
 
-α is chosen by ``infersight calibrate`` with a small sweep against the calibration loss and
-kept in the JSON. A load refuses statistics made for another model, or for this model's
+α is chosen by ``infersight calibrate`` with a small sweep against the calibration loss, one
+for all linears first, then one per kind of linear (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj``: their activations differ, SwiGLU's ``down_proj`` input most), and kept in the
+JSON. A load refuses statistics made for another model, or for this model's
 folder before its weights changed (the fingerprint), or by another version of this format.
 """
 
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -96,16 +99,26 @@ class Calibration:
     weight: dict[str, Tensor]
     #: how they were produced: source, recipe, seed, tokens, α, fingerprint, version, …
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the part of the calibration text α's sweep scores (token ids), kept so that the sweep
+    #: can run again on the same statistics (``infersight calibrate --sweep``)
+    held: list[list[int]] = field(default_factory=list)
 
     @property
-    def alpha(self) -> float:
-        return float(self.meta.get("alpha", 0.5))
+    def alphas(self) -> dict[str, float]:
+        """SmoothQuant's α for each smoothed linear of a layer (:data:`SMOOTHED`), as the
+        calibration's sweep chose them."""
+        chosen = self.meta.get("alphas", {})
+        default = float(self.meta.get("alpha", 0.5))
+        return {kind: float(chosen.get(kind, default)) for kind in SMOOTHED}
 
     def save(self, folder: Path, name: str) -> Path:
         tensors_path, meta_path = files(folder, name)
         tensors_path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {f"act.{k}": v.float().contiguous() for k, v in self.act.items()}
         tensors |= {f"weight.{k}": v.float().contiguous() for k, v in self.weight.items()}
+        tensors |= {
+            f"held.{i}": torch.tensor(h, dtype=torch.int64) for i, h in enumerate(self.held)
+        }
         save_file(tensors, str(tensors_path))
         meta = {**self.meta, "version": VERSION, "model": model_fingerprint(folder)}
         meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -160,6 +173,7 @@ def load(folder: Path, name: str, cfg: ModelConfig) -> Calibration:
         act={k[4:]: v for k, v in tensors.items() if k.startswith("act.")},
         weight={k[7:]: v for k, v in tensors.items() if k.startswith("weight.")},
         meta=meta,
+        held=[tensors[f"held.{i}"].tolist() for i in range(len(tensors)) if f"held.{i}" in tensors],
     )
     cal.check(cfg)
     return cal
@@ -188,10 +202,16 @@ class SmoothingPlan:
 
     def __init__(
         self, cal: Calibration, cfg: ModelConfig, blocks: set[tuple[str, int]],
-        alpha: float | None = None,
+        alpha: float | dict[str, float] | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
-        self.alpha = cal.alpha if alpha is None else alpha
+        #: α per smoothed linear of a layer: the calibration's, or ``alpha`` (one for all, or
+        #: some of them by kind) in their place
+        self.alphas = cal.alphas
+        if isinstance(alpha, float | int):
+            self.alphas = dict.fromkeys(SMOOTHED, float(alpha))
+        elif alpha is not None:
+            self.alphas |= alpha
         #: parameter name → (column factors, or None; (first row, row divisors), or None;
         #: divisor of the whole vector (a norm's weight), or None)
         self._ops: dict[str, tuple[Tensor | None, tuple[int, Tensor] | None, Tensor | None]] = {}
@@ -205,7 +225,7 @@ class SmoothingPlan:
                 per_kv = (cfg.num_kv_heads, group, cfg.head_dim)
                 act = cal.act[f"{pre}.attn.o_proj"].view(per_kv).amax(dim=1)
                 wgt = cal.weight[f"{pre}.attn.o_proj"].view(per_kv).amax(dim=1)
-                s_kv = factors(act, wgt, self.alpha)  # [Hkv, D]
+                s_kv = factors(act, wgt, self.alphas["attn.o_proj"])  # [Hkv, D]
                 s_o = s_kv[:, None, :].expand(per_kv).reshape(-1)
                 v_row = cfg.q_size + cfg.kv_size
                 self._ops[f"{pre}.input_norm.weight"] = (None, None, s_in)
@@ -224,7 +244,8 @@ class SmoothingPlan:
                 self._ops[f"{pre}.mlp.down_proj.weight"] = (s_down, None, None)
 
     def _factors(self, cal: Calibration, module: str) -> Tensor:
-        return factors(cal.act[module], cal.weight[module], self.alpha)
+        kind = module.split(".", 2)[2]  # layers.3.mlp.down_proj -> mlp.down_proj
+        return factors(cal.act[module], cal.weight[module], self.alphas[kind])
 
     def touches(self, name: str) -> bool:
         return name in self._ops
