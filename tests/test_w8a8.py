@@ -313,3 +313,19 @@ def test_static_scales_come_from_the_calibration(own_folder, precision) -> None:
     y = layer(x.bfloat16()).double()
     limit = 127 * layer.act_scale * (layer.weight.double().abs().sum(1) * layer.w_scales.double())
     assert (y.abs() <= limit * (1 + 2**-7) + 1e-3).all()
+
+
+def test_compare_hf_runs_transformers_in_fp32_beside_a_w8a8_engine(tiny_model_dir) -> None:
+    """``bench --workload mixed --precision w8a8 --compare-hf``: transformers has none of our
+    formats, so it runs the model as published (fp32), and the report says so."""
+    from engine.bench.report import format_workload_report
+    from engine.bench.speed import HFRunner
+    from engine.bench.workload import run_workload_bench
+
+    folder, _ = tiny_model_dir("llama", False)
+    hf = HFRunner(folder, "w8a8", torch.device("cpu"))
+    assert hf.precision == "fp32" and next(hf.model.parameters()).dtype == torch.float32
+    report = run_workload_bench(folder, requests=4, batch_sizes=[2], precision="w8a8",
+                                compare_hf=True)  # fmt: skip
+    assert report["best_vs_best_transformers"]["transformers_precision"] == "fp32"
+    assert "transformers' best (static batches of 2, fp32)" in format_workload_report(report)

@@ -108,7 +108,8 @@ def format_workload_report(report: dict[str, Any]) -> str:
         b = report["best_vs_best_transformers"]
         lines.append(
             f"our best (batch {b['ours']}) vs transformers' best (static batches of "
-            f"{b['transformers']}): {b['ratio']:.2f}x"
+            f"{b['transformers']}, {b.get('transformers_precision', 'the same precision')}): "
+            f"{b['ratio']:.2f}x"
         )
     return "\n".join(lines)
 

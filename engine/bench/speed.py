@@ -165,11 +165,11 @@ class HFRunner:
             ) from exc
         self.device = device
         spec = parse_precision_spec(precision)
-        if spec.quantized:
-            raise InfersightError(
-                f"--compare-hf runs transformers in fp32, bf16 or fp16, not {precision!r}"
-            )
-        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=spec.compute)
+        #: what transformers runs: the same float precision, and for a quantized one fp32, the
+        #: model as published (it has none of our formats: the baseline a user starts from)
+        self.precision = "fp32" if spec.quantized else spec.text
+        dtype = torch.float32 if spec.quantized else spec.compute
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         self.model = model.to(device).eval()
 
     def run(self, prompt: list[int], new_tokens: int) -> RunTiming:

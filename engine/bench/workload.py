@@ -243,6 +243,7 @@ def run_workload_bench(
             report["best_vs_best_transformers"] = {
                 "ours": best_ours.max_batch_size, "transformers": best_theirs.max_batch_size,
                 "ratio": best_ours.output_tok_s / best_theirs.output_tok_s,
+                "transformers_precision": hf.precision,
             }  # fmt: skip
     if 1 in ours:
         best_ours = max(ours.values(), key=lambda r: r.output_tok_s)
