@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -274,10 +275,8 @@ def calibrate(
     """Make calibration ``recipe.name`` of the model in ``folder`` and save it beside it.
 
     ``load(folder, precision=…, pack=False, alpha=…)`` loads an engine (the loader's
-    ``load_model``); the float model writes (``self``) or reads the text, then each α of the
-    sweep loads ``w8a8-sq`` once. ``text``: the user's text for ``source == "file"``."""
-    import time
-
+    ``load_model``); the float model writes (``self``) or reads the text, then each α the
+    sweep tries loads ``w8a8-sq`` once (:func:`sweep`). ``text``: the user's text for ``source == "file"``."""
     recipe.check()
 
     def report(stage: str) -> Callable[[int, int], None] | None:
