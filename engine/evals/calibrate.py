@@ -276,7 +276,8 @@ def calibrate(
 
     ``load(folder, precision=…, pack=False, alpha=…)`` loads an engine (the loader's
     ``load_model``); the float model writes (``self``) or reads the text, then each α the
-    sweep tries loads ``w8a8-sq`` once (:func:`sweep`). ``text``: the user's text for ``source == "file"``."""
+    sweep tries loads ``w8a8-sq`` once (:func:`sweep`). ``text``: the user's text for
+    ``source == "file"``."""
     recipe.check()
 
     def report(stage: str) -> Callable[[int, int], None] | None:
