@@ -260,13 +260,3 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         + ("" if report.name == "self" else f"@{report.name}")
     )
     return 0
-    sweep = ", ".join(f"α {k} {v:.4f}" for k, v in report.losses.items() if k != "float")
-    print(
-        f"calibration {report.name!r} of {folder.name}: {report.sequences} sequences, "
-        f"{report.tokens} tokens ({report.seconds_generating:.0f} s writing); α = "
-        f"{report.alpha:g}, held loss {report.losses[f'{report.alpha:g}']:.4f} against the "
-        f"float model's {report.losses['float']:.4f} ({sweep})\n"
-        f"saved in {report.path}; load it with --precision w8a8-sq"
-        + ("" if report.name == "self" else f"@{report.name}")
-    )
-    return 0

@@ -147,7 +147,8 @@ def load(folder: Path, name: str, cfg: ModelConfig) -> Calibration:
     if not meta_path.is_file() or not tensors_path.is_file():
         raise CalibrationError(
             f"{folder.name} has no calibration named {name!r} (looked for {meta_path}); run "
-            f"`infersight calibrate --model {folder}` first, or use w8a8 (no smoothing)"
+            f"`infersight calibrate --model {folder}{_source_flag(name)}` first, or use w8a8 "
+            "(no smoothing)"
         )
     try:
         meta = json.loads(meta_path.read_text())
@@ -177,6 +178,13 @@ def load(folder: Path, name: str, cfg: ModelConfig) -> Calibration:
     )
     cal.check(cfg)
     return cal
+
+
+def _source_flag(name: str) -> str:
+    """The ``infersight calibrate`` option that makes calibration ``name``."""
+    if name == "random":
+        return " --random"
+    return " --from-file <your text>" if name.startswith("file-") else ""
 
 
 def _widths(cfg: ModelConfig) -> dict[str, int]:
