@@ -14,12 +14,12 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.evals.calibrate import ALPHAS
-from engine.kernels import gemv
+from engine.kernels import gemv, layer_ops, lowbit
 from engine.loader.load import engine_for, load_model
 from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
 from engine.model.tokenizer import Tokenizer
-from engine.quant import calibration
+from engine.quant import calibration, w8a8
 from engine.quant.calibration import Calibration, CalibrationError, SmoothingPlan
 from engine.quant.int8 import Int8Linear
 from engine.quant.spec import QuantKind, parse_precision_spec
@@ -329,3 +329,80 @@ def test_compare_hf_runs_transformers_in_fp32_beside_a_w8a8_engine(tiny_model_di
                                 compare_hf=True)  # fmt: skip
     assert report["best_vs_best_transformers"]["transformers_precision"] == "fp32"
     assert "transformers' best (static batches of 2, fp32)" in format_workload_report(report)
+
+
+# -- a prefill's rows through the fused layer ----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "h", "inter"), [(40, 64, 96), (17, 70, 44)])  # 70, 44: tails
+def test_fused_row_operations_are_the_calls_they_replace(dtype, rows, h, inter) -> None:
+    """The norms' fusions give our C norm then torch's quantization bit for bit (ours equals
+    torch's: test_lowbit); SiLU · up with its quantization is within an int8 step of torch's
+    F.silu (the exp is ours), the scales within one rounding."""
+    lib = layer_ops.library()
+    norms = layer_ops.CNorms(lib)
+    gen = torch.Generator().manual_seed(rows + h)
+    x = (torch.randn(rows, h, generator=gen) * 3).to(dtype)
+    w = (torch.rand(h, generator=gen) + 0.5).to(dtype)
+    acc = torch.randint(-(2**16), 2**16, (rows, h), generator=gen, dtype=torch.int32)
+    sx, sw = torch.rand(rows, 1, generator=gen) * 1e-3, torch.rand(h, generator=gen) * 1e-2
+    bias = torch.randn(h, generator=gen)
+    for fixed in (None, 0.05):
+        got = layer_ops.w8a8_norm_quantize(lib, x, w, 1e-5, fixed)
+        want = lowbit.quantize_rows_reference(norms.rms_norm(x, w, 1e-5), fixed)
+        assert all(map(torch.equal, got, want))
+        summed, q, s = layer_ops.w8a8_add_norm_quantize(lib, acc, sx, sw, bias, x, w, 1e-5, fixed)
+        y = lowbit.scale_rows_reference(acc, sx, sw, bias, dtype)
+        normed, want_sum = norms.add_rms_norm(y, x, w, 1e-5)
+        assert torch.equal(summed, want_sum) and torch.equal(summed, x + y)
+        assert all(map(torch.equal, (q, s), lowbit.quantize_rows_reference(normed, fixed)))
+        acc2 = torch.randint(-(2**16), 2**16, (rows, 2 * inter), generator=gen, dtype=torch.int32)
+        sw2 = torch.rand(2 * inter, generator=gen) * 1e-2
+        q, s = layer_ops.w8a8_silu_quantize(lib, acc2, sx, sw2, dtype, fixed)
+        wq, ws = layer_ops.w8a8_silu_quantize_reference(acc2, sx, sw2, dtype, fixed)
+        assert (q.int() - wq.int()).abs().max() <= 1
+        assert (q != wq).float().mean() < 0.02
+        torch.testing.assert_close(s, ws, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=0)
+
+
+# qwen2: q/k/v biases; qwen3: per-head q/k norms
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_fused_layer_computes_what_the_layer_computes(tiny_model_dir, arch) -> None:
+    """A prefill through the fused W8A8 layers (every layer takes it, every layer's call
+    counted) gives the unfused layers' logits within what SiLU's exp moves (an int8 step
+    here and there) and the same greedy token at every position; a decode step's rows (up to
+    gemv.MAX_ROWS) and a hooked layer take the layers' own code."""
+    folder, _ = tiny_model_dir(arch, False)
+    engine = load_model(folder, precision="w8a8", device="cpu")
+    model = engine.model
+    assert w8a8.fuse_layers(model, layer_ops.library()) == model.cfg.num_layers
+    runs = []
+    fused = model.layers[0].fused
+
+    def counted(layer, *args):
+        out = fused(layer, *args)
+        if out is not None:
+            runs.append(layer.attn.layer)
+        return out
+
+    for layer in model.layers:
+        layer.fused = counted
+    ids = list(range(3, 3 + gemv.MAX_ROWS + 24))
+    runner = engine.runner
+    got = runner.forward_logits(ids, runner.new_cache(len(ids)), 0)
+    assert sorted(runs) == list(range(model.cfg.num_layers))
+    for layer in model.layers:
+        layer.fused = None
+    want = runner.forward_logits(ids, runner.new_cache(len(ids)), 0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
+    for layer in model.layers:
+        layer.fused = counted
+    runs.clear()
+    short = ids[: gemv.MAX_ROWS]
+    runner.forward_logits(short, runner.new_cache(len(short)), 0)
+    handle = model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
+    runner.forward_logits(ids, runner.new_cache(len(ids)), 0)
+    handle.remove()
+    assert runs == [i for i in range(model.cfg.num_layers) if i != 1]  # the short step: none

@@ -50,6 +50,7 @@ from engine.model.config import ModelConfig
 from engine.model.inventory import weight_bytes
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import LAYER_TIMINGS, TORCH_OPS, Transformer
+from engine.quant import w8a8
 from engine.quant.inventory import weight_report
 from engine.quant.spec import PrecisionSpec, dtype_name
 
@@ -112,6 +113,9 @@ class LLMEngine:
             ops, why = layer_ops.cpu_ops()
             self.model.set_ops(ops or TORCH_OPS)
             self.kernels += f"; {why}"
+            fused = w8a8.fuse_layers(self.model)
+            if fused:
+                self.kernels += f"; W8A8 prefill rows fused in C ({fused} layers)"
             # the decode step's layers in one C call, where every part runs a kernel of ours
             # and the step passed its check
             step, why = decode_step.plan(self.model, dtype)

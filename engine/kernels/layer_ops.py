@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InfersightError
-from engine.kernels import native
+from engine.kernels import lowbit, native
 from engine.model import transformer
 from engine.model.transformer import LayerOps
 
@@ -46,11 +46,33 @@ def _load(path: Path) -> native.Library:
     def declare(lib: Any) -> None:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         lib.infersight_rms_norm.restype = None
-        lib.infersight_rms_norm.argtypes = [p, p, i64, i64, f32, i32, p]
+        lib.infersight_rms_norm.argtypes = [p, p, i64, i64, f32, i32, p, i32]
         lib.infersight_add_rms_norm.restype = None
-        lib.infersight_add_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32, p, p]
+        lib.infersight_add_rms_norm.argtypes = [p, p, p, i64, i64, f32, i32, p, p, i32]
         lib.infersight_rope_store.restype = None
-        lib.infersight_rope_store.argtypes = [p, i32, i64, i64, i64, i64, p, p, p, p]
+        lib.infersight_rope_store.argtypes = [p, i32, i64, i64, i64, i64, p, p, p, p, i32]
+        lib.infersight_w8a8_norm_quantize.restype = None
+        lib.infersight_w8a8_norm_quantize.argtypes = [p, p, i64, i64, f32, i32, f32, p, p, i32]
+        lib.infersight_w8a8_add_norm_quantize.restype = None
+        lib.infersight_w8a8_add_norm_quantize.argtypes = [
+            p,
+            p,
+            p,
+            p,
+            p,
+            p,
+            i64,
+            i64,
+            f32,
+            i32,
+            f32,
+            p,
+            p,
+            p,
+            i32,
+        ]
+        lib.infersight_w8a8_silu_quantize.restype = None
+        lib.infersight_w8a8_silu_quantize.argtypes = [p, p, p, i64, i64, i32, f32, p, p, i32]
 
     return native.load(path, "infersight_layer_ops_isa", declare)
 
@@ -96,7 +118,7 @@ class CNorms:
         native.call(
             "infersight::rms_norm", self.lib.infersight_rms_norm,
             x.data_ptr(), weight.data_ptr(), x.numel() // h, h, eps,
-            int(x.dtype == torch.bfloat16), out.data_ptr(),
+            int(x.dtype == torch.bfloat16), out.data_ptr(), _threads(x.numel() // h),
         )  # fmt: skip
         return out
 
@@ -112,6 +134,7 @@ class CNorms:
             "infersight::add_rms_norm", self.lib.infersight_add_rms_norm,
             x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // h, h, eps,
             int(x.dtype == torch.bfloat16), out.data_ptr(), summed.data_ptr(),
+            _threads(x.numel() // h),
         )  # fmt: skip
         return out, summed
 
@@ -144,8 +167,17 @@ class CNorms:
             "infersight::rope_store", self.lib.infersight_rope_store,
             qkv.data_ptr(), int(dtype == torch.bfloat16), tokens, num_heads, num_kv_heads,
             head_dim, cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), write_slots.data_ptr(),
+            _threads(tokens),
         )  # fmt: skip
         return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+
+
+#: rows below which the norms run on one thread (a decode step's: waking a second costs more)
+THREADED_ROWS = 32
+
+
+def _threads(rows: int) -> int:
+    return torch.get_num_threads() if rows >= THREADED_ROWS else 1
 
 
 def c_ops(lib: native.Library) -> LayerOps:
@@ -163,8 +195,6 @@ def cpu_ops() -> tuple[LayerOps | None, str]:
     """Our C norms for a CPU load where ``INFERSIGHT_LOWBIT`` allows our CPU kernels
     (:func:`engine.kernels.lowbit.requested`: ``auto`` and ``ours``) and the build passed its
     check; else None and why (a line of the load report)."""
-    from engine.kernels import lowbit
-
     mode = lowbit.requested()
     if mode == "torch":
         return None, f"norms in torch ({lowbit.ENV}=torch)"
@@ -175,6 +205,99 @@ def cpu_ops() -> tuple[LayerOps | None, str]:
         return None, f"norms in torch ({found.why})"
     ops = c_ops(found)
     return ops, ops.name
+
+
+# -- W8A8's row operations fused on a prefill's rows (csrc/layer_ops.c; engine/quant/w8a8.py) ---
+# Each is the composition of calls it replaces, value for value: the C norm (above), then the
+# quantization (lowbit.quantize_rows); the int32 scaling (lowbit.scale_rows), the residual add,
+# the norm, the quantization; the scaling, SiLU · up (the C decode step's), the quantization.
+# The references below are those compositions in torch's code (the checks' and tests' oracle).
+
+
+def _flag(x: Tensor) -> int:
+    return int(x.dtype == torch.bfloat16)
+
+
+def _fixed(value: float | None) -> float:
+    return 0.0 if value is None else value
+
+
+def w8a8_norm_quantize(
+    lib: native.Library, x: Tensor, weight: Tensor, eps: float, fixed: float | None
+) -> tuple[Tensor, Tensor]:
+    """``quantize_rows(rms_norm(x) · weight)``: ``(q int8 [M, H], scale fp32 [M, 1])``, for
+    contiguous fp32 or bf16 ``x [M, H]`` and ``weight`` of its dtype."""
+    rows, h = x.shape
+    q = torch.empty(rows, h, dtype=torch.int8)
+    scale = torch.empty(rows, 1, dtype=torch.float32)
+    native.call(
+        "infersight::w8a8_norm_quantize", lib.lib.infersight_w8a8_norm_quantize,
+        x.data_ptr(), weight.data_ptr(), rows, h, eps, _flag(x), _fixed(fixed), q.data_ptr(),
+        scale.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return q, scale
+
+
+def w8a8_add_norm_quantize(
+    lib: native.Library, acc: Tensor, x_scale: Tensor, w_scales: Tensor, bias: Tensor | None,
+    residual: Tensor, weight: Tensor, eps: float, fixed: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``summed = residual + scale_rows(acc)`` (in ``residual``'s dtype), then
+    ``quantize_rows(rms_norm(summed) · weight)``: ``(summed, q, scale)``. ``acc [M, H]``
+    int32, ``x_scale [M, 1]``, ``w_scales [H]`` and ``bias`` fp32, all contiguous."""
+    rows, h = acc.shape
+    summed = torch.empty_like(residual)
+    q = torch.empty(rows, h, dtype=torch.int8)
+    scale = torch.empty(rows, 1, dtype=torch.float32)
+    native.call(
+        "infersight::w8a8_add_norm_quantize", lib.lib.infersight_w8a8_add_norm_quantize,
+        acc.data_ptr(), x_scale.data_ptr(), w_scales.data_ptr(),
+        None if bias is None else bias.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+        rows, h, eps, _flag(residual), _fixed(fixed), summed.data_ptr(), q.data_ptr(),
+        scale.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return summed, q, scale
+
+
+def w8a8_silu_quantize(
+    lib: native.Library, acc: Tensor, x_scale: Tensor, w_scales: Tensor, dtype: torch.dtype,
+    fixed: float | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``quantize_rows(silu(gate) · up)`` of ``scale_rows(acc)`` in ``dtype`` (``acc [M, 2I]``
+    int32, gate first): the down product's activations."""
+    rows, n = acc.shape
+    inter = n // 2
+    q = torch.empty(rows, inter, dtype=torch.int8)
+    scale = torch.empty(rows, 1, dtype=torch.float32)
+    native.call(
+        "infersight::w8a8_silu_quantize", lib.lib.infersight_w8a8_silu_quantize,
+        acc.data_ptr(), x_scale.data_ptr(), w_scales.data_ptr(), rows, inter,
+        int(dtype == torch.bfloat16), _fixed(fixed), q.data_ptr(), scale.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return q, scale
+
+
+def w8a8_norm_quantize_reference(
+    x: Tensor, weight: Tensor, eps: float, fixed: float | None
+) -> tuple[Tensor, Tensor]:
+    return lowbit.quantize_rows_reference(transformer.rms_norm(x, weight, eps), fixed)
+
+
+def w8a8_add_norm_quantize_reference(
+    acc: Tensor, x_scale: Tensor, w_scales: Tensor, bias: Tensor | None, residual: Tensor,
+    weight: Tensor, eps: float, fixed: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    y = lowbit.scale_rows_reference(acc, x_scale, w_scales, bias, residual.dtype)
+    normed, summed = transformer.add_rms_norm(y, residual, weight, eps)
+    return (summed, *lowbit.quantize_rows_reference(normed, fixed))
+
+
+def w8a8_silu_quantize_reference(
+    acc: Tensor, x_scale: Tensor, w_scales: Tensor, dtype: torch.dtype, fixed: float | None
+) -> tuple[Tensor, Tensor]:
+    gate, up = lowbit.scale_rows_reference(acc, x_scale, w_scales, None, dtype).chunk(2, dim=1)
+    return lowbit.quantize_rows_reference(torch.nn.functional.silu(gate) * up, fixed)
 
 
 # -- the check -----------------------------------------------------------------------------------
@@ -209,7 +332,7 @@ def check(lib: native.Library) -> str:
                 err = (g.double() - wnt.double()).abs() / wnt.double().abs().clamp_min(1e-3)
                 if err.max().item() > tolerance:
                     return f"RMSNorm of [{rows}, {h}] {dtype}: {err.max().item():.3g} from torch's"
-    return _check_rope_store(ops)
+    return _check_rope_store(ops) or _check_w8a8(lib)
 
 
 def _check_rope_store(ops: LayerOps) -> str:
@@ -231,4 +354,42 @@ def _check_rope_store(ops: LayerOps) -> str:
         (q, pool), (want_q, want_pool) = results
         if not (torch.equal(q, want_q) and torch.equal(pool, want_pool)):
             return f"RoPE + the K/V write in {dtype} differ from torch's"
+    return ""
+
+
+def _check_w8a8(lib: native.Library) -> str:
+    """W8A8's fused row operations against the calls they fuse: the norms' bit for bit
+    (our C norm, then torch's quantization, which ours equals); SiLU · up against torch's
+    within its exp's few ulp (an int8 value one step off, the scale 1e-5 apart; in bf16, one
+    rounding apart)."""
+    gen = torch.Generator().manual_seed(2)
+    norms = CNorms(lib)
+    rows, h, inter, eps = 37, 70, 44, 1e-5
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(rows, h, generator=gen) * 3).to(dtype)
+        w = (torch.rand(h, generator=gen) + 0.5).to(dtype)
+        acc = torch.randint(-(2**16), 2**16, (rows, h), generator=gen, dtype=torch.int32)
+        sx, sw = torch.rand(rows, 1, generator=gen) * 1e-3, torch.rand(h, generator=gen) * 1e-2
+        bias = torch.randn(h, generator=gen)
+        for fixed in (None, 0.05):
+            got = w8a8_norm_quantize(lib, x, w, eps, fixed)
+            want = lowbit.quantize_rows_reference(norms.rms_norm(x, w, eps), fixed)
+            if not all(map(torch.equal, got, want)):
+                return f"the fused norm + quantization ({dtype}) differs from the two calls"
+            got3 = w8a8_add_norm_quantize(lib, acc, sx, sw, bias, x, w, eps, fixed)
+            y = lowbit.scale_rows_reference(acc, sx, sw, bias, dtype)
+            normed, summed = norms.add_rms_norm(y, x, w, eps)
+            want3 = (summed, *lowbit.quantize_rows_reference(normed, fixed))
+            if not all(map(torch.equal, got3, want3)):
+                return f"the fused add + norm + quantization ({dtype}) differs from the calls"
+            acc2 = torch.randint(-(2**16), 2**16, (rows, 2 * inter), generator=gen,
+                                 dtype=torch.int32)  # fmt: skip
+            sw2 = torch.rand(2 * inter, generator=gen) * 1e-2
+            q, sc = w8a8_silu_quantize(lib, acc2, sx, sw2, dtype, fixed)
+            wq, wsc = w8a8_silu_quantize_reference(acc2, sx, sw2, dtype, fixed)
+            apart = 1e-5 if dtype == torch.float32 else 2.0**-7
+            if (q.int() - wq.int()).abs().max().item() > 1 or not torch.allclose(
+                sc, wsc, rtol=apart, atol=0
+            ):
+                return f"the fused SiLU · up + quantization ({dtype}) is off torch's"
     return ""

@@ -122,7 +122,7 @@ def load(path: Path) -> Library:
         lib.infersight_quantize_rows.restype = None
         lib.infersight_quantize_rows.argtypes = [p, i32, i64, i64, ctypes.c_float, p, p, i32]
         lib.infersight_scale_rows.restype = None
-        lib.infersight_scale_rows.argtypes = [p, i64, i64, p, p, p, p, i32, i32]
+        lib.infersight_scale_rows.argtypes = [p, i64, i64, p, p, p, p, p, i32, i32]
 
     return native.load(path, "infersight_lowbit_isa", declare)
 
@@ -331,9 +331,10 @@ def _check_rows(lib: Library) -> str:
                 return f"quantizing {dtype} rows (static {fixed}) differs from torch's rounding"
         acc = torch.randint(-(2**20), 2**20, (5, 9), generator=gen, dtype=torch.int32)
         sx, sw = torch.rand(5, 1, generator=gen), torch.rand(9, generator=gen)
-        for bias in (None, torch.randn(9, generator=gen)):
-            got_y = scale_rows(acc, sx, sw, bias, dtype, lib)
-            if not torch.equal(got_y, scale_rows_reference(acc, sx, sw, bias, dtype)):
+        residual = torch.randn(5, 9, generator=gen).to(dtype)
+        for bias, res in ((None, None), (torch.randn(9, generator=gen), residual)):
+            got_y = scale_rows(acc, sx, sw, bias, dtype, lib, residual=res)
+            if not torch.equal(got_y, scale_rows_reference(acc, sx, sw, bias, dtype, res)):
                 return f"scaling int32 rows to {dtype} differs from torch's"
     return ""
 
@@ -672,32 +673,38 @@ def quantize_rows(
 
 
 def scale_rows_reference(
-    acc: Tensor, x_scale: Tensor, w_scales: Tensor, bias: Tensor | None, out: torch.dtype
-) -> Tensor:
-    """``(acc · x_scale) · w_scales (+ bias)`` in fp32 (torch's operators), then ``out``."""
+    acc: Tensor, x_scale: Tensor, w_scales: Tensor, bias: Tensor | None, out: torch.dtype,
+    residual: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """``(acc · x_scale) · w_scales (+ bias)`` in fp32 (torch's operators), then ``out``; then
+    ``+ residual`` in ``out`` where one is given (the residual add after the product)."""
     y = acc.float() * x_scale * w_scales
     if bias is not None:
         y += bias.float()
-    return y.to(out)
+    y = y.to(out)
+    return y if residual is None else residual + y
 
 
 def scale_rows(
     acc: Tensor, x_scale: Tensor, w_scales: Tensor, bias: Tensor | None, out: torch.dtype,
-    lib: Library | None = None,
+    lib: Library | None = None, *, residual: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """:func:`scale_rows_reference`'s values in one pass of our C (fp32 ``x_scale [M, 1]``,
-    ``w_scales [N]`` and ``bias``; the reference where it does not run)."""
+    ``w_scales [N]`` and ``bias``, ``residual [M, N]`` in ``out``; the reference where it does
+    not run)."""
     lib = lib or library()
     fp32 = all(t is None or t.dtype == torch.float32 for t in (x_scale, w_scales, bias))
-    if not lib.available or acc.device.type != "cpu" or out not in _BF16 or not fp32:
-        return scale_rows_reference(acc, x_scale, w_scales, bias, out)
+    fits = residual is None or (residual.dtype == out and residual.shape == acc.shape)
+    if not lib.available or acc.device.type != "cpu" or out not in _BF16 or not fp32 or not fits:
+        return scale_rows_reference(acc, x_scale, w_scales, bias, out, residual)
     acc, x_scale, w_scales = acc.contiguous(), x_scale.contiguous(), w_scales.contiguous()
     rows, n = acc.shape
     y = torch.empty(rows, n, dtype=out)
     native.call(
         "infersight::scale_rows", lib.lib.infersight_scale_rows,
         acc.data_ptr(), rows, n, x_scale.data_ptr(), w_scales.data_ptr(),
-        None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), _BF16[out],
-        threads(),
+        None if bias is None else bias.contiguous().data_ptr(),
+        None if residual is None else residual.contiguous().data_ptr(), y.data_ptr(),
+        _BF16[out], threads(),
     )  # fmt: skip
     return y

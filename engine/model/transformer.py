@@ -172,8 +172,13 @@ class Attention(nn.Module):
         self.k_norm_weight = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend_qkv(self.qkv_proj(x), cos, sin, ctx))
+
+    def attend_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
+        """Everything between the two products: RoPE on the q and k heads of ``qkv [T, (H +
+        2·Hkv)·D]``, the K/V write, the attention; its output, ``[T, H·D]``, is ``o_proj``'s
+        input."""
+        tokens = qkv.shape[0]
         ops = self.ops
         target = None if ops.rope_store is None else ctx.kv_target(self.layer)
         # q and k rotate together and in place (one RoPE over H + Hkv heads); then k and v
@@ -189,11 +194,11 @@ class Attention(nn.Module):
                 qkv, cos, sin, *target, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             )  # fmt: skip
-            return self.o_proj(ctx.attend_stored(self.layer, q))
+            return ctx.attend_stored(self.layer, q)
         rotate_(qk, cos, sin)
         q = qk[:, : self.num_heads]
         kv = qkv[:, self.q_size :].view(tokens, 2 * self.num_kv_heads, self.head_dim)
-        return self.o_proj(ctx.attend(self.layer, q, kv))
+        return ctx.attend(self.layer, q, kv)
 
     def norm_heads_(self, qk: Tensor, q_weight: Tensor, k_weight: Tensor) -> None:
         """RMSNorm each head of ``qk: [T, H + Hkv, D]`` in place: q heads by ``q_weight``,
@@ -215,6 +220,11 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+#: a decoder layer's fused forward (:attr:`DecoderLayer.fused`): the layer, its input, the
+#: rotary tables and the attention context; the output, or None where it does not apply
+FusedLayer = Callable[["DecoderLayer", Tensor, Tensor, Tensor, AttentionContext], "Tensor | None"]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -224,8 +234,16 @@ class DecoderLayer(nn.Module):
         self.ops = TORCH_OPS
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        #: the whole layer in fewer, fused calls where its quantization has them (W8A8 on a
+        #: CPU: :func:`engine.quant.w8a8.fused_layer`); it returns None for a step it does not
+        #: take (few rows, say), which then runs the code below
+        self.fused: FusedLayer | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
+        if self.fused is not None:
+            out = self.fused(self, x, cos, sin, ctx)
+            if out is not None:
+                return out
         ops, eps = self.ops, self.input_norm.eps
         attended = self.attn(ops.rms_norm(x, self.input_norm.weight, eps), cos, sin, ctx)
         # the residual add and the norm after it, one pass where ours run

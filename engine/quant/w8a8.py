@@ -18,18 +18,26 @@ Quantizing the activations is an approximation the weights' quantization does no
 activation channel with outliers takes the whole row's scale. SmoothQuant's per-channel
 factors (``w8a8-sq``: :mod:`engine.quant.calibration`) move that range into the weights,
 folded in at load so that nothing runs for them at inference.
+
+On a CPU, a layer whose four products are all W8A8 runs a prefill's rows through
+:func:`fused_layer`: between the products, the norms, the residual adds, SiLU · up and each
+quantization and scaling meet in three C calls (:mod:`engine.kernels.layer_ops`) instead of a
+dozen passes over the rows.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from engine.formats import quantize_int8
 from engine.hardware import measured
-from engine.kernels import decode_step, gemv, lowbit
+from engine.kernels import decode_step, gemv, layer_ops, lowbit, native
+from engine.model.attention import AttentionContext
+from engine.model.transformer import DecoderLayer, FusedLayer, Transformer
 from engine.quant.int8 import Int8Linear
 
 log = logging.getLogger(__name__)
@@ -158,3 +166,77 @@ class W8A8Linear(Int8Linear):
     def extra_repr(self) -> str:
         scales = "per token" if self.act_scale is None else f"static {self.act_scale:.4g}"
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 ({scales})"
+
+
+# -- a W8A8 layer's prefill rows, fused ----------------------------------------------------------
+
+
+def _int_mm(xq: Tensor, layer: W8A8Linear) -> Tensor:
+    return torch._int_mm(xq, layer.weight.t())
+
+
+def _hooked(*modules: torch.nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def fused_layer(lib: native.Library) -> FusedLayer:
+    """A decoder layer's forward on a prefill's rows (more than
+    :data:`engine.kernels.gemv.MAX_ROWS`, contiguous fp32 or bf16 on a CPU) where its four
+    products are W8A8: the same products, with what lies between them fused into C calls of
+    ``lib`` (:mod:`engine.kernels.layer_ops`): the input norm with the qkv product's
+    quantization; the o product's scaling with the residual add, the post-attention norm and
+    the gate/up product's quantization; its scaling with SiLU · up and the down product's
+    quantization; the down product's scaling with the residual add. The values are the
+    unfused layer's but for SiLU, whose ``exp`` is ours (a few ulp from torch's). None (the
+    layer's own code runs) for other steps, and where a hook watches a product."""
+
+    def run(
+        layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext
+    ) -> Tensor | None:
+        attn, mlp = layer.attn, layer.mlp
+        qkv_p, o_p = attn.qkv_proj, attn.o_proj
+        gu_p, down_p = mlp.gate_up_proj, mlp.down_proj
+        if (
+            x.dim() != 2 or x.shape[0] <= gemv.MAX_ROWS or x.device.type != "cpu"
+            or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous()
+            or torch.compiler.is_compiling() or mlp.gate_up_proj.bias is not None
+            or _hooked(layer.attn, layer.mlp, qkv_p, o_p, gu_p, down_p)
+        ):  # fmt: skip
+            return None
+        assert isinstance(qkv_p, W8A8Linear) and isinstance(o_p, W8A8Linear)
+        assert isinstance(gu_p, W8A8Linear) and isinstance(down_p, W8A8Linear)
+        dtype, eps = x.dtype, layer.input_norm.eps
+        xq, sx = layer_ops.w8a8_norm_quantize(lib, x, layer.input_norm.weight, eps, qkv_p.act_scale)
+        qkv = lowbit.scale_rows(_int_mm(xq, qkv_p), sx, qkv_p.w_scales, qkv_p.bias_f32, dtype)
+        attended = attn.attend_qkv(qkv, cos, sin, ctx)
+        xq, sx = lowbit.quantize_rows(attended.reshape(x.shape[0], -1), o_p.act_scale)
+        x, xq, sx = layer_ops.w8a8_add_norm_quantize(
+            lib, _int_mm(xq, o_p), sx, o_p.w_scales, o_p.bias_f32, x,
+            layer.post_attn_norm.weight, layer.post_attn_norm.eps, gu_p.act_scale,
+        )  # fmt: skip
+        xq, sx = layer_ops.w8a8_silu_quantize(
+            lib, _int_mm(xq, gu_p), sx, gu_p.w_scales, dtype, down_p.act_scale
+        )
+        return lowbit.scale_rows(
+            _int_mm(xq, down_p), sx, down_p.w_scales, down_p.bias_f32, dtype, residual=x
+        )
+
+    return run
+
+
+def fuse_layers(model: Transformer, lib: native.Library | None = None) -> int:
+    """Hand :func:`fused_layer` to every layer of ``model`` whose four products are W8A8
+    (and take it back from the others) where our C layer operations run (``lib``, else this
+    machine's build where ``INFERSIGHT_LOWBIT`` allows our kernels); how many took it."""
+    if lib is None and lowbit.requested() != "torch":
+        lib = layer_ops.library()
+    run = fused_layer(lib) if lib is not None and lib.available else None
+    count = 0
+    for module in model.layers:
+        layer = cast(DecoderLayer, module)
+        products = (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj)  # fmt: skip
+        ours = run is not None and all(isinstance(p, W8A8Linear) for p in products)
+        layer.fused = run if ours else None
+        count += ours
+    return count

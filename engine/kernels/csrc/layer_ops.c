@@ -21,6 +21,7 @@
 #include <time.h>
 
 #include "bf16.h"
+#include "quant8.h"
 #include "vec8.h"
 
 /* value i of a row of fp32, or of bf16 where `bf16` */
@@ -28,15 +29,18 @@ static inline float at(const void *v, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)v)[i]) : ((const float *)v)[i];
 }
 
-/* 1 / sqrt(mean of squares + eps) of one row */
+/* eight values of a row of fp32, or of bf16 where `bf16`, from i */
+static inline v8 at8(const void *v, int bf16, int64_t i) {
+    return bf16 ? load8_bf16((const uint16_t *)v + i) : load8((const float *)v + i);
+}
+
+/* 1 / sqrt(mean of squares + eps) of one row: eight partial sums, lane by lane */
 static inline float inverse_rms(const void *v, int bf16, int64_t h, float eps) {
-    float part[8] = {0};
+    v8 part = {0};
     int64_t i = 0;
     for (; i + 8 <= h; i += 8) {
-        for (int j = 0; j < 8; j++) {
-            const float a = at(v, bf16, i + j);
-            part[j] += a * a;
-        }
+        const v8 a = at8(v, bf16, i);
+        part += a * a;
     }
     float ss = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
     for (; i < h; i++) {
@@ -50,17 +54,21 @@ static inline float inverse_rms(const void *v, int bf16, int64_t h, float eps) {
 static inline void norm_row(const void *row, const void *w, int64_t h, float eps, int bf16,
                             void *out) {
     const float inv = inverse_rms(row, bf16, h, eps);
+    int64_t i = 0;
     if (bf16) {
         const uint16_t *rb = (const uint16_t *)row, *wb = (const uint16_t *)w;
         uint16_t *ob = (uint16_t *)out;
-        for (int64_t i = 0; i < h; i++) {
+        const v8 inv8 = (v8){0} + inv;
+        for (; i + 8 <= h; i += 8)
+            store8_bf16(ob + i, load8_bf16(wb + i) * round8_bf16(load8_bf16(rb + i) * inv8));
+        for (; i < h; i++) {
             const float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(rb[i]) * inv));
             ob[i] = f32_to_bf16(bf16_to_f32(wb[i]) * n);
         }
     } else {
         const float *rf = (const float *)row, *wf = (const float *)w;
         float *of = (float *)out;
-        for (int64_t i = 0; i < h; i++) of[i] = rf[i] * inv * wf[i];
+        for (; i < h; i++) of[i] = rf[i] * inv * wf[i];
     }
 }
 
@@ -69,21 +77,27 @@ static inline const void *row_of(const void *base, int bf16, int64_t r, int64_t 
                 : (const void *)((const float *)base + r * h);
 }
 
-/* out [rows, h] = rms_norm(x) * w; x, w and out fp32, or bf16 where `bf16`. */
+/* out [rows, h] = rms_norm(x) * w; x, w and out fp32, or bf16 where `bf16`. Rows are split
+ * over `threads` (each row is computed alike whichever thread takes it). */
 void infersight_rms_norm(const void *x, const void *w, int64_t rows, int64_t h, float eps,
-                         int bf16, void *out) {
+                         int bf16, void *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         norm_row(row_of(x, bf16, r, h), w, h, eps, bf16, (void *)row_of(out, bf16, r, h));
 }
 
 /* sum = x + residual (in the dtype), out = rms_norm(sum) * w. */
 void infersight_add_rms_norm(const void *x, const void *residual, const void *w, int64_t rows,
-                             int64_t h, float eps, int bf16, void *out, void *sum) {
+                             int64_t h, float eps, int bf16, void *out, void *sum, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         void *s = (void *)row_of(sum, bf16, r, h);
         if (bf16) {
             const uint16_t *xb = row_of(x, 1, r, h), *rb = row_of(residual, 1, r, h);
-            for (int64_t i = 0; i < h; i++)
+            int64_t i = 0;
+            for (; i + 8 <= h; i += 8)
+                store8_bf16((uint16_t *)s + i, load8_bf16(xb + i) + load8_bf16(rb + i));
+            for (; i < h; i++)
                 ((uint16_t *)s)[i] = f32_to_bf16(bf16_to_f32(xb[i]) + bf16_to_f32(rb[i]));
         } else {
             const float *xf = row_of(x, 0, r, h), *rf = row_of(residual, 0, r, h);
@@ -123,23 +137,43 @@ static inline void put(void *v, int bf16, int64_t i, float value) {
 __attribute__((optimize("fp-contract=off")))
 void infersight_rope_store(void *qkv, int bf16, int64_t tokens, int64_t heads, int64_t kv_heads,
                            int64_t dim, const void *cos, const void *sin, void *pool,
-                           const int64_t *slots) {
+                           const int64_t *slots, int threads) {
     const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
     const int64_t pool_row = 2 * kv_heads * dim;
     const size_t size = bf16 ? 2 : 4;
-    float head[512];  /* one head's rotated values: a q head is read whole before it is written */
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
+        float head[512]; /* one head's rotated values: a q head is read whole before it is written */
         char *row = (char *)qkv + (size_t)(t * width) * size;
         char *dst = (char *)pool + (size_t)(slots[t] * pool_row) * size;
         const void *c = (const char *)cos + (size_t)(t * dim) * size;
         const void *s = (const char *)sin + (size_t)(t * dim) * size;
         for (int64_t h = 0; h < heads + kv_heads; h++) {
             const void *x = row + (size_t)(h * dim) * size;
+            void *out = h < heads ? (void *)x : (void *)(dst + (size_t)((h - heads) * dim) * size);
+            if (!bf16) { /* the same products and sums in two runs the compiler vectorizes */
+                const float *xf = x, *cf = c, *sf = s;
+                for (int64_t i = 0; i < half; i++) head[i] = xf[i] * cf[i] + xf[i + half] * sf[i];
+                for (int64_t i = half; i < dim; i++) head[i] = xf[i] * cf[i] + xf[i - half] * sf[i];
+                memcpy(out, head, (size_t)dim * sizeof(float));
+                continue;
+            }
+            if (half % 8 == 0) { /* bf16 in vectors: each product and the sum rounded */
+                const uint16_t *xh = x, *ch = c, *sh = s;
+                uint16_t *oh = (uint16_t *)head; /* the rotated head as bf16 */
+                for (int64_t i = 0; i < dim; i += 8) {
+                    const int64_t partner = i < half ? i + half : i - half;
+                    const v8 p = round8_bf16(load8_bf16(xh + i) * load8_bf16(ch + i));
+                    const v8 r = round8_bf16(load8_bf16(xh + partner) * load8_bf16(sh + i));
+                    store8_bf16(oh + i, p + r);
+                }
+                memcpy(out, head, (size_t)dim * 2);
+                continue;
+            }
             for (int64_t i = 0; i < dim; i++) {
                 const int64_t partner = i < half ? i + half : i - half;
                 head[i] = rotated(x, bf16, c, s, i, partner, i);
             }
-            void *out = h < heads ? (void *)x : (void *)(dst + (size_t)((h - heads) * dim) * size);
             for (int64_t i = 0; i < dim; i++) put(out, bf16, i, head[i]);
         }
         const char *v = row + (size_t)((heads + kv_heads) * dim) * size;
@@ -235,26 +269,33 @@ static int product(const model_t *m, const product_t *p, const void *x, int64_t 
  * two SiLUs agree within a few ulp of fp32), its argument clamped at 88.7: from about 88.4 up
  * e^-x is +inf and the SiLU -0 (torch's turns -0 from 88.7 up; below it, -3e-37 at most). The
  * last I mod 8 values take libm. */
+static inline v8 silu8(v8 x) {
+    const v8 cap = (v8){0} + 88.7f, minus = (v8){0} - x;
+    const v8i big = minus > cap;
+    const v8 e = exp8(floats8((bits8(minus) & ~big) | (bits8(cap) & big)));
+    return x / ((v8){0} + 1.0f + e);
+}
+
+/* the same for one value (libm's expf): the last I mod 8 */
+static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
+
 static void silu_mul(const void *gate_up, int bf16, int64_t rows, int64_t inter, void *act) {
-    const v8 cap = (v8){0} + 88.7f;
-    float g[8], s[8];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t gate = r * 2 * inter, up = gate + inter, out = r * inter;
         int64_t i = 0;
-        for (; i + 8 <= inter; i += 8) {
-            for (int j = 0; j < 8; j++) g[j] = at(gate_up, bf16, gate + i + j);
-            const v8 x = load8(g), minus = (v8){0} - x;
-            const v8i big = minus > cap;
-            const v8 e = exp8(floats8((bits8(minus) & ~big) | (bits8(cap) & big)));
-            store8(s, x / ((v8){0} + 1.0f + e));
-            for (int j = 0; j < 8; j++) {
-                const float v = bf16 ? bf16_to_f32(f32_to_bf16(s[j])) : s[j];
-                put(act, bf16, out + i + j, v * at(gate_up, bf16, up + i + j));
+        if (!bf16)
+            for (; i + 8 <= inter; i += 8) {
+                const float *gu = (const float *)gate_up;
+                store8((float *)act + out + i, silu8(load8(gu + gate + i)) * load8(gu + up + i));
             }
-        }
+        else /* the same, widened and narrowed eight at a time */
+            for (; i + 8 <= inter; i += 8) {
+                const uint16_t *gu = (const uint16_t *)gate_up;
+                const v8 v = round8_bf16(silu8(load8_bf16(gu + gate + i)));
+                store8_bf16((uint16_t *)act + out + i, v * load8_bf16(gu + up + i));
+            }
         for (; i < inter; i++) {
-            const float x = at(gate_up, bf16, gate + i);
-            float v = x / (1.0f + expf(-x));
+            float v = silu1(at(gate_up, bf16, gate + i));
             if (bf16) v = bf16_to_f32(f32_to_bf16(v));
             put(act, bf16, out + i, v * at(gate_up, bf16, up + i));
         }
@@ -319,12 +360,12 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
     int rc = 0;
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         const layer_t *L = layers + l;
-        infersight_rms_norm(x, L->input_norm, B, hidden, m->eps, bf16, h);
+        infersight_rms_norm(x, L->input_norm, B, hidden, m->eps, bf16, h, 1);
         SPENT(SPENT_OTHER);
         double lt = layer_spent ? now() : 0.0;
         if ((rc = product(m, &L->qkv, h, B, qkv))) break;
         SPENT(SPENT_PRODUCTS);
-        infersight_rope_store(qkv, bf16, B, H, Hkv, D, cos, sin, pools[l], write_slots);
+        infersight_rope_store(qkv, bf16, B, H, Hkv, D, cos, sin, pools[l], write_slots, 1);
         for (int64_t b = 0; b < B; b++)
             for (int64_t i = 0; i < qd; i++) qf[b * qd + i] = at(qkv, bf16, b * width + i);
         SPENT(SPENT_OTHER);
@@ -341,7 +382,7 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         if ((rc = product(m, &L->o, attended, B, o))) break;
         SPENT(SPENT_PRODUCTS);
         if (layer_spent) layer_spent[2 * l] += now() - lt;
-        infersight_add_rms_norm(o, x, L->post_norm, B, hidden, m->eps, bf16, h, sum);
+        infersight_add_rms_norm(o, x, L->post_norm, B, hidden, m->eps, bf16, h, sum, 1);
         SPENT(SPENT_OTHER);
         if (layer_spent) lt = now();
         if ((rc = product(m, &L->gate_up, h, B, gate_up))) break;
@@ -360,7 +401,7 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         const size_t row = es * (size_t)hidden;
         for (int64_t r = 0; r < n_rows; r++)
             memcpy((char *)sum + r * row, (const char *)x + rows[r] * row, row);
-        infersight_rms_norm(sum, norm, n_rows, hidden, m->eps, bf16, h);
+        infersight_rms_norm(sum, norm, n_rows, hidden, m->eps, bf16, h, 1);
         SPENT(SPENT_OTHER);
         rc = product(m, head, h, n_rows, logits);
         SPENT(SPENT_PRODUCTS);
@@ -372,6 +413,117 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
     if (spent)
         for (int k = 0; k < 3; k++) spent[k] += dt[k];
     return rc;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * A W8A8 layer's row operations on a prefill's rows (engine/quant/w8a8.py: fused_layer).
+ *
+ * Between its four int8 × int8 products a W8A8 layer runs a norm, a residual add, SiLU · up,
+ * and before each product a quantization of its activations and after it a scaling of the
+ * int32 sums. Each runs over rows that fit in L2, and each alone is one pass over memory
+ * costing as much as the pass itself: here the passes that meet at a product are one call,
+ * one row at a time through a buffer of the thread's, on `threads` threads. Each part is the
+ * function its single call runs (norm_row, silu_mul, quant8.h's quantize_row and scale_row),
+ * each value rounded to the activations' dtype where the unfused code rounds it, so the
+ * results are the unfused calls' bit for bit (fp32 or bf16 activations, `bf16`).
+ * ------------------------------------------------------------------------------------- */
+
+/* row r of the activations' dtype as fp32: itself, or widened into `wide` */
+static inline const float *as_f32(const void *row, int bf16, int64_t n, float *wide) {
+    if (!bf16) return (const float *)row;
+    const uint16_t *h = (const uint16_t *)row;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(wide + i, load8_bf16(h + i));
+    for (; i < n; i++) wide[i] = bf16_to_f32(h[i]);
+    return wide;
+}
+
+/* q, s = quantize(rms_norm(x) * w): the input norm, then the qkv product's activations. */
+void infersight_w8a8_norm_quantize(const void *x, const void *w, int64_t rows, int64_t h,
+                                   float eps, int bf16, float fixed, int8_t *q, float *s,
+                                   int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = malloc((size_t)(2 * h) * sizeof *buf); /* the normed row; widened */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            norm_row(row_of(x, bf16, r, h), w, h, eps, bf16, buf);
+            s[r] = quantize_row(as_f32(buf, bf16, h, buf + h), h, fixed, q + r * h);
+        }
+        free(buf);
+    }
+}
+
+/* The o product's sums scaled (sx [rows], sw [h], bias [h] or NULL, fp32) and rounded to the
+ * dtype, plus the residual: `sum` [rows, h], the new residual stream; then q, s = quantize(
+ * rms_norm(sum) * w): the post-attention norm and the gate/up product's activations. */
+void infersight_w8a8_add_norm_quantize(const int32_t *acc, const float *sx, const float *sw,
+                                       const float *bias, const void *residual, const void *w,
+                                       int64_t rows, int64_t h, float eps, int bf16, float fixed,
+                                       void *sum, int8_t *q, float *s, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = malloc((size_t)(2 * h) * sizeof *buf);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            void *out = (void *)row_of(sum, bf16, r, h);
+            const void *res = row_of(residual, bf16, r, h);
+            scale_row(acc + r * h, h, sx[r], sw, bias, buf);
+            int64_t i = 0; /* the product in the dtype, then the add */
+            if (bf16)
+                for (; i + 8 <= h; i += 8)
+                    store8_bf16((uint16_t *)out + i,
+                                load8_bf16((const uint16_t *)res + i) + round8_bf16(load8(buf + i)));
+            for (; i < h; i++) {
+                const float y = bf16 ? bf16_to_f32(f32_to_bf16(buf[i])) : buf[i];
+                put(out, bf16, i, at(res, bf16, i) + y);
+            }
+            norm_row(out, w, h, eps, bf16, buf);
+            s[r] = quantize_row(as_f32(buf, bf16, h, buf + h), h, fixed, q + r * h);
+        }
+        free(buf);
+    }
+}
+
+/* The gate/up product's sums [rows, 2 inter] scaled (sx [rows], sw [2 inter], fp32; quant8.h's
+ * scale_row) and rounded to the dtype, then act = silu(gate) * up as silu_mul computes it,
+ * then q, s = quantize(act): the down product's activations. */
+void infersight_w8a8_silu_quantize(const int32_t *acc, const float *sx, const float *sw,
+                                   int64_t rows, int64_t inter, int bf16, float fixed,
+                                   int8_t *q, float *s, int threads) {
+    const int64_t n = 2 * inter;
+#pragma omp parallel num_threads(threads)
+    {
+        float *act = malloc((size_t)inter * sizeof *act);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const int32_t *a = acc + r * n;
+            const v8 row = (v8){0} + sx[r];
+            int64_t i = 0;
+            for (; i + 8 <= inter; i += 8) {
+                v8i ga, ua;
+                memcpy(&ga, a + i, sizeof ga);
+                memcpy(&ua, a + inter + i, sizeof ua);
+                v8 g = __builtin_convertvector(ga, v8) * row * load8(sw + i);
+                v8 u = __builtin_convertvector(ua, v8) * row * load8(sw + inter + i);
+                if (bf16) {
+                    g = round8_bf16(g), u = round8_bf16(u);
+                    store8(act + i, round8_bf16(round8_bf16(silu8(g)) * u));
+                } else
+                    store8(act + i, silu8(g) * u);
+            }
+            for (; i < inter; i++) {
+                float g = (float)a[i] * sx[r] * sw[i];
+                float u = (float)a[inter + i] * sx[r] * sw[inter + i];
+                if (bf16) g = bf16_to_f32(f32_to_bf16(g)), u = bf16_to_f32(f32_to_bf16(u));
+                float v = silu1(g);
+                if (bf16) v = bf16_to_f32(f32_to_bf16(v));
+                act[i] = bf16 ? bf16_to_f32(f32_to_bf16(v * u)) : v * u;
+            }
+            s[r] = quantize_row(act, inter, fixed, q + r * inter);
+        }
+        free(act);
+    }
 }
 
 const char *infersight_layer_ops_isa(void) { return "scalar"; }

@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "quant8.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -741,51 +742,64 @@ int infersight_int4_linear(const void *x, int x_bf16, int64_t m, int64_t k, int6
 
 /* -- W8A8 (engine/quant/w8a8.py): activations per row, and the int32 products scaled ------ */
 
-/* x [rows, k] (fp32, or bf16 widened exactly) -> q int8 [rows, k] and s [rows]: each row's
- * scale s = max|x| / 127 (floored at 1e-12), or `fixed` for every row where it is > 0 (static
- * scales); q = x / s, clamped to ±127, rounded to nearest even (clamping first gives what
- * torch's round-then-clamp gives, and keeps the 1.5·2^23 rounding trick exact). */
+/* x [rows, k] (fp32, or bf16 widened exactly) -> q int8 [rows, k] and s [rows], each row as
+ * quant8.h's quantize_row: its scale max|x| / 127, or `fixed` where it is > 0. */
 void infersight_quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k, float fixed,
                               int8_t *q, float *s, int threads) {
-    const float magic = 12582912.0f; /* 1.5 * 2^23 */
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xf = (const float *)x + r * k;
-        const uint16_t *xh = (const uint16_t *)x + r * k;
-        float m = 0.0f;
-        if (fixed <= 0.0f)
-            for (int64_t j = 0; j < k; j++) {
-                const float a = __builtin_fabsf(x_bf16 ? bf16_to_f32(xh[j]) : xf[j]);
-                m = a > m ? a : m;
+#pragma omp parallel num_threads(threads)
+    {
+        float *wide = x_bf16 ? malloc((size_t)k * sizeof *wide) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *row = (const float *)x + r * k;
+            if (x_bf16) {
+                const uint16_t *xh = (const uint16_t *)x + r * k;
+                int64_t j = 0;
+                for (; j + 8 <= k; j += 8) store8(wide + j, load8_bf16(xh + j));
+                for (; j < k; j++) wide[j] = bf16_to_f32(xh[j]);
+                row = wide;
             }
-        const float scale = fixed > 0.0f ? fixed : (m / 127.0f > 1e-12f ? m / 127.0f : 1e-12f);
-        int8_t *qr = q + r * k;
-        for (int64_t j = 0; j < k; j++) {
-            float v = (x_bf16 ? bf16_to_f32(xh[j]) : xf[j]) / scale;
-            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-            qr[j] = (int8_t)(int32_t)((v + magic) - magic);
+            s[r] = quantize_row(row, k, fixed, q + r * k);
         }
-        s[r] = scale;
+        free(wide);
     }
 }
 
-/* y [rows, n] = ((float)acc · sx[r]) · sw[n] (+ bias[n]), in that order and without fused
- * multiply-adds (ISO C), then fp32 or bf16 (nearest even): what torch's operators give on
- * the same int32 sums, in one pass. */
+/* y [rows, n] = ((float)acc · sx[r]) · sw[n] (+ bias[n]) (quant8.h's scale_row), then fp32
+ * or bf16 (nearest even); where `residual` ([rows, n] in y's dtype) is given, y + residual
+ * rounded to the dtype again: torch's operators on the same int32 sums, then its add. */
 void infersight_scale_rows(const int32_t *acc, int64_t rows, int64_t n, const float *sx,
-                           const float *sw, const float *bias, void *y, int y_bf16,
-                           int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const int32_t *a = acc + r * n;
-        const float row = sx[r];
-        float *yf = (float *)y + r * n;
-        uint16_t *yh = (uint16_t *)y + r * n;
-        for (int64_t j = 0; j < n; j++) {
-            float v = (float)a[j] * row * sw[j];
-            if (bias) v += bias[j];
-            if (y_bf16) yh[j] = f32_to_bf16(v);
-            else yf[j] = v;
+                           const float *sw, const float *bias, const void *residual, void *y,
+                           int y_bf16, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *wide = y_bf16 ? malloc((size_t)n * sizeof *wide) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!y_bf16) {
+                float *yf = (float *)y + r * n;
+                scale_row(acc + r * n, n, sx[r], sw, bias, yf);
+                if (residual) {
+                    const float *res = (const float *)residual + r * n;
+                    for (int64_t j = 0; j < n; j++) yf[j] += res[j];
+                }
+                continue;
+            }
+            scale_row(acc + r * n, n, sx[r], sw, bias, wide);
+            uint16_t *yh = (uint16_t *)y + r * n;
+            const uint16_t *res = residual ? (const uint16_t *)residual + r * n : NULL;
+            int64_t j = 0;
+            if (res)
+                for (; j + 8 <= n; j += 8)
+                    store8_bf16(yh + j, load8_bf16(res + j) + round8_bf16(load8(wide + j)));
+            else
+                for (; j + 8 <= n; j += 8) store8_bf16(yh + j, load8(wide + j));
+            for (; j < n; j++) {
+                uint16_t v = f32_to_bf16(wide[j]);
+                if (res) v = f32_to_bf16(bf16_to_f32(v) + bf16_to_f32(res[j]));
+                yh[j] = v;
+            }
         }
+        free(wide);
     }
 }

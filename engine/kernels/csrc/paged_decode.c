@@ -223,16 +223,6 @@ static int64_t upper(const int64_t *kpos, int64_t lo, int64_t hi, int64_t limit)
     return lo;
 }
 
-/* The larger of a and b in each lane (one instruction where the CPU has AVX). */
-static inline v8 max8(v8 a, v8 b) {
-#if defined(__AVX__)
-    return (v8)_mm256_max_ps((__m256)a, (__m256)b);
-#else
-    const v8i gt = a > b;
-    return floats8((bits8(a) & gt) | (bits8(b) & ~gt));
-#endif
-}
-
 static inline float hmax8(v8 x) {
     float top = x[0];
     for (int k = 1; k < 8; k++) top = x[k] > top ? x[k] : top;

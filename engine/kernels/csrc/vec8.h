@@ -1,5 +1,5 @@
 /* Eight floats as one value, and e^x on them, for the kernels in this folder
- * (paged_decode.c, layer_ops.c). engine/kernels/native.py hashes the headers here with each
+ * (paged_decode.c, layer_ops.c, quant8.h). engine/kernels/native.py hashes the headers here with each
  * source, so a change here rebuilds them all. */
 #ifndef INFERSIGHT_VEC8_H
 #define INFERSIGHT_VEC8_H
@@ -53,6 +53,54 @@ static inline v8 floats8(v8i b) {
     v8 v;
     memcpy(&v, &b, sizeof v);
     return v;
+}
+
+/* The larger of a and b in each lane (one instruction where the CPU has AVX; b where a is
+ * NaN), and the smaller. */
+#if defined(__AVX__)
+#include <immintrin.h>
+static inline v8 max8(v8 a, v8 b) { return (v8)_mm256_max_ps((__m256)a, (__m256)b); }
+static inline v8 min8(v8 a, v8 b) { return (v8)_mm256_min_ps((__m256)a, (__m256)b); }
+#else
+static inline v8 max8(v8 a, v8 b) {
+    const v8i gt = a > b;
+    return floats8((bits8(a) & gt) | (bits8(b) & ~gt));
+}
+static inline v8 min8(v8 a, v8 b) {
+    const v8i lt = a < b;
+    return floats8((bits8(a) & lt) | (bits8(b) & ~lt));
+}
+#endif
+
+/* Eight bf16 values (bf16.h's conversions, lane by lane): widened exactly, and narrowed to
+ * nearest even with a NaN kept a NaN. */
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline v8 load8_bf16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    return floats8((v8i)(__builtin_convertvector(h, v8u32) << 16));
+}
+
+static inline v8h bf16_8(v8 v) {
+    const v8u32 b = (v8u32)bits8(v);
+    const v8u32 nan = (v8u32)((b & 0x7FFFFFFFu) > 0x7F800000u);
+    const v8u32 r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    return __builtin_convertvector((r & ~nan) | (((b >> 16) | 0x40u) & nan), v8h);
+}
+
+static inline void store8_bf16(uint16_t *p, v8 v) {
+    const v8h h = bf16_8(v);
+    memcpy(p, &h, sizeof h);
+}
+
+/* v rounded to bf16, as fp32 (bf16_8's bits, kept in the high halves) */
+static inline v8 round8_bf16(v8 v) {
+    const v8u32 b = (v8u32)bits8(v);
+    const v8u32 nan = (v8u32)((b & 0x7FFFFFFFu) > 0x7F800000u);
+    const v8u32 r = (nan & (b | 0x400000u)) | (~nan & (b + 0x7FFFu + ((b >> 16) & 1u)));
+    return floats8((v8i)(r & 0xFFFF0000u));
 }
 
 /* e^x for eight lanes: Cephes' expf (range reduction by ln 2, a degree-5 polynomial in fused
