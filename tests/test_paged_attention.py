@@ -6,6 +6,7 @@ prefill steps with the same tokens; and a clear fallback where they cannot run."
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -290,6 +291,7 @@ def test_the_engine_prefills_through_the_kernel(tiny_model_dir, monkeypatch, win
     from engine.kv_cache.window import CacheWindow
 
     folder, _ = tiny_model_dir("llama", False)
+    monkeypatch.setenv(paged_decode.ENV, "paged")  # not SDPA, wherever it measured faster
     config = EngineConfig(
         num_blocks=64,
         limits=SchedulerLimits(max_tokens_per_step=24),  # a 60-token prompt: three chunks
@@ -324,3 +326,44 @@ def test_a_chunk_under_two_windows_takes_the_portable_path() -> None:
     assert _one_window(None, models) == (True, models)
     assert _one_window(mine, mine) == (True, mine)
     assert _one_window(mine, models) == (False, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ours", [True, False])
+def test_prefill_chunks_take_the_path_measured_faster(tiny_model_dir, monkeypatch, tmp_path, ours):
+    """The paged prefill kernel against gather + SDPA is timed once per machine, dtype and
+    shape (kept in kernels.json); prefill chunks take the faster, the load report says which,
+    and both give the same tokens."""
+    from engine.core.sampling import SamplingParams
+    from engine.kernels import lowbit
+
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+    monkeypatch.setattr(paged_decode, "_measured_faster", functools.cache(
+        paged_decode._measured_faster.__wrapped__))  # fmt: skip
+    timings = []
+
+    def timed(*shape):
+        timings.append(shape)
+        return lowbit.Timing(ours_ms=1.0 if ours else 3.0, torch_ms=2.0)
+
+    monkeypatch.setattr(paged_decode, "time_prefill", timed)
+    folder, _ = tiny_model_dir("llama", False)
+    engine = load_model(folder)
+    cfg = engine.cfg
+    assert timings == [(torch.float32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)]
+    assert ("the paged kernel (measured faster" if ours else "gather + SDPA (measured") in (
+        engine.kernels
+    )
+    calls = []
+    real = paged_decode._call_prefill
+    monkeypatch.setattr(paged_decode, "_call_prefill", lambda *a: calls.append(1) or real(*a))
+    prompt = [(5 * i + 1) % 300 for i in range(40)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    got = [e.token_id for e in engine.generate(prompt, params)]
+    assert bool(calls) == ours
+    paged_decode._measured_faster.cache_clear()
+    load_model(folder)  # the verdict is kept in kernels.json: no second timing
+    assert len(timings) == 1
+    engine.clear_prefix_cache()
+    with paged_decode.portable():
+        assert [e.token_id for e in engine.generate(prompt, params)] == got

@@ -43,7 +43,14 @@ from engine.errors import (
     OutOfMemoryError,
 )
 from engine.hardware.memory import free_memory
-from engine.kernels import decode_graph, decode_step, layer_ops, triton_check, triton_support
+from engine.kernels import (
+    decode_graph,
+    decode_step,
+    layer_ops,
+    paged_decode,
+    triton_check,
+    triton_support,
+)
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
@@ -113,6 +120,9 @@ class LLMEngine:
             ops, why = layer_ops.cpu_ops()
             self.model.set_ops(ops or TORCH_OPS)
             self.kernels += f"; {why}"
+            if dtype in paged_decode.DTYPES:  # the paged prefill kernel or SDPA, as measured
+                heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                self.kernels += f"; {paged_decode.prefill_choice(dtype, *heads)[1]}"
             fused = w8a8.fuse_layers(self.model)
             if fused:
                 self.kernels += f"; W8A8 prefill rows fused in C ({fused} layers)"

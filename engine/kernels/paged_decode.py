@@ -22,6 +22,7 @@ available) or ``gather``."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -331,3 +332,64 @@ def _call_prefill(
 def status() -> str:
     """One line for the load report: which decode attention runs and why."""
     return kernel().why
+
+
+# -- prefill: the kernel, or torch's flash attention, whichever measured faster here -----------
+
+#: the chunk the choice is timed on: a 512-token prompt's, over its own keys
+CHOICE_TOKENS = 512
+
+
+def prefill_faster(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether prefill chunks of this dtype and shape take the paged prefill kernel rather
+    than the portable path (gather, mask, SDPA: torch's flash attention, which on a CPU with
+    AMX computes its tiles there, as our kernel does not): measured once per machine, build
+    and thread count on a :data:`CHOICE_TOKENS`-token chunk (:func:`time_prefill`) and kept
+    in ``kernels.json``; always where ``INFERSIGHT_ATTENTION=paged``."""
+    return prefill_choice(dtype, heads, kv_heads, dim)[0]
+
+
+def prefill_choice(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> tuple[bool, str]:
+    """:func:`prefill_faster`, and the load report's line on it."""
+    if not kernel().available:
+        return False, "prefill attention: gather + SDPA"
+    if requested() == "paged":
+        return True, f"prefill attention: the paged kernel ({ENV}=paged)"
+    if _measured_faster(dtype, heads, kv_heads, dim):
+        return True, "prefill attention: the paged kernel (measured faster here than SDPA)"
+    return False, "prefill attention: gather + SDPA (measured faster here than the paged kernel)"
+
+
+@cache
+def _measured_faster(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
+    from engine.kernels import lowbit
+
+    name = str(dtype).removeprefix("torch.")
+    key = f"prefill attention {name} {heads}/{kv_heads}x{dim} {CHOICE_TOKENS} tokens"
+    build = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return lowbit.faster(
+        f"paged prefill kernel {build}, torch {torch.__version__}", key,
+        lambda: time_prefill(dtype, heads, kv_heads, dim),
+    )  # fmt: skip
+
+
+def time_prefill(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> Any:
+    """The paged prefill kernel against gather + SDPA on one :data:`CHOICE_TOKENS`-token
+    chunk over a pool of random keys (ms per chunk, best of three interleaved rounds)."""
+    from engine.hardware import measured
+    from engine.kernels import lowbit
+
+    gen = torch.Generator().manual_seed(0)
+    n = CHOICE_TOKENS
+    pool = torch.randn(n + 1, 2 * kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    slots = torch.randperm(n, generator=gen)
+    positions = torch.arange(n)
+    ours_ms, theirs_ms = measured.best_of_three(
+        [
+            lambda: _call_prefill(kernel(), q, pool, slots, positions, 0, 0, 0),
+            lambda: prefill_reference(q, pool, slots, positions, 0, 0, 0),
+        ],
+        1,
+    )
+    return lowbit.Timing(ours_ms=ours_ms, torch_ms=theirs_ms)

@@ -68,6 +68,7 @@ class PagedKVCache:
         )
         slots = num_blocks * block_size + 1
         self.pad_slot = slots - 1
+        self.heads = cfg.num_heads
         self.kv_heads = heads = cfg.num_kv_heads
         shape = (slots, 2 * heads, cfg.head_dim)
         # Uninitialised: a slot is read only after it was written, except the pad slot, which
@@ -154,7 +155,12 @@ class _PagedContext(AttentionContext):
         #: each prefill chunk: its query offset, and what the kernel or SDPA reads
         self.prefill: list[tuple[int, int, _Prefill | Tensor, Tensor]] = []
         offset = self.num_decode
-        kernel = len(chunks) > self.num_decode and paged_decode.reads_pool(cache.kv[0])
+        pool = cache.kv[0]
+        kernel = (
+            len(chunks) > self.num_decode
+            and paged_decode.reads_pool(pool)
+            and paged_decode.prefill_faster(pool.dtype, cache.heads, cache.kv_heads, pool.shape[2])
+        )
         for c in chunks[self.num_decode :]:
             positions, slots = mgr.held(c.seq_id, c.start + c.length)
             one, window = _one_window(c.window, cache.model_window)
