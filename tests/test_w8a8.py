@@ -406,3 +406,61 @@ def test_the_fused_layer_computes_what_the_layer_computes(tiny_model_dir, arch) 
     runner.forward_logits(ids, runner.new_cache(len(ids)), 0)
     handle.remove()
     assert runs == [i for i in range(model.cfg.num_layers) if i != 1]  # the short step: none
+
+
+# -- the int8 × int8 product on AMX tiles, where the CPU has them ------------------------------
+
+
+def _amx() -> object:
+    from engine.kernels import amx
+
+    found = amx.library()
+    if not found.available:
+        pytest.skip(f"our AMX GEMM does not run here: {found.why}")
+    return found
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(512, 96, 576), (77, 32, 64), (33, 64, 1536)])
+def test_the_amx_product_is_torch_int_mm(m, n, k) -> None:
+    """Where the CPU has AMX-INT8 (cpu probe: the build's ISA), our tile GEMM gives
+    torch._int_mm's int32 sums bit for bit, rows in whole 32s of tiles or not."""
+    from engine.kernels import amx
+
+    lib = _amx()
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    assert amx.fits(n, k) and not amx.fits(n + 16, k) and not amx.fits(n, k + 32)
+    assert torch.equal(amx.gemm(x, amx.pack(w, lib), n, lib), torch._int_mm(x, w.t()))
+
+
+def test_a_w8a8_layer_takes_the_amx_product_where_it_measured_faster(monkeypatch, tmp_path):
+    """The AMX GEMM is timed once per shape against torch._int_mm (kept in kernels.json): a
+    layer faster on it packs its weights and gives the _int_mm layer's output exactly; one
+    slower keeps _int_mm and packs nothing; a shape that does not tile is never timed."""
+    _amx()
+    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+    monkeypatch.setenv(lowbit.ENV, "auto")
+    timings = []
+
+    def timed(n, k):
+        timings.append((n, k))
+        return lowbit.Timing(ours_ms=1.0 if n == 64 else 3.0, torch_ms=2.0)
+
+    monkeypatch.setattr(w8a8, "time_prefill", timed)
+    gen = torch.Generator().manual_seed(0)
+    make = lambda n, k: W8A8Linear(torch.randn(n, k, generator=gen), None, torch.bfloat16,  # noqa: E731
+                                   decode_int_mm=False)  # fmt: skip
+    fast, slow, odd = make(64, 128), make(96, 128), make(48, 128)
+    assert timings == [(64, 128), (96, 128)]
+    assert fast.amx_weight is not None and "AMX" in fast.kernel
+    assert slow.amx_weight is None and odd.amx_weight is None and "AMX" not in slow.kernel
+    assert fast.nbytes == slow.nbytes * 64 // 96 + 64 * 128  # the packed copy counted
+    x = torch.randn(40, 128, generator=gen).bfloat16()
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda *a: calls.append(1) or real(*a))
+    got = fast(x)
+    assert calls == []  # on the tiles
+    fast.amx_weight = None
+    assert torch.equal(got, fast(x)) and calls == [1]  # _int_mm's output, exactly

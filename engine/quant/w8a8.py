@@ -35,15 +35,20 @@ from torch import Tensor
 
 from engine.formats import quantize_int8
 from engine.hardware import measured
-from engine.kernels import decode_step, gemv, layer_ops, lowbit, native
+from engine.kernels import amx, decode_step, gemv, layer_ops, lowbit, native
 from engine.model.attention import AttentionContext
 from engine.model.transformer import DecoderLayer, FusedLayer, Transformer
 from engine.quant.int8 import Int8Linear
 
 log = logging.getLogger(__name__)
 
-#: how the load report names the int8 × int8 path
+#: how the load report names the int8 × int8 paths
 INT_MM = "int8 × int8 GEMM (torch._int_mm, activations per token)"
+AMX_GEMM = (
+    "int8 × int8 GEMM on AMX tiles (ours, activations per token; a packed copy of the weights)"
+)
+#: the rows the AMX kernel is timed on against torch._int_mm: a prefill chunk's
+TIMED_ROWS = 512
 
 
 def quantize_rows(x: Tensor, fixed: float | None = None) -> tuple[Tensor, Tensor]:
@@ -62,12 +67,15 @@ def int8_product(
     """``(xq · weightᵀ) · x_scale · w_scales + bias`` in ``dtype``: the int32 sums exact, the
     scales and the bias applied in fp32, one rounding to ``dtype`` at the end. ``xq [M, K]``
     and ``weight [N, K]`` int8, ``x_scale [M, 1]`` and ``w_scales [N]`` fp32."""
+    return lowbit.scale_rows(int8_sums(xq, weight), x_scale, w_scales, bias, dtype)
+
+
+def int8_sums(xq: Tensor, weight: Tensor) -> Tensor:
+    """``xq [M, K] · weight [N, K]ᵀ`` (int8) in exact int32 through ``torch._int_mm``."""
     m, k = xq.shape
     if xq.is_cuda and (m <= 16 or k % 8 or weight.shape[0] % 8):  # outside cuBLASLt's int8 GEMM
-        sums = (xq.float() @ weight.float().t()).int()  # the same integers below 2^24
-    else:
-        sums = torch._int_mm(xq, weight.t())
-    return lowbit.scale_rows(sums, x_scale, w_scales, bias, dtype)
+        return (xq.float() @ weight.float().t()).int()  # the same integers below 2^24
+    return torch._int_mm(xq, weight.t())
 
 
 def dequantized_product(x: Tensor, weight: Tensor, w_scales: Tensor) -> Tensor:
@@ -75,6 +83,19 @@ def dequantized_product(x: Tensor, weight: Tensor, w_scales: Tensor) -> Tensor:
     tests' reference)."""
     xq, sx = quantize_rows(x)
     return (xq.double() * sx.double()) @ (weight.double() * w_scales.double()[:, None]).t()
+
+
+def time_prefill(out_features: int, in_features: int) -> lowbit.Timing:
+    """Our AMX GEMM (:mod:`engine.kernels.amx`) against ``torch._int_mm`` on
+    :data:`TIMED_ROWS` rows of one shape (ms per call)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    x = torch.randint(-127, 128, (TIMED_ROWS, in_features), generator=gen, dtype=torch.int8)
+    packed = amx.pack(w)
+    ours_ms, theirs_ms = measured.best_of_three(
+        [lambda: amx.gemm(x, packed, out_features), lambda: torch._int_mm(x, w.t())], 5
+    )
+    return lowbit.Timing(ours_ms=ours_ms, torch_ms=theirs_ms)
 
 
 def time_decode(out_features: int, in_features: int, weight_only: Int8Linear) -> lowbit.Timing:
@@ -115,6 +136,10 @@ class W8A8Linear(Int8Linear):
         #: one activation scale for every token (``w8a8-static``: from the calibration, set by
         #: :func:`engine.quant.calibration.set_static_scales`), or None: per token
         self.act_scale: float | None = None
+        #: the weights packed for our AMX GEMM, where it runs here and measured faster than
+        #: torch._int_mm for this shape (:meth:`_amx_packed`); None: torch._int_mm
+        self.amx_weight: Tensor | None
+        self.register_buffer("amx_weight", self._amx_packed(), persistent=False)
 
     @property
     def bias_f32(self) -> Tensor | None:
@@ -126,6 +151,28 @@ class W8A8Linear(Int8Linear):
             cached = self.bias.float()
             self._bias_f32 = (self.bias, cached)
         return cached
+
+    def _amx_packed(self) -> Tensor | None:
+        n, k = self.out_features, self.in_features
+        if self.weight.device.type != "cpu" or lowbit.requested() == "torch" or not amx.fits(n, k):
+            return None
+        lib = amx.library()
+        if not lib.available:
+            return None
+        build = lib.path.name if lib.path is not None else "?"
+        key = lowbit.shape_key(f"prefill w8a8 {TIMED_ROWS} rows", n, k)
+        if not lowbit.faster(f"AMX int8 GEMM {build}, torch {torch.__version__}", key,
+                             lambda: time_prefill(n, k)):  # fmt: skip
+            return None
+        return amx.pack(self.weight, lib)
+
+    def sums(self, xq: Tensor) -> Tensor:
+        """``xq [M, K] int8 · weightᵀ`` in exact int32: on our AMX GEMM where this layer took
+        it, else ``torch._int_mm`` (or its float emulation on CUDA where cuBLASLt's int8 GEMM
+        does not take the shape)."""
+        if self.amx_weight is not None and xq.device.type == "cpu":
+            return amx.gemm(xq, self.amx_weight, self.out_features)
+        return int8_sums(xq, self.weight)
 
     def _decode_int_mm(self) -> bool:
         if self.weight.device.type != "cpu":
@@ -141,7 +188,7 @@ class W8A8Linear(Int8Linear):
         if x2.shape[0] <= gemv.MAX_ROWS and not self.decode_int_mm:
             return super().forward(x)
         xq, sx = quantize_rows(x2, self.act_scale)
-        y = int8_product(xq, sx, self.weight, self.w_scales, self.out_dtype, self.bias_f32)
+        y = lowbit.scale_rows(self.sums(xq), sx, self.w_scales, self.bias_f32, self.out_dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
     def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
@@ -151,15 +198,17 @@ class W8A8Linear(Int8Linear):
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + self.w_scales.numel() * 4
+        packed = 0 if self.amx_weight is None else self.amx_weight.numel()
+        return super().nbytes + self.w_scales.numel() * 4 + packed
 
     @property
     def kernel(self) -> str:
         """The path of each step shape, for the load report."""
+        product = INT_MM if self.amx_weight is None else f"{AMX_GEMM}, measured faster here"
         if self.decode_int_mm:
-            return f"w8a8: {INT_MM} at every row count (measured faster on one row here)"
+            return f"w8a8: {product} at every row count (measured faster on one row here)"
         return (
-            f"w8a8: over {gemv.MAX_ROWS} rows {INT_MM}; up to {gemv.MAX_ROWS} weight-only "
+            f"w8a8: over {gemv.MAX_ROWS} rows {product}; up to {gemv.MAX_ROWS} weight-only "
             f"(measured faster on one row here): {super().kernel}"
         )
 
@@ -169,10 +218,6 @@ class W8A8Linear(Int8Linear):
 
 
 # -- a W8A8 layer's prefill rows, fused ----------------------------------------------------------
-
-
-def _int_mm(xq: Tensor, layer: W8A8Linear) -> Tensor:
-    return torch._int_mm(xq, layer.weight.t())
 
 
 def _hooked(*modules: torch.nn.Module) -> bool:
@@ -207,18 +252,18 @@ def fused_layer(lib: native.Library) -> FusedLayer:
         assert isinstance(gu_p, W8A8Linear) and isinstance(down_p, W8A8Linear)
         dtype, eps = x.dtype, layer.input_norm.eps
         xq, sx = layer_ops.w8a8_norm_quantize(lib, x, layer.input_norm.weight, eps, qkv_p.act_scale)
-        qkv = lowbit.scale_rows(_int_mm(xq, qkv_p), sx, qkv_p.w_scales, qkv_p.bias_f32, dtype)
+        qkv = lowbit.scale_rows(qkv_p.sums(xq), sx, qkv_p.w_scales, qkv_p.bias_f32, dtype)
         attended = attn.attend_qkv(qkv, cos, sin, ctx)
         xq, sx = lowbit.quantize_rows(attended.reshape(x.shape[0], -1), o_p.act_scale)
         x, xq, sx = layer_ops.w8a8_add_norm_quantize(
-            lib, _int_mm(xq, o_p), sx, o_p.w_scales, o_p.bias_f32, x,
+            lib, o_p.sums(xq), sx, o_p.w_scales, o_p.bias_f32, x,
             layer.post_attn_norm.weight, layer.post_attn_norm.eps, gu_p.act_scale,
         )  # fmt: skip
         xq, sx = layer_ops.w8a8_silu_quantize(
-            lib, _int_mm(xq, gu_p), sx, gu_p.w_scales, dtype, down_p.act_scale
+            lib, gu_p.sums(xq), sx, gu_p.w_scales, dtype, down_p.act_scale
         )
         return lowbit.scale_rows(
-            _int_mm(xq, down_p), sx, down_p.w_scales, down_p.bias_f32, dtype, residual=x
+            down_p.sums(xq), sx, down_p.w_scales, down_p.bias_f32, dtype, residual=x
         )
 
     return run

@@ -1,0 +1,116 @@
+"""W8A8's int8 × int8 → int32 product on Intel AMX tiles, where the CPU has them.
+
+``torch._int_mm`` reaches oneDNN's older s8s8s32 GEMM, which runs AVX-512 VNNI even on a CPU
+with AMX (its bf16 matmul does use AMX): there a bf16 GEMM is as fast as the int8 one.
+``csrc/amx_int8.c`` multiplies on AMX's tiles from weights packed once, at load, into the
+tile layout: the same exact int32 sums as ``_int_mm``, about twice as fast at a prefill's
+shapes on the Xeon it was written on (``infersight bench --prefill-table``).
+
+Built with the machine's other kernels (:mod:`engine.kernels.native`); on a CPU without
+AMX-INT8 (or where Linux refuses a process the tile state) the build reports ``none`` and
+the products stay on ``torch._int_mm``. Where it runs, it is checked once per build in a
+child process against ``_int_mm``, bit for bit, and a layer takes it where it also measured
+faster for its shape (:func:`engine.quant.w8a8.W8A8Linear`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.kernels import native
+
+SOURCE = native.CSRC / "amx_int8.c"
+#: what the packed layout takes: whole 32-column pairs of output blocks, whole 64s along k
+COLUMNS, DEPTH = 32, 64
+
+
+def _load(path: Path) -> native.Library:
+    def declare(lib: Any) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.infersight_amx_ready.restype = ctypes.c_int
+        lib.infersight_amx_ready.argtypes = []
+        lib.infersight_amx_pack.restype = None
+        lib.infersight_amx_pack.argtypes = [p, i64, i64, p]
+        lib.infersight_amx_gemm.restype = ctypes.c_int
+        lib.infersight_amx_gemm.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
+
+    found = native.load(path, "infersight_amx_isa", declare)
+    if found.isa == "none":
+        return native.Library(None, "no AMX-INT8 on this CPU (or in this build)")
+    if found.lib.infersight_amx_ready() != 0:
+        return native.Library(None, "Linux refused this process AMX's tile state")
+    return found
+
+
+def build(level: str | None = None) -> native.Library:
+    """Build (once per machine) and load the kernel for ``level``, without the child's check."""
+    return native.build_library(SOURCE, "our AMX int8 GEMM", level, _load)
+
+
+@cache
+def library() -> native.Library:
+    """This machine's build, checked once in a child process against ``torch._int_mm``."""
+    return native.checked(build(), "AMX int8 GEMM", PROBE)
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape packs into whole tiles."""
+    return out_features % COLUMNS == 0 and in_features % DEPTH == 0
+
+
+def pack(weight: Tensor, lib: native.Library | None = None) -> Tensor:
+    """``weight [N, K]`` int8 in AMX's tile layout (``csrc/amx_int8.c``), as a flat int8
+    tensor of the same size."""
+    lib = lib or library()
+    n, k = weight.shape
+    weight = weight.contiguous()
+    packed = torch.empty(n * k, dtype=torch.int8)
+    lib.lib.infersight_amx_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm(x: Tensor, packed: Tensor, out_features: int, lib: native.Library | None = None) -> Tensor:
+    """``x [M, K] int8 · weightᵀ`` as int32 ``[M, N]``, exact (``torch._int_mm``'s sums),
+    from the weight :func:`pack` made."""
+    lib = lib or library()
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.int32)
+    rc = native.call(
+        "infersight::amx_gemm", lib.lib.infersight_amx_gemm,
+        x.data_ptr(), m, k, packed.data_ptr(), out_features, y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the AMX int8 GEMM ran out of memory for its last rows")
+    return y
+
+
+# -- the check -----------------------------------------------------------------------------------
+
+PROBE = f"{__name__}:_probe_build"
+
+
+def _probe_build() -> str:
+    found = build()
+    return check(found) if found.available else found.why
+
+
+def check(lib: native.Library) -> str:
+    """A few shapes (rows in whole 32s and not; the extremes of int8) against
+    ``torch._int_mm``, bit for bit: "" if they agree."""
+    gen = torch.Generator().manual_seed(3)
+    for m, n, k in ((64, 32, 64), (77, 96, 192), (17, 64, 128)):
+        x = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        x[0], w[0] = -128, -128  # the largest products
+        got = gemm(x, pack(w, lib), n, lib)
+        if not torch.equal(got, torch._int_mm(x, w.t())):
+            return f"[{m}, {k}] × [{k}, {n}] differs from torch._int_mm"
+    return ""

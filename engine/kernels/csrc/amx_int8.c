@@ -1,0 +1,147 @@
+/* W8A8's int8 × int8 → int32 product on Intel AMX tiles (engine/kernels/amx.py).
+ *
+ * torch._int_mm reaches oneDNN's older s8s8s32 GEMM, which runs AVX-512 VNNI even where the
+ * CPU has AMX (oneDNN's verbose log names it gemm_api; its bf16 matmul, brg_matmul, does use
+ * AMX). On such a CPU a bf16 GEMM is then as fast as the int8 one, and W8A8 gains nothing
+ * over bf16 in its products. Here the weights are packed once, at load, into AMX's tile
+ * layout, and each product is tiles:
+ *
+ *   y[m, n] = Σ_k x[m, k] · w[n, k]   (int8 operands, exact int32 sums: what _int_mm gives)
+ *
+ * Four accumulator tiles (32 rows × 32 columns of y) take two A tiles (16 rows × 64 values
+ * of x, loaded straight from x's rows) and two B tiles (64 values × 16 columns of w, packed)
+ * per step of 64 along k. Threads take pairs of 16-column blocks; each runs every 32-row block
+ * of x under its pair, so the pair's packed weights (k · 32 bytes) stay in L1 and x in L2.
+ *
+ * A B tile holds four consecutive k per column in each 64-byte row (vpdpbssd's grouping):
+ * packed[(j · K/64 + kb) · 1024 + r · 64 + c · 4 + b] = w[16 j + c][64 kb + 4 r + b].
+ *
+ * Built where the compiler targets AMX-INT8 (-march=native on such a CPU); elsewhere the
+ * entry points report "none" and the Python side keeps torch._int_mm. Linux hands a process
+ * the AMX state only on request (arch_prctl); refused, every call returns -1. */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* 0: not asked yet, 1: granted, -1: refused */
+static int permission = 0;
+
+int infersight_amx_ready(void) {
+    if (permission == 0)
+        permission = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return permission == 1 ? 0 : -1;
+}
+
+/* eight tiles of 16 rows × 64 bytes: C 0-3, A 4-5, B 6-7. Set in each thread at each call:
+ * another library's AMX code (oneDNN's) may have configured the thread otherwise. */
+static void configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+void infersight_amx_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed) {
+    const int64_t kbs = k / 64;
+    for (int64_t j = 0; j < n / 16; j++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            int8_t *t = packed + (j * kbs + kb) * 1024;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++)
+                    memcpy(t + r * 64 + c * 4, w + (16 * j + c) * k + 64 * kb + 4 * r, 4);
+        }
+}
+
+/* The 32 × 32 block of y at rows of `a` (32 rows of stride k) and column pair (b0, b1),
+ * stored with row stride `ldc` int32s. */
+static inline void block(const int8_t *a, int64_t k, const int8_t *b0, const int8_t *b1,
+                         int32_t *c, int64_t ldc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < k / 64; kb++) {
+        _tile_loadd(4, a + kb * 64, k);
+        _tile_loadd(5, a + 16 * k + kb * 64, k);
+        _tile_loadd(6, b0 + kb * 1024, 64);
+        _tile_loadd(7, b1 + kb * 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+    }
+    const int64_t stride = ldc * (int64_t)sizeof(int32_t);
+    _tile_stored(0, c, stride);
+    _tile_stored(1, c + 16, stride);
+    _tile_stored(2, c + 16 * ldc, stride);
+    _tile_stored(3, c + 16 * ldc + 16, stride);
+}
+
+/* y [m, n] int32 = x [m, k] int8 · wᵀ, w packed by infersight_amx_pack; n a multiple of 32,
+ * k of 64, any m (the last rows through a zero-padded copy). 0, or -1 (no AMX state for this
+ * process, or out of memory). */
+int infersight_amx_gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int64_t n,
+                        int32_t *y, int threads) {
+    if (infersight_amx_ready() != 0 || n % 32 || k % 64) return -1;
+    const int64_t pairs = n / 32, full = m / 32 * 32, tail = m - full, kbs = k / 64;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        int8_t *rest = tail ? calloc((size_t)(32 * k), 1) : NULL;
+        int32_t *out = tail ? malloc(32 * 32 * sizeof *out) : NULL;
+        if (tail && (rest == NULL || out == NULL)) failed = 1;
+        else if (tail) memcpy(rest, x + full * k, (size_t)(tail * k));
+        configure();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            if (failed) continue;
+            const int8_t *b0 = packed + 2 * p * kbs * 1024, *b1 = b0 + kbs * 1024;
+            for (int64_t i = 0; i < full; i += 32) block(x + i * k, k, b0, b1, y + i * n + 32 * p, n);
+            if (tail) {
+                block(rest, k, b0, b1, out, 32);
+                for (int64_t r = 0; r < tail; r++)
+                    memcpy(y + (full + r) * n + 32 * p, out + r * 32, 32 * sizeof *out);
+            }
+        }
+        _tile_release();
+        free(rest);
+        free(out);
+    }
+    return failed ? -1 : 0;
+}
+
+const char *infersight_amx_isa(void) { return "amx-int8"; }
+
+#else
+
+int infersight_amx_ready(void) { return -1; }
+
+void infersight_amx_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed) {
+    (void)w, (void)n, (void)k, (void)packed;
+}
+
+int infersight_amx_gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int64_t n,
+                        int32_t *y, int threads) {
+    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)y, (void)threads;
+    return -1;
+}
+
+const char *infersight_amx_isa(void) { return "none"; }
+
+#endif
