@@ -367,3 +367,22 @@ def test_prefill_chunks_take_the_path_measured_faster(tiny_model_dir, monkeypatc
     engine.clear_prefix_cache()
     with paged_decode.portable():
         assert [e.token_id for e in engine.generate(prompt, params)] == got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
+def test_a_whole_prompt_attends_causally_without_a_mask(dtype, heads, kv_heads) -> None:
+    """A prompt over its own keys hands SDPA ``is_causal`` (and its own GQA) instead of a
+    mask: the masked call's values, within the dtype's rounding."""
+    from engine.model.attention import grouped_attention
+
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(37, heads, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(kv_heads, 37, 16, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.ones(37, 37, dtype=torch.bool).tril()
+    got = grouped_attention(q, k, v, None, causal=True)
+    want = grouped_attention(q, k, v, mask)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    first = grouped_attention(q[:1], k[:, :1], v[:, :1], None)  # query 0 sees key 0 only
+    torch.testing.assert_close(got[:1].float(), first.float(), rtol=tol, atol=tol)

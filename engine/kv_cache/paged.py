@@ -152,8 +152,9 @@ class _PagedContext(AttentionContext):
                 c.window is not None for c in chunks[: self.num_decode]
             )
             self.mask_needed = windowed or min(lens) != max(lens)
-        #: each prefill chunk: its query offset, and what the kernel or SDPA reads
-        self.prefill: list[tuple[int, int, _Prefill | Tensor, Tensor]] = []
+        #: each prefill chunk: its query offset, and what the kernel or SDPA reads (None: a
+        #: whole prompt, causal over its own keys)
+        self.prefill: list[tuple[int, int, _Prefill | Tensor | None, Tensor]] = []
         offset = self.num_decode
         pool = cache.kv[0]
         kernel = (
@@ -167,7 +168,9 @@ class _PagedContext(AttentionContext):
             if kernel and one:
                 sink, width = (0, 0) if window is None else (window.sink, window.window)
                 # the kernel masks as it goes: what it needs is the keys' positions
-                read: _Prefill | Tensor = _Prefill(positions, c.start, sink, width)
+                read: _Prefill | Tensor | None = _Prefill(positions, c.start, sink, width)
+            elif one and window is None and c.start == 0:
+                read = None  # a whole prompt over its own keys: causal, no mask to build
             else:
                 queries = torch.arange(c.start, c.start + c.length)
                 read = to_device(_visible(c.window, cache.model_window, positions, queries), dev)
@@ -244,7 +247,7 @@ class _PagedContext(AttentionContext):
                 continue
             rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
             out[offset : offset + length] = grouped_attention(
-                chunk, rows[:kv_heads], rows[kv_heads:], read
+                chunk, rows[:kv_heads], rows[kv_heads:], read, causal=read is None
             )
         return out
 

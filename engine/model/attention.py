@@ -61,16 +61,26 @@ class AttentionContext(ABC):
         return None
 
 
-def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+def grouped_attention(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, causal: bool = False
+) -> Tensor:
     """GQA attention of one sequence's queries ``q: [L, H, D]`` over its keys/values
-    ``[Hkv, T, D]``; ``mask: [L, T]`` (True = visible) or ``None`` for all visible.
-    Returns ``[L, H*D]``.
+    ``[Hkv, T, D]``; ``mask: [L, T]`` (True = visible) or ``None`` for all visible; with
+    ``causal`` (``T == L``, no mask), query ``i`` sees keys ``0 … i``. Returns ``[L, H*D]``.
 
     Query heads are grouped under their KV head (``[Hkv, G*L, D]``) so that grouped-query
-    attention runs without materialising repeated K/V.
+    attention runs without materialising repeated K/V. A causal call hands SDPA the heads as
+    they are (its own GQA) and ``is_causal``: its flash kernel then skips the tiles above the
+    diagonal, where a mask would have it compute them all.
     """
     length, heads, dim = q.shape
     kv_heads = keys.shape[0]
+    if causal:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            is_causal=True, enable_gqa=heads != kv_heads,
+        )  # fmt: skip
+        return out[0].transpose(0, 1).reshape(length, heads * dim)
     group = heads // kv_heads
     qg = q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
     out = F.scaled_dot_product_attention(
