@@ -431,7 +431,16 @@ def test_the_amx_product_is_torch_int_mm(m, n, k) -> None:
     x = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
     w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     assert amx.fits(n, k) and not amx.fits(n + 16, k) and not amx.fits(n, k + 32)
-    assert torch.equal(amx.gemm(x, amx.pack(w, lib), n, lib), torch._int_mm(x, w.t()))
+    packed, sums = amx.pack(w, lib), torch._int_mm(x, w.t())
+    assert torch.equal(amx.gemm(x, packed, n, lib), sums)
+    # scaled in the tiles' epilogue: scale_rows's values, with a bias and a residual added
+    sx, sw = torch.rand(m, 1, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-2
+    bias = torch.randn(n, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        res = torch.randn(m, n, generator=gen).to(dtype)
+        for b, r in ((None, None), (bias, res)):
+            got = amx.gemm_scaled(x, packed, n, sx, sw, b, dtype, r, lib)
+            assert torch.equal(got, lowbit.scale_rows_reference(sums, sx, sw, b, dtype, r))
 
 
 def test_a_w8a8_layer_takes_the_amx_product_where_it_measured_faster(monkeypatch, tmp_path):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.kernels import native
+from engine.kernels import lowbit, native
 
 SOURCE = native.CSRC / "amx_int8.c"
 #: what the packed layout takes: whole 32-column pairs of output blocks, whole 64s along k
@@ -39,6 +39,21 @@ def _load(path: Path) -> native.Library:
         lib.infersight_amx_pack.argtypes = [p, i64, i64, p]
         lib.infersight_amx_gemm.restype = ctypes.c_int
         lib.infersight_amx_gemm.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
+        lib.infersight_amx_gemm_scaled.restype = ctypes.c_int
+        lib.infersight_amx_gemm_scaled.argtypes = [
+            p,
+            i64,
+            i64,
+            p,
+            i64,
+            p,
+            p,
+            p,
+            p,
+            p,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
 
     found = native.load(path, "infersight_amx_isa", declare)
     if found.isa == "none":
@@ -92,6 +107,31 @@ def gemm(x: Tensor, packed: Tensor, out_features: int, lib: native.Library | Non
     return y
 
 
+def gemm_scaled(
+    x: Tensor, packed: Tensor, out_features: int, x_scale: Tensor, w_scales: Tensor,
+    bias: Tensor | None, dtype: torch.dtype, residual: Tensor | None = None,
+    lib: native.Library | None = None,
+) -> Tensor:  # fmt: skip
+    """:func:`gemm`'s sums scaled as each block leaves the tiles, in ``dtype`` (fp32 or bf16):
+    :func:`engine.kernels.lowbit.scale_rows`'s values (``x_scale [M, 1]``, ``w_scales [N]``
+    and ``bias`` fp32; ``residual [M, N]`` in ``dtype``, added after), with no int32 sums in
+    memory."""
+    lib = lib or library()
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=dtype)
+    rc = native.call(
+        "infersight::amx_gemm", lib.lib.infersight_amx_gemm_scaled,
+        x.data_ptr(), m, k, packed.data_ptr(), out_features, x_scale.contiguous().data_ptr(),
+        w_scales.contiguous().data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+        None if residual is None else residual.contiguous().data_ptr(), y.data_ptr(),
+        int(dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the AMX int8 GEMM ran out of memory for its last rows")
+    return y
+
+
 # -- the check -----------------------------------------------------------------------------------
 
 PROBE = f"{__name__}:_probe_build"
@@ -110,7 +150,15 @@ def check(lib: native.Library) -> str:
         x = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
         w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         x[0], w[0] = -128, -128  # the largest products
-        got = gemm(x, pack(w, lib), n, lib)
-        if not torch.equal(got, torch._int_mm(x, w.t())):
+        packed, want = pack(w, lib), torch._int_mm(x, w.t())
+        if not torch.equal(gemm(x, packed, n, lib), want):
             return f"[{m}, {k}] × [{k}, {n}] differs from torch._int_mm"
+        sx, sw = torch.rand(m, 1, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-2
+        bias = torch.randn(n, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            residual = torch.randn(m, n, generator=gen).to(dtype)
+            for b, res in ((None, None), (bias, residual)):
+                got = gemm_scaled(x, packed, n, sx, sw, b, dtype, res, lib)
+                if not torch.equal(got, lowbit.scale_rows_reference(want, sx, sw, b, dtype, res)):
+                    return f"[{m}, {k}] × [{k}, {n}] scaled to {dtype} differs from scale_rows"
     return ""

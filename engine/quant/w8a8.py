@@ -166,6 +166,21 @@ class W8A8Linear(Int8Linear):
             return None
         return amx.pack(self.weight, lib)
 
+    def product(self, xq: Tensor, x_scale: Tensor, residual: Tensor | None = None) -> Tensor:
+        """The layer's output (in its dtype) from its activations quantized (``xq``,
+        ``x_scale``), plus ``residual`` where one is given: on our AMX GEMM with the scaling
+        in its tiles' epilogue where this layer took it, else :meth:`sums` then
+        :func:`engine.kernels.lowbit.scale_rows`; the same values either way."""
+        if self.amx_weight is not None and xq.device.type == "cpu":
+            return amx.gemm_scaled(
+                xq, self.amx_weight, self.out_features, x_scale, self.w_scales, self.bias_f32,
+                self.out_dtype, residual,
+            )  # fmt: skip
+        return lowbit.scale_rows(
+            self.sums(xq), x_scale, self.w_scales, self.bias_f32, self.out_dtype,
+            residual=residual,
+        )  # fmt: skip
+
     def sums(self, xq: Tensor) -> Tensor:
         """``xq [M, K] int8 · weightᵀ`` in exact int32: on our AMX GEMM where this layer took
         it, else ``torch._int_mm`` (or its float emulation on CUDA where cuBLASLt's int8 GEMM
@@ -188,8 +203,7 @@ class W8A8Linear(Int8Linear):
         if x2.shape[0] <= gemv.MAX_ROWS and not self.decode_int_mm:
             return super().forward(x)
         xq, sx = quantize_rows(x2, self.act_scale)
-        y = lowbit.scale_rows(self.sums(xq), sx, self.w_scales, self.bias_f32, self.out_dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return self.product(xq, sx).reshape(*shape[:-1], self.out_features)
 
     def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
         if self.decode_int_mm:
@@ -252,7 +266,7 @@ def fused_layer(lib: native.Library) -> FusedLayer:
         assert isinstance(gu_p, W8A8Linear) and isinstance(down_p, W8A8Linear)
         dtype, eps = x.dtype, layer.input_norm.eps
         xq, sx = layer_ops.w8a8_norm_quantize(lib, x, layer.input_norm.weight, eps, qkv_p.act_scale)
-        qkv = lowbit.scale_rows(qkv_p.sums(xq), sx, qkv_p.w_scales, qkv_p.bias_f32, dtype)
+        qkv = qkv_p.product(xq, sx)
         attended = attn.attend_qkv(qkv, cos, sin, ctx)
         xq, sx = lowbit.quantize_rows(attended.reshape(x.shape[0], -1), o_p.act_scale)
         x, xq, sx = layer_ops.w8a8_add_norm_quantize(
@@ -262,9 +276,7 @@ def fused_layer(lib: native.Library) -> FusedLayer:
         xq, sx = layer_ops.w8a8_silu_quantize(
             lib, gu_p.sums(xq), sx, gu_p.w_scales, dtype, down_p.act_scale
         )
-        return lowbit.scale_rows(
-            down_p.sums(xq), sx, down_p.w_scales, down_p.bias_f32, dtype, residual=x
-        )
+        return down_p.product(xq, sx, residual=x)
 
     return run
 

@@ -24,6 +24,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "quant8.h"
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -93,37 +96,95 @@ static inline void block(const int8_t *a, int64_t k, const int8_t *b0, const int
     _tile_stored(3, c + 16 * ldc + 16, stride);
 }
 
-/* y [m, n] int32 = x [m, k] int8 · wᵀ, w packed by infersight_amx_pack; n a multiple of 32,
- * k of 64, any m (the last rows through a zero-padded copy). 0, or -1 (no AMX state for this
- * process, or out of memory). */
-int infersight_amx_gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int64_t n,
-                        int32_t *y, int threads) {
+/* What a product's 32 × 32 block becomes once its sums are in `sums` (rows r0 .. r0 + rows,
+ * columns c0 .. c0 + 32): the int32 sums as they are, or (`scaled`) lowbit.c's
+ * infersight_scale_rows of them, the same values: ((float)sum · sx[r]) · sw[c] (+ bias[c]),
+ * rounded to the output's dtype, plus the residual (rounded again) where there is one. */
+typedef struct {
+    int scaled, y_bf16;
+    const float *sx, *sw, *bias;
+    const void *residual;
+} epilogue;
+
+static void finish(const epilogue *e, const int32_t *sums, int64_t r0, int64_t rows, int64_t c0,
+                   int64_t n, void *y) {
+    if (!e->scaled) {
+        for (int64_t r = 0; r < rows; r++)
+            memcpy((int32_t *)y + (r0 + r) * n + c0, sums + r * 32, 32 * sizeof(int32_t));
+        return;
+    }
+    float v[32];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t at = (r0 + r) * n + c0;
+        scale_row(sums + r * 32, 32, e->sx[r0 + r], e->sw + c0, e->bias ? e->bias + c0 : NULL, v);
+        if (!e->y_bf16) {
+            float *out = (float *)y + at;
+            const float *res = e->residual ? (const float *)e->residual + at : NULL;
+            for (int j = 0; j < 32; j++) out[j] = res ? v[j] + res[j] : v[j];
+            continue;
+        }
+        uint16_t *out = (uint16_t *)y + at;
+        const uint16_t *res = e->residual ? (const uint16_t *)e->residual + at : NULL;
+        for (int j = 0; j < 32; j += 8) {
+            const v8 x = load8(v + j);
+            store8_bf16(out + j, res ? load8_bf16(res + j) + round8_bf16(x) : x);
+        }
+    }
+}
+
+static int gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int64_t n, void *y,
+                const epilogue *e, int threads) {
     if (infersight_amx_ready() != 0 || n % 32 || k % 64) return -1;
     const int64_t pairs = n / 32, full = m / 32 * 32, tail = m - full, kbs = k / 64;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int8_t *rest = tail ? calloc((size_t)(32 * k), 1) : NULL;
-        int32_t *out = tail ? malloc(32 * 32 * sizeof *out) : NULL;
-        if (tail && (rest == NULL || out == NULL)) failed = 1;
+        int32_t *sums = malloc(32 * 32 * sizeof *sums);
+        if (sums == NULL || (tail && rest == NULL)) failed = 1;
         else if (tail) memcpy(rest, x + full * k, (size_t)(tail * k));
         configure();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             if (failed) continue;
             const int8_t *b0 = packed + 2 * p * kbs * 1024, *b1 = b0 + kbs * 1024;
-            for (int64_t i = 0; i < full; i += 32) block(x + i * k, k, b0, b1, y + i * n + 32 * p, n);
+            for (int64_t i = 0; i < full; i += 32) {
+                if (!e->scaled) { /* the sums straight into y */
+                    block(x + i * k, k, b0, b1, (int32_t *)y + i * n + 32 * p, n);
+                    continue;
+                }
+                block(x + i * k, k, b0, b1, sums, 32);
+                finish(e, sums, i, 32, 32 * p, n, y);
+            }
             if (tail) {
-                block(rest, k, b0, b1, out, 32);
-                for (int64_t r = 0; r < tail; r++)
-                    memcpy(y + (full + r) * n + 32 * p, out + r * 32, 32 * sizeof *out);
+                block(rest, k, b0, b1, sums, 32);
+                finish(e, sums, full, tail, 32 * p, n, y);
             }
         }
         _tile_release();
         free(rest);
-        free(out);
+        free(sums);
     }
     return failed ? -1 : 0;
+}
+
+/* y [m, n] int32 = x [m, k] int8 · wᵀ, w packed by infersight_amx_pack; n a multiple of 32,
+ * k of 64, any m (the last rows through a zero-padded copy). 0, or -1 (no AMX state for this
+ * process, or out of memory). */
+int infersight_amx_gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int64_t n,
+                        int32_t *y, int threads) {
+    const epilogue e = {0, 0, NULL, NULL, NULL, NULL};
+    return gemm(x, m, k, packed, n, y, &e, threads);
+}
+
+/* The same product, each block's sums scaled as it leaves the tiles (the int32 sums never
+ * reach memory): y [m, n] fp32 or bf16 (`y_bf16`) = ((float)sum · sx[m]) · sw[n] (+ bias[n])
+ * (+ residual [m, n] of y's dtype), infersight_scale_rows's values. */
+int infersight_amx_gemm_scaled(const int8_t *x, int64_t m, int64_t k, const int8_t *packed,
+                               int64_t n, const float *sx, const float *sw, const float *bias,
+                               const void *residual, void *y, int y_bf16, int threads) {
+    const epilogue e = {1, y_bf16, sx, sw, bias, residual};
+    return gemm(x, m, k, packed, n, y, &e, threads);
 }
 
 const char *infersight_amx_isa(void) { return "amx-int8"; }
@@ -139,6 +200,14 @@ void infersight_amx_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed) 
 int infersight_amx_gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int64_t n,
                         int32_t *y, int threads) {
     (void)x, (void)m, (void)k, (void)packed, (void)n, (void)y, (void)threads;
+    return -1;
+}
+
+int infersight_amx_gemm_scaled(const int8_t *x, int64_t m, int64_t k, const int8_t *packed,
+                               int64_t n, const float *sx, const float *sw, const float *bias,
+                               const void *residual, void *y, int y_bf16, int threads) {
+    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)sx, (void)sw, (void)bias;
+    (void)residual, (void)y, (void)y_bf16, (void)threads;
     return -1;
 }
 
