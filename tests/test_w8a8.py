@@ -441,6 +441,11 @@ def test_the_amx_product_is_torch_int_mm(m, n, k) -> None:
         for b, r in ((None, None), (bias, res)):
             got = amx.gemm_scaled(x, packed, n, sx, sw, b, dtype, r, lib)
             assert torch.equal(got, lowbit.scale_rows_reference(sums, sx, sw, b, dtype, r))
+        # SiLU · up and its quantization as the tiles are stored: the C call's on the sums
+        for fixed in (None, 0.05):
+            got = amx.silu_quantize(x, packed, n // 2, sx, sw, dtype, fixed, lib)
+            want = layer_ops.w8a8_silu_quantize(layer_ops.library(), sums, sx, sw, dtype, fixed)
+            assert all(map(torch.equal, got, want))
 
 
 def test_a_w8a8_layer_takes_the_amx_product_where_it_measured_faster(monkeypatch, tmp_path):
@@ -473,3 +478,25 @@ def test_a_w8a8_layer_takes_the_amx_product_where_it_measured_faster(monkeypatch
     assert calls == []  # on the tiles
     fast.amx_weight = None
     assert torch.equal(got, fast(x)) and calls == [1]  # _int_mm's output, exactly
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_fused_layer_on_amx_gives_the_int_mm_layers_logits(tiny_model_dir, arch, monkeypatch):
+    """Where AMX runs, a W8A8 model whose layers took the AMX GEMM (forced faster here) gives,
+    through the fused prefill layers, the logits of the same model on torch._int_mm, to the
+    bit: the int32 sums are exact either way and every later step computes the same values."""
+    _amx()
+    monkeypatch.setenv(lowbit.ENV, "auto")
+    monkeypatch.setattr(w8a8, "time_prefill", lambda n, k: lowbit.Timing(1.0, 2.0))
+    folder, _ = tiny_model_dir(arch, False, hidden_size=64, intermediate_size=128)
+    engine = load_model(folder, precision="w8a8", device="cpu")
+    model = engine.model
+    linears = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    assert linears and all(m.amx_weight is not None for m in linears), [m.kernel for m in linears]
+    assert w8a8.fuse_layers(model, layer_ops.library()) == model.cfg.num_layers
+    ids = list(range(3, 3 + gemv.MAX_ROWS + 30))
+    runner = engine.runner
+    got = runner.forward_logits(ids, runner.new_cache(len(ids)), 0)
+    for m in linears:
+        m.amx_weight = None
+    assert torch.equal(got, runner.forward_logits(ids, runner.new_cache(len(ids)), 0))

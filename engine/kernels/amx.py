@@ -39,6 +39,22 @@ def _load(path: Path) -> native.Library:
         lib.infersight_amx_pack.argtypes = [p, i64, i64, p]
         lib.infersight_amx_gemm.restype = ctypes.c_int
         lib.infersight_amx_gemm.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
+        lib.infersight_amx_silu_quantize.restype = ctypes.c_int
+        lib.infersight_amx_silu_quantize.argtypes = [
+            p,
+            i64,
+            i64,
+            p,
+            i64,
+            p,
+            p,
+            ctypes.c_int,
+            ctypes.c_float,
+            p,
+            p,
+            p,
+            ctypes.c_int,
+        ]
         lib.infersight_amx_gemm_scaled.restype = ctypes.c_int
         lib.infersight_amx_gemm_scaled.argtypes = [
             p,
@@ -132,6 +148,32 @@ def gemm_scaled(
     return y
 
 
+def silu_quantize(
+    x: Tensor, packed: Tensor, inter: int, x_scale: Tensor, w_scales: Tensor,
+    dtype: torch.dtype, fixed: float | None, lib: native.Library | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """W8A8's gate/up product (``packed``: the ``[2·inter, K]`` weight, gate rows first) and
+    what follows it: ``quantize_rows(silu(gate) · up)`` of its scaled sums in ``dtype``, the
+    SiLU made as the tiles are stored: ``(q int8 [M, inter], scale fp32 [M, 1])``, what
+    :func:`engine.kernels.layer_ops.w8a8_silu_quantize` gives on the int32 sums."""
+    lib = lib or library()
+    x = x.contiguous()
+    m, k = x.shape
+    act = torch.empty(m, inter, dtype=torch.float32)
+    q = torch.empty(m, inter, dtype=torch.int8)
+    scale = torch.empty(m, 1, dtype=torch.float32)
+    rc = native.call(
+        "infersight::amx_gemm", lib.lib.infersight_amx_silu_quantize,
+        x.data_ptr(), m, k, packed.data_ptr(), inter, x_scale.contiguous().data_ptr(),
+        w_scales.contiguous().data_ptr(), int(dtype == torch.bfloat16),
+        0.0 if fixed is None else fixed, act.data_ptr(), q.data_ptr(), scale.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the AMX int8 GEMM ran out of memory for its last rows")
+    return q, scale
+
+
 # -- the check -----------------------------------------------------------------------------------
 
 PROBE = f"{__name__}:_probe_build"
@@ -161,4 +203,13 @@ def check(lib: native.Library) -> str:
                 got = gemm_scaled(x, packed, n, sx, sw, b, dtype, res, lib)
                 if not torch.equal(got, lowbit.scale_rows_reference(want, sx, sw, b, dtype, res)):
                     return f"[{m}, {k}] × [{k}, {n}] scaled to {dtype} differs from scale_rows"
+            # SiLU · up and its quantization: torch's within its exp's few ulp (an int8 step)
+            q, s = silu_quantize(x, packed, n // 2, sx, sw, dtype, None, lib)
+            gate, up = lowbit.scale_rows_reference(want, sx, sw, None, dtype).chunk(2, dim=1)
+            wq, ws = lowbit.quantize_rows_reference(torch.nn.functional.silu(gate) * up)
+            apart = 1e-5 if dtype == torch.float32 else 2.0**-7
+            if (q.int() - wq.int()).abs().max().item() > 1 or not torch.allclose(
+                s, ws, rtol=apart, atol=0
+            ):
+                return f"[{m}, {k}] × [{k}, {n}]'s SiLU · up in {dtype} is off torch's"
     return ""

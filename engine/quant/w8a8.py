@@ -273,9 +273,15 @@ def fused_layer(lib: native.Library) -> FusedLayer:
             lib, o_p.sums(xq), sx, o_p.w_scales, o_p.bias_f32, x,
             layer.post_attn_norm.weight, layer.post_attn_norm.eps, gu_p.act_scale,
         )  # fmt: skip
-        xq, sx = layer_ops.w8a8_silu_quantize(
-            lib, gu_p.sums(xq), sx, gu_p.w_scales, dtype, down_p.act_scale
-        )
+        inter = mlp.intermediate_size
+        if gu_p.amx_weight is not None and inter % 16 == 0:  # SiLU as the tiles are stored
+            xq, sx = amx.silu_quantize(
+                xq, gu_p.amx_weight, inter, sx, gu_p.w_scales, dtype, down_p.act_scale
+            )
+        else:
+            xq, sx = layer_ops.w8a8_silu_quantize(
+                lib, gu_p.sums(xq), sx, gu_p.w_scales, dtype, down_p.act_scale
+            )
         return down_p.product(xq, sx, residual=x)
 
     return run

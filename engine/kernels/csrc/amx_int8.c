@@ -168,6 +168,58 @@ static int gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int
     return failed ? -1 : 0;
 }
 
+/* W8A8's gate/up product and what follows it, for the down product's input: the sums of gate
+ * column j and up column j (w [2 inter, k] packed as one weight, gate rows first) in one block
+ * pair, so that each 32 × 16 block of act = silu(gate) · up (quant8.h's silu_up8 on the scaled
+ * sums, rounded as bf16 activations round where `bf16`) is made as the tiles are stored; then
+ * each row of act [m, inter] (fp32, the caller's) quantized to q [m, inter] with its scale
+ * s [m] (quant8.h's quantize_row; `fixed` > 0: static). lowbit.c's and layer_ops.c's calls
+ * (scale_rows, infersight_w8a8_silu_quantize) give the same values. inter a multiple of 16. */
+int infersight_amx_silu_quantize(const int8_t *x, int64_t m, int64_t k, const int8_t *packed,
+                                 int64_t inter, const float *sx, const float *sw, int bf16,
+                                 float fixed, float *act, int8_t *q, float *s, int threads) {
+    if (infersight_amx_ready() != 0 || inter % 16 || k % 64) return -1;
+    const int64_t blocks = inter / 16, full = m / 32 * 32, tail = m - full, kbs = k / 64;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        int8_t *rest = tail ? calloc((size_t)(32 * k), 1) : NULL;
+        int32_t *sums = malloc(32 * 32 * sizeof *sums);
+        if (sums == NULL || (tail && rest == NULL)) failed = 1;
+        else if (tail) memcpy(rest, x + full * k, (size_t)(tail * k));
+        configure();
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < blocks; j++) {
+            if (failed) continue;
+            const int8_t *gate = packed + j * kbs * 1024, *up = gate + blocks * kbs * 1024;
+            for (int64_t i = 0; i < m; i += 32) {
+                const int64_t rows = m - i < 32 ? m - i : 32;
+                block(rows < 32 ? rest : x + i * k, k, gate, up, sums, 32);
+                for (int64_t r = 0; r < rows; r++) {
+                    const int32_t *a = sums + r * 32;
+                    const v8 row = (v8){0} + sx[i + r];
+                    for (int c = 0; c < 16; c += 8) {
+                        v8i ga, ua;
+                        memcpy(&ga, a + c, sizeof ga);
+                        memcpy(&ua, a + 16 + c, sizeof ua);
+                        const v8 g = __builtin_convertvector(ga, v8) * row * load8(sw + 16 * j + c);
+                        const v8 u = __builtin_convertvector(ua, v8) * row *
+                                     load8(sw + inter + 16 * j + c);
+                        store8(act + (i + r) * inter + 16 * j + c, silu_up8(g, u, bf16));
+                    }
+                }
+            }
+        }
+        _tile_release();
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) s[r] = quantize_row(act + r * inter, inter, fixed, q + r * inter);
+        free(rest);
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
 /* y [m, n] int32 = x [m, k] int8 · wᵀ, w packed by infersight_amx_pack; n a multiple of 32,
  * k of 64, any m (the last rows through a zero-padded copy). 0, or -1 (no AMX state for this
  * process, or out of memory). */
@@ -208,6 +260,14 @@ int infersight_amx_gemm_scaled(const int8_t *x, int64_t m, int64_t k, const int8
                                const void *residual, void *y, int y_bf16, int threads) {
     (void)x, (void)m, (void)k, (void)packed, (void)n, (void)sx, (void)sw, (void)bias;
     (void)residual, (void)y, (void)y_bf16, (void)threads;
+    return -1;
+}
+
+int infersight_amx_silu_quantize(const int8_t *x, int64_t m, int64_t k, const int8_t *packed,
+                                 int64_t inter, const float *sx, const float *sw, int bf16,
+                                 float fixed, float *act, int8_t *q, float *s, int threads) {
+    (void)x, (void)m, (void)k, (void)packed, (void)inter, (void)sx, (void)sw, (void)bf16;
+    (void)fixed, (void)act, (void)q, (void)s, (void)threads;
     return -1;
 }
 

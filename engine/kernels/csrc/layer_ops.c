@@ -264,19 +264,10 @@ static int product(const model_t *m, const product_t *p, const void *x, int64_t 
 }
 
 /* act [rows, I] = silu(gate) * up of gate_up [rows, 2 I], as torch's F.silu(gate) * up: the
- * SiLU x / (1 + e^-x) rounded to the dtype, then the product rounded. e^-x comes from exp8,
- * eight lanes at a time (a few ulp from libm's expf; torch uses its own vectorized exp, so the
- * two SiLUs agree within a few ulp of fp32), its argument clamped at 88.7: from about 88.4 up
- * e^-x is +inf and the SiLU -0 (torch's turns -0 from 88.7 up; below it, -3e-37 at most). The
- * last I mod 8 values take libm. */
-static inline v8 silu8(v8 x) {
-    const v8 cap = (v8){0} + 88.7f, minus = (v8){0} - x;
-    const v8i big = minus > cap;
-    const v8 e = exp8(floats8((bits8(minus) & ~big) | (bits8(cap) & big)));
-    return x / ((v8){0} + 1.0f + e);
-}
+ * SiLU (vec8.h's silu8) rounded to the dtype, then the product rounded. The last I mod 8
+ * values take libm's expf. */
 
-/* the same for one value (libm's expf): the last I mod 8 */
+/* the SiLU of one value (libm's expf): the last I mod 8 */
 static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
 
 static void silu_mul(const void *gate_up, int bf16, int64_t rows, int64_t inter, void *act) {
@@ -504,13 +495,9 @@ void infersight_w8a8_silu_quantize(const int32_t *acc, const float *sx, const fl
                 v8i ga, ua;
                 memcpy(&ga, a + i, sizeof ga);
                 memcpy(&ua, a + inter + i, sizeof ua);
-                v8 g = __builtin_convertvector(ga, v8) * row * load8(sw + i);
-                v8 u = __builtin_convertvector(ua, v8) * row * load8(sw + inter + i);
-                if (bf16) {
-                    g = round8_bf16(g), u = round8_bf16(u);
-                    store8(act + i, round8_bf16(round8_bf16(silu8(g)) * u));
-                } else
-                    store8(act + i, silu8(g) * u);
+                const v8 g = __builtin_convertvector(ga, v8) * row * load8(sw + i);
+                const v8 u = __builtin_convertvector(ua, v8) * row * load8(sw + inter + i);
+                store8(act + i, silu_up8(g, u, bf16));
             }
             for (; i < inter; i++) {
                 float g = (float)a[i] * sx[r] * sw[i];

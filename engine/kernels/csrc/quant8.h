@@ -74,4 +74,12 @@ static inline void scale_row(const int32_t *acc, int64_t n, float sx, const floa
     }
 }
 
+/* silu(gate) · up for eight lanes of the gate/up product's scaled sums (fp32), rounded where
+ * torch's bf16 operators round (`bf16`): the product's output g and u, the SiLU, the product. */
+static inline v8 silu_up8(v8 g, v8 u, int bf16) {
+    if (!bf16) return silu8(g) * u;
+    g = round8_bf16(g), u = round8_bf16(u);
+    return round8_bf16(round8_bf16(silu8(g)) * u);
+}
+
 #endif

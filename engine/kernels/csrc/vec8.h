@@ -126,4 +126,15 @@ static inline v8 exp8(v8 x) {
     return floats8(bits8(p * floats8(pow2)) & ~below);
 }
 
+/* SiLU, x / (1 + e^-x), for eight lanes: e^-x from exp8 (a few ulp from libm's expf; torch
+ * uses its own vectorized exp, so the two SiLUs agree within a few ulp of fp32), its argument
+ * clamped at 88.7: from about 88.4 up e^-x is +inf and the SiLU -0 (torch's turns -0 from 88.7
+ * up; below it, -3e-37 at most). */
+static inline v8 silu8(v8 x) {
+    const v8 cap = (v8){0} + 88.7f, minus = (v8){0} - x;
+    const v8i big = minus > cap;
+    const v8 e = exp8(floats8((bits8(minus) & ~big) | (bits8(cap) & big)));
+    return x / ((v8){0} + 1.0f + e);
+}
+
 #endif
