@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 #: how the load report names the int8 × int8 paths
 INT_MM = "int8 × int8 GEMM (torch._int_mm, activations per token)"
 AMX_GEMM = (
-    "int8 × int8 GEMM on AMX tiles (ours, activations per token; a packed copy of the weights)"
+    "int8 × int8 GEMM on AMX tiles (ours, activations per token; the weights packed twice)"
 )
 #: the rows the AMX kernel is timed on against torch._int_mm: a prefill chunk's
 TIMED_ROWS = 512
@@ -245,9 +245,11 @@ def fused_layer(lib: native.Library) -> FusedLayer:
     ``lib`` (:mod:`engine.kernels.layer_ops`): the input norm with the qkv product's
     quantization; the o product's scaling with the residual add, the post-attention norm and
     the gate/up product's quantization; its scaling with SiLU · up and the down product's
-    quantization; the down product's scaling with the residual add. The values are the
-    unfused layer's but for SiLU, whose ``exp`` is ours (a few ulp from torch's). None (the
-    layer's own code runs) for other steps, and where a hook watches a product."""
+    quantization; the down product's scaling with the residual add. Products on our AMX GEMM
+    (:meth:`W8A8Linear.product`) scale their sums as the tiles are stored, and the gate/up
+    product makes SiLU · up there too (:func:`engine.kernels.amx.silu_quantize`). The values
+    are the unfused layer's but for SiLU, whose ``exp`` is ours (a few ulp from torch's).
+    None (the layer's own code runs) for other steps, and where a hook watches a product."""
 
     def run(
         layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext
