@@ -44,9 +44,7 @@ log = logging.getLogger(__name__)
 
 #: how the load report names the int8 × int8 paths
 INT_MM = "int8 × int8 GEMM (torch._int_mm, activations per token)"
-AMX_GEMM = (
-    "int8 × int8 GEMM on AMX tiles (ours, activations per token; the weights packed twice)"
-)
+AMX_GEMM = "int8 × int8 GEMM on AMX tiles (ours, activations per token; the weights packed twice)"
 #: the rows the AMX kernel is timed on against torch._int_mm: a prefill chunk's
 TIMED_ROWS = 512
 
