@@ -386,3 +386,36 @@ def test_a_whole_prompt_attends_causally_without_a_mask(dtype, heads, kv_heads) 
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     first = grouped_attention(q[:1], k[:, :1], v[:, :1], None)  # query 0 sees key 0 only
     torch.testing.assert_close(got[:1].float(), first.float(), rtol=tol, atol=tol)
+
+
+def test_sdpa_falls_back_to_its_math_backend_where_the_fused_kernel_refuses(monkeypatch) -> None:
+    """torch's CPU flash attention refuses bf16 on an AMX CPU held below AVX-512 (the AVX2
+    leg of the tests runs there); the call then takes SDPA's math backend, the same values,
+    and so does every later one."""
+    from engine.model import attention
+
+    monkeypatch.setattr(attention, "_FUSED_REFUSED", False)
+    real = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def refusing(*args, **kwargs):
+        calls.append(attention._FUSED_REFUSED)
+        if not attention._FUSED_REFUSED:
+            raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", refusing)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=gen) for _ in range(3))
+    got = attention.sdpa(q, k, v, is_causal=True)
+    torch.testing.assert_close(got, real(q, k, v, is_causal=True))
+    attention.sdpa(q, k, v)
+    assert calls == [False, True, True]  # refused once, then straight to the math backend
+    monkeypatch.setattr(attention, "_FUSED_REFUSED", False)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("other")
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", failing)
+    with pytest.raises(RuntimeError, match="other"):  # any other error is not swallowed
+        attention.sdpa(q, k, v)

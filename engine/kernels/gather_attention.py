@@ -4,8 +4,9 @@ faster decode kernel is checked against."""
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
+
+from engine.model.attention import sdpa
 
 
 def gather_attention(q: Tensor, pool: Tensor, slots: Tensor, mask: Tensor | None) -> Tensor:
@@ -15,7 +16,7 @@ def gather_attention(q: Tensor, pool: Tensor, slots: Tensor, mask: Tensor | None
     kv_heads = pool.shape[1] // 2
     rows = pool.index_select(0, slots.view(-1))
     rows = rows.view(b, width, 2 * kv_heads, dim).transpose(1, 2)  # [B, 2·Hkv, W, D]
-    att = torch.nn.functional.scaled_dot_product_attention(
+    att = sdpa(
         q.view(b, kv_heads, heads // kv_heads, dim),
         rows[:, :kv_heads],
         rows[:, kv_heads:],

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.attention
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -61,6 +62,29 @@ class AttentionContext(ABC):
         return None
 
 
+#: set once torch's fused CPU attention has refused this process (:func:`sdpa`)
+_FUSED_REFUSED = False
+
+
+def sdpa(query: Tensor, key: Tensor, value: Tensor, **kwargs: object) -> Tensor:
+    """``F.scaled_dot_product_attention``, or its math backend where torch's fused CPU kernel
+    refuses to run: torch 2.13's flash attention on a CPU with AMX packs bf16 tiles with an
+    AVX-512 routine, and raises (``pack_vnni2 is only supported when avx512 is supported``)
+    when ``ATEN_CPU_CAPABILITY`` holds the process below AVX-512, as
+    ``INFERSIGHT_CPU_CAPABILITY=AVX2`` does to prove the AVX2 paths on such a machine. Once
+    refused, the process takes the math backend for every later call."""
+    global _FUSED_REFUSED
+    if not _FUSED_REFUSED:
+        try:
+            return F.scaled_dot_product_attention(query, key, value, **kwargs)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            if "only supported when avx512" not in str(exc):
+                raise
+            _FUSED_REFUSED = True
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)  # type: ignore[arg-type]
+
+
 def grouped_attention(
     q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, causal: bool = False
 ) -> Tensor:
@@ -76,14 +100,14 @@ def grouped_attention(
     length, heads, dim = q.shape
     kv_heads = keys.shape[0]
     if causal:
-        out = F.scaled_dot_product_attention(
+        out = sdpa(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
             is_causal=True, enable_gqa=heads != kv_heads,
         )  # fmt: skip
         return out[0].transpose(0, 1).reshape(length, heads * dim)
     group = heads // kv_heads
     qg = q.view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
-    out = F.scaled_dot_product_attention(
+    out = sdpa(
         qg.unsqueeze(0),
         keys.unsqueeze(0),
         values.unsqueeze(0),
