@@ -123,12 +123,19 @@ class LLMEngine:
             if dtype in paged_decode.DTYPES:  # the paged prefill kernel or SDPA, as measured
                 heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
                 self.kernels += f"; {paged_decode.prefill_choice(dtype, *heads)[1]}"
-            fused = w8a8.fuse_layers(self.model)
+            # one device's fused paths: under tensor parallelism each layer's products end in
+            # an all-reduce, which neither the fused W8A8 layer nor the C step makes
+            parallel = self.model.all_reduce is not None
+            fused = 0 if parallel else w8a8.fuse_layers(self.model)
             if fused:
                 self.kernels += f"; W8A8 prefill rows fused in C ({fused} layers)"
             # the decode step's layers in one C call, where every part runs a kernel of ours
             # and the step passed its check
-            step, why = decode_step.plan(self.model, dtype)
+            step, why = (
+                (None, "decode steps eager (tensor parallel)")
+                if parallel
+                else decode_step.plan(self.model, dtype)
+            )
             problem = decode_check.verdict() if step is not None else ""
             if problem:
                 step, why = None, f"decode steps eager (the C step failed its check: {problem})"
@@ -170,6 +177,9 @@ class LLMEngine:
         self.speculation: SpeculationFactory | None = None
         #: speculative decoding's drafter and state (None: off); :meth:`set_speculation`
         self.speculator: Speculator | None = None
+        #: under tensor parallelism, rank 0's driver of the other ranks (its ``close`` stops
+        #: them: :func:`engine.loader.parallel.load_parallel`); None on one device
+        self.parallel: Any = None
 
     def with_pool(
         self, *, kv_memory: float | None = None, num_blocks: int | None = None

@@ -106,6 +106,8 @@ class _PagedContext(AttentionContext):
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
         self.cache = cache
+        #: the step's chunks, as given (what a tensor-parallel step tells its other ranks)
+        self.chunks = chunks
         mgr, dev = cache.manager, cache.device
         write: list[int] = []
         for c in chunks:

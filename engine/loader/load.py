@@ -25,15 +25,14 @@ from engine.kernels.packed_linear import pack_linears
 from engine.kv_cache.paged import SeqChunk
 from engine.loader.drafter import speculation
 from engine.loader.generation_config import generation_config_eos, generation_config_sampling
-from engine.loader.weights import load_transformer
+from engine.loader.weights import load_transformer, smoothing_plan
 from engine.model.config import ModelConfig
 from engine.model.inventory import linear_modules, parameter_count
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.quant import calibration as calibration_files
-from engine.quant.calibration import SmoothingPlan
 from engine.quant.inventory import quantized_parameter_count
-from engine.quant.spec import LAYER_PARTS, PrecisionSpec, parse_precision_spec
+from engine.quant.spec import PrecisionSpec, parse_precision_spec
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +47,15 @@ def load_model(
     pack: bool | None = None,
     config: EngineConfig | None = None,
     alpha: float | dict[str, float] | None = None,
+    tensor_parallel: int = 1,
 ) -> LLMEngine:
     """Load a HF-style model folder into an engine (published as ``engine.load``). CPU linears
     are laid out for oneDNN where that measured faster on this machine
     (:func:`engine.kernels.packed_linear.packs`); ``pack=True`` packs every linear this CPU can
     pack, ``False`` none (plain ``nn.Linear``). ``alpha``: SmoothQuant's α for a ``w8a8-sq``
-    spec in place of the one its calibration chose (the calibration's own sweep)."""
+    spec in place of the one its calibration chose (the calibration's own sweep).
+    ``tensor_parallel``: the model split over that many processes
+    (:mod:`engine.loader.parallel`), this one rank 0."""
     folder = Path(folder)
     torch_device = torch.device(device)
     spec = parse_precision_spec(precision, torch_device)
@@ -65,6 +67,13 @@ def load_model(
         )
     if torch_device.type == "cpu" and dtype == torch.float16:
         log.warning("fp16 on CPU runs through slow fallback kernels; bf16 or fp32 is faster")
+    if tensor_parallel > 1:
+        from engine.loader.parallel import load_parallel
+
+        return load_parallel(
+            folder, world=tensor_parallel, precision=precision, device=device, config=config,
+            alpha=alpha, settle=engine_for, load=load_model,
+        )  # fmt: skip
     cfg = ModelConfig.from_file(folder / "config.json")
     spec.check_layers(cfg.num_layers)
     tokenizer = Tokenizer.from_folder(folder)
@@ -103,26 +112,6 @@ def load_model(
     log.info("  %s", engine.graphs.summary())
     _log_weights(engine, num_parameters)
     return engine
-
-
-def smoothing_plan(
-    cfg: ModelConfig, spec: PrecisionSpec, cal: calibration_files.Calibration | None,
-    alpha: float | dict[str, float] | None = None,
-) -> SmoothingPlan | None:  # fmt: skip
-    """SmoothQuant's factors for the blocks ``spec`` smooths (``w8a8-sq``), from calibration
-    ``cal`` of the model (:func:`engine.quant.calibration.load`: refused with what to do where
-    it is missing, made for other weights or by another format); ``alpha`` in place of the one
-    it chose (the calibration's sweep)."""
-    if not spec.smoothed:
-        return None
-    assert cal is not None
-    blocks = {
-        (part, layer)
-        for layer in range(cfg.num_layers)
-        for part in LAYER_PARTS
-        if (kind := spec.block_kind(part, layer)) is not None and kind.smooth
-    }
-    return SmoothingPlan(cal, cfg, blocks, alpha)
 
 
 def engine_for(

@@ -23,11 +23,12 @@ from torch import Tensor, nn
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
-from engine.quant.calibration import SmoothingPlan
+from engine.parallel.shard import Shard
+from engine.quant.calibration import Calibration, SmoothingPlan
 from engine.quant.embedding import QuantizedEmbedding, head_channel_scale
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
-from engine.quant.spec import QuantKind
+from engine.quant.spec import LAYER_PARTS, PrecisionSpec, QuantKind
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def load_transformer(
     *,
     source: TensorSource | None = None,
     smoothing: SmoothingPlan | None = None,
+    shard: Shard | None = None,
 ) -> Transformer:
     """Build the model from a checkpoint folder, one tensor at a time.
 
@@ -116,9 +118,13 @@ def load_transformer(
     place of ``folder``'s safetensors files (``folder`` then only names the model in errors).
     ``smoothing``: SmoothQuant's factors, folded into each parameter they touch (in fp32) as
     it is loaded, before it is quantized (:class:`engine.quant.calibration.SmoothingPlan`).
+    ``shard``: this rank's part of a tensor-parallel model (:mod:`engine.parallel.shard`):
+    the model is built with the rank's head counts and channels, and each parameter, whole as
+    the checkpoint gives it (fused, smoothed), is cut to the rank's rows or columns before it
+    is quantized, so INT8's scales are the shard's own and INT4's groups lie within it.
     """
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg if shard is None else shard.local)
     model.rope = model.rope.to(device)  # real buffers (built on the CPU), not meta
 
     tensors: Iterable[tuple[str, Tensor]]
@@ -161,9 +167,9 @@ def load_transformer(
         smooth = smoothing is not None and smoothing.touches(ours)
         store = torch.float32 if kind is not None or is_head or scaled_norm or smooth else dtype
         if part is not None:
-            fused = fusing.get(ours) or fusing.setdefault(
-                ours, _Fused(_fused_sizes(ours, cfg), expected[ours], store, device)
-            )
+            sizes = _fused_sizes(ours, cfg)  # the whole model's: a shard is cut once complete
+            shape = torch.Size([sum(sizes), *expected[ours][1:]])
+            fused = fusing.get(ours) or fusing.setdefault(ours, _Fused(sizes, shape, store, device))
             fused.put(part, tensor, hf_name)
             del tensor
             if not fused.complete:
@@ -184,6 +190,8 @@ def load_transformer(
             assert smoothing is not None
             tensor = smoothing.apply(ours, tensor)
             tensor = tensor if kind is not None else tensor.to(dtype)
+        if shard is not None:
+            tensor = shard.slice(ours, tensor).contiguous()
         if kind is not None:
             _quantize_into(model, module_name, tensor, kind, dtype)
         else:
@@ -329,3 +337,23 @@ def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
             f"{tuple(current.shape)}; config and weights disagree"
         )
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def smoothing_plan(
+    cfg: ModelConfig, spec: PrecisionSpec, cal: Calibration | None,
+    alpha: float | dict[str, float] | None = None,
+) -> SmoothingPlan | None:  # fmt: skip
+    """SmoothQuant's factors for the blocks ``spec`` smooths (``w8a8-sq``), from calibration
+    ``cal`` of the model (:func:`engine.quant.calibration.load`: refused with what to do where
+    it is missing, made for other weights or by another format); ``alpha`` in place of the one
+    it chose (the calibration's sweep)."""
+    if not spec.smoothed:
+        return None
+    assert cal is not None
+    blocks = {
+        (part, layer)
+        for layer in range(cfg.num_layers)
+        for part in LAYER_PARTS
+        if (kind := spec.block_kind(part, layer)) is not None and kind.smooth
+    }
+    return SmoothingPlan(cal, cfg, blocks, alpha)

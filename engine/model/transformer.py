@@ -170,9 +170,13 @@ class Attention(nn.Module):
         self.norm_eps = cfg.rms_norm_eps
         self.q_norm_weight = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
         self.k_norm_weight = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        #: under tensor parallelism, the sum across the ranks of ``o_proj``'s partial outputs
+        #: (:meth:`Transformer.set_parallel`); None on one device
+        self.reduce: Callable[[Tensor], Tensor] | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
-        return self.o_proj(self.attend_qkv(self.qkv_proj(x), cos, sin, ctx))
+        out = self.o_proj(self.attend_qkv(self.qkv_proj(x), cos, sin, ctx))
+        return out if self.reduce is None else self.reduce(out)
 
     def attend_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
         """Everything between the two products: RoPE on the q and k heads of ``qkv [T, (H +
@@ -214,10 +218,13 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        #: as :attr:`Attention.reduce`, for ``down_proj``
+        self.reduce: Callable[[Tensor], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 #: a decoder layer's fused forward (:attr:`DecoderLayer.fused`): the layer, its input, the
@@ -278,6 +285,14 @@ class Transformer(nn.Module):
         self.eager_reasons: set[str] = set()
         #: the layers' fused operations (:meth:`set_ops`)
         self.ops = TORCH_OPS
+        #: under tensor parallelism on the driving rank, what tells the other ranks about each
+        #: forward before it runs (its inputs and attention context:
+        #: :class:`engine.parallel.executor.Driver`); None on one device and on the others
+        self.announce: Callable[[Tensor, Tensor, AttentionContext, Tensor | None], None] | None = (
+            None
+        )
+        #: the all-reduce the layers' row-parallel products end in (:meth:`set_parallel`)
+        self.all_reduce: Callable[[Tensor], Tensor] | None = None
 
     def forward(
         self,
@@ -292,6 +307,8 @@ class Transformer(nn.Module):
         single matmul of a small model, and the other rows would be thrown away. A
         decode-only step runs the compiled graph where the load made one.
         """
+        if self.announce is not None:  # the other ranks run this forward beside us
+            self.announce(input_ids, positions, ctx, logits_indices)
         with torch.inference_mode():
             # The embedding stays out of the graph: a few rows, read by index (and, for a
             # tied INT4 head, unpacked from its tiles), in one or two ops either way.
@@ -321,6 +338,15 @@ class Transformer(nn.Module):
                 if logits is not None:
                     return logits
             return self.body(x, positions, ctx, logits_indices)
+
+    def set_parallel(self, all_reduce: Callable[[Tensor], Tensor] | None) -> None:
+        """This rank's part of a tensor-parallel model (its weights sharded by
+        :mod:`engine.parallel.shard`): ``all_reduce`` sums ``o_proj``'s and ``down_proj``'s
+        partial outputs across the ranks, twice a layer; None: one device."""
+        self.all_reduce = all_reduce
+        for layer in self.layers:
+            decoder = cast(DecoderLayer, layer)
+            decoder.attn.reduce = decoder.mlp.reduce = all_reduce
 
     def set_ops(self, ops: LayerOps) -> None:
         """Every layer's fused operations (:class:`LayerOps`): the torch code, or ours."""
