@@ -1,0 +1,211 @@
+"""Tensor parallelism's ranks at run time: rank 0 drives, the others follow.
+
+Rank 0 lives in the engine's process and runs everything a single device runs: the scheduler,
+the block tables, sampling. Before each forward of its model it tells the other ranks what to
+compute (:class:`Driver`, through :attr:`engine.model.transformer.Transformer.announce`): the
+token ids, the positions, and the attention context's recipe, which each rank turns into a
+context over its own KV pool, laid out as rank 0's (the same blocks and slots, its own KV
+heads). Each other rank (:func:`follow`, one process each) then runs the same forward on its
+shard; the layers' all-reduces (:func:`all_reduce`) join the ranks twice a layer, and only
+rank 0 computes logits.
+
+The messages go by ``torch.distributed``'s object broadcast on the same process group as the
+all-reduces (gloo on a CPU), so they are ordered with them. Every collective has the group's
+timeout; a rank that fails says why on a queue before it exits, and rank 0 turns the failed
+collective into an error naming the rank (:meth:`Driver.failure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from engine.errors import InfersightError
+from engine.kv_cache.contiguous import ContiguousKVCache, _ContiguousContext
+from engine.kv_cache.paged import PagedKVCache, SeqChunk, _PagedContext
+from engine.model.attention import AttentionContext
+from engine.model.config import ModelConfig
+from engine.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+
+class RankFailed(InfersightError):
+    """A rank of a tensor-parallel model died, raised or timed out."""
+
+
+def all_reduce(t: Tensor) -> Tensor:
+    """The sum of ``t`` across the ranks, in place (a row-parallel product's fresh output);
+    a half-precision ``t`` is summed in fp32 and rounded once, as one device's product
+    rounds its sum once."""
+    if t.dtype == torch.float32:
+        dist.all_reduce(t)
+        return t
+    wide = t.float()
+    dist.all_reduce(wide)
+    return t.copy_(wide)
+
+
+@dataclass(frozen=True, slots=True)
+class Paged:
+    """A paged context's recipe: the pool (rank 0's id for it, and how to build it), the
+    step's chunks and the block tables of their sequences."""
+
+    pool: int
+    num_blocks: int
+    block_size: int
+    chunks: tuple[SeqChunk, ...]
+    tables: dict[str, list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Contiguous:
+    """A contiguous context's recipe (a single sequence's scoring: ``forward_logits``)."""
+
+    cache: int
+    slots_total: int
+    capacity: int
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    ids: Tensor
+    positions: Tensor
+    context: Paged | Contiguous
+    #: the ids of rank 0's caches still alive: the others drop the rest
+    live: frozenset[int]
+
+
+STOP = "stop"
+
+
+class Driver:
+    """Rank 0's side: announces each forward to the other ranks; knows their processes, to
+    say which one failed and why."""
+
+    def __init__(self, processes: list[Any], errors: Any, timeout_s: float) -> None:
+        self.processes = processes  # rank r's process at index r - 1
+        self.errors = errors
+        self.timeout_s = timeout_s
+        self._caches: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self.closed = False
+
+    def _recipe(self, ctx: AttentionContext) -> Paged | Contiguous:
+        if isinstance(ctx, _PagedContext):
+            cache = ctx.cache
+            mgr = cache.manager
+            self._caches[id(cache)] = cache
+            chunks = tuple(ctx.chunks)
+            tables = {c.seq_id: list(mgr.tables[c.seq_id]) for c in chunks}
+            return Paged(id(cache), mgr.num_blocks, cache.block_size, chunks, tables)
+        if isinstance(ctx, _ContiguousContext):
+            c = ctx.cache
+            self._caches[id(c)] = c
+            return Contiguous(id(c), c.k[0].shape[0], c.capacity, list(ctx.slots),
+                              list(ctx.starts), list(ctx.lengths))  # fmt: skip
+        raise InfersightError(f"tensor parallelism does not run a {type(ctx).__name__}")
+
+    def announce(
+        self, ids: Tensor, positions: Tensor, ctx: AttentionContext, rows: Tensor | None
+    ) -> None:
+        if self.closed:
+            raise RankFailed("this tensor-parallel model was shut down; load it again")
+        message = Forward(ids.cpu(), positions.cpu(), self._recipe(ctx), frozenset(self._caches))
+        self.send(message)
+
+    def send(self, message: object) -> None:
+        try:
+            dist.broadcast_object_list([message], src=0)
+        except Exception as exc:
+            raise self.failure(exc) from exc
+
+    def reduce(self, t: Tensor) -> Tensor:
+        try:
+            return all_reduce(t)
+        except Exception as exc:
+            raise self.failure(exc) from exc
+
+    def failure(self, exc: BaseException) -> RankFailed:
+        """What failed, by rank: a rank's own report where it made one, else the rank whose
+        process is gone, else the collective's error (a timeout)."""
+        self.closed = True
+        reports: list[tuple[int, str]] = []
+        while True:
+            try:
+                reports.append(self.errors.get(timeout=0.5 if not reports else 0.05))
+            except (queue.Empty, OSError, ValueError):
+                break
+        if reports:
+            rank, why = reports[0]
+            return RankFailed(f"tensor-parallel rank {rank} failed: {why}")
+        for rank, process in enumerate(self.processes, start=1):
+            process.join(timeout=0.5)
+            if not process.is_alive():
+                return RankFailed(
+                    f"tensor-parallel rank {rank} died (exit code {process.exitcode}); "
+                    "reload the model (without --tensor-parallel to run on one device)"
+                )
+        return RankFailed(f"a collective of the tensor-parallel ranks failed: {exc}")
+
+    def close(self) -> None:
+        """Stop the other ranks and wait for them; kill any that does not stop."""
+        if not self.closed:
+            self.closed = True
+            try:
+                dist.broadcast_object_list([STOP], src=0)
+            except Exception as exc:  # a rank already gone: the processes are ended below
+                log.warning("stopping the tensor-parallel ranks: %s", exc)
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def follow(model: Transformer, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """The other ranks' loop: each forward rank 0 announces, on this rank's shard, until it
+    says stop. Caches are built the first time a recipe names them, laid out as rank 0's."""
+    pools: dict[int, PagedKVCache] = {}
+    contiguous: dict[int, ContiguousKVCache] = {}
+    no_rows = torch.empty(0, dtype=torch.long)
+    while True:
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+        if message == STOP:
+            return
+        assert isinstance(message, Forward)
+        for held in (pools, contiguous):
+            for key in [k for k in held if k not in message.live]:
+                del held[key]
+        recipe = message.context
+        ctx: AttentionContext
+        if isinstance(recipe, Paged):
+            pool = pools.get(recipe.pool)
+            if pool is None:
+                pool = pools[recipe.pool] = PagedKVCache(
+                    cfg, num_blocks=recipe.num_blocks, block_size=recipe.block_size,
+                    dtype=dtype, prefix_caching=False,
+                )  # fmt: skip
+            pool.manager.tables = recipe.tables
+            ctx = pool.context(list(recipe.chunks))
+        else:
+            cache = contiguous.get(recipe.cache)
+            if cache is None:
+                cache = contiguous[recipe.cache] = ContiguousKVCache(
+                    cfg, slots=recipe.slots_total, capacity=recipe.capacity, dtype=dtype
+                )
+            ctx = cache.context(recipe.slots, recipe.starts, recipe.lengths)
+        model(message.ids, message.positions, ctx, no_rows)
