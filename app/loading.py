@@ -38,6 +38,8 @@ class LoadSpec:
     #: size of the paged KV pool; None: the load's choice (a GPU's pool profiled,
     #: :mod:`engine.core.pool_profile`; :data:`CPU_POOL_MIB` on a CPU)
     kv_memory_mib: float | None = 512.0
+    #: processes the model is split over (tensor parallelism, :mod:`engine.loader.parallel`)
+    tensor_parallel: int = 1
 
 
 #: the KV pool of a load on a CPU that leaves its size to the load
@@ -162,7 +164,10 @@ def load_engine(
     device = resolve_device(spec.device)
     from engine.loader.load import load_model
 
-    engine = load_model(folder, precision=spec.precision, device=device, config=config)
+    engine = load_model(
+        folder, precision=spec.precision, device=device, config=config,
+        tensor_parallel=spec.tensor_parallel,
+    )  # fmt: skip
     if progress:
         progress("load", 1, 1)
     return engine

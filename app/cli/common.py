@@ -126,7 +126,8 @@ def load_engine(
     if config is None:
         config = engine_config(args) if hasattr(args, "block_size") else EngineConfig()
     speculation = speculative_config(args)  # bad options fail before the load
-    spec = LoadSpec(args.model, precision or args.precision, args.device)
+    spec = LoadSpec(args.model, precision or args.precision, args.device,
+                    tensor_parallel=getattr(args, "tensor_parallel", 1))  # fmt: skip
     engine = load(spec, progress_printer(), config=config)
     if speculation is not None:
         print(f"speculative decoding: building the drafter {speculation.label} …",

@@ -406,6 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan for this much device memory (12GiB, 24GB …) instead of what is free here",
     )
     p.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help="plan one rank of the model split over N devices (its largest shard: --memory is "
+        "then each device's)",
+    )  # fmt: skip
+    p.add_argument(
         "--capability",
         default=None,
         help="plan for a CUDA GPU of this compute capability (7.5 for an RTX 20xx, 8.6 for an "
@@ -452,6 +457,11 @@ def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
         )
         p.add_argument("--device", default="auto", help=DEVICE_HELP)
         p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+        p.add_argument(
+            "--tensor-parallel", type=int, default=1, metavar="N",
+            help="split the model over N processes (Megatron-style tensor parallelism; on "
+            "CPUs over gloo, the threads shared out among them)",
+        )  # fmt: skip
 
 
 def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:

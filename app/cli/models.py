@@ -76,6 +76,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         folder = resolve_model_folder(args.model, progress_printer())
         cfg, name = ModelConfig.from_file(folder / "config.json"), folder.name
+    world = args.tensor_parallel
+    if world > 1:  # rank 0 holds the largest shard where heads do not divide evenly
+        from engine.parallel.shard import plan as shard_plan
+
+        cfg, name = shard_plan(cfg, 0, world).local, f"{name}, one rank of {world}"
     config = EngineConfig(
         kv_memory=args.kv_memory, gpu_memory_utilization=args.gpu_memory_utilization
     )

@@ -15,7 +15,7 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
-from engine.errors import ModelLoadError
+from engine.errors import InvalidRequestError, ModelLoadError
 from engine.hardware import threads as cpu_threads
 from engine.hardware.cpu_paths import cpu_paths
 from engine.hardware.measured import machine_name
@@ -67,6 +67,10 @@ def load_model(
         )
     if torch_device.type == "cpu" and dtype == torch.float16:
         log.warning("fp16 on CPU runs through slow fallback kernels; bf16 or fp32 is faster")
+    if tensor_parallel < 1:
+        raise InvalidRequestError(
+            f"--tensor-parallel {tensor_parallel}: give the number of processes, 1 or more"
+        )
     if tensor_parallel > 1:
         from engine.loader.parallel import load_parallel
 
