@@ -1032,6 +1032,17 @@ def check_worker(device: torch.device, figures: dict[str, Any]) -> None:
 # -- 8. kernels at 0 rows -----------------------------------------------------------------------
 
 
+def check_tensor_parallel(figures: dict[str, Any]) -> None:
+    """Tensor parallelism across GPUs (docs/tensor-parallel.md): it needs two or more, and
+    its NCCL path is not built yet (the CPU's gloo path is proved by
+    tests/test_tensor_parallel.py); reported as skipped with which of the two holds."""
+    count = torch.cuda.device_count()
+    figures["gpus"] = count
+    if count < 2:
+        raise Skip(f"needs two or more GPUs; this machine has {count}")
+    raise Skip(f"{count} GPUs here, but tensor parallelism over NCCL is not built yet")
+
+
 def check_empty_kernels(device: torch.device, figures: dict[str, Any]) -> None:
     """What the INT8 and INT4 layers do with 0 rows, recorded (the engine never gives them
     any: :class:`engine.model.transformer.Transformer` skips the head then); each launch is
@@ -1163,6 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
     report.run("triton and graphs", partial(check_triton, scale, device, args.dry_run))
     report.run("app worker", partial(check_worker, device))
     report.run("kernels at 0 rows", partial(check_empty_kernels, device))
+    report.run("tensor parallel", check_tensor_parallel)
     env.update(
         cuda_runtime_bytes=state.get("cuda_runtime_bytes"),
         planned_cuda_runtime_bytes=CUDA_RUNTIME_BYTES,

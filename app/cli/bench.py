@@ -111,7 +111,8 @@ def _bench_speculative(args: argparse.Namespace, folder: Any, device: str, confi
             parse_speculative(text, k)  # bad options fail before the load
     from engine.loader.load import load_model
 
-    engine = load_model(folder, precision=args.precision, device=device, config=config)
+    engine = load_model(folder, precision=args.precision, device=device, config=config,
+                        tensor_parallel=getattr(args, "tensor_parallel", 1))  # fmt: skip
     report = run_spec_bench(
         engine, drafters, sorted(set(args.draft_k)), adaptive=args.adaptive_k,
         new_tokens=args.new_tokens, repeats=args.repeats, log=say,
@@ -173,7 +174,8 @@ def _bench_profile(args: argparse.Namespace, folder: Any, device: str, config: A
     from engine.bench.speed import bench_prompt
     from engine.loader.load import load_model
 
-    engine = load_model(folder, precision=args.precision, device=device, config=config)
+    engine = load_model(folder, precision=args.precision, device=device, config=config,
+                        tensor_parallel=getattr(args, "tensor_parallel", 1))  # fmt: skip
     prompt = bench_prompt(engine, args.prompt_len, args.seed)
     where = device
     if device == "cpu":
@@ -336,7 +338,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     folder = resolve_model_folder(args.model, progress_printer())
     from engine.loader.load import load_model
 
-    engine = load_model(folder, precision=args.precision, device=device, config=config)
+    engine = load_model(folder, precision=args.precision, device=device, config=config,
+                        tensor_parallel=getattr(args, "tensor_parallel", 1))  # fmt: skip
     sweep = Sweep(engine, settings, slo=slo)
     shown = [0]
 

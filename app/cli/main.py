@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="'default', an HF model folder or a .gguf file")
     p.add_argument("--precision", default=None, help="fp32, bf16, int8, int4-g32 … (see chat)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help="load the first model split over N processes (see docs/tensor-parallel.md)",
+    )  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where chats and settings live")
     p.set_defaults(handler=cmd_app)
 

@@ -78,9 +78,14 @@ def run_gui(args: argparse.Namespace) -> int:
     # pulled and converted (a full one took ~250 ms on a 2-core CPU: a freeze on first start)
     settle()
     spec = None
-    if args.model is not None or args.precision is not None or args.device != "cpu":
+    world = getattr(args, "tensor_parallel", 1)
+    if args.model is not None or args.precision is not None or args.device != "cpu" or world > 1:
         spec = LoadSpec(  # the pool's size is the load's choice (a GPU's is profiled)
-            args.model or "default", args.precision or "fp32", args.device, kv_memory_mib=None
+            args.model or "default",
+            args.precision or "fp32",
+            args.device,
+            kv_memory_mib=None,
+            tensor_parallel=world,
         )
     window: MainWindow | None = None
 
