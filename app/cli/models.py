@@ -78,9 +78,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg, name = ModelConfig.from_file(folder / "config.json"), folder.name
     world = args.tensor_parallel
     if world > 1:  # rank 0 holds the largest shard where heads do not divide evenly
-        from engine.parallel.shard import plan as shard_plan
+        from dataclasses import replace
 
-        cfg, name = shard_plan(cfg, 0, world).local, f"{name}, one rank of {world}"
+        from engine.parallel.shard import plan as shard_plan
+        from engine.parallel.shard import vocab_rows
+
+        # the embedding and a float head split by vocabulary rows too (a quantized head,
+        # +head, stays whole: planned as split, a little under)
+        rows = vocab_rows(cfg.vocab_size, 0, world)
+        local = replace(shard_plan(cfg, 0, world).local, vocab_size=rows[1] - rows[0])
+        cfg, name = local, f"{name}, one rank of {world}"
     config = EngineConfig(
         kv_memory=args.kv_memory, gpu_memory_utilization=args.gpu_memory_utilization
     )

@@ -57,7 +57,9 @@ def _init(rank: int, world: int, port: int) -> None:
 def shard_for(cfg: ModelConfig, spec: PrecisionSpec, rank: int, world: int) -> Shard:
     """Rank ``rank``'s shard, its MLP channels in whole INT4 groups where the spec has some."""
     groups = [k.group for k in spec.kinds if k.group]
-    return plan(cfg, rank, world, align=max(groups, default=1))
+    # the embedding and a float head split by vocabulary rows; a quantized head stays whole
+    vocab = spec.kind_for("lm_head") is None
+    return plan(cfg, rank, world, align=max(groups, default=1), vocab=vocab)
 
 
 def _load_shard(folder: Path, precision: str, rank: int, world: int,
@@ -97,7 +99,8 @@ def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, th
         model, shard, spec = _load_shard(Path(folder), precision, rank, world, alpha)
         ops, _ = layer_ops.cpu_ops()
         model.set_ops(ops or TORCH_OPS)
-        model.set_parallel(executor.all_reduce)
+        gather = functools.partial(executor.gather_vocab, vocab_size=shard.full.vocab_size)
+        model.set_parallel(executor.all_reduce, gather if shard.vocab is not None else None)
         dist.monitored_barrier(timeout=timedelta(seconds=LOAD_TIMEOUT_S))
         executor.follow(model, shard.local, spec.compute)
     except BaseException as exc:
@@ -148,7 +151,8 @@ def load_parallel(
         _init(0, world, port)
         torch.set_num_threads(threads)
         model, shard, spec = _load_shard(folder, precision, 0, world, alpha)
-        model.set_parallel(driver.reduce)
+        gatherer = driver.gatherer(shard.full.vocab_size) if shard.vocab is not None else None
+        model.set_parallel(driver.reduce, gatherer)
         try:
             dist.monitored_barrier(timeout=timedelta(seconds=LOAD_TIMEOUT_S))
         except Exception as exc:
@@ -175,8 +179,13 @@ def load_parallel(
 
 
 def _holds(shard: Shard) -> str:
+    vocab = (
+        "the embedding and LM head whole"
+        if shard.vocab is None
+        else f"vocabulary rows {shard.vocab[0]}–{shard.vocab[1] - 1}"
+    )
     return (
         f"query heads {shard.heads[0]}–{shard.heads[-1]}, KV heads "
         f"{shard.kv_heads[0]}–{shard.kv_heads[-1]}, MLP channels {shard.inter[0]}–"
-        f"{shard.inter[1] - 1}"
+        f"{shard.inter[1] - 1}, {vocab}"
     )

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
-from engine.model.transformer import Transformer
+from engine.model.transformer import Transformer, VocabParallelEmbedding
 from engine.parallel.shard import Shard
 from engine.quant.calibration import Calibration, SmoothingPlan
 from engine.quant.embedding import QuantizedEmbedding, head_channel_scale
@@ -125,6 +125,10 @@ def load_transformer(
     """
     with torch.device("meta"):
         model = Transformer(cfg if shard is None else shard.local)
+        if shard is not None and shard.vocab is not None:  # the vocabulary's rows, split
+            start, stop = shard.vocab
+            model.embed = VocabParallelEmbedding(start, stop, cfg.hidden_size)  # type: ignore[assignment]
+            model.lm_head = nn.Linear(cfg.hidden_size, stop - start, bias=False)
     model.rope = model.rope.to(device)  # real buffers (built on the CPU), not meta
 
     tensors: Iterable[tuple[str, Tensor]]

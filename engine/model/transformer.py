@@ -227,6 +227,26 @@ class MLP(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows ``[start, stop)`` of a vocabulary split across tensor-parallel
+    ranks: a token outside them looks up zeros, and the all-reduce (:attr:`reduce`, set by
+    :meth:`Transformer.set_parallel`) adds the one rank's row to the others' zeros, exactly
+    the whole table's row."""
+
+    def __init__(self, start: int, stop: int, hidden: int) -> None:
+        super().__init__()
+        self.start, self.stop = start, stop
+        self.weight = nn.Parameter(torch.empty(stop - start, hidden))
+        self.reduce: Callable[[Tensor], Tensor] | None = None
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.stop - self.start)
+        rows = F.embedding(local.clamp(0, self.stop - self.start - 1), self.weight)
+        rows = rows * inside.unsqueeze(-1).to(rows.dtype)
+        return rows if self.reduce is None else self.reduce(rows)
+
+
 #: a decoder layer's fused forward (:attr:`DecoderLayer.fused`): the layer, its input, the
 #: rotary tables and the attention context; the output, or None where it does not apply
 FusedLayer = Callable[["DecoderLayer", Tensor, Tensor, Tensor, AttentionContext], "Tensor | None"]
@@ -293,6 +313,9 @@ class Transformer(nn.Module):
         )
         #: the all-reduce the layers' row-parallel products end in (:meth:`set_parallel`)
         self.all_reduce: Callable[[Tensor], Tensor] | None = None
+        #: under vocabulary parallelism, what joins the ranks' logits columns into the whole
+        #: vocabulary's (:meth:`set_parallel`)
+        self.gather: Callable[[Tensor], Tensor] | None = None
 
     def forward(
         self,
@@ -339,11 +362,20 @@ class Transformer(nn.Module):
                     return logits
             return self.body(x, positions, ctx, logits_indices)
 
-    def set_parallel(self, all_reduce: Callable[[Tensor], Tensor] | None) -> None:
+    def set_parallel(
+        self,
+        all_reduce: Callable[[Tensor], Tensor] | None,
+        gather: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         """This rank's part of a tensor-parallel model (its weights sharded by
         :mod:`engine.parallel.shard`): ``all_reduce`` sums ``o_proj``'s and ``down_proj``'s
-        partial outputs across the ranks, twice a layer; None: one device."""
+        partial outputs across the ranks, twice a layer (and a vocabulary-parallel
+        embedding's rows); ``gather`` joins a vocabulary-parallel head's logits; None: one
+        device."""
         self.all_reduce = all_reduce
+        self.gather = gather
+        if isinstance(self.embed, VocabParallelEmbedding):
+            self.embed.reduce = all_reduce
         for layer in self.layers:
             decoder = cast(DecoderLayer, layer)
             decoder.attn.reduce = decoder.mlp.reduce = all_reduce
@@ -379,4 +411,5 @@ class Transformer(nn.Module):
                 # kernel's error surfaces at a later launch (a shape check, no sync).
                 return x.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
             x = x[logits_indices]
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x)).float()
+        return logits if self.gather is None else self.gather(logits)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,17 @@ log = logging.getLogger(__name__)
 
 class RankFailed(InfersightError):
     """A rank of a tensor-parallel model died, raised or timed out."""
+
+
+def gather_vocab(t: Tensor, vocab_size: int) -> Tensor:
+    """Every rank's logits columns ``[rows, ⌈V / N⌉]`` (the last rank's padded), side by side:
+    the whole vocabulary's ``[rows, V]`` on each rank."""
+    per = -(-vocab_size // dist.get_world_size())
+    if t.shape[1] < per:
+        t = torch.nn.functional.pad(t, (0, per - t.shape[1]))
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=1)[:, :vocab_size]
 
 
 def all_reduce(t: Tensor) -> Tensor:
@@ -81,6 +93,9 @@ class Contiguous:
 class Forward:
     ids: Tensor
     positions: Tensor
+    #: the rows whose logits rank 0 asks for (None: every row): a vocabulary-parallel head
+    #: computes its columns of them on every rank
+    rows: Tensor | None
     context: Paged | Contiguous
     #: the ids of rank 0's caches still alive: the others drop the rest
     live: frozenset[int]
@@ -120,7 +135,10 @@ class Driver:
     ) -> None:
         if self.closed:
             raise RankFailed("this tensor-parallel model was shut down; load it again")
-        message = Forward(ids.cpu(), positions.cpu(), self._recipe(ctx), frozenset(self._caches))
+        message = Forward(
+            ids.cpu(), positions.cpu(), None if rows is None else rows.cpu(), self._recipe(ctx),
+            frozenset(self._caches),
+        )  # fmt: skip
         self.send(message)
 
     def send(self, message: object) -> None:
@@ -134,6 +152,15 @@ class Driver:
             return all_reduce(t)
         except Exception as exc:
             raise self.failure(exc) from exc
+
+    def gatherer(self, vocab_size: int) -> Callable[[Tensor], Tensor]:
+        def gather(t: Tensor) -> Tensor:
+            try:
+                return gather_vocab(t, vocab_size)
+            except Exception as exc:
+                raise self.failure(exc) from exc
+
+        return gather
 
     def failure(self, exc: BaseException) -> RankFailed:
         """What failed, by rank: a rank's own report where it made one, else the rank whose
@@ -208,4 +235,6 @@ def follow(model: Transformer, cfg: ModelConfig, dtype: torch.dtype) -> None:
                     cfg, slots=recipe.slots_total, capacity=recipe.capacity, dtype=dtype
                 )
             ctx = cache.context(recipe.slots, recipe.starts, recipe.lengths)
-        model(message.ids, message.positions, ctx, no_rows)
+        # the logits' rows where the head is split (its all-gather needs every rank), else none
+        rows = message.rows if model.gather is not None else no_rows
+        model(message.ids, message.positions, ctx, rows)

@@ -10,8 +10,10 @@ the parts, twice a layer:
 * ``o_proj`` and ``down_proj`` are row-parallel: a rank holds the columns of the same heads
   and channels, so its product is a partial sum of the layer's output; an all-reduce adds the
   ranks' parts (:attr:`engine.model.transformer.Transformer.all_reduce`).
-* The norms, the embedding and the LM head are whole on every rank (for now; vocabulary
-  parallelism would split the last two by rows).
+* The embedding and the LM head split by vocabulary rows (where the head stays float): a
+  rank looks up the tokens in its rows (zeros for the others) and an all-reduce joins the
+  rows; it computes the logits of its rows and an all-gather joins them. The norms are whole
+  on every rank.
 
 Heads go to ranks whole and in order, KV head by KV head with its group of query heads (GQA
 stays local): with fewer KV heads than ranks, each KV head is held by ``N / Hkv`` ranks, which
@@ -52,6 +54,9 @@ class Shard:
     inter: tuple[int, int]
     head_dim: int
     full: ModelConfig
+    #: ``[start, stop)`` of the vocabulary whose embedding rows and LM head rows this rank
+    #: holds (vocabulary parallelism), or None: both whole on every rank
+    vocab: tuple[int, int] | None = None
 
     @property
     def local(self) -> ModelConfig:
@@ -93,13 +98,23 @@ class Shard:
             return tensor.index_select(0, self.gate_up_rows().to(tensor.device))
         if name.endswith("mlp.down_proj.weight"):
             return tensor[:, self.inter[0] : self.inter[1]]
+        if self.vocab is not None and name in ("embed.weight", "lm_head.weight"):
+            return tensor[self.vocab[0] : self.vocab[1]]
         return tensor
 
 
-def plan(cfg: ModelConfig, rank: int, world: int, align: int = 1) -> Shard:
+def vocab_rows(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows of a vocabulary split ``world`` ways: runs of ``⌈V / N⌉``, the last
+    one shorter (a gather of the ranks' logits pads it)."""
+    per = -(-vocab_size // world)
+    return min(rank * per, vocab_size), min((rank + 1) * per, vocab_size)
+
+
+def plan(cfg: ModelConfig, rank: int, world: int, align: int = 1, *, vocab: bool = False) -> Shard:
     """Rank ``rank``'s part of ``cfg``'s model split ``world`` ways (``align``: the block the
-    intermediate channels split in). Refused with what to do where a rank would get no query
-    head or no channel, or where KV heads cannot be shared out evenly."""
+    intermediate channels split in; ``vocab``: the embedding and LM head split by vocabulary
+    rows too). Refused with what to do where a rank would get no query head or no channel,
+    or where KV heads cannot be shared out evenly."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of {world}")
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -128,4 +143,5 @@ def plan(cfg: ModelConfig, rank: int, world: int, align: int = 1) -> Shard:
             f"({cfg.intermediate_size} in blocks of {unit}); use fewer ranks"
         )
     inter = _split(cfg.intermediate_size, world, rank, unit)
-    return Shard(rank, world, kv, q, inter, cfg.head_dim, cfg)
+    rows = vocab_rows(cfg.vocab_size, rank, world) if vocab and world > 1 else None
+    return Shard(rank, world, kv, q, inter, cfg.head_dim, cfg, rows)
