@@ -134,6 +134,11 @@ def test_two_ranks_give_one_processs_ids_and_logits(tiny_model_dir, split, arch,
     assert isinstance(two.model.embed, VocabParallelEmbedding)
     assert two.model.lm_head.weight.shape[0] == two.model.embed.weight.shape[0] == 160
     assert "vocabulary rows 0–159" in two.kernels
+    if arch == "llama" and not tied:  # the app's model tooltip names the ranks' processes
+        from app.gui.worker import compute_paths
+
+        pid = two.parallel.processes[0].pid
+        assert f"tensor parallel: rank 0 in this process, rank 1 pid {pid}" in compute_paths(two)
     want = one.runner.forward_logits(PROMPT, one.runner.new_cache(len(PROMPT)), 0)
     got = two.runner.forward_logits(PROMPT, two.runner.new_cache(len(PROMPT)), 0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -401,6 +401,11 @@ def compute_paths(engine: LLMEngine) -> tuple[str, ...]:
         if not engine.triton:
             head += (f"decode attention: {paged_decode.status()}",)
     head += (f"kernels: {engine.kernels}", engine.graph.summary(), engine.graphs.summary())
+    if engine.parallel is not None:  # the ranks of a tensor-parallel model, by process
+        ranks = ", ".join(
+            f"rank {r} pid {p.pid}" for r, p in enumerate(engine.parallel.processes, start=1)
+        )
+        head += (f"tensor parallel: rank 0 in this process, {ranks}",)
     if engine.pool_sizing is not None:  # why a GPU's pool has its size
         head += (f"KV pool: {engine.pool_sizing.summary()}",)
     return head + tuple(f"{g.kind}: {g.form}" for g in engine.weight_groups)
