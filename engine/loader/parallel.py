@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import signal
 import socket
 import weakref
 from collections.abc import Callable
@@ -93,6 +94,8 @@ def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, th
     from engine.kernels import layer_ops
     from engine.model.transformer import TORCH_OPS
 
+    # Ctrl+C reaches every process of the terminal's group: rank 0 shuts the ranks down
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(threads)
         _init(rank, world, port)
