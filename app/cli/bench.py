@@ -79,6 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             shared_prefix=args.shared_prefix,
             prefix_cache=args.prefix_cache,
             log=say,
+            tensor_parallel=args.tensor_parallel,
         )
         print(json.dumps(report, indent=2) if args.json else format_workload_report(report))
         return 0
@@ -95,6 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         compare_hf=args.compare_hf,
         engine_config=config,
         log=say,
+        tensor_parallel=args.tensor_parallel,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

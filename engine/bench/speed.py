@@ -200,11 +200,13 @@ def run_bench(
     compare_hf: bool = False,
     engine_config: Any = None,
     log: Callable[[str], None] = lambda _: None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     torch_device = torch.device(device)
     if compare_hf and cfg.batch != 1:
         raise InfersightError("--compare-hf times transformers at --batch 1 only")
-    engine = load_model(folder, precision=precision, device=device, config=engine_config)
+    engine = load_model(folder, precision=precision, device=device, config=engine_config,
+                        tensor_parallel=tensor_parallel)  # fmt: skip
     prompt = bench_prompt(engine, cfg.prompt_len, cfg.seed)
     hf = HFRunner(folder, precision, torch_device) if compare_hf else None
 
@@ -229,6 +231,7 @@ def run_bench(
         "precision": precision,
         "device": device,
         "threads": torch.get_num_threads(),
+        "tensor_parallel": tensor_parallel,
         "repeats": cfg.repeats,
         "weights_mib": weight_bytes(engine.model) / 2**20,
         "weights_vs_fp16": weight_bytes(engine.model) / (2 * engine.num_parameters),

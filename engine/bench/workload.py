@@ -184,12 +184,14 @@ def run_workload_bench(
     shared_prefix: int = 0,
     prefix_cache: str = "on",
     log: Callable[[str], None] = lambda _: None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """The mixed workload through our continuous batching at each of ``batch_sizes`` and,
     with ``compare_hf``, through transformers' static batching at each of ``hf_batch_sizes``
     (default: the same sizes), the two taking turns. ``prefix_cache``: ``on``, ``off`` or
     ``both`` (off, then on, at each batch size)."""
-    engine = load_model(folder, precision=precision, device=device, config=engine_config)
+    engine = load_model(folder, precision=precision, device=device, config=engine_config,
+                        tensor_parallel=tensor_parallel)  # fmt: skip
     workload = mixed_workload(engine, requests, seed=seed, shared_prefix=shared_prefix)
     caching = {"on": [True], "off": [False], "both": [False, True]}[prefix_cache]
     hf = HFRunner(folder, precision, torch.device(device)) if compare_hf else None
