@@ -452,3 +452,36 @@ def test_64_streaming_clients_of_mixed_lengths_all_get_their_text(server, client
     assert {i: len(v) for i, v in got.items()} == dict.fromkeys(range(8), 8)
     assert all(text == want[i] for i, texts in got.items() for text in texts)
     assert wait_idle(server)["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_ctrl_c_stops_the_server_cleanly(tiny_model_dir, tmp_path) -> None:
+    """Ctrl+C (SIGINT) shuts the server down as SIGTERM does, then exits 0: no traceback on
+    the terminal (uvicorn raises the signal again after its shutdown, and asyncio's runner
+    would turn that into a KeyboardInterrupt and a logged cancellation)."""
+    import signal
+
+    folder, _ = tiny_model_dir("llama", False)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", "--model", str(folder), "--port", "0",
+             "--self-test-interval", "0"],
+            stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                named = re.search(r" on (http://127\.0\.0\.1:\d+)/v1", log_path.read_text())
+                try:
+                    if named and request(named.group(1), "GET", "/health", key=None)[0] == 200:
+                        break
+                except OSError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+    text = log_path.read_text()
+    assert "infersight serve: stopped" in text and "Traceback" not in text, text[-3000:]

@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from app.cli.common import engine_config, load_engine
@@ -59,17 +65,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     where = f"http://{args.host}:{port}"
     print(f"serving {name} ({engine.precision.text}, {engine.device}) on {where}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)  # fmt: skip
-    # On SIGTERM streams get 5 s to end before the lifespan cancels what still runs.
-    if sock is None:
-        uvicorn.run(
-            server.app, host=args.host, port=port, log_level="warning",
-            timeout_graceful_shutdown=5,
-        )  # fmt: skip
-        return 0
-    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning",
-                                       timeout_graceful_shutdown=5))  # fmt: skip
-    uv.run(sockets=[sock])
+    # On SIGTERM and Ctrl+C streams get 5 s to end before the lifespan cancels what still
+    # runs. uvicorn raises the signal again once it has shut down; Python's own SIGINT
+    # handler would turn that into a KeyboardInterrupt inside asyncio's runner, which then
+    # cancels the lifespan task and logs its traceback: with a handler of ours in place,
+    # asyncio installs none, and the raised signal finds nothing left to interrupt.
+    logging.getLogger("uvicorn.error").addFilter(_not_a_cancelled_lifespan)
+    with _quiet_sigint():
+        if sock is None:
+            uvicorn.run(
+                server.app, host=args.host, port=port, log_level="warning",
+                timeout_graceful_shutdown=5,
+            )  # fmt: skip
+            return 0
+        uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning",
+                                           timeout_graceful_shutdown=5))  # fmt: skip
+        uv.run(sockets=[sock])
     return 0 if uv.started else 3  # uvicorn.run's status when it could not start
+
+
+def _not_a_cancelled_lifespan(record: logging.LogRecord) -> bool:
+    """uvicorn logs the lifespan task's cancellation (starlette reports it as a failed
+    shutdown, its traceback as the message), which asyncio's runner makes when the server has
+    already shut down (after Ctrl+C; the shutdown itself said "stopped"): not an error, so
+    not a traceback on the user's terminal."""
+    exc = record.exc_info[1] if record.exc_info else None
+    text = record.getMessage().rstrip()
+    return not (isinstance(exc, asyncio.CancelledError) or text.endswith("CancelledError"))
+
+
+@contextlib.contextmanager
+def _quiet_sigint() -> Iterator[None]:
+    """SIGINT ignored outside uvicorn's own handling of it (which it installs while it
+    serves), the previous handler back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _free_port(host: str) -> socket.socket:
