@@ -106,20 +106,23 @@ def pack(weight: Tensor, lib: native.Library | None = None) -> Tensor:
     return packed
 
 
+def _run(fn: Any, x: Tensor, packed: Tensor, n: int, *args: object) -> None:
+    """One of the library's products on ``x [M, K]`` (contiguous) and a packed weight of
+    ``n`` outputs, the rest of its arguments after them, on torch's thread count."""
+    m, k = x.shape
+    rc = native.call("infersight::amx_gemm", fn, x.data_ptr(), m, k, packed.data_ptr(), n,
+                     *args, torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the AMX int8 GEMM ran out of memory for its last rows")
+
+
 def gemm(x: Tensor, packed: Tensor, out_features: int, lib: native.Library | None = None) -> Tensor:
     """``x [M, K] int8 · weightᵀ`` as int32 ``[M, N]``, exact (``torch._int_mm``'s sums),
     from the weight :func:`pack` made."""
     lib = lib or library()
     x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, out_features, dtype=torch.int32)
-    rc = native.call(
-        "infersight::amx_gemm", lib.lib.infersight_amx_gemm,
-        x.data_ptr(), m, k, packed.data_ptr(), out_features, y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("the AMX int8 GEMM ran out of memory for its last rows")
+    y = torch.empty(x.shape[0], out_features, dtype=torch.int32)
+    _run(lib.lib.infersight_amx_gemm, x, packed, out_features, y.data_ptr())
     return y
 
 
@@ -134,17 +137,14 @@ def gemm_scaled(
     memory."""
     lib = lib or library()
     x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, out_features, dtype=dtype)
-    rc = native.call(
-        "infersight::amx_gemm", lib.lib.infersight_amx_gemm_scaled,
-        x.data_ptr(), m, k, packed.data_ptr(), out_features, x_scale.contiguous().data_ptr(),
-        w_scales.contiguous().data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+    y = torch.empty(x.shape[0], out_features, dtype=dtype)
+    _run(
+        lib.lib.infersight_amx_gemm_scaled, x, packed, out_features,
+        x_scale.contiguous().data_ptr(), w_scales.contiguous().data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
         None if residual is None else residual.contiguous().data_ptr(), y.data_ptr(),
-        int(dtype == torch.bfloat16), torch.get_num_threads(),
+        int(dtype == torch.bfloat16),
     )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("the AMX int8 GEMM ran out of memory for its last rows")
     return y
 
 
@@ -158,19 +158,16 @@ def silu_quantize(
     :func:`engine.kernels.layer_ops.w8a8_silu_quantize` gives on the int32 sums."""
     lib = lib or library()
     x = x.contiguous()
-    m, k = x.shape
+    m = x.shape[0]
     act = torch.empty(m, inter, dtype=torch.float32)
     q = torch.empty(m, inter, dtype=torch.int8)
     scale = torch.empty(m, 1, dtype=torch.float32)
-    rc = native.call(
-        "infersight::amx_gemm", lib.lib.infersight_amx_silu_quantize,
-        x.data_ptr(), m, k, packed.data_ptr(), inter, x_scale.contiguous().data_ptr(),
-        w_scales.contiguous().data_ptr(), int(dtype == torch.bfloat16),
-        0.0 if fixed is None else fixed, act.data_ptr(), q.data_ptr(), scale.data_ptr(),
-        torch.get_num_threads(),
+    _run(
+        lib.lib.infersight_amx_silu_quantize, x, packed, inter,
+        x_scale.contiguous().data_ptr(), w_scales.contiguous().data_ptr(),
+        int(dtype == torch.bfloat16), 0.0 if fixed is None else fixed, act.data_ptr(),
+        q.data_ptr(), scale.data_ptr(),
     )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("the AMX int8 GEMM ran out of memory for its last rows")
     return q, scale
 
 

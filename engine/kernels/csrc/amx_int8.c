@@ -132,38 +132,59 @@ static void finish(const epilogue *e, const int32_t *sums, int64_t r0, int64_t r
     }
 }
 
+/* A thread's part of a product: its block of sums, and x's last m mod 32 rows copied into 32
+ * zero-padded ones (the tiles load whole 16-row halves); the tiles configured. */
+typedef struct {
+    int8_t *rest;
+    int32_t *sums;
+} scratch;
+
+static int scratch_open(scratch *s, const int8_t *x, int64_t m, int64_t k) {
+    const int64_t full = m / 32 * 32, tail = m - full;
+    s->rest = tail ? calloc((size_t)(32 * k), 1) : NULL;
+    s->sums = malloc(32 * 32 * sizeof *s->sums);
+    configure();
+    if (s->sums == NULL || (tail && s->rest == NULL)) return -1;
+    if (tail) memcpy(s->rest, x + full * k, (size_t)(tail * k));
+    return 0;
+}
+
+static void scratch_close(scratch *s) {
+    _tile_release();
+    free(s->rest);
+    free(s->sums);
+}
+
+/* the 32 rows of x from row i: x's own, or the padded copy of its last ones */
+static inline const int8_t *rows_at(const scratch *s, const int8_t *x, int64_t m, int64_t k,
+                                    int64_t i) {
+    return m - i < 32 ? s->rest : x + i * k;
+}
+
 static int gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int64_t n, void *y,
                 const epilogue *e, int threads) {
     if (infersight_amx_ready() != 0 || n % 32 || k % 64) return -1;
-    const int64_t pairs = n / 32, full = m / 32 * 32, tail = m - full, kbs = k / 64;
+    const int64_t pairs = n / 32, kbs = k / 64;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        int8_t *rest = tail ? calloc((size_t)(32 * k), 1) : NULL;
-        int32_t *sums = malloc(32 * 32 * sizeof *sums);
-        if (sums == NULL || (tail && rest == NULL)) failed = 1;
-        else if (tail) memcpy(rest, x + full * k, (size_t)(tail * k));
-        configure();
+        scratch s;
+        failed = scratch_open(&s, x, m, k) != 0;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             if (failed) continue;
             const int8_t *b0 = packed + 2 * p * kbs * 1024, *b1 = b0 + kbs * 1024;
-            for (int64_t i = 0; i < full; i += 32) {
-                if (!e->scaled) { /* the sums straight into y */
+            for (int64_t i = 0; i < m; i += 32) {
+                const int64_t rows = m - i < 32 ? m - i : 32;
+                if (!e->scaled && rows == 32) { /* the sums straight into y */
                     block(x + i * k, k, b0, b1, (int32_t *)y + i * n + 32 * p, n);
                     continue;
                 }
-                block(x + i * k, k, b0, b1, sums, 32);
-                finish(e, sums, i, 32, 32 * p, n, y);
-            }
-            if (tail) {
-                block(rest, k, b0, b1, sums, 32);
-                finish(e, sums, full, tail, 32 * p, n, y);
+                block(rows_at(&s, x, m, k, i), k, b0, b1, s.sums, 32);
+                finish(e, s.sums, i, rows, 32 * p, n, y);
             }
         }
-        _tile_release();
-        free(rest);
-        free(sums);
+        scratch_close(&s);
     }
     return failed ? -1 : 0;
 }
@@ -173,30 +194,27 @@ static int gemm(const int8_t *x, int64_t m, int64_t k, const int8_t *packed, int
  * pair, so that each 32 × 16 block of act = silu(gate) · up (quant8.h's silu_up8 on the scaled
  * sums, rounded as bf16 activations round where `bf16`) is made as the tiles are stored; then
  * each row of act [m, inter] (fp32, the caller's) quantized to q [m, inter] with its scale
- * s [m] (quant8.h's quantize_row; `fixed` > 0: static). lowbit.c's and layer_ops.c's calls
+ * scale[m] (quant8.h's quantize_row; `fixed` > 0: static). lowbit.c's and layer_ops.c's calls
  * (scale_rows, infersight_w8a8_silu_quantize) give the same values. inter a multiple of 16. */
 int infersight_amx_silu_quantize(const int8_t *x, int64_t m, int64_t k, const int8_t *packed,
                                  int64_t inter, const float *sx, const float *sw, int bf16,
-                                 float fixed, float *act, int8_t *q, float *s, int threads) {
+                                 float fixed, float *act, int8_t *q, float *scale, int threads) {
     if (infersight_amx_ready() != 0 || inter % 16 || k % 64) return -1;
-    const int64_t blocks = inter / 16, full = m / 32 * 32, tail = m - full, kbs = k / 64;
+    const int64_t blocks = inter / 16, kbs = k / 64;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        int8_t *rest = tail ? calloc((size_t)(32 * k), 1) : NULL;
-        int32_t *sums = malloc(32 * 32 * sizeof *sums);
-        if (sums == NULL || (tail && rest == NULL)) failed = 1;
-        else if (tail) memcpy(rest, x + full * k, (size_t)(tail * k));
-        configure();
+        scratch s;
+        failed = scratch_open(&s, x, m, k) != 0;
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < blocks; j++) {
             if (failed) continue;
             const int8_t *gate = packed + j * kbs * 1024, *up = gate + blocks * kbs * 1024;
             for (int64_t i = 0; i < m; i += 32) {
                 const int64_t rows = m - i < 32 ? m - i : 32;
-                block(rows < 32 ? rest : x + i * k, k, gate, up, sums, 32);
+                block(rows_at(&s, x, m, k, i), k, gate, up, s.sums, 32);
                 for (int64_t r = 0; r < rows; r++) {
-                    const int32_t *a = sums + r * 32;
+                    const int32_t *a = s.sums + r * 32;
                     const v8 row = (v8){0} + sx[i + r];
                     for (int c = 0; c < 16; c += 8) {
                         v8i ga, ua;
@@ -210,12 +228,11 @@ int infersight_amx_silu_quantize(const int8_t *x, int64_t m, int64_t k, const in
                 }
             }
         }
-        _tile_release();
+        scratch_close(&s);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) s[r] = quantize_row(act + r * inter, inter, fixed, q + r * inter);
-        free(rest);
-        free(sums);
+        for (int64_t r = 0; r < m; r++)
+            scale[r] = quantize_row(act + r * inter, inter, fixed, q + r * inter);
     }
     return failed ? -1 : 0;
 }

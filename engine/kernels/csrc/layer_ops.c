@@ -422,10 +422,7 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
 /* row r of the activations' dtype as fp32: itself, or widened into `wide` */
 static inline const float *as_f32(const void *row, int bf16, int64_t n, float *wide) {
     if (!bf16) return (const float *)row;
-    const uint16_t *h = (const uint16_t *)row;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) store8(wide + i, load8_bf16(h + i));
-    for (; i < n; i++) wide[i] = bf16_to_f32(h[i]);
+    bf16_row((const uint16_t *)row, n, wide);
     return wide;
 }
 

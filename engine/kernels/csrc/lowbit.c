@@ -753,10 +753,7 @@ void infersight_quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k
         for (int64_t r = 0; r < rows; r++) {
             const float *row = (const float *)x + r * k;
             if (x_bf16) {
-                const uint16_t *xh = (const uint16_t *)x + r * k;
-                int64_t j = 0;
-                for (; j + 8 <= k; j += 8) store8(wide + j, load8_bf16(xh + j));
-                for (; j < k; j++) wide[j] = bf16_to_f32(xh[j]);
+                bf16_row((const uint16_t *)x + r * k, k, wide);
                 row = wide;
             }
             s[r] = quantize_row(row, k, fixed, q + r * k);

@@ -39,13 +39,6 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-static inline void bf16_row(const uint16_t *src, int64_t n, float *dst) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &bits, sizeof(float));
-    }
-}
-
 /* One sequence b, KV heads [h0, h1): writes out[b, h0*group : h1*group, :]. `scratch` holds
  * (h1-h0) * (group*(TILE + 2 + D) + 2*TILE*D) floats. */
 static void attend_item(const float *q, const void *pool, int bf16, const int64_t *srow,

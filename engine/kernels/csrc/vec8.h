@@ -83,6 +83,16 @@ static inline v8 load8_bf16(const uint16_t *p) {
     return floats8((v8i)(__builtin_convertvector(h, v8u32) << 16));
 }
 
+/* n bf16 values widened to fp32 (exactly) */
+static inline void bf16_row(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(dst + i, load8_bf16(src + i));
+    for (; i < n; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &bits, sizeof(float));
+    }
+}
+
 static inline v8h bf16_8(v8 v) {
     const v8u32 b = (v8u32)bits8(v);
     const v8u32 nan = (v8u32)((b & 0x7FFFFFFFu) > 0x7F800000u);
