@@ -285,3 +285,17 @@ def test_plan_takes_the_tensor_parallel_degree(capsys) -> None:
     assert two["fits"] and not one["fits"]
     assert two["weight_bytes"] < 0.6 * one["weight_bytes"] and two["max_context"] > 8192
     assert "one rank of 2" in two["model"]
+
+
+def test_a_split_the_model_cannot_take_is_refused_before_any_process_starts(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """3 ranks for 2 KV heads: one line saying what to use instead, and no rank spawned."""
+    import torch.multiprocessing as mp
+
+    started = []
+    monkeypatch.setattr(mp, "get_context", lambda *a: started.append(a) or None)
+    folder, _ = tiny_model_dir("llama", False)
+    with pytest.raises(InvalidRequestError, match="cannot share this model's 2 KV heads"):
+        load_model(folder, tensor_parallel=3)
+    assert started == []

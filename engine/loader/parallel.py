@@ -134,6 +134,11 @@ def load_parallel(
         raise InvalidRequestError(
             "a tensor-parallel model is already loaded in this process; close it first"
         )
+    # a split the model cannot take is refused here, before any process starts
+    from engine.quant.spec import parse_precision_spec
+
+    spec = parse_precision_spec(precision, torch.device("cpu"))
+    shard_for(ModelConfig.from_file(folder / "config.json"), spec, 0, world)
     threads = max(1, torch.get_num_threads() // world)
     context = mp.get_context("spawn")
     errors = context.Queue()
