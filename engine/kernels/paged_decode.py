@@ -35,7 +35,7 @@ from torch import Tensor
 
 from engine.errors import InfersightError
 from engine.hardware import isolated
-from engine.kernels import native
+from engine.kernels import lowbit, native
 
 log = logging.getLogger(__name__)
 
@@ -362,8 +362,6 @@ def prefill_choice(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> t
 
 @cache
 def _measured_faster(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
-    from engine.kernels import lowbit
-
     name = str(dtype).removeprefix("torch.")
     key = f"prefill attention {name} {heads}/{kv_heads}x{dim} {CHOICE_TOKENS} tokens"
     build = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
@@ -373,11 +371,10 @@ def _measured_faster(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) ->
     )  # fmt: skip
 
 
-def time_prefill(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> Any:
+def time_prefill(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> lowbit.Timing:
     """The paged prefill kernel against gather + SDPA on one :data:`CHOICE_TOKENS`-token
     chunk over a pool of random keys (ms per chunk, best of three interleaved rounds)."""
     from engine.hardware import measured
-    from engine.kernels import lowbit
 
     gen = torch.Generator().manual_seed(0)
     n = CHOICE_TOKENS
