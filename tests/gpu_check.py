@@ -1032,15 +1032,79 @@ def check_worker(device: torch.device, figures: dict[str, Any]) -> None:
 # -- 8. kernels at 0 rows -----------------------------------------------------------------------
 
 
-def check_tensor_parallel(figures: dict[str, Any]) -> None:
-    """Tensor parallelism across GPUs (docs/tensor-parallel.md): it needs two or more, and
-    its NCCL path is not built yet (the CPU's gloo path is proved by
-    tests/test_tensor_parallel.py); reported as skipped with which of the two holds."""
+def check_tensor_parallel(
+    scale: Scale, device: torch.device, dry: bool, figures: dict[str, Any]
+) -> None:
+    """Tensor parallelism over two GPUs (NCCL; docs/tensor-parallel.md) against one: the tiny
+    model's greedy ids equal and its fp32 logits close, SmolLM2's shapes decoding at fp16 on
+    both, and a killed rank named as an error within 30 s, with nothing left behind. It needs
+    two GPUs; the dry run runs the same code on the CPU over gloo."""
+    import signal
+
+    from engine.loader.load import load_model
+    from engine.parallel.executor import RankFailed
+
     count = torch.cuda.device_count()
     figures["gpus"] = count
-    if count < 2:
+    if not dry and count < 2:
         raise Skip(f"needs two or more GPUs; this machine has {count}")
-    raise Skip(f"{count} GPUs here, but tensor parallelism over NCCL is not built yet")
+    where = str(device.type)  # every rank on its own GPU: cuda:0, cuda:1
+    root = Path(tempfile.mkdtemp(prefix="gpu-check-tp-"))
+    folder = write_folder(DRY.raw, root / "tiny")
+    prompt = [(7 * i + 3) % 200 for i in range(40)]
+    logits: dict[int, torch.Tensor] = {}
+    runs: dict[int, dict[str, Any]] = {}
+    for world in (1, 2):
+        engine = load_model(folder, device=where, tensor_parallel=world)
+        try:
+            ids = greedy(engine, prompt, 16)
+            cache = engine.runner.new_cache(len(prompt))
+            logits[world] = engine.runner.forward_logits(prompt, cache, 0).float().cpu()
+            runs[world] = {"ids": ids, "kernels": engine.kernels}
+        finally:
+            if engine.parallel is not None:
+                engine.parallel.close()
+        del engine
+        release(device)
+    expect(runs[2]["ids"] == runs[1]["ids"], "two ranks changed the tiny model's greedy ids")
+    diff = (logits[2] - logits[1]).abs().max().item()
+    expect(diff < 1e-3, f"two ranks' fp32 logits differ from one's by {diff:.2e}")
+    expect("tensor parallel: 2 ranks" in runs[2]["kernels"], runs[2]["kernels"])
+    figures.update(same_ids=True, max_logit_diff=diff,
+                   kernels=runs[2]["kernels"].split("; tensor parallel: ")[-1])  # fmt: skip
+    if not dry:  # SmolLM2's shapes at fp16: batch-1 decode on one GPU and on two
+        big = write_folder(smollm2(), root / "smollm2")
+        speed: dict[int, float] = {}
+        for world in (1, 2):
+            engine = load_model(big, precision="fp16", device=where, tensor_parallel=world)
+            try:
+                p = bench_prompt(engine, 128, seed=1)
+                speed[world] = decode_speed(engine, p, scale)
+            finally:
+                if engine.parallel is not None:
+                    engine.parallel.close()
+            del engine
+            release(device)
+        figures["smollm2_fp16_decode_tok_s"] = {"one": speed[1], "two": speed[2]}
+    # a rank killed between steps: rank 0's next step names it, no hang, nothing left
+    engine = load_model(folder, device=where, tensor_parallel=2)
+    process = engine.parallel.processes[0]
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout=10)
+    started = time.perf_counter()
+    try:
+        greedy(engine, prompt, 4)
+        expect(False, "a step ran with a rank killed")
+    except RankFailed as exc:
+        took = time.perf_counter() - started
+        expect(took < 30, f"the killed rank was named after {took:.0f} s")
+        expect("rank 1" in str(exc), f"the error does not name rank 1: {exc}")
+        figures["killed_rank"] = {"named_after_s": round(took, 2), "error": str(exc)[:120]}
+    finally:
+        engine.parallel.close()
+    expect(not process.is_alive(), "the killed rank's process is still there")
+    del engine
+    release(device)
 
 
 def check_empty_kernels(device: torch.device, figures: dict[str, Any]) -> None:
@@ -1174,7 +1238,7 @@ def main(argv: list[str] | None = None) -> int:
     report.run("triton and graphs", partial(check_triton, scale, device, args.dry_run))
     report.run("app worker", partial(check_worker, device))
     report.run("kernels at 0 rows", partial(check_empty_kernels, device))
-    report.run("tensor parallel", check_tensor_parallel)
+    report.run("tensor parallel", partial(check_tensor_parallel, scale, device, args.dry_run))
     env.update(
         cuda_runtime_bytes=state.get("cuda_runtime_bytes"),
         planned_cuda_runtime_bytes=CUDA_RUNTIME_BYTES,

@@ -299,3 +299,44 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_process_starts(
     with pytest.raises(InvalidRequestError, match="cannot share this model's 2 KV heads"):
         load_model(folder, tensor_parallel=3)
     assert started == []
+
+
+# -- CUDA (NCCL), without a GPU -----------------------------------------------------------------
+
+
+def test_ranks_take_a_gpu_each_and_too_few_gpus_are_refused_with_what_to_do(monkeypatch):
+    """On CUDA rank r runs on GPU r over NCCL (the GPU run itself is ``make gpu-check``'s, on
+    a machine with two); a load asking for more ranks than GPUs, or without NCCL, or on a
+    device kind with no backend is refused in one line before any process starts."""
+    from engine.loader import parallel
+
+    assert parallel.rank_device("cuda", 1) == torch.device("cuda", 1)
+    assert parallel.rank_device("cpu", 1) == torch.device("cpu")
+    assert parallel.BACKENDS == {"cpu": "gloo", "cuda": "nccl"}
+    assert parallel.refusal("cpu", 4) == ""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "needs a GPU per rank, and 1 is visible: use --tensor-parallel 1" in (
+        parallel.refusal("cuda", 2)
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    assert "no NCCL" in parallel.refusal("cuda", 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    assert parallel.refusal("cuda", 2) == ""
+    assert "not on mps" in parallel.refusal("mps", 2)
+
+
+def test_the_tensors_collectives_run_in_their_own_group(tiny_model_dir, split) -> None:
+    """The all-reduces and the logits' all-gather go through the tensors' group (NCCL's on
+    GPUs), the announcements through the default one: on CPUs both gloo, the same code."""
+    folder, _ = tiny_model_dir("llama", False)
+    # asked for CUDA graphs and a compiled decode step: neither runs under tensor parallelism
+    two = split(folder, config=EngineConfig(cuda_graphs="on", decode_graph="on"))
+    group = two.parallel.group
+    assert group is not None and group is not torch.distributed.group.WORLD
+    assert torch.distributed.get_backend(group) == "gloo"
+    assert "2 ranks (gloo)" in two.kernels
+    assert two.graphs.runner is None and "under tensor parallelism" in two.graphs.why
+    assert not two.graph.compiled
+    if "cannot compile" not in two.graph.why:  # a machine without a compiler says that first
+        assert two.graph.why == "eager under tensor parallelism"

@@ -91,6 +91,8 @@ def settle(mode: str | None, model: Transformer, kv: PagedKVCache, max_batch: in
     device = kv.device
     if mode == "off":
         return GraphsChoice(None, "off as asked")
+    if model.announce is not None:  # a graph would replay the step without telling the ranks
+        return GraphsChoice(None, "off under tensor parallelism (each step is announced)")
     if not kv.triton:
         return GraphsChoice(None, "off: they need our Triton kernels (INFERSIGHT_KERNELS)")
     if device.type != "cuda" and mode == "auto":

@@ -113,6 +113,8 @@ class ModelRunner:
         choice = decode_graph.choose(mode, self.device)
         if not choice.compiled:
             return choice
+        if self.model.announce is not None:  # the other ranks run the eager forward
+            return decode_graph.GraphChoice(False, "eager under tensor parallelism")
         if kv.triton:  # the graph's attention op is the torch paths'
             return decode_graph.GraphChoice(False, "eager: our Triton kernels run the attention")
         model = self.model

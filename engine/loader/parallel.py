@@ -3,9 +3,11 @@ process, the other ranks spawned, each loading its own shard of the same checkpo
 (:mod:`engine.parallel.shard`) and then following rank 0's forwards
 (:func:`engine.parallel.executor.follow`).
 
-The ranks meet in a ``torch.distributed`` process group: gloo on a CPU (NCCL on CUDA is not
-built yet). Every collective times out after :data:`TIMEOUT_S`; loading waits longer, at a
-barrier that names a rank that never arrives.
+On a CPU every rank runs on the CPU (sharing out its threads); on CUDA rank ``r`` runs on
+GPU ``r``. The ranks meet in two ``torch.distributed`` process groups (:func:`groups`): gloo
+for rank 0's announcements and the barriers, and the tensors' group for the all-reduces (gloo
+on CPUs, NCCL across GPUs). Every collective times out after :data:`TIMEOUT_S`; loading waits
+longer, at a barrier that names a rank that never arrives.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import signal
 import socket
 import weakref
@@ -48,11 +51,50 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _init(rank: int, world: int, port: int) -> None:
+#: the tensors' group's backend, by device type
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def rank_device(device: str | torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the CPU for every rank on a CPU, GPU ``rank`` on CUDA."""
+    kind = torch.device(device).type
+    return torch.device("cpu") if kind == "cpu" else torch.device(kind, rank)
+
+
+def groups(rank: int, world: int, port: int, device: torch.device) -> Any:
+    """Join the ranks' groups, each with the :data:`TIMEOUT_S` timeout: the default group,
+    gloo (the announcements' object broadcasts and ``monitored_barrier`` need it), and the
+    group the tensors' collectives run in, returned: :data:`BACKENDS` of ``device``'s type.
+    On CPUs both are gloo, and a CPU run goes through every line a GPU run does."""
+    timeout = timedelta(seconds=TIMEOUT_S)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # a collective that times out aborts NCCL's communicators and fails, where PyTorch's
+        # default (3) would also tear this process down: rank 0 is the app's
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S),
+        timeout=timeout,
     )  # fmt: skip
+    return dist.new_group(backend=BACKENDS[device.type], timeout=timeout)
+
+
+def refusal(device: str | torch.device, world: int) -> str:
+    """Why ``world`` ranks cannot run on ``device`` here, or "" when they can."""
+    kind = torch.device(device).type
+    if kind not in BACKENDS:
+        return f"--tensor-parallel runs on CPUs (gloo) and CUDA GPUs (NCCL), not on {kind}"
+    if kind == "cuda":
+        count = torch.cuda.device_count()
+        if count < world:
+            return (
+                f"--tensor-parallel {world} on CUDA needs a GPU per rank, and {count} "
+                f"{'is' if count == 1 else 'are'} visible: use --tensor-parallel {max(count, 1)}"
+                " or fewer, or --device cpu"
+            )
+        if not dist.is_nccl_available():
+            return "this PyTorch build has no NCCL: --tensor-parallel needs it on CUDA"
+    return ""
 
 
 def shard_for(cfg: ModelConfig, spec: PrecisionSpec, rank: int, world: int) -> Shard:
@@ -63,13 +105,12 @@ def shard_for(cfg: ModelConfig, spec: PrecisionSpec, rank: int, world: int) -> S
     return plan(cfg, rank, world, align=max(groups, default=1), vocab=vocab)
 
 
-def _load_shard(folder: Path, precision: str, rank: int, world: int,
-                alpha: Any) -> tuple[Transformer, Shard, PrecisionSpec]:  # fmt: skip
+def _load_shard(folder: Path, precision: str, rank: int, world: int, alpha: Any,
+                device: torch.device) -> tuple[Transformer, Shard, PrecisionSpec]:  # fmt: skip
     from engine.loader.weights import load_transformer, smoothing_plan
     from engine.quant import calibration as calibration_files
     from engine.quant.spec import parse_precision_spec
 
-    device = torch.device("cpu")
     spec = parse_precision_spec(precision, device)
     cfg = ModelConfig.from_file(folder / "config.json")
     spec.check_layers(cfg.num_layers)
@@ -88,7 +129,7 @@ def _load_shard(folder: Path, precision: str, rank: int, world: int,
 
 
 def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, threads: int,
-               errors: Any, alpha: Any) -> None:  # fmt: skip
+               errors: Any, alpha: Any, device_type: str) -> None:  # fmt: skip
     """A spawned rank: join the group, load its shard, follow rank 0 until it says stop.
     Whatever fails goes to ``errors`` with the rank before the process exits."""
     from engine.kernels import layer_ops
@@ -98,14 +139,21 @@ def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, th
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(threads)
-        _init(rank, world, port)
-        model, shard, spec = _load_shard(Path(folder), precision, rank, world, alpha)
-        ops, _ = layer_ops.cpu_ops()
-        model.set_ops(ops or TORCH_OPS)
-        gather = functools.partial(executor.gather_vocab, vocab_size=shard.full.vocab_size)
-        model.set_parallel(executor.all_reduce, gather if shard.vocab is not None else None)
+        device = rank_device(device_type, rank)
+        group = groups(rank, world, port, device)
+        model, shard, spec = _load_shard(Path(folder), precision, rank, world, alpha, device)
+        if device.type == "cpu":
+            ops, _ = layer_ops.cpu_ops()
+            model.set_ops(ops or TORCH_OPS)
+        gather = functools.partial(
+            executor.gather_vocab, vocab_size=shard.full.vocab_size, group=group
+        )
+        model.set_parallel(
+            functools.partial(executor.all_reduce, group=group),
+            gather if shard.vocab is not None else None,
+        )
         dist.monitored_barrier(timeout=timedelta(seconds=LOAD_TIMEOUT_S))
-        executor.follow(model, shard.local, spec.compute)
+        executor.follow(model, shard.local, spec.compute, device)
     except BaseException as exc:
         errors.put((rank, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
@@ -125,11 +173,9 @@ def load_parallel(
     from engine.loader.generation_config import generation_config_eos, generation_config_sampling
     from engine.model.tokenizer import Tokenizer
 
-    if torch.device(device).type != "cpu":
-        raise InvalidRequestError(
-            "--tensor-parallel runs on CPUs for now (gloo); NCCL across CUDA GPUs is not "
-            "built yet: load on one GPU, or with --device cpu"
-        )
+    problem = refusal(device, world)
+    if problem:
+        raise InvalidRequestError(problem)
     if dist.is_initialized():
         raise InvalidRequestError(
             "a tensor-parallel model is already loaded in this process; close it first"
@@ -137,9 +183,10 @@ def load_parallel(
     # a split the model cannot take is refused here, before any process starts
     from engine.quant.spec import parse_precision_spec
 
-    spec = parse_precision_spec(precision, torch.device("cpu"))
+    spec = parse_precision_spec(precision, torch.device(device))
     shard_for(ModelConfig.from_file(folder / "config.json"), spec, 0, world)
     threads = max(1, torch.get_num_threads() // world)
+    kind = torch.device(device).type
     context = mp.get_context("spawn")
     errors = context.Queue()
     port = _free_port()
@@ -148,17 +195,18 @@ def load_parallel(
             target=_rank_main,
             name=f"infersight-rank-{rank}",
             daemon=True,
-            args=(rank, world, port, str(folder), precision, threads, errors, alpha),
+            args=(rank, world, port, str(folder), precision, threads, errors, alpha, kind),
         )
         for rank in range(1, world)
     ]
     for process in processes:
         process.start()
     driver = executor.Driver(processes, errors, TIMEOUT_S)
+    here = rank_device(device, 0)
     try:
-        _init(0, world, port)
+        driver.group = groups(0, world, port, here)
         torch.set_num_threads(threads)
-        model, shard, spec = _load_shard(folder, precision, 0, world, alpha)
+        model, shard, spec = _load_shard(folder, precision, 0, world, alpha, here)
         gatherer = driver.gatherer(shard.full.vocab_size) if shard.vocab is not None else None
         model.set_parallel(driver.reduce, gatherer)
         try:
@@ -170,7 +218,7 @@ def load_parallel(
         cfg = shard.local
         eos = set(cfg.eos_token_ids) | set(generation_config_eos(folder))
         engine = settle(
-            model, tokenizer, cfg, spec, torch.device("cpu"), name=folder.name,
+            model, tokenizer, cfg, spec, here, name=folder.name,
             eos_token_ids=sorted(eos), config=config, pack=False,
         )  # fmt: skip
     except BaseException:
@@ -180,7 +228,10 @@ def load_parallel(
     engine.folder = folder
     engine.speculation = functools.partial(speculation, load=load)  # drafters: one process
     engine.parallel = driver
-    engine.kernels += f"; tensor parallel: {world} ranks (gloo), this rank holds {_holds(shard)}"
+    backend = BACKENDS[here.type]
+    engine.kernels += (
+        f"; tensor parallel: {world} ranks ({backend}), this rank holds {_holds(shard)}"
+    )
     weakref.finalize(engine, driver.close)
     atexit.register(driver.close)
     return engine

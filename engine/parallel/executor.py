@@ -9,10 +9,13 @@ heads). Each other rank (:func:`follow`, one process each) then runs the same fo
 shard; the layers' all-reduces (:func:`all_reduce`) join the ranks twice a layer, and only
 rank 0 computes logits.
 
-The messages go by ``torch.distributed``'s object broadcast on the same process group as the
-all-reduces (gloo on a CPU), so they are ordered with them. Every collective has the group's
-timeout; a rank that fails says why on a queue before it exits, and rank 0 turns the failed
-collective into an error naming the rank (:meth:`Driver.failure`).
+Two process groups join the ranks (:func:`engine.loader.parallel.groups`): the default one,
+always gloo, carries the announcements (``torch.distributed``'s object broadcast) and the
+barriers; the tensors' group carries the all-reduces and the logits' all-gather, gloo on CPUs
+and NCCL across GPUs. A rank reads an announcement before it runs the forward it describes,
+so the two groups' traffic stays in order. Every collective has the groups' timeout; a rank
+that fails says why on a queue before it exits, and rank 0 turns the failed collective into
+an error naming the rank (:meth:`Driver.failure`).
 """
 
 from __future__ import annotations
@@ -42,26 +45,27 @@ class RankFailed(InfersightError):
     """A rank of a tensor-parallel model died, raised or timed out."""
 
 
-def gather_vocab(t: Tensor, vocab_size: int) -> Tensor:
+def gather_vocab(t: Tensor, vocab_size: int, group: Any = None) -> Tensor:
     """Every rank's logits columns ``[rows, ⌈V / N⌉]`` (the last rank's padded), side by side:
-    the whole vocabulary's ``[rows, V]`` on each rank."""
-    per = -(-vocab_size // dist.get_world_size())
+    the whole vocabulary's ``[rows, V]`` on each rank (``group``: the tensors' group)."""
+    world = dist.get_world_size(group)
+    per = -(-vocab_size // world)
     if t.shape[1] < per:
         t = torch.nn.functional.pad(t, (0, per - t.shape[1]))
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=1)[:, :vocab_size]
 
 
-def all_reduce(t: Tensor) -> Tensor:
-    """The sum of ``t`` across the ranks, in place (a row-parallel product's fresh output);
-    a half-precision ``t`` is summed in fp32 and rounded once, as one device's product
-    rounds its sum once."""
+def all_reduce(t: Tensor, group: Any = None) -> Tensor:
+    """The sum of ``t`` across the ranks of ``group`` (the tensors' group), in place (a
+    row-parallel product's fresh output); a half-precision ``t`` is summed in fp32 and
+    rounded once, as one device's product rounds its sum once."""
     if t.dtype == torch.float32:
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
         return t
     wide = t.float()
-    dist.all_reduce(wide)
+    dist.all_reduce(wide, group=group)
     return t.copy_(wide)
 
 
@@ -73,6 +77,8 @@ class Paged:
     pool: int
     num_blocks: int
     block_size: int
+    #: whether the pool's steps attend through our Triton kernels (on a GPU)
+    triton: bool
     chunks: tuple[SeqChunk, ...]
     tables: dict[str, list[int]]
 
@@ -108,10 +114,13 @@ class Driver:
     """Rank 0's side: announces each forward to the other ranks; knows their processes, to
     say which one failed and why."""
 
-    def __init__(self, processes: list[Any], errors: Any, timeout_s: float) -> None:
+    def __init__(
+        self, processes: list[Any], errors: Any, timeout_s: float, group: Any = None
+    ) -> None:
         self.processes = processes  # rank r's process at index r - 1
         self.errors = errors
         self.timeout_s = timeout_s
+        self.group = group  # the tensors' group (None: the default one)
         self._caches: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.closed = False
 
@@ -122,7 +131,7 @@ class Driver:
             self._caches[id(cache)] = cache
             chunks = tuple(ctx.chunks)
             tables = {c.seq_id: list(mgr.tables[c.seq_id]) for c in chunks}
-            return Paged(id(cache), mgr.num_blocks, cache.block_size, chunks, tables)
+            return Paged(id(cache), mgr.num_blocks, cache.block_size, cache.triton, chunks, tables)
         if isinstance(ctx, _ContiguousContext):
             c = ctx.cache
             self._caches[id(c)] = c
@@ -149,14 +158,14 @@ class Driver:
 
     def reduce(self, t: Tensor) -> Tensor:
         try:
-            return all_reduce(t)
+            return all_reduce(t, self.group)
         except Exception as exc:
             raise self.failure(exc) from exc
 
     def gatherer(self, vocab_size: int) -> Callable[[Tensor], Tensor]:
         def gather(t: Tensor) -> Tensor:
             try:
-                return gather_vocab(t, vocab_size)
+                return gather_vocab(t, vocab_size, self.group)
             except Exception as exc:
                 raise self.failure(exc) from exc
 
@@ -201,9 +210,10 @@ class Driver:
             dist.destroy_process_group()
 
 
-def follow(model: Transformer, cfg: ModelConfig, dtype: torch.dtype) -> None:
-    """The other ranks' loop: each forward rank 0 announces, on this rank's shard, until it
-    says stop. Caches are built the first time a recipe names them, laid out as rank 0's."""
+def follow(model: Transformer, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """The other ranks' loop: each forward rank 0 announces, on this rank's shard (on
+    ``device``), until it says stop. Caches are built the first time a recipe names them,
+    laid out as rank 0's."""
     pools: dict[int, PagedKVCache] = {}
     contiguous: dict[int, ContiguousKVCache] = {}
     no_rows = torch.empty(0, dtype=torch.long)
@@ -224,7 +234,7 @@ def follow(model: Transformer, cfg: ModelConfig, dtype: torch.dtype) -> None:
             if pool is None:
                 pool = pools[recipe.pool] = PagedKVCache(
                     cfg, num_blocks=recipe.num_blocks, block_size=recipe.block_size,
-                    dtype=dtype, prefix_caching=False,
+                    dtype=dtype, device=device, prefix_caching=False, triton=recipe.triton,
                 )  # fmt: skip
             pool.manager.tables = recipe.tables
             ctx = pool.context(list(recipe.chunks))
@@ -232,9 +242,11 @@ def follow(model: Transformer, cfg: ModelConfig, dtype: torch.dtype) -> None:
             cache = contiguous.get(recipe.cache)
             if cache is None:
                 cache = contiguous[recipe.cache] = ContiguousKVCache(
-                    cfg, slots=recipe.slots_total, capacity=recipe.capacity, dtype=dtype
-                )
+                    cfg, slots=recipe.slots_total, capacity=recipe.capacity, dtype=dtype,
+                    device=device,
+                )  # fmt: skip
             ctx = cache.context(recipe.slots, recipe.starts, recipe.lengths)
         # the logits' rows where the head is split (its all-gather needs every rank), else none
         rows = message.rows if model.gather is not None else no_rows
-        model(message.ids, message.positions, ctx, rows)
+        ids, positions = message.ids.to(device), message.positions.to(device)
+        model(ids, positions, ctx, None if rows is None else rows.to(device))
