@@ -249,6 +249,29 @@ def test_speculative_decoding_stays_exact(tiny_model_dir, split) -> None:
     assert stats is not None and stats.num_accepted_tokens > 0 and stats.num_rejections > 0
 
 
+def test_a_new_pool_keeps_the_ranks(tiny_model_dir) -> None:
+    """The app's KV pool resize (``with_pool``): the new engine drives the same ranks, which
+    build the new pool, and the ranks stay up when the old engine is collected; they stop
+    when the last engine on the model goes."""
+    import gc
+
+    folder, _ = tiny_model_dir("llama", False)
+    two = load_model(folder, tensor_parallel=2)
+    driver = two.parallel
+    want = _greedy(two, PROMPT)
+    resized = two.with_pool(num_blocks=two.kv.manager.num_blocks // 2)
+    try:
+        assert resized.parallel is driver and "tensor parallel: 2 ranks" in resized.kernels
+        del two
+        gc.collect()
+        assert driver.processes[0].is_alive() and not driver.closed
+        assert _greedy(resized, PROMPT) == want
+    finally:
+        del resized
+        gc.collect()
+    assert driver.closed and not driver.processes[0].is_alive()
+
+
 # -- failure --------------------------------------------------------------------------------------
 
 
@@ -340,3 +363,78 @@ def test_the_tensors_collectives_run_in_their_own_group(tiny_model_dir, split) -
     assert not two.graph.compiled
     if "cannot compile" not in two.graph.why:  # a machine without a compiler says that first
         assert two.graph.why == "eager under tensor parallelism"
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+def test_the_app_splits_a_model_plots_each_rank_and_offers_one_process_when_a_rank_dies(
+    qtbot, tmp_path, tiny_model_dir
+) -> None:
+    """A real window: the model loaded over 2 processes from the Processes control, the
+    tooltip naming the ranks, the memory plot a curve per rank; rank 1 killed, the next reply
+    ends in an error that names it, the chat is kept, and the notice's button loads the model
+    in one process (the ranks gone, by pid)."""
+    import shutil
+
+    import psutil
+
+    from app.gui.main_window import MainWindow
+    from app.loading import LoadSpec
+    from engine.loader.synthetic import CHAT_TEMPLATE
+    from tests.app_window import LONG_WAIT_MS, stored
+
+    folder = shutil.copytree(tiny_model_dir("llama", False)[0], tmp_path / "tiny")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    window = MainWindow(tmp_path / "data", spec=LoadSpec(str(folder), "fp32", "cpu", 16.0))
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)
+    try:
+        assert window.model.tensor_parallel == 1
+        window.controls.ranks_combo.setCurrentIndex(window.controls.ranks_combo.findData(2))
+        window.controls.ranks_combo.activated.emit(1)  # as a click on "2" does
+        qtbot.waitUntil(
+            lambda: window.model is not None and window.model.tensor_parallel == 2,
+            timeout=LONG_WAIT_MS,
+        )
+        engine = window.worker.engine
+        pids = [p.pid for p in engine.parallel.processes]
+        assert f"rank 1 pid {pids[0]}" in window.status_model.toolTip()
+        assert window.controls.tensor_parallel() == 2
+        ranks = {"rank 0 RSS", "rank 1 RSS"}  # a curve each in the memory plot
+        qtbot.waitUntil(lambda: ranks <= set(window.instruments._memory_curves), timeout=30_000)
+
+        window.controls.temperature.set_value(0)
+        window.controls.max_new_tokens.set_value(6)
+        window.chat.input.setPlainText("t5 t6 t7 t8")
+        window.chat._submit()
+        qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)
+        first = stored(window)
+        assert [status for *_, status in first] == ["done", "done"]
+
+        os.kill(pids[0], signal.SIGKILL)
+        window.chat.input.setPlainText("t9 t10")
+        window.chat._submit()
+        qtbot.waitUntil(lambda: window.active is None, timeout=30_000)
+        assert "rank 1 died" in window.chat.notice.text()
+        assert window.chat.notice_action.isVisible()
+        assert window.chat.notice_action.text() == "Reload without tensor parallelism"
+        after = stored(window)
+        assert after[:2] == first and after[2][:2] == ("user", "t9 t10")
+        assert after[3][2] == "error"  # the reply that failed, kept with its error
+
+        window.chat.notice_action.click()
+        qtbot.waitUntil(
+            lambda: window.model is not None and window.model.tensor_parallel == 1,
+            timeout=LONG_WAIT_MS,
+        )
+        assert window.worker.engine.parallel is None
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                       for pid in pids)  # fmt: skip
+        window.chat.input.setPlainText("t9 t10")
+        window.chat._submit()
+        qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)
+        assert stored(window)[-1][2] == "done"
+    finally:
+        window.shutdown()

@@ -13,6 +13,7 @@ and stored), and a reply opened from the history has none.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
@@ -287,7 +288,12 @@ class ChatPane(QWidget):
         self.notice.setVisible(False)
         self.notice.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self._notice_timer = QTimer(self, singleShot=True, interval=15000)
-        self._notice_timer.timeout.connect(lambda: self.notice.setVisible(False))
+        self._notice_timer.timeout.connect(self._hide_notice)
+        # what the notice offers to do about it (one button, shown with the notice)
+        self.notice_action = QPushButton()
+        self.notice_action.setVisible(False)
+        self.notice_action.clicked.connect(self._notice_clicked)
+        self._notice_do: Callable[[], None] | None = None
         self.messages_widget = QWidget()
         self.messages_layout = QVBoxLayout(self.messages_widget)
         self.messages_layout.setAlignment(Qt.AlignmentFlag.AlignTop)
@@ -346,7 +352,10 @@ class ChatPane(QWidget):
         main_layout = QVBoxLayout(main)
         main_layout.setContentsMargins(0, 0, 0, 0)
         main_layout.addWidget(self.system_prompt)
-        main_layout.addWidget(self.notice)
+        notice_row = QHBoxLayout()
+        notice_row.addWidget(self.notice, 1)
+        notice_row.addWidget(self.notice_action)
+        main_layout.addLayout(notice_row)
         main_layout.addWidget(self.scroll_area, 1)
         main_layout.addWidget(self.input)
         main_layout.addLayout(buttons)
@@ -469,14 +478,35 @@ class ChatPane(QWidget):
     def generating(self) -> bool:
         return self._generating
 
-    def show_notice(self, text: str, level: str = "error") -> None:
-        """An in-window message above the conversation (no modal dialog)."""
+    def show_notice(
+        self, text: str, level: str = "error",
+        action: tuple[str, Callable[[], None]] | None = None,
+    ) -> None:  # fmt: skip
+        """An in-window message above the conversation (no modal dialog); ``action``: a
+        button beside it, its label and what it does (it stays until used or replaced)."""
         self.notice.setProperty("level", level)
         self.notice.style().unpolish(self.notice)
         self.notice.style().polish(self.notice)
         self.notice.setText(text)
         self.notice.setVisible(True)
-        self._notice_timer.start()
+        self._notice_do = None if action is None else action[1]
+        self.notice_action.setText("" if action is None else action[0])
+        self.notice_action.setVisible(action is not None)
+        if action is None:
+            self._notice_timer.start()
+        else:
+            self._notice_timer.stop()
+
+    def _hide_notice(self) -> None:
+        self.notice.setVisible(False)
+        self.notice_action.setVisible(False)
+        self._notice_do = None
+
+    def _notice_clicked(self) -> None:
+        do = self._notice_do
+        self._hide_notice()
+        if do is not None:
+            do()
 
     # -- following the end -----------------------------------------------------------------
     def _on_range(self, _min: int, maximum: int) -> None:

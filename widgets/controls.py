@@ -57,6 +57,7 @@ class ControlsPanel(QScrollArea):
     browse_requested = Signal()  # open the model picker (models already on this machine)
     precision_requested = Signal(str)
     device_requested = Signal(str)
+    tensor_parallel_requested = Signal(int)  # the model split over this many processes
     reload_requested = Signal()  # a load-time setting changed
     kv_pool_requested = Signal(float)  # a KV pool of this many MiB (no reload of the weights)
     sampling_changed = Signal()
@@ -188,6 +189,18 @@ class ControlsPanel(QScrollArea):
         form.addRow("", row)
         form.addRow("Precision", self.precision_combo)
         form.addRow("Device", self.device_combo)
+        self.ranks_combo = QComboBox()
+        self.set_rank_choices(2)
+        self.ranks_combo.setToolTip(
+            "Tensor parallelism: the model split over this many processes, one a GPU on CUDA "
+            "(NCCL), sharing the cores on a CPU (gloo). For a model larger than one device; "
+            "on one CPU it is slower than one process (docs/tensor-parallel.md). Changing it "
+            "reloads the model; the memory plot then shows each rank's memory"
+        )
+        self.ranks_combo.activated.connect(
+            lambda _: self.tensor_parallel_requested.emit(self.tensor_parallel())
+        )
+        form.addRow("Processes", self.ranks_combo)
         self.plan_label = QLabel("")
         self.plan_label.setWordWrap(True)
         self.plan_label.setObjectName("plan")
@@ -391,16 +404,32 @@ class ControlsPanel(QScrollArea):
         index = self.device_combo.findData(current)
         self.device_combo.setCurrentIndex(max(index, 0))
 
+    def tensor_parallel(self) -> int:
+        """The processes the model is split over (1: not split)."""
+        return int(self.ranks_combo.currentData() or 1)
+
+    def set_rank_choices(self, most: int) -> None:
+        """Offer 1 … ``most`` processes (a GPU each on CUDA), keeping the choice made."""
+        current = self.tensor_parallel() if self.ranks_combo.count() else 1
+        self.ranks_combo.clear()
+        for n in range(1, max(most, current, 1) + 1):
+            self.ranks_combo.addItem("1 (not split)" if n == 1 else f"{n} (tensor parallel)", n)
+        self.ranks_combo.setCurrentIndex(self.ranks_combo.findData(current))
+
     def show_plan(self, line: str, detail: str, fits: bool) -> None:
         """The memory plan of the model loading: one line, the whole plan in its tooltip."""
         self.plan_label.setText(line if fits else f"⚠ {line}")
         self.plan_label.setToolTip(detail)
 
     def show_model(
-        self, path: str, precision: str, device: str | None = None, resolved: str | None = None
-    ) -> None:
+        self, path: str, precision: str, device: str | None = None, resolved: str | None = None,
+        tensor_parallel: int = 1,
+    ) -> None:  # fmt: skip
         """The model in use; ``device`` as chosen, ``resolved`` where it runs (``auto`` then
-        reads ``auto → cpu``)."""
+        reads ``auto → cpu``); split over ``tensor_parallel`` processes."""
+        if self.ranks_combo.findData(tensor_parallel) < 0:
+            self.set_rank_choices(tensor_parallel)
+        self.ranks_combo.setCurrentIndex(self.ranks_combo.findData(tensor_parallel))
         index = self.model_combo.findData(path)
         if index >= 0:
             self.model_combo.setCurrentIndex(index)

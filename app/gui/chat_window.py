@@ -4,6 +4,7 @@ and the reply that streams into the last bubble, saved as it grows."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -87,6 +88,9 @@ class ChatWindow(QMainWindow):
     conversation_id: int | None
     last_stats: ReplyStats | None
     _tags: int  # replies started, for their tags
+    #: what a failed reply's notice offers to do (label, action): set while the engine
+    #: cannot go on as it is (a tensor-parallel rank failed), None otherwise
+    recovery: tuple[str, Callable[[], None]] | None
 
     # -- conversations -------------------------------------------------------------------------
     def _open_conversations(self) -> None:
@@ -291,7 +295,8 @@ class ChatWindow(QMainWindow):
         if reply.error:
             self.chat.show_notice(
                 f"The reply ended with an error: {reply.error}. The chat is kept; you can send "
-                "again or regenerate."
+                "again or regenerate.",
+                action=self.recovery,
             )
 
     def _on_stats(self, stats: ReplyStats) -> None:

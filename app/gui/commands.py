@@ -39,6 +39,7 @@ class ModelInfo:
     block_size: int
     kv_memory_mib: float
     requested_device: str = "auto"  # as the user chose it ("auto", "cpu", "cuda:1" …)
+    tensor_parallel: int = 1  # the processes the model is split over
     #: the model's own sampling (``SamplingParams`` keyword arguments, generation_config.json)
     default_sampling: dict[str, Any] = field(default_factory=dict, hash=False)
     #: the CPU paths probed and each kind of weight's format and kernel (the load report)
@@ -215,8 +216,9 @@ class _Loaded:
 
 @dataclass(frozen=True, slots=True)
 class _Unload:
-    """The loader thread asks for the current model to go before it loads ``spec``: the plan
-    says both do not fit at once. ``done`` is set once it is gone."""
+    """The loader thread asks for the current model to go before it loads ``spec``, for
+    ``why`` (the plan says both do not fit at once; one split model at a time). ``done`` is
+    set once it is gone."""
 
     spec: LoadSpec
     why: str

@@ -67,6 +67,12 @@ PROGRESS_STAGES = {
 }
 
 
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def available_devices() -> list[str]:
     """``auto`` (CUDA when torch sees one, else the CPU), ``cpu`` and every CUDA device torch
     can see (a query, no work on a device)."""
@@ -114,6 +120,7 @@ class MainWindow(ChatWindow):
         self.store = ChatStore(data_dir / "chats.sqlite3")
         self.settings = QSettings(str(data_dir / "settings.ini"), QSettings.Format.IniFormat)
         self.model: ModelInfo | None = None
+        self.recovery = None
         self.loading: LoadSpec | None = None
         self.active: ActiveReply | None = None
         self.conversation_id: int | None = None
@@ -153,6 +160,7 @@ class MainWindow(ChatWindow):
         self._connect()
         self.worker.loaded.connect(self._settle_garbage)
         self.controls.set_devices(available_devices())
+        self.controls.set_rank_choices(max(2, _gpu_count()))
         self._restore_settings()
         # the restored limits and window; the worker applies them to every engine it loads
         self.worker.post(
@@ -203,6 +211,7 @@ class MainWindow(ChatWindow):
         # Worker signals go to methods of this window only: a bound QObject method runs in
         # the receiver's (UI) thread, while a plain lambda would run in the worker's.
         w.error.connect(self._on_worker_error)
+        w.ranks_failed.connect(self._on_ranks_failed)
         w.notice.connect(self._on_worker_notice)
         w.unloaded.connect(self._on_unloaded)
         w.planned.connect(self._on_planned)
@@ -220,6 +229,9 @@ class MainWindow(ChatWindow):
         controls.browse_requested.connect(self.browse_models)
         controls.precision_requested.connect(lambda p: self.load(self._spec(precision=p)))
         controls.device_requested.connect(lambda d: self.load(self._spec(device=d)))
+        controls.tensor_parallel_requested.connect(
+            lambda n: self.load(self._spec(tensor_parallel=n))
+        )
         controls.reload_requested.connect(lambda: self.load(self._spec()))
         controls.kv_pool_requested.connect(self._on_kv_pool)
         controls.limits_changed.connect(lambda limits: self.worker.post(Configure(limits=limits)))
@@ -273,13 +285,19 @@ class MainWindow(ChatWindow):
         return self.model.requested_device if self.model else self.controls.device()
 
     def _spec(
-        self, *, model: str | None = None, precision: str | None = None, device: str | None = None
-    ) -> LoadSpec:
+        self, *, model: str | None = None, precision: str | None = None,
+        device: str | None = None, tensor_parallel: int | None = None,
+    ) -> LoadSpec:  # fmt: skip
+        if tensor_parallel is None:  # the model's split, else the control's
+            tensor_parallel = (
+                self.model.tensor_parallel if self.model else self.controls.tensor_parallel()
+            )
         return LoadSpec(
             model or self._model_path(),
             precision or self._precision(),
             device or self._device(),
             self._kv_memory_mib(device or self._device()),
+            tensor_parallel=tensor_parallel,
         )
 
     def _kv_memory_mib(self, device: str) -> float | None:
@@ -345,6 +363,16 @@ class MainWindow(ChatWindow):
     def _on_worker_error(self, text: str) -> None:
         self.chat.show_notice(text)
 
+    def _on_ranks_failed(self, text: str) -> None:
+        """A rank of the split model failed: its engine is stopped, the chat stays; offer the
+        same model in one process."""
+        self.status_model.setText("model stopped: a tensor-parallel rank failed")
+        self.recovery = (
+            "Reload without tensor parallelism",
+            lambda: self.load(self._spec(tensor_parallel=1)),
+        )
+        self.chat.show_notice(f"{text}. The conversation is kept.", action=self.recovery)
+
     def _on_speculation(self, text: str, k: int, error: str) -> None:
         """What the engine speculates with now ("" off), after a change or a new engine;
         ``error``: why the change asked for failed (the chat shows it too)."""
@@ -383,6 +411,7 @@ class MainWindow(ChatWindow):
 
     def _on_loaded(self, info: ModelInfo) -> None:
         self.loading = None
+        self.recovery = None
         self._close_progress()
         self.model = info
         self.tuner.set_engine(
@@ -391,7 +420,9 @@ class MainWindow(ChatWindow):
         )  # fmt: skip
         self.controls.add_model(info.name, info.path)
         self._lab_models(info)
-        self.controls.show_model(info.path, info.precision, info.requested_device, info.device)
+        self.controls.show_model(
+            info.path, info.precision, info.requested_device, info.device, info.tensor_parallel
+        )
         self.controls.set_model_defaults(info.path, info.default_sampling)
         with contextlib.suppress(ValueError):  # a profiled pool under the control's minimum
             self.controls.kv_memory.set_value(info.kv_memory_mib)
@@ -432,8 +463,9 @@ class MainWindow(ChatWindow):
             keep = f" Still using {self.model.name} ({self.model.precision})."
             self.status_model.setText(model_label(self.model))
             self.controls.show_model(
-                self.model.path, self.model.precision, self.model.requested_device
-            )
+                self.model.path, self.model.precision, self.model.requested_device,
+                tensor_parallel=self.model.tensor_parallel,
+            )  # fmt: skip
         else:
             keep = " No model is loaded: pick another model or precision in Controls."
             self.status_model.setText("no model")
@@ -500,6 +532,11 @@ class MainWindow(ChatWindow):
                 memory["GPU total (NVML)"] = mem.nvml_total_bytes * mib
         elif mem.process_rss_bytes is not None:
             memory["process RSS"] = mem.process_rss_bytes * mib
+        # a split model: each rank's own (its GPU's use, or its process's resident set)
+        what = "GPU used" if mem.cuda_reserved_bytes is not None else "RSS"
+        for rank, used in enumerate(mem.rank_bytes):
+            if used is not None:
+                memory[f"rank {rank} {what}"] = used * mib
         self.controls.show_prefix_cache(
             s.prefix_cache_hit_rate if s.prefix_caching else None, s.kv_blocks_cached
         )

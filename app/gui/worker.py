@@ -210,6 +210,13 @@ class EngineWorker(WorkerLoop):
         that. A model that would not fit either way is left running: the loader refuses the
         load with the plan's numbers. A model still to be downloaded is planned by the loader
         once it is here (the download reports its own progress)."""
+        held = [e for e in self._engines() if e.parallel is not None]
+        if spec.tensor_parallel > 1 and held:
+            # one process group a process: the split model in use goes before another starts
+            self._unload_first(
+                spec, f"one tensor-parallel model runs at a time, and {held[0].name} is split"
+            )
+            return
         if needs_download(spec.model):
             return
         try:
@@ -222,8 +229,13 @@ class EngineWorker(WorkerLoop):
         self.planned.emit(later if not now.fits and later.fits else now)
         if now.fits or not later.fits:
             return
+        self._unload_first(spec, "it and the model loading do not fit in memory together")
+
+    def _unload_first(self, spec: LoadSpec, why: str) -> None:
+        """(Loader thread.) Have the worker unload the current model before ``spec`` loads,
+        saying ``why``, and wait for that."""
         done = threading.Event()
-        self.post(_Unload(spec, now.refusal() or "", done))
+        self.post(_Unload(spec, why, done))
         while not done.wait(0.05):
             if self._load_cancel.is_set():
                 raise CancelledError("the load was cancelled because the engine is stopping")
@@ -240,13 +252,16 @@ class EngineWorker(WorkerLoop):
             self._step_all()  # the cancellations reach their replies before the engine goes
             self._flush()
             self._end_tune("the model was unloaded")
+            for engine in self._engines():  # a split model's ranks stop now, not when collected
+                if engine.parallel is not None:
+                    engine.parallel.close()
             self.engine, self.info, self._retiring = None, None, []
             self.recovery.release()
             self._free_memory()
             self.unloaded.emit(
-                f"Unloaded {info.name} ({info.precision}) first: it and "
-                f"{command.spec.model} ({command.spec.precision}) do not fit in memory "
-                "together. The conversation is kept."
+                f"Unloaded {info.name} ({info.precision}) before loading "
+                f"{command.spec.model} ({command.spec.precision}): {command.why}. The "
+                "conversation is kept."
             )
         command.done.set()
 
@@ -383,6 +398,7 @@ def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
             round(engine.kv.nbytes / 2**20) if spec.kv_memory_mib is None else spec.kv_memory_mib
         ),
         requested_device=spec.device,
+        tensor_parallel=spec.tensor_parallel,
         default_sampling=dict(engine.default_sampling),
         paths=compute_paths(engine),
     )

@@ -41,6 +41,7 @@ from engine.core.recovery import Stepped, StepRecovery
 from engine.core.sampling import SamplingParams
 from engine.errors import InfersightError
 from engine.kv_cache.window import CacheWindow
+from engine.parallel.executor import RankFailed
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class WorkerLoop(QObject):
     reply_stats = Signal(object)  # ReplyStats
     metrics = Signal(object)  # EngineView
     error = Signal(str)  # a command that could not be done; the worker goes on
+    #: a rank of the tensor-parallel model failed: the engine is stopped, the chat kept (why)
+    ranks_failed = Signal(str)
     notice = Signal(str)  # something the user should know that is not an error
     paused = Signal(bool)
     tune_status = Signal(object)  # TuneStatus
@@ -493,7 +496,12 @@ class WorkerLoop(QObject):
                 sink(exc)
         with contextlib.suppress(Exception):
             engine.step()  # collect the cancellations so the engine is idle and clean
-        self.error.emit(message)
+        if isinstance(exc, RankFailed):  # the ranks are gone: a reload is the way on
+            with contextlib.suppress(Exception):
+                engine.parallel.close()  # its process group, so that a new split can start
+            self.ranks_failed.emit(str(exc))
+        else:
+            self.error.emit(message)
 
     def _flush(self) -> None:
         now = time.perf_counter()

@@ -9,6 +9,7 @@ request finishes (other requests advance too).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,7 +24,7 @@ from engine.core import cuda_graphs, decode_check
 from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
-from engine.core.metrics import LayerTiming, MetricsSnapshot, RequestMetrics
+from engine.core.metrics import LayerTiming, MemoryByKind, MetricsSnapshot, RequestMetrics
 from engine.core.output import (
     GenerationResult,
     OutputProcessor,
@@ -268,6 +269,9 @@ class LLMEngine:
         new.default_sampling = dict(getattr(self, "default_sampling", {}))
         new.graph, new.threads_report = self.graph, self.threads_report
         new.folder, new.speculation = self.folder, self.speculation
+        if self.parallel is not None:  # the same ranks hold the shared model's other shards
+            new.parallel = self.parallel
+            new.kernels += f"; {self.parallel.summary}"
         return new
 
     def _pool_blocks(self) -> int:
@@ -522,6 +526,13 @@ class LLMEngine:
             take = getattr(self.model.decode_step, "take_layer_seconds", None)
             self.layer_timings = self.layer_timer.collect(take() if take is not None else ())
 
+    def memory(self) -> MemoryByKind:
+        """Memory by kind now; under tensor parallelism each rank's too."""
+        memory = memory_by_kind(self.weights_bytes, self.kv.nbytes, self.device)
+        if self.parallel is None:
+            return memory
+        return dataclasses.replace(memory, rank_bytes=self.parallel.memory(self.device))
+
     def metrics(self) -> MetricsSnapshot:
         now = time.perf_counter()
         mgr = self.kv.manager
@@ -537,7 +548,7 @@ class LLMEngine:
             kv_blocks_total=occ.total_blocks,
             kv_tokens_stored=occ.tokens_stored,
             kv_waste_slots=occ.waste_slots,
-            memory=memory_by_kind(self.weights_bytes, self.kv.nbytes, self.device),
+            memory=self.memory(),
             layer_timings=self.layer_timings,
             total_prompt_tokens=self.collector.total_prompt_tokens,
             total_generated_tokens=self.collector.total_generated_tokens,

@@ -69,6 +69,9 @@ class MemoryByKind:
     cuda_reserved_bytes: int | None = None
     nvml_used_bytes: int | None = None
     nvml_total_bytes: int | None = None
+    #: under tensor parallelism each rank's memory, rank 0 first: its GPU's used memory
+    #: (NVML), or on a CPU its process's resident set; None where it cannot be read
+    rank_bytes: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,10 +229,10 @@ def load_parallel(
     engine.speculation = functools.partial(speculation, load=load)  # drafters: one process
     engine.parallel = driver
     backend = BACKENDS[here.type]
-    engine.kernels += (
-        f"; tensor parallel: {world} ranks ({backend}), this rank holds {_holds(shard)}"
-    )
-    weakref.finalize(engine, driver.close)
+    driver.summary = f"tensor parallel: {world} ranks ({backend}), this rank holds {_holds(shard)}"
+    engine.kernels += f"; {driver.summary}"
+    # the ranks live as long as the model they hold shards of (its engines share it)
+    weakref.finalize(model, driver.close)
     atexit.register(driver.close)
     return engine
 

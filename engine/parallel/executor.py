@@ -21,6 +21,7 @@ an error naming the rank (:meth:`Driver.failure`).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import weakref
 from collections.abc import Callable
@@ -121,6 +122,8 @@ class Driver:
         self.errors = errors
         self.timeout_s = timeout_s
         self.group = group  # the tensors' group (None: the default one)
+        #: what the ranks hold, for the load report
+        self.summary = ""
         self._caches: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.closed = False
 
@@ -171,10 +174,38 @@ class Driver:
 
         return gather
 
+    def memory(self, device: torch.device) -> tuple[int | None, ...]:
+        """Each rank's memory in bytes, rank 0 first: on a GPU what NVML says GPU ``r`` has
+        in use, on a CPU the resident set of rank ``r``'s process; None where it cannot be
+        read (no NVML, a rank gone)."""
+        if device.type == "cuda":
+            from engine.hardware import nvml
+
+            world = len(self.processes) + 1
+            gpus = [nvml.device_memory(torch.device("cuda", r)) for r in range(world)]
+            return tuple(None if g is None else g.used_bytes for g in gpus)
+        import psutil
+
+        def rss(pid: int | None) -> int | None:
+            try:
+                return int(psutil.Process(pid).memory_info().rss)
+            except (psutil.Error, ValueError):
+                return None
+
+        return (rss(os.getpid()), *(rss(p.pid) for p in self.processes))
+
     def failure(self, exc: BaseException) -> RankFailed:
         """What failed, by rank: a rank's own report where it made one, else the rank whose
         process is gone, else the collective's error (a timeout)."""
         self.closed = True
+        try:
+            return self._named(exc)
+        finally:  # the group is broken: the ranks still running cannot go on
+            for process in self.processes:
+                if process.is_alive():
+                    process.kill()
+
+    def _named(self, exc: BaseException) -> RankFailed:
         reports: list[tuple[int, str]] = []
         while True:
             try:
