@@ -355,9 +355,10 @@ def test_the_tensors_collectives_run_in_their_own_group(tiny_model_dir, split) -
     folder, _ = tiny_model_dir("llama", False)
     # asked for CUDA graphs and a compiled decode step: neither runs under tensor parallelism
     two = split(folder, config=EngineConfig(cuda_graphs="on", decode_graph="on"))
-    group = two.parallel.group
-    assert group is not None and group is not torch.distributed.group.WORLD
-    assert torch.distributed.get_backend(group) == "gloo"
+    groups = two.parallel.groups
+    assert not torch.distributed.is_initialized()  # the model's own groups, not the default
+    assert isinstance(groups.tensors, torch.distributed.ProcessGroupGloo)
+    assert groups.tensors is not groups.control and groups.tensors.size() == 2
     assert "2 ranks (gloo)" in two.kernels
     assert two.graphs.runner is None and "under tensor parallelism" in two.graphs.why
     assert not two.graph.compiled
@@ -438,3 +439,73 @@ def test_the_app_splits_a_model_plots_each_rank_and_offers_one_process_when_a_ra
         assert stored(window)[-1][2] == "done"
     finally:
         window.shutdown()
+
+
+# -- the commands -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "loads"),
+    [
+        (["eval", "compare", "--b", "fp32", "--prompt", "t1 t2 t3", "--new-tokens", "4",
+          "--no-noise"], 2),
+        (["bench", "--prefill-table", "fp32", "int8", "--prompt-len", "16", "--repeats", "1"], 2),
+        (["bench", "--workload", "chat", "--turns", "2", "--message-tokens", "6",
+          "--reply-tokens", "3", "--system-tokens", "4"], 1),
+        pytest.param(["bench", "--table", "fp32", "--prompt-len", "8", "--new-tokens", "3",
+                      "--repeats", "1"], 1, marks=BREADTH),
+    ],
+    ids=["eval-compare", "prefill-table", "workload-chat", "table"],
+)  # fmt: skip
+def test_the_commands_that_load_several_models_split_each(
+    tiny_model_dir, default_model, monkeypatch, capsys, command, loads
+) -> None:
+    """``--tensor-parallel 2`` reaches every model such a command loads, each with ranks of
+    its own (A and B of ``eval compare`` split at once, in one process), and each model's
+    ranks stop after it; the report is the command's usual one."""
+    import gc
+
+    from app.cli.main import main
+    from engine.loader import parallel
+
+    made: list[LLMEngine] = []
+    real = parallel.load_parallel
+
+    def recording(folder: Path, **kwargs: object) -> LLMEngine:
+        assert kwargs["world"] == 2
+        made.append(real(folder, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(parallel, "load_parallel", recording)
+    # chat messages are written in words: the default model's vocabulary has them
+    folder = default_model if "chat" in command else tiny_model_dir("llama", False)[0]
+    assert main([*command, "--model", str(folder), "--tensor-parallel", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(made) == loads
+    assert {id(e.parallel) for e in made} == {id(e.parallel) for e in made if e.parallel}
+    assert len({id(e.parallel) for e in made}) == len(made)  # ranks of its own each
+    if command[:2] == ["eval", "compare"]:  # the same model split twice: the same tokens
+        summary = report["comparisons"][0]["summary"]
+        assert summary["kl_mean"] == 0 and summary["top1_agreement"] == 1
+    processes = [p for e in made for p in e.parallel.processes]
+    del made[:]
+    gc.collect()
+    for p in processes:
+        p.join(timeout=15)
+    assert not any(p.is_alive() for p in processes)
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [(["calibrate"], "calibrate runs in one process"),
+     (["eval", "scan", "--low", "int8"], "eval scan runs in one process")],
+)  # fmt: skip
+def test_the_commands_that_need_the_whole_model_say_so(tiny_model_dir, capsys, command, says):
+    """calibrate's statistics and eval scan's block swaps need the model whole in one
+    process: one line saying so and what to do, before anything loads."""
+    from app.cli.main import main
+
+    folder, _ = tiny_model_dir("llama", False)
+    assert main([*command, "--model", str(folder), "--tensor-parallel", "2"]) != 0
+    err = capsys.readouterr().err
+    assert says in err and "drop --tensor-parallel" in err and "Traceback" not in err

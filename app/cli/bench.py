@@ -45,7 +45,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             parse_precision_spec(precision, device)
         report = run_prefill_table(
             folder, args.prefill_table, prompt_len=args.prompt_len, repeats=args.repeats,
-            device=device, engine_config=config, log=say,
+            device=device, engine_config=config, log=say, tensor_parallel=args.tensor_parallel,
         )  # fmt: skip
         print(json.dumps(report, indent=2) if args.json else format_prefill_table(report))
         return 0
@@ -62,6 +62,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             folder, turns=args.turns, message_tokens=args.message_tokens,
             reply_tokens=args.reply_tokens, system_tokens=args.system_tokens, seed=args.seed,
             precision=args.precision, device=device, engine_config=config, log=say,
+            tensor_parallel=args.tensor_parallel,
         )  # fmt: skip
         print(json.dumps(report, indent=2) if args.json else format_chat_report(report))
         return 0
@@ -164,6 +165,7 @@ def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -
         gguf=gguf,
         gguf_types=tuple(args.gguf_types),
         log=say,
+        tensor_parallel=args.tensor_parallel,
     )
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

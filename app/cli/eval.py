@@ -148,6 +148,12 @@ def cmd_eval_scan(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--tokens and --ppl-tokens must be at least 2")
     if args.ppl and not args.budget_like:
         raise InvalidRequestError("--ppl compares the plan with --budget-like's spec; give both")
+    if args.tensor_parallel != 1:
+        raise InvalidRequestError(
+            "eval scan runs in one process: it quantizes one block at a time in a model held "
+            "whole; drop --tensor-parallel (the mixed: spec it plans loads with "
+            "--tensor-parallel too)"
+        )
     device = resolve_device(args.device)
     set_threads(args.threads)
     folder = resolve_model_folder(args.model, progress_printer())
@@ -219,6 +225,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, seed=args.seed, file=args.from_file,
     )  # fmt: skip
     recipe.check()  # bad options fail before the load
+    if args.tensor_parallel != 1:
+        raise InvalidRequestError(
+            "calibrate runs in one process: its statistics need every input channel of each "
+            "product, and a split model's ranks each see a part; drop --tensor-parallel (the "
+            "calibration file then serves w8a8-sq loads with --tensor-parallel too)"
+        )
     text = _read_text_file(args.from_file) if args.from_file and not args.sweep else None
     set_threads(args.threads)
     folder = resolve_model_folder(args.model, progress_printer())

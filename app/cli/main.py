@@ -312,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
     ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    _tensor_parallel_arg(ep, "split A and B each over N processes")
     ep.add_argument(
         "--speculation", action="store_true",
         help="also measure speculative decoding with B drafting for A (k = 4 every step): "
@@ -344,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of text for --ppl")
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
     ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    _tensor_parallel_arg(
+        ep, "not taken: the scan swaps one block at a time in a model held whole; the "
+        "mixed: spec it plans loads split",
+    )  # fmt: skip
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_scan)
 
@@ -371,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    _tensor_parallel_arg(
+        p, "not taken: the statistics read every channel of a product in one process; the "
+        "calibration a single process writes serves split loads too",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_calibrate)
 
@@ -461,11 +470,17 @@ def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
         )
         p.add_argument("--device", default="auto", help=DEVICE_HELP)
         p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-        p.add_argument(
-            "--tensor-parallel", type=int, default=1, metavar="N",
-            help="split the model over N processes (Megatron-style tensor parallelism; on "
-            "CPUs over gloo, the threads shared out among them)",
+        _tensor_parallel_arg(
+            p, "split the model over N processes (Megatron-style tensor parallelism; on CPUs "
+            "over gloo, the threads shared out among them; a GPU each over NCCL)",
         )  # fmt: skip
+
+
+def _tensor_parallel_arg(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help=f"{help} (docs/tensor-parallel.md)",
+    )  # fmt: skip
 
 
 def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:

@@ -210,13 +210,6 @@ class EngineWorker(WorkerLoop):
         that. A model that would not fit either way is left running: the loader refuses the
         load with the plan's numbers. A model still to be downloaded is planned by the loader
         once it is here (the download reports its own progress)."""
-        held = [e for e in self._engines() if e.parallel is not None]
-        if spec.tensor_parallel > 1 and held:
-            # one process group a process: the split model in use goes before another starts
-            self._unload_first(
-                spec, f"one tensor-parallel model runs at a time, and {held[0].name} is split"
-            )
-            return
         if needs_download(spec.model):
             return
         try:

@@ -21,6 +21,7 @@ from typing import Any
 from engine.bench.report import text_table
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
+from engine.errors import InvalidRequestError
 from engine.loader.load import load_model
 
 
@@ -68,15 +69,22 @@ def run_chat_bench(
     device: str = "cpu",
     engine_config: Any = None,
     log: Callable[[str], None] = lambda _: None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
-    on = load_model(folder, precision=precision, device=device, config=engine_config)
+    on = load_model(
+        folder, precision=precision, device=device, config=engine_config,
+        tensor_parallel=tensor_parallel,
+    )  # fmt: skip
     on.set_prefix_caching(True)
     pool = on.kv.manager.num_blocks
     off = on.sibling(replace(on.config, prefix_caching=False, num_blocks=pool, kv_memory=None))
     rng = random.Random(seed)
     words = message_words(on)
     if not words:
-        raise ValueError("this tokenizer has no plain-word tokens to write messages with")
+        raise InvalidRequestError(
+            "this model's tokenizer has no plain-word tokens to write chat messages with; "
+            "use --workload mixed, or a model with a word-piece vocabulary"
+        )
 
     def text(n: int) -> str:
         return "".join(on.tokenizer.decode([rng.choice(words)]) for _ in range(n))

@@ -33,12 +33,14 @@ def run_prefill_table(
     device: str = "cpu",
     engine_config: EngineConfig | None = None,
     log: Callable[[str], None] = lambda _: None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     engines = {}
     for precision in precisions:
         log(f"loading {precision}")
         engines[precision] = load_model(folder, precision=precision, device=device,
-                                        config=engine_config)  # fmt: skip
+                                        config=engine_config,
+                                        tensor_parallel=tensor_parallel)  # fmt: skip
     first = engines[precisions[0]]
     prompt = bench_prompt(first, prompt_len, seed=0)
     for eng in engines.values():  # a warm-up each: first-call costs stay out of the figures

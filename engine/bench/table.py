@@ -206,6 +206,7 @@ def run_table(
     gguf: Path | None = None,
     gguf_types: tuple[str, ...] = ("Q4_1",),
     log: Callable[[str], None] = lambda _: None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """Batch-1 decode of each precision (as the load settled it: eager, in one C call, or
     compiled and eager where it compiled),
@@ -223,7 +224,9 @@ def run_table(
     cache = "off"
     for precision in precisions:
         log(f"loading {precision}")
-        engine = load_model(folder, precision=precision, config=engine_config)
+        engine = load_model(
+            folder, precision=precision, config=engine_config, tensor_parallel=tensor_parallel
+        )
         cache = prefix_cache_state(engine)  # the same config for every precision
         prompt = prompt or bench_prompt(engine, cfg.prompt_len, cfg.seed)
         read = float(decode_read_bytes(engine.model))

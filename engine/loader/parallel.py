@@ -4,10 +4,12 @@ process, the other ranks spawned, each loading its own shard of the same checkpo
 (:func:`engine.parallel.executor.follow`).
 
 On a CPU every rank runs on the CPU (sharing out its threads); on CUDA rank ``r`` runs on
-GPU ``r``. The ranks meet in two ``torch.distributed`` process groups (:func:`groups`): gloo
-for rank 0's announcements and the barriers, and the tensors' group for the all-reduces (gloo
-on CPUs, NCCL across GPUs). Every collective times out after :data:`TIMEOUT_S`; loading waits
-longer, at a barrier that names a rank that never arrives.
+GPU ``r``. The ranks meet in two process groups of the model's own (:func:`groups`): gloo for
+rank 0's announcements and the barriers, and the tensors' group for the all-reduces (gloo on
+CPUs, NCCL across GPUs). They are ``torch.distributed`` backends made from a rendezvous store
+that rank 0 opens, not its default group, so a process may hold several split models at once
+(the A/B lab's two sides, ``eval compare``'s A and B). Every collective times out after
+:data:`TIMEOUT_S`; loading waits longer, at a barrier that names a rank that never arrives.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import functools
 import logging
 import os
 import signal
-import socket
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
@@ -45,12 +47,6 @@ TIMEOUT_S = 30.0
 LOAD_TIMEOUT_S = 600.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 #: the tensors' group's backend, by device type
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
@@ -61,22 +57,35 @@ def rank_device(device: str | torch.device, rank: int) -> torch.device:
     return torch.device("cpu") if kind == "cpu" else torch.device(kind, rank)
 
 
-def groups(rank: int, world: int, port: int, device: torch.device) -> Any:
-    """Join the ranks' groups, each with the :data:`TIMEOUT_S` timeout: the default group,
-    gloo (the announcements' object broadcasts and ``monitored_barrier`` need it), and the
-    group the tensors' collectives run in, returned: :data:`BACKENDS` of ``device``'s type.
-    On CPUs both are gloo, and a CPU run goes through every line a GPU run does."""
+def rendezvous(world: int, port: int = 0) -> Any:
+    """The store the ranks meet through: rank 0's (``port`` 0: a free one, then read from
+    its ``port``) or, given the port, another rank's connection to it."""
     timeout = timedelta(seconds=TIMEOUT_S)
+    if port == 0:
+        return TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+    return TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+
+
+def groups(rank: int, world: int, store: Any, device: torch.device) -> executor.Groups:
+    """This rank's two groups of the model, each with the :data:`TIMEOUT_S` timeout: the
+    control group, gloo (the announcements and ``monitored_barrier``), and the group the
+    tensors' collectives run in, :data:`BACKENDS` of ``device``'s type. On CPUs both are
+    gloo, and a CPU run goes through every line a GPU run does but the backend's."""
+    timeout = timedelta(seconds=TIMEOUT_S)
+    control = dist.ProcessGroupGloo(PrefixStore("control/", store), rank, world, timeout)
+    tensors_store = PrefixStore("tensors/", store)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # a collective that times out aborts NCCL's communicators and fails, where PyTorch's
         # default (3) would also tear this process down: rank 0 is the app's
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timeout,
-    )  # fmt: skip
-    return dist.new_group(backend=BACKENDS[device.type], timeout=timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        tensors: Any = dist.ProcessGroupNCCL(tensors_store, rank, world, options)
+    else:
+        tensors = dist.ProcessGroupGloo(tensors_store, rank, world, timeout)
+    return executor.Groups(control, tensors, store)
 
 
 def refusal(device: str | torch.device, world: int) -> str:
@@ -140,7 +149,8 @@ def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, th
     try:
         torch.set_num_threads(threads)
         device = rank_device(device_type, rank)
-        group = groups(rank, world, port, device)
+        ours = groups(rank, world, rendezvous(world, port), device)
+        group = ours.tensors
         model, shard, spec = _load_shard(Path(folder), precision, rank, world, alpha, device)
         if device.type == "cpu":
             ops, _ = layer_ops.cpu_ops()
@@ -152,14 +162,11 @@ def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, th
             functools.partial(executor.all_reduce, group=group),
             gather if shard.vocab is not None else None,
         )
-        dist.monitored_barrier(timeout=timedelta(seconds=LOAD_TIMEOUT_S))
-        executor.follow(model, shard.local, spec.compute, device)
+        ours.control.monitored_barrier(timedelta(seconds=LOAD_TIMEOUT_S))
+        executor.follow(model, shard.local, spec.compute, device, ours.control)
     except BaseException as exc:
         errors.put((rank, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def load_parallel(
@@ -176,10 +183,6 @@ def load_parallel(
     problem = refusal(device, world)
     if problem:
         raise InvalidRequestError(problem)
-    if dist.is_initialized():
-        raise InvalidRequestError(
-            "a tensor-parallel model is already loaded in this process; close it first"
-        )
     # a split the model cannot take is refused here, before any process starts
     from engine.quant.spec import parse_precision_spec
 
@@ -189,7 +192,8 @@ def load_parallel(
     kind = torch.device(device).type
     context = mp.get_context("spawn")
     errors = context.Queue()
-    port = _free_port()
+    store = rendezvous(world)
+    port = store.port
     processes = [
         context.Process(
             target=_rank_main,
@@ -204,13 +208,13 @@ def load_parallel(
     driver = executor.Driver(processes, errors, TIMEOUT_S)
     here = rank_device(device, 0)
     try:
-        driver.group = groups(0, world, port, here)
+        driver.groups = groups(0, world, store, here)
         torch.set_num_threads(threads)
         model, shard, spec = _load_shard(folder, precision, 0, world, alpha, here)
         gatherer = driver.gatherer(shard.full.vocab_size) if shard.vocab is not None else None
         model.set_parallel(driver.reduce, gatherer)
         try:
-            dist.monitored_barrier(timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+            driver.groups.control.monitored_barrier(timedelta(seconds=LOAD_TIMEOUT_S))
         except Exception as exc:
             raise driver.failure(exc) from exc
         model.announce = driver.announce

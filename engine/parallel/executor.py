@@ -9,19 +9,22 @@ heads). Each other rank (:func:`follow`, one process each) then runs the same fo
 shard; the layers' all-reduces (:func:`all_reduce`) join the ranks twice a layer, and only
 rank 0 computes logits.
 
-Two process groups join the ranks (:func:`engine.loader.parallel.groups`): the default one,
-always gloo, carries the announcements (``torch.distributed``'s object broadcast) and the
-barriers; the tensors' group carries the all-reduces and the logits' all-gather, gloo on CPUs
-and NCCL across GPUs. A rank reads an announcement before it runs the forward it describes,
-so the two groups' traffic stays in order. Every collective has the groups' timeout; a rank
-that fails says why on a queue before it exits, and rank 0 turns the failed collective into
-an error naming the rank (:meth:`Driver.failure`).
+Two process groups of the model's own join its ranks (:class:`Groups`, made by
+:func:`engine.loader.parallel.groups`; not ``torch.distributed``'s default group, so that one
+process may hold several split models): the control group, always gloo, carries the
+announcements (pickled, :func:`broadcast_object`) and the barriers; the tensors' group carries
+the all-reduces and the logits' all-gather, gloo on CPUs and NCCL across GPUs. A rank reads
+an announcement before it runs the forward it describes, so the two groups' traffic stays in
+order. Every collective has the groups' timeout; a rank that fails says why on a queue before
+it exits, and rank 0 turns the failed collective into an error naming the rank
+(:meth:`Driver.failure`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import weakref
 from collections.abc import Callable
@@ -46,27 +49,53 @@ class RankFailed(InfersightError):
     """A rank of a tensor-parallel model died, raised or timed out."""
 
 
-def gather_vocab(t: Tensor, vocab_size: int, group: Any = None) -> Tensor:
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """One split model's process groups (``torch.distributed`` backends of its own)."""
+
+    control: Any  # gloo: the announcements and the barriers
+    tensors: Any  # gloo on CPUs, NCCL on GPUs: the all-reduces and the all-gather
+    store: Any  # the rendezvous both were made through (kept alive with them)
+
+
+def broadcast_object(group: Any, obj: object = None) -> object:
+    """Rank 0's ``obj``, pickled, on every rank of ``group`` (its size, then its bytes)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    if group.rank() == 0:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+    else:
+        size = torch.zeros(1, dtype=torch.long)
+    group.broadcast([size], opts).wait()
+    if group.rank() != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.broadcast([data], opts).wait()
+    return obj if group.rank() == 0 else pickle.loads(data.numpy().tobytes())
+
+
+def gather_vocab(t: Tensor, vocab_size: int, group: Any) -> Tensor:
     """Every rank's logits columns ``[rows, ⌈V / N⌉]`` (the last rank's padded), side by side:
     the whole vocabulary's ``[rows, V]`` on each rank (``group``: the tensors' group)."""
-    world = dist.get_world_size(group)
+    world = group.size()
     per = -(-vocab_size // world)
     if t.shape[1] < per:
         t = torch.nn.functional.pad(t, (0, per - t.shape[1]))
     parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    group.allgather([parts], [t.contiguous()]).wait()
     return torch.cat(parts, dim=1)[:, :vocab_size]
 
 
-def all_reduce(t: Tensor, group: Any = None) -> Tensor:
+def all_reduce(t: Tensor, group: Any) -> Tensor:
     """The sum of ``t`` across the ranks of ``group`` (the tensors' group), in place (a
     row-parallel product's fresh output); a half-precision ``t`` is summed in fp32 and
-    rounded once, as one device's product rounds its sum once."""
+    rounded once, as one device's product rounds its sum once. (On a GPU ``wait`` orders the
+    stream after the sum; it does not block this thread.)"""
     if t.dtype == torch.float32:
-        dist.all_reduce(t, group=group)
+        group.allreduce([t]).wait()
         return t
     wide = t.float()
-    dist.all_reduce(wide, group=group)
+    group.allreduce([wide]).wait()
     return t.copy_(wide)
 
 
@@ -115,13 +144,12 @@ class Driver:
     """Rank 0's side: announces each forward to the other ranks; knows their processes, to
     say which one failed and why."""
 
-    def __init__(
-        self, processes: list[Any], errors: Any, timeout_s: float, group: Any = None
-    ) -> None:
+    def __init__(self, processes: list[Any], errors: Any, timeout_s: float) -> None:
         self.processes = processes  # rank r's process at index r - 1
         self.errors = errors
         self.timeout_s = timeout_s
-        self.group = group  # the tensors' group (None: the default one)
+        #: the model's groups, once rank 0 has joined them
+        self.groups: Groups | None = None
         #: what the ranks hold, for the load report
         self.summary = ""
         self._caches: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -155,20 +183,23 @@ class Driver:
 
     def send(self, message: object) -> None:
         try:
-            dist.broadcast_object_list([message], src=0)
+            assert self.groups is not None
+            broadcast_object(self.groups.control, message)
         except Exception as exc:
             raise self.failure(exc) from exc
 
     def reduce(self, t: Tensor) -> Tensor:
         try:
-            return all_reduce(t, self.group)
+            assert self.groups is not None
+            return all_reduce(t, self.groups.tensors)
         except Exception as exc:
             raise self.failure(exc) from exc
 
     def gatherer(self, vocab_size: int) -> Callable[[Tensor], Tensor]:
         def gather(t: Tensor) -> Tensor:
             try:
-                return gather_vocab(t, vocab_size, self.group)
+                assert self.groups is not None
+                return gather_vocab(t, vocab_size, self.groups.tensors)
             except Exception as exc:
                 raise self.failure(exc) from exc
 
@@ -229,7 +260,8 @@ class Driver:
         if not self.closed:
             self.closed = True
             try:
-                dist.broadcast_object_list([STOP], src=0)
+                if self.groups is not None:
+                    broadcast_object(self.groups.control, STOP)
             except Exception as exc:  # a rank already gone: the processes are ended below
                 log.warning("stopping the tensor-parallel ranks: %s", exc)
         for process in self.processes:
@@ -237,21 +269,20 @@ class Driver:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.groups = None  # their connections close with them
 
 
-def follow(model: Transformer, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """The other ranks' loop: each forward rank 0 announces, on this rank's shard (on
-    ``device``), until it says stop. Caches are built the first time a recipe names them,
+def follow(
+    model: Transformer, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, control: Any
+) -> None:
+    """The other ranks' loop: each forward rank 0 announces on ``control``, on this rank's
+    shard (on ``device``), until it says stop. Caches are built the first time a recipe names them,
     laid out as rank 0's."""
     pools: dict[int, PagedKVCache] = {}
     contiguous: dict[int, ContiguousKVCache] = {}
     no_rows = torch.empty(0, dtype=torch.long)
     while True:
-        box: list[object] = [None]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
+        message = broadcast_object(control)
         if message == STOP:
             return
         assert isinstance(message, Forward)
