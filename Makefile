@@ -168,7 +168,7 @@ $(VENV)/.stamp-run: pyproject.toml $(VENV)/.stamp-torch $(VENV)/.stamp-uv
 	touch $@
 
 $(VENV)/.stamp-dev: pyproject.toml $(VENV)/.stamp-torch $(VENV)/.stamp-uv
-	$(UV) -e ".[dev]"
+	$(UV) -e ".[dev,ray]"
 	touch $@ $(VENV)/.stamp-run
 
 clean:

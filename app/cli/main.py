@@ -119,6 +119,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--oom-margin-mib", type=int, default=256,
         help="GPU memory held back and let go when a step runs out of memory",
     )  # fmt: skip
+    g = p.add_argument_group(
+        "replicas on Ray Serve (pip install 'infersight[ray]'; see docs/replicas.md)"
+    )
+    g.add_argument(
+        "--ray", action="store_true",
+        help="serve the same app as a Ray Serve deployment: an engine per replica, each with "
+        "the limits above, Ray's proxy in front on --host/--port",
+    )  # fmt: skip
+    scale = g.add_mutually_exclusive_group()
+    scale.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="engine replicas (default 1)")  # fmt: skip
+    scale.add_argument(
+        "--autoscale", default=None, metavar="MIN..MAX",
+        help="replicas between MIN and MAX, by Ray's autoscaler on ongoing requests",
+    )  # fmt: skip
+    g.add_argument(
+        "--address", default=None,
+        help="an existing Ray cluster ('auto' or HOST:PORT; default: start a local one)",
+    )  # fmt: skip
+    g.add_argument(
+        "--config", default=None, metavar="FILE",
+        help="a Ray Serve config (YAML or JSON: `infersight tune --capacity ... --json` "
+        "writes one); its deployments' replicas and limits, its args the model and options",
+    )  # fmt: skip
+    g.add_argument("--cpus-per-replica", type=float, default=1.0,
+                   help="Ray CPUs each engine replica reserves")  # fmt: skip
     p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from one prompt, streamed to stdout")

@@ -19,12 +19,11 @@ from engine.errors import InvalidRequestError
 if TYPE_CHECKING:
     import socket
 
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     from app.server.routes import Server, ServerLimits
 
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The server's numeric options, checked before anything loads."""
     for name in ("max_batch_size", "max_waiting", "max_waiting_tokens", "max_n",
                  "max_tokens", "max_body_bytes"):  # fmt: skip
         if getattr(args, name) < 1:
@@ -35,22 +34,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--queue-timeout must be > 0 seconds")
     if args.self_test_interval < 0 or args.oom_margin_mib < 0:
         raise InvalidRequestError("--self-test-interval and --oom-margin-mib must be >= 0")
-    # before minutes of loading, not after; any free port is taken now and held
-    sock = _free_port(args.host) if args.port == 0 else None
-    port = args.port if sock is None else int(sock.getsockname()[1])
-    if sock is None:
-        _check_port(args.host, port)
-    limits = ServerLimits(
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    from app.server.routes import ServerLimits
+
+    return ServerLimits(
         max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
         queue_timeout_s=args.queue_timeout, max_n=args.max_n, max_tokens=args.max_tokens,
         max_body_bytes=args.max_body_bytes, self_test_s=args.self_test_interval,
         oom_margin_mib=args.oom_margin_mib,
     )  # fmt: skip
-    import uvicorn
+
+
+def make_server(args: argparse.Namespace) -> Server:
+    """The command's model loaded, behind the OpenAI-compatible routes with the command's
+    limits and API key (``--api-key`` or ``INFERSIGHT_API_KEY``): one server, or one Ray
+    Serve replica's (:mod:`app.replicas`)."""
+    import os
+
+    from app.server.routes import Server
 
     engine = load_engine(args, config=engine_config(args, max_batch_size=args.max_batch_size))
-    import logging
+    api_key = args.api_key or os.environ.get("INFERSIGHT_API_KEY") or None
+    name = args.served_model_name or engine.name
+    return Server(engine, name=name, limits=server_limits(args), api_key=api_key)
 
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    check_serve_args(args)
+    if getattr(args, "ray", False):
+        from app.cli.serve_ray import serve_on_ray
+
+        return serve_on_ray(args)
+    # before minutes of loading, not after; any free port is taken now and held
+    sock = _free_port(args.host) if args.port == 0 else None
+    port = args.port if sock is None else int(sock.getsockname()[1])
+    if sock is None:
+        _check_port(args.host, port)
+    import uvicorn
+
+    server = make_server(args)
     from app.server.logs import JsonLines
 
     handler = logging.StreamHandler(sys.stderr)
@@ -59,12 +83,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_log.addHandler(handler)
     server_log.setLevel(logging.INFO)
     server_log.propagate = False
-    api_key = args.api_key or os.environ.get("INFERSIGHT_API_KEY") or None
-    name = args.served_model_name or engine.name
-    server = Server(engine, name=name, limits=limits, api_key=api_key)
-    where = f"http://{args.host}:{port}"
-    print(f"serving {name} ({engine.precision.text}, {engine.device}) on {where}/v1"
-          + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)  # fmt: skip
+    engine, where = server.engine, f"http://{args.host}:{port}"
+    key = " (API key required)" if server.api_key else ""
+    print(f"serving {server.name} ({engine.precision.text}, {engine.device}) on {where}/v1{key}",
+          file=sys.stderr, flush=True)  # fmt: skip
     # On SIGTERM and Ctrl+C streams get 5 s to end before the lifespan cancels what still
     # runs. uvicorn raises the signal again once it has shut down; Python's own SIGINT
     # handler would turn that into a KeyboardInterrupt inside asyncio's runner, which then
