@@ -7,6 +7,7 @@ data)."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,9 +15,25 @@ from typing import TYPE_CHECKING
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QWidget
+from PySide6.QtWidgets import (
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QWidget,
+)
 
-from engine.bench.sweep_analysis import LIMIT_NAMES, capacity, knee, pareto_front, series
+from engine.bench.sweep_analysis import (
+    LIMIT_NAMES,
+    capacity,
+    knee,
+    pareto_front,
+    series,
+    serve_config,
+)
 from engine.errors import InvalidRequestError
 from widgets.instruments import COLOURS, _plot
 
@@ -127,10 +144,43 @@ class CapacityPanel(QGroupBox):
             spin.valueChanged.connect(self._update_capacity)
         self.capacity_text = QLabel("")
         self.capacity_text.setWordWrap(True)
+        #: the model and precision the sweep ran on (a Ray Serve config names them)
+        self.model: tuple[str, str] | None = None
+        #: the Ray Serve config of the capacity shown (None: no capacity yet)
+        self.serve_config: dict[str, object] | None = None
+        self.export_button = QPushButton("Export Ray Serve config…")
+        self.export_button.setToolTip(
+            "A config of as many replicas as the capacity needs, each taking at most the "
+            "knee's requests in progress: `infersight serve --ray --config FILE` runs it "
+            "(docs/replicas.md)"
+        )
+        self.export_button.setEnabled(False)
+        self.export_button.clicked.connect(lambda: self.export_config())
         cap_form.addRow("Target rate", self.target_rate)
         cap_form.addRow("Peak factor", self.peak_factor)
         cap_form.addRow("Headroom", self.headroom)
         cap_form.addRow(self.capacity_text)
+        cap_form.addRow(self.export_button)
+
+    def set_model(self, path: str, precision: str) -> None:
+        """The model the sweeps run on, as the app loaded it."""
+        self.model = (path, precision)
+        self._update_capacity()
+
+    def export_config(self, path: str | None = None) -> Path | None:
+        """Write the Ray Serve config of the capacity shown (JSON, which YAML reads too) to
+        ``path`` (None: ask where); the file written, or None."""
+        if self.serve_config is None:
+            return None
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(
+                self, "Ray Serve config", "infersight-serve.json", "Ray Serve config (*.json)"
+            )
+            if not path:
+                return None
+        out = Path(path)
+        out.write_text(json.dumps(self.serve_config, indent=2) + "\n", encoding="utf-8")
+        return out
 
     def set_sweep(self, points: tuple[SweepPoint, ...], best: SweepPoint | None) -> None:
         """The sweep's points and its best setting (``None``: none meets the SLO)."""
@@ -138,6 +188,8 @@ class CapacityPanel(QGroupBox):
         self._update_capacity()
 
     def _update_capacity(self) -> None:
+        self.serve_config = None
+        self.export_button.setEnabled(False)
         groups = series(self._points)
         order = list(groups.items())
         if self._best is not None:  # the recommended setting's own series first
@@ -158,6 +210,10 @@ class CapacityPanel(QGroupBox):
                 f"{name}: knee at load {k.load:g} ({k.request_throughput:.2f} req/s, "
                 f"{k.output_throughput:.0f} out tok/s). {cap.describe()}"
             )
+            if self.model is not None:
+                model, precision = self.model
+                self.serve_config = serve_config(k, cap, model=model, precision=precision)
+                self.export_button.setEnabled(True)
             return
         self.capacity_text.setText(
             "No knee yet: sizing needs a knee, and a knee needs at least 3 loads of one "

@@ -363,7 +363,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     progress()
     report = sweep_report(
         sweep.points, slo, target_rate=args.capacity, peak_factor=args.peak_factor,
-        headroom=args.headroom,
+        headroom=args.headroom, model=args.model, precision=args.precision,
     )  # fmt: skip
     where = str(device)
     if engine.device.type == "cpu":
@@ -383,6 +383,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"knee of {name}: {k['label']} ({k['request_throughput']:.2f} req/s)")
         if "capacity" in k:
             print("  " + k["capacity"]["text"])
+            print(f"  as Ray Serve replicas: {k['capacity']['machines']} of at most "
+                  f"{k['concurrency']} requests in progress each (--json writes the config "
+                  "`infersight serve --ray --config FILE` takes)")  # fmt: skip
     if args.capacity is not None and not report["knees"]:
         print("no knee: sweep at least three loads of one setting, up to where latency grows")
     return 0

@@ -56,6 +56,8 @@ def read_config(path: str) -> dict[str, Any]:
         raise InvalidRequestError(f"cannot read {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise InvalidRequestError(f"{path} is not YAML or JSON: {exc}") from None
+    if isinstance(data, dict) and "knees" in data:  # `tune --capacity RATE --json`'s report
+        data = _from_tune_report(path, data)
     apps = data.get("applications") if isinstance(data, dict) else None
     if not isinstance(apps, list) or len(apps) != 1 or not isinstance(apps[0], dict):
         raise InvalidRequestError(
@@ -78,6 +80,20 @@ def read_config(path: str) -> dict[str, Any]:
         "deployments": deployments,
         "http": data.get("http_options") or {},
     }
+
+
+def _from_tune_report(path: str, report: dict[str, Any]) -> Any:
+    """The Ray Serve config of a tuner report's knee: the best setting's series first."""
+    knees = report.get("knees") or {}
+    best = report.get("best_for_slo")
+    order = sorted(knees.items(), key=lambda item: item[1].get("label") != best)
+    for _, k in order:
+        if isinstance(k, dict) and "ray_serve" in k:
+            return k["ray_serve"]
+    raise InvalidRequestError(
+        f"{path} is a tuner report without a capacity plan: run `infersight tune` with "
+        "--capacity RATE (and a sweep of at least three loads of one setting) and --json"
+    )
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:

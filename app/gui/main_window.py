@@ -418,6 +418,7 @@ class MainWindow(ChatWindow):
             {**self.controls.limits(), "kv_blocks": info.kv_blocks}, info.kv_blocks,
             info.block_size,
         )  # fmt: skip
+        self.tuner.capacity.set_model(info.path, info.precision)
         self.controls.add_model(info.name, info.path)
         self._lab_models(info)
         self.controls.show_model(

@@ -37,10 +37,11 @@ def preferred(
     queue: Callable[[R], int | None],
     slack: int = SLACK,
 ) -> tuple[R | None, int]:
-    """The candidate that was sent the longest leading run of ``prefix``'s keys, and how
-    many keys that is; ``(None, 0)`` where no candidate was, or where the one that was has
-    a queue more than ``slack`` longer than the shortest known (``queue``: a replica's
-    queue length, None where unknown)."""
+    """The candidate last sent the longest of ``prefix``'s leading keys that was ever sent
+    (each key names its whole prefix, so that candidate was sent all the shorter ones
+    too), and how many keys that is. ``(None, 0)`` where no candidate was, or where the one
+    that was has a queue more than ``slack`` longer than the shortest known (``queue``: a
+    replica's queue length, None where unknown)."""
     live = set(candidates)
     best: R | None = None
     matched = 0

@@ -222,6 +222,43 @@ def capacity(
     )  # fmt: skip
 
 
+def knee_concurrency(k: Knee) -> int:
+    """Requests in progress at the knee: its users (closed loop), or by Little's law its
+    request throughput × mean end-to-end latency (open loop)."""
+    load = k.point.setting.load
+    if load.mode == "closed":
+        return load.users
+    return max(1, math.ceil(k.request_throughput * k.point.result.e2el_ms["mean"] / 1e3 - 1e-9))
+
+
+#: the application builder a Ray Serve config names (:mod:`app.replicas.deployments`)
+SERVE_IMPORT_PATH = "app.replicas.deployments:build"
+
+
+def serve_config(
+    k: Knee, cap: Capacity, *, model: str, precision: str, host: str = "127.0.0.1",
+    port: int = 8000,
+) -> dict[str, Any]:  # fmt: skip
+    """A Ray Serve config (``serve --ray --config FILE``, or ``serve run FILE`` on a cluster)
+    for the capacity found: as many engine replicas as machines were needed, each taking at
+    most the knee's requests in progress (Ray holds the rest in its queue), with the knee
+    setting's batch limits."""
+    limits = {name: k.point.setting.limits[name] for name in ("max_batch_size",
+              "max_tokens_per_step") if k.point.setting.limits.get(name) is not None}  # fmt: skip
+    return {
+        "http_options": {"host": host, "port": port},
+        "applications": [{
+            "name": "infersight", "route_prefix": "/", "import_path": SERVE_IMPORT_PATH,
+            "args": {"model": model, "precision": precision,
+                     **{n: int(v) for n, v in limits.items()}},
+            "deployments": [{
+                "name": "engine", "num_replicas": cap.machines,
+                "max_ongoing_requests": knee_concurrency(k),
+            }],
+        }],
+    }  # fmt: skip
+
+
 def format_points(points: Sequence[SweepPoint], slo: SLO | None = None) -> str:
     """The sweep as a table, vLLM bench's figures per setting."""
     cols = ["setting", "done", "req/s", "out tok/s", "TTFT ms p50/p95/p99",
@@ -252,10 +289,13 @@ def sweep_report(
     target_rate: float | None = None,
     peak_factor: float = 3.0,
     headroom: float = 1.5,
+    model: str | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """What ``infersight tune --json`` prints and the app exports: each point's vLLM-bench
     figures, the Pareto front, the best setting for the SLO, each series' knee and, with a
-    target rate, the machines needed."""
+    target rate, the machines needed and (``model`` and ``precision`` given) a Ray Serve
+    config of that many replicas (:func:`serve_config`)."""
     out: dict[str, Any] = {
         "slo": slo.describe() if slo else None,
         "points": [{"label": p.label, **p.result.as_json()} for p in points],
@@ -274,5 +314,10 @@ def sweep_report(
             if target_rate is not None:
                 cap = capacity(k, target_rate, peak_factor=peak_factor, headroom=headroom)
                 knees[name]["capacity"] = {**asdict(cap), "text": cap.describe()}
+                knees[name]["concurrency"] = knee_concurrency(k)
+                if model is not None and precision is not None:
+                    knees[name]["ray_serve"] = serve_config(
+                        k, cap, model=model, precision=precision
+                    )
     out["knees"] = knees
     return out
