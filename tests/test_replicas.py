@@ -155,6 +155,32 @@ def test_a_stream_left_early_cancels_the_replicas_request(tiny_server) -> None:
     assert not server.engine.has_work()
 
 
+def test_rays_health_check_replaces_a_replica_whose_self_test_fails(tiny_server) -> None:
+    """The engine replica's ``check_health`` (Ray replaces a replica after it raises three
+    times): quiet while the server is well, even with its queue full; raising, with the
+    reason, once the self-test gave another answer or the engine's thread stopped."""
+    from app.replicas.deployments import EngineReplica
+
+    class Probe(EngineReplica.func_or_class):  # the replica's class, without Ray's start
+        def __init__(self) -> None:
+            self.server = tiny_server
+
+        def __del__(self) -> None:  # it started nothing to stop
+            pass
+
+    replica = Probe()
+    replica.check_health()
+    tiny_server.admission.requests = tiny_server.limits.max_waiting  # a full queue is fine
+    try:
+        replica.check_health()
+        tiny_server.self_test.ok, tiny_server.self_test.error = False, "another answer"
+        with pytest.raises(RuntimeError, match="the self-test failed: another answer"):
+            replica.check_health()
+    finally:
+        tiny_server.admission.requests = 0
+        tiny_server.self_test.ok, tiny_server.self_test.error = None, None
+
+
 def test_the_tuners_capacity_plan_is_a_config_serve_ray_takes(tmp_path) -> None:
     """A knee and a capacity of 3 machines: the config has 3 engine replicas taking the
     knee's concurrency each, the knee setting's batch limit; `serve --ray --config` reads it

@@ -308,6 +308,37 @@ def test_capacity_from_a_knee_and_the_sentence_without_one(qtbot: QtBot) -> None
     )
 
 
+def test_the_capacity_exports_a_ray_serve_config_that_serve_ray_takes(qtbot, tmp_path) -> None:
+    """The button writes as many engine replicas as the capacity needs, each taking at most
+    the knee's 4 users' requests; `serve --ray --config` plans exactly that. Before a model
+    is known (or without a knee) there is nothing to export."""
+    import json
+
+    from app.cli.main import build_parser
+    from app.cli.serve_ray import plan
+
+    view = make_view(qtbot)
+    panel = view.capacity
+    view.set_status(False, None, progress(knee_series()))
+    assert not panel.export_button.isEnabled()  # no model yet
+    panel.set_model("default", "int8")
+    view.target_rate.setValue(10.0)
+    k = knee(next(iter(series(knee_series()).values())))
+    assert k is not None and panel.export_button.isEnabled()
+    machines = capacity(k, 10.0, peak_factor=view.peak_factor.value(),
+                        headroom=view.headroom.value()).machines  # fmt: skip
+    written = panel.export_config(str(tmp_path / "serve.json"))
+    assert written is not None
+    app = json.loads(written.read_text())["applications"][0]
+    assert app["deployments"] == [
+        {"name": "engine", "num_replicas": machines, "max_ongoing_requests": 4}
+    ]
+    args = build_parser().parse_args(["serve", "--ray", "--config", str(written)])
+    todo = plan(args)
+    assert todo["engine"]["num_replicas"] == machines > 1
+    assert todo["options"]["precision"] == "int8" and todo["options"]["max_batch_size"] == 16
+
+
 # -- the per-step strip ---------------------------------------------------------------------------
 def test_step_strip_counts_each_step_once_with_its_unused_budget(qtbot: QtBot) -> None:
     view = make_view(qtbot)
