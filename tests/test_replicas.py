@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -261,6 +262,7 @@ def ray_root() -> Iterator[Path]:
     socket paths must be."""
     root = Path(tempfile.mkdtemp(prefix="isr-", dir="/tmp"))
     yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
