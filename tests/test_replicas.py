@@ -219,6 +219,22 @@ def test_the_tuners_capacity_plan_is_a_config_serve_ray_takes(tmp_path) -> None:
     assert plan(args)["engine"]["num_replicas"] == 3
 
 
+def test_replicas_autoscale_between_bounds_aiming_at_a_batch_each() -> None:
+    from app.cli.main import build_parser
+    from app.cli.serve_ray import plan
+
+    args = build_parser().parse_args(
+        ["serve", "--ray", "--autoscale", "1..3", "--max-batch-size", "8", "--max-waiting", "4"]
+    )
+    todo = plan(args)
+    assert todo["engine"]["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8, "initial_replicas": 1,
+    }  # fmt: skip
+    assert "num_replicas" not in todo["engine"]
+    assert todo["engine"]["ray_actor_options"] == {"num_cpus": 1.0}
+    assert "ray" not in todo["options"] and todo["options"]["max_batch_size"] == 8
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [(["--autoscale", "4..2"], "MIN <= MAX"), (["--autoscale", "two"], "MIN..MAX"),
