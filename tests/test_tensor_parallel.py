@@ -130,10 +130,11 @@ def test_two_ranks_give_one_processs_ids_and_logits(tiny_model_dir, split, arch,
     folder, _ = tiny_model_dir(arch, tied)
     one, two = load_model(folder), split(folder)
     assert "tensor parallel: 2 ranks" in two.kernels
-    # the embedding and the float head split by vocabulary rows: 160 of the 320 here
+    # the embedding and the float head split by vocabulary rows in whole blocks of 64: the
+    # first 192 of the 320 here
     assert isinstance(two.model.embed, VocabParallelEmbedding)
-    assert two.model.lm_head.weight.shape[0] == two.model.embed.weight.shape[0] == 160
-    assert "vocabulary rows 0–159" in two.kernels
+    assert two.model.lm_head.weight.shape[0] == two.model.embed.weight.shape[0] == 192
+    assert "vocabulary rows 0–191" in two.kernels
     if arch == "llama" and not tied:  # the app's model tooltip names the ranks' processes
         from app.gui.worker import compute_paths
 
@@ -167,20 +168,23 @@ def test_the_default_model_over_two_ranks(default_model, split) -> None:
 
 
 @pytest.mark.parametrize(
-    ("precision", "tied"), [("int8", False), ("int4-g32", False), ("int8+head", True)]
+    ("precision", "tied"),
+    [("int8", False), ("int4-g32", False), ("int8+head", True), ("int4-g32+head", True)],
 )
 def test_quantized_shards_give_the_whole_models_ids(tiny_model_dir, split, precision, tied):
     """Each rank quantizes its own shard: INT8's scales of the row-parallel products are the
     shard's (over its half of the inputs), INT4's groups lie whole in a shard (the channels
     split at a group's edge); a quantized head (``+head``, here tied: it serves the
-    embedding too) stays whole on every rank. Against the whole model quantized in one
-    process the prompt's next-token distributions stay close: KL per token measured 8e-5
-    (INT8), 2e-5 (INT4), 7e-5 (INT8 with its head), the top token the same at 92–100% of the
-    positions (a random tiny model has near ties: INT8+head's first greedy token flips on this
-    prompt, where INT8 and INT4 generate the same tokens)."""
+    embedding too) splits by vocabulary rows like a float one, each rank's rows quantized as
+    the whole head's are (scales and groups are per row). Against the whole model quantized
+    in one process the prompt's next-token distributions stay close: KL per token measured
+    8e-5 (INT8), 2e-5 (INT4), 7e-5 (INT8 with its head), the top token the same at 92–100%
+    of the positions (a random tiny model has near ties: INT8+head's first greedy token
+    flips on this prompt, where INT8 and INT4 generate the same tokens)."""
     folder, _ = tiny_model_dir("llama", tied)
     one, two = load_model(folder, precision=precision), split(folder, precision=precision)
-    assert ("+head" in precision) == ("the embedding and LM head whole" in two.kernels)
+    assert "vocabulary rows 0–191" in two.kernels  # the head's and embedding's rows, split
+    assert two.model.lm_head.out_features == 192
     want = one.runner.forward_logits(PROMPT, one.runner.new_cache(len(PROMPT)), 0).float()
     got = two.runner.forward_logits(PROMPT, two.runner.new_cache(len(PROMPT)), 0).float()
     lw, lg = want.log_softmax(-1), got.log_softmax(-1)

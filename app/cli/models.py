@@ -83,8 +83,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from engine.parallel.shard import plan as shard_plan
         from engine.parallel.shard import vocab_rows
 
-        # the embedding and a float head split by vocabulary rows too (a quantized head,
-        # +head, stays whole: planned as split, a little under)
+        # the embedding and the head (float or quantized) split by vocabulary rows too
         rows = vocab_rows(cfg.vocab_size, 0, world)
         local = replace(shard_plan(cfg, 0, world).local, vocab_size=rows[1] - rows[0])
         cfg, name = local, f"{name}, one rank of {world}"

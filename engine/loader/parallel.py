@@ -107,11 +107,10 @@ def refusal(device: str | torch.device, world: int) -> str:
 
 
 def shard_for(cfg: ModelConfig, spec: PrecisionSpec, rank: int, world: int) -> Shard:
-    """Rank ``rank``'s shard, its MLP channels in whole INT4 groups where the spec has some."""
+    """Rank ``rank``'s shard, its MLP channels in whole INT4 groups where the spec has some;
+    the embedding and the LM head (float or quantized) split by vocabulary rows."""
     groups = [k.group for k in spec.kinds if k.group]
-    # the embedding and a float head split by vocabulary rows; a quantized head stays whole
-    vocab = spec.kind_for("lm_head") is None
-    return plan(cfg, rank, world, align=max(groups, default=1), vocab=vocab)
+    return plan(cfg, rank, world, align=max(groups, default=1), vocab=True)
 
 
 def _load_shard(folder: Path, precision: str, rank: int, world: int, alpha: Any,

@@ -184,7 +184,8 @@ def load_transformer(
             tensor = tensor.to(dtype=store).to(device)
         if is_head:
             assert head_kind is not None and head_scale is not None
-            _load_quantized_head(model, cfg, tensor, head_kind, head_scale.to(device), dtype)
+            vocab = shard.vocab if shard is not None else None
+            _load_quantized_head(model, cfg, tensor, head_kind, head_scale.to(device), dtype, vocab)
             loaded.add(ours)
             continue
         if scaled_norm:
@@ -223,20 +224,31 @@ def _load_quantized_head(
     kind: QuantKind,
     scale: Tensor,
     dtype: torch.dtype,
+    vocab: tuple[int, int] | None = None,
 ) -> None:
     """Quantize the LM head ``weight`` (fp32, the checkpoint's values) as ``W·diag(scale)``;
-    with tied embeddings the same quantized matrix serves the embedding lookup."""
+    with tied embeddings the same quantized matrix serves the embedding lookup. ``vocab``:
+    the rows ``[start, stop)`` a tensor-parallel rank holds (vocabulary parallelism), cut
+    before quantizing: INT8's scales and INT4's groups are per row, so a rank's rows are
+    quantized exactly as the whole head's."""
     expected = (cfg.vocab_size, cfg.hidden_size)
     if tuple(weight.shape) != expected:
         raise ModelLoadError(
             f"the LM head has shape {tuple(weight.shape)}, config.json implies {expected}; "
             "config and weights disagree"
         )
-    _quantize_into(model, "lm_head", weight.mul_(scale), kind, dtype)
+    weight = weight.mul_(scale)
+    if vocab is not None:
+        weight = weight[vocab[0] : vocab[1]].contiguous()
+    _quantize_into(model, "lm_head", weight, kind, dtype)
     if cfg.tie_word_embeddings:  # one quantized matrix serves the head and the embedding
         head = model.lm_head
         assert isinstance(head, (Int8Linear, Int4Linear))
-        model.embed = QuantizedEmbedding(head, dtype, 1.0 / scale)
+        rows = QuantizedEmbedding(head, dtype, 1.0 / scale)
+        if vocab is None:
+            model.embed = rows
+        else:
+            model.embed = VocabParallelEmbedding(vocab[0], vocab[1], cfg.hidden_size, lookup=rows)
 
 
 def _read_tensor(files: list[Path], name: str) -> Tensor:

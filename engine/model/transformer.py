@@ -231,18 +231,25 @@ class VocabParallelEmbedding(nn.Module):
     """The embedding rows ``[start, stop)`` of a vocabulary split across tensor-parallel
     ranks: a token outside them looks up zeros, and the all-reduce (:attr:`reduce`, set by
     :meth:`Transformer.set_parallel`) adds the one rank's row to the others' zeros, exactly
-    the whole table's row."""
+    the whole table's row. The rows are a float table of its own (``weight``), or another
+    module's lookup of them (``lookup``: a tied quantized head's rows of this rank,
+    :class:`engine.quant.embedding.QuantizedEmbedding`)."""
 
-    def __init__(self, start: int, stop: int, hidden: int) -> None:
+    weight: nn.Parameter
+
+    def __init__(self, start: int, stop: int, hidden: int, lookup: nn.Module | None = None):
         super().__init__()
         self.start, self.stop = start, stop
-        self.weight = nn.Parameter(torch.empty(stop - start, hidden))
+        self.lookup = lookup
+        if lookup is None:
+            self.weight = nn.Parameter(torch.empty(stop - start, hidden))
         self.reduce: Callable[[Tensor], Tensor] | None = None
 
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.start
         inside = (local >= 0) & (local < self.stop - self.start)
-        rows = F.embedding(local.clamp(0, self.stop - self.start - 1), self.weight)
+        clamped = local.clamp(0, self.stop - self.start - 1)
+        rows = F.embedding(clamped, self.weight) if self.lookup is None else self.lookup(clamped)
         rows = rows * inside.unsqueeze(-1).to(rows.dtype)
         return rows if self.reduce is None else self.reduce(rows)
 

@@ -41,6 +41,7 @@ from engine.kv_cache.paged import PagedKVCache, SeqChunk, _PagedContext
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
+from engine.parallel.shard import vocab_per_rank
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,11 @@ def broadcast_object(group: Any, obj: object = None) -> object:
 
 
 def gather_vocab(t: Tensor, vocab_size: int, group: Any) -> Tensor:
-    """Every rank's logits columns ``[rows, ⌈V / N⌉]`` (the last rank's padded), side by side:
-    the whole vocabulary's ``[rows, V]`` on each rank (``group``: the tensors' group)."""
+    """Every rank's logits columns ``[rows, per rank]`` (the last rank's padded), side by
+    side: the whole vocabulary's ``[rows, V]`` on each rank (``group``: the tensors' group;
+    the rows per rank: :func:`engine.parallel.shard.vocab_per_rank`)."""
     world = group.size()
-    per = -(-vocab_size // world)
+    per = vocab_per_rank(vocab_size, world)
     if t.shape[1] < per:
         t = torch.nn.functional.pad(t, (0, per - t.shape[1]))
     parts = [torch.empty_like(t) for _ in range(world)]

@@ -10,10 +10,10 @@ the parts, twice a layer:
 * ``o_proj`` and ``down_proj`` are row-parallel: a rank holds the columns of the same heads
   and channels, so its product is a partial sum of the layer's output; an all-reduce adds the
   ranks' parts (:attr:`engine.model.transformer.Transformer.all_reduce`).
-* The embedding and the LM head split by vocabulary rows (where the head stays float): a
-  rank looks up the tokens in its rows (zeros for the others) and an all-reduce joins the
-  rows; it computes the logits of its rows and an all-gather joins them. The norms are whole
-  on every rank.
+* The embedding and the LM head (float or quantized) split by vocabulary rows, in whole
+  blocks of :data:`VOCAB_UNIT`: a rank looks up the tokens in its rows (zeros for the
+  others) and an all-reduce joins the rows; it computes the logits of its rows and an
+  all-gather joins them. The norms are whole on every rank.
 
 Heads go to ranks whole and in order, KV head by KV head with its group of query heads (GQA
 stays local): with fewer KV heads than ranks, each KV head is held by ``N / Hkv`` ranks, which
@@ -103,10 +103,23 @@ class Shard:
         return tensor
 
 
-def vocab_rows(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank ``rank``'s rows of a vocabulary split ``world`` ways: runs of ``⌈V / N⌉``, the last
-    one shorter (a gather of the ranks' logits pads it)."""
+#: the vocabulary splits in runs of whole blocks of this many rows: the rows a CPU INT4
+#: layout packs together (64, 32 or 16: :func:`engine.formats.cpu_int4_block_rows`), so
+#: that a tied INT4 head's rows of one rank still serve its embedding lookups
+VOCAB_UNIT = 64
+
+
+def vocab_per_rank(vocab_size: int, world: int) -> int:
+    """Rows each rank holds of a vocabulary split ``world`` ways (the last one fewer):
+    ``⌈V / N⌉`` rounded up to whole :data:`VOCAB_UNIT` blocks."""
     per = -(-vocab_size // world)
+    return -(-per // VOCAB_UNIT) * VOCAB_UNIT
+
+
+def vocab_rows(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows of a vocabulary split ``world`` ways: runs of
+    :func:`vocab_per_rank`, the last one shorter (a gather of the ranks' logits pads it)."""
+    per = vocab_per_rank(vocab_size, world)
     return min(rank * per, vocab_size), min((rank + 1) * per, vocab_size)
 
 
