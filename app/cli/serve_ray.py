@@ -4,6 +4,7 @@ local Ray instance started here or on a cluster (``--address``), until Ctrl+C or
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import signal
@@ -170,6 +171,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         )  # fmt: skip
     else:
         ray.init(address=args.address, namespace=APP, log_to_driver=False)
+    # our own lines say what starts and where; Ray Serve's INFO lines would repeat them
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     stop = threading.Event()
     try:
         serve.start(http_options={"host": todo["host"], "port": port})
