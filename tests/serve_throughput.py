@@ -43,12 +43,23 @@ def _start(extra: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
         env={**os.environ, "RAY_AUTH_MODE": "disabled"},
     )  # fmt: skip
     deadline = time.monotonic() + 300
-    while not re.search(r"serving .*on http", log.read_text()):
+    while not (re.search(r"serving .*on http", log.read_text()) and _healthy(port)):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise SystemExit(f"the server did not start:\n{log.read_text()[-2000:]}")
         time.sleep(0.5)
     return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def _healthy(port: int) -> bool:
+    import http.client
+
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
 
 
 def _load(base: str, users: int, requests: int, tokens: int) -> dict[str, Any]:
