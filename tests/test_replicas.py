@@ -32,7 +32,7 @@ from app.replicas.router import preferred
 from engine.core.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.loader.load import load_model
-from tests.test_server import greedy, request
+from tests.test_server import KEY, greedy, request
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -294,7 +294,7 @@ def served(default_model: Path, ray_root: Path, tmp_path_factory) -> Iterator[di
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--ray", "--replicas", str(REPLICAS),
          "--model", "default", "--port", str(port), "--max-batch-size", str(BATCH),
-         "--max-waiting", str(WAITING), "--self-test-interval", "0"],
+         "--max-waiting", str(WAITING), "--self-test-interval", "0", "--api-key", KEY],
         stdout=out, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -318,7 +318,7 @@ def replicas(base: str) -> dict[str, dict[str, object]]:
 
 def by_replica(base: str, name: str) -> dict[str, float]:
     """A metric's ``_total`` sample per replica."""
-    _, _, body = request(base, "GET", "/metrics", key=None)
+    _, _, body = request(base, "GET", "/metrics")
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
@@ -340,7 +340,7 @@ def settled(base: str, name: str, total: float) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served['base']}/v1", api_key="none", max_retries=0,
+    return openai.OpenAI(base_url=f"{served['base']}/v1", api_key=KEY, max_retries=0,
                          timeout=120)  # fmt: skip
 
 
@@ -351,8 +351,12 @@ def engine(default_model: Path) -> LLMEngine:
 
 def test_two_replicas_stream_what_one_engine_generates(served, client, engine) -> None:
     """Through Ray's proxy: the SDK's streams equal one engine's greedy text, chat and
-    completion, and /v1/models, /health and /metrics answer, naming both replicas."""
+    completion, and /v1/models, /health and /metrics answer, naming both replicas; the API
+    key is asked of every route but /health, by the replicas and by the front's /metrics."""
     base = str(served["base"])
+    for path in ("/v1/models", "/metrics"):
+        status, _, body = request(base, "GET", path, key=None)
+        assert status == 401 and b"invalid_api_key" in body, (path, status)
     assert [m.id for m in client.models.list().data] == [MODEL]
     deadline = time.monotonic() + 30
     while len(replicas(base)) < REPLICAS and time.monotonic() < deadline:
@@ -408,7 +412,7 @@ def test_a_burst_beyond_both_queues_gets_503_and_loses_no_accepted_request(serve
     results: list[tuple[int, dict[str, str], bytes]] = []
 
     def send() -> None:
-        results.append(request(base, "POST", "/v1/completions", body, key=None))
+        results.append(request(base, "POST", "/v1/completions", body))
 
     threads = [threading.Thread(target=send) for _ in range(24)]
     for t in threads:

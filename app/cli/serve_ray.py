@@ -152,6 +152,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         from app.loading import resolve_model_folder
 
         options["model"] = str(resolve_model_folder(options["model"], progress_printer()))
+    # the key from the environment too, as one server takes it: the replicas' and the
+    # front's processes may not see this one's environment (another node)
+    options["api_key"] = options.get("api_key") or os.environ.get("INFERSIGHT_API_KEY") or None
     port = todo["port"]
     if port == 0:
         with _free_port(todo["host"]) as sock:

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, cast
@@ -145,6 +146,12 @@ class EngineReplica:
 # -- the front ----------------------------------------------------------------------------------
 
 
+def _key_given(request: Request, key: str) -> bool:
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    return secrets.compare_digest(token.encode(), key.encode())
+
+
 def _error(status: int, message: str, code: str, retry: bool) -> JSONResponse:
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     headers = {"Retry-After": "1"} if retry else None
@@ -162,6 +169,8 @@ class Front:
     def __init__(self, engine: DeploymentHandle[Any], options: dict[str, Any]) -> None:
         self.engine = engine.options(stream=True, method_name="forward")
         self.reports: dict[str, tuple[float, str, dict[str, Any]]] = {}
+        # the replicas check the key on what they answer; /metrics is answered here
+        self.api_key: str | None = options.get("api_key") or None
 
     def report(self, replica: str, metrics: str, health: dict[str, Any]) -> None:
         self.reports[replica] = (time.monotonic(), metrics, health)
@@ -178,7 +187,10 @@ class Front:
                       openapi_url=None)  # fmt: skip
 
         @app.get("/metrics")
-        async def metrics() -> Response:
+        async def metrics(request: Request) -> Response:
+            if self.api_key and not _key_given(request, self.api_key):
+                return _error(401, "a valid API key is needed: send it as 'Authorization: "
+                              "Bearer KEY'", "invalid_api_key", retry=False)  # fmt: skip
             texts = {r: text for r, (text, _) in self.fresh().items()}
             return Response(merge(texts), media_type=CONTENT_TYPE_LATEST)
 
