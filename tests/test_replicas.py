@@ -248,6 +248,34 @@ def test_bad_replica_options_are_one_line(flags, says) -> None:
         plan(build_parser().parse_args(["serve", "--ray", *flags]))
 
 
+def test_bad_options_fail_before_ray_starts_and_a_replicas_failure_is_its_own_line(capsys):
+    """A precision a replica would refuse is refused before Ray starts (a replica that fails
+    to start is retried three times); a failure only a replica sees is read back from Ray
+    Serve's status as the replica's own message, not Ray's 'failed to update'."""
+    from types import SimpleNamespace
+
+    from app.cli.main import main
+    from app.cli.serve_ray import replica_failure
+
+    started = time.monotonic()
+    assert main(["serve", "--ray", "--precision", "int3", "--port", "0"]) == 2
+    assert "unknown precision 'int3'" in capsys.readouterr().err
+    assert time.monotonic() - started < 30
+    traceback = (
+        "The deployment failed to start 3 times in a row. Error:\n"
+        'Traceback (most recent call last):\n  File "app/loading.py", line 1, in x\n'
+        "engine.errors.ModelLoadError: no calibration 'self' for this model; run "
+        "`infersight calibrate` first\n"
+    )
+    status = SimpleNamespace(applications={"infersight": SimpleNamespace(
+        deployments={"engine": SimpleNamespace(message=traceback)})})  # fmt: skip
+    fake = SimpleNamespace(status=lambda: status)
+    assert replica_failure(fake) == (
+        "no calibration 'self' for this model; run `infersight calibrate` first"
+    )
+    assert replica_failure(SimpleNamespace(status=lambda: 1 / 0)) == ""
+
+
 def test_without_ray_installed_serve_ray_says_how_to_install_it(monkeypatch, capsys) -> None:
     import builtins
 

@@ -7,6 +7,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -133,6 +134,39 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     return {"options": options, "engine": engine, "front": front, "host": host, "port": port}
 
 
+def check_options(options: dict[str, Any]) -> None:
+    """What a replica's load would refuse at once (the precision, a drafter, the cache
+    window), checked here, before Ray starts: a replica that fails to start is retried
+    three times before Ray gives up."""
+    import torch
+
+    from app.cli.common import engine_config, speculative_config
+    from app.loading import resolve_device
+    from engine.quant.spec import parse_precision_spec
+
+    args = argparse.Namespace(**options)
+    parse_precision_spec(args.precision, torch.device(resolve_device(args.device)))
+    speculative_config(args)
+    engine_config(args, max_batch_size=args.max_batch_size)
+
+
+def replica_failure(serve: Any) -> str:
+    """Why the engine replicas failed to start, from Ray Serve's status: the last line of
+    the replica's traceback that names an error, without its module path; "" if none."""
+    from app.replicas.deployments import APP, ENGINE
+
+    try:
+        message = serve.status().applications[APP].deployments[ENGINE].message
+    except Exception:  # no status to read: the caller says what Ray said
+        return ""
+    for line in reversed([line.strip() for line in str(message).splitlines()]):
+        named = re.match(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", line)
+        if named:
+            kind, text = named.groups()
+            return text if kind in ("InvalidRequestError", "ModelLoadError") else line
+    return ""
+
+
 def _most_replicas(engine: dict[str, Any]) -> int:
     auto = engine.get("autoscaling_config")
     if isinstance(auto, dict):
@@ -152,6 +186,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         from app.loading import resolve_model_folder
 
         options["model"] = str(resolve_model_folder(options["model"], progress_printer()))
+        check_options(options)
     # the key from the environment too, as one server takes it: the replicas' and the
     # front's processes may not see this one's environment (another node)
     options["api_key"] = options.get("api_key") or os.environ.get("INFERSIGHT_API_KEY") or None
@@ -185,8 +220,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         try:
             serve.run(app, name=APP, route_prefix="/", blocking=False)
         except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise InvalidRequestError(f"the replicas did not start: {first}") from None
+            why = replica_failure(serve) or str(exc).strip() or type(exc).__name__
+            raise InvalidRequestError(f"the replicas did not start: {why}") from None
         where = f"http://{todo['host']}:{port}"
         print(f"serving on {where}/v1: {_replicas_text(engine)} on Ray Serve behind its "
               f"proxy; {where}/metrics and /health gather every replica's. Ctrl+C stops.",
