@@ -152,7 +152,8 @@ def check_options(options: dict[str, Any]) -> None:
 
 def replica_failure(serve: Any) -> str:
     """Why the engine replicas failed to start, from Ray Serve's status: the last line of
-    the replica's traceback that names an error, without its module path; "" if none."""
+    the replica's traceback that names an error (an error of ours: its text alone); "" if
+    none."""
     from app.replicas.deployments import APP, ENGINE
 
     try:
@@ -160,10 +161,10 @@ def replica_failure(serve: Any) -> str:
     except Exception:  # no status to read: the caller says what Ray said
         return ""
     for line in reversed([line.strip() for line in str(message).splitlines()]):
-        named = re.match(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$", line)
+        named = re.match(r"^((?:[\w.]+\.)?\w+(?:Error|Exception)): (.+)$", line)
         if named:
-            kind, text = named.groups()
-            return text if kind in ("InvalidRequestError", "ModelLoadError") else line
+            kind, text = named.groups()  # ours say what to do: their text alone
+            return text if kind.startswith(("engine.", "app.")) else line
     return ""
 
 
