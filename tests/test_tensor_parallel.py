@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -279,6 +281,21 @@ def test_a_new_pool_keeps_the_ranks(tiny_model_dir) -> None:
 # -- failure --------------------------------------------------------------------------------------
 
 
+def test_an_idle_split_model_outlives_the_collectives_timeout(tiny_model_dir, split, monkeypatch):
+    """A chat's user reads, a server waits for requests: the other ranks wait for rank 0's
+    next announcement however long it takes. With a 2 s timeout on the collectives, 4 s
+    idle and the model still answers, the same tokens."""
+    from engine.loader import parallel
+
+    monkeypatch.setattr(parallel, "TIMEOUT_S", 2.0)
+    folder, _ = tiny_model_dir("llama", False)
+    two = split(folder)
+    first = _greedy(two, PROMPT)
+    time.sleep(4.0)
+    assert all(p.is_alive() for p in two.parallel.processes)
+    assert _greedy(two, PROMPT) == first
+
+
 def test_a_killed_rank_is_named_within_30_s_and_nothing_is_left_behind(tiny_model_dir, split):
     folder, _ = tiny_model_dir("llama", False)
     two = split(folder)
@@ -294,6 +311,45 @@ def test_a_killed_rank_is_named_within_30_s_and_nothing_is_left_behind(tiny_mode
     assert not process.is_alive()
     with pytest.raises(RankFailed, match="shut down"):  # the engine says so, no hang
         _greedy(two, PROMPT)
+
+
+def _rank_that_raises(rank: int, world: int, port: int, folder: str, *args: object) -> None:
+    """A rank's main that fails before it meets the others, saying why (spawned: found by
+    its module and name)."""
+    errors = args[2]  # after the precision and the threads
+    errors.put((rank, "ValueError: this rank's shard is damaged"))  # type: ignore[attr-defined]
+    raise SystemExit(1)
+
+
+def _rank_that_dies(*args: object) -> None:
+    os._exit(3)
+
+
+@pytest.mark.parametrize(
+    ("main", "says"),
+    [(_rank_that_raises, "rank 1 failed: ValueError: this rank's shard is damaged"),
+     (_rank_that_dies, "rank 1 died (exit code 3)")],
+)  # fmt: skip
+def test_a_rank_that_fails_to_start_is_named_and_the_load_ends(
+    tiny_model_dir, monkeypatch, main, says
+) -> None:
+    """A rank that raises (its reason on the queue) or dies before the ranks meet: the load
+    fails at once with the rank and why, not after a timeout, and nothing is left."""
+    from engine.loader import parallel
+
+    monkeypatch.setattr(parallel, "_rank_main", main)
+    folder, _ = tiny_model_dir("llama", False)
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match=re.escape(says)):
+        load_model(folder, tensor_parallel=2)
+    assert time.monotonic() - started < 30
+    assert not [
+        p
+        for p in psutil.Process().children()
+        if p.is_running()
+        and p.status() != psutil.STATUS_ZOMBIE
+        and "spawn" in " ".join(p.cmdline())
+    ]
 
 
 def test_plan_takes_the_tensor_parallel_degree(capsys) -> None:

@@ -8,8 +8,10 @@ GPU ``r``. The ranks meet in two process groups of the model's own (:func:`group
 rank 0's announcements and the barriers, and the tensors' group for the all-reduces (gloo on
 CPUs, NCCL across GPUs). They are ``torch.distributed`` backends made from a rendezvous store
 that rank 0 opens, not its default group, so a process may hold several split models at once
-(the A/B lab's two sides, ``eval compare``'s A and B). Every collective times out after
-:data:`TIMEOUT_S`; loading waits longer, at a barrier that names a rank that never arrives.
+(the A/B lab's two sides, ``eval compare``'s A and B). Every collective on the tensors
+times out after :data:`TIMEOUT_S`; loading waits longer, at a barrier that names a rank that
+never arrives. A rank waits for rank 0's next announcement as long as rank 0 is idle
+(:data:`IDLE`): a rank that dies closes its connections, so the others' waits fail at once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import functools
 import logging
 import os
 import signal
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -41,10 +44,13 @@ from engine.quant.spec import PrecisionSpec
 
 log = logging.getLogger(__name__)
 
-#: seconds a collective waits for the other ranks before it fails
+#: seconds a collective on the tensors waits for the other ranks before it fails
 TIMEOUT_S = 30.0
 #: seconds the ranks wait for each other to load
 LOAD_TIMEOUT_S = 600.0
+#: how long a rank waits for rank 0's next announcement: as long as the model sits idle
+#: (a chat's user reading, a server without requests), so in effect for ever
+IDLE = timedelta(days=30)
 
 
 #: the tensors' group's backend, by device type
@@ -57,22 +63,47 @@ def rank_device(device: str | torch.device, rank: int) -> torch.device:
     return torch.device("cpu") if kind == "cpu" else torch.device(kind, rank)
 
 
-def rendezvous(world: int, port: int = 0) -> Any:
+def rendezvous(world: int, port: int = 0, timeout_s: float = TIMEOUT_S) -> Any:
     """The store the ranks meet through: rank 0's (``port`` 0: a free one, then read from
     its ``port``) or, given the port, another rank's connection to it."""
-    timeout = timedelta(seconds=TIMEOUT_S)
+    timeout = timedelta(seconds=timeout_s)
     if port == 0:
         return TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
     return TCPStore("127.0.0.1", port, world, False, timeout=timeout)
 
 
-def groups(rank: int, world: int, store: Any, device: torch.device) -> executor.Groups:
-    """This rank's two groups of the model, each with the :data:`TIMEOUT_S` timeout: the
-    control group, gloo (the announcements and ``monitored_barrier``), and the group the
-    tensors' collectives run in, :data:`BACKENDS` of ``device``'s type. On CPUs both are
-    gloo, and a CPU run goes through every line a GPU run does but the backend's."""
-    timeout = timedelta(seconds=TIMEOUT_S)
-    control = dist.ProcessGroupGloo(PrefixStore("control/", store), rank, world, timeout)
+def meet(store: Any, rank: int, world: int, gone: Callable[[], str | None]) -> None:
+    """Say this rank is up and wait for every other rank to say so, up to
+    :data:`LOAD_TIMEOUT_S`, asking ``gone`` each second whether to give up (why, or None):
+    the groups are made once every rank is there, since making them waits as long as they
+    wait (:data:`IDLE` for the control group)."""
+    store.set(f"up/{rank}", "1")
+    keys = [f"up/{r}" for r in range(world)]
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=1))
+            return
+        except RuntimeError:  # not every rank is up yet (DistStoreError on the timeout)
+            why = gone()
+            if why:
+                raise RuntimeError(why) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"not every rank started within {LOAD_TIMEOUT_S:.0f} s"
+                ) from None
+
+
+def groups(
+    rank: int, world: int, store: Any, device: torch.device, timeout_s: float = TIMEOUT_S
+) -> executor.Groups:
+    """This rank's two groups of the model: the control group, gloo (the announcements,
+    waited for up to :data:`IDLE`, and ``monitored_barrier``), and the group the tensors'
+    collectives run in, :data:`BACKENDS` of ``device``'s type, timing out after
+    ``timeout_s``. On CPUs both are gloo, and a CPU run goes through every line a GPU run
+    does but the backend's."""
+    timeout = timedelta(seconds=timeout_s)
+    control = dist.ProcessGroupGloo(PrefixStore("control/", store), rank, world, IDLE)
     tensors_store = PrefixStore("tensors/", store)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -137,7 +168,7 @@ def _load_shard(folder: Path, precision: str, rank: int, world: int, alpha: Any,
 
 
 def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, threads: int,
-               errors: Any, alpha: Any, device_type: str) -> None:  # fmt: skip
+               errors: Any, alpha: Any, device_type: str, timeout_s: float) -> None:  # fmt: skip
     """A spawned rank: join the group, load its shard, follow rank 0 until it says stop.
     Whatever fails goes to ``errors`` with the rank before the process exits."""
     from engine.kernels import layer_ops
@@ -148,7 +179,10 @@ def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, th
     try:
         torch.set_num_threads(threads)
         device = rank_device(device_type, rank)
-        ours = groups(rank, world, rendezvous(world, port), device)
+        store = rendezvous(world, port, timeout_s)
+        parent = os.getppid()
+        meet(store, rank, world, lambda: "rank 0 is gone" if os.getppid() != parent else None)
+        ours = groups(rank, world, store, device, timeout_s)
         group = ours.tensors
         model, shard, spec = _load_shard(Path(folder), precision, rank, world, alpha, device)
         if device.type == "cpu":
@@ -191,23 +225,39 @@ def load_parallel(
     kind = torch.device(device).type
     context = mp.get_context("spawn")
     errors = context.Queue()
-    store = rendezvous(world)
+    timeout_s = TIMEOUT_S
+    store = rendezvous(world, 0, timeout_s)
     port = store.port
     processes = [
         context.Process(
             target=_rank_main,
             name=f"infersight-rank-{rank}",
             daemon=True,
-            args=(rank, world, port, str(folder), precision, threads, errors, alpha, kind),
+            args=(
+                rank,
+                world,
+                port,
+                str(folder),
+                precision,
+                threads,
+                errors,
+                alpha,
+                kind,
+                timeout_s,
+            ),
         )
         for rank in range(1, world)
     ]
     for process in processes:
         process.start()
-    driver = executor.Driver(processes, errors, TIMEOUT_S)
+    driver = executor.Driver(processes, errors, timeout_s)
     here = rank_device(device, 0)
     try:
-        driver.groups = groups(0, world, store, here)
+        try:
+            meet(store, 0, world, driver.gone)
+        except RuntimeError as exc:
+            raise driver.failure(exc) from exc
+        driver.groups = groups(0, world, store, here, timeout_s)
         torch.set_num_threads(threads)
         model, shard, spec = _load_shard(folder, precision, 0, world, alpha, here)
         gatherer = driver.gatherer(shard.full.vocab_size) if shard.vocab is not None else None

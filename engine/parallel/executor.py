@@ -227,6 +227,16 @@ class Driver:
 
         return (rss(os.getpid()), *(rss(p.pid) for p in self.processes))
 
+    def gone(self) -> str | None:
+        """Why the ranks cannot go on, checked while they start: a rank that said why it
+        failed, or one whose process ended; None while all are running."""
+        if not self.errors.empty():
+            return "a rank failed"
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                return f"rank {rank} ended"
+        return None
+
     def failure(self, exc: BaseException) -> RankFailed:
         """What failed, by rank: a rank's own report where it made one, else the rank whose
         process is gone, else the collective's error (a timeout)."""
