@@ -75,12 +75,14 @@ def serve_options(given: Mapping[str, Any]) -> dict[str, Any]:
 def replica_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The engine deployment's Ray options for these serve options: Ray routes up to a
     batch and a full queue to a replica (its server refuses past that with 503 and
-    Retry-After), and holds at most one queue's worth more in the front (past that, 503)."""
+    Retry-After), and holds as many more in the front (past that, 503). Ray counts a request
+    as queued from its arrival until it is routed, so a burst's requests queue for a moment
+    even when replicas have room: a tighter front queue would turn them away."""
     ongoing = int(options["max_batch_size"]) + int(options["max_waiting"])
     gpu = str(options.get("device", "auto")).startswith("cuda")
     return {
         "max_ongoing_requests": ongoing,
-        "max_queued_requests": int(options["max_waiting"]),
+        "max_queued_requests": ongoing,
         "ray_actor_options": {"num_cpus": 1.0, **({"num_gpus": 1} if gpu else {})},
         "health_check_period_s": 10.0,
         "health_check_timeout_s": 30.0,
