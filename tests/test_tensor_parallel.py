@@ -29,6 +29,7 @@ from engine.model.config import ModelConfig
 from engine.model.transformer import VocabParallelEmbedding
 from engine.parallel.executor import RankFailed
 from engine.parallel.shard import plan
+from tests.probed import needs_int4
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
@@ -171,8 +172,9 @@ def test_the_default_model_over_two_ranks(default_model, split) -> None:
 
 @pytest.mark.parametrize(
     ("precision", "tied"),
-    [("int8", False), ("int4-g32", False), ("int8+head", True), ("int4-g32+head", True)],
-)
+    [("int8", False), pytest.param("int4-g32", False, marks=needs_int4), ("int8+head", True),
+     pytest.param("int4-g32+head", True, marks=needs_int4)],
+)  # fmt: skip
 def test_quantized_shards_give_the_whole_models_ids(tiny_model_dir, split, precision, tied):
     """Each rank quantizes its own shard: INT8's scales of the row-parallel products are the
     shard's (over its half of the inputs), INT4's groups lie whole in a shard (the channels

@@ -22,10 +22,8 @@ options by name (``model``, ``precision``, ``max_batch_size``…).
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, cast
@@ -40,6 +38,8 @@ from ray.serve.handle import DeploymentHandle
 from app.replicas import forwarding
 from app.replicas.forwarding import Forwarded
 from app.replicas.metrics import merge
+from app.server.routes import NEEDS_KEY, bearer_matches
+from app.server.schema import HTTPError, error_body, sse
 
 log = logging.getLogger(__name__)
 
@@ -148,16 +148,9 @@ class EngineReplica:
 # -- the front ----------------------------------------------------------------------------------
 
 
-def _key_given(request: Request, key: str) -> bool:
-    given = request.headers.get("authorization", "")
-    token = given[7:] if given.lower().startswith("bearer ") else ""
-    return secrets.compare_digest(token.encode(), key.encode())
-
-
-def _error(status: int, message: str, code: str, retry: bool) -> JSONResponse:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    headers = {"Retry-After": "1"} if retry else None
-    return JSONResponse(body, status_code=status, headers=headers)
+def _busy(message: str, code: str) -> JSONResponse:
+    """503 in OpenAI's shape, to be tried again in a second."""
+    return HTTPError(503, message, code=code, headers={"Retry-After": "1"}).response()
 
 
 @serve.deployment(
@@ -190,9 +183,10 @@ class Front:
 
         @app.get("/metrics")
         async def metrics(request: Request) -> Response:
-            if self.api_key and not _key_given(request, self.api_key):
-                return _error(401, "a valid API key is needed: send it as 'Authorization: "
-                              "Bearer KEY'", "invalid_api_key", retry=False)  # fmt: skip
+            if self.api_key and not bearer_matches(
+                request.headers.get("authorization", ""), self.api_key
+            ):
+                return HTTPError(401, NEEDS_KEY, code="invalid_api_key").response()
             texts = {r: text for r, (text, _) in self.fresh().items()}
             return Response(merge(texts), media_type=CONTENT_TYPE_LATEST)
 
@@ -221,15 +215,15 @@ class Front:
         try:
             first = await stream.__anext__()
         except BackPressureError:
-            return _error(
-                503, "every replica is busy and the front's queue is full; try again shortly",
-                "server_busy", retry=True,
-            )  # fmt: skip
+            return _busy(
+                "every replica is busy and the front's queue is full; try again shortly",
+                "server_busy",
+            )
         except Exception as exc:  # the replica died before answering: nothing was sent
             log.warning("a replica failed before answering: %s", exc)
-            return _error(
-                503, f"the replica serving this request failed ({type(exc).__name__}); it is "
-                "being replaced: try again", "replica_failed", retry=True,
+            return _busy(
+                f"the replica serving this request failed ({type(exc).__name__}); it is "
+                "being replaced: try again", "replica_failed",
             )  # fmt: skip
         _, status, raw = first
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
@@ -250,12 +244,11 @@ async def _rest(stream: Any, events: bool) -> AsyncIterator[bytes]:
         log.warning("a replica failed mid-reply: %s", exc)
         if not events:
             raise
-        error = {"error": {
-            "message": f"the replica serving this request failed mid-reply "
-            f"({type(exc).__name__}); the reply is incomplete: try again",
-            "type": "server_error", "param": None, "code": "replica_failed",
-        }}  # fmt: skip
-        yield f"data: {json.dumps(error)}\n\n".encode()
+        message = (
+            f"the replica serving this request failed mid-reply ({type(exc).__name__}); the "
+            "reply is incomplete: try again"
+        )
+        yield sse(error_body(message, "server_error", code="replica_failed")).encode()
 
 
 # -- the application ----------------------------------------------------------------------------

@@ -534,6 +534,17 @@ def _failure(exc: BaseException) -> HTTPError:
     return HTTPError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error")
 
 
+def bearer_matches(authorization: str, key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``key`` as its bearer token (compared in
+    constant time)."""
+    token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
+    return secrets.compare_digest(token.encode(), key.encode())
+
+
+#: what a request without the right key is answered
+NEEDS_KEY = "a valid API key is needed: send it as 'Authorization: Bearer KEY'"
+
+
 class _Guard:
     """ASGI middleware before every route: the API key (all routes but ``/health``) and the
     body size limit, both answered in OpenAI's error shape."""
@@ -547,16 +558,15 @@ class _Guard:
             return
         server = self.server
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if server.api_key and scope["path"] != "/health":
-            given = headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), server.api_key.encode()):
-                server.metrics.reject(401)
-                await HTTPError(
-                    401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
-                    code="invalid_api_key",
-                ).response()(scope, receive, send)  # fmt: skip
-                return
+        key = server.api_key
+        if (
+            key
+            and scope["path"] != "/health"
+            and not bearer_matches(headers.get("authorization", ""), key)
+        ):
+            server.metrics.reject(401)
+            await HTTPError(401, NEEDS_KEY, code="invalid_api_key").response()(scope, receive, send)
+            return
         limit = server.limits.max_body_bytes
         too_big = HTTPError(413, f"the request body is larger than {limit} bytes")
         length = headers.get("content-length")
