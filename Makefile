@@ -126,7 +126,7 @@ $(PEERS)/.stamp:
 	touch $@
 
 # On an NVIDIA machine, with a CUDA build of torch in .venv (see TORCH_SPEC); written to fit in
-# 8 minutes on an H200 (tests/gpu_check.py). Random weights of Llama-3.1-8B's shapes (no
+# 8 minutes on an H200 (checks/gpu/). Random weights of Llama-3.1-8B's shapes (no
 # download) at every precision the GPU runs natively and the memory plan fits: a 4k-token
 # prompt with a batch of 16, the plan's peak against max_memory_allocated, batch-1 decode as a
 # fraction of the bandwidth limit, transformers fp16 side by side, a real out-of-memory step
@@ -134,7 +134,7 @@ $(PEERS)/.stamp:
 # written to build/gpu-check.json. Without a CUDA device it says so and succeeds; `make test`
 # runs its CPU dry run (--dry-run, tests/test_gpu_check.py).
 gpu-check: $(VENV)/.stamp-dev
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m tests.gpu_check --json build/gpu-check.json
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m checks.gpu --json build/gpu-check.json
 
 # The load's peak memory against the memory plan's bound, on a synthetic checkpoint with
 # Llama-3.2-3B's shapes (6.4 GB of random bf16, written once under build/load-peak; needs

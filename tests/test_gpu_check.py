@@ -1,4 +1,4 @@
-"""``make gpu-check``'s dry run: ``tests/gpu_check.py`` on the CPU with tiny shapes, the same
+"""``make gpu-check``'s dry run: ``checks/gpu/`` on the CPU with tiny shapes, the same
 code that a lent GPU runs, so that the script cannot rot before one is lent. Every check passes
 (or is skipped where this CPU's probes refuse the precision), the JSON on stdout is the one in
 the file, and it holds every figure the GPU run reports; the tie rule for greedy ids on its own.
@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
+from checks.gpu import run as gpu_check
 from engine.errors import InvalidRequestError
 from engine.loader.synthetic import SyntheticCheckpoint, build_engine
 from engine.model.config import ModelConfig
 from engine.quant.spec import parse_precision_spec
-from tests import gpu_check
 
 ROOT = Path(__file__).resolve().parent.parent
 #: what each precision that runs reports (on a GPU also its peaks against the plan's)
@@ -41,7 +41,7 @@ def runs_on_cpu(precision: str) -> bool:
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("gpu-check") / "gpu-check.json"
     run = subprocess.run(
-        [sys.executable, "-m", "tests.gpu_check", "--dry-run", "--json", str(out)],
+        [sys.executable, "-m", "checks.gpu", "--dry-run", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "QT_QPA_PLATFORM": "offscreen"},
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """The CUDA and NVIDIA paths, tested where no GPU exists: NVML and torch.cuda replaced by fakes,
 the CUDA INT4 packing by a Python transcription of torch's kernel. ``make gpu-check`` runs the
-real thing on a GPU (tests/gpu_check.py)."""
+real thing on a GPU (checks/gpu/)."""
 
 from __future__ import annotations
 

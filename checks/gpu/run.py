@@ -44,7 +44,7 @@ PATH (rewritten after every check: a run stopped at its time limit leaves what i
 if a check failed; a check that would start past :data:`BUDGET_S` is skipped, and the run warns.
 Without CUDA and without ``--dry-run`` it says so and exits 0.
 
-Run: ``python -m tests.gpu_check [--dry-run] [--device cuda:N] [--json PATH] [--precision P …]``
+Run: ``python -m checks.gpu [--dry-run] [--device cuda:N] [--json PATH] [--precision P …]``
 (sized to fit the budget on an H200, not yet run on one; the dry run takes about 15 s on two
 idle cores).
 """
@@ -90,7 +90,7 @@ from engine.model.config import ModelConfig
 from engine.quant.inventory import decode_read_bytes
 from engine.quant.spec import parse_precision_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ROOT / "resources" / "configs" / "llama-3.1-8b.json"
 #: The whole run's budget: a lent GPU's time is 15 minutes in all, starts and reruns included.
 BUDGET_S = 480

@@ -1,0 +1,5 @@
+import sys
+
+from checks.gpu.run import main
+
+sys.exit(main())
