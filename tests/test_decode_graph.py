@@ -45,6 +45,25 @@ def test_on_without_a_compiler_says_why_and_stays_eager(monkeypatch):
     assert "no C++ compiler found" in choice.summary()
 
 
+def test_triton_attention_and_tensor_parallelism_are_settled_in_choose_without_the_probe(
+    monkeypatch,
+):
+    """The one place that says whether a step compiles: what the load does and what
+    gpu-check expects both come from ``choose``, which asks no compiler probe (a child
+    process of 20–60 s on a GPU) for a step that will not compile."""
+
+    def probe(_device: str) -> str:
+        raise AssertionError("the compiler probe ran for a step that cannot compile")
+
+    monkeypatch.setattr(decode_graph, "compiler_problem", probe)
+    for mode in ("on", "auto"):
+        triton = choose(mode, CPU, triton_attention=True)
+        assert triton == GraphChoice(False, "eager: our Triton kernels run the attention")
+        split = choose(mode, CPU, tensor_parallel=True)
+        assert split == GraphChoice(False, "eager under tensor parallelism")
+    assert choose("off", CPU, triton_attention=True).why == "off as asked"
+
+
 def test_the_environment_sets_the_mode_and_bad_modes_are_refused(monkeypatch):
     monkeypatch.setenv(decode_graph.ENV, "off")
     assert decode_graph.requested_mode(None) == "off"

@@ -65,8 +65,21 @@ def test_a_wrong_kernel_is_not_used_and_the_load_says_why(tiny_model_dir, monkey
 
 def test_a_gemm_that_raises_is_not_used(monkeypatch):
     def broken(*args: object, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("an illegal memory access was encountered")
+        raise ValueError("out of resource: shared memory, Required: 232448")
 
     monkeypatch.setattr(quant_gemm, "int4_linear", broken)
     why = triton_check.gemms(CPU, torch.bfloat16)
-    assert why.startswith("our INT4 GEMM kernel failed its check: RuntimeError: an illegal")
+    assert why.startswith("our INT4 GEMM kernel failed its check: ValueError: out of resource")
+
+
+def test_a_kernel_that_crashes_the_gpu_is_an_error_not_a_fallback(monkeypatch):
+    """After an illegal memory access the CUDA context is lost: no torch path can run in the
+    process, so the load stops and says how to start without our kernels."""
+
+    def crashed(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(quant_gemm, "int4_linear", crashed)
+    triton_check._gemms.cache_clear()
+    with pytest.raises(InfersightError, match="crashed the GPU.*INFERSIGHT_KERNELS=torch"):
+        triton_check.gemms(CPU, torch.bfloat16)

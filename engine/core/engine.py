@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core import cuda_graphs, decode_check
+from engine.core import cuda_graphs, decode_check, kernel_choice
 from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
@@ -39,7 +39,6 @@ from engine.core.sequence import FinishReason
 from engine.core.sequence import Sequence as Seq
 from engine.errors import (
     EngineBusyError,
-    InfersightError,
     InvalidRequestError,
     OutOfMemoryError,
 )
@@ -50,7 +49,6 @@ from engine.kernels import (
     layer_ops,
     paged_decode,
     triton_check,
-    triton_support,
 )
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
@@ -113,8 +111,12 @@ class LLMEngine:
         #: why a GPU's pool has its size (the profiled warm-up's figures); None: the config
         #: gave it, or a CPU's share of its RAM
         self.pool_sizing: PoolSizing | None = None
+        #: our kernels that failed their load-time check (:mod:`engine.kernels.triton_check`)
+        #: and left their work to torch: each also a line of the load report
+        self.kernel_failures: list[str] = []
         #: whether attention runs our Triton kernels, and why (a line of the load report)
-        self.triton, self.kernels = _attention_kernels(cfg, dtype, device)
+        failures = self.kernel_failures
+        self.triton, self.kernels = kernel_choice.attention(cfg, dtype, device, failures)
         if self.triton:  # the layers' norms and RoPE on our fused kernels too, if they pass
             self._fuse_layer_ops()
         elif device.type == "cpu":  # the norms in C, where our CPU kernels are allowed
@@ -142,6 +144,7 @@ class LLMEngine:
                 step, why = None, f"decode steps eager (the C step failed its check: {problem})"
             self.model.decode_step = step
             self.kernels += f"; {why}"
+        self.kernels += kernel_choice.gemms(self.model, device, dtype, failures)
         self.kv = PagedKVCache(
             cfg,
             num_blocks=self._pool_blocks(),
@@ -244,6 +247,7 @@ class LLMEngine:
             cfg.head_dim,
         )  # fmt: skip
         if failed:
+            self.kernel_failures.append(failed)
             self.kernels += f"; norms and RoPE in torch ({failed})"
             return
         ops = layer_ops.triton_ops()
@@ -614,28 +618,3 @@ class Generation:
         finally:
             if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
                 engine.cancel(self.request_id)
-
-
-def _attention_kernels(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> tuple[bool, str]:
-    """Whether attention runs our Triton kernels for this model, dtype and device, and why
-    (:func:`engine.kernels.triton_support.attention_chosen`, then what the prefill kernel
-    runs: not fp32 on a GPU, nor bf16 below sm80; then both kernels' check against the torch
-    path, :mod:`engine.kernels.triton_check`)."""
-    ours, why = triton_support.attention_chosen(device, cfg.head_dim)
-    if not ours:
-        return ours, why
-    from engine.kernels.triton_kernels import prefill_attention
-
-    refused = prefill_attention.unsupported(
-        dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device
-    )
-    if refused:
-        return False, f"torch attention ({refused})"
-    failed = triton_check.attention(device, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
-    if not failed:
-        return True, why
-    if triton_support.requested() == "triton":
-        raise InfersightError(f"{triton_support.ENV}=triton, but {failed}")
-    return False, f"torch attention ({failed})"

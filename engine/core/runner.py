@@ -110,13 +110,12 @@ class ModelRunner:
     def settle_decode_graph(self, mode: str | None, kv: PagedKVCache) -> decode_graph.GraphChoice:
         """Compile the decode step where :func:`decode_graph.choose` says so, and compile it
         now: a few warm-up steps on scratch sequences, so that no reply waits for it."""
-        choice = decode_graph.choose(mode, self.device)
+        choice = decode_graph.choose(
+            mode, self.device, triton_attention=kv.triton,
+            tensor_parallel=self.model.announce is not None,
+        )  # fmt: skip
         if not choice.compiled:
             return choice
-        if self.model.announce is not None:  # the other ranks run the eager forward
-            return decode_graph.GraphChoice(False, "eager under tensor parallelism")
-        if kv.triton:  # the graph's attention op is the torch paths'
-            return decode_graph.GraphChoice(False, "eager: our Triton kernels run the attention")
         model = self.model
         compiled = decode_graph.CompiledDecode(model.body)
         model.compiled_decode = compiled

@@ -83,12 +83,26 @@ def device_kind(device: torch.device) -> tuple[str, str]:
     return (device.type, "*")
 
 
-def choose(mode: str | None, device: torch.device) -> GraphChoice:
-    """Settle the mode for ``device`` before the model is compiled."""
+def choose(
+    mode: str | None,
+    device: torch.device,
+    *,
+    triton_attention: bool = False,
+    tensor_parallel: bool = False,
+) -> GraphChoice:
+    """Settle the mode for ``device`` before the model is compiled: the one place that says
+    whether an engine compiles its decode step (the load asks it, and so does gpu-check).
+    Never under our Triton attention (``triton_attention``: the compiled graph's attention op
+    is the torch paths') nor under tensor parallelism (the other ranks run the eager forward);
+    neither asks the compiler probe."""
     mode = requested_mode(mode)
     kind = device_kind(device)
     if mode == "off":
         return GraphChoice(False, "off as asked")
+    if tensor_parallel:
+        return GraphChoice(False, "eager under tensor parallelism")
+    if triton_attention:
+        return GraphChoice(False, "eager: our Triton kernels run the attention")
     if mode == "auto" and kind not in FASTER_COMPILED:
         where = "/".join(kind)
         if kind in EAGER_MEASURED:

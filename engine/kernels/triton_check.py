@@ -18,6 +18,9 @@ import logging
 import torch
 from torch import Tensor
 
+from engine.errors import InfersightError
+from engine.kernels import triton_support
+
 log = logging.getLogger(__name__)
 
 #: Largest error over the reference's largest magnitude, by dtype: a few roundings of each
@@ -56,11 +59,24 @@ def _verdict(name: str, got: Tensor, want: Tensor) -> str:
     return ""
 
 
+#: What a CUDA error that poisons the process's context says (torch raises AcceleratorError,
+#: a RuntimeError, for these): after one, no kernel runs on the device in this process.
+STICKY = ("illegal memory access", "illegal instruction", "misaligned address",
+          "unspecified launch failure", "device-side assert")  # fmt: skip
+
+
 def _guarded(name: str, check: functools.partial[str]) -> str:
     try:
         why = check()
     except Exception as exc:  # a kernel that raises here is not used
-        why = f"our {name} kernel failed its check: {type(exc).__name__}: {exc}".splitlines()[0]
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        if any(s in text for s in STICKY):  # the torch path cannot run after it either
+            raise InfersightError(
+                f"our {name} kernel crashed the GPU in its check ({type(exc).__name__}: "
+                f"{text}); the device is unusable in this process, so the torch path cannot "
+                f"take over: start again with {triton_support.ENV}=torch, and report this"
+            ) from exc
+        why = f"our {name} kernel failed its check: {type(exc).__name__}: {text}"
     if why:
         log.warning("%s; the torch path runs instead", why)
     return why
@@ -143,12 +159,19 @@ def _decode(dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv
     tables = _tables(lengths, blocks, gen)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dev, dtype)
     lens = torch.tensor(lengths, dtype=torch.int32).to(dev)
-    got = paged_decode_attention(q, pool, _padded(tables, dev), lens, block_size=BLOCK)
     want = torch.cat([
         _reference(q[b : b + 1], *_keys(pool, tables[b], n, kv_heads), n - 1)
         for b, n in enumerate(lengths)
-    ])  # fmt: skip
-    return _verdict("decode attention", got, want.to(dtype))
+    ]).to(dtype)  # fmt: skip
+    # one pass, and the context split in three (a CUDA graph's wide tables split it so)
+    for splits, name in ((None, "decode attention"), (3, "split decode attention")):
+        got = paged_decode_attention(
+            q, pool, _padded(tables, dev), lens, block_size=BLOCK, splits=splits
+        )
+        why = _verdict(name, got, want)
+        if why:
+            return why
+    return ""
 
 
 def _prefill(
@@ -180,11 +203,12 @@ def _int8(dev: torch.device, dtype: torch.dtype) -> str:
     weight = torch.randint(-127, 128, (96, 160), generator=gen, dtype=torch.int8).to(dev)
     scales = (torch.rand(96, generator=gen) * 0.01).to(dev, dtype)
     bias = torch.randn(96, generator=gen).to(dev, dtype)
-    for rows in (1, 20):
+    # a GEMV row and a decode tile of 16 rows, each unsplit and split over K, and a prefill tile
+    for rows, splits in ((1, None), (1, 2), (16, None), (16, 2), (20, None)):
         x = torch.randn(rows, 160, generator=gen).to(dev, dtype)
         why = _verdict(
-            "INT8 GEMM",
-            int8_linear(x, weight, scales, bias),
+            "INT8 GEMM" if splits is None else f"INT8 GEMM split over K ({rows} rows)",
+            int8_linear(x, weight, scales, bias, splits=splits),
             int8_reference(x, weight, scales, bias),
         )
         if why:
@@ -201,10 +225,11 @@ def _int4(dev: torch.device, dtype: torch.dtype) -> str:
     sz = torch.stack([torch.rand(k // group, n, generator=gen) * 0.02,
                       torch.randn(k // group, n, generator=gen) * 0.01], dim=-1)  # fmt: skip
     sz = sz.to(dev, torch.bfloat16).contiguous()
-    for rows in (1, 20):
+    for rows, splits in ((1, None), (1, 2), (16, None), (16, 2), (20, None)):
         x = torch.randn(rows, k, generator=gen).to(dev, dtype)
-        got = int4_linear(x, weight, sz, group)
-        why = _verdict("INT4 GEMM", got, int4_reference(x, weight, sz, group, None))
+        got = int4_linear(x, weight, sz, group, splits=splits)
+        name = "INT4 GEMM" if splits is None else f"INT4 GEMM split over K ({rows} rows)"
+        why = _verdict(name, got, int4_reference(x, weight, sz, group, None))
         if why:
             return why
     return ""
