@@ -43,7 +43,8 @@ PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 # imports would cost it about 7 s).
 TIMING_FILES  = $(shell grep -l -E '(mark\.timing|pytestmark.*timing)' tests/test_*.py)
 
-.PHONY: run chat test bench bench-peers gpu-check load-peak screenshots package venv dev clean
+.PHONY: run chat test bench bench-peers gpu-check gpu-wheels gpu-versions load-peak screenshots \
+        package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
 run: $(VENV)/.stamp-run
@@ -125,16 +126,52 @@ $(PEERS)/.stamp:
 	$(PEERS)/bin/python -m pip --disable-pip-version-check -q install "$(PEER_SPEC)"
 	touch $@
 
-# On an NVIDIA machine, with a CUDA build of torch in .venv (see TORCH_SPEC); written to fit in
-# 8 minutes on an H200 (checks/gpu/). Random weights of Llama-3.1-8B's shapes (no
-# download) at every precision the GPU runs natively and the memory plan fits: a 4k-token
-# prompt with a batch of 16, the plan's peak against max_memory_allocated, batch-1 decode as a
-# fraction of the bandwidth limit, transformers fp16 side by side, a real out-of-memory step
-# recovered, the compiled decode step and the app's worker. Prints a table and the JSON, also
-# written to build/gpu-check.json. Without a CUDA device it says so and succeeds; `make test`
-# runs its CPU dry run (--dry-run, tests/test_gpu_check.py).
-gpu-check: $(VENV)/.stamp-dev
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m checks.gpu --json build/gpu-check.json
+# -- the lent GPU machine (docs/gpu-check.md) ---------------------------------------------------
+# `make gpu-check` runs on the GPU machine with that machine's own python3 and packages (Python
+# 3.12, torch 2.11 + cu130, Triton 3.6, transformers 5.17; no registry there): it never builds a
+# venv. The device tool's one call, the tree carrying gpu-wheels/:
+#   bash checks/gpu/run.sh --quick        (timeout_s 300: about 3 minutes on an H100)
+#   bash checks/gpu/run.sh                (timeout_s 560: the whole run, 8 minutes)
+# Checks in the order of what they tell, each under its own limit, the JSON in $$OUT as each ends.
+# Without a CUDA device it says so and succeeds; `make test` runs its CPU dry run.
+gpu-check:
+	bash checks/gpu/run.sh $(GPU_CHECK_ARGS)
+
+# What gpu-check needs beyond the lent image: wheels for cp312/manylinux, fetched here into
+# gpu-wheels/ (git-ignored; carried with the tree, which stays far under its 64 MiB).
+GPU_WHEELS := platformdirs==4.14.9
+gpu-wheels:
+	rm -rf gpu-wheels && mkdir -p gpu-wheels
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d gpu-wheels $(GPU_WHEELS)
+	@ls -l gpu-wheels | tail -n +2; du -sh gpu-wheels
+
+# The lent machine's versions here: torch 2.11 (its CUDA build, run on the CPU), Triton 3.6 and
+# transformers 5.17 in a venv of their own with the image's other packages that we use, none of
+# ours. In a clean checkout of HEAD with only the carried wheels on the path, as on the GPU
+# machine: the dry run through checks/gpu/run.sh (our kernels in Triton's interpreter), the
+# kernel tests under the interpreter, and the ahead-of-time build for sm_80 and sm_90.
+GPU_IMAGE      ?= .venv-gpu-image
+GPU_IMAGE_PKGS := torch==2.11.0 triton==3.6.0 transformers==5.17.0 numpy safetensors tokenizers \
+                  jinja2 psutil filelock nvidia-ml-py huggingface_hub prometheus-client pyyaml \
+                  tqdm pytest hypothesis
+$(GPU_IMAGE)/.stamp:
+	$(PYTHON) -m venv $(GPU_IMAGE)
+	$(GPU_IMAGE)/bin/python -m pip --disable-pip-version-check -q install $(GPU_IMAGE_PKGS)
+	touch $@
+
+GPU_KERNEL_TESTS := tests/test_triton_decode.py tests/test_triton_prefill.py tests/test_triton_fused.py \
+                    tests/test_triton_gemm.py tests/test_triton_check.py tests/test_triton_engine.py
+gpu-versions: $(GPU_IMAGE)/.stamp gpu-wheels
+	rm -rf build/gpu-versions && mkdir -p build/gpu-versions
+	git clone -q . build/gpu-versions/tree && cp -r gpu-wheels build/gpu-versions/tree/
+	cd build/gpu-versions/tree && TRITON_INTERPRET=1 GPU_PYTHON=$(abspath $(GPU_IMAGE))/bin/python \
+	  OUT=$(abspath build/gpu-versions) bash checks/gpu/run.sh --dry-run
+	cd build/gpu-versions/tree && TRITON_INTERPRET=1 PYTHONPATH=. \
+	  $(abspath $(GPU_IMAGE))/bin/python -m pytest -q -p no:cacheprovider $(GPU_KERNEL_TESTS)
+	cd build/gpu-versions/tree && env -u TRITON_INTERPRET PYTHONPATH=. \
+	  $(abspath $(GPU_IMAGE))/bin/python -m engine.kernels.triton_aot --quiet --targets 80 90
 
 # The load's peak memory against the memory plan's bound, on a synthetic checkpoint with
 # Llama-3.2-3B's shapes (6.4 GB of random bf16, written once under build/load-peak; needs

@@ -33,9 +33,17 @@ class Report:
     why (when not passed), figures (kept when it fails halfway) and what ran (kernels, step
     path). Written to ``path`` when a check starts (``running``) and when it ends."""
 
-    def __init__(self, path: Path | None, dry_run: bool, budget_s: float, mode: str) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        dry_run: bool,
+        budget_s: float,
+        mode: str,
+        grace_s: float = STUCK_GRACE_S,
+    ) -> None:
         self.path = path
         self.budget_s = budget_s
+        self.grace_s = grace_s
         self.started = time.perf_counter()
         self.data: dict[str, Any] = {
             "gpu_check": {
@@ -58,7 +66,8 @@ class Report:
     def run(self, name: str, fn: Callable[[dict[str, Any]], None], limit_s: float) -> None:
         """Run one check: skipped when the budget cannot hold its limit; stopped with
         :class:`CheckTimeout` past ``limit_s``; past that and :data:`STUCK_GRACE_S` (stuck in
-        native code), recorded as timed out and the process ends, the JSON saved."""
+        native code: no signal handler runs there), recorded as timed out and the process
+        ends with 124, the JSON saved."""
         figures: dict[str, Any] = {}
         entry: dict[str, Any] = {"name": name, "status": "passed", "seconds": 0.0, "why": ""}
         left = self.budget_s - self.elapsed
@@ -67,7 +76,7 @@ class Report:
         with self._lock:
             self.data["gpu_check"]["running"] = {"name": name, "limit_s": round(limit, 1)}
             self.save()
-        watchdog = threading.Timer(limit + STUCK_GRACE_S, self._stuck, (name, figures, start))
+        watchdog = threading.Timer(limit + self.grace_s, self._stuck, (name, figures, start))
         watchdog.daemon = True
         try:
             if limit < min(limit_s, 20.0):

@@ -1,11 +1,11 @@
 """Build every configuration of our Triton kernels for the NVIDIA architectures from sm_75 to
 sm_90, no GPU needed, and check each one's shared memory against the architecture's limit.
 
-``python -m engine.kernels.triton_aot [--json FILE] [--jobs N] [--all-targets]`` prints one
-line per configuration and architecture and exits 1 if any failed to compile or needs more
-shared memory than its architecture has; ``--report FILE`` prints a saved run again (with its
-exit status). ``make test`` runs it in the background beside the tests. It needs Triton's real
-compiler: it refuses to run under ``TRITON_INTERPRET=1``.
+``python -m engine.kernels.triton_aot [--json FILE] [--jobs N] [--all-targets] [--targets SM …]``
+prints one line per configuration and architecture and exits 1 if any failed to compile or
+needs more shared memory than its architecture has; ``--report FILE`` prints a saved run
+again (with its exit status). ``make test`` runs it in the background beside the tests. It
+needs Triton's real compiler: it refuses to run under ``TRITON_INTERPRET=1``.
 
 Each build is the whole pipeline a GPU's first launch runs (Triton IR, its GPU dialect, LLVM
 IR, PTX, and ``ptxas`` to a cubin), about a second per configuration and target. sm_75
@@ -76,9 +76,12 @@ def judged(row: dict[str, Any], target: int) -> dict[str, Any]:
     return out
 
 
-def run(jobs: int, all_targets: bool) -> dict[str, Any]:
-    """Every build, ``jobs`` at a time, and the report."""
+def run(jobs: int, all_targets: bool, targets: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Every build (for ``targets`` only, where given), ``jobs`` at a time, and the report."""
     built = triton_support.TARGETS if all_targets else BUILT
+    if targets:
+        built = tuple(t for t in built if t in targets)
+        all_targets = True  # no other architecture judged from these builds
     todo = [(c.name, t) for c in configurations() for t in built if t >= c.min_target]
     minimum = {c.name: c.min_target for c in configurations()}
     started = time.perf_counter()
@@ -120,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--all-targets", action="store_true", help="build sm_86 and sm_89 too (about 5/3 the time)"
     )
+    parser.add_argument(
+        "--targets", type=int, nargs="+", default=[], metavar="SM",
+        help="only these compute capabilities, e.g. 80 90 (sm_80, sm_90)",
+    )  # fmt: skip
     parser.add_argument("--report", metavar="FILE", help="print a saved run and exit with it")
     parser.add_argument(
         "--quiet", action="store_true", help="print only the failures and the total"
@@ -131,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         if triton_support.interpreting():
             print("unset TRITON_INTERPRET: the build needs Triton's real compiler", file=sys.stderr)
             return 2
-        report = run(max(1, args.jobs), args.all_targets)
+        unknown = set(args.targets) - set(triton_support.TARGETS)
+        if unknown:
+            known = ", ".join(map(str, triton_support.TARGETS))
+            print(f"--targets: {sorted(unknown)} are not ours to build ({known})", file=sys.stderr)
+            return 2
+        report = run(max(1, args.jobs), args.all_targets, tuple(args.targets))
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report, indent=1))
