@@ -7,6 +7,9 @@ whose greedy ids equal the torch path's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +28,7 @@ pytestmark = pytest.mark.skipif(not triton_support.installed(), reason="Triton n
 
 if triton_support.installed():
     from engine.kernels.triton_kernels import quant_gemm as qg
+    from engine.kernels.triton_kernels import quant_gemm_kernels as qk
 
 DTYPES = [torch.float16, torch.bfloat16]
 ROWS = [1, 3, 16, 64, 200]  # the GEMV, 16-row split-K tiles (2), 64- and 128-row tiles
@@ -189,6 +193,98 @@ def test_each_nibble_and_group_lands_on_its_own_column():
         assert torch.equal(qg.int4_linear(x, packed, sz, group).float(), want), col  # [k, 3]
         gemv = qg.int4_linear(x[col : col + 1], packed, sz, group)
         assert torch.equal(gemv.float(), want[col : col + 1]), col
+
+
+# -- offsets past 2³¹ -------------------------------------------------------------------------
+
+VOCAB = 128_256  # Llama 3's: a quantized head's N
+
+
+@pytest.fixture
+def last_programs(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """``last_programs(n)``: from then on the interpreter runs only the last ``n`` programs
+    of each launch's first grid axis, with their own program ids and the grid's true size,
+    as if a GPU ran the others too: a grid far too large to interpret whole (a vocabulary's
+    head over 33,892 rows: 265,530 programs) still computes its last tiles, where the offsets
+    are largest. The kernels and the launchers run unchanged."""
+    from triton.runtime import interpreter
+
+    builder, call = interpreter.interpreter_builder, interpreter.GridExecutor.__call__
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+    skipped = [0]
+
+    def start(count: int) -> None:
+        def shortened(executor: Any, *args: object, **kwargs: object) -> None:
+            grid = tuple(executor.grid)
+            skipped[0] = max(0, grid[0] - count)
+            executor.grid = (grid[0] - skipped[0], *grid[1:])
+            call(executor, *args, **kwargs)
+
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", shortened)
+        monkeypatch.setattr(builder, "set_grid_dim", lambda x, y, z: set_dim(x + skipped[0], y, z))
+        monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_idx(x + skipped[0], y, z))
+
+    return start
+
+
+@pytest.mark.parametrize("x_stride", ["contiguous", "vocabulary-wide"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_rows_past_2_31_elements_land_where_they_belong(fmt, x_stride, last_programs):
+    """A quantized head over 33,892 rows (a long context's perplexity pass): ``y`` has
+    ``M·N ≥ 2³²`` elements, a virtual allocation whose untouched pages cost no memory, and
+    so has ``x`` where its rows are columns of a vocabulary-wide tensor. The last program's
+    tile (the last row tile, 128 rows from 33,792, and the last 128 columns) is checked. Its
+    offsets into ``y`` (and the wide ``x``) are in [2³², 2³² + 2³¹): 32-bit offsets wrap to
+    rows near 300 of the same tensors (inside them: no crash), read and written instead."""
+    k, group, m = 40, 32, 264 * 128 + 100  # 265 row tiles: the last is a group of GROUP_M alone
+    first = 264 * 128
+    tiles = qg.tiles_for(fmt, m)
+    assert (tiles.block_m, tiles.block_n, -(-m // tiles.block_m) % qg.GROUP_M) == (128, 128, 1)
+    assert 2**32 <= first * VOCAB < (m + 1) * VOCAB <= 2**32 + 2**31
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(VOCAB, k, generator=gen)
+    bias = torch.randn(VOCAB, generator=gen).half()
+    x = torch.empty((m, k) if x_stride == "contiguous" else (m, VOCAB), dtype=torch.float16)
+    x = x[:, :k]
+    x[first:] = torch.randn(m - first, k, generator=gen).half()
+    last_programs(1)
+    if fmt == "int8":
+        q, scales = quantize_int8(w, torch.float16)
+        y = qg.int8_linear(x, q, scales, bias)
+        w = q.float() * scales.float()[:, None]
+    else:
+        q4, scale, zero = quantize_int4(F.pad(w, (0, 64 - k)), group)
+        sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
+        y = qg.int4_linear(x, qg.pack_int4(q4), sz, group, bias)
+        w = dequantize_int4(q4, scale, zero, group)[:, :k]
+    assert y.shape == (m, VOCAB)
+    cols = slice(VOCAB - 128, VOCAB)
+    assert_close(y[first:, cols], x[first:], w[cols], bias[cols], rounded_weights=fmt == "int4")
+
+
+def test_the_split_k_reduction_past_2_31_elements(last_programs):
+    """The second pass of split-K over ``M·N ≥ 2³¹`` (16,744 rows of a vocabulary), on
+    virtual allocations (one split: 8 GiB of partial sums): its first block (a grid of one
+    program), which a 32-bit ``M·N`` leaves unwritten, and the last block of the real grid,
+    whose offsets pass 2³¹."""
+    m, splits = 16_744, 1
+    total = m * VOCAB
+    assert 2**31 <= total < 2**32
+    part = torch.empty((splits, m, VOCAB), dtype=torch.float32)
+    y = torch.empty((m, VOCAB), dtype=torch.float16)
+    bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(5)).half()
+    flat, out = part.view(splits, total), y.view(total)
+    block = qg.REDUCE_BLOCK
+    blocks = -(-total // block)
+    last_programs(1)
+    for at, grid in ((slice(0, block), 1), (slice((blocks - 1) * block, total), blocks)):
+        values = torch.randn(splits, at.stop - at.start, generator=torch.Generator().manual_seed(6))
+        flat[:, at] = values
+        out[at] = float("nan")
+        qk._splitk_reduce[(grid,)](part, bias, y, m, VOCAB, splits, 1, BLOCK=block)
+        cols = torch.arange(at.start, at.stop) % VOCAB
+        want = (values.sum(0) + bias[cols].float()).half()
+        assert torch.equal(out[at], want), at
 
 
 # -- the INT4 layout --------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def judged(row: dict[str, Any], target: int) -> dict[str, Any]:
 
 def run(jobs: int, all_targets: bool, targets: tuple[int, ...] = ()) -> dict[str, Any]:
     """Every build (for ``targets`` only, where given), ``jobs`` at a time, and the report."""
-    built = triton_support.TARGETS if all_targets else BUILT
+    built: tuple[int, ...] = triton_support.TARGETS if all_targets else BUILT
     if targets:
         built = tuple(t for t in built if t in targets)
         all_targets = True  # no other architecture judged from these builds
