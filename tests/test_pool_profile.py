@@ -226,22 +226,24 @@ def test_a_resize_to_the_default_profiles_again_without_the_old_pool(folder, mon
 
 @pytest.mark.parametrize("measured", [True, False], ids=["this GPU", "--memory"])
 def test_the_plan_and_the_load_size_the_same_pool(folder, monkeypatch, measured):
-    """The same device figures; the warm-up measures what the plan estimated (the weights
-    and the step's workspace, beside the tensors already there): the same blocks."""
+    """The same device figures; the warm-up measures what the plan estimated (the weights,
+    RoPE's tables and the step's workspace, beside the tensors already there): the same
+    blocks."""
     conf = config(gpu_memory_utilization=0.5)
     cfg = ModelConfig.from_file(folder / "config.json")
     monkeypatch.setattr(gpu, "capability", lambda device: (8, 9))
     weights = memory_plan.plan_memory(cfg, "fp32", "cuda", memory=2**30, config=conf).weight_bytes
     step = memory_plan.workspace_bytes(cfg, torch.float32, conf)
+    tables = memory_plan.rope_bytes(cfg)  # on the device, as a warm-up's peak counts them
     others = 3 * MiB if measured else 0  # tensors this process holds beside the model
     non_torch = 5 * MiB if measured else memory_plan.CUDA_RUNTIME_BYTES
-    total = 2 * (non_torch + others + weights + step + MiB)  # a room of 1 MiB at 0.5
+    total = 2 * (non_torch + others + weights + tables + step + MiB)  # a room of 1 MiB at 0.5
     reserved = others + 2 * MiB
     fake = fake_gpu(monkeypatch, FakeGpu(total, total - non_torch - reserved, reserved, others, 0))
     plan = memory_plan.plan_memory(
         cfg, "fp32", "cuda", memory=None if measured else total, config=conf
     )
-    fake.peak = SCRATCH + others + weights + step
+    fake.peak = SCRATCH + others + weights + tables + step
     engine = load(folder, conf)
     assert plan.weight_bytes == engine.weights_bytes == weights
     assert plan.pool_sizing is not None and engine.pool_sizing is not None

@@ -18,17 +18,19 @@ KV pool just big enough for it (:func:`warm_up`), between ``reset_peak_memory_st
 * **gather** (an analytic term, stated as such, not measured): the warm-up's prompt starts at
   position 0, so the temporaries that grow with the context a step reads are counted by
   formula (:func:`gather_bytes_per_token`): the decode step's K/V gathered into padded rows
-  of ``max_batch_size`` sequences (:mod:`engine.kernels.gather_attention`, CUDA's decode
-  path until the paged Triton kernel of issue 28 replaces it) or a prefill chunk's gathered
-  K/V and its mask, the larger; at ``min(context, pool tokens)`` tokens, as no sequence reads
-  more than the pool holds.
+  of ``max_batch_size`` sequences (:mod:`engine.kernels.gather_attention`, the torch decode
+  path) or a prefill chunk's gathered K/V and its mask, the larger; at ``min(context, pool
+  tokens)`` tokens, as no sequence reads more than the pool holds. Where our Triton kernels
+  attend (the default on a CUDA GPU: :func:`engine.kernels.triton_support.planned`), both
+  read the paged pool in place and the term is 0.
 
 The pool is never more than the running set can use at full context, and a budget that holds
 no block is refused with the figures (:meth:`PoolSizing.refusal`). The memory plan
 (:mod:`engine.loader.memory_plan`) sizes its pool with this same :func:`size_pool`, its peak
-the weights plus its workspace estimate (it cannot run a forward before loading), so the two
-cannot drift. A CPU's pool stays a share of its RAM
-(:func:`~engine.core.config.kv_pool_blocks`).
+the weights, RoPE's tables and its workspace estimate (it cannot run a forward before
+loading), and the same answer to whether our Triton kernels attend
+(:func:`engine.kernels.triton_support.planned`), so the two cannot drift. A CPU's pool
+stays a share of its RAM (:func:`~engine.core.config.kv_pool_blocks`).
 
 The memory figures come through :func:`engine.hardware.memory.device_memory`, the seam where
 tests put a fake GPU: the sizing and its warm-up forward then run on a CPU.
@@ -66,7 +68,7 @@ class PoolSizing:
 
     total: int
     utilization: float
-    peak: int  # the warm-up's measured peak, or the plan's weights + workspace
+    peak: int  # the warm-up's measured peak, or the plan's weights, RoPE tables, workspace
     non_torch: int
     gather_per_token: int  # the analytic gather term, per token of context read
     context: int  # the most tokens one sequence reads (the model's context length)
@@ -95,7 +97,7 @@ class PoolSizing:
 
     def summary(self) -> str:
         """The figures as one line (the load report)."""
-        peak = "measured in a warm-up" if self.measured else "weights + workspace, estimated"
+        peak = "measured in a warm-up" if self.measured else "weights + RoPE + workspace, estimated"
         return (
             f"{self.utilization:.2f} × {_gib(self.total)} total − {_gib(self.peak)} peak "
             f"({peak}) − {_gib(self.non_torch)} not torch's = {_gib(self.room)}: "
@@ -113,10 +115,18 @@ class PoolSizing:
 
 
 def gather_bytes_per_token(
-    cfg: ModelConfig, dtype: torch.dtype, limits: SchedulerLimits, *, decode: bool = True
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    limits: SchedulerLimits,
+    *,
+    decode: bool = True,
+    triton: bool = False,
 ) -> int:
     """Bytes of attention temporaries per token of context a step reads, in one layer (the
-    layers run one after another): the larger of
+    layers run one after another). 0 where our Triton kernels attend (``triton``): the decode
+    and prefill kernels read K and V through the block tables, in place in the pool (a step's
+    block tables are int32 a block, its split-K partials bounded by the batch, not the
+    context). Else the larger of
 
     * a decode step's, where decode gathers (``decode``; CUDA): each of ``max_batch_size``
       padded rows holds the token's K and V, and the additive mask an element;
@@ -127,6 +137,8 @@ def gather_bytes_per_token(
       V copied in fp32, whichever is larger.
 
     An analytic term: the warm-up reads only its own short context."""
+    if triton:
+        return 0
     itemsize = torch.empty((), dtype=dtype).element_size()
     row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
     group = cfg.num_heads // cfg.num_kv_heads
@@ -155,11 +167,13 @@ def size_pool(
     peak: int,
     non_torch: int,
     measured: bool,
+    triton: bool = False,
 ) -> PoolSizing:
     """A GPU's KV pool from its figures: ``pool + gather = total × utilization − peak −
     non-torch`` (the module's docstring), never more than the running set can use at full
     context. The load passes the warm-up's measured peak, the memory plan its weights plus
-    its workspace estimate."""
+    its workspace estimate. ``triton``: our Triton kernels attend (no gather: the decode
+    step's padded K/V rows are the torch path's)."""
     block_bytes = PagedKVCache.bytes_per_block(cfg, config.block_size, dtype)
     token_bytes = block_bytes // config.block_size
     sizing = PoolSizing(
@@ -167,7 +181,7 @@ def size_pool(
         utilization=config.gpu_memory_utilization,
         peak=peak,
         non_torch=non_torch,
-        gather_per_token=gather_bytes_per_token(cfg, dtype, config.limits),
+        gather_per_token=gather_bytes_per_token(cfg, dtype, config.limits, triton=triton),
         context=cfg.max_position_embeddings,
         block_size=config.block_size,
         block_bytes=block_bytes,
@@ -215,6 +229,7 @@ def profile_pool(
     sizing = size_pool(
         cfg, config, dtype,
         total=figures.total, peak=peak - held, non_torch=figures.non_torch, measured=True,
+        triton=triton,
     )  # fmt: skip
     log.info("KV pool profiled: %s", sizing.summary())
     return sizing

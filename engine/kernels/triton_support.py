@@ -76,26 +76,67 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and interpreting()
 
 
-def chosen(device: torch.device) -> tuple[bool, str]:
-    """Whether the engine on ``device`` runs our Triton kernels, and why (one line for the
-    load report). ``INFERSIGHT_KERNELS=triton`` where they cannot run is an error."""
+def _decide(device_type: str) -> tuple[bool, str, str]:
+    """Whether the engine on a device of type ``device_type`` runs our Triton kernels, why
+    (one line for the load report), and where ``INFERSIGHT_KERNELS=triton`` asks for them and
+    they cannot run, the error to raise ("" otherwise): what :func:`chosen` and
+    :func:`planned` both answer from."""
     mode = requested()
     if mode == "torch":
-        return False, f"torch kernels ({ENV}=torch)"
-    if runs_on(device):
-        if device.type == "cpu":
+        return False, f"torch kernels ({ENV}=torch)", ""
+    if runs_on(torch.device(device_type)):  # a device of that type: none is asked
+        if device_type == "cpu":
             if mode == "triton":
-                return True, "Triton kernels, interpreted on the CPU (TRITON_INTERPRET=1)"
-            return False, "torch kernels (Triton's interpreter runs only when asked for)"
-        return True, "Triton kernels"
+                return True, "Triton kernels, interpreted on the CPU (TRITON_INTERPRET=1)", ""
+            return False, "torch kernels (Triton's interpreter runs only when asked for)", ""
+        return True, "Triton kernels", ""
     why = (
         "Triton is not installed"
         if not installed()
         else "Triton runs on a CUDA GPU, or on a CPU only with TRITON_INTERPRET=1"
     )
-    if mode == "triton":
-        raise InfersightError(f"{ENV}=triton, but {why}; unset it to use the torch kernels")
-    return False, f"torch kernels ({why})"
+    refused = (
+        f"{ENV}=triton, but {why}; unset it to use the torch kernels" if mode == "triton" else ""
+    )
+    return False, f"torch kernels ({why})", refused
+
+
+def chosen(device: torch.device) -> tuple[bool, str]:
+    """Whether the engine on ``device`` runs our Triton kernels, and why (one line for the
+    load report). ``INFERSIGHT_KERNELS=triton`` where they cannot run is an error."""
+    ours, why, refused = _decide(device.type)
+    if refused:
+        raise InfersightError(refused)
+    return ours, why
+
+
+def planned(
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+    *,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> bool:
+    """Whether the engine on a device of type ``device_type`` (``cuda``, ``cpu``) runs our
+    Triton kernels, answered without the device (the memory plan's question, for a GPU that
+    may not be here): its quantized GEMMs, or with ``head_dim`` its attention of heads that
+    wide computing in ``dtype`` on compute capability ``capability`` (None: not known,
+    planned as 8.0 or newer). It decides as :func:`chosen` and :func:`attention_chosen` do,
+    and as the prefill kernel's refusals of a dtype do (fp32 on a GPU, bf16 below 8.0); the
+    load's checks against the torch path (:mod:`engine.kernels.triton_check`) are assumed to
+    pass. Where ``INFERSIGHT_KERNELS=triton`` cannot be met it answers False (the load is
+    what refuses)."""
+    ours = _decide(device_type)[0]
+    if not ours or head_dim is None:
+        return ours
+    if head_dim not in HEAD_DIMS:
+        return False
+    if dtype is not None and device_type == "cuda":
+        if dtype == torch.float32:  # no tensor-core path: SDPA
+            return False
+        if dtype == torch.bfloat16 and capability is not None and capability < (8, 0):
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +221,35 @@ def fix_interpreter_bf16_dot() -> None:
 
     create_dot.bf16_fixed = True  # type: ignore[attr-defined]
     builder.create_dot = create_dot
+
+
+def fix_interpreter_scalar_index() -> None:
+    """Let Triton's interpreter take a kernel's scalars as loop bounds under NumPy 2.4.
+
+    The interpreter holds every scalar (an argument, a ``tl.program_id``, a loaded value) as a
+    1-element array, and up to Triton 3.6 its ``range(start, end)`` converts a bound with
+    ``int(array)``, which NumPy 2.4 refuses for arrays of one dimension ("only 0-dimensional
+    arrays can be converted to Python scalars": triton-lang/triton#9171). Triton 3.9 squeezes
+    the array first; this does the same on older ones. Applied once where Triton interprets
+    (the kernel package does on import); the compiled kernels are untouched."""
+    from triton.runtime import interpreter
+
+    plain = interpreter._patch_lang_tensor
+    if getattr(plain, "index_fixed", False):
+        return
+
+    def index(self: Any) -> int:
+        return int(self.handle.data.squeeze())
+
+    def patch_lang_tensor(tensor: Any, *scope: Any) -> None:
+        plain(tensor, *scope)
+        if scope:  # newer Triton: patched for the kernel's run, then restored
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    patch_lang_tensor.index_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
 
 
 def attention_chosen(device: torch.device, head_dim: int) -> tuple[bool, str]:

@@ -9,20 +9,29 @@ The plan (:func:`plan_memory`) adds up, from ``config.json`` alone:
   this :class:`~engine.core.engine.EngineConfig` allocates, sized by the functions the engine
   itself sizes its pool with: on a GPU where the config gives no size,
   :func:`engine.core.pool_profile.size_pool` (``utilization × total − peak − runtime``, the
-  peak here the weights plus the workspace, where a load measures it in a warm-up forward);
+  peak here the weights, RoPE's tables and the workspace, where a load measures it in a
+  warm-up forward);
   elsewhere :func:`kv_pool_blocks`;
 * **workspace**: the activations of one step of ``max_tokens_per_step`` tokens, the logits of
   a full batch and their sampling (an estimate, stated as one), and the attention
   temporaries that grow with the context a step reads, at the pool's reach
-  (:func:`engine.core.pool_profile.gather_bytes_per_token`, the load's own analytic term);
+  (:func:`engine.core.pool_profile.gather_bytes_per_token`, the load's own analytic term: 0
+  where our Triton kernels attend, as they read the pool in place);
+* **rotary tables** on a GPU: RoPE's fp32 cos and sin of every position
+  (:func:`rope_bytes`), on the device from the load's start to its end;
 * **runtime**: on CUDA what the caching allocator does not hold: measured on this machine's
   GPU (the context, library workspaces, other processes, and the tensors this process keeps
   beside the model being planned), else the context and library workspaces
   (:data:`CUDA_RUNTIME_BYTES`, an estimate);
 * **load peak**: the weights, plus what the bounded load
   (:func:`engine.loader.weights.load_transformer`) holds at most beside them: the largest tensor
-  being assembled in fp32, its copy read from the checkpoint, and a few chunks of quantization
+  being assembled in fp32, its copy read from the checkpoint, INT4's packing temporaries (of
+  torch's kernels or of ours, whichever the load runs), and a few chunks of quantization
   temporaries (:func:`load_overhead_bytes`).
+
+Whether our Triton kernels run (the GEMMs, the attention) is decided for the plan where the
+load decides it, :func:`engine.kernels.triton_support.planned`: on a CUDA GPU by default,
+``INFERSIGHT_KERNELS`` respected, for a GPU that need not be here.
 
 From the memory the device has (on a CPU its free memory now, on a GPU its memory, of which
 the running engine takes ``gpu_memory_utilization``; or ``memory=`` for another machine), it
@@ -48,6 +57,7 @@ from engine.formats import QUANT_CHUNK_BYTES
 from engine.hardware import gpu
 from engine.hardware import memory as device_memory
 from engine.hardware.memory import free_memory
+from engine.kernels import triton_support
 from engine.model.config import ModelConfig
 from engine.quant.sizes import weight_bytes_by_kind
 from engine.quant.spec import PrecisionSpec, dtype_name, parse_precision_spec
@@ -97,6 +107,14 @@ class MemoryPlan:
     #: a GPU's default pool: the figures it is sized from, as a load sizes it (None: the
     #: config gives its size, or a CPU's share of its RAM)
     pool_sizing: PoolSizing | None = None
+    #: RoPE's tables on a GPU (:func:`rope_bytes`), held from the load's start (0 on a CPU,
+    #: whose plans leave them out)
+    rope_bytes: int = 0
+    #: whether the plan is for our Triton kernels' attention (no K/V gathered) and quantized
+    #: GEMMs (INT4 packed a chunk of rows at a time), or the torch paths'
+    #: (:func:`engine.kernels.triton_support.planned`)
+    triton_attention: bool = False
+    triton_gemms: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -104,8 +122,9 @@ class MemoryPlan:
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything but the KV pool once loaded: weights, runtime, one step's workspace."""
-        return self.weight_bytes + self.runtime_bytes + self.workspace_bytes
+        """Everything but the KV pool once loaded: weights, RoPE's tables, runtime, one
+        step's workspace."""
+        return self.weight_bytes + self.rope_bytes + self.runtime_bytes + self.workspace_bytes
 
     @property
     def steady_bytes(self) -> int:
@@ -114,7 +133,7 @@ class MemoryPlan:
     @property
     def load_bytes(self) -> int:
         """The most the load holds (the pool comes after it)."""
-        return self.weight_bytes + self.runtime_bytes + self.load_overhead_bytes
+        return self.weight_bytes + self.rope_bytes + self.runtime_bytes + self.load_overhead_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -201,6 +220,7 @@ class MemoryPlan:
                 rows.append(f"  weights  {kind:<10} {_mib(nbytes):>12}")
         rows += [
             f"  weights  total      {_mib(self.weight_bytes):>12}",
+            *([f"  rotary tables       {_mib(self.rope_bytes):>12}"] if self.rope_bytes else []),
             f"  KV cache per token  {self.kv_bytes_per_token / 1024:>9.1f} KiB "
             f"(pool {_mib(self.kv_pool_bytes)} = {_tokens(self.pool_tokens)})",
             f"  workspace (est.)    {_mib(self.workspace_bytes):>12}",
@@ -351,21 +371,30 @@ class _Target:
         weights = weight_bytes_by_kind(cfg, spec, packed=self.packed)
         per_token = kv_bytes_per_token(cfg, spec.compute)
         step = workspace_bytes(cfg, spec.compute, config)
+        cuda = self.device.type == "cuda"
+        rope = rope_bytes(cfg) if cuda else 0
+        # our Triton kernels, where the load would run them: attention, quantized GEMMs
+        attention = triton_support.planned(
+            self.device.type, self.capability, head_dim=cfg.head_dim, dtype=spec.compute
+        )
+        gemms = triton_support.planned(self.device.type, self.capability)
         given = config.num_blocks is not None or config.kv_memory is not None
         sizing = None
-        if self.device.type == "cuda" and not given:  # as a load sizes it, its peak estimated
+        if cuda and not given:  # as a load sizes it, its peak estimated
             sizing = size_pool(
                 cfg, config, spec.compute, total=self.total,
-                peak=sum(weights.values()) + step, non_torch=self.runtime, measured=False,
+                peak=sum(weights.values()) + rope + step, non_torch=self.runtime,
+                measured=False, triton=attention,
             )  # fmt: skip
             blocks = sizing.blocks
         else:
-            room = max(0, self.budget - sum(weights.values()) - self.runtime - step)
+            room = max(0, self.budget - sum(weights.values()) - rope - self.runtime - step)
             blocks = kv_pool_blocks(cfg, config, spec.compute, self.device, float(room))
         blocks = max(0, blocks)
-        # CUDA's decode gathers K/V; a CPU's paged kernel reads the pool in place
+        # the torch path's CUDA decode gathers K/V; a CPU's paged kernel, and ours, read the
+        # pool in place
         gather = gather_bytes_per_token(
-            cfg, spec.compute, config.limits, decode=self.device.type == "cuda"
+            cfg, spec.compute, config.limits, decode=cuda, triton=attention
         )
         reach = min(cfg.max_position_embeddings, blocks * config.block_size)
         window = cfg.sliding_window
@@ -386,7 +415,7 @@ class _Target:
             kv_pool_bytes=(blocks * config.block_size + 1) * per_token,  # + the zero pad slot
             workspace_bytes=step + gather * reach,
             runtime_bytes=self.runtime,
-            load_overhead_bytes=load_overhead_bytes(cfg, spec, self.device),
+            load_overhead_bytes=load_overhead_bytes(cfg, spec, self.device, triton=gemms),
             budget_bytes=self.budget,
             budget_source=self.source,
             max_position=cfg.max_position_embeddings,
@@ -394,6 +423,9 @@ class _Target:
             capability=self.capability,
             utilization=config.gpu_memory_utilization if self.device.type == "cuda" else 1.0,
             pool_sizing=sizing,
+            rope_bytes=rope,
+            triton_attention=attention,
+            triton_gemms=gemms,
         )
 
     def suggestion(self, plan: MemoryPlan) -> str:
@@ -464,14 +496,20 @@ def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, config: EngineConfig) 
     return activations + logits
 
 
-def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, device: torch.device) -> int:
+def load_overhead_bytes(
+    cfg: ModelConfig, spec: PrecisionSpec, device: torch.device, *, triton: bool | None = None
+) -> int:
     """The most :func:`engine.loader.weights.load_transformer` holds beside the weights already
     loaded: the largest tensor being assembled (the embedding or head, or a fused gate/up or
     q/k/v projection) in fp32 where it will be quantized, else in the compute dtype; on a CPU
     also its copy read from the checkpoint (in the checkpoint's dtype, fp32 when the config
-    does not say); on a GPU, where INT4 packs a whole matrix's 4-bit values at once, 0.75 of
-    that tensor's fp32 size; and four chunks of quantization temporaries with allocator
-    slack."""
+    does not say); on a GPU, INT4's packing temporaries of its largest 4-bit matrix: where
+    torch's kernel runs, which packs a whole matrix's 4-bit values at once, 0.75 of its fp32
+    size; where ours do (``triton``; None: where :func:`engine.kernels.triton_support.planned`
+    says the load runs them), whose layout is packed a chunk of rows at a time
+    (:meth:`engine.quant.int4.Int4Linear._quantize_rows`), the packed chunks' copy as they are
+    joined, half a byte a value; and four chunks of quantization temporaries with allocator
+    slack. INT8 quantizes into its final matrix a chunk of rows at a time on either path."""
     compute = torch.empty((), dtype=spec.compute).element_size()
     layer_elems = max(
         2 * cfg.intermediate_size * cfg.hidden_size,
@@ -487,18 +525,29 @@ def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, device: torch.dev
     if device.type == "cpu":
         file_itemsize = CHECKPOINT_ITEMSIZE.get(cfg.torch_dtype or "", 4)
         extra = max(layer_elems, head_elems) * file_itemsize
-    else:  # INT4's 4-bit values, a byte each, and the packing's temporaries
+    else:  # INT4's packing temporaries
+        if triton is None:
+            triton = triton_support.planned(device.type)
         int4_layers = any(k is not None and k.bits == 4 for k in layer_kinds)
         int4_elems = max(
             layer_elems if int4_layers else 0,
             head_elems if head is not None and head.bits == 4 else 0,
         )
-        extra = int4_elems * 3
+        # ours: the packed chunks, and their concatenation; torch's: the 4-bit values a byte
+        # each, and the packing's temporaries
+        extra = int4_elems // 2 if triton else int4_elems * 3
     return largest + extra + 4 * QUANT_CHUNK_BYTES + LOAD_SLACK_BYTES
 
 
 #: bytes per value of a checkpoint by its config's ``torch_dtype``
 CHECKPOINT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def rope_bytes(cfg: ModelConfig) -> int:
+    """RoPE's tables (:class:`engine.model.transformer.RotaryEmbedding`): fp32 cos and sin of
+    every position up to the model's context, ``[max_position_embeddings, head_dim]`` each,
+    moved to the device at the load's start and kept (128 MiB for Llama-3.1-8B)."""
+    return 2 * cfg.max_position_embeddings * cfg.head_dim * 4
 
 
 def check_plan(plan: MemoryPlan) -> None:
