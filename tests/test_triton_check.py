@@ -81,5 +81,5 @@ def test_a_kernel_that_crashes_the_gpu_is_an_error_not_a_fallback(monkeypatch):
 
     monkeypatch.setattr(quant_gemm, "int4_linear", crashed)
     triton_check._gemms.cache_clear()
-    with pytest.raises(InfersightError, match="crashed the GPU.*INFERSIGHT_KERNELS=torch"):
+    with pytest.raises(InfersightError, match=r"crashed the GPU.*INFERSIGHT_KERNELS=torch"):
         triton_check.gemms(CPU, torch.bfloat16)

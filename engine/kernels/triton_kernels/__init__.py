@@ -5,5 +5,6 @@ builds for every target architecture."""
 
 from engine.kernels import triton_support
 
-if triton_support.interpreting():  # the interpreter's bf16 tl.dot, as a GPU multiplies
-    triton_support.fix_interpreter_bf16_dot()
+if triton_support.interpreting():
+    triton_support.fix_interpreter_bf16_dot()  # the interpreter's bf16 tl.dot, as a GPU's
+    triton_support.fix_interpreter_scalar_index()  # scalar loop bounds under NumPy 2.4
