@@ -13,6 +13,7 @@ from engine.errors import InfersightError
 from engine.kernels import triton_check, triton_support
 from engine.kernels.triton_kernels import decode_attention, quant_gemm
 from engine.loader.load import load_model
+from engine.quant.int8 import Int8Linear
 from tests.conftest import WIDE_HEADS
 
 CPU = torch.device("cpu")
@@ -61,6 +62,23 @@ def test_a_wrong_kernel_is_not_used_and_the_load_says_why(tiny_model_dir, monkey
     monkeypatch.setenv("INFERSIGHT_KERNELS", "triton")  # asked for by hand: an error
     with pytest.raises(InfersightError, match="decode attention kernel differs"):
         load_model(folder)
+
+
+def test_a_wrong_gemm_is_not_used_and_the_load_report_names_it(tiny_model_dir, monkeypatch):
+    """Our GEMMs failing their check leave the quantized layers to torch: the load report
+    says so, and ``engine.kernel_failures`` lists it (gpu-check fails on it)."""
+    real = quant_gemm.int8_linear
+    monkeypatch.setattr(quant_gemm, "int8_linear", lambda *a, **k: real(*a, **k) * 1.1)
+    folder, _ = tiny_model_dir("llama", False, **WIDE_HEADS)
+    # auto, as on a GPU where ours would run
+    monkeypatch.setattr(triton_support, "chosen", lambda device: (True, "Triton kernels"))
+    engine = load_model(folder, precision="int8")
+    assert engine.triton  # the attention passed its check: ours attend
+    layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(layer.triton is None for layer in layers)
+    assert len(engine.kernel_failures) == 1
+    assert engine.kernel_failures[0].startswith("our INT8 GEMM kernel differs from the torch path")
+    assert f"quantized GEMMs in torch ({engine.kernel_failures[0]})" in engine.kernels
 
 
 def test_a_gemm_that_raises_is_not_used(monkeypatch):

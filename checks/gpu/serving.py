@@ -29,6 +29,7 @@ from checks.gpu.common import (
     card,
     decode_figures,
     expect,
+    expect_ours,
     fitting,
     greedy,
     native_choice,
@@ -107,6 +108,7 @@ def check_transformers(
     figures["layers"] = raw["num_hidden_layers"]
     config = pool_config(scale, raw, "fp16", device)
     ours = build_engine(raw, "fp16", str(device), config=config, name=scale.name)
+    expect_ours(ours, device, figures)
     prompt = bench_prompt(ours, scale.short_prompt, seed=0)
     our_ids = greedy(ours, prompt, scale.compare_tokens)
     run_ours(ours, prompt, min(8, scale.decode_tokens))  # warm-up
@@ -209,6 +211,7 @@ def out_of_memory(scale: Scale, device: torch.device, figures: dict[str, Any]) -
         name=scale.name,
         config=pool_config(scale, raw, precision, device),
     )
+    expect_ours(engine, device, figures)
     prompt = bench_prompt(engine, scale.prompt_tokens, seed=1)
     run_ours(engine, prompt[:16], 2)  # kernels and library handles made before memory runs out
     loop = EngineLoop(engine, ServerMetrics(scale.name), margin_bytes=scale.margin_mib * MiB)
