@@ -304,3 +304,28 @@ def test_the_app_leaves_a_gpu_pool_to_the_load_until_the_user_sets_one(
     info = model_info(engine, spec)
     assert info.kv_memory_mib == round(engine.kv.nbytes / MiB)
     assert f"KV pool: {engine.pool_sizing.summary()}" in info.paths  # type: ignore[union-attr]
+
+
+def test_a_share_of_the_device_reads_as_the_card_this_process_can_use(monkeypatch):
+    """Where the allocator is held to a share of the GPU (``set_per_process_memory_fraction``:
+    a GPU shared, or gpu-check's 12 GB card on a bigger one), the pool is sized from that
+    share beside what is not torch's, not from the whole device. torch.cuda's readings are
+    given here (no GPU on these machines); the arithmetic is the engine's."""
+    from engine.hardware import memory
+
+    GiB = 2**30
+    cuda = torch.cuda
+    readings = {"mem_get_info": lambda d: (70 * GiB, 80 * GiB),  # 10 GiB in use
+                "memory_reserved": lambda d: 9 * GiB,  # of which torch holds 9
+                "memory_allocated": lambda d: 8 * GiB, "max_memory_allocated": lambda d: 8 * GiB,
+                "get_per_process_memory_fraction": lambda d: 0.15}  # fmt: skip
+    for name, value in readings.items():
+        monkeypatch.setattr(cuda, name, value)
+    figures = memory.CudaMemory(torch.device("cuda", 0)).read()
+    assert figures.total == int(80 * GiB * 0.15) + 1 * GiB  # torch's share + not torch's 1 GiB
+    assert figures.non_torch == 1 * GiB
+    assert figures.free == figures.total - 1 * GiB - 9 * GiB
+    assert memory.free_memory(torch.device("cuda", 0)) == figures.free
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    whole = memory.CudaMemory(torch.device("cuda", 0)).read()
+    assert (whole.total, whole.free, whole.non_torch) == (80 * GiB, 70 * GiB, 1 * GiB)

@@ -13,8 +13,7 @@ def free_memory(device: torch.device) -> float:
     """Bytes a new model or pool could take on ``device``: the GPU's free memory, or the RAM
     the OS reports available."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return float(free)
+        return float(CudaMemory(device).read().free)
     import psutil
 
     return float(psutil.virtual_memory().available)
@@ -61,11 +60,21 @@ class CudaMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def read(self) -> MemoryFigures:
+        """The figures now; where the process's allocator is held to a share of the device
+        (``torch.cuda.set_per_process_memory_fraction``: a GPU shared, or a smaller card
+        emulated), the device as this process can use it: that share for torch, beside what
+        is not torch's."""
         free, total = torch.cuda.mem_get_info(self.device)
+        reserved = int(torch.cuda.memory_reserved(self.device))
+        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+        if fraction < 1.0:
+            not_torch = max(0, total - free - reserved)
+            total = min(total, int(total * fraction) + not_torch)
+            free = min(free, max(0, total - not_torch - reserved))
         return MemoryFigures(
             total=int(total),
             free=int(free),
-            reserved=int(torch.cuda.memory_reserved(self.device)),
+            reserved=reserved,
             allocated=int(torch.cuda.memory_allocated(self.device)),
             peak=int(torch.cuda.max_memory_allocated(self.device)),
         )
