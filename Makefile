@@ -134,8 +134,10 @@ $(PEERS)/.stamp:
 #   bash checks/gpu/run.sh                (timeout_s 560: the whole run, 8 minutes)
 # Checks in the order of what they tell, each under its own limit, the JSON in $$OUT as each ends.
 # Without a CUDA device it says so and succeeds; `make test` runs its CPU dry run.
+# On your own GPU machine with the project's venv: make gpu-check GPU_PYTHON=.venv/bin/python
+GPU_PYTHON ?= python3
 gpu-check:
-	bash checks/gpu/run.sh $(GPU_CHECK_ARGS)
+	GPU_PYTHON=$(GPU_PYTHON) bash checks/gpu/run.sh $(GPU_CHECK_ARGS)
 
 # What gpu-check needs beyond the lent image: wheels for cp312/manylinux, fetched here into
 # gpu-wheels/ (git-ignored; carried with the tree, which stays far under its 64 MiB).
