@@ -130,7 +130,7 @@ $(PEERS)/.stamp:
 # `make gpu-check` runs on the GPU machine with that machine's own python3 and packages (Python
 # 3.12, torch 2.11 + cu130, Triton 3.6, transformers 5.17; no registry there): it never builds a
 # venv. The device tool's one call, the tree carrying gpu-wheels/:
-#   bash checks/gpu/run.sh --quick        (timeout_s 330: within 4 minutes)
+#   bash checks/gpu/run.sh --quick        (timeout_s 360: within 5 minutes)
 #   bash checks/gpu/run.sh                (timeout_s 560: the whole run, 8 minutes)
 # Checks in the order of what they tell, each under its own limit, the JSON in $$OUT as each ends.
 # Without a CUDA device it says so and succeeds; `make test` runs its CPU dry run.

@@ -63,7 +63,7 @@ def test_the_dry_run_passes_every_check_and_prints_the_json_it_writes(dry_run):
     first, *rest = (f"precision {p}" for p in gpu_check.PRECISIONS)
     # in the order of what they tell: the kernels, the 12 GB card's precision, the graphs
     assert names == ["bandwidth", "triton kernels", first, "triton and graphs",
-                     "compiled decode", *rest, "transformers fp16", "out of memory",
+                     "compiled decode", "transformers fp16", "out of memory", *rest,
                      "app worker", "kernels at 0 rows", "tensor parallel"]  # fmt: skip
     precisions = [first, *rest]
     for check in data["checks"]:

@@ -35,9 +35,9 @@ from engine.quant.spec import parse_precision_spec
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ROOT / "resources" / "configs" / "llama-3.1-8b.json"
 #: The whole run's budget: a lent GPU's time is 15 minutes in all, starts and reruns
-#: included, and one command runs at most 10; ``--quick`` fits 4 minutes.
+#: included, and one command runs at most 10; ``--quick`` fits 5 minutes.
 BUDGET_S = 480
-QUICK_BUDGET_S = 240
+QUICK_BUDGET_S = 300
 #: The card the 12 GB checks emulate on a bigger GPU
 #: (``torch.cuda.set_per_process_memory_fraction``): an RTX 3060/4070's 12 GiB.
 CARD_BYTES = 12 * 2**30
@@ -264,7 +264,7 @@ def expect_ours(engine: LLMEngine, device: torch.device, figures: dict[str, Any]
     what = figures["ran"] = ran(engine)
     if device.type != "cuda":
         return
-    expect("check" not in what["kernels"], f"a kernel failed its check: {what['kernels']}")
+    expect(not engine.kernel_failures, f"kernels failed their checks: {engine.kernel_failures}")
     if engine.dtype != torch.float32:
         expect(what["triton_attention"], f"the attention is not ours: {what['kernels']}")
     expect(

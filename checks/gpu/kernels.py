@@ -179,10 +179,11 @@ def check_empty_kernels(device: torch.device, figures: dict[str, Any]) -> None:
         layers["int4-g32"] = lambda: Int4Linear(w, None, 32)
     paths = ("torch",) if device.type == "cpu" else ("auto", "torch")
     for (base, make), choice in ((item, c) for item in layers.items() for c in paths):
-        with kernels(choice):
-            layer = make()
-        name = f"{base} ({layer.kernel})"
+        name = f"{base} ({choice} kernels)"
         try:
+            with kernels(choice):
+                layer = make()
+            name = f"{base} ({layer.kernel})"
             out = layer(torch.empty(0, 512, dtype=torch.bfloat16, device=device))
             release(device)
             figures[name] = f"returns {tuple(out.shape)}"

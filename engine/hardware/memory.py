@@ -66,7 +66,8 @@ class CudaMemory:
         is not torch's."""
         free, total = torch.cuda.mem_get_info(self.device)
         reserved = int(torch.cuda.memory_reserved(self.device))
-        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+        share = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch ≥ 2.6
+        fraction = 1.0 if share is None else share(self.device)
         if fraction < 1.0:
             not_torch = max(0, total - free - reserved)
             total = min(total, int(total * fraction) + not_torch)
