@@ -170,9 +170,11 @@ gpu-versions: $(GPU_IMAGE)/.stamp gpu-wheels
 	git clone -q . build/gpu-versions/tree && cp -r gpu-wheels build/gpu-versions/tree/
 	cd build/gpu-versions/tree && TRITON_INTERPRET=1 GPU_PYTHON=$(abspath $(GPU_IMAGE))/bin/python \
 	  OUT=$(abspath build/gpu-versions) bash checks/gpu/run.sh --dry-run
-	cd build/gpu-versions/tree && TRITON_INTERPRET=1 PYTHONPATH=. \
+	$(GPU_IMAGE)/bin/python -m pip --disable-pip-version-check -q install --no-index --no-deps \
+	  --target build/gpu-versions/site gpu-wheels/*.whl
+	cd build/gpu-versions/tree && TRITON_INTERPRET=1 PYTHONPATH=.:../site \
 	  $(abspath $(GPU_IMAGE))/bin/python -m pytest -q -p no:cacheprovider $(GPU_KERNEL_TESTS)
-	cd build/gpu-versions/tree && env -u TRITON_INTERPRET PYTHONPATH=. \
+	cd build/gpu-versions/tree && env -u TRITON_INTERPRET PYTHONPATH=.:../site \
 	  $(abspath $(GPU_IMAGE))/bin/python -m engine.kernels.triton_aot --quiet --targets 80 90
 
 # The load's peak memory against the memory plan's bound, on a synthetic checkpoint with
