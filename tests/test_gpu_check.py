@@ -191,3 +191,30 @@ def test_compiled_decode_is_asked_of_the_engine_where_our_attention_runs(monkeyp
         "decode step eager: eager: our Triton kernels run the attention"
     )
     assert figures["greedy"]["agree"]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_graph_replays_are_held_to_the_tie_rule_not_to_equal_ids(monkeypatch, tie):
+    """A graph replay splits decode attention where the eager step runs one pass, so fp16
+    rounds the two apart: ids that part where the two tokens are within the tie rule agree,
+    elsewhere the check fails. The graphs' side is made to take the runner-up token at its
+    third step; the tie rule's width decides which of the two that is."""
+    real = graphs.greedy
+
+    def greedy(engine: Any, prompt: list[int], tokens: int) -> list[int]:
+        ids = real(engine, prompt, tokens)
+        if engine.graphs.why.startswith("static"):  # the CUDA graphs' side
+            runner_up = gpu_check.our_logprobs(engine, prompt, ids[:2]).topk(2).indices[1]
+            ids = [*ids[:2], int(runner_up)]
+        return ids
+
+    monkeypatch.setattr(graphs, "greedy", greedy)
+    monkeypatch.setattr(gpu_check, "TIE_FRACTION", 1e9 if tie else 0.0)
+    figures: dict[str, Any] = {}
+    if tie:
+        graphs.check_triton(gpu_check.DRY, torch.device("cpu"), True, True, figures)
+    else:
+        with pytest.raises(AssertionError, match="graph replays changed greedy ids, not at a tie"):
+            graphs.check_triton(gpu_check.DRY, torch.device("cpu"), True, True, figures)
+    part = figures.get("graphs_vs_eager") or {}
+    assert (part["compared"], part["same"], part["agree"]) == (3, 2, tie)
