@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InfersightError
 
@@ -68,7 +68,6 @@ def run_gui(args: argparse.Namespace) -> int:
     from app.gui.gc_guard import GuiGarbageCollector, settle
     from app.gui.main_window import MainWindow
     from app.gui.signals import forward_signals
-    from app.loading import LoadSpec
 
     app = make_application()
     assert isinstance(app, QApplication)
@@ -77,16 +76,6 @@ def run_gui(args: argparse.Namespace) -> int:
     # exists, so that no collection in the UI thread traverses them while the first model is
     # pulled and converted (a full one took ~250 ms on a 2-core CPU: a freeze on first start)
     settle()
-    spec = None
-    world = getattr(args, "tensor_parallel", 1)
-    if args.model is not None or args.precision is not None or args.device != "cpu" or world > 1:
-        spec = LoadSpec(  # the pool's size is the load's choice (a GPU's is profiled)
-            args.model or "default",
-            args.precision or "fp32",
-            args.device,
-            kv_memory_mib=None,
-            tensor_parallel=world,
-        )
     window: MainWindow | None = None
 
     def close(signum: int) -> None:
@@ -98,13 +87,30 @@ def run_gui(args: argparse.Namespace) -> int:
 
     # armed before the window exists: a signal during start-up closes it once the loop runs
     with forward_signals(close):
-        window = MainWindow(Path(args.data_dir) if args.data_dir else data_dir(), spec=spec)
+        folder = Path(args.data_dir) if args.data_dir else data_dir()
+        window = MainWindow(folder, overrides=start_overrides(args))
         window.resize(1280, 800)
         window.show()
         autosend = os.environ.get(AUTOSEND_ENV)
         if autosend:
             send_when_loaded(window, autosend)
         return int(app.exec())
+
+
+def start_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """What the command line asks of the first load: only what it was given (``--device
+    auto``, the default, asks nothing); the rest is what the user last chose, kept in
+    settings.ini (:meth:`MainWindow._saved_spec`)."""
+    given = {
+        "model": args.model,
+        "precision": args.precision,
+        "device": None if args.device in (None, "auto") else args.device,
+    }
+    out: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    world = getattr(args, "tensor_parallel", 1)
+    if world > 1:
+        out["tensor_parallel"] = world
+    return out
 
 
 def send_when_loaded(window: MainWindow, text: str) -> None:

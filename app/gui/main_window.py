@@ -8,8 +8,9 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QCoreApplication, QEvent, QSettings, Qt, QThread
 from PySide6.QtGui import QCloseEvent, QIcon
@@ -108,6 +109,7 @@ class MainWindow(ChatWindow):
         data_dir: Path,
         *,
         spec: LoadSpec | None = None,
+        overrides: Mapping[str, Any] | None = None,
         loader: Loader = load_engine,
     ) -> None:
         super().__init__()
@@ -172,7 +174,7 @@ class MainWindow(ChatWindow):
         self.lab = LabController(self.ab_view, self._lab_messages, parent=self)
         self.tabs.currentChanged.connect(self._on_tab)
         self._open_conversations()
-        self.load(spec or self._saved_spec())
+        self.load(spec or self._saved_spec(**(overrides or {})))
 
     def _dock(self, title: str, widget: QWidget, name: str) -> QDockWidget:
         dock = QDockWidget(title, self)
@@ -473,13 +475,21 @@ class MainWindow(ChatWindow):
         what = spec.model if spec else "the model"
         self.chat.show_notice(f"Could not load {what}: {message}.{keep}")
 
-    def _saved_spec(self) -> LoadSpec:
-        model = str(self.settings.value("model", "default"))
-        precision = str(self.settings.value("precision", "fp32"))
-        device = str(self.settings.value("device", "auto"))
-        if device not in available_devices():
-            device = "auto"
-        return LoadSpec(model, precision, device, self._kv_memory_mib(device))
+    def _saved_spec(
+        self, *, model: str | None = None, precision: str | None = None,
+        device: str | None = None, tensor_parallel: int = 1,
+    ) -> LoadSpec:  # fmt: skip
+        """What the user last loaded (settings.ini) and the KV pool they left, but for what
+        the command line gave (``model``, ``precision``, ``device``, ``tensor_parallel``)."""
+        model = model or str(self.settings.value("model", "default"))
+        precision = precision or str(self.settings.value("precision", "fp32"))
+        if device is None:
+            device = str(self.settings.value("device", "auto"))
+            if device not in available_devices():
+                device = "auto"
+        return LoadSpec(
+            model, precision, device, self._kv_memory_mib(device), tensor_parallel=tensor_parallel
+        )
 
     def _on_serve(self, on: bool) -> None:
         """Serve this engine on localhost (OpenAI-compatible), or stop serving."""

@@ -1,0 +1,54 @@
+"""The app's start as a user meets it (issue 46's findings, one test each): a plain start
+loads what the user left, not the defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QSettings
+
+from app.cli.main import build_parser
+from app.gui.launch import start_overrides
+from app.gui.main_window import MainWindow
+from tests.app_window import LONG_WAIT_MS, SHARED_WEIGHTS
+
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
+
+
+def settings_of(data: Path) -> QSettings:
+    return QSettings(str(data / "settings.ini"), QSettings.Format.IniFormat)
+
+
+def test_a_plain_start_loads_the_precision_and_pool_the_user_left(qtbot, tmp_path, default_model):
+    """Finding 1: ``infersight`` with no options built its own spec (``--device`` defaults to
+    ``auto``, which the start took for a choice), so the saved precision and KV pool were
+    thrown away and settings.ini rewritten to fp32."""
+    data = tmp_path / "data"
+    data.mkdir()
+    saved = settings_of(data)
+    saved.setValue("model", "default")
+    saved.setValue("precision", "int8")
+    saved.setValue("device", "cpu")
+    saved.setValue("controls", json.dumps({"kv_memory": "96"}))
+    saved.sync()
+    assert start_overrides(build_parser().parse_args(["app"])) == {}
+    window = MainWindow(data, overrides={}, loader=SHARED_WEIGHTS)
+    qtbot.addWidget(window)
+    qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)
+    try:
+        assert (window.model.precision, window.model.kv_memory_mib) == ("int8", 96)
+        assert settings_of(data).value("precision") == "int8"
+    finally:
+        window.shutdown()
+
+
+def test_the_command_line_overrides_only_what_it_gives():
+    parse = build_parser().parse_args
+    assert start_overrides(parse(["app", "--precision", "bf16"])) == {"precision": "bf16"}
+    assert start_overrides(parse(["app", "--device", "cpu", "--tensor-parallel", "2"])) == {
+        "device": "cpu",
+        "tensor_parallel": 2,
+    }
+    assert start_overrides(parse(["app", "--device", "auto"])) == {}
