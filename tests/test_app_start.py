@@ -52,3 +52,19 @@ def test_the_command_line_overrides_only_what_it_gives():
         "tensor_parallel": 2,
     }
     assert start_overrides(parse(["app", "--device", "auto"])) == {}
+
+
+def test_a_pool_larger_than_the_engine_takes_shows_what_it_took(window, qtbot):
+    """Finding 2: a pool of 999,999 MiB is clamped by the engine to what the model can use,
+    but the field, the Memory line and settings.ini kept 999,999."""
+    field = window.controls.kv_memory
+    field.setText("999999")
+    field.editingFinished.emit()
+    qtbot.waitUntil(lambda: window.model.kv_memory_mib != 64, timeout=LONG_WAIT_MS)
+    took = window.model.kv_memory_mib
+    engine_mib = window.worker.engine.kv.nbytes / 2**20
+    assert took == round(engine_mib) < 999_999
+    qtbot.waitUntil(lambda: field.value() == took, timeout=LONG_WAIT_MS)
+    plan = window.controls.plan_label  # the Memory line; its tooltip is the whole plan
+    qtbot.waitUntil(lambda: f"(pool {took:,.1f} MiB" in plan.toolTip(), timeout=10_000)
+    assert float(window.controls.state()["kv_memory"]) == took  # what settings.ini keeps

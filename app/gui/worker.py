@@ -287,13 +287,16 @@ class EngineWorker(WorkerLoop):
             log.exception("resizing the KV pool failed")
             self.error.emit(f"could not resize the KV pool ({exc}); it stays as it was")
             return
-        self._spec = _with_pool_size(self._spec, mib)
+        self._spec = _with_pool_size(self._spec, pool_mib(resized, mib))
         spec = self._spec or LoadSpec(engine.name, engine.precision.text, str(engine.device), mib)
         del engine
         self.engine = None
         self._free_memory()
         self._settings.limits.pop("kv_blocks", None)
         self._swap_in(resized, model_info(resized, spec))  # it kept the old pool's drafter
+        with contextlib.suppress(InfersightError):  # the Memory line: the pool it now has
+            held = resized.weights_bytes + resized.kv.nbytes
+            self.planned.emit(self._planner(spec, reclaimable=held))
         self.notice.emit(
             f"KV pool resized to {resized.kv.nbytes / 2**20:.0f} MiB "
             f"({resized.kv.manager.num_blocks} blocks); the weights were not reloaded"
@@ -375,6 +378,17 @@ def _with_pool_size(spec: LoadSpec | None, mib: float) -> LoadSpec | None:
     return None if spec is None else dataclasses.replace(spec, kv_memory_mib=mib)
 
 
+def pool_mib(engine: LLMEngine, asked: float | None) -> float:
+    """The KV pool's size to show and keep: the size asked for where the pool is that but for
+    its rounding to whole blocks; else the pool's own (profiled, or clamped to what the
+    model can use or the memory holds)."""
+    actual = engine.kv.nbytes / 2**20
+    block = actual / max(1, engine.kv.manager.num_blocks)
+    if asked is not None and abs(actual - asked) <= block:
+        return asked
+    return float(round(actual))
+
+
 def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
     return ModelInfo(
         name=engine.name,
@@ -387,9 +401,7 @@ def model_info(engine: LLMEngine, spec: LoadSpec) -> ModelInfo:
         kv_blocks=engine.kv.manager.num_blocks,
         block_size=engine.kv.block_size,
         # the size the load chose where the spec left it to the load
-        kv_memory_mib=(
-            round(engine.kv.nbytes / 2**20) if spec.kv_memory_mib is None else spec.kv_memory_mib
-        ),
+        kv_memory_mib=pool_mib(engine, spec.kv_memory_mib),
         requested_device=spec.device,
         tensor_parallel=spec.tensor_parallel,
         default_sampling=dict(engine.default_sampling),
