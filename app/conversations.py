@@ -92,6 +92,18 @@ class ChatStore:
         )
         return int(cur.lastrowid or 0)
 
+    def untouched_conversation(self) -> int | None:
+        """The newest conversation as "New chat" left it (no message, no title or system
+        prompt of the user's), if any: what "New chat" opens again rather than adding
+        another."""
+        row = self._db.execute(
+            "SELECT c.id FROM conversations c WHERE c.title = 'New chat' "
+            "AND c.system_prompt = '' AND NOT EXISTS "
+            "(SELECT 1 FROM messages m WHERE m.conversation_id = c.id) "
+            "ORDER BY c.updated DESC, c.id DESC LIMIT 1"
+        ).fetchone()
+        return None if row is None else int(row[0])
+
     def conversations(self) -> list[Conversation]:
         rows = self._db.execute(
             "SELECT id, title, system_prompt, updated FROM conversations "

@@ -12,7 +12,7 @@ from PySide6.QtCore import QSettings
 from app.cli.main import build_parser
 from app.gui.launch import start_overrides
 from app.gui.main_window import MainWindow
-from tests.app_window import LONG_WAIT_MS, SHARED_WEIGHTS
+from tests.app_window import LONG_WAIT_MS, SHARED_WEIGHTS, send
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 
@@ -68,3 +68,17 @@ def test_a_pool_larger_than_the_engine_takes_shows_what_it_took(window, qtbot):
     plan = window.controls.plan_label  # the Memory line; its tooltip is the whole plan
     qtbot.waitUntil(lambda: f"(pool {took:,.1f} MiB" in plan.toolTip(), timeout=10_000)
     assert float(window.controls.state()["kv_memory"]) == took  # what settings.ini keeps
+
+
+def test_new_chat_clicked_again_opens_the_empty_one(window, qtbot):
+    """Finding 7: each click of "New chat" added another empty chat (21 seen)."""
+    before = len(window.store.conversations())
+    for _ in range(5):
+        window.chat.new_button.click()
+    empty = window.conversation_id
+    assert len(window.store.conversations()) <= before + 1
+    assert window.chat.conversation_list.count() == len(window.store.conversations())
+    send(qtbot, window, "Hello there.")  # once it holds a message, the next is a new one
+    window.chat.new_button.click()
+    assert window.conversation_id != empty
+    assert window.chat.bubbles == []

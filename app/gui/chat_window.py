@@ -124,7 +124,10 @@ class ChatWindow(QMainWindow):
         if self.active is not None:
             self.chat.show_notice("A reply is still streaming; stop it first", "warning")
             return
-        self.select_conversation(self.store.create_conversation())
+        untouched = self.store.untouched_conversation()  # one empty chat is enough
+        self.select_conversation(
+            untouched if untouched is not None else self.store.create_conversation()
+        )
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         self.store.rename(conversation_id, title)
