@@ -82,3 +82,18 @@ def test_new_chat_clicked_again_opens_the_empty_one(window, qtbot):
     window.chat.new_button.click()
     assert window.conversation_id != empty
     assert window.chat.bubbles == []
+
+
+def test_a_reply_header_is_whole_at_1280_by_800_and_says_why_it_ended(window, qtbot):
+    """Finding 5: headers were cut ("prefill 5432 ms: 42 prompt toke…"), hiding the cached
+    tokens and the only hint of a length stop."""
+    window.controls.max_new_tokens.set_value(4)
+    send(qtbot, window, "Tell me about the sea.")
+    bubble = window.chat.last
+    label = bubble.status_label
+    qtbot.waitUntil(lambda: "cached" in label.text(), timeout=LONG_WAIT_MS)
+    assert "cut at the token limit" in label.text()
+    qtbot.wait(50)  # laid out
+    assert label.width() < label.fontMetrics().horizontalAdvance(label.text())  # it would be cut
+    assert label.height() >= label.heightForWidth(label.width())  # but it wraps, whole
+    assert label.toolTip() == label.text()

@@ -151,8 +151,10 @@ class MessageBubble(QFrame):
         self.role_label.setObjectName("roleLabel")
         self.status_label = QLabel()
         self.status_label.setObjectName("statusLabel")
-        # a long stats line must not widen the message column: it is cut, and whole in the tip
+        # a long stats line must not widen the message column: it wraps (and is whole in the
+        # tip), so the cached tokens and why the reply ended are never cut off
         self.status_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.status_label.setWordWrap(True)
         self.copy_button = QPushButton("Copy")
         self.copy_button.setObjectName("copyButton")
         self.copy_button.setToolTip("Copy this message as Markdown")

@@ -44,9 +44,21 @@ class ActiveReply:
     save_scheduled: bool = False
 
 
+#: Why a reply ended, in the words its header uses.
+STOP_WORDS = {
+    "stop": "ended by the model",
+    "length": "cut at the token limit",
+    "cancelled": "stopped",
+    "timeout": "timed out",
+    "error": "failed",
+}
+
+
 def stats_text(stats: ReplyStats) -> str:
     m = stats.metrics
     parts = [f"{stats.model} · {stats.precision}"]
+    if m.finish_reason:
+        parts.append(STOP_WORDS.get(m.finish_reason, m.finish_reason))
     if stats.tokens_per_s is not None:
         parts.append(f"{stats.tokens_per_s:.1f} tok/s")
     if m.time_to_first_token_seconds is not None:
