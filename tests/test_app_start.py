@@ -3,6 +3,7 @@ loads what the user left, not the defaults."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from PySide6.QtCore import QSettings
 from app.cli.main import build_parser
 from app.gui.launch import start_overrides
 from app.gui.main_window import MainWindow
+from app.gui.status import model_label
 from tests.app_window import LONG_WAIT_MS, SHARED_WEIGHTS, send
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
@@ -97,3 +99,19 @@ def test_a_reply_header_is_whole_at_1280_by_800_and_says_why_it_ended(window, qt
     assert label.width() < label.fontMetrics().horizontalAdvance(label.text())  # it would be cut
     assert label.height() >= label.heightForWidth(label.width())  # but it wraps, whole
     assert label.toolTip() == label.text()
+
+
+def test_the_status_bar_says_what_replies_are_made_with(window):
+    """Finding 9: the status bar said model · precision · device only; sampling changes, the
+    cache window and the processes were nowhere."""
+    status = window.status_settings
+    assert status.text().startswith("greedy") and "≤ 24 tokens" in status.text()
+    window.controls.temperature.set_value(0.7)
+    assert status.text().startswith("temperature 0.7")
+    window.controls.window_on.setChecked(True)
+    sink, size = window.controls.cache_window()
+    assert f"window {sink} sinks + {size}" in status.text()
+    window.controls.prefix_cache_on.setChecked(False)
+    assert "prefix cache off" in status.text()
+    info = dataclasses.replace(window.model, tensor_parallel=2)
+    assert model_label(info).endswith(" · 2 processes")

@@ -61,6 +61,7 @@ class ControlsPanel(QScrollArea):
     reload_requested = Signal()  # a load-time setting changed
     kv_pool_requested = Signal(float)  # a KV pool of this many MiB (no reload of the weights)
     sampling_changed = Signal()
+    sampling_shown = Signal()  # the sampling on show changed, by the user or the app
     limits_changed = Signal(dict)
     window_changed = Signal(object)  # (sink, window) or None
     serve_toggled = Signal(bool)  # serve this engine on localhost (the port: serve_port)
@@ -80,6 +81,7 @@ class ControlsPanel(QScrollArea):
         layout.addWidget(self._model_group())
         self.sampling_group = SamplingGroup()
         self.sampling_group.changed.connect(self.sampling_changed)
+        self.sampling_group.shown.connect(self.sampling_shown)
         self.sampling_group.invalid_input.connect(self.invalid_input)
         layout.addWidget(self.sampling_group)
         layout.addWidget(self._batching_group())

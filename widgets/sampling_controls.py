@@ -23,7 +23,8 @@ NEUTRAL_SAMPLING: dict[str, float] = {
 class SamplingGroup(QGroupBox):
     """The sampling fields; ``changed`` when the user changes one (or Reset changes them)."""
 
-    changed = Signal()
+    changed = Signal()  # the user changed a value
+    shown = Signal()  # a value on show changed, the user's or set by the app (a model's defaults)
     invalid_input = Signal(str)
 
     def __init__(self) -> None:
@@ -121,6 +122,7 @@ class SamplingGroup(QGroupBox):
         self._defaults: dict[str, float] = {}
         for f in self._sampling_fields().values():
             f.shown.connect(self._show_sampling_source)
+            f.shown.connect(self.shown)
 
     def _field(
         self, form: QFormLayout, label: str, name: str, value: float | None, **kwargs: Any

@@ -39,6 +39,7 @@ from app.gui.commands import (
     TuneStatus,
 )
 from app.gui.lab import LabController
+from app.gui.status import model_label, settings_label
 from app.gui.worker import LOAD_JOIN_S, EngineWorker, Loader
 from app.loading import LoadSpec, load_engine, resolve_device
 from engine.kv_cache.window import CacheWindow
@@ -97,10 +98,6 @@ def scan_models(
 def style_sheet() -> str:
     path = RESOURCES / "style.qss"
     return path.read_text(encoding="utf-8") if path.is_file() else ""
-
-
-def model_label(info: ModelInfo) -> str:
-    return f"{info.name} · {info.precision} · {info.device}"
 
 
 class MainWindow(ChatWindow):
@@ -169,6 +166,7 @@ class MainWindow(ChatWindow):
             Configure(limits=self.controls.limits(), prefix_caching=self.controls.prefix_cache())
         )
         self._on_window(self.controls.cache_window())
+        self._show_settings()
         self.engine_thread.start()
         # the A/B lab: engines of its own on a thread of its own (app/gui/lab_worker.py)
         self.lab = LabController(self.ab_view, self._lab_messages, parent=self)
@@ -197,9 +195,19 @@ class MainWindow(ChatWindow):
         self.status_speed.setToolTip("Decode speed of the last reply (1 / mean TPOT)")
         self.status_ttft.setToolTip("Time to first token of the last reply")
         self.status_context.setToolTip("Tokens the last reply used of the model's context")
+        self.status_settings = QLabel()
+        self.status_settings.setToolTip("What replies are made with now: sampling, the cache "
+                                        "window, the prefix cache (Controls)")  # fmt: skip
         bar.addWidget(self.status_model, 1)
+        bar.addWidget(self.status_settings, 1)
         for label in (self.status_speed, self.status_ttft, self.status_context):
             bar.addPermanentWidget(label)
+
+    def _show_settings(self) -> None:
+        c = self.controls
+        self.status_settings.setText(
+            settings_label(c.sampling(), c.cache_window(), c.prefix_cache())
+        )
 
     def _connect(self) -> None:
         w, chat, controls = self.worker, self.chat, self.controls
@@ -245,6 +253,9 @@ class MainWindow(ChatWindow):
         controls.prefix_cache_clear_requested.connect(
             lambda: self.worker.post(Configure(clear_prefix_cache=True))
         )
+        for changed in (controls.sampling_shown, controls.window_changed,
+                        controls.prefix_cache_toggled):  # fmt: skip
+            changed.connect(lambda *_: self._show_settings())
         controls.speculation_changed.connect(lambda text, k: self.worker.post(Speculate(text, k)))
         controls.invalid_input.connect(lambda text: self.chat.show_notice(text, "warning"))
         self.instruments.layer_timing_toggled.connect(
