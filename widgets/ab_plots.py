@@ -12,6 +12,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 
 from widgets.ab_format import ACCENT
+from widgets.plots import make_plot
 
 #: The log-scale KL plot cannot show 0 (identical distributions); such points sit here.
 KL_PLOT_FLOOR = 1e-8
@@ -19,28 +20,16 @@ BAR_COLOURS = {"attn": "#4e9af1", "mlp": "#f1a04e"}
 UPGRADED_COLOURS = {"attn": "#a9cdfa", "mlp": "#f8cf9f"}
 
 
-def _plot(title: str, left: str, bottom: str) -> pg.PlotWidget:
-    w = pg.PlotWidget(background="#1e2127")
-    w.setTitle(title, color="#d0d4da", size="10pt")
-    w.setLabel("left", left)
-    w.setLabel("bottom", bottom)
-    for axis in ("left", "bottom"):
-        w.getAxis(axis).enableAutoSIPrefix(False)
-    w.showGrid(x=True, y=True, alpha=0.2)
-    w.setMinimumHeight(120)
-    return w
-
-
 class KLPlot:
     """KL(A‖B) per token on a log scale, the noise floor (A against A′) as a band under it
     and the first divergence as a dashed line."""
 
     def __init__(self) -> None:
-        self.widget = plot = _plot("KL(A‖B) per token", "KL (nats)", "token")
+        self.widget = plot = make_plot(
+            "KL(A‖B) per token", "KL (nats)", "token", integer=("bottom",)
+        )
         plot.setLogMode(y=True)
         plot.getAxis("left").setWidth(64)  # room for 10⁻⁶-style ticks and the label
-        # bottom right: the curve runs along the top, the floor band along the bottom left
-        plot.getPlotItem().addLegend(offset=(-6, -24), labelTextSize="8pt")
         floor_pen = pg.mkPen(0, 0, 0, 0)
         self.noise_bottom = pg.PlotDataItem(pen=floor_pen)
         self.noise_top = pg.PlotDataItem(pen=pg.mkPen(150, 160, 175, 90))
@@ -108,9 +97,13 @@ class ScanPlot:
     """The layer scan: per layer, a bar for its attention and one for its MLP."""
 
     def __init__(self) -> None:
-        self.widget = plot = _plot("KL with only this block quantized", "KL (nats)", "layer")
+        self.widget = plot = make_plot(
+            "KL with only this block quantized",
+            "KL (nats)",
+            "layer",
+            integer=("bottom",),
+        )
         # top right: the first layers' bars are often the tallest
-        plot.getPlotItem().addLegend(offset=(-6, 6), labelTextSize="8pt")
         self.attn_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=BAR_COLOURS["attn"])
         self.mlp_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=BAR_COLOURS["mlp"])
         plot.addItem(self.attn_bars)

@@ -31,12 +31,12 @@ from PySide6.QtWidgets import (
 )
 
 from widgets.block_map import KVBlockMap
+from widgets.plots import COLOURS, make_plot, pen
 
 REDRAW_MS = 250
 HISTORY = 1200  # points per series (5 min at 4 Hz)
 WINDOW_S = 120.0  # seconds a live plot shows; it moves on by a quarter of this at a time
 LABEL_ANCHORS = [(0.5, 1), (0.5, 1)]  # percentile labels sit above their line
-COLOURS = ("#4e9af1", "#f1a04e", "#6cc070", "#d05c8a", "#b28df0", "#9aa0a6")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,19 +138,6 @@ class SteadyRange:
             self.plot.setYRange(0, top, padding=0)
 
 
-def _plot(title: str, left: str, bottom: str = "time (s)") -> pg.PlotWidget:
-    w = pg.PlotWidget(background="#1e2127")
-    w.setTitle(title, color="#d0d4da", size="10pt")
-    w.setLabel("left", left)
-    w.setLabel("bottom", bottom)
-    for axis in ("left", "bottom"):
-        w.getAxis(axis).enableAutoSIPrefix(False)  # the unit is in the label
-    w.showGrid(x=True, y=True, alpha=0.2)
-    w.setMinimumHeight(120)
-    w.getPlotItem().addLegend(offset=(6, 6), labelTextSize="8pt")
-    return w
-
-
 def _visible_max(series: np.ndarray, t_last: float) -> float:
     """The largest value (columns 1…) over the last window of ``series`` (column 0: time)."""
     recent = series[series[:, 0] >= t_last - WINDOW_S, 1:]
@@ -174,9 +161,9 @@ class InstrumentsPanel(QWidget):
         self.last_frame: InstrumentFrame | None = None
 
         # memory and KV
-        self.memory_plot = _plot("Memory by kind", "MiB")
+        self.memory_plot = make_plot("Memory by kind", "MiB")
         self._memory_curves: dict[str, pg.PlotDataItem] = {}
-        self.kv_plot = _plot("KV cache", "% of blocks")
+        self.kv_plot = make_plot("KV cache", "% of blocks")
         self.kv_curve = self.kv_plot.plot(name="KV usage", pen=pg.mkPen(COLOURS[1], width=2))
         self.prefix_curve = self.kv_plot.plot(  # % of prompt tokens reused; gaps while unknown
             name="prefix hits", pen=pg.mkPen(COLOURS[4], width=2), connect="finite"
@@ -195,7 +182,7 @@ class InstrumentsPanel(QWidget):
         self.tabs.addTab(tab, "Memory && KV")
 
         # latency and throughput
-        self.ttft_plot = _plot("Latency per request", "ms", "request")
+        self.ttft_plot = make_plot("Latency per request", "ms", "request", integer=("bottom",))
         self.ttft_scatter = pg.ScatterPlotItem(
             name="TTFT", brush=pg.mkBrush(COLOURS[0]), size=7, pen=None
         )
@@ -220,7 +207,7 @@ class InstrumentsPanel(QWidget):
         for line in self.pct_lines.values():
             line.setVisible(False)
             self.ttft_plot.addItem(line)
-        self.tps_plot = _plot("Throughput", "tokens/s")
+        self.tps_plot = make_plot("Throughput", "tokens/s")
         self.tps_curve = self.tps_plot.plot(name="generated", pen=pg.mkPen(COLOURS[2], width=2))
         self._ranges = {
             "memory": SteadyRange(self.memory_plot),
@@ -240,7 +227,7 @@ class InstrumentsPanel(QWidget):
             "the hooks slow the engine down, so it is off by default"
         )
         self.layer_switch.toggled.connect(self.layer_timing_toggled)
-        self.layer_plot = _plot("Per-layer time, last step", "ms", "layer")
+        self.layer_plot = make_plot("Per-layer time, last step", "ms", "layer", integer=("bottom",))
         self.attention_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=COLOURS[0])
         self.mlp_bars = pg.BarGraphItem(x=[], height=[], width=0.4, brush=COLOURS[1])
         self.layer_plot.addItem(self.attention_bars)
@@ -258,7 +245,9 @@ class InstrumentsPanel(QWidget):
         self.spec_label = QLabel()
         self.spec_label.setWordWrap(True)
         self.spec_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.spec_plot = _plot("Acceptance by draft position", "% accepted", "draft position")
+        self.spec_plot = make_plot(
+            "Acceptance by draft position", "% accepted", "draft position", integer=("bottom",)
+        )
         self.spec_plot.getPlotItem().disableAutoRange()
         self.spec_plot.setYRange(0, 100, padding=0)
         self.spec_plot.setXRange(0.5, 4.5, padding=0)
@@ -303,7 +292,7 @@ class InstrumentsPanel(QWidget):
             self._memory = RingBuffer(HISTORY, 1 + len(kinds))
             self.memory_plot.getPlotItem().clear()
             self._memory_curves = {
-                k: self.memory_plot.plot(name=k, pen=pg.mkPen(COLOURS[i % len(COLOURS)], width=2))
+                k: self.memory_plot.plot(name=k, pen=pen(i, width=3 if i == 0 else 2))
                 for i, k in enumerate(kinds)
             }
         self._memory.append([t, *(frame.memory_mib[k] for k in kinds)])

@@ -15,14 +15,13 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QLabel, QSplitter, QVBoxLayout, QWidget
 
 from widgets.instruments import (
-    COLOURS,
     HISTORY,
     RingBuffer,
     SteadyRange,
-    _plot,
     _visible_max,
     nice_ceiling,
 )
+from widgets.plots import COLOURS, make_plot
 
 if TYPE_CHECKING:
     from engine.core.metrics import MetricsSnapshot, StepRecord
@@ -68,9 +67,9 @@ class LivePage(QSplitter):
         self._token_top: float | None = None
         self._duration_top: float | None = None
 
-        self.tps_plot = _plot("Output throughput", "tokens/s")
+        self.tps_plot = make_plot("Output throughput", "tokens/s")
         self.tps_curve = self.tps_plot.plot(name="generated", pen=pg.mkPen(COLOURS[2], width=2))
-        self.latency_plot = _plot("Latency", "ms")
+        self.latency_plot = make_plot("Latency", "ms")
         self.latency_curves = {
             column: self.latency_plot.plot(name=name, pen=pg.mkPen(colour, width=w, style=style))
             for column, name, colour, w, style in (
@@ -80,10 +79,10 @@ class LivePage(QSplitter):
                 (_TPOT95, "TPOT p95", COLOURS[1], 2, Qt.PenStyle.DashLine),
             )
         }
-        self.batch_plot = _plot("Batch and queue", "requests")
+        self.batch_plot = make_plot("Batch and queue", "requests", integer=("left",))
         self.batch_curve = self.batch_plot.plot(name="batch", pen=pg.mkPen(COLOURS[4], width=2))
         self.queue_curve = self.batch_plot.plot(name="waiting", pen=pg.mkPen(COLOURS[3], width=2))
-        self.kv_plot = _plot("KV cache and preemptions", "% of blocks")
+        self.kv_plot = make_plot("KV cache and preemptions", "% of blocks")
         self.kv_curve = self.kv_plot.plot(name="KV usage", pen=pg.mkPen(COLOURS[1], width=2))
         # preemptions (a count) on their own axis at the right, in a second view box
         item = self.kv_plot.getPlotItem()
@@ -114,7 +113,9 @@ class LivePage(QSplitter):
             grid_layout.addWidget(plot, i // 2, i % 2)
 
         # the per-step strip
-        self.token_plot = _plot("Each step's token budget", "tokens", "step (oldest → newest)")
+        self.token_plot = make_plot(
+            "Each step's token budget", "tokens", "step (oldest → newest)", integer=("bottom",)
+        )
         self.decode_bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=COLOURS[2], pen=None)
         self.prefill_bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=COLOURS[1], pen=None)
         self.unused_bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=GREY, pen=None)
@@ -127,7 +128,7 @@ class LivePage(QSplitter):
         ):
             self.token_plot.addItem(bars)
             legend.addItem(bars, name)
-        self.duration_plot = _plot("", "step ms", "step (oldest → newest)")
+        self.duration_plot = make_plot("", "step ms", "step (oldest → newest)", integer=("bottom",))
         self.duration_bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=COLOURS[0], pen=None)
         self.duration_plot.addItem(self.duration_bars)
         self.preempt_marks = pg.ScatterPlotItem(

@@ -35,7 +35,7 @@ from engine.bench.sweep_analysis import (
     serve_config,
 )
 from engine.errors import InvalidRequestError
-from widgets.instruments import COLOURS, _plot
+from widgets.plots import COLOURS, make_plot
 
 if TYPE_CHECKING:
     from engine.bench.sweep_analysis import SweepPoint
@@ -59,7 +59,7 @@ class SweepPlots(QWidget):
         self.knee_marks: dict[str, pg.ScatterPlotItem] = {}
         self.best_marks: dict[str, pg.ScatterPlotItem] = {}
         for key, axis in LATENCIES.items():
-            plot = _plot(f"Throughput against {axis[:-5]}", axis, "output tokens/s")
+            plot = make_plot(f"Throughput against {axis[:-5]}", axis, "output tokens/s")
             plot.getViewBox().setDefaultPadding(0.1)  # room for the points' labels
             self.sweep_scatter[key] = pg.ScatterPlotItem(name="settings", size=9, pen=None)
             self.front_curve[key] = pg.PlotDataItem(
