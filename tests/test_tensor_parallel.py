@@ -257,6 +257,20 @@ def test_speculative_decoding_stays_exact(tiny_model_dir, split) -> None:
     assert stats is not None and stats.num_accepted_tokens > 0 and stats.num_rejections > 0
 
 
+def test_starting_and_closing_ranks_prints_nothing_on_the_terminal(tiny_model_dir, capfd):
+    """Issue 46, finding 8: the ranks waited for each other with a store wait that timed out
+    each second, and c10d printed two warnings a second on the terminal (seen going from 2
+    processes to 1 in the app). The ranks' own output is captured too (they share fd 2)."""
+    folder, _ = tiny_model_dir("llama", False)
+    engine = load_model(folder, tensor_parallel=2)
+    try:
+        assert _greedy(engine, PROMPT[:8])
+    finally:
+        engine.parallel.close()
+    err = capfd.readouterr().err
+    assert "[c10d]" not in err and "waitForInput" not in err, err[-2000:]
+
+
 def test_a_new_pool_keeps_the_ranks(tiny_model_dir) -> None:
     """The app's KV pool resize (``with_pool``): the new engine drives the same ranks, which
     build the new pool, and the ranks stay up when the old engine is collected; they stop

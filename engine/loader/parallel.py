@@ -51,6 +51,8 @@ LOAD_TIMEOUT_S = 600.0
 #: how long a rank waits for rank 0's next announcement: as long as the model sits idle
 #: (a chat's user reading, a server without requests), so in effect for ever
 IDLE = timedelta(days=30)
+#: how often a rank waiting for the others to start asks whether they are up, or gone
+MEET_POLL_S = 0.05
 
 
 #: the tensors' group's backend, by device type
@@ -80,18 +82,15 @@ def meet(store: Any, rank: int, world: int, gone: Callable[[], str | None]) -> N
     store.set(f"up/{rank}", "1")
     keys = [f"up/{r}" for r in range(world)]
     deadline = time.monotonic() + LOAD_TIMEOUT_S
-    while True:
-        try:
-            store.wait(keys, timedelta(seconds=1))
-            return
-        except RuntimeError:  # not every rank is up yet (DistStoreError on the timeout)
-            why = gone()
-            if why:
-                raise RuntimeError(why) from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"not every rank started within {LOAD_TIMEOUT_S:.0f} s"
-                ) from None
+    # ``check`` asks without waiting: a ``wait`` that times out has c10d print two warnings
+    # a second on the terminal while the other ranks start
+    while not store.check(keys):
+        why = gone()
+        if why:
+            raise RuntimeError(why)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every rank started within {LOAD_TIMEOUT_S:.0f} s")
+        time.sleep(MEET_POLL_S)
 
 
 def groups(
