@@ -63,10 +63,11 @@ def open_window(
     *,
     loader: Callable[..., LLMEngine] = SHARED_WEIGHTS,
     wait: bool = True,
+    size: tuple[int, int] = (1280, 800),
 ) -> MainWindow:
     window = MainWindow(data_dir, spec=SPEC, loader=loader)
     qtbot.addWidget(window)  # type: ignore[attr-defined]
-    window.resize(1280, 800)
+    window.resize(*size)
     window.show()
     if wait:
         qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]

@@ -480,7 +480,7 @@ def test_lab_screenshots(qtbot: object, window: MainWindow) -> None:
     (a real one: about two minutes on a 2-core CPU), at 1280×800."""
     out = Path(os.environ["INFERSIGHT_SCREENSHOTS"])
     lab, view = window.lab, window.ab_view
-    window.tabs.setCurrentWidget(view)
+    window.show_page(view)
     view.forms["b"].precision.setCurrentText("int4-g32")
     view.max_new_tokens.setValue(64)
     view.prompt.setPlainText("Explain in two sentences why the sky is blue.")

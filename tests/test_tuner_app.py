@@ -27,7 +27,7 @@ CHAT_TOKENS = 4  # the chat answers after the tuner: a few tokens show it
 @pytest.fixture
 def window(qtbot: object, tmp_path: Path, default_model: Path) -> Iterator[MainWindow]:
     w = open_window(qtbot, tmp_path / "data")
-    w.tabs.setCurrentWidget(w.tuner)
+    w.show_page(w.tuner)
     yield w
     w.shutdown()
 

@@ -150,6 +150,9 @@ class InstrumentsPanel(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.tabs = QTabWidget()
+        # every tab in view, their names shortened where the dock is narrow (no scroll arrows)
+        self.tabs.setUsesScrollButtons(False)
+        self.tabs.setElideMode(Qt.TextElideMode.ElideRight)
         self._t0: float | None = None
         self._kinds: list[str] = []
         self._memory: RingBuffer | None = None
@@ -170,6 +173,7 @@ class InstrumentsPanel(QWidget):
         )
         self.block_map = KVBlockMap()
         self.block_label = QLabel("KV blocks: –")
+        self.block_label.setWordWrap(True)  # a narrow dock: on two lines, not cut
         # Its text changes four times a second; a width that followed the text would lay the
         # whole tab out again each time (measured: the worst UI pause fell from ~55 to ~30 ms).
         self.block_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)

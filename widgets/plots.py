@@ -55,7 +55,8 @@ def make_plot(
     w.showGrid(x=True, y=True, alpha=0.2)
     w.setMinimumHeight(120)
     item = w.getPlotItem()
-    below = pg.LegendItem(colCount=4, labelTextSize="8pt", horSpacing=12)
+    # two columns: a legend's width is the plot's least (a wider one would cut the plot off)
+    below = pg.LegendItem(colCount=2, labelTextSize="8pt", horSpacing=12)
     item.layout.addItem(below, 4, 1)  # the row under the bottom axis: outside the data
     item.legend = below  # curves plotted with a name join it
     return w

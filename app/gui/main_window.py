@@ -13,17 +13,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QCoreApplication, QEvent, QSettings, Qt, QThread
-from PySide6.QtGui import QCloseEvent, QIcon
+from PySide6.QtGui import QCloseEvent, QIcon, QShowEvent
 from PySide6.QtWidgets import (
-    QDockWidget,
+    QFrame,
     QLabel,
     QProgressDialog,
+    QScrollArea,
     QTabWidget,
     QWidget,
 )
 
 from app.conversations import ChatStore
-from app.gui import gc_guard
+from app.gui import docks, gc_guard
 from app.gui.chat_window import ActiveReply, ChatWindow
 from app.gui.commands import (
     Configure,
@@ -137,17 +138,24 @@ class MainWindow(ChatWindow):
         self.tabs = QTabWidget()
         self.tabs.setObjectName("centralTabs")
         self.tabs.addTab(self.chat, "Chat")
-        self.tabs.addTab(self.ab_view, "A/B lab")
         self.tuner = TunerView()
-        self.tabs.addTab(self.tuner, "Batching tuner")
+        #: the pages wider than a 1280 px window leaves them scroll, so that they never hold
+        #: the side panels narrower than their content
+        self.pages: dict[QWidget, QScrollArea] = {}
+        for page, title in ((self.ab_view, "A/B lab"), (self.tuner, "Batching tuner")):
+            area = self.pages[page] = QScrollArea()
+            area.setWidget(page)
+            area.setWidgetResizable(True)
+            area.setFrameShape(QFrame.Shape.NoFrame)
+            self.tabs.addTab(area, title)
         self.setCentralWidget(self.tabs)
         self.controls = ControlsPanel()
         self.instruments = InstrumentsPanel()
-        self.controls_dock = self._dock("Controls", self.controls, "controlsDock")
-        self.instruments_dock = self._dock("Instruments", self.instruments, "instrumentsDock")
-        self.tabifyDockWidget(self.controls_dock, self.instruments_dock)
-        self.instruments_dock.raise_()
-        self.resizeDocks([self.instruments_dock], [540], Qt.Orientation.Horizontal)
+        self._docks_arranged = False
+        self.controls_dock = docks.make_dock(self, "Controls", self.controls, "controlsDock")
+        self.instruments_dock = docks.make_dock(
+            self, "Instruments", self.instruments, "instrumentsDock"
+        )
         self._status_bar()
 
         self.worker = EngineWorker(loader)
@@ -173,17 +181,6 @@ class MainWindow(ChatWindow):
         self.tabs.currentChanged.connect(self._on_tab)
         self._open_conversations()
         self.load(spec or self._saved_spec(**(overrides or {})))
-
-    def _dock(self, title: str, widget: QWidget, name: str) -> QDockWidget:
-        dock = QDockWidget(title, self)
-        dock.setObjectName(name)
-        dock.setWidget(widget)
-        dock.setFeatures(
-            QDockWidget.DockWidgetFeature.DockWidgetMovable
-            | QDockWidget.DockWidgetFeature.DockWidgetFloatable
-        )
-        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
-        return dock
 
     def _status_bar(self) -> None:
         bar = self.statusBar()
@@ -458,7 +455,7 @@ class MainWindow(ChatWindow):
     def _on_tab(self, index: int) -> None:
         """Leaving the lab gives its engines back (the chat's model may need the memory); the
         next run there loads them again."""
-        if self.tabs.widget(index) is not self.ab_view:
+        if self.tabs.widget(index) is not self.pages[self.ab_view]:
             self.lab.release()
 
     def _lab_messages(self) -> list[dict[str, str]]:
@@ -642,10 +639,21 @@ class MainWindow(ChatWindow):
             )
         self.lab.shutdown()
         self.settings.setValue("controls", json.dumps(self.controls.state()))
+        docks.save(self, self.settings)
         self.settings.setValue("mark_speculation", self.chat.mark_speculation.isChecked())
         self.settings.setValue("geometry", self.saveGeometry())
         self.settings.sync()
         self.store.close()
+
+    def show_page(self, page: QWidget) -> None:
+        """Bring the chat, the A/B lab or the tuner to the front."""
+        self.tabs.setCurrentWidget(self.pages.get(page, page))
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        if not self._docks_arranged:  # at its first show, when its size is known
+            self._docks_arranged = True
+            docks.arrange(self, self.controls_dock, self.instruments_dock, self.settings)
 
     def closeEvent(self, event: QCloseEvent) -> None:
         self.shutdown()
