@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QObject, QSettings, Slot
 
 from app.cli.main import build_parser
 from app.gui.launch import start_overrides
@@ -115,3 +115,31 @@ def test_the_status_bar_says_what_replies_are_made_with(window):
     assert "prefix cache off" in status.text()
     info = dataclasses.replace(window.model, tensor_parallel=2)
     assert model_label(info).endswith(" · 2 processes")
+
+
+def test_a_long_prompt_shows_how_far_it_has_been_read(window, qtbot):
+    """Finding 10: a long conversation prefilled again (4,456 tokens, 45 s) showed only "…";
+    now the pending reply has a bar, tokens read of all, that moves with each chunk."""
+    from app.gui.commands import Configure
+
+    window.controls.max_tokens_per_step.set_value(128)
+    window.worker.post(Configure(limits=window.controls.limits()))
+    window.controls.max_new_tokens.set_value(2)
+    seen: list[tuple[int, int, bool]] = []
+
+    class Watch(QObject):  # in the UI thread, after the window's own slot
+        @Slot(str, int, int)
+        def record(self, tag: str, done: int, total: int) -> None:
+            seen.append((done, total, window.chat.last.prefill_bar.isVisible()))
+
+    watch = Watch()
+    window.worker.prefill_progress.connect(watch.record)
+    prompt = " ".join(f"lighthouse{i % 50} keeper storm sea" for i in range(160))
+    send(qtbot, window, prompt)
+    assert len(seen) >= 5, seen  # one per chunk of 128 tokens
+    dones = [d for d, _, _ in seen]
+    totals = {t for _, t, _ in seen}
+    assert dones == sorted(dones) and len(totals) == 1 and dones[-1] <= totals.pop()
+    assert all(visible for _, _, visible in seen[1:])
+    bar = window.chat.last.prefill_bar
+    assert not bar.isVisible() and bar.maximum() > 600  # gone once the reply began

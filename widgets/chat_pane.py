@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
     QListWidgetItem,
     QMenu,
     QPlainTextEdit,
+    QProgressBar,
     QPushButton,
     QScrollArea,
     QSizePolicy,
@@ -166,6 +167,13 @@ class MessageBubble(QFrame):
         self.tabs = QTabBar()
         self.tabs.currentChanged.connect(self._select)
         layout.addWidget(self.tabs)
+        #: the prompt being read before the first token (a long conversation, a reload):
+        #: tokens done of all, shown only then
+        self.prefill_bar = QProgressBar()
+        self.prefill_bar.setObjectName("prefillBar")
+        self.prefill_bar.setFormat("reading the prompt: %v / %m tokens")
+        self.prefill_bar.hide()
+        layout.addWidget(self.prefill_bar)
         self.body = MarkdownView()
         layout.addWidget(self.body)
         self._render_timer = QTimer(self, singleShot=True, interval=STREAM_RENDER_MS)
@@ -193,9 +201,18 @@ class MessageBubble(QFrame):
         self.status_label.setText(status)
         self.status_label.setToolTip(status)
 
+    def show_prefill(self, done: int, total: int) -> None:
+        """``done`` of the prompt's ``total`` tokens read (cached ones count as read)."""
+        if self.view.text:  # the reply has begun: the prompt is read
+            return
+        self.prefill_bar.setRange(0, max(1, total))
+        self.prefill_bar.setValue(min(done, total))
+        self.prefill_bar.show()
+
     def append(self, candidate: int, text: str, pieces: tuple[tuple[str, str], ...] = ()) -> None:
         """Streamed text: kept at once, rendered within :data:`STREAM_RENDER_MS`. ``pieces``
         splits ``text`` by speculation kind (``Delta.pieces``), for the mark overlay."""
+        self.prefill_bar.hide()
         before = self.view.candidates[candidate]
         self.view.candidates[candidate] += text
         if pieces or candidate in self.pieces:
@@ -446,8 +463,14 @@ class ChatPane(QWidget):
         for bubble in self.bubbles:
             bubble.set_mark_speculation(on)
 
+    def show_prefill(self, done: int, total: int) -> None:
+        """The last reply's prompt being read: ``done`` of ``total`` tokens."""
+        if self.last is not None:
+            self.last.show_prefill(done, total)
+
     def finish_last(self, status: str, stats: str = "") -> None:
         if self.last is not None:
+            self.last.prefill_bar.hide()
             self.last.view.status = status
             self.last.view.stats = stats
             self.last.refresh()

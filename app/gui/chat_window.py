@@ -245,6 +245,10 @@ class ChatWindow(QMainWindow):
         self.chat.remove_last(len(messages) - index)
         self.chat.set_input(messages[index].content)
 
+    def _on_prefill(self, tag: str, done: int, total: int) -> None:
+        if self.active is not None and self.active.tag == tag:
+            self.chat.show_prefill(done, total)
+
     def _on_deltas(self, deltas: list[Delta]) -> None:
         reply = self.active
         if reply is None:

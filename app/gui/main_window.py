@@ -209,6 +209,7 @@ class MainWindow(ChatWindow):
     def _connect(self) -> None:
         w, chat, controls = self.worker, self.chat, self.controls
         w.deltas.connect(self._on_deltas)
+        w.prefill_progress.connect(self._on_prefill)
         w.reply_stats.connect(self._on_stats)
         w.metrics.connect(self._on_metrics)
         w.loading.connect(self._on_loading)

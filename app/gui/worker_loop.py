@@ -45,6 +45,10 @@ from engine.parallel.executor import RankFailed
 
 log = logging.getLogger(__name__)
 
+#: prompts from this many tokens get a progress bar while they are read (shorter ones take
+#: about a step)
+PREFILL_SHOWN_FROM = 256
+
 METRICS_S = 0.25  # metrics while working
 IDLE_METRICS_S = 1.0  # metrics while idle
 LIVE_RESULT_S = 1.0  # a running live load's figures are recomputed at most this often
@@ -77,6 +81,8 @@ class WorkerLoop(QObject):
     :class:`~app.gui.worker.EngineWorker` loads it)."""
 
     deltas = Signal(list)  # list[Delta], at most once per frame
+    #: a reply's prompt being read, before its first token: (tag, tokens read, of all)
+    prefill_progress = Signal(str, int, int)
     reply_stats = Signal(object)  # ReplyStats
     metrics = Signal(object)  # EngineView
     error = Signal(str)  # a command that could not be done; the worker goes on
@@ -94,6 +100,7 @@ class WorkerLoop(QObject):
         self.info: ModelInfo | None = None
         self._retiring: list[LLMEngine] = []
         self._replies: dict[str, _Reply] = {}  # request id → reply
+        self._prefill_shown: dict[str, int] = {}  # request id → prompt tokens last shown read
         self._served: dict[str, tuple[LLMEngine, Callable[[Any], None]]] = {}  # from outside
         self._pending: list[Delta] = []
         self._settings = _Settings()
@@ -389,6 +396,24 @@ class WorkerLoop(QObject):
             torch.cuda.empty_cache()
 
     # -- stepping ----------------------------------------------------------------------------
+    def _report_prefill(self) -> None:
+        """For each reply still reading its prompt, how far it got (its chunks read, the
+        prefix cache's tokens counted as read); once a step, and only when it moved."""
+        for rid, reply in self._replies.items():
+            try:
+                seq = reply.engine.sequence(rid)
+            except KeyError:
+                continue
+            total = len(seq.prompt_ids)
+            if seq.output_ids or total < PREFILL_SHOWN_FROM:
+                continue
+            done = min(seq.num_computed, total)
+            if self._prefill_shown.get(rid) != done:
+                self._prefill_shown[rid] = done
+                self.prefill_progress.emit(reply.tag, done, total)
+        for rid in [r for r in self._prefill_shown if r not in self._replies]:
+            del self._prefill_shown[rid]
+
     def _step_all(self) -> None:
         if self._tune is not None and self._tune_engine is self.engine:
             self._tune_step(lambda d: d.tick(time.perf_counter()))
@@ -425,6 +450,7 @@ class WorkerLoop(QObject):
                 )
                 if event.finish_reason is not None:
                     self._finished(event.request_id, reply)
+        self._report_prefill()
         idle = [e for e in self._retiring if not e.has_work()]
         if idle:
             self._retiring = [e for e in self._retiring if e not in idle]
