@@ -143,3 +143,30 @@ def test_a_long_prompt_shows_how_far_it_has_been_read(window, qtbot):
     assert all(visible for _, _, visible in seen[1:])
     bar = window.chat.last.prefill_bar
     assert not bar.isVisible() and bar.maximum() > 600  # gone once the reply began
+
+
+def test_the_menu_bar_reaches_every_page_panel_and_help(window, qtbot):
+    """Finding 11: no menu bar, no About, no help, no shortcuts."""
+    from app.gui import menus
+
+    assert list(window.menus) == ["File", "Model", "View", "Help"]
+    by_text = {a.text().replace("&", ""): a for m in window.menus.values() for a in m.actions()}
+    by_text["A/B lab"].trigger()
+    assert window.tabs.currentWidget() is window.pages[window.ab_view]
+    by_text["Chat"].trigger()
+    assert window.tabs.currentWidget() is window.chat
+    controls = window.controls_dock.toggleViewAction()
+    window.controls_dock.raise_()  # (behind its tab, the action brings it to the front)
+    qtbot.wait(20)
+    controls.trigger()  # hidden from the View menu, and back
+    assert window.controls_dock.isHidden()
+    controls.trigger()
+    assert not window.controls_dock.isHidden()
+    before = len(window.store.conversations())
+    send(qtbot, window, "Hi.")
+    by_text["New chat"].trigger()
+    assert len(window.store.conversations()) == before + 1 and window.chat.bubbles == []
+    about = menus.about_text(window)
+    assert f"Infersight {menus.version()}" in about and window.model.name in about
+    shortcuts = menus.shortcuts_text(window.menus)
+    assert "Ctrl+N: File → New chat" in shortcuts and "Ctrl+2: View → A/B lab" in shortcuts

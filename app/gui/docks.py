@@ -18,9 +18,10 @@ def make_dock(window: QMainWindow, title: str, widget: QWidget, name: str) -> QD
     dock = QDockWidget(title, window)
     dock.setObjectName(name)
     dock.setWidget(widget)
-    dock.setFeatures(
+    dock.setFeatures(  # closable: the View menu shows it again
         QDockWidget.DockWidgetFeature.DockWidgetMovable
         | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+        | QDockWidget.DockWidgetFeature.DockWidgetClosable
     )
     window.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
     return dock
@@ -53,9 +54,12 @@ def needs(dock: QDockWidget) -> int:
     """The width a dock's content asks for without scrolling sideways: a scroll area's
     content, its vertical scroll bar and frame beside it."""
     content = dock.widget()
-    if isinstance(content, QScrollArea) and content.widget() is not None:
+    if content is None:
+        return 0
+    inner = content.widget() if isinstance(content, QScrollArea) else None
+    if isinstance(content, QScrollArea) and inner is not None:
         bar = content.verticalScrollBar().sizeHint().width()
-        return content.widget().minimumSizeHint().width() + bar + 2 * content.frameWidth() + 4
+        return inner.minimumSizeHint().width() + bar + 2 * content.frameWidth() + 4
     return content.minimumSizeHint().width()
 
 

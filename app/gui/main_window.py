@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.conversations import ChatStore
-from app.gui import docks, gc_guard
+from app.gui import docks, gc_guard, menus
 from app.gui.chat_window import ActiveReply, ChatWindow
 from app.gui.commands import (
     Configure,
@@ -157,6 +157,7 @@ class MainWindow(ChatWindow):
             self, "Instruments", self.instruments, "instrumentsDock"
         )
         self._status_bar()
+        self.menus = menus.build(self)
 
         self.worker = EngineWorker(loader)
         self.engine_thread = QThread(self)
