@@ -170,3 +170,21 @@ def test_the_menu_bar_reaches_every_page_panel_and_help(window, qtbot):
     assert f"Infersight {menus.version()}" in about and window.model.name in about
     shortcuts = menus.shortcuts_text(window.menus)
     assert "Ctrl+N: File → New chat" in shortcuts and "Ctrl+2: View → A/B lab" in shortcuts
+
+
+def test_regenerate_keeps_the_earlier_answers_as_versions(window, qtbot):
+    """Finding 11: Regenerate replaced the old answer; now each is a version (a tab)."""
+    window.controls.max_new_tokens.set_value(6)
+    send(qtbot, window, "Name a colour.")
+    first = window.chat.last.view.text
+    for _ in range(2):
+        window.chat.regenerate_button.click()
+        qtbot.waitUntil(lambda: window.active is None, timeout=LONG_WAIT_MS)
+    bubble = window.chat.last
+    assert len(bubble.view.candidates) == 3 and bubble.view.candidates[0] == first
+    assert bubble.view.selected == 2 and bubble.tabs.count() == 3 and bubble.tabs.isVisible()
+    stored = window.store.messages(window.conversation_id)[-1]
+    assert stored.meta["candidates"] == bubble.view.candidates and stored.meta["selected"] == 2
+    assert len(window.store.messages(window.conversation_id)) == 2  # one answer, 3 versions
+    window.select_conversation(window.conversation_id)  # opened again: the versions are there
+    assert window.chat.last.view.candidates == stored.meta["candidates"]

@@ -183,8 +183,10 @@ class MessageBubble(QFrame):
     def refresh(self) -> None:
         self._render_timer.stop()  # whatever was pending is rendered now
         v = self.view
+        blocked = self.tabs.blockSignals(True)  # a first tab added is no choice of the user's
         while self.tabs.count() < len(v.candidates):
             self.tabs.addTab(f"Reply {self.tabs.count() + 1}")
+        self.tabs.blockSignals(blocked)
         self.tabs.setVisible(len(v.candidates) > 1)
         if self.tabs.currentIndex() != v.selected:
             self.tabs.setCurrentIndex(v.selected)

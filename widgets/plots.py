@@ -19,7 +19,7 @@ STYLES = (Qt.PenStyle.SolidLine, Qt.PenStyle.DashLine, Qt.PenStyle.DotLine,
           Qt.PenStyle.DashDotLine)  # fmt: skip
 
 
-class IntegerAxis(pg.AxisItem):
+class IntegerAxis(pg.AxisItem):  # type: ignore[misc]  # pyqtgraph is untyped
     """An axis of whole things (requests, layers, steps, tokens): ticks at integers only."""
 
     def tickValues(self, minVal: float, maxVal: float, size: float) -> list[Any]:

@@ -34,9 +34,10 @@ class ActiveReply:
     tag: str
     message_id: int
     conversation_id: int
-    candidates: list[str]
+    candidates: list[str]  # the earlier versions kept by Regenerate, then this reply's
     open: set[int]
     status: str = "done"
+    first: int = 0  # this reply's first candidate in ``candidates``
     stats: dict[int, ReplyStats] = field(default_factory=dict)
     error: str | None = None
     saved_at: float = field(default_factory=time.monotonic)  # last write of its text
@@ -197,8 +198,11 @@ class ChatWindow(QMainWindow):
         self.chat.clear_input()
         self._start_reply()
 
-    def _start_reply(self) -> None:
+    def _start_reply(self, earlier: list[str] | None = None) -> None:
+        """A reply to the conversation; ``earlier``: the versions Regenerate keeps before it,
+        shown as its first tabs."""
         assert self.conversation_id is not None
+        kept = list(earlier or [])
         n = self.controls.num_candidates()
         try:
             sampling = self.controls.sampling()
@@ -209,8 +213,13 @@ class ChatWindow(QMainWindow):
         message_id = self.store.add_message(self.conversation_id, "assistant", "", "streaming")
         self._tags += 1
         tag = f"reply-{self._tags}"
-        self.active = ActiveReply(tag, message_id, self.conversation_id, [""] * n, set(range(n)))
-        self.chat.add_message(MessageView("assistant", [""] * n, "streaming"))
+        first = len(kept)
+        candidates = [*kept, *[""] * n]
+        self.active = ActiveReply(
+            tag, message_id, self.conversation_id, candidates, set(range(first, first + n)),
+            first=first,
+        )  # fmt: skip
+        self.chat.add_message(MessageView("assistant", list(candidates), "streaming", "", first))
         self.chat.set_generating(True)
         self._refresh_list()
         self.worker.post(Send(tag, messages, sampling, n))
@@ -225,13 +234,16 @@ class ChatWindow(QMainWindow):
         messages = self.store.messages(self.conversation_id)
         if not messages:
             return
-        if messages[-1].role == "assistant":
-            self.store.delete_messages_from(messages[-1].id)
-            self.chat.remove_last()
         if self.model is None:
             self.chat.show_notice("No model is loaded yet; wait for it, then regenerate", "warning")
             return
-        self._start_reply()
+        earlier: list[str] = []
+        last = messages[-1]
+        if last.role == "assistant":  # kept as versions: the new reply is one more
+            earlier = [t for t in (last.meta.get("candidates") or [last.content]) if t]
+            self.store.delete_messages_from(last.id)
+            self.chat.remove_last()
+        self._start_reply(earlier)
 
     def edit_last(self) -> None:
         if self.active is not None or self.conversation_id is None:
@@ -256,12 +268,13 @@ class ChatWindow(QMainWindow):
         for d in deltas:
             if d.tag != reply.tag:
                 continue
+            at = reply.first + d.candidate  # after the versions kept
             if d.text:
-                reply.candidates[d.candidate] += d.text
+                reply.candidates[at] += d.text
                 reply.unsaved = True
-                self.chat.append_to_last(d.candidate, d.text, d.pieces)
+                self.chat.append_to_last(at, d.text, d.pieces)
             if d.finish is not None:
-                reply.open.discard(d.candidate)
+                reply.open.discard(at)
                 if d.finish == "error":
                     reply.status, reply.error = "error", d.error
                 elif d.finish == "cancelled" and reply.status == "done":
@@ -320,7 +333,7 @@ class ChatWindow(QMainWindow):
 
     def _on_stats(self, stats: ReplyStats) -> None:
         if self.active is not None and stats.tag == self.active.tag:
-            self.active.stats[stats.candidate] = stats
+            self.active.stats[self.active.first + stats.candidate] = stats
         if stats.candidate == 0:
             self.last_stats = stats
             m = stats.metrics
