@@ -166,7 +166,7 @@ def load_engine(
 
     engine = load_model(
         folder, precision=spec.precision, device=device, config=config,
-        tensor_parallel=spec.tensor_parallel,
+        tensor_parallel=spec.tensor_parallel, progress=progress,
     )  # fmt: skip
     if progress:
         progress("load", 1, 1)

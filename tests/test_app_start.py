@@ -188,3 +188,35 @@ def test_regenerate_keeps_the_earlier_answers_as_versions(window, qtbot):
     assert len(window.store.messages(window.conversation_id)) == 2  # one answer, 3 versions
     window.select_conversation(window.conversation_id)  # opened again: the versions are there
     assert window.chat.last.view.candidates == stored.meta["candidates"]
+
+
+def test_a_load_shows_its_stages_in_the_status_bar(qtbot, tmp_path, tiny_model_dir):
+    """Finding 11 (progress everywhere): a model load showed only "loading …"; now its
+    stages, tensor by tensor, then settling, on a bar in the status bar, gone once loaded."""
+    from app.loading import LoadSpec, load_engine
+
+    folder, _ = tiny_model_dir("llama", False)
+    seen: list[tuple[str, int, int, bool, str]] = []
+
+    class Watch(QObject):  # in the UI thread, after the window's own slot
+        @Slot(str, int, int)
+        def record(self, stage: str, done: int, total: int) -> None:
+            bar = window.status_load
+            seen.append((stage, done, total, bar.isVisible(), bar.text()))
+
+    watch = Watch()
+    window = MainWindow(tmp_path / "data", spec=LoadSpec(str(folder), "int8", "cpu", 16),
+                        loader=load_engine)  # fmt: skip
+    qtbot.addWidget(window)
+    window.worker.load_progress.connect(watch.record)
+    window.show()
+    try:
+        qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)
+        stages = [s for s, *_ in seen]
+        assert "quantize" in stages and stages.index("quantize") < stages.index("settle")
+        quantized = [(d, t, shown, text) for s, d, t, shown, text in seen if s == "quantize"]
+        assert quantized[-1][0] == quantized[-1][1] > 5 and all(q[2] for q in quantized)
+        assert quantized[-1][3].startswith("reading and quantizing the weights")
+        assert not window.status_load.isVisible()  # gone once loaded
+    finally:
+        window.shutdown()

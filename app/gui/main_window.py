@@ -17,6 +17,7 @@ from PySide6.QtGui import QCloseEvent, QIcon, QShowEvent
 from PySide6.QtWidgets import (
     QFrame,
     QLabel,
+    QProgressBar,
     QProgressDialog,
     QScrollArea,
     QTabWidget,
@@ -40,7 +41,7 @@ from app.gui.commands import (
     TuneStatus,
 )
 from app.gui.lab import LabController
-from app.gui.status import model_label, settings_label
+from app.gui.status import LOAD_STAGES, model_label, settings_label, show_stage, time_left
 from app.gui.worker import LOAD_JOIN_S, EngineWorker, Loader
 from app.loading import LoadSpec, load_engine, resolve_device
 from engine.kv_cache.window import CacheWindow
@@ -62,7 +63,7 @@ RESOURCES = Path(__file__).resolve().parents[2] / "resources"
 #: engine threads that outlived their window (see ``MainWindow.shutdown``), kept referenced
 _STRAY_THREADS: list[tuple[QThread, EngineWorker]] = []
 
-#: what a loader's progress stages mean to a user (``load`` itself is quick: no dialog)
+#: what a pull's stages mean to a user: a dialog, since they take a while, once
 PROGRESS_STAGES = {
     "download": "Downloading the model",
     "dequantize": "Converting tensors",
@@ -128,6 +129,7 @@ class MainWindow(ChatWindow):
         self._tags = 0
         self._closed = False
         self.progress: QProgressDialog | None = None
+        self._stage_started: dict[str, float] = {}  # a pull's stages, when each began
         self.picker: ModelPicker | None = None  # made when first opened
         self.serve_host: ServeHost | None = None  # serving this engine on localhost
         self._lab_known: dict[str, str] = {}  # model path → name, for the lab's model lists
@@ -193,10 +195,14 @@ class MainWindow(ChatWindow):
         self.status_speed.setToolTip("Decode speed of the last reply (1 / mean TPOT)")
         self.status_ttft.setToolTip("Time to first token of the last reply")
         self.status_context.setToolTip("Tokens the last reply used of the model's context")
+        self.status_load = QProgressBar()  # a load's stages, while it runs
+        self.status_load.setMaximumWidth(360)
+        self.status_load.hide()
         self.status_settings = QLabel()
         self.status_settings.setToolTip("What replies are made with now: sampling, the cache "
                                         "window, the prefix cache (Controls)")  # fmt: skip
         bar.addWidget(self.status_model, 1)
+        bar.addWidget(self.status_load)
         bar.addWidget(self.status_settings, 1)
         for label in (self.status_speed, self.status_ttft, self.status_context):
             bar.addPermanentWidget(label)
@@ -398,9 +404,14 @@ class MainWindow(ChatWindow):
         self.status_model.setText(f"loading {name} ({spec.precision})…{old}")
 
     def _on_load_progress(self, stage: str, done: int, total: int) -> None:
-        """A download or GGUF conversion gets a (non-modal) progress dialog."""
+        """A download or GGUF conversion gets a (non-modal) progress dialog; each load's own
+        stages (reading, quantizing, settling) a bar in the status bar."""
+        if stage in LOAD_STAGES:
+            show_stage(self.status_load, stage, done, total)
+            return
         if stage not in PROGRESS_STAGES or not total:
             return
+        since = self._stage_started.setdefault(stage, time.monotonic())
         if self.progress is None:
             spec = self.loading
             what = "the default model" if spec is None or spec.model == "default" else spec.model
@@ -412,10 +423,14 @@ class MainWindow(ChatWindow):
             self.progress.setMinimumDuration(0)
             self.progress.setWindowModality(Qt.WindowModality.NonModal)
             self.progress.show()
-        self.progress.setLabelText(f"{PROGRESS_STAGES[stage]}: {done} / {total}")
+        self.progress.setLabelText(
+            f"{PROGRESS_STAGES[stage]}: {done} / {total}{time_left(since, done, total)}"
+        )
         self.progress.setValue(int(100 * done / total))
 
     def _close_progress(self) -> None:
+        self.status_load.hide()
+        self._stage_started.clear()
         dialog = self.progress
         if dialog is not None:
             dialog.close()

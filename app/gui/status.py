@@ -4,7 +4,10 @@ settings every reply is made under now (sampling, the cache window, the prefix c
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
+
+from PySide6.QtWidgets import QProgressBar
 
 from app.gui.commands import ModelInfo
 from engine.core.sampling import SamplingParams
@@ -46,3 +49,29 @@ def settings_label(
     if not prefix_cache:
         parts.append("prefix cache off")
     return " · ".join(parts)
+
+
+#: a load's own stages (engine.loader.load.load_model), as the status bar names them
+LOAD_STAGES = {
+    "read": "reading the weights",
+    "quantize": "reading and quantizing the weights",
+    "settle": "threads, kernels, KV pool",
+}
+
+
+def show_stage(bar: QProgressBar, stage: str, done: int, total: int) -> None:
+    """A load's stage on the status bar's progress bar: tensors done of all, then settling."""
+    bar.setRange(0, max(1, total))
+    bar.setValue(min(done, total))
+    bar.setFormat(f"{LOAD_STAGES[stage]}: %v / %m" if stage != "settle" else LOAD_STAGES[stage])
+    bar.setToolTip(f"Loading: {LOAD_STAGES[stage]}")
+    bar.show()
+
+
+def time_left(since: float, done: int, total: int) -> str:
+    """`` · 12 s, about 30 s left`` from a stage's start and how far it got."""
+    spent = time.monotonic() - since
+    if done <= 0 or spent < 1:
+        return ""
+    left = spent * (total - done) / done
+    return f" · {spent:.0f} s, about {left:.0f} s left"

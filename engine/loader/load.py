@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ def load_model(
     config: EngineConfig | None = None,
     alpha: float | dict[str, float] | None = None,
     tensor_parallel: int = 1,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> LLMEngine:
     """Load a HF-style model folder into an engine (published as ``engine.load``). CPU linears
     are laid out for oneDNN where that measured faster on this machine
@@ -55,7 +57,9 @@ def load_model(
     pack, ``False`` none (plain ``nn.Linear``). ``alpha``: SmoothQuant's α for a ``w8a8-sq``
     spec in place of the one its calibration chose (the calibration's own sweep).
     ``tensor_parallel``: the model split over that many processes
-    (:mod:`engine.loader.parallel`), this one rank 0."""
+    (:mod:`engine.loader.parallel`), this one rank 0. ``progress``: told each stage as it
+    goes, ``(stage, done, total)``: ``read`` (or ``quantize``) tensor by tensor, then
+    ``settle`` (threads, the linears' layout, the KV pool, the decode graph)."""
     folder = Path(folder)
     torch_device = torch.device(device)
     spec = parse_precision_spec(precision, torch_device)
@@ -87,15 +91,19 @@ def load_model(
     plan = smoothing_plan(cfg, spec, cal, alpha)
     model = load_transformer(
         folder, cfg, dtype, torch_device, quant=spec.kind_for if spec.quantized else None,
-        smoothing=plan,
+        smoothing=plan, progress=progress,
     )  # fmt: skip
     if cal is not None:
         calibration_files.set_static_scales(model, cal, plan, spec.kind_for)
     eos = set(cfg.eos_token_ids) | set(generation_config_eos(folder))
+    if progress:
+        progress("settle", 0, 1)
     engine = engine_for(
         model, tokenizer, cfg, spec, torch_device,
         name=folder.name, eos_token_ids=sorted(eos), config=config, pack=pack,
     )  # fmt: skip
+    if progress:
+        progress("settle", 1, 1)
     engine.default_sampling = generation_config_sampling(folder)
     engine.folder = folder
     engine.speculation = functools.partial(speculation, load=load_model)

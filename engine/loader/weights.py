@@ -105,8 +105,10 @@ def load_transformer(
     source: TensorSource | None = None,
     smoothing: SmoothingPlan | None = None,
     shard: Shard | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Transformer:
-    """Build the model from a checkpoint folder, one tensor at a time.
+    """Build the model from a checkpoint folder, one tensor at a time (``progress``: told
+    ``("read", done, total)``, or ``"quantize"`` with ``quant``, as each tensor is in place).
 
     With ``quant``, each linear it names is quantized as soon as its (fused) weight is
     complete, straight from the checkpoint's values in fp32: the model never exists in full
@@ -140,6 +142,7 @@ def load_transformer(
         tensors = ((name, source.get_tensor(name)) for name in source.keys())  # noqa: SIM118
         read = source.get_tensor
     expected = _expected_parameters(model, cfg)
+    stage = "quantize" if quant else "read"
     fusing: dict[str, _Fused] = {}
     loaded: set[str] = set()
     head_kind = quant("lm_head") if quant else None
@@ -187,6 +190,8 @@ def load_transformer(
             vocab = shard.vocab if shard is not None else None
             _load_quantized_head(model, cfg, tensor, head_kind, head_scale.to(device), dtype, vocab)
             loaded.add(ours)
+            if progress:
+                progress(stage, len(loaded), len(expected))
             continue
         if scaled_norm:
             assert head_scale is not None
@@ -203,6 +208,8 @@ def load_transformer(
             _assign(model, ours, tensor)
         loaded.add(ours)
         del tensor
+        if progress:
+            progress(stage, len(loaded), len(expected))
 
     missing = sorted(set(expected) - loaded)
     if missing:
