@@ -347,7 +347,7 @@ def test_lookup_speculation_marks_the_tokens_and_keeps_the_greedy_reply(
 ) -> None:
     from app.gui import worker as worker_module
     from engine.speculative.config import VerifyCost, parse_speculative
-    from widgets.chat_pane import SPECULATION_MARKS
+    from widgets.markdown_view import SPECULATION_MARKS
 
     # the verify cost fixed, not timed: how far each step drafts then depends on nothing
     # a busy CPU could change

@@ -220,3 +220,38 @@ def test_a_load_shows_its_stages_in_the_status_bar(qtbot, tmp_path, tiny_model_d
         assert not window.status_load.isVisible()  # gone once loaded
     finally:
         window.shutdown()
+
+
+def test_a_long_paste_is_folded_and_unfolds(window, qtbot):
+    """Finding 11: long pastes were not folded: a pasted log filled the conversation."""
+    window.controls.max_new_tokens.set_value(2)
+    pasted = "\n".join(f"2026-12-06 07:{i % 60:02d} INFO step {i} done" for i in range(200))
+    send(qtbot, window, "What went wrong?\n" + pasted)
+    user = window.chat.bubbles[-2]
+    shown = user.body.text()
+    assert len(shown.splitlines()) < 20 and shown.endswith("…")
+    assert user.fold_button.isVisible() and "201 lines" in user.fold_button.text()
+    stored = window.store.messages(window.conversation_id)[-2]
+    assert stored.content.endswith("step 199 done")  # folded on screen only; the model saw all
+    user.fold_button.click()
+    assert user.body.text() == stored.content and user.fold_button.text() == "Fold"
+    assert not window.chat.last.fold_button.isVisible()  # the model's answers are not folded
+
+
+def test_rename_and_delete_are_buttons_in_view(window, qtbot, monkeypatch):
+    """Finding 11: Rename and Delete were only on right-click."""
+    from PySide6.QtWidgets import QInputDialog
+
+    send(qtbot, window, "First.")
+    first = window.conversation_id
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("Renamed", True))
+    assert window.chat.rename_button.isVisible() and window.chat.delete_button.isVisible()
+    window.chat.rename_button.click()
+    assert window.store.conversation(first).title == "Renamed"
+    window.chat.new_button.click()
+    send(qtbot, window, "Second.")
+    second = window.conversation_id
+    window.chat.conversation_list.setCurrentRow(1)  # the first, now below the second
+    assert window.conversation_id == first
+    window.chat.delete_button.click()
+    assert [c.id for c in window.store.conversations()] == [second]

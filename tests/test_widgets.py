@@ -304,7 +304,8 @@ def test_widgets_import_no_torch() -> None:
 
 
 def test_a_streaming_reply_is_rendered_at_most_once_per_interval(qtbot: object) -> None:
-    from widgets.chat_pane import STREAM_RENDER_MS, MarkdownView
+    from widgets.chat_pane import STREAM_RENDER_MS
+    from widgets.markdown_view import MarkdownView
 
     pane = ChatPane()
     qtbot.addWidget(pane)  # type: ignore[attr-defined]
@@ -396,7 +397,7 @@ def _colours(body: object) -> list[tuple[str, str | None]]:
 
 
 def test_chat_marks_streamed_pieces_by_how_they_came(qtbot: object) -> None:
-    from widgets.chat_pane import SPECULATION_MARKS
+    from widgets.markdown_view import SPECULATION_MARKS
 
     accepted, corrected, bonus = (
         SPECULATION_MARKS[k][0] for k in ("accepted", "corrected", "bonus")

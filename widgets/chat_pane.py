@@ -12,12 +12,11 @@ and stored), and a reply opened from the history has none.
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QKeyEvent, QResizeEvent, QTextOption
+from PySide6.QtGui import QGuiApplication, QKeyEvent
 from PySide6.QtWidgets import (
     QCheckBox,
     QFrame,
@@ -35,10 +34,20 @@ from PySide6.QtWidgets import (
     QSizePolicy,
     QSplitter,
     QTabBar,
-    QTextBrowser,
     QVBoxLayout,
     QWidget,
 )
+
+from widgets.markdown_view import SPECULATION_MARKS, MarkdownView
+
+#: A message of the user's longer than this (lines, or characters) is shown folded to its
+#: first lines, a button unfolding it (a pasted log or file)
+FOLD_LINES, FOLD_CHARS = 12, 1500
+
+
+def is_long(text: str) -> bool:
+    return text.count("\n") >= FOLD_LINES or len(text) > FOLD_CHARS
+
 
 #: While a reply streams its Markdown is rendered at most this often: each render parses the
 #: whole reply again, so rendering every delta (up to 60 a second) grows quadratically.
@@ -53,25 +62,6 @@ STATUS_MARKS = {
 }
 
 
-#: how a streamed piece came (``Delta.pieces`` kinds) → its background and its legend
-SPECULATION_MARKS = {
-    "accepted": ("#2f5a3a", "accepted draft"),
-    "corrected": ("#6b4a1e", "model's correction"),
-    "bonus": ("#2d4a7a", "bonus token"),
-}
-
-
-def marked_html(pieces: list[tuple[str, str]]) -> str:
-    """The pieces as plain text (whitespace kept), each of a speculation kind on its
-    colour."""
-    parts = []
-    for text, kind in pieces:
-        body = html.escape(text).replace("\n", "<br>")
-        mark = SPECULATION_MARKS.get(kind)
-        parts.append(f'<span style="background-color:{mark[0]}">{body}</span>' if mark else body)
-    return f'<p style="white-space:pre-wrap">{"".join(parts)}</p>'
-
-
 @dataclass(slots=True)
 class MessageView:
     role: str  # user | assistant
@@ -83,54 +73,6 @@ class MessageView:
     @property
     def text(self) -> str:
         return self.candidates[self.selected]
-
-
-class MarkdownView(QTextBrowser):
-    """Rendered Markdown that is exactly as tall as its text at the pane's width (the
-    conversation scrolls, not each message). Long code lines wrap rather than clip."""
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self._source = ""
-        self._marked = False
-        self.setOpenExternalLinks(True)
-        self.setFrameShape(QFrame.Shape.NoFrame)
-        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
-        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.document().setDocumentMargin(2)
-
-    def set_text(self, text: str) -> None:
-        if text != self._source or self._marked:
-            self._source, self._marked = text, False
-            self.setMarkdown(text)
-            self._fit()
-
-    def set_marked(self, pieces: list[tuple[str, str]]) -> None:
-        """Show ``pieces`` (text, speculation kind) as plain text, each kind on its colour."""
-        text = "".join(t for t, _ in pieces)
-        if text != self._source or not self._marked:
-            self._source, self._marked = text, True
-            self.setHtml(marked_html(pieces))
-            self._fit()
-
-    def text(self) -> str:
-        """The source shown (Markdown, or the marked pieces' text)."""
-        return self._source
-
-    @property
-    def marked(self) -> bool:
-        return self._marked
-
-    def _fit(self) -> None:
-        doc = self.document()
-        doc.setTextWidth(max(1, self.viewport().width()))
-        self.setFixedHeight(int(doc.size().height()) + 2)
-
-    def resizeEvent(self, event: QResizeEvent) -> None:
-        super().resizeEvent(event)
-        self._fit()
 
 
 class MessageBubble(QFrame):
@@ -176,6 +118,14 @@ class MessageBubble(QFrame):
         layout.addWidget(self.prefill_bar)
         self.body = MarkdownView()
         layout.addWidget(self.body)
+        #: a long paste of the user's is shown folded: its first lines and this to unfold
+        self.folded = view.role == "user"
+        self.fold_button = QPushButton()
+        self.fold_button.setObjectName("foldButton")
+        self.fold_button.setFlat(True)
+        self.fold_button.clicked.connect(self._toggle_fold)
+        self.fold_button.hide()
+        layout.addWidget(self.fold_button, 0, Qt.AlignmentFlag.AlignLeft)
         self._render_timer = QTimer(self, singleShot=True, interval=STREAM_RENDER_MS)
         self._render_timer.timeout.connect(self.refresh)
         self.refresh()
@@ -193,6 +143,17 @@ class MessageBubble(QFrame):
         text = v.text
         if v.status == "streaming" and not text:
             text = "…"
+        long = v.role == "user" and is_long(text)
+        if long and self.folded:
+            shown = text.splitlines()[:FOLD_LINES]
+            text = "\n".join(shown)[:FOLD_CHARS] + "\n\n…"
+        self.fold_button.setVisible(long)
+        if long:
+            lines = len(v.text.splitlines())
+            self.fold_button.setText(
+                f"Show all {lines:,} lines ({len(v.text):,} characters)" if self.folded
+                else "Fold"
+            )  # fmt: skip
         pieces = self.pieces.get(v.selected)
         if self.mark_speculation and pieces and "".join(t for t, _ in pieces) == v.text:
             self.body.set_marked(pieces)
@@ -202,6 +163,10 @@ class MessageBubble(QFrame):
         status = "  ".join(p for p in (mark, v.stats) if p)
         self.status_label.setText(status)
         self.status_label.setToolTip(status)
+
+    def _toggle_fold(self) -> None:
+        self.folded = not self.folded
+        self.refresh()
 
     def show_prefill(self, done: int, total: int) -> None:
         """``done`` of the prompt's ``total`` tokens read (cached ones count as read)."""
@@ -284,7 +249,8 @@ class ChatPane(QWidget):
         self.conversation_list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.conversation_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.conversation_list.customContextMenuRequested.connect(self._conversation_menu)
-        self.conversation_list.setToolTip("Right-click a conversation to rename or delete it")
+        self.conversation_list.setToolTip("Rename or delete a conversation with the buttons "
+                                          "below, or by right-clicking it")  # fmt: skip
         self.new_button = QPushButton("New chat")
         self.new_button.clicked.connect(self.new_conversation_requested)
         side = QWidget()
@@ -292,6 +258,22 @@ class ChatPane(QWidget):
         side_layout.setContentsMargins(0, 0, 0, 0)
         side_layout.addWidget(self.new_button)
         side_layout.addWidget(self.conversation_list)
+        # the selected conversation's rename and delete, in view (also on right-click and keys)
+        row = QHBoxLayout()
+        self.rename_button = QPushButton("Rename…")
+        self.rename_button.setToolTip("Rename the selected conversation (F2)")
+        self.rename_button.setShortcut("F2")
+        self.rename_button.clicked.connect(
+            lambda: self._rename(self.conversation_list.currentItem())
+        )
+        self.delete_button = QPushButton("Delete")
+        self.delete_button.setToolTip("Delete the selected conversation")
+        self.delete_button.clicked.connect(
+            lambda: self._delete(self.conversation_list.currentItem())
+        )
+        row.addWidget(self.rename_button)
+        row.addWidget(self.delete_button)
+        side_layout.addLayout(row)
 
         # messages
         self.system_prompt = QLineEdit()
@@ -414,11 +396,20 @@ class ChatPane(QWidget):
         delete = menu.addAction("Delete")
         chosen = menu.exec(self.conversation_list.mapToGlobal(pos))
         if chosen is rename:
-            title, ok = QInputDialog.getText(self, "Rename", "Title:", text=item.text())
-            if ok and title.strip():
-                self.rename_requested.emit(conversation_id, title.strip())
+            self._rename(item)
         elif chosen is delete:
             self.delete_requested.emit(conversation_id)
+
+    def _rename(self, item: QListWidgetItem | None) -> None:
+        if item is None:
+            return
+        title, ok = QInputDialog.getText(self, "Rename", "Title:", text=item.text())
+        if ok and title.strip():
+            self.rename_requested.emit(int(item.data(Qt.ItemDataRole.UserRole)), title.strip())
+
+    def _delete(self, item: QListWidgetItem | None) -> None:
+        if item is not None:
+            self.delete_requested.emit(int(item.data(Qt.ItemDataRole.UserRole)))
 
     def _on_conversation(self, item: QListWidgetItem | None, _: object = None) -> None:
         if item is not None:
