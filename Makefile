@@ -47,8 +47,9 @@ TIMING_FILES  = $(shell grep -l -E '(mark\.timing|pytestmark.*timing)' tests/tes
         package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
+# The app pulls and converts the default model itself on a first start, with its progress in
+# the window (`infersight models pull` does the same in a terminal).
 run: $(VENV)/.stamp-run
-	$(BIN)/infersight models pull
 	$(BIN)/infersight
 
 chat: $(VENV)/.stamp-run
@@ -88,7 +89,8 @@ test: $(VENV)/.stamp-dev
 screenshots: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull
 	QT_QPA_PLATFORM=offscreen INFERSIGHT_SCREENSHOTS=docs/screenshots \
-	  $(BIN)/python -m pytest -q tests/test_app.py tests/test_tuner_app.py -k "screenshots or speculation"
+	  $(BIN)/python -m pytest -q tests/test_app.py tests/test_tuner_app.py tests/test_app_start.py \
+	  -k "screenshots or speculation"
 
 # A runnable folder, dist/infersight/ (PyInstaller; the model is fetched on first start).
 package: $(VENV)/.stamp-run

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from app.cli.main import build_parser
 from app.gui.launch import start_overrides
 from app.gui.main_window import MainWindow
 from app.gui.status import model_label
-from tests.app_window import LONG_WAIT_MS, SHARED_WEIGHTS, send
+from tests.app_window import LONG_WAIT_MS, SHARED_WEIGHTS, open_window, send
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("gui_gc")]
 
@@ -217,6 +218,8 @@ def test_a_load_shows_its_stages_in_the_status_bar(qtbot, tmp_path, tiny_model_d
         quantized = [(d, t, shown, text) for s, d, t, shown, text in seen if s == "quantize"]
         assert quantized[-1][0] == quantized[-1][1] > 5 and all(q[2] for q in quantized)
         assert quantized[-1][3].startswith("reading and quantizing the weights")
+        bar = window.status_load  # its text fits it (it read "reading and / quantizing the")
+        assert bar.fontMetrics().horizontalAdvance(quantized[-1][3]) < bar.minimumWidth()
         assert not window.status_load.isVisible()  # gone once loaded
     finally:
         window.shutdown()
@@ -255,3 +258,65 @@ def test_rename_and_delete_are_buttons_in_view(window, qtbot, monkeypatch):
     assert window.conversation_id == first
     window.chat.delete_button.click()
     assert [c.id for c in window.store.conversations()] == [second]
+
+
+@pytest.mark.skipif(
+    not os.environ.get("INFERSIGHT_SCREENSHOTS"), reason="renders for the docs (make screenshots)"
+)
+def test_start_screenshots(qtbot, tmp_path, tiny_model_dir, default_model):
+    """docs/screenshots: a load's stages on the status bar, a long prompt being read, and
+    Controls and Instruments side by side on a 1920×1080 window."""
+    from app.gui.commands import Configure
+    from app.loading import LoadSpec, load_engine
+
+    out = Path(os.environ["INFERSIGHT_SCREENSHOTS"])
+    folder, _ = tiny_model_dir("llama", False)
+    window = MainWindow(tmp_path / "load", spec=LoadSpec(str(folder), "int8", "cpu", 16),
+                        loader=load_engine)  # fmt: skip
+    qtbot.addWidget(window)
+    window.resize(1280, 800)
+    shots: list[str] = []
+
+    class Shoot(QObject):
+        @Slot(str, int, int)
+        def load(self, stage: str, done: int, total: int) -> None:
+            if stage == "quantize" and done == total // 2 and not shots:
+                window.grab().save(str(out / "first-start-load.png"))
+                shots.append("load")
+
+    shoot = Shoot()
+    window.worker.load_progress.connect(shoot.load)
+    window.show()
+    qtbot.waitUntil(lambda: window.model is not None, timeout=LONG_WAIT_MS)
+    window.shutdown()
+    assert shots == ["load"]
+
+    window = open_window(qtbot, tmp_path / "chat")
+    try:
+        window.controls.max_tokens_per_step.set_value(64)
+        window.worker.post(Configure(limits=window.controls.limits()))
+        window.controls.max_new_tokens.set_value(8)
+
+        class Prefill(QObject):
+            @Slot(str, int, int)
+            def seen(self, tag: str, done: int, total: int) -> None:
+                if done >= total // 2 and "prefill" not in shots:
+                    window.grab().save(str(out / "chat-prefill.png"))
+                    shots.append("prefill")
+
+        prefill = Prefill()
+        window.worker.prefill_progress.connect(prefill.seen)
+        text = "Summarise this log.\n" + "\n".join(
+            f"07:{i % 60:02d} worker {i % 7} took {40 + i % 13} ms" for i in range(60)
+        )
+        send(qtbot, window, text)
+        assert "prefill" in shots
+    finally:
+        window.shutdown()
+    wide = open_window(qtbot, tmp_path / "wide", size=(1920, 1080))
+    try:
+        send(qtbot, wide, "What is a KV cache?")
+        wide.instruments.redraw()
+        wide.grab().save(str(out / "side-by-side.png"))
+    finally:
+        wide.shutdown()

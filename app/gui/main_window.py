@@ -196,7 +196,8 @@ class MainWindow(ChatWindow):
         self.status_ttft.setToolTip("Time to first token of the last reply")
         self.status_context.setToolTip("Tokens the last reply used of the model's context")
         self.status_load = QProgressBar()  # a load's stages, while it runs
-        self.status_load.setMaximumWidth(360)
+        self.status_load.setMinimumWidth(320)  # its text whole: "reading and quantizing …"
+        self.status_load.setMaximumWidth(420)
         self.status_load.hide()
         self.status_settings = QLabel()
         self.status_settings.setToolTip("What replies are made with now: sampling, the cache "
