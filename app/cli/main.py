@@ -17,14 +17,7 @@ from collections.abc import Callable, Sequence
 from app.cli.bench import cmd_bench, cmd_tune
 from app.cli.common import configure_cuda_allocator
 from app.cli.eval import cmd_calibrate, cmd_eval_compare, cmd_eval_ppl, cmd_eval_scan
-from app.cli.models import (
-    PLAN_PRECISIONS,
-    cmd_import_gguf,
-    cmd_models_list,
-    cmd_models_pull,
-    cmd_models_synth,
-    cmd_plan,
-)
+from app.cli.models import PLAN_PRECISIONS, add_models_parser, cmd_import_gguf, cmd_plan
 from app.cli.run import cmd_chat, cmd_generate, cmd_tokenize
 from app.cli.serve import cmd_serve
 from engine.errors import InfersightError
@@ -409,19 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_calibrate)
 
-    p = sub.add_parser("models", help="the default model and the models in the cache")
-    msub = p.add_subparsers(metavar="ACTION", required=True)
-    mp = msub.add_parser("pull", help="fetch and convert the default model (once)")
-    mp.set_defaults(handler=cmd_models_pull)
-    mp = msub.add_parser("list", help="known models: size on disk, parameters, architecture")
-    mp.set_defaults(handler=cmd_models_list)
-    mp = msub.add_parser(
-        "synth",
-        help="write random weights of a published config (once), as a model folder and an "
-        "F16 GGUF of the same values: real-size benchmarks without a download",
-    )
-    mp.add_argument("name", help="a config in resources/configs, e.g. llama-3.2-1b")
-    mp.set_defaults(handler=cmd_models_synth)
+    add_models_parser(sub, DEVICE_HELP)
 
     p = sub.add_parser(
         "plan",

@@ -5,15 +5,65 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from app.cli.common import progress_printer
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
+    """The default model, or with ``repo`` a model from the Hugging Face Hub (into its
+    cache; the folder printed is what ``--model`` takes)."""
+    if getattr(args, "repo", None):
+        from engine.store import hub
+
+        print(hub.pull(args.repo, weights=args.file, progress=progress_printer()))
+        return 0
     from engine.store.model_store import pull_default
 
     path = pull_default(progress=progress_printer())
     print(path)
+    return 0
+
+
+def cmd_models_search(args: argparse.Namespace) -> int:
+    from engine.store import hub
+
+    found = hub.search(args.query, limit=args.limit)
+    print("\n".join(found) if found else f"no model on the Hub matches {args.query!r}")
+    return 0
+
+
+def cmd_models_files(args: argparse.Namespace) -> int:
+    """A Hub repo's weight files with their sizes, and each precision's verdict on this
+    machine from its config.json alone (nothing else is downloaded)."""
+    from app.loading import resolve_device
+    from engine.store import hub
+
+    repo = hub.repo(args.repo)
+    rows = [(f.path, "-" if f.size is None else f"{f.size / 2**20:,.1f} MiB") for f in repo.weights]
+    print(
+        f"{repo.repo_id} @ {repo.revision[:12]}{' (gated: needs your token)' if repo.gated else ''}"
+    )
+    width = max((len(p) for p, _ in rows), default=0)
+    for path, size in rows:
+        print(f"  {path.ljust(width)}  {size:>14}")
+    device = resolve_device(args.device)
+    precisions = args.precision.split(",") if args.precision else ["fp32", "bf16", *PLAN_PRECISIONS]
+    print(f"on this machine's {device}:")
+    for v in hub.verdicts(hub.config(args.repo), precisions, device):
+        print(f"  {v.precision:<16} {v.text}")
+    return 0
+
+
+def cmd_models_token(args: argparse.Namespace) -> int:
+    """Keep a Hugging Face access token in the system keyring (``--forget``: drop it)."""
+    import getpass
+
+    from engine.store import hub
+
+    value = None if args.forget else getpass.getpass("Hugging Face access token: ").strip()
+    hub.save_token(value)
+    print("token forgotten" if not value else "token kept in the system keyring")
     return 0
 
 
@@ -134,3 +184,38 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     types = ", ".join(f"{k}×{v}" for k, v in sorted(summary.tensor_types.items()))
     print(f"imported {summary.name} ({summary.architecture}; {types}) into {args.outdir}")
     return 0
+
+
+def add_models_parser(sub: Any, device_help: str) -> None:
+    """``infersight models``: pull, list, synth, and the Hub's search, files and token."""
+    p = sub.add_parser("models", help="the default model and the models in the cache")
+    msub = p.add_subparsers(metavar="ACTION", required=True)
+    mp = msub.add_parser(
+        "pull", help="fetch and convert the default model (once), or a model from the Hub"
+    )
+    mp.add_argument("repo", nargs="?", help="a Hub repo, e.g. HuggingFaceTB/SmolLM2-360M-Instruct")
+    mp.add_argument("--file", help="one weights file of the repo (a .gguf, say)")
+    mp.set_defaults(handler=cmd_models_pull)
+    mp = msub.add_parser("search", help="models on the Hugging Face Hub whose name matches")
+    mp.add_argument("query")
+    mp.add_argument("--limit", type=int, default=20)
+    mp.set_defaults(handler=cmd_models_search)
+    mp = msub.add_parser(
+        "files", help="a Hub repo's weight files and what fits here, from its config alone"
+    )
+    mp.add_argument("repo")
+    mp.add_argument("--device", default="auto", help=device_help)
+    mp.add_argument("--precision", help="comma-separated precisions (default: the usual ones)")
+    mp.set_defaults(handler=cmd_models_files)
+    mp = msub.add_parser("token", help="keep your Hugging Face token in the system keyring")
+    mp.add_argument("--forget", action="store_true", help="drop the kept token")
+    mp.set_defaults(handler=cmd_models_token)
+    mp = msub.add_parser("list", help="known models: size on disk, parameters, architecture")
+    mp.set_defaults(handler=cmd_models_list)
+    mp = msub.add_parser(
+        "synth",
+        help="write random weights of a published config (once), as a model folder and an "
+        "F16 GGUF of the same values: real-size benchmarks without a download",
+    )
+    mp.add_argument("name", help="a config in resources/configs, e.g. llama-3.2-1b")
+    mp.set_defaults(handler=cmd_models_synth)
