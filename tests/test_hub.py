@@ -160,3 +160,50 @@ def test_the_command_line_searches_shows_verdicts_and_pulls(local_hub, tmp_path)
     missing = cli("files", "nobody/nothing")
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "no model nobody/nothing on the Hub" in missing.stderr
+
+
+def test_the_get_models_page_finds_judges_downloads_and_loads(local_hub, qtbot, tmp_path):
+    """The model picker's "Get models" page with the app's calls, against the local Hub:
+    search, a repo's files and verdicts, a download with its bar, and the folder handed on
+    to load; a gated repo's error shown, then its token saved and the download made."""
+    from app.gui.hub_calls import hub_calls
+    from widgets.model_picker import ModelPicker
+
+    def no_scan(*args: object) -> object:
+        raise RuntimeError("not scanned here")
+
+    picker = ModelPicker(no_scan, hub=hub_calls(lambda: ("fp32", "cpu")))
+    qtbot.addWidget(picker)
+    page = picker.hub_page
+    assert page is not None and picker.pages.tabText(1) == "Get models"
+    requested: list[str] = []
+    picker.model_requested.connect(requested.append)
+
+    def wait() -> None:
+        qtbot.waitUntil(lambda: not page.busy, timeout=60_000)
+
+    page.query.setText("tiny-llama")
+    page.search()
+    wait()
+    assert [page.results.item(i).text() for i in range(page.results.count())] == [
+        "tiny-org/tiny-llama", "tiny-org/tiny-llama-gated"]  # fmt: skip
+    page.results.setCurrentRow(0)
+    wait()
+    assert page.files.item(0, 0).text() == "model.safetensors"
+    assert "✓ fp32: fits" in page.verdict.text()
+    page.download()
+    wait()
+    assert requested and (Path(requested[0]) / "model.safetensors").is_file()
+    page.results.setCurrentRow(1)  # gated: the Hub's 401 said plainly, then the token
+    wait()
+    assert page.verdict.text().startswith("Gated: accept its terms")
+    page.download()
+    wait()
+    assert "is gated" in page.status.text() and len(requested) == 1
+    page.token.setText(hub_server.TOKEN)
+    page.save_token()
+    wait()
+    page.download()
+    wait()
+    assert len(requested) == 2 and "tiny-llama-gated" in requested[1]
+    picker.shutdown()

@@ -27,11 +27,13 @@ from PySide6.QtWidgets import (
     QPushButton,
     QTableWidget,
     QTableWidgetItem,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
 from engine.store.catalog import Discovery, PlannedModel
+from widgets.hub_page import HubCalls, HubPage
 
 #: ``scan(folders, precision, device)``; runs off the UI thread
 Scan = Callable[[list[Path], str, str], Discovery]
@@ -78,9 +80,11 @@ class ModelPicker(QDialog):
         *,
         precision: str = "fp32",
         device: str = "auto",
+        hub: HubCalls | None = None,
     ) -> None:
         super().__init__(parent)
-        self.setWindowTitle("Models on this machine")
+        self.setWindowTitle("Models")
+        self.hub_calls = hub
         self.setModal(False)
         self.resize(900, 420)
         self._scan = scan
@@ -94,7 +98,19 @@ class ModelPicker(QDialog):
         self._build()
 
     def _build(self) -> None:
-        layout = QVBoxLayout(self)
+        """Two pages: the models on this machine, and (given the app's Hub calls) models to
+        get from the Hugging Face Hub."""
+        outer = QVBoxLayout(self)
+        self.pages = QTabWidget()
+        outer.addWidget(self.pages)
+        local = QWidget()
+        self.pages.addTab(local, "On this machine")
+        self.hub_page: HubPage | None = None
+        if self.hub_calls is not None:
+            self.hub_page = HubPage(self.hub_calls)
+            self.hub_page.model_requested.connect(self.model_requested)
+            self.pages.addTab(self.hub_page, "Get models")
+        layout = QVBoxLayout(local)
         self.filter = QLineEdit()
         self.filter.setPlaceholderText("Filter: name, source, architecture, path")
         self.filter.textChanged.connect(self._apply_filter)
@@ -259,6 +275,8 @@ class ModelPicker(QDialog):
 
     def shutdown(self) -> None:
         """Stop polling and let a running scan end on its own (no wait here)."""
+        if self.hub_page is not None:
+            self.hub_page.shutdown()
         self._poll.stop()
         if self._pending is not None:
             self._pending.cancel()

@@ -40,6 +40,7 @@ from app.gui.commands import (
     Tune,
     TuneStatus,
 )
+from app.gui.hub_calls import hub_calls
 from app.gui.lab import LabController
 from app.gui.status import LOAD_STAGES, model_label, settings_label, show_stage, time_left
 from app.gui.worker import LOAD_JOIN_S, EngineWorker, Loader
@@ -333,7 +334,8 @@ class MainWindow(ChatWindow):
         """Show the model picker and scan (in the background) for the current precision and
         device; folders added there are kept in the store."""
         if self.picker is None:
-            self.picker = ModelPicker(self._scan_models, self.store.model_folders(), self)
+            hub = hub_calls(lambda: (self._precision(), self._device()))
+            self.picker = ModelPicker(self._scan_models, self.store.model_folders(), self, hub=hub)
             self.picker.model_requested.connect(lambda path: self.load(self._spec(model=path)))
             self.picker.folder_added.connect(self.store.add_model_folder)
         self.picker.set_target(self._precision(), self._device())

@@ -49,6 +49,7 @@ def build(window: MainWindow) -> dict[str, QMenu]:
     act(f, "&Quit", window.close, QKeySequence.StandardKey.Quit)
     m = menu("&Model")
     act(m, "&Open a model on this machine…", window.browse_models, "Ctrl+O")
+    act(m, "&Get models from the Hub…", lambda: get_models(window), "Ctrl+G")
     act(m, "&Reload", lambda: window.load(window._spec()), "Ctrl+R")
     v = menu("&View")
     for keys, (page, title) in enumerate(
@@ -64,6 +65,15 @@ def build(window: MainWindow) -> dict[str, QMenu]:
     act(h, "&Keyboard shortcuts", lambda: shortcuts_box(window, menus).exec())
     act(h, "&About Infersight", lambda: about_box(window).exec())
     return menus
+
+
+def get_models(window: MainWindow) -> None:
+    """The model picker on its Hub page."""
+    window.browse_models()
+    picker = window.picker
+    if picker is not None and picker.hub_page is not None:
+        picker.pages.setCurrentWidget(picker.hub_page)
+        picker.hub_page.query.setFocus()
 
 
 def open_docs(window: MainWindow) -> bool:
