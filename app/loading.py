@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine.core.config import EngineConfig
     from engine.core.engine import LLMEngine
     from engine.loader.memory_plan import MemoryPlan
+    from engine.store.catalog import Discovery
 
 #: ``progress(stage, done, total)``: download, dequantize, write, load
 Progress = Callable[[str, int, int], None]
@@ -181,3 +182,30 @@ def sampling_kwargs(
     out = dict(model_default)
     out.update({k: v for k, v in overrides.items() if v is not None})
     return out
+
+
+def gpu_count() -> int:
+    """The CUDA devices torch sees (a query, no work on a device)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def available_devices() -> list[str]:
+    """``auto`` (CUDA when torch sees one, else the CPU), ``cpu`` and every CUDA device torch
+    can see (a query, no work on a device)."""
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["auto", "cpu"] + [f"cuda:{i}" for i in range(cuda)]
+
+
+def scan_models(
+    folders: list[Path], precision: str, device: str, reclaimable: int = 0
+) -> Discovery:
+    """The model picker's scan (off the UI thread): every model found, planned on the device
+    as chosen (``auto`` resolved), counting the memory that unloading the current model
+    (``reclaimable`` bytes) would give back, as a load does."""
+    from engine.store.planning import discover_and_plan
+
+    return discover_and_plan(folders, precision, resolve_device(device), reclaimable=reclaimable)

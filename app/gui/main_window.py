@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.conversations import ChatStore
-from app.gui import docks, gc_guard, menus
+from app.gui import docks, gc_guard, menus, status
 from app.gui.chat_window import ActiveReply, ChatWindow
 from app.gui.commands import (
     Configure,
@@ -41,16 +41,17 @@ from app.gui.commands import (
     TuneStatus,
 )
 from app.gui.hub_calls import hub_calls
+from app.gui.instrument_frames import frame_of
 from app.gui.lab import LabController
-from app.gui.status import LOAD_STAGES, model_label, settings_label, show_stage, time_left
+from app.gui.status import model_label, settings_label
 from app.gui.worker import LOAD_JOIN_S, EngineWorker, Loader
-from app.loading import LoadSpec, load_engine, resolve_device
+from app.loading import LoadSpec, available_devices, gpu_count, load_engine, scan_models
 from engine.kv_cache.window import CacheWindow
 from engine.store.catalog import Discovery
 from widgets.ab_view import ABView
 from widgets.chat_pane import ChatPane
 from widgets.controls import ControlsPanel
-from widgets.instruments import InstrumentFrame, InstrumentsPanel
+from widgets.instruments import InstrumentsPanel
 from widgets.model_picker import ModelPicker
 from widgets.tuner import TunerView
 
@@ -64,39 +65,6 @@ RESOURCES = Path(__file__).resolve().parents[2] / "resources"
 #: engine threads that outlived their window (see ``MainWindow.shutdown``), kept referenced
 _STRAY_THREADS: list[tuple[QThread, EngineWorker]] = []
 
-#: what a pull's stages mean to a user: a dialog, since they take a while, once
-PROGRESS_STAGES = {
-    "download": "Downloading the model",
-    "dequantize": "Converting tensors",
-    "write": "Writing the converted model",
-}
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def available_devices() -> list[str]:
-    """``auto`` (CUDA when torch sees one, else the CPU), ``cpu`` and every CUDA device torch
-    can see (a query, no work on a device)."""
-    import torch
-
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return ["auto", "cpu"] + [f"cuda:{i}" for i in range(cuda)]
-
-
-def scan_models(
-    folders: list[Path], precision: str, device: str, reclaimable: int = 0
-) -> Discovery:
-    """The model picker's scan (off the UI thread): every model found, planned on the device
-    as chosen (``auto`` resolved), counting the memory that unloading the current model
-    (``reclaimable`` bytes) would give back, as a load does."""
-    from engine.store.planning import discover_and_plan
-
-    return discover_and_plan(folders, precision, resolve_device(device), reclaimable=reclaimable)
-
 
 def style_sheet() -> str:
     path = RESOURCES / "style.qss"
@@ -104,6 +72,12 @@ def style_sheet() -> str:
 
 
 class MainWindow(ChatWindow):
+    # the status bar's, made by app.gui.status.build_status_bar
+    status_model: QLabel
+    status_settings: QLabel
+    status_load: QProgressBar
+    load_progress: status.LoadProgress
+
     def __init__(
         self,
         data_dir: Path,
@@ -129,8 +103,6 @@ class MainWindow(ChatWindow):
         self.last_stats: ReplyStats | None = None
         self._tags = 0
         self._closed = False
-        self.progress: QProgressDialog | None = None
-        self._stage_started: dict[str, float] = {}  # a pull's stages, when each began
         self.picker: ModelPicker | None = None  # made when first opened
         self.serve_host: ServeHost | None = None  # serving this engine on localhost
         self._lab_known: dict[str, str] = {}  # model path → name, for the lab's model lists
@@ -159,7 +131,7 @@ class MainWindow(ChatWindow):
         self.instruments_dock = docks.make_dock(
             self, "Instruments", self.instruments, "instrumentsDock"
         )
-        self._status_bar()
+        status.build_status_bar(self)
         self.menus = menus.build(self)
 
         self.worker = EngineWorker(loader)
@@ -171,7 +143,7 @@ class MainWindow(ChatWindow):
         self._connect()
         self.worker.loaded.connect(self._settle_garbage)
         self.controls.set_devices(available_devices())
-        self.controls.set_rank_choices(max(2, _gpu_count()))
+        self.controls.set_rank_choices(max(2, gpu_count()))
         self._restore_settings()
         # the restored limits and window; the worker applies them to every engine it loads
         self.worker.post(
@@ -185,29 +157,6 @@ class MainWindow(ChatWindow):
         self.tabs.currentChanged.connect(self._on_tab)
         self._open_conversations()
         self.load(spec or self._saved_spec(**(overrides or {})))
-
-    def _status_bar(self) -> None:
-        bar = self.statusBar()
-        self.status_model = QLabel("no model")
-        self.status_speed = QLabel("– tok/s")
-        self.status_ttft = QLabel("TTFT –")
-        self.status_context = QLabel("context –")
-        self.status_model.setToolTip("Model · precision · device")
-        self.status_speed.setToolTip("Decode speed of the last reply (1 / mean TPOT)")
-        self.status_ttft.setToolTip("Time to first token of the last reply")
-        self.status_context.setToolTip("Tokens the last reply used of the model's context")
-        self.status_load = QProgressBar()  # a load's stages, while it runs
-        self.status_load.setMinimumWidth(320)  # its text whole: "reading and quantizing …"
-        self.status_load.setMaximumWidth(420)
-        self.status_load.hide()
-        self.status_settings = QLabel()
-        self.status_settings.setToolTip("What replies are made with now: sampling, the cache "
-                                        "window, the prefix cache (Controls)")  # fmt: skip
-        bar.addWidget(self.status_model, 1)
-        bar.addWidget(self.status_load)
-        bar.addWidget(self.status_settings, 1)
-        for label in (self.status_speed, self.status_ttft, self.status_context):
-            bar.addPermanentWidget(label)
 
     def _show_settings(self) -> None:
         c = self.controls
@@ -407,37 +356,17 @@ class MainWindow(ChatWindow):
         self.status_model.setText(f"loading {name} ({spec.precision})…{old}")
 
     def _on_load_progress(self, stage: str, done: int, total: int) -> None:
-        """A download or GGUF conversion gets a (non-modal) progress dialog; each load's own
-        stages (reading, quantizing, settling) a bar in the status bar."""
-        if stage in LOAD_STAGES:
-            show_stage(self.status_load, stage, done, total)
-            return
-        if stage not in PROGRESS_STAGES or not total:
-            return
-        since = self._stage_started.setdefault(stage, time.monotonic())
-        if self.progress is None:
-            spec = self.loading
-            what = "the default model" if spec is None or spec.model == "default" else spec.model
-            self.progress = QProgressDialog(f"Preparing {what}…", "", 0, 100, self)
-            self.progress.setCancelButton(None)
-            self.progress.setAutoReset(False)  # it moves from stage to stage; closed when loaded
-            self.progress.setAutoClose(False)
-            self.progress.setWindowTitle("Preparing the model")
-            self.progress.setMinimumDuration(0)
-            self.progress.setWindowModality(Qt.WindowModality.NonModal)
-            self.progress.show()
-        self.progress.setLabelText(
-            f"{PROGRESS_STAGES[stage]}: {done} / {total}{time_left(since, done, total)}"
-        )
-        self.progress.setValue(int(100 * done / total))
+        spec = self.loading
+        what = "the default model" if spec is None or spec.model == "default" else spec.model
+        self.load_progress.report(stage, done, total, what)
 
     def _close_progress(self) -> None:
-        self.status_load.hide()
-        self._stage_started.clear()
-        dialog = self.progress
-        if dialog is not None:
-            dialog.close()
-            self.progress = None
+        self.load_progress.close()
+
+    @property
+    def progress(self) -> QProgressDialog | None:
+        """The pull's dialog while one is shown."""
+        return self.load_progress.dialog
 
     def _on_loaded(self, info: ModelInfo) -> None:
         self.loading = None
@@ -551,61 +480,13 @@ class MainWindow(ChatWindow):
     def _on_metrics(self, view: EngineView) -> None:
         s = view.snapshot
         self.tuner.add_snapshot(s)
-        mem = s.memory
-        mib = 2**-20
-        memory = {
-            "weights": mem.weights_bytes * mib,
-            "KV pool": mem.kv_pool_bytes * mib,
-            # of the pool: blocks held by requests, and free blocks keeping a cached prefix
-            "KV in use": s.kv_blocks_used * s.kv_block_bytes * mib,
-            "KV cached (reusable)": s.kv_blocks_cached * s.kv_block_bytes * mib,
-        }
-        if mem.workspace_bytes is not None:
-            memory["workspace"] = mem.workspace_bytes * mib
-        if mem.cuda_reserved_bytes is not None:  # a GPU model: the GPU's memory, not the host's
-            # reserved is what runs out first; NVML adds the context and other processes
-            memory["CUDA reserved"] = mem.cuda_reserved_bytes * mib
-            if mem.nvml_used_bytes is not None:
-                memory["GPU used (NVML)"] = mem.nvml_used_bytes * mib
-            if mem.nvml_total_bytes is not None:
-                memory["GPU total (NVML)"] = mem.nvml_total_bytes * mib
-        elif mem.process_rss_bytes is not None:
-            memory["process RSS"] = mem.process_rss_bytes * mib
-        # a split model: each rank's own (its GPU's use, or its process's resident set)
-        what = "GPU used" if mem.cuda_reserved_bytes is not None else "RSS"
-        for rank, used in enumerate(mem.rank_bytes):
-            if used is not None:
-                memory[f"rank {rank} {what}"] = used * mib
         self.controls.show_prefix_cache(
             s.prefix_cache_hit_rate if s.prefix_caching else None, s.kv_blocks_cached
         )
         self.controls.show_speculation_stats(
             s.spec_decode_acceptance_rate, s.spec_decode_mean_acceptance_length
         )
-        self.instruments.add_frame(
-            InstrumentFrame(
-                t=s.time,
-                memory_mib=memory,
-                kv_usage=s.kv_cache_usage_perc,
-                kv_blocks_used=s.kv_blocks_used,
-                kv_blocks_total=s.kv_blocks_total,
-                block_owners=s.kv_block_owners,
-                block_cached=s.kv_block_cached,
-                kv_blocks_cached=s.kv_blocks_cached,
-                kv_blocks_shared=s.kv_blocks_shared,
-                prefix_hit_rate=s.prefix_cache_hit_rate if s.prefix_caching else None,
-                generation_tps=s.generation_throughput_tps,
-                layer_attention_ms=tuple(t.attention_s * 1e3 for t in s.layer_timings),
-                layer_mlp_ms=tuple(t.mlp_s * 1e3 for t in s.layer_timings),
-                speculative=s.speculative,
-                spec_draft_tokens_per_pos=s.spec_decode_num_draft_tokens_per_pos,
-                spec_acceptance_per_pos=s.spec_decode_acceptance_per_pos,
-                spec_acceptance_rate=s.spec_decode_acceptance_rate,
-                spec_mean_acceptance_length=s.spec_decode_mean_acceptance_length,
-                spec_draft_s=s.spec_decode_draft_time_seconds,
-                spec_verify_s=s.spec_decode_verify_time_seconds,
-            )
-        )
+        self.instruments.add_frame(frame_of(s))
 
     # -- settings and shutdown ---------------------------------------------------------------
     def _restore_settings(self) -> None:

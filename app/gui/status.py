@@ -7,7 +7,8 @@ import dataclasses
 import time
 from typing import Any
 
-from PySide6.QtWidgets import QProgressBar
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel, QMainWindow, QProgressBar, QProgressDialog, QWidget
 
 from app.gui.commands import ModelInfo
 from engine.core.sampling import SamplingParams
@@ -75,3 +76,78 @@ def time_left(since: float, done: int, total: int) -> str:
         return ""
     left = spent * (total - done) / done
     return f" · {spent:.0f} s, about {left:.0f} s left"
+
+
+#: what a pull's stages mean to a user: a dialog, since they take a while, once
+PULL_STAGES = {
+    "download": "Downloading the model",
+    "dequantize": "Converting tensors",
+    "write": "Writing the converted model",
+}
+
+
+def build_status_bar(window: QMainWindow) -> None:
+    """The window's status bar: the model, a load's progress, the settings replies are made
+    with, and the last reply's speed, TTFT and context (``window.status_*``)."""
+    bar = window.statusBar()
+    w: Any = window
+    w.status_model = QLabel("no model")
+    w.status_speed = QLabel("– tok/s")
+    w.status_ttft = QLabel("TTFT –")
+    w.status_context = QLabel("context –")
+    w.status_model.setToolTip("Model · precision · device")
+    w.status_speed.setToolTip("Decode speed of the last reply (1 / mean TPOT)")
+    w.status_ttft.setToolTip("Time to first token of the last reply")
+    w.status_context.setToolTip("Tokens the last reply used of the model's context")
+    w.status_load = QProgressBar()  # a load's stages, while it runs
+    w.status_load.setMinimumWidth(320)  # its text whole: "reading and quantizing …"
+    w.status_load.setMaximumWidth(420)
+    w.status_load.hide()
+    w.status_settings = QLabel()
+    w.status_settings.setToolTip(
+        "What replies are made with now: sampling, the cache window, the prefix cache (Controls)"
+    )
+    bar.addWidget(w.status_model, 1)
+    bar.addWidget(w.status_load)
+    bar.addWidget(w.status_settings, 1)
+    for label in (w.status_speed, w.status_ttft, w.status_context):
+        bar.addPermanentWidget(label)
+    w.load_progress = LoadProgress(window, w.status_load)
+
+
+class LoadProgress:
+    """A load's progress: a pull's stages (download, conversion) in a non-modal dialog with
+    the time spent and left; a load's own (reading, quantizing, settling) on the status bar."""
+
+    def __init__(self, parent: QWidget, bar: QProgressBar) -> None:
+        self.parent, self.bar = parent, bar
+        self.dialog: QProgressDialog | None = None
+        self.started: dict[str, float] = {}  # a pull's stages, when each began
+
+    def report(self, stage: str, done: int, total: int, what: str) -> None:
+        if stage in LOAD_STAGES:
+            show_stage(self.bar, stage, done, total)
+            return
+        if stage not in PULL_STAGES or not total:
+            return
+        since = self.started.setdefault(stage, time.monotonic())
+        if self.dialog is None:
+            self.dialog = dialog = QProgressDialog(f"Preparing {what}…", "", 0, 100, self.parent)
+            dialog.setCancelButton(None)
+            dialog.setAutoReset(False)  # it moves from stage to stage; closed when loaded
+            dialog.setAutoClose(False)
+            dialog.setWindowTitle("Preparing the model")
+            dialog.setMinimumDuration(0)
+            dialog.setWindowModality(Qt.WindowModality.NonModal)
+            dialog.show()
+        self.dialog.setLabelText(
+            f"{PULL_STAGES[stage]}: {done} / {total}{time_left(since, done, total)}"
+        )
+        self.dialog.setValue(int(100 * done / total))
+
+    def close(self) -> None:
+        self.bar.hide()
+        self.started.clear()
+        if self.dialog is not None:
+            self.dialog.close()
+            self.dialog = None
