@@ -207,3 +207,30 @@ def test_the_get_models_page_finds_judges_downloads_and_loads(local_hub, qtbot, 
     wait()
     assert len(requested) == 2 and "tiny-llama-gated" in requested[1]
     picker.shutdown()
+
+
+@pytest.mark.skipif(
+    not __import__("os").environ.get("INFERSIGHT_SCREENSHOTS"),
+    reason="renders for the docs (make screenshots)",
+)
+def test_get_models_screenshot(local_hub, qtbot):
+    """docs/screenshots/get-models.png: the Get models page on a repo, with its verdicts."""
+    import os
+
+    from app.gui.hub_calls import hub_calls
+    from widgets.model_picker import ModelPicker
+
+    picker = ModelPicker(lambda *a: None, hub=hub_calls(lambda: ("fp32", "cpu")))
+    qtbot.addWidget(picker)
+    picker.resize(900, 560)
+    picker.show()
+    page = picker.hub_page
+    assert page is not None
+    picker.pages.setCurrentWidget(page)
+    page.query.setText("tiny")
+    page.search()
+    qtbot.waitUntil(lambda: not page.busy, timeout=60_000)
+    page.results.setCurrentRow(0)
+    qtbot.waitUntil(lambda: not page.busy and page.repo is not None, timeout=60_000)
+    picker.grab().save(str(Path(os.environ["INFERSIGHT_SCREENSHOTS"]) / "get-models.png"))
+    picker.shutdown()

@@ -16,6 +16,7 @@ from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QLineEdit,
     QListWidget,
@@ -97,7 +98,10 @@ class HubPage(QWidget):
         self.files.setHorizontalHeaderLabels(["weights file", "size"])
         self.files.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.files.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.files.horizontalHeader().setStretchLastSection(True)
+        header = self.files.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)  # paths whole
+        header.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
+        self.files.verticalHeader().setVisible(False)
         layout.addWidget(self.files, 1)
         self.verdict = QLabel()
         self.verdict.setWordWrap(True)
