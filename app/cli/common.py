@@ -86,6 +86,10 @@ def sampling_params(
     return SamplingParams(**sampling_kwargs(base, overrides), seed=args.seed, stop=tuple(args.stop))
 
 
+#: a model load's own stages (engine.loader.load.load_model): seconds, shown on a terminal
+LOAD_STAGES = ("read", "quantize", "settle")
+
+
 def progress_printer(stream: Any = None) -> Callable[[str, int, int], None]:
     """Progress of a pull or import on ``stream`` (default: stderr as it is when called, not
     as it was at import): one updating line on a terminal, a line per quarter otherwise (logs
@@ -97,6 +101,8 @@ def progress_printer(stream: Any = None) -> Callable[[str, int, int], None]:
 
     def report(stage: str, done: int, total: int) -> None:
         if stage == "load":  # one quick step (0/1, 1/1): nothing worth a line
+            return
+        if stage in LOAD_STAGES and not tty:  # a load's own: on a terminal's line only
             return
         pct = int(100 * done / max(total, 1)) // step * step
         if last.get(stage) == pct:
