@@ -240,7 +240,8 @@ def test_instruments_show_the_engines_figures(qtbot: object, window: MainWindow)
     assert window.status_context.text() == (
         f"context {m.prompt_tokens + m.output_tokens} / {engine.context_length}"
     )
-    assert window.chat.last is not None and window.chat.last.view.stats == stats_text(s)
+    assert window.chat.last is not None  # the engine's figures, then the settings it had
+    assert window.chat.last.view.stats == f"{stats_text(s)} · {window.status_settings.text()}"
     # the second turn finds the first in the prefix cache, and says so
     send(qtbot, window, "And to ten.")
     second = stats[1].metrics

@@ -96,6 +96,7 @@ def test_a_reply_header_is_whole_at_1280_by_800_and_says_why_it_ended(window, qt
     label = bubble.status_label
     qtbot.waitUntil(lambda: "cached" in label.text(), timeout=LONG_WAIT_MS)
     assert "cut at the token limit" in label.text()
+    assert label.text().endswith("greedy · top-k 50 · top-p 0.9 · ≤ 4 tokens")  # what applied
     qtbot.wait(50)  # laid out
     assert label.width() < label.fontMetrics().horizontalAdvance(label.text())  # it would be cut
     assert label.height() >= label.heightForWidth(label.width())  # but it wraps, whole

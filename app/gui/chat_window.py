@@ -13,6 +13,7 @@ from PySide6.QtWidgets import QLabel, QMainWindow
 
 from app.conversations import ChatStore, Message
 from app.gui.commands import Cancel, Delta, ModelInfo, ReplyStats, Send
+from app.gui.status import settings_label
 from app.loading import LoadSpec
 from engine.core.metrics import RequestMetrics
 from widgets.chat_pane import ChatPane, MessageView
@@ -38,6 +39,7 @@ class ActiveReply:
     open: set[int]
     status: str = "done"
     first: int = 0  # this reply's first candidate in ``candidates``
+    settings: str = ""  # what it was made with (sampling, window, processes): its header's
     stats: dict[int, ReplyStats] = field(default_factory=dict)
     error: str | None = None
     saved_at: float = field(default_factory=time.monotonic)  # last write of its text
@@ -215,9 +217,13 @@ class ChatWindow(QMainWindow):
         tag = f"reply-{self._tags}"
         first = len(kept)
         candidates = [*kept, *[""] * n]
+        settings = settings_label(sampling, self.controls.cache_window(),
+                                  self.controls.prefix_cache())  # fmt: skip
+        if self.model is not None and self.model.tensor_parallel > 1:
+            settings += f" · {self.model.tensor_parallel} processes"
         self.active = ActiveReply(
             tag, message_id, self.conversation_id, candidates, set(range(first, first + n)),
-            first=first,
+            first=first, settings=settings,
         )  # fmt: skip
         self.chat.add_message(MessageView("assistant", list(candidates), "streaming", "", first))
         self.chat.set_generating(True)
@@ -315,7 +321,7 @@ class ChatWindow(QMainWindow):
         self.active = None
         selected, meta = self._reply_record(reply)
         stats = reply.stats.get(selected) or next(iter(reply.stats.values()), None)
-        text = stats_text(stats) if stats else ""
+        text = " · ".join(t for t in (stats_text(stats) if stats else "", reply.settings) if t)
         meta["stats"] = text
         if stats is not None:
             meta["model"], meta["precision"] = stats.model, stats.precision
