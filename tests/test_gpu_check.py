@@ -95,7 +95,9 @@ def test_the_dry_run_reports_every_figure(dry_run):
         assert f["ran"]["quantized_off_triton"] == sum(f["ran"]["quantized_layers"].values())
     kernels = checks["triton kernels"]  # every load-time check, in the interpreter
     assert kernels["load_checks"] and set(kernels["load_checks"].values()) == {"passed"}
-    assert {"attention float16 d128", "GEMMs bfloat16"} <= set(kernels["load_checks"])
+    assert {"attention float16 d128", "attention float16 d64", "GEMMs float16"} <= set(
+        kernels["load_checks"]
+    )
     assert all(kernels[f"int8_error_{m}_rows"] <= 1e-2 for m in (1, 5, 16, 80))
 
     hf = checks["transformers fp16"]
@@ -211,10 +213,12 @@ def test_graph_replays_are_held_to_the_tie_rule_not_to_equal_ids(monkeypatch, ti
     monkeypatch.setattr(graphs, "greedy", greedy)
     monkeypatch.setattr(gpu_check, "TIE_FRACTION", 1e9 if tie else 0.0)
     figures: dict[str, Any] = {}
+    # few interpreted steps: the comparison is what is tested, not the speeds
+    scale = replace(gpu_check.DRY, short_prompt=8, decode_tokens=2, repeats=1, compare_tokens=4)
     if tie:
-        graphs.check_triton(gpu_check.DRY, torch.device("cpu"), True, True, figures)
+        graphs.check_triton(scale, torch.device("cpu"), True, True, figures)
     else:
         with pytest.raises(AssertionError, match="graph replays changed greedy ids, not at a tie"):
-            graphs.check_triton(gpu_check.DRY, torch.device("cpu"), True, True, figures)
+            graphs.check_triton(scale, torch.device("cpu"), True, True, figures)
     part = figures.get("graphs_vs_eager") or {}
     assert (part["compared"], part["same"], part["agree"]) == (3, 2, tie)

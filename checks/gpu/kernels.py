@@ -102,8 +102,8 @@ def check_triton_kernels(
     if device.type == "cuda":
         expect(ours, f"our Triton kernels are not chosen on {device}: {why}")
     if ours:
-        dtypes = [torch.float16]
-        if device.type != "cuda" or gpu.runs_bf16(gpu.capability(device)):
+        dtypes = [torch.float16]  # the dry run: one dtype (the interpreter takes seconds a check)
+        if not dry and gpu.runs_bf16(gpu.capability(device)):
             dtypes.append(torch.bfloat16)
         verdicts: dict[str, str] = {}
         for cache in (triton_check._attention, triton_check._gemms, triton_check._fused):
