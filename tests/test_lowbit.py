@@ -17,7 +17,7 @@ from engine.errors import InfersightError
 from engine.formats import quantize_int4, quantize_int8
 from engine.hardware import measured
 from engine.hardware.cpu_paths import forced_level
-from engine.kernels import lowbit, native
+from engine.kernels import lowbit, lowbit_rows, native
 from tests.probed import X86, built_levels, cpu_flags, precisions
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
@@ -119,15 +119,18 @@ def test_w8a8_rows_quantize_and_scale_as_torch_does(lib, dtype):
     x[1, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5])  # scale 1: quotients at .5
     x = x.to(dtype)
     for fixed in (None, 0.5):
-        got, want = lowbit.quantize_rows(x, fixed, lib), lowbit.quantize_rows_reference(x, fixed)
+        got, want = (
+            lowbit_rows.quantize_rows(x, fixed, lib),
+            lowbit_rows.quantize_rows_reference(x, fixed),
+        )
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert lowbit.quantize_rows(x, 0.5, lib)[0].abs().max() == 127  # saturated
+    assert lowbit_rows.quantize_rows(x, 0.5, lib)[0].abs().max() == 127  # saturated
     acc = torch.randint(-(2**24), 2**24, (6, 40), generator=gen, dtype=torch.int32)
     sx, sw = torch.rand(6, 1, generator=gen), torch.rand(40, generator=gen)
     for bias in (None, torch.randn(40, generator=gen)):
-        got_y = lowbit.scale_rows(acc, sx, sw, bias, dtype, lib)
+        got_y = lowbit_rows.scale_rows(acc, sx, sw, bias, dtype, lib)
         assert got_y.dtype == dtype
-        assert torch.equal(got_y, lowbit.scale_rows_reference(acc, sx, sw, bias, dtype))
+        assert torch.equal(got_y, lowbit_rows.scale_rows_reference(acc, sx, sw, bias, dtype))
 
 
 @pytest.mark.parametrize("group", [32, 64])

@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.evals.calibrate import ALPHAS
-from engine.kernels import gemv, layer_ops, lowbit
+from engine.kernels import gemv, layer_ops, lowbit, lowbit_rows
 from engine.loader.load import engine_for, load_model
 from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
@@ -350,13 +350,13 @@ def test_fused_row_operations_are_the_calls_they_replace(dtype, rows, h, inter) 
     bias = torch.randn(h, generator=gen)
     for fixed in (None, 0.05):
         got = layer_ops.w8a8_norm_quantize(lib, x, w, 1e-5, fixed)
-        want = lowbit.quantize_rows_reference(norms.rms_norm(x, w, 1e-5), fixed)
+        want = lowbit_rows.quantize_rows_reference(norms.rms_norm(x, w, 1e-5), fixed)
         assert all(map(torch.equal, got, want))
         summed, q, s = layer_ops.w8a8_add_norm_quantize(lib, acc, sx, sw, bias, x, w, 1e-5, fixed)
-        y = lowbit.scale_rows_reference(acc, sx, sw, bias, dtype)
+        y = lowbit_rows.scale_rows_reference(acc, sx, sw, bias, dtype)
         normed, want_sum = norms.add_rms_norm(y, x, w, 1e-5)
         assert torch.equal(summed, want_sum) and torch.equal(summed, x + y)
-        assert all(map(torch.equal, (q, s), lowbit.quantize_rows_reference(normed, fixed)))
+        assert all(map(torch.equal, (q, s), lowbit_rows.quantize_rows_reference(normed, fixed)))
         acc2 = torch.randint(-(2**16), 2**16, (rows, 2 * inter), generator=gen, dtype=torch.int32)
         sw2 = torch.rand(2 * inter, generator=gen) * 1e-2
         q, s = layer_ops.w8a8_silu_quantize(lib, acc2, sx, sw2, dtype, fixed)
@@ -440,7 +440,7 @@ def test_the_amx_product_is_torch_int_mm(m, n, k) -> None:
         res = torch.randn(m, n, generator=gen).to(dtype)
         for b, r in ((None, None), (bias, res)):
             got = amx.gemm_scaled(x, packed, n, sx, sw, b, dtype, r, lib)
-            assert torch.equal(got, lowbit.scale_rows_reference(sums, sx, sw, b, dtype, r))
+            assert torch.equal(got, lowbit_rows.scale_rows_reference(sums, sx, sw, b, dtype, r))
         # SiLU · up and its quantization as the tiles are stored: the C call's on the sums
         for fixed in (None, 0.05):
             got = amx.silu_quantize(x, packed, n // 2, sx, sw, dtype, fixed, lib)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.kernels import lowbit, native
+from engine.kernels import lowbit_rows, native
 
 SOURCE = native.CSRC / "amx_int8.c"
 #: what the packed layout takes: whole 32-column pairs of output blocks, whole 64s along k
@@ -132,7 +132,7 @@ def gemm_scaled(
     lib: native.Library | None = None,
 ) -> Tensor:  # fmt: skip
     """:func:`gemm`'s sums scaled as each block leaves the tiles, in ``dtype`` (fp32 or bf16):
-    :func:`engine.kernels.lowbit.scale_rows`'s values (``x_scale [M, 1]``, ``w_scales [N]``
+    :func:`engine.kernels.lowbit_rows.scale_rows`'s values (``x_scale [M, 1]``, ``w_scales [N]``
     and ``bias`` fp32; ``residual [M, N]`` in ``dtype``, added after), with no int32 sums in
     memory."""
     lib = lib or library()
@@ -198,12 +198,14 @@ def check(lib: native.Library) -> str:
             residual = torch.randn(m, n, generator=gen).to(dtype)
             for b, res in ((None, None), (bias, residual)):
                 got = gemm_scaled(x, packed, n, sx, sw, b, dtype, res, lib)
-                if not torch.equal(got, lowbit.scale_rows_reference(want, sx, sw, b, dtype, res)):
+                if not torch.equal(
+                    got, lowbit_rows.scale_rows_reference(want, sx, sw, b, dtype, res)
+                ):
                     return f"[{m}, {k}] × [{k}, {n}] scaled to {dtype} differs from scale_rows"
             # SiLU · up and its quantization: torch's within its exp's few ulp (an int8 step)
             q, s = silu_quantize(x, packed, n // 2, sx, sw, dtype, None, lib)
-            gate, up = lowbit.scale_rows_reference(want, sx, sw, None, dtype).chunk(2, dim=1)
-            wq, ws = lowbit.quantize_rows_reference(torch.nn.functional.silu(gate) * up)
+            gate, up = lowbit_rows.scale_rows_reference(want, sx, sw, None, dtype).chunk(2, dim=1)
+            wq, ws = lowbit_rows.quantize_rows_reference(torch.nn.functional.silu(gate) * up)
             apart = 1e-5 if dtype == torch.float32 else 2.0**-7
             if (q.int() - wq.int()).abs().max().item() > 1 or not torch.allclose(
                 s, ws, rtol=apart, atol=0

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.kernels import lowbit, native
+from engine.kernels import lowbit, lowbit_timing, native
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> lowbit
     from engine.formats import quantize_int8
 
     gen = torch.Generator().manual_seed(0)
-    copies = lowbit.copies_for(out_features * in_features)
+    copies = lowbit_timing.copies_for(out_features * in_features)
     weights = [quantize_int8(torch.randn(out_features, in_features, generator=gen), dtype)
                for _ in range(copies)]  # fmt: skip
     float_scales = [s.float() for _, s in weights]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InfersightError
-from engine.kernels import lowbit, native
+from engine.kernels import lowbit, lowbit_rows, native
 from engine.model import transformer
 from engine.model.transformer import LayerOps
 
@@ -209,8 +209,9 @@ def cpu_ops() -> tuple[LayerOps | None, str]:
 
 # -- W8A8's row operations fused on a prefill's rows (csrc/layer_ops.c; engine/quant/w8a8.py) ---
 # Each is the composition of calls it replaces, value for value: the C norm (above), then the
-# quantization (lowbit.quantize_rows); the int32 scaling (lowbit.scale_rows), the residual add,
-# the norm, the quantization; the scaling, SiLU · up (the C decode step's), the quantization.
+# quantization (lowbit_rows.quantize_rows); the int32 scaling (lowbit_rows.scale_rows), the
+# residual add, the norm, the quantization; the scaling, SiLU · up (the C decode step's), the
+# quantization.
 # The references below are those compositions in torch's code (the checks' and tests' oracle).
 
 
@@ -281,23 +282,23 @@ def w8a8_silu_quantize(
 def w8a8_norm_quantize_reference(
     x: Tensor, weight: Tensor, eps: float, fixed: float | None
 ) -> tuple[Tensor, Tensor]:
-    return lowbit.quantize_rows_reference(transformer.rms_norm(x, weight, eps), fixed)
+    return lowbit_rows.quantize_rows_reference(transformer.rms_norm(x, weight, eps), fixed)
 
 
 def w8a8_add_norm_quantize_reference(
     acc: Tensor, x_scale: Tensor, w_scales: Tensor, bias: Tensor | None, residual: Tensor,
     weight: Tensor, eps: float, fixed: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    y = lowbit.scale_rows_reference(acc, x_scale, w_scales, bias, residual.dtype)
+    y = lowbit_rows.scale_rows_reference(acc, x_scale, w_scales, bias, residual.dtype)
     normed, summed = transformer.add_rms_norm(y, residual, weight, eps)
-    return (summed, *lowbit.quantize_rows_reference(normed, fixed))
+    return (summed, *lowbit_rows.quantize_rows_reference(normed, fixed))
 
 
 def w8a8_silu_quantize_reference(
     acc: Tensor, x_scale: Tensor, w_scales: Tensor, dtype: torch.dtype, fixed: float | None
 ) -> tuple[Tensor, Tensor]:
-    gate, up = lowbit.scale_rows_reference(acc, x_scale, w_scales, None, dtype).chunk(2, dim=1)
-    return lowbit.quantize_rows_reference(torch.nn.functional.silu(gate) * up, fixed)
+    gate, up = lowbit_rows.scale_rows_reference(acc, x_scale, w_scales, None, dtype).chunk(2, dim=1)
+    return lowbit_rows.quantize_rows_reference(torch.nn.functional.silu(gate) * up, fixed)
 
 
 # -- the check -----------------------------------------------------------------------------------
@@ -373,13 +374,13 @@ def _check_w8a8(lib: native.Library) -> str:
         bias = torch.randn(h, generator=gen)
         for fixed in (None, 0.05):
             got = w8a8_norm_quantize(lib, x, w, eps, fixed)
-            want = lowbit.quantize_rows_reference(norms.rms_norm(x, w, eps), fixed)
+            want = lowbit_rows.quantize_rows_reference(norms.rms_norm(x, w, eps), fixed)
             if not all(map(torch.equal, got, want)):
                 return f"the fused norm + quantization ({dtype}) differs from the two calls"
             got3 = w8a8_add_norm_quantize(lib, acc, sx, sw, bias, x, w, eps, fixed)
-            y = lowbit.scale_rows_reference(acc, sx, sw, bias, dtype)
+            y = lowbit_rows.scale_rows_reference(acc, sx, sw, bias, dtype)
             normed, summed = norms.add_rms_norm(y, x, w, eps)
-            want3 = (summed, *lowbit.quantize_rows_reference(normed, fixed))
+            want3 = (summed, *lowbit_rows.quantize_rows_reference(normed, fixed))
             if not all(map(torch.equal, got3, want3)):
                 return f"the fused add + norm + quantization ({dtype}) differs from the calls"
             acc2 = torch.randint(-(2**16), 2**16, (rows, 2 * inter), generator=gen,

@@ -267,16 +267,11 @@ def int4_gemm(
 
 # -- the check -------------------------------------------------------------------------------
 
-#: The check :func:`library` runs in a child process (``module:function``; tests swap it).
-PROBE = f"{__name__}:_probe_build"
+#: The check :func:`library` runs in a child process (``module:function``; tests swap it):
+#: the products' (:func:`check`), then W8A8's rows' (:func:`engine.kernels.lowbit_rows.check_rows`)
+PROBE = "engine.kernels.lowbit_rows:probe_build"
 #: Relative error a product may have against float64 (float32 sums in another order).
 TOLERANCE = 1e-5
-
-
-def _probe_build() -> str:
-    """The first check (run in the child by :func:`library`); "" if the build agrees."""
-    found = build()
-    return check(found) if found.available else found.why
 
 
 def check(lib: Library) -> str:
@@ -315,27 +310,6 @@ def check(lib: Library) -> str:
             problem = _compare(f"int4 g{group}", got, qx.dequantized() @ dense.T)
             if problem:
                 return problem
-    return _check_rows(lib)
-
-
-def _check_rows(lib: Library) -> str:
-    """W8A8's row quantization and int32 scaling against their torch references, bit for bit
-    (fp32 and bf16, per-row and static scales, with and without a bias)."""
-    gen = torch.Generator().manual_seed(1)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = (torch.randn(5, 70, generator=gen) * 3).to(dtype)
-        x[1] = 0  # an all-zero row
-        for fixed in (None, 0.02):
-            got, want = quantize_rows(x, fixed, lib), quantize_rows_reference(x, fixed)
-            if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
-                return f"quantizing {dtype} rows (static {fixed}) differs from torch's rounding"
-        acc = torch.randint(-(2**20), 2**20, (5, 9), generator=gen, dtype=torch.int32)
-        sx, sw = torch.rand(5, 1, generator=gen), torch.rand(9, generator=gen)
-        residual = torch.randn(5, 9, generator=gen).to(dtype)
-        for bias, res in ((None, None), (torch.randn(9, generator=gen), residual)):
-            got_y = scale_rows(acc, sx, sw, bias, dtype, lib, residual=res)
-            if not torch.equal(got_y, scale_rows_reference(acc, sx, sw, bias, dtype, res)):
-                return f"scaling int32 rows to {dtype} differs from torch's"
     return ""
 
 
@@ -578,133 +552,3 @@ def _int4_op(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Ten
 @_int4_op.register_fake
 def _(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[0], dtype=torch.float32)
-
-
-# -- the timings at load -----------------------------------------------------------------------
-
-
-def copies_for(bytes_per_copy: int) -> int:
-    """How many distinct weights of this size a timing streams through (:data:`STREAM_BYTES`)."""
-    return max(1, min(64, STREAM_BYTES // max(bytes_per_copy, 1)))
-
-
-def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> Timing:
-    """Ours against ``torch._weight_int8pack_mm`` (activations in ``dtype``) for one shape."""
-    from engine.formats import quantize_int8
-
-    gen = torch.Generator().manual_seed(0)
-    copies = copies_for(out_features * in_features)
-    weights = [quantize_int8(torch.randn(out_features, in_features, generator=gen), dtype)
-               for _ in range(copies)]  # fmt: skip
-    float_scales = [s.float() for _, s in weights]
-
-    def ours(x: Tensor, i: int) -> object:
-        return int8_linear(x, weights[i][0], float_scales[i], dtype)
-
-    def theirs(x: Tensor, i: int) -> object:
-        return torch._weight_int8pack_mm(x, weights[i][0], weights[i][1])
-
-    return time_kernels(ours, theirs, copies, in_features, dtype)
-
-
-def time_int4(
-    out_features: int, in_features: int, group: int, inner_k_tiles: int, dtype: torch.dtype
-) -> Timing:
-    """Ours against ``_weight_int4pack_mm_for_cpu`` (bf16 activations) for one shape, from
-    and to activations in ``dtype``."""
-    from engine.formats import quantize_int4
-
-    gen = torch.Generator().manual_seed(0)
-    copies = copies_for(out_features * in_features // 2)
-    rows = -(-out_features // 16) * 16  # torch's packing takes whole 16s of rows
-    ours_w, torch_w = [], []
-    for _ in range(copies):
-        q, scale, zero = quantize_int4(torch.randn(rows, in_features, generator=gen), group)
-        n = out_features
-        ours_w.append((pack_int4(q[:n]), torch.stack([scale[:n], zero[:n]], dim=2).contiguous()))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)
-        torch_w.append((packed, torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()))
-
-    def ours(x: Tensor, i: int) -> object:
-        return int4_linear(x, *ours_w[i], group, dtype)
-
-    def theirs(x: Tensor, i: int) -> object:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.bfloat16(), torch_w[i][0], group, torch_w[i][1]
-        )
-        return y.to(dtype)
-
-    return time_kernels(ours, theirs, copies, in_features, dtype)
-
-
-# -- W8A8's activations: per row, and the int32 products scaled (engine/quant/w8a8.py) --------
-
-
-def quantize_rows_reference(x: Tensor, fixed: float | None = None) -> tuple[Tensor, Tensor]:
-    """Per-row (per-token) symmetric INT8 in torch: ``(q int8 [M, K], scale fp32 [M, 1])``,
-    ``scale = max|row| / 127`` floored at 1e-12 (or ``fixed`` for every row), ``q = round(x /
-    scale)`` to nearest even, clamped to ±127."""
-    xf = x.float()
-    if fixed is None:
-        scale = (xf.abs().amax(dim=1, keepdim=True) / 127).clamp_(min=1e-12)
-    else:
-        scale = xf.new_full((x.shape[0], 1), fixed)
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
-
-
-def quantize_rows(
-    x: Tensor, fixed: float | None = None, lib: Library | None = None
-) -> tuple[Tensor, Tensor]:
-    """:func:`quantize_rows_reference`'s values in one pass of our C (``lib``, else this
-    machine's build; the reference where it does not run)."""
-    lib = lib or library()
-    if not lib.available or x.device.type != "cpu" or x.dtype not in _BF16:
-        return quantize_rows_reference(x, fixed)
-    x = x.contiguous()
-    rows, k = x.shape
-    q = torch.empty(rows, k, dtype=torch.int8)
-    scale = torch.empty(rows, 1, dtype=torch.float32)
-    native.call(
-        "infersight::quantize_rows", lib.lib.infersight_quantize_rows,
-        x.data_ptr(), _BF16[x.dtype], rows, k, fixed or 0.0, q.data_ptr(), scale.data_ptr(),
-        threads(),
-    )  # fmt: skip
-    return q, scale
-
-
-def scale_rows_reference(
-    acc: Tensor, x_scale: Tensor, w_scales: Tensor, bias: Tensor | None, out: torch.dtype,
-    residual: Tensor | None = None,
-) -> Tensor:  # fmt: skip
-    """``(acc · x_scale) · w_scales (+ bias)`` in fp32 (torch's operators), then ``out``; then
-    ``+ residual`` in ``out`` where one is given (the residual add after the product)."""
-    y = acc.float() * x_scale * w_scales
-    if bias is not None:
-        y += bias.float()
-    y = y.to(out)
-    return y if residual is None else residual + y
-
-
-def scale_rows(
-    acc: Tensor, x_scale: Tensor, w_scales: Tensor, bias: Tensor | None, out: torch.dtype,
-    lib: Library | None = None, *, residual: Tensor | None = None,
-) -> Tensor:  # fmt: skip
-    """:func:`scale_rows_reference`'s values in one pass of our C (fp32 ``x_scale [M, 1]``,
-    ``w_scales [N]`` and ``bias``, ``residual [M, N]`` in ``out``; the reference where it does
-    not run)."""
-    lib = lib or library()
-    fp32 = all(t is None or t.dtype == torch.float32 for t in (x_scale, w_scales, bias))
-    fits = residual is None or (residual.dtype == out and residual.shape == acc.shape)
-    if not lib.available or acc.device.type != "cpu" or out not in _BF16 or not fp32 or not fits:
-        return scale_rows_reference(acc, x_scale, w_scales, bias, out, residual)
-    acc, x_scale, w_scales = acc.contiguous(), x_scale.contiguous(), w_scales.contiguous()
-    rows, n = acc.shape
-    y = torch.empty(rows, n, dtype=out)
-    native.call(
-        "infersight::scale_rows", lib.lib.infersight_scale_rows,
-        acc.data_ptr(), rows, n, x_scale.data_ptr(), w_scales.data_ptr(),
-        None if bias is None else bias.contiguous().data_ptr(),
-        None if residual is None else residual.contiguous().data_ptr(), y.data_ptr(),
-        _BF16[out], threads(),
-    )  # fmt: skip
-    return y

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from engine.formats import pack_int4_cuda, quantize_int4, row_chunks
 from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kernels import decode_step, gemv, lowbit
+from engine.kernels import decode_step, gemv, lowbit, lowbit_timing
 from engine.quant.int8 import (
     LOWBIT_KERNEL,
     PREFILL_BF16,
@@ -62,7 +62,7 @@ def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int, dtype: torch.dt
     if group % lowbit.QK or per_group & (per_group - 1):
         return False
     runs = cpu_paths().int4_kernel.ok
-    timer = (lambda: lowbit.time_int4(n, k, group, inner_k_tiles, dtype)) if runs else None
+    timer = (lambda: lowbit_timing.time_int4(n, k, group, inner_k_tiles, dtype)) if runs else None
     fmt = f"int4-g{group} {str(dtype).removeprefix('torch.')}"
     return lowbit.chosen(fmt, n, k, timer, decode_step.slack())
 

@@ -20,7 +20,7 @@ from engine.errors import InfersightError
 from engine.formats import quantize_int8
 from engine.hardware import gpu, measured
 from engine.hardware.cpu_paths import cpu_paths
-from engine.kernels import decode_step, gemv, lowbit, triton_check, triton_support
+from engine.kernels import decode_step, gemv, lowbit, lowbit_timing, triton_check, triton_support
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Int8Linear(nn.Module):
         n, k = self.weight.shape
         if k % lowbit.QK:
             return None
-        timer = (lambda: lowbit.time_int8(n, k, self.out_dtype)) if self.use_kernel else None
+        timer = (lambda: lowbit_timing.time_int8(n, k, self.out_dtype)) if self.use_kernel else None
         fmt = f"int8 {str(self.out_dtype).removeprefix('torch.')}"
         chosen = lowbit.chosen(fmt, n, k, timer, decode_step.slack())
         return self.scales.float() if chosen else None

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from engine.formats import quantize_int8
 from engine.hardware import measured
-from engine.kernels import amx, decode_step, gemv, layer_ops, lowbit, native
+from engine.kernels import amx, decode_step, gemv, layer_ops, lowbit, lowbit_rows, native
 from engine.model.attention import AttentionContext
 from engine.model.transformer import DecoderLayer, FusedLayer, Transformer
 from engine.quant.int8 import Int8Linear
@@ -54,8 +54,8 @@ def quantize_rows(x: Tensor, fixed: float | None = None) -> tuple[Tensor, Tensor
     ``x ≈ q · scale``, ``scale = max|row| / 127`` (or ``fixed`` for every row: static scales,
     values past it saturate); a row of zeros gets scale 1e-12 and zeros. One pass of our C
     where it runs, torch's operators otherwise, the same values either way
-    (:func:`engine.kernels.lowbit.quantize_rows`)."""
-    return lowbit.quantize_rows(x, fixed)
+    (:func:`engine.kernels.lowbit_rows.quantize_rows`)."""
+    return lowbit_rows.quantize_rows(x, fixed)
 
 
 def int8_product(
@@ -65,7 +65,7 @@ def int8_product(
     """``(xq · weightᵀ) · x_scale · w_scales + bias`` in ``dtype``: the int32 sums exact, the
     scales and the bias applied in fp32, one rounding to ``dtype`` at the end. ``xq [M, K]``
     and ``weight [N, K]`` int8, ``x_scale [M, 1]`` and ``w_scales [N]`` fp32."""
-    return lowbit.scale_rows(int8_sums(xq, weight), x_scale, w_scales, bias, dtype)
+    return lowbit_rows.scale_rows(int8_sums(xq, weight), x_scale, w_scales, bias, dtype)
 
 
 def int8_sums(xq: Tensor, weight: Tensor) -> Tensor:
@@ -168,13 +168,13 @@ class W8A8Linear(Int8Linear):
         """The layer's output (in its dtype) from its activations quantized (``xq``,
         ``x_scale``), plus ``residual`` where one is given: on our AMX GEMM with the scaling
         in its tiles' epilogue where this layer took it, else :meth:`sums` then
-        :func:`engine.kernels.lowbit.scale_rows`; the same values either way."""
+        :func:`engine.kernels.lowbit_rows.scale_rows`; the same values either way."""
         if self.amx_weight is not None and xq.device.type == "cpu":
             return amx.gemm_scaled(
                 xq, self.amx_weight, self.out_features, x_scale, self.w_scales, self.bias_f32,
                 self.out_dtype, residual,
             )  # fmt: skip
-        return lowbit.scale_rows(
+        return lowbit_rows.scale_rows(
             self.sums(xq), x_scale, self.w_scales, self.bias_f32, self.out_dtype,
             residual=residual,
         )  # fmt: skip
@@ -268,7 +268,7 @@ def fused_layer(lib: native.Library) -> FusedLayer:
         xq, sx = layer_ops.w8a8_norm_quantize(lib, x, layer.input_norm.weight, eps, qkv_p.act_scale)
         qkv = qkv_p.product(xq, sx)
         attended = attn.attend_qkv(qkv, cos, sin, ctx)
-        xq, sx = lowbit.quantize_rows(attended.reshape(x.shape[0], -1), o_p.act_scale)
+        xq, sx = lowbit_rows.quantize_rows(attended.reshape(x.shape[0], -1), o_p.act_scale)
         x, xq, sx = layer_ops.w8a8_add_norm_quantize(
             lib, o_p.sums(xq), sx, o_p.w_scales, o_p.bias_f32, x,
             layer.post_attn_norm.weight, layer.post_attn_norm.eps, gu_p.act_scale,

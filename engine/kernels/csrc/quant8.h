@@ -3,7 +3,7 @@
  * activations to INT8 with its scale, and a row of int32 sums back to floats. Written in
  * eight-lane vectors (vec8.h) with the same operations, in the same order, as the scalar
  * definitions below them state, so that the values are torch's reference's exactly
- * (engine/kernels/lowbit.py: quantize_rows_reference, scale_rows_reference). */
+ * (engine/kernels/lowbit_rows.py: quantize_rows_reference, scale_rows_reference). */
 #ifndef INFERSIGHT_QUANT8_H
 #define INFERSIGHT_QUANT8_H
 
