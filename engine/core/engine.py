@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core import cuda_graphs, decode_check, kernel_choice
+from engine.core import cuda_graphs, kernel_choice
 from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
@@ -45,18 +45,13 @@ from engine.errors import (
 from engine.hardware.memory import free_memory
 from engine.kernels import (
     decode_graph,
-    decode_step,
-    layer_ops,
-    paged_decode,
-    triton_check,
 )
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
 from engine.model.inventory import weight_bytes
 from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import LAYER_TIMINGS, TORCH_OPS, Transformer
-from engine.quant import w8a8
+from engine.model.transformer import LAYER_TIMINGS, Transformer
 from engine.quant.inventory import weight_report
 from engine.quant.spec import PrecisionSpec, dtype_name
 
@@ -117,33 +112,7 @@ class LLMEngine:
         #: whether attention runs our Triton kernels, and why (a line of the load report)
         failures = self.kernel_failures
         self.triton, self.kernels = kernel_choice.attention(cfg, dtype, device, failures)
-        if self.triton:  # the layers' norms and RoPE on our fused kernels too, if they pass
-            self._fuse_layer_ops()
-        elif device.type == "cpu":  # the norms in C, where our CPU kernels are allowed
-            ops, why = layer_ops.cpu_ops()
-            self.model.set_ops(ops or TORCH_OPS)
-            self.kernels += f"; {why}"
-            if dtype in paged_decode.DTYPES:  # the paged prefill kernel or SDPA, as measured
-                heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-                self.kernels += f"; {paged_decode.prefill_choice(dtype, *heads)[1]}"
-            # one device's fused paths: under tensor parallelism each layer's products end in
-            # an all-reduce, which neither the fused W8A8 layer nor the C step makes
-            parallel = self.model.all_reduce is not None
-            fused = 0 if parallel else w8a8.fuse_layers(self.model)
-            if fused:
-                self.kernels += f"; W8A8 prefill rows fused in C ({fused} layers)"
-            # the decode step's layers in one C call, where every part runs a kernel of ours
-            # and the step passed its check
-            step, why = (
-                (None, "decode steps eager (tensor parallel)")
-                if parallel
-                else decode_step.plan(self.model, dtype)
-            )
-            problem = decode_check.verdict() if step is not None else ""
-            if problem:
-                step, why = None, f"decode steps eager (the C step failed its check: {problem})"
-            self.model.decode_step = step
-            self.kernels += f"; {why}"
+        self.kernels += kernel_choice.layers(self.model, cfg, dtype, device, self.triton, failures)
         self.kernels += kernel_choice.gemms(self.model, device, dtype, failures)
         self.kv = PagedKVCache(
             cfg,
@@ -236,23 +205,6 @@ class LLMEngine:
         if sizing is not None:  # the figures the new pool was sized from
             new.pool_sizing = sizing
         return new
-
-    def _fuse_layer_ops(self) -> None:
-        """Hand the layers' norms and RoPE + K/V write to our fused kernels
-        (:mod:`engine.kernels.layer_ops`) where they pass their check; the load report says
-        which run."""
-        cfg = self.cfg
-        failed = triton_check.fused(
-            self.device, self.dtype, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim,
-        )  # fmt: skip
-        if failed:
-            self.kernel_failures.append(failed)
-            self.kernels += f"; norms and RoPE in torch ({failed})"
-            return
-        ops = layer_ops.triton_ops()
-        self.model.set_ops(ops)
-        self.kernels += f"; {ops.name}"
 
     def settle_cuda_graphs(self) -> None:
         """Build (and on a GPU capture) the static decode steps the config asks for

@@ -7,9 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.core import decode_check
 from engine.errors import InfersightError
-from engine.kernels import triton_check, triton_support
+from engine.kernels import decode_step, layer_ops, paged_decode, triton_check, triton_support
 from engine.model.config import ModelConfig
+from engine.model.transformer import TORCH_OPS, Transformer
+from engine.quant import w8a8
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
 
@@ -52,3 +55,52 @@ def gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, failures: 
         return ""
     failures.append(failed)
     return f"; quantized GEMMs in torch ({failed})"
+
+
+def layers(
+    model: Transformer,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    triton: bool,
+    failures: list[str],
+) -> str:
+    """The layers' own kernels, set on ``model``, and the load report's lines for them
+    (``"; …"``): where our Triton attention runs, its fused norms and RoPE + K/V write if
+    they pass their check (a failure appended to ``failures``); on a CPU, the norms in C
+    where our CPU kernels are allowed, the paged prefill kernel or SDPA as measured, W8A8's
+    fused prefill rows, and the decode step's layers in one C call where every part runs a
+    kernel of ours and the step passed its check."""
+    if triton:
+        failed = triton_check.fused(
+            device, dtype, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
+        if failed:
+            failures.append(failed)
+            return f"; norms and RoPE in torch ({failed})"
+        fused_ops = layer_ops.triton_ops()
+        model.set_ops(fused_ops)
+        return f"; {fused_ops.name}"
+    if device.type != "cpu":
+        return ""
+    ops, why = layer_ops.cpu_ops()
+    model.set_ops(ops or TORCH_OPS)
+    report = f"; {why}"
+    if dtype in paged_decode.DTYPES:  # the paged prefill kernel or SDPA, as measured
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        report += f"; {paged_decode.prefill_choice(dtype, *heads)[1]}"
+    # one device's fused paths: under tensor parallelism each layer's products end in an
+    # all-reduce, which neither the fused W8A8 layer nor the C step makes
+    parallel = model.all_reduce is not None
+    fused = 0 if parallel else w8a8.fuse_layers(model)
+    if fused:
+        report += f"; W8A8 prefill rows fused in C ({fused} layers)"
+    step, why = (
+        (None, "decode steps eager (tensor parallel)") if parallel
+        else decode_step.plan(model, dtype)
+    )  # fmt: skip
+    problem = decode_check.verdict() if step is not None else ""
+    if problem:
+        step, why = None, f"decode steps eager (the C step failed its check: {problem})"
+    model.decode_step = step
+    return report + f"; {why}"
