@@ -57,10 +57,15 @@ class Stop(Exception):
     """Raised in a download's progress when the user cancels it."""
 
 
+def format_size(nbytes: int) -> str:
+    """``3.0 MiB``, ``5.00 GiB`` (the model picker's sizes too)."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
 def size_text(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "-"
-    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+    return "-" if nbytes is None else format_size(nbytes)
 
 
 class HubPage(QWidget):

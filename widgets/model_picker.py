@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.store.catalog import Discovery, PlannedModel
-from widgets.hub_page import HubCalls, HubPage
+from widgets.hub_page import HubCalls, HubPage, format_size
 
 #: ``scan(folders, precision, device)``; runs off the UI thread
 Scan = Callable[[list[Path], str, str], Discovery]
@@ -52,12 +52,6 @@ def format_parameters(n: int) -> str:
             value = n / scale
             return f"{value:.1f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
     return str(n)
-
-
-def format_size(nbytes: int) -> str:
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def plan_text(row: PlannedModel) -> tuple[str, str]:
