@@ -92,3 +92,11 @@ def test_a_check_stuck_in_native_code_leaves_the_json_and_ends_the_run(tmp_path)
     assert "stuck in native code" in stuck["why"] and stuck["figures"] == {"got": "this far"}
     assert data["gpu_check"]["finished"] and not data["gpu_check"]["passed"]
     assert 'gpu-check-result {"name": "stuck"' in run.stdout
+
+
+def test_only_a_check_that_does_not_exist_is_refused_by_name(capsys):
+    from checks.gpu import run
+
+    assert run.main(["--dry-run", "--only", "nothing"]) == 2
+    out = capsys.readouterr().out
+    assert "no check is named like ['nothing']" in out and "triton kernels" in out

@@ -166,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check on {env['name']} ({device}), torch {env['torch']}: {scale.name}", flush=True)
     state: dict[str, Any] = {}
     listed = checks(scale, device, args.dry_run, args.quick, card, list(args.precision), state)
+    names = [name for name, *_ in listed]
+    unknown = [o for o in args.only or () if not any(n.startswith(o) for n in names)]
+    if unknown:
+        print(f"gpu-check: no check is named like {unknown}; the checks: {', '.join(names)}")
+        return 2
     for name, limit, in_quick, body in listed:
         if args.quick and not in_quick:
             continue

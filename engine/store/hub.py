@@ -116,7 +116,11 @@ def _explained(exc: Exception, repo_id: str) -> Exception:
             f"no model {repo_id} on the Hub (or it is private: give your access token); "
             "check the name, e.g. HuggingFaceTB/SmolLM2-360M-Instruct"
         )
-    return ModelPullError(f"the Hub did not answer for {repo_id}: {type(exc).__name__}: {exc}")
+    where = endpoint() or "the Hugging Face Hub"
+    return ModelPullError(
+        f"{where} did not answer for {repo_id} ({type(exc).__name__}: {exc}); check your "
+        "network, or HF_ENDPOINT if you set one, and try again"
+    )
 
 
 def search(query: str, limit: int = 20) -> list[str]:
