@@ -202,8 +202,9 @@ $(VENV)/.stamp-torch: | $(VENV)/bin/python
 # the torch already installed, since every requirement on torch is a range that it meets.
 UV := $(BIN)/python -m uv pip install --quiet --python $(BIN)/python
 
+# pip 24.1 on reports a download's bytes (--progress-bar=raw): the first start's pull shows them.
 $(VENV)/.stamp-uv: | $(VENV)/bin/python
-	$(PIP) install "uv>=0.5"
+	$(PIP) install "uv>=0.5" "pip>=24.1"
 	touch $@
 
 $(VENV)/.stamp-run: pyproject.toml $(VENV)/.stamp-torch $(VENV)/.stamp-uv

@@ -226,6 +226,31 @@ def test_a_load_shows_its_stages_in_the_status_bar(qtbot, tmp_path, tiny_model_d
         window.shutdown()
 
 
+def test_the_first_start_pull_shows_its_bytes_and_time_left(qtbot):
+    """Finding 11: the first start showed its pull only in the terminal, then a dialog with
+    "0 / 1"; now the dialog gives pip's bytes of the wheel and the time left, and a pip too old
+    to tell bytes leaves the stage alone (no "0 / 1", no "0.0 MiB")."""
+    from PySide6.QtWidgets import QProgressBar, QWidget
+
+    from app.gui.status import LoadProgress
+
+    parent = QWidget()
+    qtbot.addWidget(parent)
+    progress = LoadProgress(parent, QProgressBar(parent))
+    progress.report("download", 0, 1, "SmolLM2")
+    assert progress.dialog is not None
+    assert progress.dialog.labelText() == "Downloading the model…"
+    progress.started["download"] -= 3.0  # three seconds in
+    progress.report("download", 30 << 20, 90 << 20, "SmolLM2")
+    text = progress.dialog.labelText()
+    assert text.startswith("Downloading the model: 30.0 MiB of 90.0 MiB · 3 s, about 6 s left")
+    assert progress.dialog.value() == 33
+    progress.report("dequantize", 12, 272, "SmolLM2")
+    assert progress.dialog.labelText().startswith("Converting tensors: 12 / 272")
+    progress.close()
+    assert progress.dialog is None
+
+
 def test_a_long_paste_is_folded_and_unfolds(window, qtbot):
     """Finding 11: long pastes were not folded: a pasted log filled the conversation."""
     window.controls.max_new_tokens.set_value(2)

@@ -20,11 +20,12 @@ from app.conversations import ChatStore
 from engine.errors import ModelLoadError
 from engine.store.catalog import DiscoveredModel, Discovery, PlannedModel
 from engine.store.planning import discover_and_plan
+from engine.units import format_size
 from tests.conftest import build_tiny_hf
 from tests.gguf_factory import write_gguf
 from tests.test_discovery import add_to_hf_cache, folder_files
 from widgets.controls import ControlsPanel
-from widgets.model_picker import PLAN_COLUMN, ModelPicker, format_parameters, format_size
+from widgets.model_picker import PLAN_COLUMN, ModelPicker, format_parameters
 
 pytestmark = pytest.mark.usefixtures("gui_gc")
 

