@@ -41,6 +41,9 @@ class TokenEvent:
     #: accepted), ``corrected`` (the model's token where it rejected a draft) or ``bonus`` (its
     #: token after accepting every draft); empty for a step without drafts
     speculation: str = ""
+    #: with ``SamplingParams.prompt_logprobs``, on a request's first token only: each prompt
+    #: token's (the first's None, nothing precedes it)
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -86,8 +89,10 @@ class OutputProcessor:
         self._streams: dict[str, _Stream] = {}
 
     def open(self, seq: Seq) -> None:
+        params = seq.params
         self._streams[seq.request_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer), StopStringMatcher(seq.params.stop)
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            StopStringMatcher(params.stop, include=params.include_stop_str_in_output),
         )
 
     def token(self, seq: Seq, token: int, now: float) -> tuple[TokenEvent, FinishReason | None]:
@@ -106,6 +111,7 @@ class OutputProcessor:
         finish: FinishReason | None = None
         ends = token in params.extra_stop_token_ids
         ends |= not params.ignore_eos and token in self.eos_token_ids
+        ends &= len(seq.output_ids) > params.min_tokens  # the sampler masks them before
         if ends:
             piece, finish = stream.stops.feed(stream.detok.flush(), final=True), FinishReason.STOP
         else:
@@ -116,7 +122,10 @@ class OutputProcessor:
                 piece += stream.stops.feed(stream.detok.flush(), final=True)
                 finish = FinishReason.LENGTH
         stream.text += piece
-        return TokenEvent(seq.request_id, token, piece), finish
+        event = TokenEvent(seq.request_id, token, piece)
+        if len(seq.output_ids) == 1 and seq.prompt_logprobs is not None:
+            event.prompt_logprobs = seq.prompt_logprobs
+        return event, finish
 
     def finish(self, seq: Seq, reason: FinishReason, now: float) -> TokenEvent:
         """Mark ``seq`` finished, record its figures and close its stream: its last event."""
@@ -191,8 +200,9 @@ def request_metrics(seq: Seq) -> RequestMetrics:
 class StopStringMatcher:
     """Releases streamed text, holding back any tail that could still become a stop string."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
         self.stops = tuple(stops)
+        self.include = include  # the stop string that ends the text is released with it
         self.held = ""
         self.hit = False
 
@@ -203,10 +213,11 @@ class StopStringMatcher:
         if not self.stops:
             self.held = ""
             return text
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
+        if found:  # the earliest stop (the longest of those starting there)
+            cut, minus_len = min(found)
             self.hit, self.held = True, ""
-            return text[:cut]
+            return text[: cut - minus_len] if self.include else text[:cut]
         if final:
             self.held = ""
             return text

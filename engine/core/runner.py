@@ -41,6 +41,9 @@ class Batch:
     chunks: list[SeqChunk] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     samplers: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
+    #: prompt rows projected for their log-probabilities: (chunk, its first row of logits,
+    #: how many), row ``j`` at position ``chunk.start + j`` scoring the prompt token after it
+    prompt_rows: list[tuple[ScheduledChunk, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -76,6 +79,12 @@ class ModelRunner:
             b.ids += new
             b.positions += range(c.start, c.start + len(new))
             b.chunks.append(SeqChunk(rid, c.start, len(new), window))
+            if c.seq.params.prompt_logprobs is not None:  # each prompt row but the last
+                scored = min(c.start + c.length, len(c.seq.prompt_ids) - 1) - c.start
+                if scored > 0:
+                    first = len(b.ids) - len(new)
+                    b.prompt_rows.append((c, len(b.rows), scored))
+                    b.rows += range(first, first + scored)
             if c.samples:
                 b.samplers.append((c, len(b.rows)))
                 drafted = len(drafts[rid].tokens) if rid in drafts else 0

@@ -36,6 +36,14 @@ class SamplingParams:
     #: None: no log-probabilities; k >= 0: each token's, and the k likeliest at its step
     #: (of the model's own distribution, before penalties, temperature or filters)
     logprobs: int | None = None
+    #: the same for each prompt token after the first (computed in the prefill, which then
+    #: takes no prefix-cache hits: every prompt row is projected to the vocabulary)
+    prompt_logprobs: int | None = None
+    #: no end-of-generation or stop token before this many tokens (stop strings still end
+    #: a reply, as vLLM's ``min_tokens``)
+    min_tokens: int = 0
+    skip_special_tokens: bool = True  # in the reply's text
+    include_stop_str_in_output: bool = False  # the stop string that ended a reply, kept
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -58,9 +66,14 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidRequestError(
-                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+                f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got "
+                f"{self.min_tokens}"
             )
 
     @property

@@ -197,8 +197,10 @@ class Scheduler:
             if len(self.running) >= limits.max_batch_size or budget <= 0:
                 break
             rid, read = seq.request_id, seq.tokens
-            hit = mgr.cached_prefix(rid, seq.num_tokens, read)
-            if mgr.computing(rid, len(hit), read, seq.num_tokens):
+            # a prompt scored token by token is computed whole: no cached prefix
+            scored = seq.params.prompt_logprobs is not None and seq.times.first_token is None
+            hit = [] if scored else mgr.cached_prefix(rid, seq.num_tokens, read)
+            if not scored and mgr.computing(rid, len(hit), read, seq.num_tokens):
                 continue  # a running sequence is computing its next block: share it instead
             cached = len(hit) * mgr.block_size
             need = min(seq.num_tokens - cached, budget)

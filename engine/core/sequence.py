@@ -57,9 +57,14 @@ class Sequence:
     #: engine's :class:`~engine.speculative.speculator.Speculator` before the scheduler
     #: reserves slots
     spec_k: int = 0
+    #: with ``params.prompt_logprobs``: each prompt token's log-probabilities (index ``i`` for
+    #: token ``i``; the first stays None), filled in as the prefill's chunks run
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] | None = None
 
     def __post_init__(self) -> None:
         self.times = Timestamps(arrival=self.arrival)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ from engine.kv_cache.window import CacheWindow
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
+    from engine.core.runner import Batch
     from engine.speculative.rule import Draft
 
 
@@ -91,10 +92,14 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
             c.seq.num_computed = c.start + c.length
             mgr.commit(c.seq.request_id, c.seq.num_computed, c.seq.tokens)
 
+    if batch.prompt_rows:
+        _score_prompts(batch, logits)
+
     # sample or verify, commit, events
     plain = [(c.seq, row) for c, row in batch.samplers if c.seq.request_id not in drafts]
     # a step of prompt chunks only samples nothing: no op, no host transfer
-    sampled = _sample(plain, logits, every_row=not drafts) if plain else {}
+    every_row = not drafts and not batch.prompt_rows
+    sampled = _sample(plain, logits, engine.eos_token_ids, every_row=every_row) if plain else {}
     now = time.perf_counter()
     generated = 0
     for c, row in batch.samplers:
@@ -141,17 +146,19 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
 
 
 def _sample(
-    plain: list[tuple[Seq, int]], logits: torch.Tensor, *, every_row: bool
+    plain: list[tuple[Seq, int]], logits: torch.Tensor, eos: frozenset[int], *, every_row: bool
 ) -> dict[str, tuple[int, Logprobs | None]]:
     """Each sampling sequence's token, and its log-probabilities where it asks for them, read
     back in one transfer: the step's one host sync. ``plain`` pairs each sequence with its
-    row of ``logits``; ``every_row``: they are all of its rows, in order."""
+    row of ``logits``; ``every_row``: they are all of its rows, in order. A sequence short of
+    its ``min_tokens`` cannot draw an end token (``eos`` or its own stop tokens)."""
     seqs = [seq for seq, _ in plain]
     device = logits.device
     rows = logits if every_row else logits.index_select(0, upload([r for _, r in plain], device))
     tokens = sample(
-        rows, [s.params for s in seqs], [history(s) for s in seqs], [s.generator for s in seqs]
-    )
+        _without_ends(rows, seqs, eos), [s.params for s in seqs], [history(s) for s in seqs],
+        [s.generator for s in seqs],
+    )  # fmt: skip
     asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     width = max((seqs[i].params.logprobs or 0 for i in asking), default=0)
     extra: list[torch.Tensor] = []
@@ -167,6 +174,36 @@ def _sample(
         )
         for i, s in enumerate(seqs)
     }
+
+
+def _score_prompts(batch: Batch, logits: torch.Tensor) -> None:
+    """The prompt tokens' log-probabilities where their sequences ask for them, from the
+    prompt rows this step projected (:attr:`Batch.prompt_rows`), in one transfer."""
+    for c, first, count in batch.prompt_rows:
+        seq, k = c.seq, c.seq.params.prompt_logprobs or 0
+        targets = upload(seq.prompt_ids[c.start + 1 : c.start + 1 + count], logits.device)
+        host = fetch(*logprob_tensors(logits[first : first + count], targets, k))
+        assert seq.prompt_logprobs is not None
+        for j in range(count):
+            seq.prompt_logprobs[c.start + 1 + j] = read_logprobs(host, j, k, k)
+
+
+def _without_ends(rows: torch.Tensor, seqs: list[Seq], eos: frozenset[int]) -> torch.Tensor:
+    """``rows`` with the end tokens of each sequence short of its ``min_tokens`` at -inf (a
+    copy; the log-probabilities are read from the model's own rows)."""
+    short = [
+        (i, sorted(set(s.params.extra_stop_token_ids) | (set() if s.params.ignore_eos else eos)))
+        for i, s in enumerate(seqs)
+        if len(s.output_ids) < s.params.min_tokens
+    ]
+    short = [(i, ends) for i, ends in short if ends]
+    if not short:
+        return rows
+    at_row = [i for i, ends in short for _ in ends]
+    at_col = [t for _, ends in short for t in ends]
+    masked = rows.clone()
+    masked[upload(at_row, rows.device), upload(at_col, rows.device)] = float("-inf")
+    return masked
 
 
 def history(seq: Seq) -> torch.Tensor:

@@ -104,7 +104,11 @@ class Speculator:
         within their remaining tokens, adaptive per sequence, and within the step's
         verification budget."""
         conf = self.config
-        decoding = [s for s in running if s.num_tokens - s.num_computed == 1]
+        # a sequence short of its min_tokens decodes plainly: its end tokens are masked there
+        decoding = [
+            s for s in running
+            if s.num_tokens - s.num_computed == 1 and len(s.output_ids) >= s.params.min_tokens
+        ]  # fmt: skip
         for seq in running:
             seq.spec_k = 0
         if not decoding:
