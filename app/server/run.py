@@ -1,0 +1,139 @@
+"""One HTTP request's engine requests (its choices) as the route waits for them: their events
+from the engine's thread (:func:`sink`), their places in the bounded queue until their first
+token, their cancellation when the client leaves, and the stream of chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import torch
+from fastapi import Request
+
+from app.server.engine_loop import Sink
+from app.server.schema import Choice, HTTPError, Reply, error_body, sse
+from engine.core.output import TokenEvent
+from engine.errors import EngineBusyError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from app.server.routes import Server
+
+
+def sink(
+    loop: asyncio.AbstractEventLoop,
+    events: asyncio.Queue[tuple[int, TokenEvent | BaseException]],
+    index: int,
+) -> Sink:
+    def put(event: TokenEvent | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the asyncio loop is gone (shut down)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+    return put
+
+
+class Run:
+    """The engine requests behind one HTTP request (its ``n`` choices): their events, the
+    queue places they hold until their first token, and their cancellation if the client
+    leaves."""
+
+    def __init__(
+        self, server: Server, events: asyncio.Queue[tuple[int, TokenEvent | BaseException]],
+        choices: list[Choice], prompt_tokens: int,
+    ) -> None:  # fmt: skip
+        self.server, self.events, self.choices = server, events, choices
+        self.prompt_tokens = prompt_tokens
+        self.waiting = {c.index for c in choices}  # without a first event yet
+
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices)
+
+    async def next(self) -> tuple[Choice, TokenEvent]:
+        index, event = await self.events.get()
+        choice = self.choices[index]
+        if index in self.waiting:
+            self.waiting.discard(index)
+            self.server.admission.give_back(self.prompt_tokens)
+        if isinstance(event, BaseException):
+            choice.finish = "error"
+            self.cancel()
+            raise failure(event)
+        if event.token_id is not None:
+            choice.tokens += 1
+            if event.logprob is not None:
+                choice.scored.append(event)
+        choice.text += event.text
+        if event.finish_reason == "timeout":
+            choice.finish = "error"
+            self.cancel()
+            raise HTTPError(
+                503, "the request waited longer than the server's queue timeout; try again",
+                code="queue_timeout", headers={"Retry-After": "1"},
+            )  # fmt: skip
+        choice.finish = event.finish_reason
+        return choice, event
+
+    def cancel(self) -> None:
+        """Cancel every choice still going (the engine frees their blocks at its next step)
+        and give back their queue places."""
+        for choice in self.choices:
+            if choice.finish is None:
+                self.server.loop.cancel(choice.request_id)
+                choice.finish = "cancelled"
+        for _ in self.waiting:
+            self.server.admission.give_back(self.prompt_tokens)
+        self.waiting.clear()
+
+    async def wait(self, request: Request) -> None:
+        """Collect every choice, cancelling them if the client disconnects meanwhile."""
+        try:
+            while not self.done():
+                getter = asyncio.ensure_future(self.next())
+                while not getter.done():
+                    await asyncio.wait({getter}, timeout=0.1)
+                    if not getter.done() and await request.is_disconnected():
+                        getter.cancel()
+                        self.cancel()
+                        return
+                getter.result()
+        finally:
+            if not self.done():
+                self.cancel()
+
+    async def stream(self, reply: Reply, usage: bool, request: Request) -> AsyncIterator[str]:
+        try:
+            if reply.chat:  # the first delta of each choice carries its role
+                for choice in self.choices:
+                    yield reply.chunk(choice.index, "", None, first=True)
+            while not self.done():
+                try:
+                    choice, event = await self.next()
+                except HTTPError as exc:
+                    yield sse(error_body(exc.message, exc.kind, exc.param, exc.code))
+                    break
+                scored = [event] if event.logprob is not None else []
+                if event.text or choice.finish is not None or scored:
+                    finish = choice.finish if choice.finish != "cancelled" else None
+                    yield reply.chunk(
+                        choice.index, event.text, finish, scored=scored, offset=choice.offset
+                    )
+                    if scored and reply.token_text is not None:
+                        choice.offset += len(reply.token_text(event.token_id or 0))
+            else:
+                if usage:
+                    yield sse(reply.usage_chunk(self.choices))
+            yield "data: [DONE]\n\n"
+        finally:  # the client left (the task is cancelled) or the stream ended
+            if not self.done():
+                self.cancel()
+
+
+def failure(exc: BaseException) -> HTTPError:
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return HTTPError(400, str(exc))
+    if isinstance(exc, EngineBusyError | torch.OutOfMemoryError):  # try again in a moment
+        return HTTPError(503, str(exc), code="server_busy", headers={"Retry-After": "1"})
+    return HTTPError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error")
