@@ -8,8 +8,10 @@ loop hands each of its :class:`~engine.core.engine.TokenEvent` back to the handl
 queue. A client that goes away cancels its request at the next step, which frees its blocks.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as Server-Sent
-Events, or whole), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text,
-vLLM's names and buckets, :mod:`app.server.metrics`). Errors take OpenAI's shape
+Events, or whole; a request field we lack is refused by name, :mod:`app.server.fields`),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM's names and
+buckets, :mod:`app.server.metrics`) and vLLM's tokenizer routes
+(:mod:`app.server.tokenizer_routes`). Errors take OpenAI's shape
 (:mod:`app.server.schema`): ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -42,6 +44,7 @@ from app.server.engine_loop import (
     EngineLoop,
     SelfTest,
 )
+from app.server.fields import refuse_unsupported
 from app.server.logs import log_event
 from app.server.metrics import ServerMetrics
 from app.server.run import Run, sink
@@ -53,6 +56,7 @@ from app.server.schema import (
     Reply,
     RequestBody,
 )
+from app.server.tokenizer_routes import add_tokenizer_routes
 from engine.core.engine import LLMEngine
 from engine.core.output import TokenEvent
 from engine.core.sampling import SamplingParams
@@ -234,6 +238,7 @@ class Server:
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatBody, request: Request) -> Response:
+            refuse_unsupported(body)
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
                 prompt = self.engine.chat_prompt_ids(messages)
@@ -241,24 +246,29 @@ class Server:
                 raise HTTPError(400, str(exc), param="messages") from None
             limit = body.max_completion_tokens or body.max_tokens
             return await self._complete(
-                body, request, prompt, limit, body.wanted_logprobs(), chat=True
+                body, request, [(prompt, None)], limit, body.wanted_logprobs(), chat=True
             )
 
         @app.post("/v1/completions")
         async def completions(body: CompletionBody, request: Request) -> Response:
-            given: Any = body.prompt
-            if isinstance(given, list) and isinstance(given[0], str | list):
-                if len(given) != 1:
-                    raise HTTPError(400, "send one prompt per request", param="prompt")
-                given = given[0]
-            if isinstance(given, str):
-                prompt = self.engine.tokenizer.encode_prompt(given)
-            else:
-                prompt = list(given)
+            refuse_unsupported(body)
+            tok = self.engine.tokenizer
+            prompts: list[tuple[list[int], str | None]] = []
+            for given in body.prompts():
+                if isinstance(given, str):
+                    ids = tok.encode_prompt(given)
+                    text = given
+                else:
+                    ids = list(given)
+                    if not ids:
+                        raise HTTPError(400, "a prompt of no tokens", param="prompt")
+                    text = tok.decode(ids, skip_special_tokens=False)
+                prompts.append((ids, text if body.echo else None))
             return await self._complete(
-                body, request, prompt, body.max_tokens, body.wanted_logprobs(), chat=False
+                body, request, prompts, body.max_tokens, body.wanted_logprobs(), chat=False
             )
 
+        add_tokenizer_routes(app, lambda: self.engine)
         app.add_middleware(_Guard, server=self)
         return app
 
@@ -345,8 +355,9 @@ class Server:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _params(
-        self, body: RequestBody, limit: int | None, logprobs: int | None, prompt_tokens: int
-    ) -> list[SamplingParams]:
+        self, body: RequestBody, limit: int | None, logprobs: int | None, prompt_tokens: int,
+        *, echo: bool = False,
+    ) -> list[SamplingParams]:  # fmt: skip
         lim = self.limits
         if body.model is not None and body.model != self.name:
             raise HTTPError(
@@ -359,51 +370,85 @@ class Server:
             mgr = self.engine.kv.manager
             room = min(self.engine.context_length, mgr.capacity * mgr.block_size)
             max_new = max(1, min(lim.max_tokens, room - prompt_tokens))
+        elif limit == 0 and not echo:
+            raise HTTPError(
+                400, "max_tokens: 0 asks for nothing; give echo: true to score the prompt",
+                param="max_tokens",
+            )  # fmt: skip
         else:
-            max_new = limit
+            max_new = max(limit, 1)  # 0 with echo: one token made, none returned
         if max_new > lim.max_tokens:
             raise HTTPError(400, f"max_tokens must be at most {lim.max_tokens}", param="max_tokens")
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        return [
-            SamplingParams(
-                max_new_tokens=max_new, temperature=body.temperature,
-                top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
-                repetition_penalty=body.repetition_penalty,
-                seed=None if body.seed is None else body.seed + i, stop=stops,
-                logprobs=logprobs,
-            )
-            for i in range(body.n)
-        ]  # fmt: skip
+        try:
+            return [
+                SamplingParams(
+                    max_new_tokens=max_new, temperature=body.temperature,
+                    top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+                    repetition_penalty=body.repetition_penalty,
+                    seed=None if body.seed is None else body.seed + i, stop=stops,
+                    logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                    ignore_eos=body.ignore_eos, min_tokens=min(body.min_tokens, max_new),
+                    extra_stop_token_ids=tuple(body.stop_token_ids or ()),
+                    skip_special_tokens=body.skip_special_tokens,
+                    include_stop_str_in_output=body.include_stop_str_in_output,
+                )
+                for i in range(body.n)
+            ]  # fmt: skip
+        except InvalidRequestError as exc:
+            raise HTTPError(400, str(exc)) from None
 
     async def _complete(
-        self, body: RequestBody, request: Request, prompt: list[int], limit: int | None,
-        logprobs: int | None, *, chat: bool,
+        self, body: RequestBody, request: Request, prompts: list[tuple[list[int], str | None]],
+        limit: int | None, logprobs: int | None, *, chat: bool,
     ) -> Response:  # fmt: skip
+        """Run each prompt ``n`` times (choice ``i * n + j``: prompt ``i``'s ``j``-th), a
+        prompt given with its text where ``echo`` puts it before the reply."""
         if not self.loop.alive:
             raise HTTPError(503, "the engine has stopped; see /health", code="engine_stopped")
-        params = self._params(body, limit, logprobs, len(prompt))
-        try:
-            self.engine.check_request(prompt, params[0])
-        except InvalidRequestError as exc:
-            raise HTTPError(400, str(exc), param="messages" if chat else "prompt") from None
-        self.admission.take(len(params), len(prompt) * len(params))  # may raise 503
+        echo = prompts[0][1] is not None
+        longest = max(len(ids) for ids, _ in prompts)
+        params = self._params(body, limit, logprobs, longest, echo=echo)
+        if len(prompts) * len(params) > self.limits.max_waiting:
+            raise HTTPError(
+                400, f"{len(prompts)} prompts × n = {len(params)} exceed the "
+                f"{self.limits.max_waiting} requests this server queues; send fewer",
+                param="prompt",
+            )  # fmt: skip
+        for ids, _ in prompts:
+            try:
+                self.engine.check_request(ids, params[0])
+            except InvalidRequestError as exc:
+                raise HTTPError(400, str(exc), param="messages" if chat else "prompt") from None
+        tokens = sum(len(ids) for ids, _ in prompts) * len(params)
+        self.admission.take(len(prompts) * len(params), tokens)  # may raise 503
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, TokenEvent | BaseException]] = asyncio.Queue()
         prefix = "chatcmpl" if chat else "cmpl"
         base = f"{prefix}-{secrets.token_hex(12)}"
         # the engine's ids name the client: the app's instruments show whose blocks are whose
         client = f"{request.client.host}:{request.client.port}" if request.client else "client"
-        choices = [Choice(i, f"{base}-{i}@{client}") for i in range(len(params))]
+        choices: list[Choice] = []
+        submits: list[tuple[list[int], SamplingParams]] = []
+        for ids, text in prompts:
+            for p in params:
+                i = len(choices)
+                choices.append(Choice(
+                    i, f"{base}-{i}@{client}", len(ids), echo=text, prompt_ids=ids,
+                    keep_tokens=limit != 0,
+                ))  # fmt: skip
+                submits.append((ids, p))
         log_event(
-            "arrival", request_id=base, route=request.url.path, prompt_tokens=len(prompt),
-            n=len(params), max_tokens=params[0].max_new_tokens, stream=body.stream,
+            "arrival", request_id=base, route=request.url.path, prompt_tokens=tokens,
+            n=len(choices), max_tokens=params[0].max_new_tokens, stream=body.stream,
         )  # fmt: skip
-        for choice, p in zip(choices, params, strict=True):
+        for choice, (ids, p) in zip(choices, submits, strict=True):
             put = sink(loop, events, choice.index)
-            self.loop.submit(choice.request_id, prompt, p, self.limits.queue_timeout_s, put)
-        run = Run(self, events, choices, len(prompt))
+            self.loop.submit(choice.request_id, ids, p, self.limits.queue_timeout_s, put)
+        run = Run(self, events, choices)
         token_text = None if logprobs is None else self._token_text
-        reply = Reply(base, self.name, chat, len(prompt), int(time.time()), token_text)
+        prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        reply = Reply(base, self.name, chat, prompt_tokens, int(time.time()), token_text)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(

@@ -13,8 +13,8 @@ import torch
 from fastapi import Request
 
 from app.server.engine_loop import Sink
-from app.server.schema import Choice, HTTPError, Reply, error_body, sse
-from engine.core.output import TokenEvent
+from app.server.schema import Choice, HTTPError, Reply, Scored, error_body, scored, sse
+from engine.core.output import Logprobs, TokenEvent
 from engine.errors import EngineBusyError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -40,30 +40,37 @@ class Run:
 
     def __init__(
         self, server: Server, events: asyncio.Queue[tuple[int, TokenEvent | BaseException]],
-        choices: list[Choice], prompt_tokens: int,
+        choices: list[Choice],
     ) -> None:  # fmt: skip
         self.server, self.events, self.choices = server, events, choices
-        self.prompt_tokens = prompt_tokens
         self.waiting = {c.index for c in choices}  # without a first event yet
 
     def done(self) -> bool:
         return all(c.finish is not None for c in self.choices)
 
-    async def next(self) -> tuple[Choice, TokenEvent]:
+    async def next(self) -> tuple[Choice, str, list[Scored]]:
+        """The next event's choice, the text it adds and the tokens it scores (an echoed
+        prompt's come first, with the choice's first token)."""
         index, event = await self.events.get()
         choice = self.choices[index]
         if index in self.waiting:
             self.waiting.discard(index)
-            self.server.admission.give_back(self.prompt_tokens)
+            self.server.admission.give_back(choice.prompt_tokens)
         if isinstance(event, BaseException):
             choice.finish = "error"
             self.cancel()
             raise failure(event)
+        text, new = "", []
+        if choice.echo is not None and event.token_id is not None and choice.tokens == 0:
+            text, new = choice.echo, _echoed(choice.prompt_ids, event.prompt_logprobs)
         if event.token_id is not None:
             choice.tokens += 1
-            if event.logprob is not None:
-                choice.scored.append(event)
-        choice.text += event.text
+            if choice.keep_tokens:
+                text += event.text
+                if event.logprob is not None:
+                    new.append(scored(event))
+        choice.text += text
+        choice.scored += new
         if event.finish_reason == "timeout":
             choice.finish = "error"
             self.cancel()
@@ -72,7 +79,9 @@ class Run:
                 code="queue_timeout", headers={"Retry-After": "1"},
             )  # fmt: skip
         choice.finish = event.finish_reason
-        return choice, event
+        if not choice.keep_tokens and choice.finish in ("stop", "length"):
+            choice.finish = "length"  # max_tokens 0: the limit ended it, at once
+        return choice, text, new
 
     def cancel(self) -> None:
         """Cancel every choice still going (the engine frees their blocks at its next step)
@@ -81,8 +90,8 @@ class Run:
             if choice.finish is None:
                 self.server.loop.cancel(choice.request_id)
                 choice.finish = "cancelled"
-        for _ in self.waiting:
-            self.server.admission.give_back(self.prompt_tokens)
+        for index in self.waiting:
+            self.server.admission.give_back(self.choices[index].prompt_tokens)
         self.waiting.clear()
 
     async def wait(self, request: Request) -> None:
@@ -108,18 +117,15 @@ class Run:
                     yield reply.chunk(choice.index, "", None, first=True)
             while not self.done():
                 try:
-                    choice, event = await self.next()
+                    choice, text, new = await self.next()
                 except HTTPError as exc:
                     yield sse(error_body(exc.message, exc.kind, exc.param, exc.code))
                     break
-                scored = [event] if event.logprob is not None else []
-                if event.text or choice.finish is not None or scored:
+                if text or choice.finish is not None or new:
                     finish = choice.finish if choice.finish != "cancelled" else None
-                    yield reply.chunk(
-                        choice.index, event.text, finish, scored=scored, offset=choice.offset
-                    )
-                    if scored and reply.token_text is not None:
-                        choice.offset += len(reply.token_text(event.token_id or 0))
+                    yield reply.chunk(choice.index, text, finish, scored=new, offset=choice.offset)
+                    if new and reply.token_text is not None:
+                        choice.offset += sum(len(reply.token_text(t)) for t, _, _ in new)
             else:
                 if usage:
                     yield sse(reply.usage_chunk(self.choices))
@@ -127,6 +133,16 @@ class Run:
         finally:  # the client left (the task is cancelled) or the stream ended
             if not self.done():
                 self.cancel()
+
+
+def _echoed(prompt: list[int], lps: list[Logprobs | None] | None) -> list[Scored]:
+    """An echoed prompt's scored tokens (none where log-probabilities were not asked for)."""
+    if lps is None:
+        return []
+    return [
+        (t, None, ()) if lp is None else (t, lp[0], lp[1])
+        for t, lp in zip(prompt, lps, strict=True)
+    ]
 
 
 def failure(exc: BaseException) -> HTTPError:

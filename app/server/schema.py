@@ -45,9 +45,11 @@ def error_body(
 
 
 class RequestBody(BaseModel):
-    """The sampling fields both routes share; unknown fields are ignored, as OpenAI's are."""
+    """The sampling fields both routes share (OpenAI's, and vLLM's extras that load generators
+    and harnesses send). Other fields are kept as extras for :mod:`app.server.fields`, which
+    refuses those that would change the answer."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -61,6 +63,12 @@ class RequestBody(BaseModel):
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    # vLLM's sampling extras
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -72,10 +80,11 @@ class RequestBody(BaseModel):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant"]
     content: str | list[dict[str, Any]]
+    name: str | None = None  # a label
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -99,27 +108,54 @@ class ChatBody(RequestBody):
 
 
 class CompletionBody(RequestBody):
-    #: a text, token ids, or one of either in a list (as LangChain's client sends it)
+    #: a text, token ids, or a list of either (each prompt its own choices)
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    #: 0 only with ``echo``: the prompt scored, nothing generated (as harnesses ask)
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    #: the prompt first in each choice's text (and its tokens' log-probabilities, the first
+    #: token's null, where ``logprobs`` is given)
+    echo: bool = False
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
 
+    def prompts(self) -> list[str | list[int]]:
+        given: Any = self.prompt
+        if isinstance(given, str):
+            return [given]
+        if isinstance(given[0], int):
+            return [list(given)]
+        return list(given)
+
 
 # -- replies ------------------------------------------------------------------------------------
+
+
+#: a scored token: its id, its log-probability (None: the prompt's first) and the likeliest
+#: ``(id, logprob)`` at its step
+Scored = tuple[int, float | None, tuple[tuple[int, float], ...]]
+
+
+def scored(event: TokenEvent) -> Scored:
+    return event.token_id or 0, event.logprob, event.top_logprobs
 
 
 @dataclass(slots=True)
 class Choice:
     index: int
     request_id: str
+    prompt_tokens: int = 0
     text: str = ""
     tokens: int = 0
     finish: str | None = None
-    scored: list[TokenEvent] = field(default_factory=list)  # events with logprobs
+    scored: list[Scored] = field(default_factory=list)  # tokens with logprobs
     offset: int = 0  # characters of the scored tokens streamed so far (completions' offsets)
+    #: ``echo``: the prompt's text and its ids, scored once the prefill has run
+    echo: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    #: False for ``max_tokens: 0``: the one token the engine makes is not the client's
+    keep_tokens: bool = True
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -144,7 +180,7 @@ class Reply:
 
     def chunk(
         self, index: int, text: str, finish: str | None, *, first: bool = False,
-        scored: list[TokenEvent] | None = None, offset: int = 0,
+        scored: list[Scored] | None = None, offset: int = 0,
     ) -> str:  # fmt: skip
         logprobs = self.logprobs(scored or [], offset)
         if self.chat:
@@ -156,9 +192,10 @@ class Reply:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return sse({**self._head("text_completion"), "choices": [choice]})
 
-    def logprobs(self, scored: list[TokenEvent], offset: int) -> dict[str, Any] | None:
+    def logprobs(self, scored: list[Scored], offset: int) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` object for these tokens: chat's ``content`` list, or the
-        completions' parallel lists (``text_offset`` counted from ``offset``)."""
+        completions' parallel lists (``text_offset`` counted from ``offset``; an echoed
+        prompt's first token has null ones, as vLLM and OpenAI's legacy API give it)."""
         name = self.token_text
         if name is None or not scored:
             return None
@@ -169,24 +206,25 @@ class Reply:
                 return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
             return {"content": [
-                {**entry(e.token_id or 0, e.logprob or 0.0),
-                 "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
-                for e in scored
+                {**entry(tid, lp or 0.0), "top_logprobs": [entry(t, v) for t, v in top]}
+                for tid, lp, top in scored
             ]}  # fmt: skip
-        tokens = [name(e.token_id or 0) for e in scored]
+        tokens = [name(tid) for tid, _, _ in scored]
         offsets = []
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in scored],
-            "top_logprobs": [{name(t): lp for t, lp in e.top_logprobs} for e in scored],
+            "token_logprobs": [lp for _, lp, _ in scored],
+            "top_logprobs": [
+                None if lp is None else {name(t): v for t, v in top} for _, lp, top in scored
+            ],
             "text_offset": offsets,
         }
 
     def usage(self, choices: list[Choice]) -> dict[str, int]:
-        completion = sum(c.tokens for c in choices)
+        completion = sum(c.tokens for c in choices if c.keep_tokens)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}  # fmt: skip
 

@@ -450,7 +450,7 @@ class LLMEngine:
             return event
         self.scheduler.remove(seq)
         last = self.finish(seq, finish, now)
-        last.token_id, last.text = token, event.text
+        last.token_id, last.text, last.prompt_logprobs = token, event.text, event.prompt_logprobs
         return last
 
     def finish(self, seq: Seq, reason: FinishReason, now: float) -> TokenEvent:
