@@ -160,10 +160,12 @@ def test_lm_eval_scores_through_the_server_as_transformers_does(
     args = (f"base_url={server}/v1/completions,model={name},auth_token={KEY},batch_size=4,"
             "num_concurrent=1,max_retries=1,tokenized_requests=True")  # fmt: skip
 
+    tasks = lm_eval.tasks.TaskManager(include_path=str(tmp_path), include_defaults=False)
+
     def run(model: str, model_args: str) -> tuple[float, list[list[float]]]:
         out = lm_eval.simple_evaluate(
             model=model, model_args=model_args, tasks=["infersight_mc"], log_samples=True,
-            task_manager=lm_eval.tasks.TaskManager(include_path=str(tmp_path), include_defaults=False),
+            task_manager=tasks,
         )  # fmt: skip
         samples = sorted(out["samples"]["infersight_mc"], key=lambda s: s["doc_id"])
         lls = [[float(r[0][0]) for r in s["resps"]] for s in samples]
