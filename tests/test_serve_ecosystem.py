@@ -18,7 +18,7 @@ from app.server.fields import LABELS
 from app.server.schema import ChatBody, CompletionBody
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
-from tests.test_server import KEY, request
+from tests.test_server import KEY, request, wait_idle
 from tests.test_server import client as client
 from tests.test_server import engine as engine
 from tests.test_server import server as server
@@ -151,7 +151,9 @@ def test_lm_eval_scores_through_the_server_as_transformers_does(
     """lm-evaluation-harness's ``local-completions`` (its remote tokenizer, batches of 4
     prompts) against ``serve``: each choice's loglikelihood equals the engine's own within
     1e-4, and the accuracy equals lm-eval's ``hf`` model (transformers) on the same folder."""
-    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
     data = Path(__file__).parent / "data" / "lm_eval"
     task = (data / "infersight_mc.yaml").read_text().replace("DATA_FILE", str(data / "mc.jsonl"))
     (tmp_path / "infersight_mc.yaml").write_text(task)
@@ -160,10 +162,10 @@ def test_lm_eval_scores_through_the_server_as_transformers_does(
     args = (f"base_url={server}/v1/completions,model={name},auth_token={KEY},batch_size=4,"
             "num_concurrent=1,max_retries=1,tokenized_requests=True")  # fmt: skip
 
-    tasks = lm_eval.tasks.TaskManager(include_path=str(tmp_path), include_defaults=False)
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)
 
     def run(model: str, model_args: str) -> tuple[float, list[list[float]]]:
-        out = lm_eval.simple_evaluate(
+        out = simple_evaluate(
             model=model, model_args=model_args, tasks=["infersight_mc"], log_samples=True,
             task_manager=tasks,
         )  # fmt: skip
@@ -186,3 +188,51 @@ def test_lm_eval_scores_through_the_server_as_transformers_does(
         max(abs(a - b) for x, y in zip(served, hf, strict=True) for a, b in zip(x, y, strict=True))
         < 1e-3
     )
+
+
+def test_metrics_equal_the_per_request_sums_after_a_mixed_run(server, client, engine):
+    """vLLM's meanings: ``prompt_tokens`` counts each served request's whole prompt (a cached
+    prefix too, also counted on its own), ``generation_tokens`` each token made, a cancel is
+    ``abort``; the self-test counts nowhere. Whole and streamed replies, a stop string, ``n``,
+    a repeated prompt (cached) and a stream its client leaves after four chunks."""
+    before = wait_idle(server)
+    tok = engine.tokenizer
+    prompt_sum = completion_sum = 0
+    repeated = "Tell me about the ocean and its tides. " * 4
+    for text, extra in [
+        (repeated, {"max_tokens": 6}),
+        (repeated, {"max_tokens": 6}),  # the prefix cache holds its blocks now
+        ("Count to ten: 1, 2, 3,", {"max_tokens": 12, "stop": [" 6"]}),
+        ("Hello", {"max_tokens": 5, "n": 2}),
+    ]:
+        done = client.completions.create(model=None, prompt=text, temperature=0, **extra)  # type: ignore[arg-type]
+        prompt_sum += len(tok.encode_prompt(text)) * extra.get("n", 1)
+        completion_sum += done.usage.completion_tokens
+    for chunk in client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": "Hi there"}], max_tokens=7,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ):  # type: ignore[arg-type]  # fmt: skip
+        if chunk.usage is not None:
+            prompt_sum += chunk.usage.prompt_tokens
+            completion_sum += chunk.usage.completion_tokens
+    leaving = "Write a very long story about a lighthouse."
+    stream = client.completions.create(model=None, prompt=leaving, max_tokens=300, stream=True,
+                                       extra_body={"ignore_eos": True})  # type: ignore[arg-type]  # fmt: skip
+    for _, _ in zip(range(4), stream, strict=False):
+        pass
+    stream.close()
+    prompt_sum += len(tok.encode_prompt(leaving))
+    after = wait_idle(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    made = grew("vllm:request_generation_tokens_sum")  # every request's, the left one's too
+    assert grew("vllm:generation_tokens_total") == made and made > completion_sum + 4
+    assert grew("vllm:prompt_tokens_total") == prompt_sum == grew("vllm:request_prompt_tokens_sum")
+    assert grew("infersight:prompt_tokens_cached_total") >= 16  # the repeat's blocks
+    assert grew("vllm:request_success_total{finished_reason=abort}") == 1
+    ended = sum(
+        grew(f"vllm:request_success_total{{finished_reason={r}}}") for r in ("stop", "length")
+    )
+    assert ended == 6

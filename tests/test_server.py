@@ -327,7 +327,7 @@ def wait_idle(server: str) -> dict[str, float]:
 
 
 def test_a_client_that_disconnects_cancels_its_request(server):
-    cancelled = "vllm:request_success_total{finished_reason=cancelled}"
+    cancelled = "vllm:request_success_total{finished_reason=abort}"  # vLLM's label
     before = metrics(server).get(cancelled, 0)
     host, port = server.removeprefix("http://").split(":")
     cases = [

@@ -56,8 +56,9 @@ class WorkerFront:
     ) -> None:  # fmt: skip
         def observed(event: TokenEvent | BaseException) -> None:  # on the worker's thread
             engine, server = self.worker.engine, self.server
-            if isinstance(event, TokenEvent) and event.finish_reason and engine and server:
-                finished = engine.request_metrics(request_id)
+            if isinstance(event, TokenEvent) and engine and server:
+                server.metrics.observe_event(event, engine)
+                finished = engine.request_metrics(request_id) if event.finish_reason else None
                 if finished is not None:
                     server.metrics.observe_request(finished)
             sink(event)

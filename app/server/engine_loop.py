@@ -199,6 +199,8 @@ class EngineLoop:
             sink = self._sinks.get(event.request_id)
             if sink is None:
                 continue
+            if not event.request_id.startswith(SELF_TEST_ID):
+                self.metrics.observe_event(event, self.engine)
             if event.token_id is not None and event.request_id not in self._started:
                 self._started.add(event.request_id)
                 self._log_start(event.request_id)

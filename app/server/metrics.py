@@ -5,6 +5,8 @@ times a second, histograms from each request's figures as it finishes."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,7 +18,11 @@ from prometheus_client import (
 )
 
 from engine.core.metrics import MetricsSnapshot, RequestMetrics
+from engine.core.output import TokenEvent
 from engine.hardware.nvml import device_utilization
+
+if TYPE_CHECKING:
+    from engine.core.engine import LLMEngine
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -37,6 +43,10 @@ def _token_buckets(limit: int) -> tuple[float, ...]:
                 return tuple(out)
             out.append(float(m * power))
         power *= 10
+
+
+#: our finish reasons that vLLM's ``request_success`` labels ``abort``
+ABORTED = {"cancelled": "abort", "timeout": "abort"}
 
 
 class ServerMetrics:
@@ -60,7 +70,14 @@ class ServerMetrics:
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."
         )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens computed.")
+        # vLLM's meanings: a served request's whole prompt (cached tokens too) once it has its
+        # first token, and each token as it is made; the server's self-tests are not counted
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens", "Prompt tokens of requests that reached their first token."
+        )
+        self.prompt_tokens_cached = counter(
+            "infersight:prompt_tokens_cached", "Of those, the tokens found in the prefix cache."
+        )
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions by recompute.")
         self.prefix_queries = counter(
@@ -124,8 +141,9 @@ class ServerMetrics:
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
             ["model_name", "position"], registry=registry,
         )  # fmt: skip
-        self._totals = (0,) * 8
+        self._totals = (0,) * 6
         self._per_pos: tuple[int, ...] = ()
+        self._prefilled: set[str] = set()  # served requests past their first token
 
     def reject(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
@@ -135,13 +153,11 @@ class ServerMetrics:
         self.running.set(snap.num_requests_running)
         self.waiting.set(snap.num_requests_waiting)
         self.kv_usage.set(snap.kv_cache_usage_perc)
-        totals = (snap.total_prompt_tokens, snap.total_generated_tokens,
-                  snap.total_preemptions, snap.prefix_cache_query_tokens,
+        totals = (snap.total_preemptions, snap.prefix_cache_query_tokens,
                   snap.prefix_cache_hit_tokens, snap.spec_decode_num_drafts,
                   snap.spec_decode_num_draft_tokens,
                   snap.spec_decode_num_accepted_tokens)  # fmt: skip
-        counters = (self.prompt_tokens, self.generation_tokens, self.preemptions,
-                    self.prefix_queries, self.prefix_hits, self.spec_drafts,
+        counters = (self.preemptions, self.prefix_queries, self.prefix_hits, self.spec_drafts,
                     self.spec_draft_tokens, self.spec_accepted_tokens)  # fmt: skip
         for c, new, old in zip(counters, totals, self._totals, strict=True):
             if new > old:
@@ -160,8 +176,30 @@ class ServerMetrics:
         if busy is not None:
             self.gpu_utilization.set(busy)
 
+    def observe_event(self, event: TokenEvent, engine: LLMEngine) -> None:
+        """A served request's event, on the engine's thread: its token counted as made, and
+        with its first, its whole prompt (and the share the prefix cache held)."""
+        rid = event.request_id
+        if event.token_id is not None:
+            self.generation_tokens.inc()
+            if rid not in self._prefilled:
+                self._prefilled.add(rid)
+                seq = engine.seqs.get(rid)
+                if seq is not None:
+                    prompt, cached = len(seq.prompt_ids), seq.num_cached
+                else:  # ended with its first token: the engine has let it go
+                    done = engine.request_metrics(rid)
+                    prompt, cached = (
+                        (done.prompt_tokens, done.cached_prompt_tokens) if done else (0, 0)
+                    )
+                self.prompt_tokens.inc(prompt)
+                self.prompt_tokens_cached.inc(cached)
+        if event.finish_reason is not None:
+            self._prefilled.discard(rid)
+
     def observe_request(self, m: RequestMetrics) -> None:
-        self.success.labels(self.model_name, m.finish_reason).inc()
+        reason = ABORTED.get(m.finish_reason, m.finish_reason)
+        self.success.labels(self.model_name, reason).inc()
         if m.time_to_first_token_seconds is not None:
             self.ttft.observe(m.time_to_first_token_seconds)
         for gap in m.inter_token_latency_seconds:
