@@ -43,7 +43,7 @@ PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 # imports would cost it about 7 s).
 TIMING_FILES  = $(shell grep -l -E '(mark\.timing|pytestmark.*timing)' tests/test_*.py)
 
-.PHONY: run chat test bench bench-peers gpu-check gpu-wheels gpu-versions load-peak screenshots \
+.PHONY: run chat test bench bench-peers bench-serving gpu-check gpu-wheels gpu-versions load-peak screenshots \
         package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
@@ -122,6 +122,20 @@ bench-peers: $(VENV)/.stamp-dev $(PEERS)/.stamp
 	$(BIN)/infersight bench --model "$$($(BIN)/infersight models synth llama-3.2-1b)" \
 	  --table fp32 bf16 int8+head int4-g32+head --decode-graph $(DECODE_GRAPH) \
 	  --llama-cpp $(PEERS)/bin/python --gguf-types Q4_1 Q8_0 F16
+
+# GuideLLM (its own venv, a client only) against `infersight serve` at each precision: both
+# routes, synchronous and concurrent (4 and 16 streams), 256 prompt / 64 output tokens with
+# ignore_eos; fails unless every request got exactly the tokens asked and /metrics agrees.
+GUIDELLM      ?= .peers/guidellm
+GUIDELLM_SPEC ?= guidellm==0.8.1
+bench-serving: $(VENV)/.stamp-dev $(GUIDELLM)/.stamp
+	$(BIN)/infersight models pull
+	$(BIN)/python -m checks.bench_serving --guidellm $(GUIDELLM)/bin/guidellm
+
+$(GUIDELLM)/.stamp:
+	$(PYTHON) -m venv $(GUIDELLM)
+	$(GUIDELLM)/bin/python -m pip --disable-pip-version-check -q install "$(GUIDELLM_SPEC)"
+	touch $@
 
 $(PEERS)/.stamp:
 	$(PYTHON) -m venv $(PEERS)

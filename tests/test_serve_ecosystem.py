@@ -236,3 +236,32 @@ def test_metrics_equal_the_per_request_sums_after_a_mixed_run(server, client, en
         grew(f"vllm:request_success_total{{finished_reason={r}}}") for r in ("stop", "length")
     )
     assert ended == 6
+
+
+def test_parse_gives_schema_valid_objects_at_temperature_one_in_a_batch_of_eight(server, client):
+    """The openai SDK's ``chat.completions.parse(response_format=<pydantic model>)``: it sends
+    the model's JSON schema (strict) and parses the reply; twenty requests, eight at a time,
+    at temperature 1, every one valid."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=24)
+        population: int = Field(ge=0)
+        coastal: bool
+
+    def ask(seed: int) -> City | None:
+        done = client.chat.completions.parse(
+            model=None, messages=[{"role": "user", "content": "Describe a city."}],  # type: ignore[arg-type]
+            response_format=City, temperature=1.0, seed=seed, max_tokens=80,
+        )  # fmt: skip
+        return done.choices[0].message.parsed
+
+    with ThreadPoolExecutor(8) as pool:
+        parsed = list(pool.map(ask, range(20)))
+    assert all(isinstance(p, City) for p in parsed), parsed
+    wrong = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "response_format": wrong}
+    bad = request(server, "POST", "/v1/chat/completions", body)
+    assert bad[0] == 400 and json.loads(bad[2])["error"]["param"] == "response_format"

@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt (with --chat)")
     _sampling_args(p, default_max_new=128)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="hold the reply to this JSON schema (structured output)")  # fmt: skip
     p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser("tokenize", help="token ids of each stdin line, as JSON arrays")

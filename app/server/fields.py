@@ -57,7 +57,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "functions": _empty,
     "function_call": _is("none"),
     "parallel_tool_calls": lambda value: value is None or isinstance(value, bool),  # no tools
-    "response_format": lambda value: value is None or value == {"type": "text"},
     "modalities": _is(["text"]),
     "audio": _none,
     "prediction": _none,
@@ -116,7 +115,7 @@ def _noop_text(name: str) -> str:
     examples = {
         "frequency_penalty": "0", "presence_penalty": "0", "logit_bias": "{}", "suffix": '""',
         "best_of": "1", "tools": "[]", "tool_choice": '"none"', "functions": "[]",
-        "function_call": '"none"', "response_format": '{"type": "text"}',
+        "function_call": '"none"',
         "modalities": '["text"]', "use_beam_search": "false", "length_penalty": "1",
         "spaces_between_special_tokens": "true", "return_tokens_as_token_ids": "false",
         "add_generation_prompt": "true", "continue_final_message": "false",

@@ -380,6 +380,12 @@ class Server:
         if max_new > lim.max_tokens:
             raise HTTPError(400, f"max_tokens must be at most {lim.max_tokens}", param="max_tokens")
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        constraint = body.response_format.constraint() if body.response_format else None
+        if constraint is not None:  # a bad schema is refused here, not mid-stream
+            try:
+                self.engine.grammars.matcher(constraint)
+            except InvalidRequestError as exc:
+                raise HTTPError(400, str(exc), param="response_format") from None
         try:
             return [
                 SamplingParams(
@@ -392,6 +398,7 @@ class Server:
                     extra_stop_token_ids=tuple(body.stop_token_ids or ()),
                     skip_special_tokens=body.skip_special_tokens,
                     include_stop_str_in_output=body.include_stop_str_in_output,
+                    constraint=constraint,
                 )
                 for i in range(body.n)
             ]  # fmt: skip
@@ -450,9 +457,8 @@ class Server:
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
         reply = Reply(base, self.name, chat, prompt_tokens, int(time.time()), token_text)
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
-                run.stream(reply, usage, request), media_type="text/event-stream",
+                run.stream(reply, body.stream_options, request), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
         await run.wait(request)

@@ -13,7 +13,16 @@ import torch
 from fastapi import Request
 
 from app.server.engine_loop import Sink
-from app.server.schema import Choice, HTTPError, Reply, Scored, error_body, scored, sse
+from app.server.schema import (
+    Choice,
+    HTTPError,
+    Reply,
+    Scored,
+    StreamOptions,
+    error_body,
+    scored,
+    sse,
+)  # fmt: skip
 from engine.core.output import Logprobs, TokenEvent
 from engine.errors import EngineBusyError, InvalidRequestError
 
@@ -110,7 +119,11 @@ class Run:
             if not self.done():
                 self.cancel()
 
-    async def stream(self, reply: Reply, usage: bool, request: Request) -> AsyncIterator[str]:
+    async def stream(
+        self, reply: Reply, options: StreamOptions | None, request: Request
+    ) -> AsyncIterator[str]:
+        usage = options is not None and options.include_usage
+        every = options is not None and options.continuous_usage_stats
         try:
             if reply.chat:  # the first delta of each choice carries its role
                 for choice in self.choices:
@@ -123,7 +136,10 @@ class Run:
                     break
                 if text or choice.finish is not None or new:
                     finish = choice.finish if choice.finish != "cancelled" else None
-                    yield reply.chunk(choice.index, text, finish, scored=new, offset=choice.offset)
+                    yield reply.chunk(
+                        choice.index, text, finish, scored=new, offset=choice.offset,
+                        usage=reply.usage(self.choices) if every else None,
+                    )  # fmt: skip
                     if new and reply.token_text is not None:
                         choice.offset += sum(len(reply.token_text(t)) for t, _, _ in new)
             else:

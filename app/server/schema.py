@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.core.output import TokenEvent
 from engine.core.sampling import MAX_LOGPROBS
+from engine.core.structured import Constraint
 
 
 class HTTPError(Exception):
@@ -44,6 +45,41 @@ def error_body(
 # -- request bodies -----------------------------------------------------------------------------
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a usage-only chunk before [DONE]
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # held to the schema whatever it says: the mask never strays
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("json_object")
+        if self.json_schema is None:
+            raise HTTPError(
+                400, "response_format of type json_schema needs its json_schema",
+                param="response_format",
+            )  # fmt: skip
+        return Constraint.json_schema(self.json_schema.schema_)
+
+
 class RequestBody(BaseModel):
     """The sampling fields both routes share (OpenAI's, and vLLM's extras that load generators
     and harnesses send). Other fields are kept as extras for :mod:`app.server.fields`, which
@@ -62,13 +98,15 @@ class RequestBody(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     # vLLM's sampling extras
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: structured outputs: the reply held to JSON, or to a JSON schema (engine.core.structured)
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -180,7 +218,7 @@ class Reply:
 
     def chunk(
         self, index: int, text: str, finish: str | None, *, first: bool = False,
-        scored: list[Scored] | None = None, offset: int = 0,
+        scored: list[Scored] | None = None, offset: int = 0, usage: dict[str, int] | None = None,
     ) -> str:  # fmt: skip
         logprobs = self.logprobs(scored or [], offset)
         if self.chat:
@@ -188,9 +226,11 @@ class Reply:
                 "content": text}  # fmt: skip
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish}  # fmt: skip
-            return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**self._head("text_completion"), "choices": [choice]})
+            body = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            body = {**self._head("text_completion"), "choices": [choice]}
+        return sse(body if usage is None else {**body, "usage": usage})
 
     def logprobs(self, scored: list[Scored], offset: int) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` object for these tokens: chat's ``content`` list, or the

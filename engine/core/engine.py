@@ -37,6 +37,7 @@ from engine.core.sampling import SamplingParams, make_generator
 from engine.core.scheduler import Scheduler, SchedulerLimits
 from engine.core.sequence import FinishReason
 from engine.core.sequence import Sequence as Seq
+from engine.core.structured import Grammars
 from engine.errors import (
     EngineBusyError,
     InvalidRequestError,
@@ -133,6 +134,7 @@ class LLMEngine:
         self.layer_timings: tuple[LayerTiming, ...] = ()
         self.runner = ModelRunner(model, cfg, dtype, device)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.collector)
+        self._grammars: Grammars | None = None  # built at the first constrained request
         #: live requests (unfinished) by id
         self.seqs: dict[str, Seq] = {}
         #: events of requests ended between steps (cancelled), delivered by the next step
@@ -291,6 +293,8 @@ class LLMEngine:
         arrived = time.perf_counter() if arrival is None else arrival
         seq = Seq(rid, prompt, params, arrived, priority, timeout_s)
         seq.max_new_tokens = max_new
+        if params.constraint is not None:  # a bad grammar is refused before it queues
+            seq.matcher = self.grammars.matcher(params.constraint)
         seq.generator = make_generator(params.seed, self.device)
         seq.history = torch.empty(len(prompt) + max_new, dtype=torch.long, device=self.device)
         seq.history[: len(prompt)] = torch.tensor(prompt)
@@ -298,6 +302,15 @@ class LLMEngine:
         self.outputs.open(seq)
         self.scheduler.add(seq)
         return rid
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output matchers' tokenizer view (:mod:`engine.core.structured`)."""
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self.tokenizer, self.cfg.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self._grammars
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> int:
         """Raise :class:`InvalidRequestError` for a request that could never run here (empty

@@ -15,6 +15,7 @@ from engine.core.instruments import MetricsCollector
 from engine.core.metrics import RequestMetrics
 from engine.core.sequence import FinishReason, Status
 from engine.core.sequence import Sequence as Seq
+from engine.core.structured import Grammars
 from engine.hardware.transfer import fetch, upload
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -112,15 +113,16 @@ class OutputProcessor:
         ends = token in params.extra_stop_token_ids
         ends |= not params.ignore_eos and token in self.eos_token_ids
         ends &= len(seq.output_ids) > params.min_tokens  # the sampler masks them before
+        grammar_done = seq.matcher is not None and Grammars.consume(seq.matcher, token)
         if ends:
             piece, finish = stream.stops.feed(stream.detok.flush(), final=True), FinishReason.STOP
         else:
             piece = stream.stops.feed(stream.detok.add(token), final=False)
             if stream.stops.hit:
                 finish = FinishReason.STOP
-            elif len(seq.output_ids) >= seq.max_new_tokens:
+            elif grammar_done or len(seq.output_ids) >= seq.max_new_tokens:
                 piece += stream.stops.feed(stream.detok.flush(), final=True)
-                finish = FinishReason.LENGTH
+                finish = FinishReason.STOP if grammar_done else FinishReason.LENGTH
         stream.text += piece
         event = TokenEvent(seq.request_id, token, piece)
         if len(seq.output_ids) == 1 and seq.prompt_logprobs is not None:

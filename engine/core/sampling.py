@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from engine.core.structured import Constraint
 from engine.errors import InvalidRequestError
 from engine.hardware.transfer import to_device
 
@@ -44,6 +45,8 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True  # in the reply's text
     include_stop_str_in_output: bool = False  # the stop string that ended a reply, kept
+    #: the grammar the reply must match (a JSON schema, …): :mod:`engine.core.structured`
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,6 +61,8 @@ class Sequence:
     #: with ``params.prompt_logprobs``: each prompt token's log-probabilities (index ``i`` for
     #: token ``i``; the first stays None), filled in as the prefill's chunks run
     prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] | None = None
+    #: with ``params.constraint``: its grammar's matcher (llguidance's), fed each token taken
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         self.times = Timestamps(arrival=self.arrival)

@@ -24,6 +24,7 @@ from engine.core.sampling import sample
 from engine.core.scheduler import ScheduledChunk, SchedulerOutput
 from engine.core.sequence import FinishReason
 from engine.core.sequence import Sequence as Seq
+from engine.core.structured import Grammars, apply_masks
 from engine.hardware.transfer import fetch, upload
 from engine.kv_cache.window import CacheWindow
 
@@ -99,7 +100,8 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
     plain = [(c.seq, row) for c, row in batch.samplers if c.seq.request_id not in drafts]
     # a step of prompt chunks only samples nothing: no op, no host transfer
     every_row = not drafts and not batch.prompt_rows
-    sampled = _sample(plain, logits, engine.eos_token_ids, every_row=every_row) if plain else {}
+    grammars = engine._grammars
+    sampled = _sample(plain, logits, engine.eos_token_ids, grammars, every_row) if plain else {}
     now = time.perf_counter()
     generated = 0
     for c, row in batch.samplers:
@@ -146,17 +148,27 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
 
 
 def _sample(
-    plain: list[tuple[Seq, int]], logits: torch.Tensor, eos: frozenset[int], *, every_row: bool
-) -> dict[str, tuple[int, Logprobs | None]]:
+    plain: list[tuple[Seq, int]], logits: torch.Tensor, eos: frozenset[int],
+    grammars: Grammars | None, every_row: bool,
+) -> dict[str, tuple[int, Logprobs | None]]:  # fmt: skip
     """Each sampling sequence's token, and its log-probabilities where it asks for them, read
     back in one transfer: the step's one host sync. ``plain`` pairs each sequence with its
     row of ``logits``; ``every_row``: they are all of its rows, in order. A sequence short of
-    its ``min_tokens`` cannot draw an end token (``eos`` or its own stop tokens)."""
+    its ``min_tokens`` cannot draw an end token (``eos`` or its own stop tokens); one held to a
+    grammar draws only what its matcher allows (``grammars``' masks)."""
     seqs = [seq for seq, _ in plain]
     device = logits.device
     rows = logits if every_row else logits.index_select(0, upload([r for _, r in plain], device))
+    drawn_from = _without_ends(rows, seqs, eos)
+    held = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if held and grammars is not None:
+        bits = grammars.masks([seqs[i].matcher for i in held])
+        if drawn_from is rows:
+            drawn_from = rows.clone()
+        rows_held = upload(held, device)
+        drawn_from[rows_held] = apply_masks(drawn_from[rows_held], bits)
     tokens = sample(
-        _without_ends(rows, seqs, eos), [s.params for s in seqs], [history(s) for s in seqs],
+        drawn_from, [s.params for s in seqs], [history(s) for s in seqs],
         [s.generator for s in seqs],
     )  # fmt: skip
     asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]

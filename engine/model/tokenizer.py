@@ -83,6 +83,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` tokenizer as its JSON (a grammar engine builds its vocabulary
+        from it: :mod:`engine.core.structured`)."""
+        return str(self._tok.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         result = self._tok.token_to_id(token)
         return None if result is None else int(result)
