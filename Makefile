@@ -43,7 +43,7 @@ PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 # imports would cost it about 7 s).
 TIMING_FILES  = $(shell grep -l -E '(mark\.timing|pytestmark.*timing)' tests/test_*.py)
 
-.PHONY: run chat test bench bench-peers bench-serving gpu-check gpu-wheels gpu-versions load-peak screenshots \
+.PHONY: run chat test bench bench-peers bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak screenshots \
         package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
@@ -131,6 +131,12 @@ GUIDELLM_SPEC ?= guidellm==0.8.1
 bench-serving: $(VENV)/.stamp-dev $(GUIDELLM)/.stamp
 	$(BIN)/infersight models pull
 	$(BIN)/python -m checks.bench_serving --guidellm $(GUIDELLM)/bin/guidellm
+
+# lm-evaluation-harness (dev extras) through `infersight serve` at fp32, int8+head and
+# int4-g32+head on two tasks of our own: accuracy and the loglikelihood shift against fp32.
+eval-serving: $(VENV)/.stamp-dev
+	$(BIN)/infersight models pull
+	$(BIN)/python -m checks.eval_serving
 
 $(GUIDELLM)/.stamp:
 	$(PYTHON) -m venv $(GUIDELLM)

@@ -192,6 +192,22 @@ def test_regenerate_keeps_the_earlier_answers_as_versions(window, qtbot):
     assert window.chat.last.view.candidates == stored.meta["candidates"]
 
 
+def test_reply_as_json_holds_the_chat_to_a_json_object(window, qtbot):
+    """Structured output in the chat (issue 47): the toggle holds the reply to a JSON object at
+    temperature 1, and the header says so."""
+    import json
+
+    window.controls.temperature.set_value(1.0)
+    window.controls.max_new_tokens.set_value(120)
+    window.chat.json_reply.setChecked(True)
+    send(qtbot, window, "Tell me about cats.")
+    bubble = window.chat.last
+    assert bubble.view.status == "done", bubble.view.text
+    assert isinstance(json.loads(bubble.view.text), dict)
+    qtbot.waitUntil(lambda: "cached" in bubble.status_label.text(), timeout=LONG_WAIT_MS)
+    assert bubble.status_label.text().endswith("· JSON")
+
+
 def test_a_load_shows_its_stages_in_the_status_bar(qtbot, tmp_path, tiny_model_dir):
     """Finding 11 (progress everywhere): a model load showed only "loading …"; now its
     stages, tensor by tensor, then settling, on a bar in the status bar, gone once loaded."""

@@ -332,6 +332,11 @@ class ChatPane(QWidget):
             "bonus token after accepting them all. A view only: the text stays the same"
         )
         self.mark_speculation.toggled.connect(self._on_mark_speculation)
+        self.json_reply = QCheckBox("Reply as JSON")
+        self.json_reply.setToolTip(
+            "Hold the next replies to a JSON object: a grammar masks every token that could "
+            "not continue valid JSON (structured output)"
+        )
         self.speculation_legend = QWidget()
         legend = QHBoxLayout(self.speculation_legend)
         legend.setContentsMargins(0, 0, 0, 0)
@@ -346,6 +351,7 @@ class ChatPane(QWidget):
         for b in (self.regenerate_button, self.edit_button):
             buttons.addWidget(b)
         buttons.addWidget(self.mark_speculation)
+        buttons.addWidget(self.json_reply)
         buttons.addWidget(self.speculation_legend)
         buttons.addStretch(1)
         buttons.addWidget(self.stop_button)

@@ -16,6 +16,7 @@ from app.gui.commands import Cancel, Delta, ModelInfo, ReplyStats, Send
 from app.gui.status import settings_label
 from app.loading import LoadSpec
 from engine.core.metrics import RequestMetrics
+from engine.core.structured import Constraint
 from widgets.chat_pane import ChatPane, MessageView
 from widgets.controls import ControlsPanel
 from widgets.instruments import InstrumentsPanel, RequestPoint
@@ -211,6 +212,8 @@ class ChatWindow(QMainWindow):
         except ValueError as exc:
             self.chat.show_notice(str(exc), "warning")
             return
+        if self.chat.json_reply.isChecked():
+            sampling["constraint"] = Constraint("json_object")
         messages = self._engine_messages()
         message_id = self.store.add_message(self.conversation_id, "assistant", "", "streaming")
         self._tags += 1

@@ -45,6 +45,8 @@ def settings_label(
         if value != DEFAULTS[key]:
             parts.append(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
     parts.append(f"≤ {sampling.get('max_new_tokens', DEFAULTS['max_new_tokens'])} tokens")
+    if sampling.get("constraint") is not None:
+        parts.append("JSON")  # held to a grammar (the chat's Reply as JSON)
     if window is not None:
         sink, size = window
         parts.append(f"window {sink} sinks + {size}")
