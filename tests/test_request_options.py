@@ -98,3 +98,24 @@ def test_special_tokens_show_in_the_text_on_request(default_model):
         assert event.text == want and finish is None
         engine.cancel(rid)
         engine.step()
+
+
+def test_min_tokens_holds_back_stop_strings_too_as_vllm_does(tiny):
+    """vLLM checks no stop string before ``min_tokens``: the reply goes past the first match."""
+    engine, _ = tiny
+    free = "".join(e.text for e in run(engine, PROMPT, SamplingParams(max_new_tokens=12)))
+    stop = free[:2]
+    cut = run(engine, PROMPT, SamplingParams(max_new_tokens=12, stop=(stop,)))
+    assert "".join(e.text for e in cut) == "" and cut[-1].finish_reason == "stop"
+    held = run(engine, PROMPT, SamplingParams(max_new_tokens=12, stop=(stop,), min_tokens=5))
+    tokens = [e.token_id for e in held if e.token_id is not None]
+    assert len(tokens) >= 5 and "".join(e.text for e in held).startswith(stop)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny):
+    engine, _ = tiny
+    vocab = engine.cfg.vocab_size
+    for bad in (vocab, -1):
+        params = SamplingParams(max_new_tokens=4, extra_stop_token_ids=(bad,), min_tokens=2)
+        with pytest.raises(InvalidRequestError, match="stop token ids"):
+            engine.add_request(PROMPT, params)

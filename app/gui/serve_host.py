@@ -18,7 +18,7 @@ import uvicorn
 
 from app.gui.commands import CancelServe, Serve
 from app.gui.worker import EngineWorker
-from app.server.engine_loop import Sink
+from app.server.engine_loop import SELF_TEST_ID, Sink
 from app.server.routes import Server, ServerLimits
 from engine.core.engine import LLMEngine
 from engine.core.output import TokenEvent
@@ -56,7 +56,8 @@ class WorkerFront:
     ) -> None:  # fmt: skip
         def observed(event: TokenEvent | BaseException) -> None:  # on the worker's thread
             engine, server = self.worker.engine, self.server
-            if isinstance(event, TokenEvent) and engine and server:
+            served = not request_id.startswith(SELF_TEST_ID)  # the server's own: not counted
+            if isinstance(event, TokenEvent) and engine and server and served:
                 server.metrics.observe_event(event, engine)
                 finished = engine.request_metrics(request_id) if event.finish_reason else None
                 if finished is not None:

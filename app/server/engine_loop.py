@@ -178,6 +178,7 @@ class EngineLoop:
             self.metrics.engine_errors.inc()
             self.metrics.request_errors.inc(len(self._sinks))
             for rid, failed in list(self._sinks.items()):
+                self.metrics.forget(rid)
                 log_event("error", logging.ERROR, **self._context(rid, exc))
                 self.engine.cancel(rid)
                 failed(exc)
@@ -189,6 +190,7 @@ class EngineLoop:
             self.metrics.engine_errors.inc()
             self.metrics.request_errors.inc(len(stepped.failed))
         for rid, error in stepped.failed.items():
+            self.metrics.forget(rid)
             ended = self._sinks.pop(rid, None)
             self._started.discard(rid)
             if ended is not None:

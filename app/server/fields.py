@@ -7,7 +7,7 @@ A request body's fields fall in four kinds:
 * labels: they name or file a request and change no answer (``user``, ``metadata``, …),
   accepted and kept nowhere;
 * known, not implemented: OpenAI's or vLLM's fields we lack. Given as ``null`` or as the
-  value that does nothing (``frequency_penalty: 0``, ``logit_bias: {}``, ``tools: []``),
+  value that does nothing (``frequency_penalty: 0``, ``logit_bias: {}``, ``functions: []``),
   they are accepted, since clients send their defaults; any other value is refused by name;
 * unknown: refused, with the nearest field's name where one is close (``max_token``).
 """
@@ -52,11 +52,8 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _empty,
     "suffix": _empty,
     "best_of": _is(1),
-    "tools": _empty,
-    "tool_choice": _is("none"),
     "functions": _empty,
     "function_call": _is("none"),
-    "parallel_tool_calls": lambda value: value is None or isinstance(value, bool),  # no tools
     "modalities": _is(["text"]),
     "audio": _none,
     "prediction": _none,
@@ -114,13 +111,13 @@ def refuse_unsupported(body: BaseModel) -> None:
 def _noop_text(name: str) -> str:
     examples = {
         "frequency_penalty": "0", "presence_penalty": "0", "logit_bias": "{}", "suffix": '""',
-        "best_of": "1", "tools": "[]", "tool_choice": '"none"', "functions": "[]",
+        "best_of": "1", "functions": "[]",
         "function_call": '"none"',
         "modalities": '["text"]', "use_beam_search": "false", "length_penalty": "1",
         "spaces_between_special_tokens": "true", "return_tokens_as_token_ids": "false",
         "add_generation_prompt": "true", "continue_final_message": "false",
         "allowed_token_ids": "[]", "bad_words": "[]", "chat_template_kwargs": "{}",
-        "documents": "[]", "parallel_tool_calls": "true or false, with no tools",
+        "documents": "[]",
     }  # fmt: skip
     return f"null or {examples[name]}" if name in examples else "null"
 

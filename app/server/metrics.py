@@ -197,6 +197,10 @@ class ServerMetrics:
         if event.finish_reason is not None:
             self._prefilled.discard(rid)
 
+    def forget(self, request_id: str) -> None:
+        """A request that failed (no finish event will come)."""
+        self._prefilled.discard(request_id)
+
     def observe_request(self, m: RequestMetrics) -> None:
         reason = ABORTED.get(m.finish_reason, m.finish_reason)
         self.success.labels(self.model_name, reason).inc()

@@ -57,6 +57,7 @@ from app.server.schema import (
     RequestBody,
 )
 from app.server.tokenizer_routes import add_tokenizer_routes
+from app.server.tools import ToolPlan, plan_tools
 from engine.core.engine import LLMEngine
 from engine.core.output import TokenEvent
 from engine.core.sampling import SamplingParams
@@ -239,15 +240,22 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat(body: ChatBody, request: Request) -> Response:
             refuse_unsupported(body)
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            template = self.engine.tokenizer.chat_template or ""
+            with_tools = plan is not None and "tools" in template
+            messages: list[dict[str, Any]] = [m.for_template(with_tools) for m in body.messages]
+            tools = None
+            if plan is not None:
+                messages, tools = plan.prompt_messages(messages, template)
             try:
-                prompt = self.engine.chat_prompt_ids(messages)
+                prompt = self.engine.chat_prompt_ids(messages, tools=tools)
             except InvalidRequestError as exc:
                 raise HTTPError(400, str(exc), param="messages") from None
             limit = body.max_completion_tokens or body.max_tokens
             return await self._complete(
-                body, request, [(prompt, None)], limit, body.wanted_logprobs(), chat=True
-            )
+                body, request, [(prompt, None)], limit, body.wanted_logprobs(), chat=True,
+                tools=plan,
+            )  # fmt: skip
 
         @app.post("/v1/completions")
         async def completions(body: CompletionBody, request: Request) -> Response:
@@ -356,7 +364,7 @@ class Server:
 
     def _params(
         self, body: RequestBody, limit: int | None, logprobs: int | None, prompt_tokens: int,
-        *, echo: bool = False,
+        *, echo: bool = False, tools: ToolPlan | None = None,
     ) -> list[SamplingParams]:  # fmt: skip
         lim = self.limits
         if body.model is not None and body.model != self.name:
@@ -381,11 +389,13 @@ class Server:
             raise HTTPError(400, f"max_tokens must be at most {lim.max_tokens}", param="max_tokens")
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         constraint = body.response_format.constraint() if body.response_format else None
-        if constraint is not None:  # a bad schema is refused here, not mid-stream
-            try:
-                self.engine.grammars.matcher(constraint)
-            except InvalidRequestError as exc:
-                raise HTTPError(400, str(exc), param="response_format") from None
+        if tools is not None and tools.constraint is not None:
+            if constraint is not None:
+                raise HTTPError(
+                    400, "response_format and a forced tool call cannot both hold the reply",
+                    param="tool_choice",
+                )  # fmt: skip
+            constraint = tools.constraint
         try:
             return [
                 SamplingParams(
@@ -407,7 +417,7 @@ class Server:
 
     async def _complete(
         self, body: RequestBody, request: Request, prompts: list[tuple[list[int], str | None]],
-        limit: int | None, logprobs: int | None, *, chat: bool,
+        limit: int | None, logprobs: int | None, *, chat: bool, tools: ToolPlan | None = None,
     ) -> Response:  # fmt: skip
         """Run each prompt ``n`` times (choice ``i * n + j``: prompt ``i``'s ``j``-th), a
         prompt given with its text where ``echo`` puts it before the reply."""
@@ -415,7 +425,14 @@ class Server:
             raise HTTPError(503, "the engine has stopped; see /health", code="engine_stopped")
         echo = prompts[0][1] is not None
         longest = max(len(ids) for ids, _ in prompts)
-        params = self._params(body, limit, logprobs, longest, echo=echo)
+        params = self._params(body, limit, logprobs, longest, echo=echo, tools=tools)
+        constraint = params[0].constraint
+        if constraint is not None:  # a bad grammar is refused here, not mid-stream; compiled
+            try:  # off the event loop, which other streams need meanwhile
+                await asyncio.to_thread(self.engine.grammars.matcher, constraint)
+            except InvalidRequestError as exc:
+                param = "response_format" if body.response_format else "tools"
+                raise HTTPError(400, str(exc), param=param) from None
         if len(prompts) * len(params) > self.limits.max_waiting:
             raise HTTPError(
                 400, f"{len(prompts)} prompts × n = {len(params)} exceed the "
@@ -455,7 +472,7 @@ class Server:
         run = Run(self, events, choices)
         token_text = None if logprobs is None else self._token_text
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        reply = Reply(base, self.name, chat, prompt_tokens, int(time.time()), token_text)
+        reply = Reply(base, self.name, chat, prompt_tokens, int(time.time()), token_text, tools)
         if body.stream:
             return StreamingResponse(
                 run.stream(reply, body.stream_options, request), media_type="text/event-stream",

@@ -134,6 +134,11 @@ class Run:
                 except HTTPError as exc:
                     yield sse(error_body(exc.message, exc.kind, exc.param, exc.code))
                     break
+                if reply.tools is not None and reply.tools.parse:  # held whole: calls or text,
+                    if choice.finish is not None:  # told at its end
+                        finish = choice.finish if choice.finish != "cancelled" else None
+                        yield reply.tool_chunk(choice.index, choice.text, finish)
+                    continue
                 if text or choice.finish is not None or new:
                     finish = choice.finish if choice.finish != "cancelled" else None
                     yield reply.chunk(

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.server.tools import ToolChoice, ToolPlan, ToolSpec
 from engine.core.output import TokenEvent
 from engine.core.sampling import MAX_LOGPROBS
 from engine.core.structured import Constraint
@@ -120,11 +121,15 @@ class RequestBody(BaseModel):
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # a label
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -134,9 +139,40 @@ class _Message(BaseModel):
             parts.append(part["text"])
         return "".join(parts)
 
+    def for_template(self, tools_in_template: bool) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's convention: a call's
+        arguments as a mapping); for a template that knows no tools, an assistant's calls are
+        its text, as the model was asked to write them."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        calls = [
+            {"name": c.get("function", {}).get("name"),
+             "arguments": _arguments(c.get("function", {}).get("arguments"))}
+            for c in self.tool_calls or []
+        ]  # fmt: skip
+        if calls and tools_in_template:
+            out["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+        elif calls:
+            out["content"] = json.dumps(calls[0] if len(calls) == 1 else calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise HTTPError(400, "a tool call's arguments are not JSON", param="messages") from None
+    return value or {}
+
 
 class ChatBody(RequestBody):
     messages: list[_Message] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -211,6 +247,30 @@ class Reply:
     created: int  # one time for every chunk of the reply
     #: decodes one token id, where log-probabilities were asked for (None: they were not)
     token_text: Callable[[int], str] | None = None
+    #: a chat request's tools: its replies are read back as calls where they are
+    tools: ToolPlan | None = None
+
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat reply's message and finish reason: its tool calls where it made them."""
+        calls = self.tools.calls(text) if self.tools is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish
+        return (
+            {"role": "assistant", "content": None, "tool_calls": [c.as_openai() for c in calls]},
+            "tool_calls" if finish == "stop" else finish,
+        )
+
+    def tool_chunk(self, index: int, text: str, finish: str | None) -> str:
+        """A streamed chat reply with tools, whole in one delta once it has ended (its calls
+        cannot be told from text before)."""
+        message, finish = self.message(text, finish) if finish else ({"content": text}, None)
+        calls = message.get("tool_calls")
+        delta: dict[str, Any] = (
+            {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls
+            else {"content": text}
+        )  # fmt: skip
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created,
@@ -274,9 +334,12 @@ class Reply:
 
     def whole(self, choices: list[Choice]) -> dict[str, Any]:
         if self.chat:
-            out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.logprobs(c.scored, 0), "finish_reason": c.finish}
-                   for c in choices]  # fmt: skip
+            out = []
+            for c in choices:
+                message, finish = self.message(c.text, c.finish)
+                logprobs = self.logprobs(c.scored, 0)
+                out.append({"index": c.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": finish})  # fmt: skip
             return {**self._head("chat.completion"), "choices": out, "usage": self.usage(choices)}
         out = [{"index": c.index, "text": c.text, "logprobs": self.logprobs(c.scored, 0),
                 "finish_reason": c.finish} for c in choices]  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
@@ -135,6 +136,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, cfg, dtype, device)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.collector)
         self._grammars: Grammars | None = None  # built at the first constrained request
+        self._grammars_lock = threading.Lock()
         #: live requests (unfinished) by id
         self.seqs: dict[str, Seq] = {}
         #: events of requests ended between steps (cancelled), delivered by the next step
@@ -262,8 +264,10 @@ class LLMEngine:
     def context_length(self) -> int:
         return self.cfg.max_position_embeddings
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+    def chat_prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, tools=tools))
 
     def add_request(
         self,
@@ -306,10 +310,11 @@ class LLMEngine:
     @property
     def grammars(self) -> Grammars:
         """The structured-output matchers' tokenizer view (:mod:`engine.core.structured`)."""
-        if self._grammars is None:
-            self._grammars = Grammars(
-                self.tokenizer, self.cfg.vocab_size, sorted(self.eos_token_ids)
-            )
+        with self._grammars_lock:  # the server's thread may ask while the engine's builds
+            if self._grammars is None:
+                self._grammars = Grammars(
+                    self.tokenizer, self.cfg.vocab_size, sorted(self.eos_token_ids)
+                )
         return self._grammars
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> int:
@@ -318,6 +323,9 @@ class LLMEngine:
         tokens it may have (``max_new_tokens`` capped by the context). Reads only settings,
         so a server may ask it from another thread before queueing the request."""
         self._validate_prompt(prompt)
+        vocab = self.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in params.extra_stop_token_ids):
+            raise InvalidRequestError(f"stop token ids must be in [0, {vocab})")
         max_new = min(params.max_new_tokens, self.context_length - len(prompt))
         self._check_fits(len(prompt) + max_new)
         return max_new

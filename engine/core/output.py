@@ -112,10 +112,18 @@ class OutputProcessor:
         finish: FinishReason | None = None
         ends = token in params.extra_stop_token_ids
         ends |= not params.ignore_eos and token in self.eos_token_ids
-        ends &= len(seq.output_ids) > params.min_tokens  # the sampler masks them before
+        # before min_tokens nothing ends a reply (its end tokens are masked for sampling); a
+        # grammar's reply ends where the grammar does
+        early = len(seq.output_ids) <= params.min_tokens and seq.matcher is None
+        ends &= not early
         grammar_done = seq.matcher is not None and Grammars.consume(seq.matcher, token)
         if ends:
             piece, finish = stream.stops.feed(stream.detok.flush(), final=True), FinishReason.STOP
+        elif early:  # no stop string before min_tokens either (vLLM)
+            piece = stream.detok.add(token)
+            if len(seq.output_ids) >= seq.max_new_tokens:
+                piece += stream.detok.flush()
+                finish = FinishReason.LENGTH
         else:
             piece = stream.stops.feed(stream.detok.add(token), final=False)
             if stream.stops.hit:
@@ -126,7 +134,7 @@ class OutputProcessor:
         stream.text += piece
         event = TokenEvent(seq.request_id, token, piece)
         if len(seq.output_ids) == 1 and seq.prompt_logprobs is not None:
-            event.prompt_logprobs = seq.prompt_logprobs
+            event.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # given once
         return event, finish
 
     def finish(self, seq: Seq, reason: FinishReason, now: float) -> TokenEvent:

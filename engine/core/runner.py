@@ -79,7 +79,7 @@ class ModelRunner:
             b.ids += new
             b.positions += range(c.start, c.start + len(new))
             b.chunks.append(SeqChunk(rid, c.start, len(new), window))
-            if c.seq.params.prompt_logprobs is not None:  # each prompt row but the last
+            if c.seq.prompt_logprobs is not None:  # each prompt row but the last, until given
                 scored = min(c.start + c.length, len(c.seq.prompt_ids) - 1) - c.start
                 if scored > 0:
                     first = len(b.ids) - len(new)

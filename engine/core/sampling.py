@@ -40,8 +40,8 @@ class SamplingParams:
     #: the same for each prompt token after the first (computed in the prefill, which then
     #: takes no prefix-cache hits: every prompt row is projected to the vocabulary)
     prompt_logprobs: int | None = None
-    #: no end-of-generation or stop token before this many tokens (stop strings still end
-    #: a reply, as vLLM's ``min_tokens``)
+    #: no end-of-generation or stop token, and no stop string, before this many tokens (as
+    #: vLLM's ``min_tokens``)
     min_tokens: int = 0
     skip_special_tokens: bool = True  # in the reply's text
     include_stop_str_in_output: bool = False  # the stop string that ended a reply, kept

@@ -188,16 +188,23 @@ def _sample(
     }
 
 
+#: prompt rows whose log-softmax is taken at once (bounds its fp32 copy: 256 × vocabulary)
+SCORE_SLICE = 256
+
+
 def _score_prompts(batch: Batch, logits: torch.Tensor) -> None:
     """The prompt tokens' log-probabilities where their sequences ask for them, from the
     prompt rows this step projected (:attr:`Batch.prompt_rows`), in one transfer."""
     for c, first, count in batch.prompt_rows:
         seq, k = c.seq, c.seq.params.prompt_logprobs or 0
-        targets = upload(seq.prompt_ids[c.start + 1 : c.start + 1 + count], logits.device)
-        host = fetch(*logprob_tensors(logits[first : first + count], targets, k))
         assert seq.prompt_logprobs is not None
-        for j in range(count):
-            seq.prompt_logprobs[c.start + 1 + j] = read_logprobs(host, j, k, k)
+        for at in range(0, count, SCORE_SLICE):  # the fp32 log-softmax a slice at a time
+            n = min(SCORE_SLICE, count - at)
+            start = c.start + 1 + at
+            targets = upload(seq.prompt_ids[start : start + n], logits.device)
+            host = fetch(*logprob_tensors(logits[first + at : first + at + n], targets, k))
+            for j in range(n):
+                seq.prompt_logprobs[start + j] = read_logprobs(host, j, k, k)
 
 
 def _without_ends(rows: torch.Tensor, seqs: list[Seq], eos: frozenset[int]) -> torch.Tensor:
@@ -206,7 +213,7 @@ def _without_ends(rows: torch.Tensor, seqs: list[Seq], eos: frozenset[int]) -> t
     short = [
         (i, sorted(set(s.params.extra_stop_token_ids) | (set() if s.params.ignore_eos else eos)))
         for i, s in enumerate(seqs)
-        if len(s.output_ids) < s.params.min_tokens
+        if len(s.output_ids) < s.params.min_tokens and s.matcher is None  # a grammar decides
     ]
     short = [(i, ends) for i, ends in short if ends]
     if not short:

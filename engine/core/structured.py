@@ -18,6 +18,7 @@ position); prefix caching and batching are untouched: the mask only filters samp
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,6 +30,8 @@ from engine.hardware.transfer import to_device
 
 if TYPE_CHECKING:
     from engine.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["json_schema", "json_object", "regex", "lark"]
 
@@ -115,8 +118,11 @@ class Grammars:
 
     @staticmethod
     def consume(matcher: Any, token: int) -> bool:
-        """``token`` taken by the matcher's sequence; whether its grammar has ended."""
-        matcher.consume_token(token)
+        """``token`` taken by the matcher's sequence; whether its grammar has ended (or can
+        go no further: a token it refused, logged)."""
+        if not matcher.consume_token(token) or matcher.is_error():
+            log.warning("the grammar refused token %d: %s", token, matcher.get_error())
+            return True
         return bool(matcher.is_stopped())
 
 

@@ -93,8 +93,9 @@ class Tokenizer:
         return None if result is None else int(result)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
-    ) -> str:
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:  # fmt: skip
         if not self.chat_template:
             raise InvalidRequestError(
                 "this model has no chat template; use a plain prompt (--prompt) instead of --chat"
@@ -105,6 +106,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **({"tools": tools} if tools is not None else {}),
         )
 
 
@@ -127,7 +129,7 @@ _ENV.filters["tojson"] = _tojson
 
 
 def render_chat_template(
-    template: str, messages: list[dict[str, str]], *, add_generation_prompt: bool, **extra: Any
+    template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **extra: Any
 ) -> str:
     """Render a HF chat template the way ``transformers`` does, but in a sandbox."""
     try:
