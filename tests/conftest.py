@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from tests.served import client, server, server_log  # noqa: F401 (shared fixtures)
+
 if TYPE_CHECKING:
     from app.gui.main_window import MainWindow
     from engine.core.engine import LLMEngine

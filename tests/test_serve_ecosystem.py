@@ -18,13 +18,18 @@ from app.server.fields import LABELS
 from app.server.schema import ChatBody, CompletionBody
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
-from tests.test_server import KEY, request, wait_idle
-from tests.test_server import client as client
-from tests.test_server import engine as engine
-from tests.test_server import server as server
-from tests.test_server import server_log as server_log
+from engine.loader.load import load_model
+from tests.served import KEY, request
+from tests.test_server import wait_idle
 
 pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def engine(default_model: Path) -> LLMEngine:
+    """The served model in this process: the oracle the server's answers are compared with."""
+    return load_model(default_model)
+
 
 ROUTES = [
     ("/v1/completions", CompletionParams, CompletionBody, {"prompt": "Hi", "max_tokens": 1}),
@@ -112,16 +117,21 @@ def test_echo_scores_each_prompt_as_the_engine_does(client, engine):
         lps = choice.logprobs
         assert lps.tokens == [tok.decode([i], skip_special_tokens=False) for i in ids]
         assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
-        want = _prompt_logprobs(engine, ids)
+        (want,) = _prompt_logprobs(engine, ids)
         assert lps.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
         assert all(len(top) == 2 for top in lps.top_logprobs[1:])
 
 
-def _prompt_logprobs(engine: LLMEngine, ids: list[int]) -> list[float]:
-    events = list(engine.generate(ids, SamplingParams(max_new_tokens=1, prompt_logprobs=0)))
-    scored = events[0].prompt_logprobs
-    assert scored is not None
-    return [lp[0] for lp in scored[1:] if lp is not None]
+def _prompt_logprobs(engine: LLMEngine, *prompts: list[int]) -> list[list[float]]:
+    """Each prompt's tokens' log-probabilities from the engine's prefill, in one batch."""
+    params = SamplingParams(max_new_tokens=1, prompt_logprobs=0)
+    rids = [engine.add_request(ids, params) for ids in prompts]
+    got: dict[str, list[float]] = {}
+    while engine.has_work():
+        for event in engine.step():
+            if event.prompt_logprobs is not None:
+                got[event.request_id] = [lp[0] for lp in event.prompt_logprobs[1:] if lp]
+    return [got[r] for r in rids]
 
 
 def test_the_tokenizer_routes_answer_as_vllm_does(server, engine):
@@ -177,12 +187,11 @@ def test_lm_eval_scores_through_the_server_as_transformers_does(
     hf_acc, hf = run("hf", f"pretrained={default_model},dtype=float32,device=cpu")
     tok = engine.tokenizer
     docs = [json.loads(line) for line in (data / "mc.jsonl").read_text().splitlines()]
-    for doc, lls in zip(docs, served, strict=True):
-        ctx = tok.encode(doc["question"])
-        for choice, ll in zip(doc["choices"], lls, strict=True):
-            whole = tok.encode(f"{doc['question']} {choice}")  # lm-eval's: the pair, whole
-            ours = sum(_prompt_logprobs(engine, whole)[len(ctx) - 1 :])
-            assert ll == pytest.approx(ours, abs=1e-4)
+    pairs = [(len(tok.encode(d["question"])), tok.encode(f"{d['question']} {c}"))
+             for d in docs for c in d["choices"]]  # lm-eval's: the pair encoded whole  # fmt: skip
+    scored = _prompt_logprobs(engine, *(whole for _, whole in pairs))
+    ours = [sum(lps[ctx - 1 :]) for (ctx, _), lps in zip(pairs, scored, strict=True)]
+    assert [ll for lls in served for ll in lls] == pytest.approx(ours, abs=1e-4)
     assert served_acc == hf_acc
     assert (
         max(abs(a - b) for x, y in zip(served, hf, strict=True) for a, b in zip(x, y, strict=True))

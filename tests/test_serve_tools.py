@@ -10,10 +10,7 @@ import json
 import pytest
 
 from app.server.tools import ToolCall, parse_tool_calls
-from tests.test_server import client as client
-from tests.test_server import request
-from tests.test_server import server as server
-from tests.test_server import server_log as server_log
+from tests.served import request
 
 WEATHER = {
     "type": "function",

@@ -1,18 +1,17 @@
 """Structured outputs (issue 47): replies held to a JSON schema by llguidance's token mask in
 our sampler, on the default model at temperature 1 (where it would stray most): in a batch
 beside unconstrained requests (each row its own matcher), with speculative decoding on (the
-constrained sequence decodes plainly), with a warm prefix cache, and through the CLI; a bad
-schema refused before it queues."""
+constrained sequence decodes plainly), with a warm prefix cache, through the CLI and in the
+bench; a bad schema refused before it queues."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from app.cli.main import main
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
@@ -108,15 +107,24 @@ def test_a_bad_schema_is_refused_before_it_queues(engine):
     assert not engine.has_work()
 
 
-def test_the_cli_holds_generate_to_a_schema_file(tmp_path):
+def test_the_cli_holds_generate_to_a_schema_file(tmp_path, capsys):
     schema = tmp_path / "city.json"
     schema.write_text(json.dumps(SCHEMA))
-    done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "generate", "--model", "default", "--chat",
-         "A city as JSON", "--json-schema", str(schema), "--temperature", "1", "--seed", "3",
-         "--max-new-tokens", "80", "--json"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert valid(json.loads(done.stdout)["text"])
-    assert "grammar mask:" in done.stderr and "ms/step" in done.stderr
+    code = main(["generate", "--model", "default", "--chat", "A city as JSON", "--json-schema",
+                 str(schema), "--temperature", "1", "--seed", "3", "--max-new-tokens", "80",
+                 "--json"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert valid(json.loads(out)["text"])
+    assert "grammar mask:" in err and "ms/step" in err
+
+
+def test_the_bench_measures_the_mask_per_step(default_model):
+    from engine.bench.structured import format_structured_report, run_structured_bench
+
+    report = run_structured_bench(default_model, batch=2, new_tokens=24, repeats=1,
+                                  engine_config=EngineConfig(num_blocks=64))  # fmt: skip
+    assert report["held"]["mask_ms_per_step"] > 0 and report["free"]["mask_ms_per_step"] == 0
+    assert report["held"]["steps"] >= 1 and report["free"]["steps"] >= 1
+    table = format_structured_report(report)
+    assert "mask ms/step" in table and table.count("\n") == 3

@@ -55,6 +55,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_table(args, folder, config, say)
     if args.workload == "speculative":
         return _bench_speculative(args, folder, device, config, say)
+    if args.workload == "structured":  # the grammar mask's cost (bench --workload structured)
+        from engine.bench.structured import format_structured_report, run_structured_bench
+
+        report = run_structured_bench(
+            folder, batch=args.batch, new_tokens=args.new_tokens, repeats=args.repeats,
+            seed=args.seed, precision=args.precision, device=device, engine_config=config,
+            log=say,
+        )  # fmt: skip
+        print(json.dumps(report, indent=2) if args.json else format_structured_report(report))
+        return 0
     if args.workload == "chat":
         from engine.bench.chat import format_chat_report, run_chat_bench
 

@@ -162,12 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.add_argument(
         "--workload",
-        choices=("single", "mixed", "chat", "speculative"),
+        choices=("single", "mixed", "chat", "speculative", "structured"),
         default="single",
         help="single: one request, prefill and decode speed (default); mixed: many requests "
         "of seeded random lengths through continuous batching; chat: a scripted conversation, "
         "each turn's TTFT with prefix caching off and on; speculative: plain decoding against "
-        "each --speculative drafter at each --draft-k, on chat and input-grounded prompts",
+        "each --speculative drafter at each --draft-k, on chat and input-grounded prompts; "
+        "structured: a --batch held to a JSON schema against the same batch free, the grammar "
+        "mask's ms/step",
     )
     p.add_argument("--prompt-len", type=int, default=32, help="single workload")
     p.add_argument("--new-tokens", type=int, default=128, help="single workload")

@@ -9,15 +9,19 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.cli.common import load_engine, progress_printer, sampling_params
-from engine.core.structured import Constraint
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.core.structured import Constraint
 
 
 def json_schema(path: str | None) -> Constraint | None:
     """``--json-schema FILE``'s constraint (its JSON checked before the model loads)."""
+    from engine.core.structured import Constraint  # torch: not at --help
+
     if path is None:
         return None
     try:
