@@ -113,7 +113,10 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
             outs, kinds, lps = [token], [""], [lp]
         else:
             assert spec is not None
-            outs, kinds = spec.verify(seq, draft, logits[row : row + 1 + len(draft.tokens)])
+            verified = logits[row : row + 1 + len(draft.tokens)]
+            if seq.matcher is not None and grammars is not None:  # held to its grammar
+                verified = apply_masks(verified, grammars.draft_masks(seq.matcher, draft.tokens))
+            outs, kinds = spec.verify(seq, draft, verified)
             # the last token and the accepted drafts are computed: key their full blocks now,
             # before a stop among them frees the sequence
             mgr.commit(seq.request_id, c.start + len(outs), _reader(seq, outs))

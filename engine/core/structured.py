@@ -11,8 +11,10 @@ leave out, in the copy of the logits the sampler draws from (log-probabilities s
 own). Each token a constrained sequence takes is then consumed by its matcher
 (:meth:`Grammars.consume`); a grammar that has ended ends the reply.
 
-A constrained sequence decodes without speculation (its drafts would need a mask per drafted
-position); prefix caching and batching are untouched: the mask only filters sampling.
+Under speculative decoding the target's rows are masked in verification: row ``i`` by what the
+grammar allows after the first ``i`` drafts (:meth:`Grammars.draft_masks`), so a draft the
+grammar refuses is rejected and the token put in its place is one it allows. Prefix caching
+and batching are untouched: the mask only filters sampling.
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ class Grammars:
         bits = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
         pairs = [(m, i) for i, m in enumerate(matchers)]
         self.executor.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), self.words * 4, len(pairs))
+        self.mask_s += time.perf_counter() - started
+        self.mask_steps += 1
+        return bits
+
+    def draft_masks(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
+        """``[len(drafts) + 1, words]`` bit rows for verifying ``drafts``: row ``i`` what may
+        follow the first ``i`` drafts. The matcher walks the drafts and comes back (rollback);
+        past a draft the grammar refuses, the rows allow everything: that draft is masked out
+        of the target's row, so it is rejected there and the rows after it go unused."""
+        started = time.perf_counter()
+        bits = torch.full((len(drafts) + 1, self.words), -1, dtype=torch.int32)
+        walked = 0
+        for i in range(len(drafts) + 1):
+            row = bits[i]
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
+            if i == len(drafts) or matcher.try_consume_tokens([drafts[i]]) != 1:
+                break
+            walked += 1
+        if walked:
+            matcher.rollback(walked)
         self.mask_s += time.perf_counter() - started
         self.mask_steps += 1
         return bits

@@ -104,12 +104,10 @@ class Speculator:
         within their remaining tokens, adaptive per sequence, and within the step's
         verification budget."""
         conf = self.config
-        # a sequence short of its min_tokens, or held to a grammar, decodes plainly: its
-        # tokens are masked there
+        # a sequence short of its min_tokens decodes plainly: its end tokens are masked there
         decoding = [
             s for s in running
             if s.num_tokens - s.num_computed == 1 and len(s.output_ids) >= s.params.min_tokens
-            and s.matcher is None
         ]  # fmt: skip
         for seq in running:
             seq.spec_k = 0
