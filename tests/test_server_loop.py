@@ -216,3 +216,51 @@ def test_metrics_carry_the_spec_decode_counters_of_a_speculative_engine(tiny_eng
         if accepted:
             name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
             assert value(name, f'position="{pos}"') == accepted
+
+
+def test_the_counters_equal_the_served_tokens_under_speculative_decoding(tiny_model_dir):
+    """Issue 47: with drafts accepted several a step, ``generation_tokens`` still counts each
+    token a client got, ``prompt_tokens`` each prompt once at its first token, and a cancel
+    is ``abort``; the self-test's request counts nowhere."""
+    from app.server.engine_loop import SELF_TEST_ID
+    from engine.speculative.config import parse_speculative
+
+    folder, _ = tiny_model_dir("llama", False)
+    engine = load_model(folder)
+    engine.set_speculation(parse_speculative("lookup", k=4, adaptive=False))
+    metrics = ServerMetrics("tiny")
+    loop = EngineLoop(engine, metrics)
+    loop.start()
+    prompts = {"a": [5, 6, 7, 5, 6, 7, 5, 6], "b": [9, 10, 11, 9, 10, 11], "c": [3, 4] * 6,
+               f"{SELF_TEST_ID}0": [8, 9, 10]}  # fmt: skip
+    boxes = {rid: queue.Queue() for rid in prompts}
+    try:
+        for rid, ids in prompts.items():
+            params = SamplingParams(max_new_tokens=24 if rid != "c" else 200, ignore_eos=True)
+            loop.submit(rid, ids, params, 30.0, boxes[rid].put)
+        got: dict[str, int] = {}
+        for rid, box in boxes.items():
+            tokens = 0
+            while True:
+                event = box.get(timeout=60)
+                assert isinstance(event, TokenEvent)
+                tokens += event.token_id is not None
+                if rid == "c" and tokens == 5:
+                    loop.cancel("c")
+                if event.finish_reason is not None:
+                    break
+            got[rid] = tokens
+    finally:
+        loop.stop()
+    assert engine.speculator is not None and engine.speculator.stats.num_accepted_tokens > 0
+    served = [rid for rid in prompts if not rid.startswith(SELF_TEST_ID)]
+
+    def sample(name: str, **labels: str) -> float:
+        value = metrics.registry.get_sample_value(name, {"model_name": "tiny", **labels})
+        return value or 0.0
+
+    assert sample("vllm:generation_tokens_total") == sum(got[r] for r in served)
+    assert sample("vllm:prompt_tokens_total") == sum(len(prompts[r]) for r in served)
+    assert sample("vllm:request_success_total", finished_reason="abort") == 1
+    assert sample("vllm:request_success_total", finished_reason="length") == 2
+    assert sample("vllm:request_generation_tokens_sum") == sum(got[r] for r in served)
