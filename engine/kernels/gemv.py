@@ -157,18 +157,4 @@ def chosen(
 
 def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> lowbit.Timing:
     """Ours against ``torch._weight_int8pack_mm`` at one row of ``dtype`` activations."""
-    from engine.formats import quantize_int8
-
-    gen = torch.Generator().manual_seed(0)
-    copies = lowbit_timing.copies_for(out_features * in_features)
-    weights = [quantize_int8(torch.randn(out_features, in_features, generator=gen), dtype)
-               for _ in range(copies)]  # fmt: skip
-    float_scales = [s.float() for _, s in weights]
-
-    def ours(x: Tensor, i: int) -> object:
-        return int8_linear(x, weights[i][0], float_scales[i], dtype)
-
-    def theirs(x: Tensor, i: int) -> object:
-        return torch._weight_int8pack_mm(x, weights[i][0], weights[i][1])
-
-    return lowbit.time_kernels(ours, theirs, copies, in_features, dtype)
+    return lowbit_timing.time_int8(out_features, in_features, dtype, kernel=int8_linear)

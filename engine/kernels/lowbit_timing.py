@@ -4,6 +4,8 @@ weights to stream past the caches (:func:`engine.kernels.lowbit.time_kernels`)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -22,8 +24,12 @@ def copies_for(bytes_per_copy: int) -> int:
     return max(1, min(64, STREAM_BYTES // max(bytes_per_copy, 1)))
 
 
-def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> Timing:
-    """Ours against ``torch._weight_int8pack_mm`` (activations in ``dtype``) for one shape."""
+def time_int8(
+    out_features: int, in_features: int, dtype: torch.dtype,
+    kernel: Callable[[Tensor, Tensor, Tensor, torch.dtype], Tensor] = int8_linear,
+) -> Timing:  # fmt: skip
+    """Ours (``kernel``: the GEMM's by default, or the GEMV's) against
+    ``torch._weight_int8pack_mm`` (activations in ``dtype``) for one shape."""
     from engine.formats import quantize_int8
 
     gen = torch.Generator().manual_seed(0)
@@ -33,7 +39,7 @@ def time_int8(out_features: int, in_features: int, dtype: torch.dtype) -> Timing
     float_scales = [s.float() for _, s in weights]
 
     def ours(x: Tensor, i: int) -> object:
-        return int8_linear(x, weights[i][0], float_scales[i], dtype)
+        return kernel(x, weights[i][0], float_scales[i], dtype)
 
     def theirs(x: Tensor, i: int) -> object:
         return torch._weight_int8pack_mm(x, weights[i][0], weights[i][1])
