@@ -15,7 +15,8 @@ A request body's fields fall in four kinds:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable
+import json
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel
@@ -29,58 +30,43 @@ LABELS = frozenset({
 })  # fmt: skip
 
 
-def _none(value: Any) -> bool:
-    return value is None
-
-
-def _zero(value: Any) -> bool:
-    return value is None or value == 0
-
-
-def _empty(value: Any) -> bool:
-    return value is None or value in ({}, [], "")
-
-
-def _is(*noop: Any) -> Callable[[Any], bool]:
-    return lambda value: value is None or value in noop
-
-
-#: fields we know but do not implement, with the values that do nothing (accepted)
-NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "frequency_penalty": _zero,
-    "presence_penalty": _zero,
-    "logit_bias": _empty,
-    "suffix": _empty,
-    "best_of": _is(1),
-    "functions": _empty,
-    "function_call": _is("none"),
-    "modalities": _is(["text"]),
-    "audio": _none,
-    "prediction": _none,
-    "reasoning_effort": _none,
-    "verbosity": _none,
-    "web_search_options": _none,
-    "moderation": _none,
+#: fields we know but do not implement, with the values besides null that do nothing
+#: (accepted: clients send their defaults)
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "best_of": (1,),
+    "functions": ([],),
+    "function_call": ("none",),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "moderation": (),
     # vLLM's extras
-    "guided_json": _none,
-    "guided_regex": _none,
-    "guided_choice": _none,
-    "guided_grammar": _none,
-    "structured_outputs": _none,
-    "prompt_logprobs": _none,
-    "allowed_token_ids": _empty,
-    "bad_words": _empty,
-    "use_beam_search": _is(False),
-    "length_penalty": _is(1, 1.0),
-    "truncate_prompt_tokens": _none,
-    "spaces_between_special_tokens": _is(True),
-    "return_tokens_as_token_ids": _is(False),
-    "add_special_tokens": _none,
-    "chat_template": _none,
-    "chat_template_kwargs": _empty,
-    "add_generation_prompt": _is(True),
-    "continue_final_message": _is(False),
-    "documents": _empty,
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "prompt_logprobs": (),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "truncate_prompt_tokens": (),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "add_special_tokens": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "documents": ([],),
 }
 
 
@@ -97,29 +83,16 @@ def refuse_unsupported(body: BaseModel) -> None:
             continue
         noop = NOT_IMPLEMENTED.get(name)
         if noop is not None:
-            if noop(value):
+            if value is None or value in noop:
                 continue
+            allowed = " or ".join(["null", *(json.dumps(v) for v in noop)])
             raise HTTPError(
-                400, f"'{name}' is not supported by this server (only as "
-                f"{_noop_text(name)}); leave it out", param=name, code="unsupported_parameter",
+                400, f"'{name}' is not supported by this server (only as {allowed}); leave it "
+                "out", param=name, code="unsupported_parameter",
             )  # fmt: skip
         close = _nearest(name, fields_of(type(body)) | LABELS)
         hint = f"; did you mean '{close}'?" if close else ""
         raise HTTPError(400, f"unknown field '{name}'{hint}", param=name, code="unknown_parameter")
-
-
-def _noop_text(name: str) -> str:
-    examples = {
-        "frequency_penalty": "0", "presence_penalty": "0", "logit_bias": "{}", "suffix": '""',
-        "best_of": "1", "functions": "[]",
-        "function_call": '"none"',
-        "modalities": '["text"]', "use_beam_search": "false", "length_penalty": "1",
-        "spaces_between_special_tokens": "true", "return_tokens_as_token_ids": "false",
-        "add_generation_prompt": "true", "continue_final_message": "false",
-        "allowed_token_ids": "[]", "bad_words": "[]", "chat_template_kwargs": "{}",
-        "documents": "[]",
-    }  # fmt: skip
-    return f"null or {examples[name]}" if name in examples else "null"
 
 
 def _nearest(name: str, known: Iterable[str]) -> str | None:

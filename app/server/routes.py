@@ -57,7 +57,7 @@ from app.server.schema import (
     RequestBody,
 )
 from app.server.tokenizer_routes import add_tokenizer_routes
-from app.server.tools import ToolPlan, plan_tools
+from app.server.tools import ToolPlan, plan_tools, takes_tools
 from engine.core.engine import LLMEngine
 from engine.core.output import TokenEvent
 from engine.core.sampling import SamplingParams
@@ -242,7 +242,7 @@ class Server:
             refuse_unsupported(body)
             plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
             template = self.engine.tokenizer.chat_template or ""
-            with_tools = plan is not None and "tools" in template
+            with_tools = plan is not None and takes_tools(template)
             messages: list[dict[str, Any]] = [m.for_template(with_tools) for m in body.messages]
             tools = None
             if plan is not None:

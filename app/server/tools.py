@@ -87,7 +87,7 @@ class ToolPlan:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and the ``tools`` argument for the model's template: the template
         takes them where it reads a ``tools`` variable, else a system message lists them."""
-        if "tools" in template:
+        if takes_tools(template):
             return messages, self.tools
         listing = "\n".join(json.dumps(t["function"]) for t in self.tools)
         note = (
@@ -107,6 +107,11 @@ class ToolPlan:
         if not found or any(c.name not in self.names for c in found):
             return None
         return found
+
+
+def takes_tools(template: str) -> bool:
+    """Whether a chat template reads a ``tools`` variable (Hugging Face's convention)."""
+    return "tools" in template
 
 
 def plan_tools(
