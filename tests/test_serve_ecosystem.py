@@ -237,7 +237,8 @@ def test_metrics_equal_the_per_request_sums_after_a_mixed_run(server, client, en
         return after.get(name, 0) - before.get(name, 0)
 
     made = grew("vllm:request_generation_tokens_sum")  # every request's, the left one's too
-    assert grew("vllm:generation_tokens_total") == made and made > completion_sum + 4
+    # the client that left read 4 tokens; the engine may have made more before the cancel
+    assert grew("vllm:generation_tokens_total") == made and made >= completion_sum + 4
     assert grew("vllm:prompt_tokens_total") == prompt_sum == grew("vllm:request_prompt_tokens_sum")
     assert grew("infersight:prompt_tokens_cached_total") >= 16  # the repeat's blocks
     assert grew("vllm:request_success_total{finished_reason=abort}") == 1
