@@ -422,3 +422,14 @@ def test_chat_and_cli_do_not_import_each_other():
 def test_tune_rejects_bad_settings_before_loading(capsys, args, needle):
     code, _, err = run_cli(capsys, "tune", "--model", "/nonexistent", *args)
     assert_clean_error(code, err, needle)
+
+
+def test_the_replicas_take_the_serve_commands_own_options_and_defaults():
+    """Ray's replicas read `infersight serve`'s options from below the command
+    (app.cli.options): the same names and defaults as the command's parser gives."""
+    from app.cli.main import build_parser
+    from app.cli.options import serve_defaults
+
+    parsed = vars(build_parser().parse_args(["serve"]))
+    assert parsed.pop("handler").__name__ == "cmd_serve"
+    assert serve_defaults() == parsed

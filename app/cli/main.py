@@ -18,14 +18,23 @@ from app.cli.bench import cmd_bench, cmd_tune
 from app.cli.common import configure_cuda_allocator
 from app.cli.eval import cmd_calibrate, cmd_eval_compare, cmd_eval_ppl, cmd_eval_scan
 from app.cli.models import PLAN_PRECISIONS, add_models_parser, cmd_import_gguf, cmd_plan
+from app.cli.options import (
+    DEVICE_HELP,
+    MODEL_HELP,
+    THREADS_HELP,
+    UTILIZATION_HELP,
+    engine_args,
+    model_args,
+    sampling_args,
+    serve_args,
+    tensor_parallel_arg,
+    verbose_arg,
+)
 from app.cli.run import cmd_chat, cmd_generate, cmd_tokenize
 from app.cli.serve import cmd_serve
 from engine.errors import InfersightError
 
 log = logging.getLogger("infersight")
-
-MODEL_HELP = "'default', an HF model folder or a .gguf file (imported into the store once)"
-DEVICE_HELP = "auto (CUDA when torch sees one, else cpu), cpu, cuda, cuda:1 …"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run local LLMs and see inside the inference engine. "
         "With no command: open the desktop app on the default model.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    verbose_arg(parser)
     sub = parser.add_subparsers(metavar="COMMAND")
 
     p = sub.add_parser("app", help="open the desktop app (the default with no command)")
@@ -78,88 +87,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_app)
 
     p = sub.add_parser("chat", help="interactive terminal chat (streaming, multi-turn)")
-    _model_args(p)
-    _engine_args(p)
-    _sampling_args(p, default_max_new=512)
+    model_args(p)
+    engine_args(p)
+    sampling_args(p, default_max_new=512)
     p.add_argument("--system", help="system prompt")
     p.set_defaults(handler=cmd_chat)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server, with /metrics")
-    _model_args(p)
-    _engine_args(p)
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000, help="0: any free port, named on stderr")
-    g.add_argument(
-        "--api-key", default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $INFERSIGHT_API_KEY; none: no key)",
-    )  # fmt: skip
-    g.add_argument("--served-model-name", default=None, help="the model id clients name")
-    g.add_argument("--max-batch-size", type=int, default=16)
-    g.add_argument("--max-waiting", type=int, default=64, help="requests queued before 503")
-    g.add_argument("--max-waiting-tokens", type=int, default=65_536, help="their prompt tokens")
-    g.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait")
-    g.add_argument("--max-n", type=int, default=8, help="largest n (choices per request)")
-    g.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body")
-    g.add_argument(
-        "--self-test-interval", type=float, default=300.0, metavar="S",
-        help="seconds between self-tests (a fixed greedy prompt that must keep its first "
-        "answer; 0: only at start)",
-    )  # fmt: skip
-    g.add_argument(
-        "--oom-margin-mib", type=int, default=256,
-        help="GPU memory held back and let go when a step runs out of memory",
-    )  # fmt: skip
-    g = p.add_argument_group(
-        "replicas on Ray Serve (pip install 'infersight[ray]'; see docs/replicas.md)"
-    )
-    g.add_argument(
-        "--ray", action="store_true",
-        help="serve the same app as a Ray Serve deployment: an engine per replica, each with "
-        "the limits above, Ray's proxy in front on --host/--port",
-    )  # fmt: skip
-    scale = g.add_mutually_exclusive_group()
-    scale.add_argument("--replicas", type=int, default=None, metavar="N",
-                       help="engine replicas (default 1)")  # fmt: skip
-    scale.add_argument(
-        "--autoscale", default=None, metavar="MIN..MAX",
-        help="replicas between MIN and MAX, by Ray's autoscaler on ongoing requests",
-    )  # fmt: skip
-    g.add_argument(
-        "--address", default=None,
-        help="an existing Ray cluster ('auto' or HOST:PORT; default: start a local one)",
-    )  # fmt: skip
-    g.add_argument(
-        "--config", default=None, metavar="FILE",
-        help="a Ray Serve config (YAML or JSON: `infersight tune --capacity ... --json` "
-        "writes one); its deployments' replicas and limits, its args the model and options",
-    )  # fmt: skip
-    g.add_argument("--cpus-per-replica", type=float, default=1.0,
-                   help="Ray CPUs each engine replica reserves")  # fmt: skip
+    model_args(p)
+    engine_args(p)
+    serve_args(p)
     p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text from one prompt, streamed to stdout")
-    _model_args(p)
-    _engine_args(p)
+    model_args(p)
+    engine_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw prompt text (no chat template)")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     p.add_argument("--system", help="system prompt (with --chat)")
-    _sampling_args(p, default_max_new=128)
+    sampling_args(p, default_max_new=128)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--json-schema", metavar="FILE",
                    help="hold the reply to this JSON schema (structured output)")  # fmt: skip
     p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser("tokenize", help="token ids of each stdin line, as JSON arrays")
-    _model_args(p, precision=False)
+    model_args(p, precision=False)
     p.set_defaults(handler=cmd_tokenize)
 
     p = sub.add_parser("bench", help="measure speed and latency, optionally vs transformers")
-    _model_args(p)
-    _engine_args(p)
+    model_args(p)
+    engine_args(p)
     p.add_argument(
         "--workload",
         choices=("single", "mixed", "chat", "speculative", "structured"),
@@ -258,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         "setting, the Pareto front of throughput against p95 latency, the best setting for the "
         "SLO and where latency starts to grow faster than the load (the knee).",
     )
-    _model_args(p)
-    _engine_args(p, limits=False)
+    model_args(p)
+    engine_args(p, limits=False)
     g = p.add_argument_group("load")
     g.add_argument(
         "--mode", choices=("closed", "constant", "poisson"), default="closed",
@@ -301,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="quality: perplexity, or two precisions compared")
     esub = p.add_subparsers(metavar="ACTION", required=True)
     ep = esub.add_parser("ppl", help="perplexity on a held text (default: Twelfth Night)")
-    _model_args(ep)
+    model_args(ep)
     ep.add_argument("--text", help="a UTF-8 text file to score instead of the default")
     ep.add_argument("--max-tokens", type=int, default=4096)
     ep.add_argument("--context", type=int, default=512)
@@ -335,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
     ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    _tensor_parallel_arg(ep, "split A and B each over N processes")
+    tensor_parallel_arg(ep, "split A and B each over N processes")
     ep.add_argument(
         "--speculation", action="store_true",
         help="also measure speculative decoding with B drafting for A (k = 4 every step): "
@@ -368,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of text for --ppl")
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
     ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    _tensor_parallel_arg(
+    tensor_parallel_arg(
         ep, "not taken: the scan swaps one block at a time in a model held whole; the "
         "mixed: spec it plans loads split",
     )  # fmt: skip
@@ -399,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    _tensor_parallel_arg(
+    tensor_parallel_arg(
         p, "not taken: the statistics read every channel of a product in one process; the "
         "calibration a single process writes serves split loads too",
     )  # fmt: skip
@@ -456,123 +415,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
     p.set_defaults(handler=cmd_import_gguf)
     return parser
-
-
-UTILIZATION_HELP = (
-    "on a GPU, without --kv-memory or --num-blocks: the share of its memory the engine takes "
-    "in all (weights, a step's peak measured in a warm-up, the KV pool), in (0, 1] "
-    "(default 0.9)"
-)
-THREADS_HELP = (
-    "CPU threads (default: $INFERSIGHT_THREADS, else the fastest count for the model, timed "
-    "once per machine)"
-)
-
-
-def _model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
-    p.add_argument("--model", default="default", help=MODEL_HELP)
-    if precision:
-        p.add_argument(
-            "--precision",
-            default="fp32",
-            help="fp32, bf16, fp16, int8, int4-g32|g64|g128 (+head), w8a8 (INT8 activations "
-            "too), w8a8-sq[@calibration] (smoothed: see calibrate), or mixed:attn=int8,"
-            "mlp=int4-g32 with per-layer overrides such as mlp.0-2=int8 (see eval scan)",
-        )
-        p.add_argument("--device", default="auto", help=DEVICE_HELP)
-        p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-        _tensor_parallel_arg(
-            p, "split the model over N processes (Megatron-style tensor parallelism; on CPUs "
-            "over gloo, the threads shared out among them; a GPU each over NCCL)",
-        )  # fmt: skip
-
-
-def _tensor_parallel_arg(p: argparse.ArgumentParser, help: str) -> None:
-    p.add_argument(
-        "--tensor-parallel", type=int, default=1, metavar="N",
-        help=f"{help} (docs/tensor-parallel.md)",
-    )  # fmt: skip
-
-
-def _engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
-    g = p.add_argument_group("KV cache and scheduling")
-    g.add_argument(
-        "--kv-memory",
-        type=float,
-        default=None,
-        help="KV pool size: bytes (> 1) or a fraction of free memory (<= 1)",
-    )
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=UTILIZATION_HELP)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    if limits:
-        g.add_argument("--max-tokens-per-step", type=int, default=512, help="prefill chunk budget")
-    g.add_argument(
-        "--cache-window",
-        type=int,
-        default=None,
-        metavar="N",
-        help="keep only the last N tokens (plus --sink first ones) in the KV cache",
-    )
-    g.add_argument("--sink", type=int, default=4, help="first tokens kept with --cache-window")
-    g.add_argument(
-        "--no-prefix-cache", dest="prefix_caching", action="store_false",
-        help="compute every prompt in full (prefix caching shares the KV of prefixes already "
-        "computed: earlier turns, a shared system prompt)",
-    )  # fmt: skip
-    g.add_argument(
-        "--decode-graph",
-        choices=("auto", "on", "off"),
-        default=None,
-        help="run decode steps as one TorchInductor graph: on, off, or auto (where measured "
-        "faster on this kind of CPU/GPU); default: $INFERSIGHT_DECODE_GRAPH or auto",
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        choices=("auto", "on", "off"),
-        default=None,
-        help="replay decode steps as CUDA graphs, one per batch-size bucket (needs our Triton "
-        "kernels): on, off, or auto (on a GPU with them); default: $INFERSIGHT_CUDA_GRAPHS or "
-        "auto",
-    )
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument(
-        "--speculative", nargs="+", default=None, metavar="DRAFTER",
-        help="draft tokens and verify them in one step: self:PRECISION (the model's own "
-        "weights once more, e.g. self:int4-g32+head), lookup (n-grams of the prompt and reply "
-        "so far, no model) or model:DIR (a smaller model with the same tokenizer); bench "
-        "--workload speculative takes several",
-    )  # fmt: skip
-    g.add_argument(
-        "--draft-k", nargs="+", type=int, default=[8], metavar="K",
-        help="most draft tokens per step (default 8; bench --workload speculative takes several)",
-    )  # fmt: skip
-    g.add_argument(
-        "--fixed-k", dest="adaptive_k", action="store_false",
-        help="draft k tokens every step (default: each request adapts k to its acceptance)",
-    )  # fmt: skip
-
-
-def _sampling_args(p: argparse.ArgumentParser, *, default_max_new: int) -> None:
-    g = p.add_argument_group(
-        "sampling",
-        "Unset options take the model's own defaults (its generation_config.json; greedy "
-        "when it has none); each option given overrides just that value.",
-    )
-    g.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help=f"default: the model's, else {default_max_new}",
-    )
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None, help="0 = off")
-    g.add_argument("--top-p", type=float, default=None, help="1 = off")
-    g.add_argument("--min-p", type=float, default=None, help="0 = off")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string")
-    p.set_defaults(fallback_max_new_tokens=default_max_new)
 
 
 def cmd_app(args: argparse.Namespace) -> int:

@@ -176,7 +176,7 @@ def _most_replicas(engine: dict[str, Any]) -> int:
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
-    from app.cli.serve import _free_port
+    from app.cli.server_setup import free_port
 
     ray = _ray()
     todo = plan(args)
@@ -193,7 +193,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     options["api_key"] = options.get("api_key") or os.environ.get("INFERSIGHT_API_KEY") or None
     port = todo["port"]
     if port == 0:
-        with _free_port(todo["host"]) as sock:
+        with free_port(todo["host"]) as sock:
             port = int(sock.getsockname()[1])
     engine = todo["engine"]
     need = _most_replicas(engine) * float(engine["ray_actor_options"]["num_cpus"])

@@ -38,8 +38,9 @@ from ray.serve.handle import DeploymentHandle
 from app.replicas import forwarding
 from app.replicas.forwarding import Forwarded
 from app.replicas.metrics import merge
+from app.server.errors import HTTPError, error_body
 from app.server.routes import NEEDS_KEY, bearer_matches
-from app.server.schema import HTTPError, error_body, sse
+from app.server.schema import sse
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,9 @@ RAY_OPTIONS = ("ray", "replicas", "autoscale", "address", "config", "cpus_per_re
 def serve_options(given: Mapping[str, Any]) -> dict[str, Any]:
     """``infersight serve``'s options: its defaults, updated with ``given`` (by name); an
     unknown name is refused."""
-    from app.cli.main import build_parser
+    from app.cli.options import serve_defaults
 
-    defaults = vars(build_parser().parse_args(["serve"]))
-    defaults.pop("handler", None)
+    defaults = serve_defaults()
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         from engine.errors import InvalidRequestError
@@ -98,7 +98,7 @@ class EngineReplica:
     """One engine and its server app; requests arrive as :class:`Forwarded`."""
 
     async def __init__(self, options: dict[str, Any]) -> None:  # type: ignore[misc]
-        from app.cli.serve import make_server
+        from app.cli.server_setup import make_server
 
         args = argparse.Namespace(**options)
         self.server = await asyncio.to_thread(make_server, args)

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from app.server.schema import HTTPError
+from app.server.errors import HTTPError
 
 #: fields that only label a request (OpenAI's and vLLM's): accepted, changing nothing
 LABELS = frozenset({

@@ -44,6 +44,7 @@ from app.server.engine_loop import (
     EngineLoop,
     SelfTest,
 )
+from app.server.errors import HTTPError
 from app.server.fields import refuse_unsupported
 from app.server.logs import log_event
 from app.server.metrics import ServerMetrics
@@ -52,7 +53,6 @@ from app.server.schema import (
     ChatBody,
     Choice,
     CompletionBody,
-    HTTPError,
     Reply,
     RequestBody,
 )

@@ -13,16 +13,8 @@ import torch
 from fastapi import Request
 
 from app.server.engine_loop import Sink
-from app.server.schema import (
-    Choice,
-    HTTPError,
-    Reply,
-    Scored,
-    StreamOptions,
-    error_body,
-    scored,
-    sse,
-)  # fmt: skip
+from app.server.errors import HTTPError, error_body
+from app.server.schema import Choice, Reply, Scored, StreamOptions, scored, sse
 from engine.core.output import Logprobs, TokenEvent
 from engine.errors import EngineBusyError, InvalidRequestError
 

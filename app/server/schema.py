@@ -1,5 +1,5 @@
-"""OpenAI's shapes: the request bodies of both routes, errors (``{"error": {"message",
-"type", "param", "code"}}``), and the replies, whole or as Server-Sent Events chunks."""
+"""OpenAI's shapes: the request bodies of both routes and the replies, whole or as
+Server-Sent Events chunks (errors: :mod:`app.server.errors`)."""
 
 from __future__ import annotations
 
@@ -8,40 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.server.errors import HTTPError
 from app.server.tools import ToolChoice, ToolPlan, ToolSpec
 from engine.core.output import TokenEvent
 from engine.core.sampling import MAX_LOGPROBS
 from engine.core.structured import Constraint
-
-
-class HTTPError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            error_body(self.message, self.kind, self.param, self.code),
-            status_code=self.status,
-            headers=self.headers,
-        )
-
-
-def error_body(
-    message: str, kind: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
 
 # -- request bodies -----------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.server.errors import HTTPError
 from app.server.fields import refuse_unsupported
-from app.server.schema import HTTPError
 from engine.core.engine import LLMEngine
 from engine.errors import InvalidRequestError
 

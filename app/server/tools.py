@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.server.errors import HTTPError
 from engine.core.structured import Constraint
 
 
@@ -119,8 +120,6 @@ def plan_tools(
 ) -> ToolPlan | None:
     """The request's :class:`ToolPlan` (None without tools); a choice naming no given tool, or
     a choice without tools, is refused."""
-    from app.server.schema import HTTPError  # the schema holds these models: imported late
-
     if not tools:
         if choice not in (None, "none"):
             raise HTTPError(400, "tool_choice needs tools", param="tool_choice")
