@@ -206,7 +206,7 @@ gpu-versions: $(GPU_IMAGE)/.stamp gpu-wheels
 LOAD_PEAK_DEVICE ?= cpu
 load-peak: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull
-	$(BIN)/python -m tests.load_peak --device $(LOAD_PEAK_DEVICE)
+	$(BIN)/python -m checks.load_peak --device $(LOAD_PEAK_DEVICE)
 
 venv: $(VENV)/.stamp-run
 dev: $(VENV)/.stamp-dev

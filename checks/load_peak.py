@@ -14,7 +14,7 @@ the load overhead (:func:`engine.loader.memory_plan.load_overhead_bytes`: the la
 fp32, on a CPU its checkpoint copy too, four quantization chunks and 64 MiB of allocator slack).
 Exits 1 if a peak passes its bound or the loaded weights differ from the plan's by more than 1%.
 
-Run: ``python -m tests.load_peak [--device cpu|cuda] [--precision int8 ...] [--folder DIR]``.
+Run: ``python -m checks.load_peak [--device cpu|cuda] [--precision int8 ...] [--folder DIR]``.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main() -> int:
     rows = []
     for precision in args.precision:
         out = subprocess.run(
-            [sys.executable, "-m", "tests.load_peak", "--one", "--device", args.device,
+            [sys.executable, "-m", "checks.load_peak", "--one", "--device", args.device,
              "--precision", precision, "--folder", str(args.folder)],
             capture_output=True, text=True, cwd=ROOT,
         )  # fmt: skip

@@ -22,7 +22,7 @@ and torch's INT8 kernel too, and that noise hides an approximation smaller than 
 rounding (INT8's int16 activations); in fp32 it is 1e-8. INT8 only: torch's INT4 kernel takes
 bf16 activations alone.
 
-Run: ``python -m tests.lowbit_kl [--tokens 1024] [--precision int8+head int4-g32+head]
+Run: ``python -m checks.lowbit_kl [--tokens 1024] [--precision int8+head int4-g32+head]
 [--compute fp32]``.
 """
 

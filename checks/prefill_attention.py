@@ -10,7 +10,7 @@ alternating in one process so that the machine's noise falls on both:
 * the attention's own time under ``torch.profiler`` (the self CPU time of the attention ops,
   summed over the layers), median of three profiled pairs, and the ratio.
 
-Run: ``python -m tests.prefill_attention [--precision bf16] [--prompt-len 512] [--threads 2]``.
+Run: ``python -m checks.prefill_attention [--precision bf16] [--prompt-len 512] [--threads 2]``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 two (``--tensor-parallel 2``), and as two Ray Serve replicas (``--ray --replicas 2``), each
 under the same closed-loop load through the ``openai`` SDK, one after the other.
 
-    python -m tests.serve_throughput [--users 8] [--requests 4] [--tokens 64] [--json]
+    python -m checks.serve_throughput [--users 8] [--requests 4] [--tokens 64] [--json]
 
 Not a test (it times); its table goes to docs/performance.md.
 """

@@ -62,7 +62,7 @@ MODES = ("auto", "ours", "torch")
 #: The formats whose layers ``auto`` may hand to our kernels: those where quantizing the
 #: activations costs under a tenth of the weight quantization's own KL, measured on the default
 #: model over 1,024 tokens of the evaluation text, one decode step per token
-#: (``tests/lowbit_kl.py``, ``docs/cpu-kernels.md``). INT4-g32+head, int8 activations: 0.0052
+#: (``checks/lowbit_kl.py``, ``docs/cpu-kernels.md``). INT4-g32+head, int8 activations: 0.0052
 #: against its own 0.085 (0.06×). INT8+head: int8 activations cost 0.77× its own KL, so its
 #: kernel takes int16 ones; computed in fp32 (where kernels that only add in another order
 #: agree to KL 1e-8) they cost 2e-7 against 0.0048 (4e-5×).
