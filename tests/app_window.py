@@ -51,7 +51,7 @@ class SharedWeights:
 def _in_use(engine: LLMEngine) -> bool:
     model = engine.model
     hooked = any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-    return hooked or bool(model.eager_reasons)
+    return hooked or bool(engine.runner.executor.eager_reasons)
 
 
 SHARED_WEIGHTS = SharedWeights()

@@ -33,7 +33,7 @@ os.environ["INFERSIGHT_THREADS"] = os.environ["INFERSIGHT_TESTS_THREADS_ASKED"] 
 # machine's noise (tests/test_linear_layout.py times them).
 os.environ.setdefault("INFERSIGHT_LAYOUT", "packed")
 # Eager decode steps unless a test asks for a compiled one: ``auto`` would compile wherever a
-# CPU kind is listed as faster compiled (engine/kernels/decode_graph.py), minutes per load.
+# CPU kind is listed as faster compiled (engine/executor/inductor.py), minutes per load.
 os.environ.setdefault("INFERSIGHT_DECODE_GRAPH", "off")
 # torch's low-bit kernels unless a test asks for ours (tests/test_lowbit.py): ``auto`` would
 # take ours for the shapes where they timed faster, and their activations are quantized.

@@ -1,4 +1,4 @@
-"""Decode steps over static buffers (engine/core/cuda_graphs.py), which a GPU replays as CUDA
+"""Decode steps over static buffers (engine/executor/cuda_graphs.py), which a GPU replays as CUDA
 graphs: on this CPU the same buffers, buckets and padding run eagerly (our Triton kernels in
 Triton's interpreter), and must give what the plain engine gives, token for token."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core import cuda_graphs
 from engine.core.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.executor import cuda_graphs
 from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 from tests.conftest import WIDE_HEADS

@@ -1,4 +1,4 @@
-"""The compiled decode step (engine/kernels/decode_graph.py): how the mode is settled, that a
+"""The compiled decode step (engine/executor/inductor.py): how the mode is settled, that a
 compiled step gives transformers' greedy ids and batch invariance, and every way back to
 eager."""
 
@@ -14,8 +14,8 @@ from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.kernels import decode_graph
-from engine.kernels.decode_graph import GraphChoice, choose
+from engine.executor import inductor, table
+from engine.executor.inductor import GraphChoice, choose
 from engine.loader.load import load_model
 
 STEPS = 24
@@ -24,22 +24,22 @@ CPU = torch.device("cpu")
 
 def test_off_and_auto_on_an_unmeasured_kind_stay_eager(monkeypatch):
     assert choose("off", CPU) == GraphChoice(False, "off as asked")
-    monkeypatch.setattr(decode_graph, "FASTER_COMPILED", frozenset())
-    monkeypatch.setattr(decode_graph, "EAGER_MEASURED", frozenset())
+    monkeypatch.setattr(inductor, "FASTER_COMPILED", frozenset())
+    monkeypatch.setattr(inductor, "EAGER_MEASURED", frozenset())
     auto = choose("auto", CPU)
     assert not auto.compiled and auto.why.startswith("not yet measured on cpu/")
-    monkeypatch.setattr(decode_graph, "EAGER_MEASURED", frozenset({decode_graph.device_kind(CPU)}))
+    monkeypatch.setattr(inductor, "EAGER_MEASURED", frozenset({inductor.device_kind(CPU)}))
     assert "compiling costs more at load than it saves" in choose("auto", CPU).why
 
 
 def test_auto_compiles_where_measured_faster(monkeypatch):
-    monkeypatch.setattr(decode_graph, "FASTER_COMPILED", frozenset({decode_graph.device_kind(CPU)}))
-    monkeypatch.setattr(decode_graph, "compiler_problem", lambda _device: "")
+    monkeypatch.setattr(inductor, "FASTER_COMPILED", frozenset({inductor.device_kind(CPU)}))
+    monkeypatch.setattr(inductor, "compiler_problem", lambda _device: "")
     assert choose("auto", CPU).compiled
 
 
 def test_on_without_a_compiler_says_why_and_stays_eager(monkeypatch):
-    monkeypatch.setattr(decode_graph, "compiler_problem", lambda _device: "no C++ compiler found")
+    monkeypatch.setattr(inductor, "compiler_problem", lambda _device: "no C++ compiler found")
     choice = choose("on", CPU)
     assert not choice.compiled
     assert "no C++ compiler found" in choice.summary()
@@ -55,19 +55,24 @@ def test_triton_attention_and_tensor_parallelism_are_settled_in_choose_without_t
     def probe(_device: str) -> str:
         raise AssertionError("the compiler probe ran for a step that cannot compile")
 
-    monkeypatch.setattr(decode_graph, "compiler_problem", probe)
+    monkeypatch.setattr(inductor, "compiler_problem", probe)
     for mode in ("on", "auto"):
-        triton = choose(mode, CPU, triton_attention=True)
-        assert triton == GraphChoice(False, "eager: our Triton kernels run the attention")
+        triton = choose(mode, CPU, backend="triton")
+        under = table.refusal("compiled", "triton")
+        assert under.startswith("compiled refused with triton attention")
+        assert triton == GraphChoice(False, f"eager: {under}")
         split = choose(mode, CPU, tensor_parallel=True)
-        assert split == GraphChoice(False, "eager under tensor parallelism")
-    assert choose("off", CPU, triton_attention=True).why == "off as asked"
+        parallel = table.refusal("compiled", "torch", tensor_parallel=True)
+        assert (
+            split == GraphChoice(False, f"eager: {parallel}") and "tensor parallelism" in parallel
+        )
+    assert choose("off", CPU, backend="triton").why == "off as asked"
 
 
 def test_the_environment_sets_the_mode_and_bad_modes_are_refused(monkeypatch):
-    monkeypatch.setenv(decode_graph.ENV, "off")
-    assert decode_graph.requested_mode(None) == "off"
-    assert decode_graph.requested_mode("on") == "on"  # the argument wins
+    monkeypatch.setenv(inductor.ENV, "off")
+    assert inductor.requested_mode(None) == "off"
+    assert inductor.requested_mode("on") == "on"  # the argument wins
     with pytest.raises(InvalidRequestError, match="auto, on, off"):
         EngineConfig(decode_graph="fast")
 
@@ -75,14 +80,14 @@ def test_the_environment_sets_the_mode_and_bad_modes_are_refused(monkeypatch):
 def _counting(engine: LLMEngine) -> list[int]:
     """Count the calls that reach the compiled graph."""
     calls = [0]
-    compiled = engine.model.compiled_decode
+    compiled = engine.runner.executor.compiled
     assert compiled is not None
 
     def counted(*args: Any) -> torch.Tensor:
         calls[0] += 1
         return compiled(*args)
 
-    engine.model.compiled_decode = counted
+    engine.runner.executor.compiled = counted
     return calls
 
 
@@ -91,7 +96,7 @@ def compiled_llama(tiny_model_dir) -> tuple[LLMEngine, Any]:
     # Two layers: a step still goes from layer to layer, each over its own cache; a third
     # would only add nodes for TorchInductor to generate code for (about 4 s a layer, cold).
     folder, hf = tiny_model_dir("llama", True, num_hidden_layers=2)
-    problem = decode_graph.compiler_problem("cpu")
+    problem = inductor.compiler_problem("cpu")
     if problem.startswith("the probe"):  # it crashed, or died: a fault to fix, never a skip
         pytest.fail(f"the compile probe {problem} (delete probes.json once it is fixed)")
     if problem:  # the probe's own answer: no compiler here, or Inductor cannot build with it
@@ -176,12 +181,12 @@ def test_a_graph_that_fails_mid_reply_hands_over_to_eager(tiny_model_dir):
         calls[0] += 1
         raise RuntimeError("a kernel fell over")
 
-    engine.model.compiled_decode = breaks
+    engine.runner.executor.compiled = breaks
     prompt = _prompts(hf.config.vocab_size)[0]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     ours = [e.token_id for e in engine.generate(prompt, params) if e.token_id is not None]
     assert ours == _hf_greedy(hf, prompt, 6)
-    assert calls[0] == 1 and engine.model.compiled_decode is None
+    assert calls[0] == 1 and engine.runner.executor.compiled is None
 
 
 def test_layer_timings_run_every_step_eagerly(compiled_llama):
@@ -209,12 +214,12 @@ def test_a_failed_compile_leaves_a_working_eager_engine(tiny_model_dir, monkeypa
 
         return fails
 
-    monkeypatch.setattr(decode_graph, "compiler_problem", lambda _device: "")
-    monkeypatch.setattr(decode_graph, "compile_forward", broken)
+    monkeypatch.setattr(inductor, "compiler_problem", lambda _device: "")
+    monkeypatch.setattr(inductor, "compile_forward", broken)
     engine = load_model(folder, config=EngineConfig(decode_graph="on", num_blocks=16))
     assert not engine.graph.compiled
     assert engine.graph.why == "compiling failed (inductor fell over); eager"
-    assert engine.model.compiled_decode is None
+    assert engine.runner.executor.compiled is None
     assert engine.kv.manager.num_free == 16  # the warm-up's blocks are back
     prompt = _prompts(hf.config.vocab_size)[1]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -223,5 +228,5 @@ def test_a_failed_compile_leaves_a_working_eager_engine(tiny_model_dir, monkeypa
 
 def test_the_reason_is_the_line_that_says_what_went_wrong():
     wrapped = RuntimeError("backend='inductor' raised:\nCppCompileError: C++ compile error\n\nmore")
-    assert decode_graph.reason(wrapped) == "CppCompileError: C++ compile error"
-    assert decode_graph.reason(RuntimeError("")) == "RuntimeError"
+    assert inductor.reason(wrapped) == "CppCompileError: C++ compile error"
+    assert inductor.reason(RuntimeError("")) == "RuntimeError"

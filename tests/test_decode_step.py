@@ -32,7 +32,7 @@ def _ours(folder, precision: str, **kwargs):
 def _counting(engine) -> Iterator[list[bool]]:
     """The C step's calls while inside: True where it ran the step, False where it declined."""
     calls: list[bool] = []
-    step = engine.model.decode_step
+    step = engine.runner.executor.c_step
     assert step is not None, engine.kernels
 
     class Counted:  # the step, its calls counted
@@ -44,11 +44,11 @@ def _counting(engine) -> Iterator[list[bool]]:
             calls.append(out is not None)
             return out
 
-    engine.model.decode_step = Counted()
+    engine.runner.executor.c_step = Counted()
     try:
         yield calls
     finally:
-        engine.model.decode_step = step
+        engine.runner.executor.c_step = step
 
 
 def _generate(engine, prompts: list[list[int]], steps: int, **params) -> tuple[list, list]:
@@ -139,13 +139,13 @@ def test_the_eager_step_runs_where_the_c_step_does_not_apply(tiny_model_dir):
         _generate(engine, many, 3)
     # the prefill never reaches it; the two decode steps of 17 rows are declined
     assert calls == [False, False]
-    engine.model.eager_reasons.add("bench: eager row")
+    engine.runner.executor.eager_reasons.add("bench: eager row")
     try:
         with _counting(engine) as calls:
             _generate(engine, PROMPTS[:1], 4)
         assert calls == []
     finally:
-        engine.model.eager_reasons.discard("bench: eager row")
+        engine.runner.executor.eager_reasons.discard("bench: eager row")
     with _counting(engine) as calls:
         _generate(engine, PROMPTS[:1], 4)
     assert calls == [True] * 3
@@ -154,12 +154,12 @@ def test_the_eager_step_runs_where_the_c_step_does_not_apply(tiny_model_dir):
 def test_why_a_load_keeps_the_eager_step(tiny_model_dir):
     folder, _ = tiny_model_dir("qwen3", False, **WIDE)
     engine = _ours(folder, "fp32")
-    assert engine.model.decode_step is None
+    assert engine.runner.executor.c_step is None
     assert "decode steps eager (per-head q/k norms" in engine.kernels
     folder, _ = tiny_model_dir("llama", False, **WIDE)
     with lowbit.choosing("torch"):
         engine = load_model(folder, precision="int8")
-    assert engine.model.decode_step is None
+    assert engine.runner.executor.c_step is None
     assert f"decode steps eager ({lowbit.ENV}=torch)" in engine.kernels
 
 
@@ -170,13 +170,13 @@ def test_a_failing_c_step_hands_this_and_every_later_step_to_the_eager_code(tiny
     engine = _ours(folder, "fp32")
     with decode_step.eager():
         want, _ = _generate(engine, PROMPTS, 6)
-    step = engine.model.decode_step
+    step = engine.runner.executor.c_step
     assert step is not None
     step.fn = lambda *args: -1
     with caplog.at_level(logging.WARNING):
         got, _ = _generate(engine, PROMPTS, 6)
     assert got == want
-    assert engine.model.decode_step is None
+    assert engine.runner.executor.c_step is None
     assert "the C decode step failed, running eagerly" in caplog.text
 
 
@@ -202,7 +202,7 @@ def test_engines_sharing_the_model_each_read_and_write_their_own_pool(tiny_model
         assert [got[rid] for owner, rid in rids if owner is e] == want
     with lowbit.choosing("ours"):
         resized = engine.with_pool(num_blocks=engine.kv.manager.num_blocks + 8)
-    assert resized.model.decode_step is not None
+    assert resized.runner.executor.c_step is not None
     assert _generate(resized, PROMPTS, 8)[0] == want
 
 
@@ -232,7 +232,7 @@ def test_layer_timings_come_from_the_c_step_itself(tiny_model_dir):
     for timings in decode_steps:
         assert [t.layer for t in timings] == list(range(engine.cfg.num_layers))
         assert all(t.attention_s > 0 and t.mlp_s > 0 for t in timings)
-    step = engine.model.decode_step
+    step = engine.runner.executor.c_step
     assert step is not None and not step.times_layers and step.take_layer_seconds() == []
 
 
@@ -258,5 +258,5 @@ def test_the_step_is_checked_before_a_load_uses_it(tiny_model_dir, monkeypatch):
     folder, _ = tiny_model_dir("llama", False, **WIDE)
     engine = _ours(folder, "fp32")
     assert asked == [decode_check.PROBE]
-    assert engine.model.decode_step is None
+    assert engine.runner.executor.c_step is None
     assert "decode steps eager (the C step failed its check: it crashed)" in engine.kernels

@@ -20,7 +20,7 @@ import torch
 from checks.gpu import common as gpu_check
 from checks.gpu import graphs
 from engine.errors import InvalidRequestError
-from engine.kernels import decode_graph
+from engine.executor import inductor, table
 from engine.loader.synthetic import SyntheticCheckpoint, build_engine
 from engine.model.config import ModelConfig
 from engine.quant.spec import parse_precision_spec
@@ -178,20 +178,19 @@ def test_a_synthetic_checkpoint_is_the_same_every_draw_and_loads_as_the_config_s
 
 def test_compiled_decode_is_asked_of_the_engine_where_our_attention_runs(monkeypatch):
     """With our Triton attention (the GPU's default) the engine never compiles its step; the
-    check builds the compiled side on torch's attention and asks ``decode_graph.choose`` what
+    check builds the compiled side on torch's attention and asks ``inductor.choose`` what
     the Triton side gets. TorchInductor's own work is not what is tested here: the compile is
     the identity, so the check's logic runs in seconds on the CPU."""
     monkeypatch.setenv("INFERSIGHT_KERNELS", "triton")  # as a GPU's default: ours attend
-    monkeypatch.setattr(decode_graph, "compiler_problem", lambda _device: "")
-    monkeypatch.setattr(decode_graph, "compile_forward", lambda forward: forward)
+    monkeypatch.setattr(inductor, "compiler_problem", lambda _device: "")
+    monkeypatch.setattr(inductor, "compile_forward", lambda forward: forward)
     figures: dict[str, Any] = {}
     scale = replace(gpu_check.DRY, raw=gpu_check.wide_tiny())  # heads our kernels take
     graphs.check_compiled(scale, torch.device("cpu"), True, figures, mode="on")
     assert figures["ran"]["decode_step"].startswith("decode step compiled")
     assert not figures["ran"]["triton_attention"]
-    assert figures["under_triton_attention"] == (
-        "decode step eager: eager: our Triton kernels run the attention"
-    )
+    refused = table.refusal("compiled", "triton")
+    assert figures["under_triton_attention"] == f"decode step eager: eager: {refused}"
     assert figures["greedy"]["agree"]
 
 

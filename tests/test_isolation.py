@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.executor import inductor, native, paged_decode
 from engine.hardware import cpu_paths, isolated
 from engine.hardware.cpu_paths import LEVELS, native_level
-from engine.kernels import decode_graph, native, paged_decode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ LOWER = (
 
 COMPILE = """
 import json, torch
-from engine.kernels.decode_graph import compile_forward
+from engine.executor.inductor import compile_forward
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 def f(x):
     return torch.nn.functional.silu(x) * x + 1
@@ -146,12 +146,12 @@ def test_a_probe_the_machine_stopped_is_asked_again_at_the_next_load(probe_home:
 def test_a_compiler_crash_is_reported_and_the_load_stays_eager(
     probe_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(decode_graph.PROBE, "cpu", f"{__name__}:crash")
-    decode_graph.compiler_problem.cache_clear()
+    monkeypatch.setitem(inductor.PROBE, "cpu", f"{__name__}:crash")
+    inductor.compiler_problem.cache_clear()
     try:
-        choice = decode_graph.choose("on", torch.device("cpu"))
+        choice = inductor.choose("on", torch.device("cpu"))
     finally:
-        decode_graph.compiler_problem.cache_clear()
+        inductor.compiler_problem.cache_clear()
     assert not choice.compiled
     assert choice.why.startswith("cannot compile here (the probe crashed (SIGABRT)")
 

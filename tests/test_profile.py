@@ -93,7 +93,7 @@ def test_our_c_kernels_are_counted_where_they_run(tiny_model_dir):
 
 
 def test_the_c_decode_step_splits_its_own_time(tiny_model_dir):
-    """Where a decode step runs in one C call (:mod:`engine.kernels.decode_step`), the profile
+    """Where a decode step runs in one C call (:mod:`engine.executor.c_step`), the profile
     splits that call by the step's own clocks: four products per layer and the LM head as
     matmuls, one attention per layer, the loops between them as other ops; the kinds still
     share out the wall time, and nothing runs through the modules' scopes."""
@@ -104,7 +104,7 @@ def test_the_c_decode_step_splits_its_own_time(tiny_model_dir):
     folder, _ = tiny_model_dir("llama", False, intermediate_size=128)
     with lowbit.choosing("ours"):
         engine = load_model(folder, precision="int8")
-    assert engine.model.decode_step is not None, engine.kernels
+    assert engine.runner.executor.c_step is not None, engine.kernels
     layers, steps = engine.cfg.num_layers, 5
     p = profile_decode(engine, list(range(5, 25)), steps=steps)
     row = p.ms["C decode step"]

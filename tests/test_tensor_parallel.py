@@ -23,6 +23,7 @@ from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
+from engine.executor import table
 from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 from engine.model.config import ModelConfig
@@ -439,7 +440,7 @@ def test_the_tensors_collectives_run_in_their_own_group(tiny_model_dir, split) -
     assert two.graphs.runner is None and "under tensor parallelism" in two.graphs.why
     assert not two.graph.compiled
     if "cannot compile" not in two.graph.why:  # a machine without a compiler says that first
-        assert two.graph.why == "eager under tensor parallelism"
+        assert two.graph.why == "eager: " + table.refusal("compiled", "c", tensor_parallel=True)
 
 
 # -- the app ------------------------------------------------------------------------------------

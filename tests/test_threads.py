@@ -121,7 +121,7 @@ def test_a_c_decode_step_settles_the_count_on_its_own_steps(tiny_model_dir, unti
     folder, _ = tiny_model_dir("llama", False, intermediate_size=128)
     with lowbit.choosing("ours"):
         engine = load_model(folder)
-    assert engine.model.decode_step is not None, engine.kernels
+    assert engine.runner.executor.c_step is not None, engine.kernels
     assert untimed == [1, 2, 4] * 3 and stepped == [1, 2, 4] * 3
     assert torch.get_num_threads() == 4  # the step's fastest, where the linears' said 2
     assert engine.threads_report.startswith("4 threads, the fastest for this model's decode")

@@ -197,7 +197,7 @@ def _bench_profile(args: argparse.Namespace, folder: Any, device: str, config: A
     title = f"{engine.name} · {args.precision} · {where}"
     if args.attention == "compare":
         return _profile_attention_paths(args, engine, prompt, title)
-    if engine.model.decode_step is not None:
+    if engine.runner.executor.c_step is not None:
         return _profile_c_step(args, engine, prompt, title, where)
     result = profile_decode(engine, prompt, steps=args.new_tokens, batch=args.batch)
     if args.json:
@@ -212,7 +212,7 @@ def _profile_c_step(
     args: argparse.Namespace, engine: Any, prompt: Any, title: str, where: str
 ) -> int:
     """``bench --profile`` where decode steps run in one C call
-    (:mod:`engine.kernels.decode_step`): that step and the eager one, taking turns on the same
+    (:mod:`engine.executor.c_step`): that step and the eager one, taking turns on the same
     requests (``--repeats`` times), the fastest repeat of each (in JSON the C step's
     profile, with the eager one under ``"eager"``)."""
     from contextlib import nullcontext

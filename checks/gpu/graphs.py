@@ -42,7 +42,7 @@ from checks.gpu.common import (
 from engine.bench.speed import RunTiming, bench_prompt, run_ours
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
-from engine.kernels import decode_graph, triton_support
+from engine.executor import inductor, triton_support
 from engine.loader.memory_plan import (
     kv_bytes_per_token,
 )
@@ -130,11 +130,11 @@ def check_triton(
 def eager(engine: LLMEngine, on: bool) -> Iterator[None]:
     """Decode steps eager for the context (the compiled graph stays)."""
     if on:
-        engine.model.eager_reasons.add("gpu-check")
+        engine.runner.executor.eager_reasons.add("gpu-check")
     try:
         yield
     finally:
-        engine.model.eager_reasons.discard("gpu-check")
+        engine.runner.executor.eager_reasons.discard("gpu-check")
 
 
 def check_compiled(
@@ -147,12 +147,12 @@ def check_compiled(
     """The decode step compiled (``--decode-graph on``; the dry run ``off``: compiling takes
     minutes on a CPU) where the engine compiles it: with torch's attention. Under our Triton
     attention, the GPU's default, the engine refuses; the check asks that of
-    :func:`engine.kernels.decode_graph.choose`, the one place the load asks too. Then speed
+    :func:`engine.executor.inductor.choose`, the one place the load asks too. Then speed
     and greedy ids, compiled against eager, on 4 of the 8B's layers."""
     precision = native_choice(device)
     raw = scale.raw | {"num_hidden_layers": scale.compiled_layers}
     mode = mode or ("off" if dry_run else "on")
-    under_triton = decode_graph.choose(mode, device, triton_attention=True)
+    under_triton = inductor.choose(mode, device, backend="triton")
     figures["under_triton_attention"] = under_triton.summary()
     expect(not under_triton.compiled, f"compiling under our attention: {under_triton.summary()}")
     started = time.perf_counter()

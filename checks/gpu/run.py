@@ -24,7 +24,7 @@ each under its own time limit, whatever the others gave:
    at 8k tokens of context against 512 on the 8B;
 5. **compiled decode**: the decode step compiled where the engine compiles it (torch's
    attention; under our Triton attention the engine refuses, and the check asks the same
-   place the engine does, :func:`engine.kernels.decode_graph.choose`);
+   place the engine does, :func:`engine.executor.inductor.choose`);
 6. **transformers fp16** (:mod:`checks.gpu.serving`) and **out of memory** (on the 12 GB card:
    the server's loop recovers a step that ran out for real), what no other check covers;
 7. the other precisions, each where native and planned to fit;

@@ -17,7 +17,7 @@ into the innermost scope around it and into one of these kinds of time:
 * **python/dispatch**: what is left of the step's wall time: Python in and around the model,
   and torch's dispatch between operators (an operator's self time is its own C++ work).
 
-A decode step run in one C call (:mod:`engine.kernels.decode_step`) calls no module: its
+A decode step run in one C call (:mod:`engine.executor.c_step`) calls no module: its
 layers and LM head are one event, the "C decode step" scope, split by the step's own clocks
 into its products, its attention and the loops between them.
 
@@ -44,7 +44,7 @@ from engine.model.attention import AttentionContext, DecodeTables
 SCOPE = "infersight:"
 SCOPES = ("attention block", "attention", "mlp", "norms", "embedding", "lm_head",
           "decode graph", "C decode step", "engine")  # fmt: skip
-#: the C decode step's call (:mod:`engine.kernels.decode_step`): one event for every layer,
+#: the C decode step's call (:mod:`engine.executor.c_step`): one event for every layer,
 #: split into products, attention and the rest by the step's own clocks
 C_STEP_EVENT = "infersight::decode_step"
 #: the profiler events of the scopes (not ``infersight::…`` ops, which share the prefix)
@@ -240,7 +240,7 @@ def profile_decode_variants(
 def _profile_steps(engine: LLMEngine, steps: int, batch: int) -> StepProfile:
     from torch.profiler import ProfilerActivity, profile
 
-    clocks = getattr(engine.model.decode_step, "clocked", None)
+    clocks = getattr(engine.runner.executor.c_step, "clocked", None)
     with clocks() if clocks is not None else nullcontext([]) as clocked:
         started = time.perf_counter()
         for _ in range(steps):  # unprofiled, for the real step time
@@ -249,7 +249,7 @@ def _profile_steps(engine: LLMEngine, steps: int, batch: int) -> StepProfile:
     # A compiled step has no modules to hook: its parts are the graph's kernels, the
     # opaque matmuls and the attention op (kernels are recorded, see decode_graph).
     scopes = nullcontext() if engine.graph.compiled else _scopes(engine)
-    c_step = engine.model.decode_step
+    c_step = engine.runner.executor.c_step
     spent = getattr(c_step, "spent", None)
     if spent is not None:
         spent[:] = [0.0, 0.0, 0.0]

@@ -230,9 +230,9 @@ def run_table(
         cache = prefix_cache_state(engine)  # the same config for every precision
         prompt = prompt or bench_prompt(engine, cfg.prompt_len, cfg.seed)
         read = float(decode_read_bytes(engine.model))
-        # a decode step in one C call (engine.kernels.decode_step) is the engine's own mode
+        # a decode step in one C call (engine.executor.c_step) is the engine's own mode
         # where the load planned it; "eager" runs every module (as layer timings do)
-        own = "C step" if engine.model.decode_step is not None else "eager"
+        own = "C step" if engine.runner.executor.c_step is not None else "eager"
         modes = ["compiled", "eager"] if engine.graph.compiled else [own]
         if own == "C step":  # its kernels as its own clocks time them, in the runs below
             clocked[precision] = []
@@ -306,8 +306,8 @@ def _mode_runner(
 
     def run(prompt: list[int], new_tokens: int) -> RunTiming:
         if mode == "eager":
-            engine.model.eager_reasons.add("bench: eager row")
-        step = engine.model.decode_step
+            engine.runner.executor.eager_reasons.add("bench: eager row")
+        step = engine.runner.executor.c_step
         clocks = getattr(step, "clocked", None)
         try:
             if clocked is None or clocks is None:
@@ -318,6 +318,6 @@ def _mode_runner(
                 clocked.append(sum(per_step))
             return timing
         finally:
-            engine.model.eager_reasons.discard("bench: eager row")
+            engine.runner.executor.eager_reasons.discard("bench: eager row")
 
     return run

@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core import cuda_graphs
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
+from engine.executor import cuda_graphs, inductor
 from engine.hardware.memory import free_memory
-from engine.kernels import decode_graph
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow
 from engine.model.config import ModelConfig
@@ -36,17 +35,17 @@ class EngineConfig:
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     window: CacheWindow | None = None
     metrics_window_s: float = 30.0
-    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.kernels.decode_graph`); None:
+    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.executor.inductor`); None:
     #: INFERSIGHT_DECODE_GRAPH
     decode_graph: str | None = None
-    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.core.cuda_graphs`); None:
+    #: ``auto`` / ``on`` / ``off`` (:mod:`engine.executor.cuda_graphs`); None:
     #: INFERSIGHT_CUDA_GRAPHS
     cuda_graphs: str | None = None
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         try:
-            decode_graph.requested_mode(self.decode_graph)
+            inductor.requested_mode(self.decode_graph)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         cuda_graphs.requested_mode(self.cuda_graphs)

@@ -1,4 +1,4 @@
-"""The C decode step's check (:mod:`engine.kernels.decode_step`), run in a child process
+"""The C decode step's check (:mod:`engine.executor.c_step`), run in a child process
 before a load uses the step, once per set of builds: new C that crashes there leaves loads on
 the eager step, as every kernel of ours is checked before it runs."""
 
@@ -8,6 +8,8 @@ from typing import cast
 
 import torch
 
+from engine.executor import c_step
+from engine.executor.step import StepExecutor
 from engine.kernels import decode_step, gemv
 from engine.kernels.packed_linear import GemvLinear
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
@@ -59,10 +61,11 @@ def _check(cfg: ModelConfig, dtype: torch.dtype, tolerance: float) -> str:
         mlp.down_proj = GemvLinear.of(mlp.down_proj)
     model.lm_head = GemvLinear.of(model.lm_head)
     model = model.to(dtype).eval()
-    step, why = decode_step.planned(model, dtype)
+    step, why = c_step.planned(model, dtype)
     if step is None:
         return why
-    model.decode_step = step
+    executor = StepExecutor(model)
+    executor.c_step = step
     cache = PagedKVCache(cfg, num_blocks=8, block_size=4, dtype=dtype)
     lengths = {"a": 7, "b": 3}
     for seq, n in lengths.items():
@@ -72,10 +75,9 @@ def _check(cfg: ModelConfig, dtype: torch.dtype, tolerance: float) -> str:
     positions = torch.tensor(list(lengths.values()))
     chunks = [SeqChunk(seq, n, 1) for seq, n in lengths.items()]
     with step.clocked():
-        got = model(ids, positions, cache.context(chunks))  # the C step
-    if step.steps != 1:
+        got = executor.forward(ids, positions, cache.context(chunks))  # the C step
+    if step.steps != 1 or executor.ran != {("decode", "c-step"): 1}:
         return "the C step did not run the step"
-    model.decode_step = None
     want = model(ids, positions, cache.context(chunks))  # the modules, over the same K/V
     if not torch.allclose(got, want, rtol=tolerance, atol=tolerance):
         err = (got - want).abs().max().item()

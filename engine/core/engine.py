@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core import cuda_graphs, kernel_choice
+from engine.core import kernel_choice
 from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
@@ -44,16 +44,15 @@ from engine.errors import (
     InvalidRequestError,
     OutOfMemoryError,
 )
+from engine.executor import cuda_graphs, inductor
+from engine.executor.step import LAYER_TIMINGS
 from engine.hardware.memory import free_memory
-from engine.kernels import (
-    decode_graph,
-)
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
 from engine.model.inventory import weight_bytes
 from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import LAYER_TIMINGS, Transformer
+from engine.model.transformer import Transformer
 from engine.quant.inventory import weight_report
 from engine.quant.spec import PrecisionSpec, dtype_name
 
@@ -144,7 +143,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.hold_s = 0.0
         #: how decode steps run (eager or one compiled graph), settled by the load
-        self.graph = decode_graph.GraphChoice(False, "not compiled (engine built directly)")
+        self.graph = inductor.GraphChoice(False, "not compiled (engine built directly)")
         #: decode steps over static buffers, replayed as CUDA graphs, or why not
         self.graphs = cuda_graphs.GraphsChoice(None, "off (engine built directly)")
         #: the CPU thread count the load settled, and why (one line)
@@ -212,7 +211,7 @@ class LLMEngine:
 
     def settle_cuda_graphs(self) -> None:
         """Build (and on a GPU capture) the static decode steps the config asks for
-        (:mod:`engine.core.cuda_graphs`): at load, and for a new pool."""
+        (:mod:`engine.executor.cuda_graphs`): at load, and for a new pool."""
         self.graphs = cuda_graphs.settle(
             self.config.cuda_graphs, self.model, self.kv, self.config.limits.max_batch_size
         )
@@ -484,24 +483,25 @@ class LLMEngine:
     # -- instruments -------------------------------------------------------------------------
     def enable_layer_timing(self, on: bool = True) -> None:
         """Per-layer timings need every layer called eagerly: while they are on, a compiled
-        decode step runs eagerly; a C one (:mod:`engine.kernels.decode_step`) times its
+        decode step runs eagerly; a C one (:mod:`engine.executor.c_step`) times its
         layers itself."""
-        time_layers = getattr(self.model.decode_step, "time_layers", None)
+        executor = self.runner.executor
         if on:
-            self.model.eager_reasons.add(LAYER_TIMINGS)
+            executor.eager_reasons.add(LAYER_TIMINGS)
             self.layer_timer.enable()
         else:
             self.layer_timer.disable()
-            self.model.eager_reasons.discard(LAYER_TIMINGS)
+            executor.eager_reasons.discard(LAYER_TIMINGS)
             self.layer_timings = ()
-        if time_layers is not None:
-            time_layers(on)
+        if executor.c_step is not None:
+            executor.c_step.time_layers(on)
 
     def collect_layer_timings(self) -> None:
         """The step's per-layer timings, where they are on."""
         if self.layer_timer.enabled:
-            take = getattr(self.model.decode_step, "take_layer_seconds", None)
-            self.layer_timings = self.layer_timer.collect(take() if take is not None else ())
+            step = self.runner.executor.c_step
+            taken = step.take_layer_seconds() if step is not None else ()
+            self.layer_timings = self.layer_timer.collect(taken)
 
     def memory(self) -> MemoryByKind:
         """Memory by kind now; under tensor parallelism each rank's too."""

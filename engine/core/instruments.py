@@ -161,7 +161,7 @@ class LayerTimer:
     def collect(self, timed: Sequence[tuple[float, float]] = ()) -> tuple[LayerTiming, ...]:
         """Timings of the forward passes since the last call (one step's, normally), with
         ``timed``'s (each layer's attention and MLP seconds, as a C decode step times them:
-        :mod:`engine.kernels.decode_step`) added."""
+        :mod:`engine.executor.c_step`) added."""
         if self.cuda and self._events:
             # The events were recorded in order on one stream: once the last has happened,
             # every one has. Waiting for the whole device would also wait for other streams

@@ -9,7 +9,9 @@ from torch import nn
 
 from engine.core import decode_check
 from engine.errors import InfersightError
-from engine.kernels import decode_step, layer_ops, paged_decode, triton_check, triton_support
+from engine.executor import c_step, table
+from engine.executor import step as step_executor
+from engine.kernels import layer_ops, paged_decode, triton_check, triton_support
 from engine.model.config import ModelConfig
 from engine.model.transformer import TORCH_OPS, Transformer
 from engine.quant import w8a8
@@ -95,12 +97,13 @@ def layers(
     fused = 0 if parallel else w8a8.fuse_layers(model)
     if fused:
         report += f"; W8A8 prefill rows fused in C ({fused} layers)"
-    step, why = (
-        (None, "decode steps eager (tensor parallel)") if parallel
-        else decode_step.plan(model, dtype)
-    )  # fmt: skip
+    backend = "c" if dtype in paged_decode.DTYPES and paged_decode.kernel().available else "torch"
+    refused = table.refusal("c-step", backend, tensor_parallel=parallel)
+    step, why = (None, f"decode steps eager ({refused})") if refused else c_step.plan(model, dtype)
     problem = decode_check.verdict() if step is not None else ""
     if problem:
         step, why = None, f"decode steps eager (the C step failed its check: {problem})"
-    model.decode_step = step
+    executor = step_executor.of(model)
+    executor.c_step = step
+    executor.c_step_why = why
     return report + f"; {why}"

@@ -14,16 +14,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.scheduler import ScheduledChunk
+from engine.executor import inductor
+from engine.executor import step as step_executor
 from engine.hardware.transfer import upload
-from engine.kernels import decode_graph
 from engine.kv_cache.contiguous import ContiguousKVCache
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.kv_cache.window import CacheWindow
+from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from engine.core.cuda_graphs import StaticDecode
+    from engine.executor.cuda_graphs import StaticDecode
     from engine.speculative.rule import Draft
 
 log = logging.getLogger(__name__)
@@ -54,11 +56,13 @@ class ModelRunner:
         self, model: Transformer, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.model = model
+        #: how each step runs (:mod:`engine.executor.step`), shared by the engines on ``model``
+        self.executor = step_executor.of(model)
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         #: decode steps over static buffers (CUDA graphs on a GPU), where the load settled
-        #: them (:mod:`engine.core.cuda_graphs`)
+        #: them (:mod:`engine.executor.cuda_graphs`)
         self.static: StaticDecode | None = None
 
     def batch(
@@ -94,16 +98,12 @@ class ModelRunner:
     def forward(self, batch: Batch, kv: PagedKVCache) -> torch.Tensor:
         """Logits of the batch's sampled rows (each chunk's K/V written into ``kv`` on the
         way)."""
-        static = self.static
-        if (
-            static is not None
-            and static.kv is kv
-            and not self.model.eager_reasons  # hooks (layer timings) run only eagerly
-            and static.fits(batch)
-        ):
-            return static.run(batch)
-        ids, positions, rows = self.inputs(batch.ids, batch.positions, batch.rows)
-        return self.model(ids, positions, kv.context(batch.chunks), rows)
+
+        def inputs() -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+            ids, positions, rows = self.inputs(batch.ids, batch.positions, batch.rows)
+            return ids, positions, kv.context(batch.chunks), rows
+
+        return self.executor.run(batch, kv, self.static, inputs)
 
     def inputs(
         self, ids: list[int], positions: list[int], rows: list[int]
@@ -116,33 +116,32 @@ class ModelRunner:
         return packed[:n], packed[n : 2 * n], packed[2 * n :]
 
     # -- the compiled decode step -------------------------------------------------------------
-    def settle_decode_graph(self, mode: str | None, kv: PagedKVCache) -> decode_graph.GraphChoice:
-        """Compile the decode step where :func:`decode_graph.choose` says so, and compile it
+    def settle_decode_graph(self, mode: str | None, kv: PagedKVCache) -> inductor.GraphChoice:
+        """Compile the decode step where :func:`inductor.choose` says so, and compile it
         now: a few warm-up steps on scratch sequences, so that no reply waits for it."""
-        choice = decode_graph.choose(
-            mode, self.device, triton_attention=kv.triton,
-            tensor_parallel=self.model.announce is not None,
-        )  # fmt: skip
+        choice = inductor.choose(
+            mode, self.device, backend=kv.backend, tensor_parallel=self.model.announce is not None
+        )
         if not choice.compiled:
             return choice
         model = self.model
-        compiled = decode_graph.CompiledDecode(model.body)
-        model.compiled_decode = compiled
+        compiled = inductor.CompiledDecode(model.body)
+        self.executor.compiled = compiled
         started = time.perf_counter()
         try:
             self._warm_decode(compiled, kv)
             compiled.warm = True
         except Exception as exc:  # an Inductor failure on this model: eager still works
-            model.compiled_decode = None
-            why = decode_graph.reason(exc)
+            self.executor.compiled = None
+            why = inductor.reason(exc)
             log.warning("compiling the decode step failed, running eagerly: %s", why)
-            return decode_graph.GraphChoice(False, f"compiling failed ({why}); eager")
+            return inductor.GraphChoice(False, f"compiling failed ({why}); eager")
         took = time.perf_counter() - started
-        return decode_graph.GraphChoice(True, f"{choice.why}, compiled in {took:.0f} s")
+        return inductor.GraphChoice(True, f"{choice.why}, compiled in {took:.0f} s")
 
-    def _warm_decode(self, compiled: decode_graph.CompiledDecode, kv: PagedKVCache) -> None:
+    def _warm_decode(self, compiled: inductor.CompiledDecode, kv: PagedKVCache) -> None:
         """Decode steps of batch 2 and 1 on scratch sequences: the two graphs that every later
-        decode step uses (:func:`decode_graph.compile_forward`). Errors propagate (the
+        decode step uses (:func:`inductor.compile_forward`). Errors propagate (the
         model's forward would fall back to eager and hide them)."""
         mgr = kv.manager
         per_seq = mgr.blocks_for(4)

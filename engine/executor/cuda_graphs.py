@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InvalidRequestError
+from engine.executor import table
 from engine.hardware.transfer import upload
 from engine.kv_cache.block_manager import RELEASED
 from engine.kv_cache.paged import PagedKVCache, block_tables
@@ -91,10 +92,9 @@ def settle(mode: str | None, model: Transformer, kv: PagedKVCache, max_batch: in
     device = kv.device
     if mode == "off":
         return GraphsChoice(None, "off as asked")
-    if model.announce is not None:  # a graph would replay the step without telling the ranks
-        return GraphsChoice(None, "off under tensor parallelism (each step is announced)")
-    if not kv.triton:
-        return GraphsChoice(None, "off: they need our Triton kernels (INFERSIGHT_KERNELS)")
+    refused = table.refusal("cuda-graphs", kv.backend, tensor_parallel=model.announce is not None)
+    if refused:
+        return GraphsChoice(None, f"off: {refused}")
     if device.type != "cuda" and mode == "auto":
         return GraphsChoice(None, "off on a CPU (auto; --cuda-graphs on runs the static steps)")
     runner = StaticDecode(model, kv, max_batch)

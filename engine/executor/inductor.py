@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from engine.executor import table
 from engine.hardware.cpu_paths import forced_level, isolate_compile_cache, native_level
 from engine.hardware.measured import machine_name
 
@@ -87,22 +88,21 @@ def choose(
     mode: str | None,
     device: torch.device,
     *,
-    triton_attention: bool = False,
+    backend: str = "torch",
     tensor_parallel: bool = False,
 ) -> GraphChoice:
     """Settle the mode for ``device`` before the model is compiled: the one place that says
     whether an engine compiles its decode step (the load asks it, and so does gpu-check).
-    Never under our Triton attention (``triton_attention``: the compiled graph's attention op
-    is the torch paths') nor under tensor parallelism (the other ranks run the eager forward);
-    neither asks the compiler probe."""
+    Refused where the compatibility table refuses it (:mod:`engine.executor.table`: under
+    our Triton attention, ``backend``, and under tensor parallelism), before any probe of
+    the compiler."""
     mode = requested_mode(mode)
     kind = device_kind(device)
     if mode == "off":
         return GraphChoice(False, "off as asked")
-    if tensor_parallel:
-        return GraphChoice(False, "eager under tensor parallelism")
-    if triton_attention:
-        return GraphChoice(False, "eager: our Triton kernels run the attention")
+    refused = table.refusal("compiled", backend, tensor_parallel=tensor_parallel)
+    if refused:
+        return GraphChoice(False, f"eager: {refused}")
     if mode == "auto" and kind not in FASTER_COMPILED:
         where = "/".join(kind)
         if kind in EAGER_MEASURED:

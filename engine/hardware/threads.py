@@ -89,7 +89,7 @@ def settle_threads(linears: list[nn.Module], dtype: torch.dtype) -> str:
 
 def settle_step_threads(key: str, time_step: Callable[[int], float]) -> str | None:
     """Where the engine's decode step can be timed whole (a decode step in one C call:
-    :mod:`engine.kernels.decode_step`), the thread count whose step ``time_step(count)`` (ms)
+    :mod:`engine.executor.c_step`), the thread count whose step ``time_step(count)`` (ms)
     measured fastest, interleaved three times and kept under ``key`` (which names what the
     step runs), then set as :func:`settle_threads` sets it; the load report's line, or None
     where the count was asked for or there is one core (nothing to time). The linears' probe

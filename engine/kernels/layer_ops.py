@@ -5,7 +5,7 @@ it, and RoPE with the K/V write, one pass each, in place of the model's torch co
 through our kernels hands its layers these too, once they pass their check against the torch
 code (:func:`engine.kernels.triton_check.fused`). On a CPU, the same three in C
 (:func:`cpu_ops`): one call each where eager PyTorch dispatches a dozen operators. The same
-library runs a whole decode step's layers in one call (:mod:`engine.kernels.decode_step`)."""
+library runs a whole decode step's layers in one call (:mod:`engine.executor.c_step`)."""
 
 from __future__ import annotations
 

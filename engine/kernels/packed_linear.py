@@ -212,7 +212,7 @@ class GemvLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
-        """This layer in the C decode step (:mod:`engine.kernels.decode_step`)."""
+        """This layer in the C decode step (:mod:`engine.executor.c_step`)."""
         if self.weight.dtype != dtype:
             return f"holds {self.weight.dtype} weights, the activations are {dtype}"
         return decode_step.product(

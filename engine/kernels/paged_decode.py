@@ -259,7 +259,7 @@ def _(
 
 def reads_pool(pool: Tensor) -> bool:
     """Whether the kernels attend over ``pool`` (prefill chunks, and the C decode step's
-    decode: :mod:`engine.kernels.decode_step`): a CPU pool of a dtype they read."""
+    decode: :mod:`engine.executor.c_step`): a CPU pool of a dtype they read."""
     return (
         not _SWITCH.off
         and pool.device.type == "cpu"

@@ -86,6 +86,17 @@ class PagedKVCache:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     @property
+    def backend(self) -> str:
+        """The attention backend this pool's steps run on, by the names of the executors'
+        compatibility table (:mod:`engine.executor.table`): ``triton`` (our kernels, through
+        the block tables), ``c`` (the paged C kernel over a CPU pool of a dtype it reads;
+        switched off inside ``paged_decode.portable``) or ``torch`` (a padded gather, then
+        SDPA)."""
+        if self.triton:
+            return "triton"
+        return "c" if paged_decode.reads_pool(self.kv[0]) else "torch"
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv)
 

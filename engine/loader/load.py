@@ -154,7 +154,7 @@ def engine_for(
         name=name, num_parameters=num_parameters, config=config, precision=spec,
     )  # fmt: skip
     engine.threads_report = threads
-    if device.type == "cpu" and engine.model.decode_step is not None:
+    if device.type == "cpu" and engine.runner.executor.c_step is not None:
         # decode steps run in one C call: time that step itself at each count
         step_threads = settle_step_threads(_step_key(engine), lambda t: _time_step(engine, t))
         engine.threads_report = step_threads or threads
@@ -198,7 +198,9 @@ def _time_step(engine: LLMEngine, threads: int) -> float:
         for i in range(TIMED_STEPS):
             ids, positions, rows = engine.runner.inputs([0], [n + i], [0])
             started = time.perf_counter()
-            model(ids, positions, engine.kv.context([SeqChunk(rid, n + i, 1)]), rows)
+            engine.runner.executor.forward(
+                ids, positions, engine.kv.context([SeqChunk(rid, n + i, 1)]), rows
+            )
             best = min(best, time.perf_counter() - started)
     finally:
         mgr.free(rid)

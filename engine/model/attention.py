@@ -25,7 +25,7 @@ from torch import Tensor
 @dataclass(frozen=True, slots=True)
 class DecodeTables:
     """What a decode step's attention reads, for a step run outside the model's modules
-    (:mod:`engine.kernels.decode_step`): each layer's pool ``[slots, 2·Hkv, D]``, where each
+    (:mod:`engine.executor.c_step`): each layer's pool ``[slots, 2·Hkv, D]``, where each
     sequence's new K/V go (``write_slots: [B]``), the slots each one's query reads
     (``slots: [B, W]``, the first ``lens[b]`` real) and their additive fp32 mask ``[B, W]``
     (None: every key is visible), all int64 and contiguous; ``owner``: the cache that holds

@@ -10,7 +10,6 @@ gate/up are one matmul (``gate_up_proj``). :mod:`engine.loader.weights` builds t
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.model.attention import AttentionContext, DecodeTables
+from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -72,10 +69,6 @@ class LayerOps:
 
 
 TORCH_OPS = LayerOps()
-
-#: the reason in :attr:`Transformer.eager_reasons` while per-layer timings are on (a C decode
-#: step that times its own layers runs anyway)
-LAYER_TIMINGS = "layer timings"
 
 
 class RMSNorm(nn.Module):
@@ -300,16 +293,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        #: :meth:`body` compiled for decode-only steps (:mod:`engine.kernels.decode_graph`)
-        self.compiled_decode: Callable[..., Tensor] | None = None
-        #: the decode step in one C call (:mod:`engine.kernels.decode_step`): takes the
-        #: embedded tokens, positions, the step's decode tables and the rows to sample,
-        #: returns their logits, or None where it does not apply
-        self.decode_step: (
-            Callable[[Tensor, Tensor, DecodeTables, Tensor | None], Tensor | None] | None
-        ) = None
-        #: why every module must run eagerly for now (hooks of layer timings, say)
-        self.eager_reasons: set[str] = set()
+        #: how its steps run: the executors a load settled for these weights, shared by the
+        #: engines on them (:func:`engine.executor.step.of`); None until then
+        self.executor: object | None = None
         #: the layers' fused operations (:meth:`set_ops`)
         self.ops = TORCH_OPS
         #: under tensor parallelism on the driving rank, what tells the other ranks about each
@@ -334,39 +320,14 @@ class Transformer(nn.Module):
         """Logits ``[N, vocab]`` (fp32) for the rows in ``logits_indices`` (default: every token).
 
         Generation asks only for each sequence's last token: the LM head is the largest
-        single matmul of a small model, and the other rows would be thrown away. A
-        decode-only step runs the compiled graph where the load made one.
+        single matmul of a small model, and the other rows would be thrown away. This is the
+        eager step, one operator at a time; the other executors of a step (compiled, the C
+        step, CUDA graphs) are :mod:`engine.executor`'s.
         """
         if self.announce is not None:  # the other ranks run this forward beside us
             self.announce(input_ids, positions, ctx, logits_indices)
         with torch.inference_mode():
-            # The embedding stays out of the graph: a few rows, read by index (and, for a
-            # tied INT4 head, unpacked from its tiles), in one or two ops either way.
             x = self.embed(input_ids)
-            decode_only = getattr(ctx, "decode_only", False)
-            compiled = self.compiled_decode
-            if compiled is not None and decode_only and not self.eager_reasons:
-                try:
-                    return compiled(x, positions, ctx, logits_indices)
-                except Exception as exc:  # the graph broke: this step and every later one
-                    # run eagerly (a cache write the graph made is made again, the same)
-                    log.warning("the compiled decode step failed, running eagerly: %s", exc)
-                    self.compiled_decode = None
-            step = self.decode_step
-            # the C step times its layers itself where layer timings are on
-            timed = getattr(step, "times_layers", False)
-            runs_c = not self.eager_reasons or (timed and self.eager_reasons == {LAYER_TIMINGS})
-            tables = ctx.decode_tables() if step is not None and decode_only and runs_c else None
-            if step is not None and tables is not None:
-                try:
-                    logits = step(x, positions, tables, logits_indices)
-                except Exception as exc:  # as for the graph: eager from here on (the layers
-                    # ran on x in place; the cache writes are made again, the same)
-                    log.warning("the C decode step failed, running eagerly: %s", exc)
-                    self.decode_step, logits = None, None
-                    x = self.embed(input_ids)
-                if logits is not None:
-                    return logits
             return self.body(x, positions, ctx, logits_indices)
 
     def set_parallel(

@@ -249,7 +249,7 @@ class Int4Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
-        """This layer in the C decode step (:mod:`engine.kernels.decode_step`), where our
+        """This layer in the C decode step (:mod:`engine.executor.c_step`), where our
         kernel runs it."""
         if not self.lowbit:
             return "runs torch's INT4 kernel" if self.triton is None else "runs Triton"

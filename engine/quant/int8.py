@@ -237,7 +237,7 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def c_product(self, dtype: torch.dtype) -> decode_step.CProduct | str:
-        """This layer in the C decode step (:mod:`engine.kernels.decode_step`): the kernel
+        """This layer in the C decode step (:mod:`engine.executor.c_step`): the kernel
         its small step shapes run."""
         if self.out_dtype != dtype:
             return f"gives {self.out_dtype}, the activations are {dtype}"
