@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core import kernel_choice
+from engine.core import kernel_choice, paths_report
 from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
@@ -502,6 +502,10 @@ class LLMEngine:
             step = self.runner.executor.c_step
             taken = step.take_layer_seconds() if step is not None else ()
             self.layer_timings = self.layer_timer.collect(taken)
+
+    def paths(self) -> dict[str, Any]:
+        """What ran, and why (:mod:`engine.core.paths_report`)."""
+        return paths_report.paths(self)
 
     def memory(self) -> MemoryByKind:
         """Memory by kind now; under tensor parallelism each rank's too."""

@@ -17,8 +17,8 @@ EXECUTORS = ("cuda-graphs", "compiled", "c-step", "eager")
 BACKENDS = ("triton", "c", "torch")
 
 _FIXED_SHAPES = (
-    "a graph replays fixed shapes, and this attention gathers into shapes that change every "
-    "step (graphs need our Triton kernels)"
+    "a graph replays fixed shapes, and this attention reads padded slot rows whose width "
+    "changes every step (graphs need our Triton kernels, which read fixed-width block tables)"
 )
 _C_ATTENTION = "the C step's attention is the paged C kernel"
 

@@ -113,3 +113,14 @@ def _kind_of(name: str) -> str:
     if ".mlp" in name:
         return "mlp"
     return "norm"
+
+
+def linear_kernel(module: nn.Module) -> str:
+    """The kernel a linear layer runs on (the paths report's per-layer entries)."""
+    if isinstance(module, (Int8Linear, Int4Linear)):
+        return str(module.kernel)
+    if isinstance(module, GemvLinear):
+        return f"our GEMV (≤ {gemv.MAX_ROWS} rows), F.linear above"
+    if isinstance(module, PackedLinear):
+        return "oneDNN packed"
+    return "F.linear (torch)"
