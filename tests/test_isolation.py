@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.executor import inductor, native, paged_decode
+from engine.executor import inductor
 from engine.hardware import cpu_paths, isolated
 from engine.hardware.cpu_paths import LEVELS, native_level
+from engine.kernels import native, paged_decode
 
 ROOT = Path(__file__).resolve().parent.parent
 

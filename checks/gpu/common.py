@@ -256,6 +256,13 @@ def ran(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
+def ran_paths(engine: LLMEngine) -> dict[str, Any]:
+    """What ``engine``'s steps ran so far, from its paths report: the attention backend, the
+    steps by kind and executor, and every fallback with its reason."""
+    paths = engine.paths()
+    return {k: paths[k] for k in ("attention", "steps", "fallbacks")}
+
+
 def expect_ours(engine: LLMEngine, device: torch.device, figures: dict[str, Any]) -> None:
     """Record what ``engine`` runs (:func:`ran`) and, on a GPU, fail where it is not what the
     GPU checks claim to test: no kernel fallen back after failing its load-time check, our

@@ -35,6 +35,7 @@ from checks.gpu.common import (
     plan_for,
     pool_config,
     ran,
+    ran_paths,
     release,
     smollm2,
     wide_tiny,
@@ -42,7 +43,8 @@ from checks.gpu.common import (
 from engine.bench.speed import RunTiming, bench_prompt, run_ours
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
-from engine.executor import inductor, triton_support
+from engine.executor import inductor
+from engine.kernels import triton_support
 from engine.loader.memory_plan import (
     kv_bytes_per_token,
 )
@@ -76,6 +78,7 @@ def check_triton(
             "ran": ran(engine), "decode_tok_s": decode_speed(engine, prompt, scale),
             "ids": greedy(engine, prompt, scale.compare_tokens),
         }  # fmt: skip
+        runs[name]["paths"] = ran_paths(engine)  # after its steps: what they ran
         engines[name] = engine
     eager_engine = engines["eager"]
     with_graphs = parting(
@@ -97,6 +100,11 @@ def check_triton(
     )
     expect(with_graphs["agree"], f"graph replays changed greedy ids, not at a tie: {with_graphs}")
     expect(with_torch["agree"], f"our kernels part from torch's, not at a tie: {with_torch}")
+    for name, executor in (("graphs", "cuda-graphs"), ("eager", "eager"), ("torch", "eager")):
+        paths = runs[name]["paths"]
+        expect(not paths["fallbacks"], f"{name}: fell back: {paths['fallbacks']}")
+        expect(set(paths["steps"].get("decode", {})) == {executor},
+               f"{name}: decode steps ran {paths['steps']}, not all on {executor}")  # fmt: skip
     graphs_ran = runs["graphs"]["ran"]["cuda_graphs"]
     expect(graphs_ran.startswith(("captured", "static")), f"no CUDA graphs: {graphs_ran}")
     if device.type == "cuda":
