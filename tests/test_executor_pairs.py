@@ -49,8 +49,11 @@ def force_backend(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
 
 @pytest.fixture(autouse=True)
 def _kernels_as_they_were():
+    """The paged kernel as this process had it, once the test's environment is undone (the
+    kernel built and loaded again now, not inside a later test's measurement)."""
     yield
     paged_decode.kernel.cache_clear()
+    paged_decode.kernel()
 
 
 @pytest.mark.parametrize(("executor", "backend"), PAIRS, ids=[f"{e}-{b}" for e, b in PAIRS])
@@ -116,3 +119,26 @@ def test_an_executor_dropped_mid_run_is_a_fallback_in_the_report(folder, want, m
     paths = engine.paths()
     assert paths["steps"]["decode"] == {"eager": NEW - 1}
     assert paths["fallbacks"] == ["compiled dropped: RuntimeError: an Inductor failure"]
+
+
+@pytest.mark.parametrize("lowbit_kernels", ["ours", "torch"])
+def test_a_dropped_engine_frees_its_model_at_once(folder, monkeypatch, lowbit_kernels):
+    """The model holds its executor and the executor its C step: neither holds the model
+    back, so its weights go with the last reference, not at the cyclic collector's next run
+    (the app switches models on a 12 GB card)."""
+    import gc
+    import weakref
+
+    force_backend(monkeypatch, "c" if paged_decode.kernel().available else "torch")
+    with lowbit.choosing(lowbit_kernels):
+        engine = load_model(folder, config=EngineConfig(decode_graph="off", cuda_graphs="off"))
+    generate(engine, PROMPTS[:1], steps=3)
+    if lowbit_kernels == "ours" and native.compiler() is not None:
+        assert engine.runner.executor.c_step is not None
+    model = weakref.ref(engine.model)
+    gc.disable()
+    try:
+        del engine
+        assert model() is None
+    finally:
+        gc.enable()

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.attention import PagedBackend
 from engine.kv_cache.block_manager import RELEASED, BlockManager
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.kv_cache.window import CacheWindow
@@ -271,7 +272,10 @@ def test_paged_attention_equals_reference(seed, window, sliding):
     """With a model window of its own, keys older than it stay masked whatever window a
     chunk asks for (the intersection of the two)."""
     gen = torch.Generator().manual_seed(seed)
-    cache = PagedKVCache(replace(TINY, sliding_window=sliding), num_blocks=64, block_size=4)
+    cache = PagedKVCache(
+        replace(TINY, sliding_window=sliding), num_blocks=64, block_size=4,
+        attention=PagedBackend(),
+    )  # fmt: skip
     mgr = cache.manager
     n = 5
     # Ragged sequences: some decode one token, some prefill a chunk, each with history.

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine import formats
+from engine.attention import PagedBackend, TritonBackend
 from engine.core import pool_profile
 from engine.core.config import EngineConfig
 from engine.core.scheduler import SchedulerLimits
@@ -59,6 +60,12 @@ needs_triton = pytest.mark.skipif(not triton_support.installed(), reason="Triton
 
 def llama_8b() -> ModelConfig:
     return ModelConfig.from_file(CONFIGS / "llama-3.1-8b.json")
+
+
+def workspace(backend, cfg: ModelConfig, dtype: torch.dtype, limits) -> int:
+    return backend.workspace_bytes_per_token(
+        cfg, dtype, limits.max_batch_size, limits.max_tokens_per_step
+    )
 
 
 def on_a_cuda_gpu(monkeypatch: pytest.MonkeyPatch, kernels: str) -> None:
@@ -144,8 +151,9 @@ def test_the_pool_reserves_no_gather_where_triton_attends():
         pool_profile.size_pool, cfg, config, torch.bfloat16,
         total=12 * GiB, peak=6 * GiB, non_torch=512 * MiB, measured=False,
     )  # fmt: skip
-    torch_path, ours = sized(), sized(triton=True)
-    gather = pool_profile.gather_bytes_per_token(cfg, torch.bfloat16, config.limits)
+    cuda = torch.device("cuda")
+    torch_path, ours = sized(attention=PagedBackend(cuda)), sized(attention=TritonBackend())
+    gather = workspace(PagedBackend(cuda), cfg, torch.bfloat16, config.limits)
     assert torch_path.gather_per_token == gather > 0
     # 16 padded rows of a token's K and V and its mask element: the decode term is the larger
     assert gather == config.limits.max_batch_size * (2 * 8 * 128 * 2 + 2)
@@ -172,7 +180,7 @@ def test_the_plan_reserves_no_gather_where_triton_attends(monkeypatch, gib):
         cfg, "int4-g32+head", "cuda", memory=gib * GiB, capability=HOPPER
     )
     sizing = torch_plan.pool_sizing
-    gather = pool_profile.gather_bytes_per_token(cfg, torch.bfloat16, config.limits)
+    gather = workspace(PagedBackend(torch.device("cuda")), cfg, torch.bfloat16, config.limits)
     assert sizing is not None and sizing.gather_per_token == gather > 0
     assert torch_plan.workspace_bytes == step + gather * sizing.gather_tokens
     assert ours.kv_pool_bytes > torch_plan.kv_pool_bytes
@@ -218,7 +226,7 @@ def test_the_loads_pool_reserves_no_gather_where_triton_attends(
     sizing = engine.pool_sizing
     assert sizing is not None and engine.triton is (kernels == "triton")
     cfg = ModelConfig.from_file(folder / "config.json")
-    gather = pool_profile.gather_bytes_per_token(cfg, torch.float32, LIMITS)
+    gather = workspace(PagedBackend(torch.device("cpu")), cfg, torch.float32, LIMITS)
     assert sizing.gather_per_token == (0 if engine.triton else gather) and gather > 0
 
 

@@ -8,6 +8,7 @@ from typing import cast
 
 import torch
 
+from engine.attention.paged import PagedBackend
 from engine.executor import c_step
 from engine.executor.step import StepExecutor
 from engine.kernels import decode_step, gemv
@@ -66,7 +67,7 @@ def _check(cfg: ModelConfig, dtype: torch.dtype, tolerance: float) -> str:
         return why
     executor = StepExecutor(model)
     executor.c_step = step
-    cache = PagedKVCache(cfg, num_blocks=8, block_size=4, dtype=dtype)
+    cache = PagedKVCache(cfg, num_blocks=8, block_size=4, dtype=dtype, attention=PagedBackend())
     lengths = {"a": 7, "b": 3}
     for seq, n in lengths.items():
         cache.manager.grow(seq, n + 1)

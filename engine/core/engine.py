@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine import attention
 from engine.core import kernel_choice, paths_report
 from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
@@ -110,9 +111,10 @@ class LLMEngine:
         #: our kernels that failed their load-time check (:mod:`engine.kernels.triton_check`)
         #: and left their work to torch: each also a line of the load report
         self.kernel_failures: list[str] = []
-        #: whether attention runs our Triton kernels, and why (a line of the load report)
+        #: what attention runs on, and why (a line of the load report)
         failures = self.kernel_failures
-        self.triton, self.kernels = kernel_choice.attention(cfg, dtype, device, failures)
+        self.attention, self.kernels = attention.choose(cfg, dtype, device, failures)
+        self.triton = self.attention.name == "triton"
         self.kernels += kernel_choice.layers(self.model, cfg, dtype, device, self.triton, failures)
         self.kernels += kernel_choice.gemms(self.model, device, dtype, failures)
         self.kv = PagedKVCache(
@@ -122,7 +124,7 @@ class LLMEngine:
             dtype=dtype,
             device=device,
             prefix_caching=self.config.prefix_caching,
-            triton=self.triton,
+            attention=self.attention,
         )
         self.scheduler = Scheduler(self.kv.manager, self.config.limits)
         #: the window every sequence runs under: the user's within the model's own sliding
@@ -178,7 +180,7 @@ class LLMEngine:
         # a GPU's default pool is profiled now, this pool left out (the new one replaces it)
         sizing = profile_pool(
             self.model, self.cfg, config, self.dtype, self.device, held=self.kv.nbytes,
-            triton=self.triton,
+            attention=self.attention,
         )  # fmt: skip
         if sizing is not None:
             config = replace(config, num_blocks=self._check_blocks(sizing.blocks, sizing))
@@ -239,7 +241,7 @@ class LLMEngine:
         :func:`kv_pool_blocks`."""
         conf = self.config
         self.pool_sizing = profile_pool(
-            self.model, self.cfg, conf, self.dtype, self.device, triton=self.triton
+            self.model, self.cfg, conf, self.dtype, self.device, attention=self.attention
         )
         if self.pool_sizing is not None:
             return self._check_blocks(self.pool_sizing.blocks, self.pool_sizing)

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from engine.core import decode_check
-from engine.errors import InfersightError
 from engine.executor import c_step, table
 from engine.executor import step as step_executor
 from engine.kernels import layer_ops, paged_decode, triton_check, triton_support
@@ -17,32 +16,6 @@ from engine.model.transformer import TORCH_OPS, Transformer
 from engine.quant import w8a8
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
-
-
-def attention(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, failures: list[str]
-) -> tuple[bool, str]:
-    """Whether attention runs our Triton kernels for this model, dtype and device, and why
-    (:func:`engine.kernels.triton_support.attention_chosen`, then what the prefill kernel
-    runs: not fp32 on a GPU, nor bf16 below sm80; then both kernels' check against the torch
-    path, :mod:`engine.kernels.triton_check`)."""
-    ours, why = triton_support.attention_chosen(device, cfg.head_dim)
-    if not ours:
-        return ours, why
-    from engine.kernels.triton_kernels import prefill_attention
-
-    refused = prefill_attention.unsupported(
-        dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device
-    )
-    if refused:
-        return False, f"torch attention ({refused})"
-    failed = triton_check.attention(device, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
-    if not failed:
-        return True, why
-    if triton_support.requested() == "triton":
-        raise InfersightError(f"{triton_support.ENV}=triton, but {failed}")
-    failures.append(failed)
-    return False, f"torch attention ({failed})"
 
 
 def gemms(model: nn.Module, device: torch.device, dtype: torch.dtype, failures: list[str]) -> str:

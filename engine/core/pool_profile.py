@@ -17,12 +17,13 @@ KV pool just big enough for it (:func:`warm_up`), between ``reset_peak_memory_st
   minus ``memory_reserved``): the CUDA context, cuBLAS/cuDNN workspaces, other processes;
 * **gather** (an analytic term, stated as such, not measured): the warm-up's prompt starts at
   position 0, so the temporaries that grow with the context a step reads are counted by
-  formula (:func:`gather_bytes_per_token`): the decode step's K/V gathered into padded rows
-  of ``max_batch_size`` sequences (:mod:`engine.kernels.gather_attention`, the torch decode
-  path) or a prefill chunk's gathered K/V and its mask, the larger; at ``min(context, pool
-  tokens)`` tokens, as no sequence reads more than the pool holds. Where our Triton kernels
-  attend (the default on a CUDA GPU: :func:`engine.kernels.triton_support.planned`), both
-  read the paged pool in place and the term is 0.
+  formula, the attention backend's (``workspace_bytes_per_token``, :mod:`engine.attention`):
+  the decode step's K/V gathered into padded rows of ``max_batch_size`` sequences
+  (:mod:`engine.kernels.gather_attention`, the torch decode path) or a prefill chunk's
+  gathered K/V and its mask, the larger; at ``min(context, pool tokens)`` tokens, as no
+  sequence reads more than the pool holds. Where our Triton kernels attend (the default on a
+  CUDA GPU: :func:`engine.kernels.triton_support.planned`), both read the paged pool in place
+  and the term is 0.
 
 The pool is never more than the running set can use at full context, and a budget that holds
 no block is refused with the figures (:meth:`PoolSizing.refusal`). The memory plan
@@ -45,10 +46,10 @@ import torch
 
 from engine.core.config import EngineConfig, blocks_for_budget
 from engine.core.sampling import SamplingParams, make_generator, sample
-from engine.core.scheduler import SchedulerLimits
 from engine.errors import OutOfMemoryError
 from engine.hardware import memory as device_memory
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.model.attention import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
 
@@ -114,41 +115,6 @@ class PoolSizing:
         )
 
 
-def gather_bytes_per_token(
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    limits: SchedulerLimits,
-    *,
-    decode: bool = True,
-    triton: bool = False,
-) -> int:
-    """Bytes of attention temporaries per token of context a step reads, in one layer (the
-    layers run one after another). 0 where our Triton kernels attend (``triton``): the decode
-    and prefill kernels read K and V through the block tables, in place in the pool (a step's
-    block tables are int32 a block, its split-K partials bounded by the batch, not the
-    context). Else the larger of
-
-    * a decode step's, where decode gathers (``decode``; CUDA): each of ``max_batch_size``
-      padded rows holds the token's K and V, and the additive mask an element;
-    * a prefill chunk's (``max_tokens_per_step`` queries): on the portable path the token's K
-      and V gathered, and its mask column: the boolean mask on the device, its copy repeated
-      over the query group and negated, and SDPA's additive mask made of it in the compute
-      dtype; through the CPU's prefill kernel (:mod:`engine.kernels.paged_decode`) its K and
-      V copied in fp32, whichever is larger.
-
-    An analytic term: the warm-up reads only its own short context."""
-    if triton:
-        return 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-    group = cfg.num_heads // cfg.num_kv_heads
-    chunk = min(limits.max_tokens_per_step, cfg.max_position_embeddings)
-    portable = row + chunk * (1 + group * (2 + itemsize))
-    prefill = max(portable, 2 * cfg.num_kv_heads * cfg.head_dim * 4)
-    gathered = limits.max_batch_size * (row + itemsize) if decode else 0
-    return max(prefill, gathered)
-
-
 def pool_budget(room: float, token_bytes: int, gather_per_token: int, context: int) -> float:
     """The bytes of a pool's blocks that share ``room`` with the gather term: ``blocks +
     gather × min(context, pool tokens) = room``, ``token_bytes`` a token."""
@@ -167,13 +133,13 @@ def size_pool(
     peak: int,
     non_torch: int,
     measured: bool,
-    triton: bool = False,
+    attention: AttentionBackend,
 ) -> PoolSizing:
     """A GPU's KV pool from its figures: ``pool + gather = total × utilization − peak −
     non-torch`` (the module's docstring), never more than the running set can use at full
     context. The load passes the warm-up's measured peak, the memory plan its weights plus
-    its workspace estimate. ``triton``: our Triton kernels attend (no gather: the decode
-    step's padded K/V rows are the torch path's)."""
+    its workspace estimate. ``attention``: the backend the engine attends with, whose workspace
+    per token of context is the gather term (none through our Triton kernels)."""
     block_bytes = PagedKVCache.bytes_per_block(cfg, config.block_size, dtype)
     token_bytes = block_bytes // config.block_size
     sizing = PoolSizing(
@@ -181,7 +147,9 @@ def size_pool(
         utilization=config.gpu_memory_utilization,
         peak=peak,
         non_torch=non_torch,
-        gather_per_token=gather_bytes_per_token(cfg, dtype, config.limits, triton=triton),
+        gather_per_token=attention.workspace_bytes_per_token(
+            cfg, dtype, config.limits.max_batch_size, config.limits.max_tokens_per_step
+        ),
         context=cfg.max_position_embeddings,
         block_size=config.block_size,
         block_bytes=block_bytes,
@@ -203,20 +171,20 @@ def profile_pool(
     device: torch.device,
     *,
     held: int = 0,
-    triton: bool = False,
+    attention: AttentionBackend,
 ) -> PoolSizing | None:
     """The KV pool of an engine on ``device`` with ``config``, sized from a warm-up forward
     (:func:`warm_up`); None where it is not profiled: ``config`` gives the size
     (``num_blocks`` or ``kv_memory``), or the device is not a GPU (a CPU's pool is a share of
-    its RAM). ``triton``: the engine attends through our Triton kernels (the warm-up does
-    too). ``held``: bytes allocated now that the new pool replaces (an engine's own pool,
-    freed once the new one is built), left out of the peak. A warm-up that runs out of memory
+    its RAM). ``attention``: the backend the engine attends with (the warm-up's too).
+    ``held``: bytes allocated now that the new pool replaces (an engine's own pool, freed
+    once the new one is built), left out of the peak. A warm-up that runs out of memory
     is refused as :class:`~engine.errors.OutOfMemoryError`, with what to lower."""
     memory = device_memory.device_memory(device)
     if memory is None or config.num_blocks is not None or config.kv_memory is not None:
         return None
     try:
-        peak, figures = warm_up(model, cfg, config, dtype, device, memory, triton=triton)
+        peak, figures = warm_up(model, cfg, config, dtype, device, memory, attention=attention)
     except torch.OutOfMemoryError:
         memory.release()
         limits = config.limits
@@ -229,7 +197,7 @@ def profile_pool(
     sizing = size_pool(
         cfg, config, dtype,
         total=figures.total, peak=peak - held, non_torch=figures.non_torch, measured=True,
-        triton=triton,
+        attention=attention,
     )  # fmt: skip
     log.info("KV pool profiled: %s", sizing.summary())
     return sizing
@@ -243,7 +211,7 @@ def warm_up(
     device: torch.device,
     memory: device_memory.DeviceMemory,
     *,
-    triton: bool = False,
+    attention: AttentionBackend,
 ) -> tuple[int, device_memory.MemoryFigures]:
     """The largest step the scheduler can make, run once: ``max_tokens_per_step`` tokens of
     prompt in one sequence (at most the model's context) through a scratch KV pool just big
@@ -256,7 +224,7 @@ def warm_up(
     memory.reset_peak()
     scratch = PagedKVCache(
         cfg, num_blocks=-(-chunk // config.block_size), block_size=config.block_size,
-        dtype=dtype, device=device, prefix_caching=False, triton=triton,
+        dtype=dtype, device=device, prefix_caching=False, attention=attention,
     )  # fmt: skip
     scratch.manager.grow(SCRATCH_ID, chunk)
     logits = model(

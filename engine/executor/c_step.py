@@ -44,7 +44,8 @@ class DecodeStep:
     def __init__(self, model: Transformer, dtype: torch.dtype, layers: list[tuple[Any, ...]],
                  head: Product | None, held: list[Tensor]) -> None:  # fmt: skip
         cfg = model.cfg
-        self.model = model
+        # weakly: the model holds its executor, which holds this step
+        self._model = weakref.ref(model)
         self.dtype = dtype
         self.held = held  # every tensor the plan points into
         self.layers = (Layer * len(layers))(*(Layer(*row) for row in layers))
@@ -102,7 +103,10 @@ class DecodeStep:
             return None
         head = self.head if sampled else None
         logits = torch.empty(sampled, head.n) if head is not None else None
-        cos, sin = self.model.rope.angles(positions, x.dtype)
+        model = self._model()
+        if model is None:
+            return None
+        cos, sin = model.rope.angles(positions, x.dtype)
         self.c_model.threads = lowbit.threads()
         mask = tables.mask
         rc = native.call(
@@ -111,7 +115,7 @@ class DecodeStep:
             sin.data_ptr(), tables.write_slots.data_ptr(), tables.slots.data_ptr(),
             tables.lens.data_ptr(), None if mask is None else mask.data_ptr(),
             tables.slots.shape[1], None if head is None else ctypes.byref(head),
-            self.model.norm.weight.data_ptr(), picked.data_ptr(), sampled,
+            model.norm.weight.data_ptr(), picked.data_ptr(), sampled,
             None if logits is None else logits.data_ptr(),
             self.spent if native.RECORDING or self.clocks else None, self.layer_seconds,
         )  # fmt: skip
@@ -120,7 +124,7 @@ class DecodeStep:
             return None
         if rc:
             raise MemoryError("a kernel of the C decode step ran out of memory")
-        return logits if logits is not None else self.model.head(x, logits_indices)
+        return logits if logits is not None else model.head(x, logits_indices)
 
     @property
     def times_layers(self) -> bool:

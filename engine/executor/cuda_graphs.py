@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from engine.attention.triton import StaticContext
 from engine.errors import InvalidRequestError
 from engine.executor import table
 from engine.hardware.transfer import upload
 from engine.kv_cache.block_manager import RELEASED
 from engine.kv_cache.paged import PagedKVCache, block_tables
-from engine.model.attention import AttentionContext
 
 if TYPE_CHECKING:
     from engine.core.runner import Batch
@@ -111,33 +111,6 @@ def settle(mode: str | None, model: Transformer, kv: PagedKVCache, max_batch: in
     return GraphsChoice(runner, f"captured {runner.span()} in {took:.1f} s")
 
 
-class _StaticContext(AttentionContext):
-    """Attention of a static decode step: reads only the runner's buffers (for a bucket)."""
-
-    def __init__(
-        self, kv: PagedKVCache, slots: Tensor, tables: Tensor, lens: Tensor, window: Window
-    ) -> None:
-        self.cache, self.slots, self.tables, self.lens = kv, slots, tables, lens
-        self.sink, self.window = window
-        self.decode_only = True
-
-    def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
-        return self.cache.kv[layer], self.slots
-
-    def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
-        self.cache.kv[layer].index_copy_(0, self.slots, kv)
-        return self.attend_stored(layer, q)
-
-    def attend_stored(self, layer: int, q: Tensor) -> Tensor:
-        from engine.kernels.triton_kernels.decode_attention import paged_decode_attention
-
-        pool = self.cache.kv[layer]
-        return paged_decode_attention(
-            q, pool, self.tables, self.lens,
-            block_size=self.cache.block_size, sink=self.sink, window=self.window,
-        )  # fmt: skip
-
-
 class StaticDecode:
     """Decode steps over static buffers, a graph per bucket on a GPU (the module's
     docstring). Tied to one KV pool: its tensors are the graphs' addresses."""
@@ -198,7 +171,7 @@ class StaticDecode:
             self.graphs[size] = (graph, logits)
 
     def _forward(self, size: int) -> Tensor:
-        ctx = _StaticContext(
+        ctx = StaticContext(
             self.kv, self.slots[:size], self.tables[:size], self.lens[:size], self.window
         )
         return self.model(self.ids[:size], self.positions[:size], ctx, self.rows[:size])

@@ -7,7 +7,7 @@ TorchInductor fuses what lies between the matmuls (residual add + RMSNorm, RoPE 
 SiLU·mul, the dtype casts around INT4) into a few generated C++ loops. What it must not touch
 stays opaque: oneDNN's packed linears (:func:`engine.kernels.packed_linear.packed_linear`) and
 the paged attention with its cache write
-(:func:`engine.kernels.decode_attention.paged_decode_attention`), so the data and memory flow
+(:func:`engine.attention.ops.paged_decode_attention`), so the data and memory flow
 are the engine's own in both modes.
 
 Only decode-only steps run compiled; prefill (long, one-off, shape-varied) stays eager, as

@@ -18,6 +18,7 @@ them. What ran is counted by step kind and executor, so the paths report
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -48,7 +49,9 @@ class StepExecutor:
     """The executors a load settled for one model, and which ran (the module's docstring)."""
 
     def __init__(self, model: Transformer) -> None:
-        self.model = model
+        # weakly: the model holds its executor, and a cycle would keep a dropped model's
+        # weights until the cyclic collector runs
+        self._model = weakref.ref(model)
         #: the decode step compiled by TorchInductor (:mod:`engine.executor.inductor`)
         self.compiled: CompiledDecode | None = None
         #: the decode step's layers in one C call (:mod:`engine.executor.c_step`)
@@ -61,6 +64,13 @@ class StepExecutor:
         self.ran: Counter[tuple[str, str]] = Counter()
         #: each executor dropped mid-run, and why
         self.fallbacks: list[str] = []
+
+    @property
+    def model(self) -> Transformer:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the executor's model is gone")
+        return model
 
     # -- a step ------------------------------------------------------------------------------
     def run(

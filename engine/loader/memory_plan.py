@@ -14,9 +14,9 @@ The plan (:func:`plan_memory`) adds up, from ``config.json`` alone:
   elsewhere :func:`kv_pool_blocks`;
 * **workspace**: the activations of one step of ``max_tokens_per_step`` tokens, the logits of
   a full batch and their sampling (an estimate, stated as one), and the attention
-  temporaries that grow with the context a step reads, at the pool's reach
-  (:func:`engine.core.pool_profile.gather_bytes_per_token`, the load's own analytic term: 0
-  where our Triton kernels attend, as they read the pool in place);
+  temporaries that grow with the context a step reads, at the pool's reach (the attention
+  backend's ``workspace_bytes_per_token``, :mod:`engine.attention`, the load's own analytic
+  term: 0 where our Triton kernels attend, as they read the pool in place);
 * **rotary tables** on a GPU: RoPE's fp32 cos and sin of every position
   (:func:`rope_bytes`), on the device from the load's start to its end;
 * **runtime**: on CUDA what the caching allocator does not hold: measured on this machine's
@@ -50,8 +50,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.attention import planned as planned_attention
 from engine.core.config import kv_pool_blocks
-from engine.core.pool_profile import PoolSizing, gather_bytes_per_token, size_pool
+from engine.core.pool_profile import PoolSizing, size_pool
 from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.formats import QUANT_CHUNK_BYTES
 from engine.hardware import gpu
@@ -378,23 +379,24 @@ class _Target:
             self.device.type, self.capability, head_dim=cfg.head_dim, dtype=spec.compute
         )
         gemms = triton_support.planned(self.device.type, self.capability)
+        backend = planned_attention(self.device, attention)
         given = config.num_blocks is not None or config.kv_memory is not None
         sizing = None
         if cuda and not given:  # as a load sizes it, its peak estimated
             sizing = size_pool(
                 cfg, config, spec.compute, total=self.total,
                 peak=sum(weights.values()) + rope + step, non_torch=self.runtime,
-                measured=False, triton=attention,
+                measured=False, attention=backend,
             )  # fmt: skip
             blocks = sizing.blocks
         else:
             room = max(0, self.budget - sum(weights.values()) - rope - self.runtime - step)
             blocks = kv_pool_blocks(cfg, config, spec.compute, self.device, float(room))
         blocks = max(0, blocks)
-        # the torch path's CUDA decode gathers K/V; a CPU's paged kernel, and ours, read the
-        # pool in place
-        gather = gather_bytes_per_token(
-            cfg, spec.compute, config.limits, decode=cuda, triton=attention
+        # the workspace of the attention the load would run (ours and the CPU's paged
+        # kernel read the pool in place; the torch path gathers)
+        gather = backend.workspace_bytes_per_token(
+            cfg, spec.compute, config.limits.max_batch_size, config.limits.max_tokens_per_step
         )
         reach = min(cfg.max_position_embeddings, blocks * config.block_size)
         window = cfg.sliding_window

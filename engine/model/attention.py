@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.attention
@@ -60,6 +61,41 @@ class AttentionContext(ABC):
         """The step's :class:`DecodeTables` where it decodes only, on a CPU pool that the
         paged C kernel reads; None otherwise."""
         return None
+
+
+class AttentionBackend(ABC):
+    """What a step's attention runs on (the backends: :mod:`engine.attention`): it builds a
+    step's :class:`AttentionContext` once from the scheduled chunks, for every layer; says
+    whether a CUDA graph may capture its decode steps (``graph_safe``: every input at a fixed
+    address and shape), which dtypes and head sizes it takes, and the workspace it needs per
+    token of context a step reads. Its ``name`` is the compatibility table's
+    (:mod:`engine.executor.table`)."""
+
+    name: str
+    graph_safe: bool
+
+    @abstractmethod
+    def context(self, cache: Any, chunks: list[Any]) -> AttentionContext:
+        """The step's context over ``cache`` (a :class:`~engine.kv_cache.paged.PagedKVCache`)
+        for its ``chunks`` (:class:`~engine.kv_cache.paged.SeqChunk`, decode first)."""
+
+    @abstractmethod
+    def refusal(self, cfg: Any, dtype: torch.dtype, device: torch.device) -> str:
+        """Why this backend cannot attend for the model of ``cfg`` (its heads) in ``dtype`` on
+        ``device``; "" where it can."""
+
+    @abstractmethod
+    def workspace_bytes_per_token(
+        self, cfg: Any, dtype: torch.dtype, max_batch: int, chunk_tokens: int
+    ) -> int:
+        """Bytes of attention temporaries per token of context one step reads, in one layer
+        (the layers run one after another): ``max_batch`` decode rows, or a prefill chunk
+        of ``chunk_tokens`` queries, whichever needs more."""
+
+    def runs_on(self, pool: Tensor) -> str:
+        """The backend's name as its steps over ``pool`` run now (a backend that switches
+        kernels per pool says which)."""
+        return self.name
 
 
 #: set once torch's fused CPU attention has refused this process (:func:`sdpa`)

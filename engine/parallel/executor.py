@@ -35,9 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from engine.attention.paged import PagedBackend, PagedContext
+from engine.attention.triton import TritonBackend, TritonContext
 from engine.errors import InfersightError
 from engine.kv_cache.contiguous import ContiguousKVCache, _ContiguousContext
-from engine.kv_cache.paged import PagedKVCache, SeqChunk, _PagedContext
+from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
@@ -158,7 +160,7 @@ class Driver:
         self.closed = False
 
     def _recipe(self, ctx: AttentionContext) -> Paged | Contiguous:
-        if isinstance(ctx, _PagedContext):
+        if isinstance(ctx, (PagedContext, TritonContext)):
             cache = ctx.cache
             mgr = cache.manager
             self._caches[id(cache)] = cache
@@ -308,7 +310,8 @@ def follow(
             if pool is None:
                 pool = pools[recipe.pool] = PagedKVCache(
                     cfg, num_blocks=recipe.num_blocks, block_size=recipe.block_size,
-                    dtype=dtype, device=device, prefix_caching=False, triton=recipe.triton,
+                    dtype=dtype, device=device, prefix_caching=False,
+                    attention=TritonBackend() if recipe.triton else PagedBackend(device),
                 )  # fmt: skip
             pool.manager.tables = recipe.tables
             ctx = pool.context(list(recipe.chunks))

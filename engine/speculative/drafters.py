@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from engine.attention.paged import PagedBackend
 from engine.core.sampling import race
 from engine.errors import InvalidRequestError
 from engine.hardware.transfer import fetch, upload
@@ -153,7 +154,7 @@ class ModelDrafter(Drafter):
         self.vocab_size = vocab_size
         self.kv = PagedKVCache(
             model.cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
-            device=device, prefix_caching=False,
+            device=device, prefix_caching=False, attention=PagedBackend(device),
         )  # fmt: skip
         self.weights_bytes = weights_bytes
         self.kv_bytes = self.kv.nbytes

@@ -8,7 +8,7 @@ What it computes: for chunk ``s`` (queries ``q[q_starts[s] : q_starts[s+1]]`` at
 ``p < sink`` or ``p > i - window``. The output is ``softmax(q·kᵀ·scale)·v`` over those keys,
 ``[T, H·D]`` in q's dtype: what :func:`engine.model.attention.grouped_attention` gives for the
 slots the chunk holds and :func:`engine.kv_cache.window._visible`'s mask (its reference; the
-torch path of :class:`engine.kv_cache.paged._PagedContext` gathers those slots instead).
+torch path of :class:`engine.attention.paged.PagedContext` gathers those slots instead).
 
 Layout. ``pool: [slots, 2·Hkv, D]`` holds, for each token slot, its K heads then its V heads
 (one layer of :class:`~engine.kv_cache.paged.PagedKVCache`); position ``p`` of sequence ``s``

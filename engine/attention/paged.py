@@ -1,0 +1,244 @@
+"""The paged attention of the torch paths and the paged C kernel: one step's context over the
+pool, and the backend that builds it.
+
+Decode chunks (one token each) are attended together: their keys' slots are laid out in a
+padded ``[B, Tmax]`` matrix (pad = the zero slot, masked out), which the paged C kernel reads
+in place on a CPU (:mod:`engine.kernels.paged_decode`) and the torch path gathers
+(:func:`engine.kernels.gather_attention.gather_attention`, one padded gather and one SDPA).
+Longer chunks (prefill) are attended one sequence at a time: on a CPU through the paged
+prefill kernel where it measured faster (it masks as it goes), else with a causal (and
+window) mask and SDPA. The backend is ``c`` where the C kernel reads the pool, else ``torch``
+(:meth:`PagedBackend.runs_on`: ``paged_decode.portable`` switches the kernel off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from engine.attention.ops import decode_attention, paged_decode_attention
+from engine.hardware.transfer import to_device, upload
+from engine.kernels import paged_decode
+from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.kv_cache.window import _one_window, _visible
+from engine.model.attention import (
+    AttentionBackend,
+    AttentionContext,
+    DecodeTables,
+    grouped_attention,
+)
+from engine.model.config import ModelConfig
+
+
+class PagedBackend(AttentionBackend):
+    """The torch paths, with the paged C kernels wherever they read the pool (a CPU pool of
+    a dtype they take). Any head size and dtype; not graph-safe (its slot rows change shape
+    every step)."""
+
+    name = "torch"
+    graph_safe = False
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def context(self, cache: Any, chunks: list[Any]) -> AttentionContext:
+        return PagedContext(cache, chunks)
+
+    def refusal(self, cfg: Any, dtype: torch.dtype, device: torch.device) -> str:
+        return ""
+
+    def runs_on(self, pool: Tensor) -> str:
+        return "c" if paged_decode.reads_pool(pool) else "torch"
+
+    def kernel(self, dtype: torch.dtype) -> bool:
+        """Whether the paged C kernels attend for a pool of ``dtype`` on this device."""
+        return (
+            self.device.type == "cpu" and dtype in paged_decode.DTYPES
+            and paged_decode.kernel().available
+        )  # fmt: skip
+
+    def workspace_bytes_per_token(
+        self, cfg: ModelConfig, dtype: torch.dtype, max_batch: int, chunk_tokens: int
+    ) -> int:
+        """The larger of
+
+        * a decode step's, where decode gathers (the torch path; the C kernel reads the pool
+          in place): each of ``max_batch`` padded rows holds the token's K and V, and the
+          additive mask an element;
+        * a prefill chunk's (``chunk_tokens`` queries): on the portable path the token's K
+          and V gathered, and its mask column: the boolean mask on the device, its copy
+          repeated over the query group and negated, and SDPA's additive mask made of it in
+          the compute dtype; through the CPU's prefill kernel its K and V copied in fp32,
+          whichever is larger."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+        group = cfg.num_heads // cfg.num_kv_heads
+        chunk = min(chunk_tokens, cfg.max_position_embeddings)
+        portable = row + chunk * (1 + group * (2 + itemsize))
+        prefill = max(portable, 2 * cfg.num_kv_heads * cfg.head_dim * 4)
+        gathered = 0 if self.kernel(dtype) else max_batch * (row + itemsize)
+        return max(prefill, gathered)
+
+
+class PagedContext(AttentionContext):
+    """Index tensors for one step, built once and shared by every layer.
+
+    Decode chunks (one token each) are attended together: their keys are gathered into a
+    padded ``[B, Tmax]`` slot matrix (pad = the zero slot, masked out). Longer chunks
+    (prefill) are attended one sequence at a time: on a CPU through the paged prefill kernel
+    (:func:`engine.kernels.paged_decode.paged_prefill`, which masks as it goes), else with a
+    causal (and window) mask.
+    """
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
+        self.cache = cache
+        #: the step's chunks, as given (what a tensor-parallel step tells its other ranks)
+        self.chunks = chunks
+        mgr, dev = cache.manager, cache.device
+        write: list[int] = []
+        for c in chunks:
+            write += mgr.slots(c.seq_id, c.start, c.start + c.length)
+        self.write_slots = upload(write, dev)
+
+        self.num_decode = 0
+        while self.num_decode < len(chunks) and chunks[self.num_decode].length == 1:
+            self.num_decode += 1
+        if any(c.length == 1 for c in chunks[self.num_decode :]):
+            raise ValueError("decode chunks must come first in a step")
+        self.decode_only = self.num_decode == len(chunks)
+        self.decode_slots: Tensor | None = None
+        self.decode_lens: Tensor | None = None  # real (unpadded) columns of each slot row
+        self.decode_mask: Tensor | None = None
+        self.mask_needed = False
+        if self.num_decode:
+            slot_rows, mask_rows = [], []
+            for c in chunks[: self.num_decode]:
+                positions, slots = mgr.held(c.seq_id, c.start + 1)
+                slot_rows.append(slots)
+                mask_rows.append(
+                    _visible(c.window, cache.model_window, positions, torch.tensor([c.start]))[0]
+                )
+            lens = [len(r) for r in slot_rows]
+            self.decode_slots = to_device(
+                pad_sequence(slot_rows, batch_first=True, padding_value=cache.pad_slot), dev
+            )
+            self.decode_lens = upload(lens, dev)
+            mask = pad_sequence(mask_rows, batch_first=True, padding_value=False)
+            # Additive (0 / -inf, what SDPA makes of a boolean mask in every call), built once
+            # per step for every layer. Eager steps leave it out where every key is visible
+            # by construction (rows of one length, no window: a decode query sees every key
+            # its sequence holds), decided from lengths alone, as a GPU step must not read
+            # a tensor back; a compiled step always passes it, so that one graph serves both.
+            additive = torch.zeros(mask.shape, dtype=cache.kv[0].dtype)
+            additive.masked_fill_(~mask, float("-inf"))
+            self.decode_mask = to_device(additive[:, None, None, :], dev)
+            windowed = cache.model_window is not None or any(
+                c.window is not None for c in chunks[: self.num_decode]
+            )
+            self.mask_needed = windowed or min(lens) != max(lens)
+        #: each prefill chunk: its query offset, and what the kernel or SDPA reads (None: a
+        #: whole prompt, causal over its own keys)
+        self.prefill: list[tuple[int, int, _Prefill | Tensor | None, Tensor]] = []
+        offset = self.num_decode
+        pool = cache.kv[0]
+        kernel = (
+            len(chunks) > self.num_decode
+            and paged_decode.reads_pool(pool)
+            and paged_decode.prefill_faster(pool.dtype, cache.heads, cache.kv_heads, pool.shape[2])
+        )
+        for c in chunks[self.num_decode :]:
+            positions, slots = mgr.held(c.seq_id, c.start + c.length)
+            one, window = _one_window(c.window, cache.model_window)
+            if kernel and one:
+                sink, width = (0, 0) if window is None else (window.sink, window.window)
+                # the kernel masks as it goes: what it needs is the keys' positions
+                read: _Prefill | Tensor | None = _Prefill(positions, c.start, sink, width)
+            elif one and window is None and c.start == 0:
+                read = None  # a whole prompt over its own keys: causal, no mask to build
+            else:
+                queries = torch.arange(c.start, c.start + c.length)
+                read = to_device(_visible(c.window, cache.model_window, positions, queries), dev)
+            self.prefill.append((offset, c.length, read, to_device(slots, dev)))
+            offset += c.length
+
+    def decode_tables(self) -> DecodeTables | None:
+        if not self.decode_only:
+            return None
+        if not paged_decode.reads_pool(self.cache.kv[0]):
+            return None
+        assert self.decode_slots is not None and self.decode_lens is not None
+        mask = None
+        if self.mask_needed:
+            assert self.decode_mask is not None
+            mask = self.decode_mask.reshape(self.num_decode, -1).float().contiguous()
+        return DecodeTables(
+            self.cache, self.cache.kv, self.write_slots, self.decode_slots.contiguous(),
+            self.decode_lens, mask,
+        )  # fmt: skip
+
+    def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """The pool and slots where a fused RoPE + K/V write stores this step's K/V (our C
+        one); None in a compiled step, which stores them through its attention op."""
+        if torch.compiler.is_compiling():
+            return None
+        return self.cache.kv[layer], self.write_slots
+
+    def attend_stored(self, layer: int, q: Tensor) -> Tensor:
+        return self._attend_pool(q, self.cache.kv[layer])
+
+    def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        pool = self.cache.kv[layer]
+        if self.decode_only:
+            assert self.decode_slots is not None
+            assert self.decode_lens is not None
+            if torch.compiler.is_compiling():  # one opaque op in a compiled decode step
+                return paged_decode_attention(
+                    q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens,
+                    self.decode_mask,
+                )  # fmt: skip
+        pool.index_copy_(0, self.write_slots, kv)
+        return self._attend_pool(q, pool)
+
+    def _attend_pool(self, q: Tensor, pool: Tensor) -> Tensor:
+        """The step's attention on the torch and C paths, its K/V already in ``pool``."""
+        if self.decode_only:
+            assert self.decode_slots is not None
+            assert self.decode_lens is not None
+            mask = self.decode_mask if self.mask_needed else None
+            return decode_attention(q, pool, self.decode_slots, self.decode_lens, mask)
+        tokens, heads, dim = q.shape
+        kv_heads = self.cache.kv_heads
+        out = q.new_empty(tokens, heads * dim)
+        if self.decode_slots is not None:
+            assert self.decode_lens is not None
+            mask = self.decode_mask if self.mask_needed else None
+            out[: self.num_decode] = decode_attention(
+                q[: self.num_decode], pool, self.decode_slots, self.decode_lens, mask
+            )
+        for offset, length, read, slots in self.prefill:
+            chunk = q[offset : offset + length]
+            if isinstance(read, _Prefill):
+                out[offset : offset + length] = paged_decode.paged_prefill(
+                    chunk, pool, slots, read.positions, read.start, read.sink, read.window
+                )
+                continue
+            rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
+            out[offset : offset + length] = grouped_attention(
+                chunk, rows[:kv_heads], rows[kv_heads:], read, causal=read is None
+            )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefill:
+    """A prefill chunk as the paged prefill kernel reads it: its keys' positions, its first
+    query's, and the one cache window over it (``window == 0``: none)."""
+
+    positions: Tensor
+    start: int
+    sink: int
+    window: int

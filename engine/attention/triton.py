@@ -1,0 +1,162 @@
+"""Attention through our Triton kernels: the backend, a step's context and block tables,
+and the static context a CUDA graph captures.
+
+The kernels (:mod:`engine.kernels.triton_kernels`) read K and V in place through each
+sequence's block table, so a step gathers nothing (no workspace per token of context) and its
+inputs keep fixed shapes in a graph's static buffers (graph-safe). Where they run
+(:mod:`engine.kernels.triton_support`): a CUDA GPU with Triton, or this CPU under Triton's
+interpreter; for heads :data:`~engine.kernels.triton_support.HEAD_DIMS` wide; not fp32 on a
+GPU nor bf16 below sm80 (the prefill kernel's refusals).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.hardware.transfer import upload
+from engine.kernels import triton_support
+from engine.kernels.triton_kernels import decode_attention, prefill_attention
+from engine.kv_cache.paged import PagedKVCache, SeqChunk, block_tables
+from engine.model.attention import AttentionBackend, AttentionContext
+from engine.model.config import ModelConfig
+
+
+class TritonBackend(AttentionBackend):
+    """Our Triton kernels: graph-safe, no gather."""
+
+    name = "triton"
+    graph_safe = True
+
+    def context(self, cache: Any, chunks: list[Any]) -> AttentionContext:
+        return TritonContext(cache, chunks)
+
+    def refusal(self, cfg: Any, dtype: torch.dtype, device: torch.device) -> str:
+        if cfg.head_dim not in triton_support.HEAD_DIMS:
+            built = " or ".join(map(str, triton_support.HEAD_DIMS))
+            return f"our attention kernels are built for heads {built} wide, not {cfg.head_dim}"
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return prefill_attention.unsupported(dtype, *heads, device) or ""
+
+    def workspace_bytes_per_token(
+        self, cfg: ModelConfig, dtype: torch.dtype, max_batch: int, chunk_tokens: int
+    ) -> int:
+        """None: the kernels read K and V through the block tables, in place (a step's tables
+        are int32 a block, its split-K partials bounded by the batch, not the context)."""
+        return 0
+
+
+class TritonContext(AttentionContext):
+    """One step's attention through our Triton kernels: the step's :class:`BlockTables`, built
+    once for every layer; K/V written into the pool (by the fused RoPE + K/V write where it
+    runs), then read in place."""
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
+        self.cache = cache
+        #: the step's chunks, as given (what a tensor-parallel step tells its other ranks)
+        self.chunks = chunks
+        mgr, dev = cache.manager, cache.device
+        write: list[int] = []
+        for c in chunks:
+            write += mgr.slots(c.seq_id, c.start, c.start + c.length)
+        self.write_slots = upload(write, dev)
+        num_decode = 0
+        while num_decode < len(chunks) and chunks[num_decode].length == 1:
+            num_decode += 1
+        if any(c.length == 1 for c in chunks[num_decode:]):
+            raise ValueError("decode chunks must come first in a step")
+        self.num_decode = num_decode
+        self.decode_only = num_decode == len(chunks)
+        self.tables = BlockTables(cache, chunks, num_decode)
+
+    def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        return self.cache.kv[layer], self.write_slots
+
+    def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        pool = self.cache.kv[layer]
+        pool.index_copy_(0, self.write_slots, kv)
+        return self.tables.attend(q, pool)
+
+    def attend_stored(self, layer: int, q: Tensor) -> Tensor:
+        return self.tables.attend(q, self.cache.kv[layer])
+
+
+class BlockTables:
+    """What our Triton kernels read for one step (:mod:`engine.kernels.triton_kernels`): each
+    sequence's block table (``RELEASED`` where the cache window gave a block back), padded
+    to the step's widest with ``RELEASED``; the decode sequences' lengths; the prefill
+    chunks' query offsets and first positions; the step's one cache window. Built once per
+    step for every layer, sent up in queued copies."""
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk], num_decode: int) -> None:
+        mgr, dev = cache.manager, cache.device
+        self.block_size = cache.block_size
+        windows = {c.window if c.window is not None else cache.model_window for c in chunks}
+        if len(windows) > 1:
+            raise ValueError("the chunks of one step must share one cache window")
+        (window,) = windows
+        self.sink, self.window = (0, 0) if window is None else (window.sink, window.window)
+        decode, prefill = chunks[:num_decode], chunks[num_decode:]
+        self.decode = self.decode_lens = None
+        if decode:
+            self.decode = block_tables(mgr, decode, dev)
+            self.decode_lens = upload([c.start + 1 for c in decode], dev, torch.int32)
+        self.prefill = self.q_starts = self.first_positions = None
+        self.max_query_len = max((c.length for c in prefill), default=0)
+        if prefill:
+            self.prefill = block_tables(mgr, prefill, dev)
+            starts = [0]
+            for c in prefill:
+                starts.append(starts[-1] + c.length)
+            self.q_starts = upload(starts, dev, torch.int32)
+            self.first_positions = upload([c.start for c in prefill], dev, torch.int32)
+        self.num_decode = num_decode
+
+    def attend(self, q: Tensor, pool: Tensor) -> Tensor:
+        """The step's attention output ``[T, H·D]`` (its K/V already in ``pool``)."""
+        window = {"block_size": self.block_size, "sink": self.sink, "window": self.window}
+        n = self.num_decode
+        decoded = prefilled = None
+        if self.decode is not None:
+            assert self.decode_lens is not None
+            decoded = decode_attention.paged_decode_attention(
+                q[:n], pool, self.decode, self.decode_lens, **window
+            )
+        if self.prefill is not None:
+            assert self.q_starts is not None and self.first_positions is not None
+            prefilled = prefill_attention.paged_prefill_attention(
+                q[n:], pool, self.prefill, self.q_starts, self.first_positions,
+                max_query_len=self.max_query_len, **window,
+            )  # fmt: skip
+        if prefilled is None:
+            assert decoded is not None
+            return decoded
+        return prefilled if decoded is None else torch.cat([decoded, prefilled])
+
+
+class StaticContext(AttentionContext):
+    """Attention of a static decode step: reads only the runner's buffers (for a bucket)."""
+
+    def __init__(
+        self, kv: PagedKVCache, slots: Tensor, tables: Tensor, lens: Tensor,
+        window: tuple[int, int],
+    ) -> None:  # fmt: skip
+        self.cache, self.slots, self.tables, self.lens = kv, slots, tables, lens
+        self.sink, self.window = window
+        self.decode_only = True
+
+    def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        return self.cache.kv[layer], self.slots
+
+    def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
+        self.cache.kv[layer].index_copy_(0, self.slots, kv)
+        return self.attend_stored(layer, q)
+
+    def attend_stored(self, layer: int, q: Tensor) -> Tensor:
+        pool = self.cache.kv[layer]
+        return decode_attention.paged_decode_attention(
+            q, pool, self.tables, self.lens,
+            block_size=self.cache.block_size, sink=self.sink, window=self.window,
+        )  # fmt: skip
