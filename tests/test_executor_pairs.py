@@ -142,3 +142,12 @@ def test_a_dropped_engine_frees_its_model_at_once(folder, monkeypatch, lowbit_ke
         assert model() is None
     finally:
         gc.enable()
+
+
+def test_the_table_and_the_backends_agree_on_what_a_graph_may_capture():
+    """A backend's ``graph_safe`` is the table's CUDA-graphs column: one statement each."""
+    from engine.attention import PagedBackend, TritonBackend
+
+    for backend, names in ((TritonBackend(), ["triton"]), (PagedBackend(), ["c", "torch"])):
+        for name in names:
+            assert backend.graph_safe is (table.refusal("cuda-graphs", name) == "")

@@ -10,6 +10,7 @@ import gc
 import json
 import logging
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from engine.errors import InvalidRequestError
 from engine.hardware import gpu
 from engine.hardware import memory as device_memory
 from engine.hardware.memory import MemoryFigures
+from engine.kernels import paged_decode
 from engine.loader import memory_plan
 from engine.loader.load import load_model
 from engine.model.config import ModelConfig
@@ -38,10 +40,12 @@ CONTEXT = 256
 CHUNK = 96  # max_tokens_per_step
 BATCH = 5  # max_batch_size
 BLOCK = 16
-# the analytic gather per token read: the prefill chunk's K/V and mask column (group of 4:
-# the mask on the device, repeated and negated, and its fp32 additive copy), or the decode
-# step's padded rows of K/V and mask, the larger
-GATHER = max(ROW_BYTES + CHUNK * (1 + 4 * (2 + 4)), BATCH * (ROW_BYTES + 4))
+# the analytic gather per token read, on the torch path a GPU without our kernels runs (and
+# this CPU with the paged C kernel off): the prefill chunk's slot, K/V and mask column
+# (group of 4: the mask, its repeated copy and its fp32 additive one), or the decode step's
+# padded rows (a row's K/V, its mask element and slot; 24 B while its context is built), the
+# larger; tests/test_attention_workspace.py measures both terms against the allocator
+GATHER = max(8 + ROW_BYTES + CHUNK * (1 + 4 * (1 + 4)), BATCH * max(24, ROW_BYTES + 4 + 8))
 # the warm-up's scratch pool: the chunk's blocks and the zero pad slot
 SCRATCH = (-(-CHUNK // BLOCK) * BLOCK + 1) * TOKEN_BYTES
 USEFUL = BATCH * CONTEXT // BLOCK  # blocks the running set can use at full context
@@ -76,6 +80,18 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny(model, tmp_path_factory.mktemp("llama-pool"))
 
 
+@pytest.fixture(autouse=True)
+def _the_torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Attention on the torch path, as on a GPU without our kernels (the paged C kernel off
+    for the test, and as this process had it after)."""
+    monkeypatch.setenv(paged_decode.ENV, "gather")
+    paged_decode.kernel.cache_clear()
+    yield
+    monkeypatch.undo()
+    paged_decode.kernel.cache_clear()
+    paged_decode.kernel()
+
+
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, fake: FakeGpu) -> FakeGpu:
     """Every device (this CPU too) sized as a GPU through ``fake``."""
     monkeypatch.setattr(device_memory, "device_memory", lambda device: fake)
@@ -102,8 +118,8 @@ def expected_blocks(room: float) -> int:
 @pytest.mark.parametrize(
     ("room", "blocks"),
     [
-        (500_000, 10),  # short of a full context: the gather counted at the pool's own reach
-        (1 * MiB, 65),  # a full context's gather beside a pool of more than one context
+        (500_000, 12),  # short of a full context: the gather counted at the pool's own reach
+        (1 * MiB, 80),  # a full context's gather beside a pool of more than one context
         (64 * MiB, USEFUL),  # more than the running set can use: the full-context pool
     ],
 )

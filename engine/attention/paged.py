@@ -33,6 +33,12 @@ from engine.model.attention import (
 )
 from engine.model.config import ModelConfig
 
+#: a slot's or a position's index (int64)
+SLOT_BYTES = 8
+#: what building a decode step's context holds at once per token of a row (its slot and
+#: position, its mask row, the padded copies): measured (tests/test_attention_workspace.py)
+DECODE_ROWS_BYTES = 24
+
 
 class PagedBackend(AttentionBackend):
     """The torch paths, with the paged C kernels wherever they read the pool (a CPU pool of
@@ -64,24 +70,36 @@ class PagedBackend(AttentionBackend):
     def workspace_bytes_per_token(
         self, cfg: ModelConfig, dtype: torch.dtype, max_batch: int, chunk_tokens: int
     ) -> int:
-        """The larger of
+        """The larger of a decode step's (:meth:`decode_bytes_per_token`) and a prefill
+        chunk's (:meth:`prefill_bytes_per_token`)."""
+        return max(
+            self.decode_bytes_per_token(cfg, dtype, max_batch),
+            self.prefill_bytes_per_token(cfg, dtype, chunk_tokens),
+        )
 
-        * a decode step's, where decode gathers (the torch path; the C kernel reads the pool
-          in place): each of ``max_batch`` padded rows holds the token's K and V, and the
-          additive mask an element;
-        * a prefill chunk's (``chunk_tokens`` queries): on the portable path the token's K
-          and V gathered, and its mask column: the boolean mask on the device, its copy
-          repeated over the query group and negated, and SDPA's additive mask made of it in
-          the compute dtype; through the CPU's prefill kernel its K and V copied in fp32,
-          whichever is larger."""
+    def decode_bytes_per_token(self, cfg: ModelConfig, dtype: torch.dtype, max_batch: int) -> int:
+        """A decode step of ``max_batch`` rows, the larger of its context's construction (each
+        row's slots and positions, its mask row, their padded copies: :data:`DECODE_ROWS_BYTES`)
+        and its attention: each row's slot (int64) and additive mask element, and where the
+        torch path gathers (the C kernel reads the pool in place) the token's K and V."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        gathered = 0 if self.kernel(dtype) else 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return max_batch * max(DECODE_ROWS_BYTES, gathered + itemsize + SLOT_BYTES)
+
+    def prefill_bytes_per_token(self, cfg: ModelConfig, dtype: torch.dtype, chunk: int) -> int:
+        """A prefill chunk of ``chunk`` queries: its keys' slots and positions (int64); through
+        the paged C prefill kernel (where it measured faster) nothing more, as it masks as it
+        goes; on the portable path the token's K and V gathered, and its mask column: the
+        boolean mask, its copy repeated over the query group, and SDPA's additive mask made of
+        it in the compute dtype."""
+        chunk = min(chunk, cfg.max_position_embeddings)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        if chunk and self.kernel(dtype) and paged_decode.prefill_faster(dtype, *heads):
+            return 2 * SLOT_BYTES
         itemsize = torch.empty((), dtype=dtype).element_size()
         row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
         group = cfg.num_heads // cfg.num_kv_heads
-        chunk = min(chunk_tokens, cfg.max_position_embeddings)
-        portable = row + chunk * (1 + group * (2 + itemsize))
-        prefill = max(portable, 2 * cfg.num_kv_heads * cfg.head_dim * 4)
-        gathered = 0 if self.kernel(dtype) else max_batch * (row + itemsize)
-        return max(prefill, gathered)
+        return SLOT_BYTES + row + chunk * (1 + group * (1 + itemsize))
 
 
 class PagedContext(AttentionContext):
