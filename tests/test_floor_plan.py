@@ -93,3 +93,16 @@ def test_no_module_is_over_600_lines():
              if (ROOT / name).exists()}  # fmt: skip
     long = {name: n for name, n in lines.items() if n > MOST_LINES}
     assert long == {}
+
+
+def test_the_engine_and_the_server_import_without_triton():
+    """Triton is the GPU's (and the dev extras'): a CPU-only install imports, loads and
+    serves without it. Imported lazily where our Triton kernels run."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import engine.core.engine, engine.loader.load, engine.attention, engine.executor.step\n"
+        "import app.server.routes, app.cli.main\n"
+        "assert 'triton' not in {m.split('.')[0] for m, v in sys.modules.items() if v}\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -56,5 +56,5 @@ def choose(
 def planned(device: torch.device, triton: bool) -> AttentionBackend:
     """The backend a load on ``device`` would choose, as the plan knows it (``triton``: our
     kernels would attend, :func:`triton_support.planned`), without building or checking
-    anything on a device that is not here."""
-    return TritonBackend() if triton else PagedBackend(device)
+    anything (on this machine either: a plan neither builds the C kernel nor times a path)."""
+    return TritonBackend() if triton else PagedBackend(device, measure=False)

@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.attention.ops import decode_attention, paged_decode_attention
 from engine.hardware.transfer import to_device, upload
-from engine.kernels import paged_decode
+from engine.kernels import native, paged_decode
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.kv_cache.window import _one_window, _visible
 from engine.model.attention import (
@@ -48,8 +48,11 @@ class PagedBackend(AttentionBackend):
     name = "torch"
     graph_safe = False
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, measure: bool = True) -> None:
         self.device = torch.device(device)
+        #: whether its terms may build the C kernel and time the prefill paths (a load's);
+        #: a plan's (False) assumes the portable prefill, and the kernel where a C compiler is
+        self.measure = measure
 
     def context(self, cache: Any, chunks: list[Any]) -> AttentionContext:
         return PagedContext(cache, chunks)
@@ -62,10 +65,11 @@ class PagedBackend(AttentionBackend):
 
     def kernel(self, dtype: torch.dtype) -> bool:
         """Whether the paged C kernels attend for a pool of ``dtype`` on this device."""
-        return (
-            self.device.type == "cpu" and dtype in paged_decode.DTYPES
-            and paged_decode.kernel().available
-        )  # fmt: skip
+        if self.device.type != "cpu" or dtype not in paged_decode.DTYPES:
+            return False
+        if not self.measure:  # a plan builds nothing
+            return paged_decode.requested() != "gather" and native.compiler() is not None
+        return paged_decode.kernel().available
 
     def workspace_bytes_per_token(
         self, cfg: ModelConfig, dtype: torch.dtype, max_batch: int, chunk_tokens: int
@@ -94,12 +98,16 @@ class PagedBackend(AttentionBackend):
         it in the compute dtype."""
         chunk = min(chunk, cfg.max_position_embeddings)
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        if chunk and self.kernel(dtype) and paged_decode.prefill_faster(dtype, *heads):
+        measured = chunk and self.measure and self.kernel(dtype)
+        if measured and paged_decode.prefill_faster(dtype, *heads):
             return 2 * SLOT_BYTES
         itemsize = torch.empty((), dtype=dtype).element_size()
         row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
         group = cfg.num_heads // cfg.num_kv_heads
-        return SLOT_BYTES + row + chunk * (1 + group * (1 + itemsize))
+        # a GPU's SDPA may negate the boolean mask before it makes the additive one (its own
+        # allocator, not measured here): a byte more a query of the group there
+        negated = 0 if self.device.type == "cpu" else 1
+        return SLOT_BYTES + row + chunk * (1 + group * (1 + negated + itemsize))
 
 
 class PagedContext(AttentionContext):

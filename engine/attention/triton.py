@@ -18,7 +18,6 @@ from torch import Tensor
 
 from engine.hardware.transfer import upload
 from engine.kernels import triton_support
-from engine.kernels.triton_kernels import decode_attention, prefill_attention
 from engine.kv_cache.paged import PagedKVCache, SeqChunk, block_tables
 from engine.model.attention import AttentionBackend, AttentionContext
 from engine.model.config import ModelConfig
@@ -37,6 +36,8 @@ class TritonBackend(AttentionBackend):
         if cfg.head_dim not in triton_support.HEAD_DIMS:
             built = " or ".join(map(str, triton_support.HEAD_DIMS))
             return f"our attention kernels are built for heads {built} wide, not {cfg.head_dim}"
+        from engine.kernels.triton_kernels import prefill_attention
+
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return prefill_attention.unsupported(dtype, *heads, device) or ""
 
@@ -116,6 +117,9 @@ class BlockTables:
 
     def attend(self, q: Tensor, pool: Tensor) -> Tensor:
         """The step's attention output ``[T, H·D]`` (its K/V already in ``pool``)."""
+        # imported where they run: Triton is not installed everywhere the engine is
+        from engine.kernels.triton_kernels import decode_attention, prefill_attention
+
         window = {"block_size": self.block_size, "sink": self.sink, "window": self.window}
         n = self.num_decode
         decoded = prefilled = None
@@ -155,6 +159,8 @@ class StaticContext(AttentionContext):
         return self.attend_stored(layer, q)
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
+        from engine.kernels.triton_kernels import decode_attention
+
         pool = self.cache.kv[layer]
         return decode_attention.paged_decode_attention(
             q, pool, self.tables, self.lens,

@@ -142,7 +142,7 @@ class ModelRunner:
     def _warm_decode(self, compiled: inductor.CompiledDecode, kv: PagedKVCache) -> None:
         """Decode steps of batch 2 and 1 on scratch sequences: the two graphs that every later
         decode step uses (:func:`inductor.compile_forward`). Errors propagate (the
-        model's forward would fall back to eager and hide them)."""
+        executor would fall back to eager and hide them)."""
         mgr = kv.manager
         per_seq = mgr.blocks_for(4)
         if mgr.num_free < per_seq:

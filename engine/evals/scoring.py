@@ -70,7 +70,7 @@ def score(
             if check:
                 check()
             ctx = engine.kv.context([SeqChunk(SCORE_ID, start, end - start, window)])
-            logits = engine.model(
+            logits = engine.runner.executor.forward(
                 torch.tensor(inputs[start:end], device=device),
                 torch.arange(start, end, device=device),
                 ctx,

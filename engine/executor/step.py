@@ -95,59 +95,66 @@ class StepExecutor:
         logits_indices: Tensor | None = None,
     ) -> Tensor:
         """Logits of the rows ``logits_indices`` (default: every token), on the first of the
-        compiled step, the C step and the model's forward that applies."""
+        compiled step, the C step and the model's forward that applies. A decode step is
+        embedded once, whichever runs it (the embedding stays out of the graph and the C call:
+        a few rows, read by index); one that an executor fails mid-way is embedded again, as
+        the C step changes its rows in place."""
+        model = self.model
         decode = bool(getattr(ctx, "decode_only", False))
-        kind = DECODE if decode else PREFILL
-        if decode:
-            logits = self._compiled(input_ids, positions, ctx, logits_indices)
-            if logits is None:
-                logits = self._c_step(input_ids, positions, ctx, logits_indices)
+        if not decode or model.announce is not None or not (self.compiled or self.c_step):
+            self.ran[DECODE if decode else PREFILL, "eager"] += 1
+            return model(input_ids, positions, ctx, logits_indices)
+        with torch.inference_mode():
+            x = model.embed(input_ids)
+            logits, clean = self._compiled(x, positions, ctx, logits_indices)
+            if logits is None and clean:
+                logits, clean = self._c_step(x, positions, ctx, logits_indices)
             if logits is not None:
                 return logits
-        self.ran[kind, "eager"] += 1
-        return self.model(input_ids, positions, ctx, logits_indices)
+            self.ran[DECODE, "eager"] += 1
+            if not clean:
+                x = model.embed(input_ids)
+            return model.body(x, positions, ctx, logits_indices)
 
     def _compiled(
-        self, ids: Tensor, positions: Tensor, ctx: AttentionContext, rows: Tensor | None
-    ) -> Tensor | None:
+        self, x: Tensor, positions: Tensor, ctx: AttentionContext, rows: Tensor | None
+    ) -> tuple[Tensor | None, bool]:
+        """The compiled step's logits, or None; and whether ``x`` is as it was."""
         compiled = self.compiled
         if compiled is None or self.eager_reasons:
-            return None
-        with torch.inference_mode():
-            # the embedding stays out of the graph: a few rows, read by index
-            x = self.model.embed(ids)
-            try:
-                logits = compiled(x, positions, ctx, rows)
-            except Exception as exc:  # the graph broke: this step and every later one run
-                # eagerly (a cache write the graph made is made again, the same)
-                self.drop("compiled", exc)
-                return None
+            return None, True
+        try:
+            logits = compiled(x, positions, ctx, rows)
+        except Exception as exc:  # the graph broke: this step and every later one run
+            # eagerly (a cache write the graph made is made again, the same)
+            self.drop("compiled", exc)
+            return None, False
         self.ran[DECODE, "compiled"] += 1
-        return logits
+        return logits, True
 
     def _c_step(
-        self, ids: Tensor, positions: Tensor, ctx: AttentionContext, rows: Tensor | None
-    ) -> Tensor | None:
+        self, x: Tensor, positions: Tensor, ctx: AttentionContext, rows: Tensor | None
+    ) -> tuple[Tensor | None, bool]:
+        """The C step's logits, or None where it does not apply (nothing ran); and whether
+        ``x`` is as it was."""
         step = self.c_step
         if step is None:
-            return None
+            return None, True
         # the C step times its layers itself where layer timings are on
         if self.eager_reasons and not (step.times_layers and self.eager_reasons == {LAYER_TIMINGS}):
-            return None
+            return None, True
         tables = ctx.decode_tables()
         if tables is None:
-            return None
-        with torch.inference_mode():
-            x = self.model.embed(ids)
-            try:
-                logits = step(x, positions, tables, rows)
-            except Exception as exc:  # as for the graph: eager from here on (the cache
-                # writes are made again, the same)
-                self.drop("c-step", exc)
-                return None
+            return None, True
+        try:
+            logits = step(x, positions, tables, rows)
+        except Exception as exc:  # as for the graph: eager from here on (the layers ran on
+            # x in place; the cache writes are made again, the same)
+            self.drop("c-step", exc)
+            return None, False
         if logits is not None:
             self.ran[DECODE, "c-step"] += 1
-        return logits
+        return logits, True
 
     def drop(self, executor: str, exc: BaseException) -> None:
         """``executor`` failed: every later step runs without it; the reason is kept."""

@@ -18,7 +18,8 @@ BACKENDS = ("triton", "c", "torch")
 
 _FIXED_SHAPES = (
     "a graph replays fixed shapes, and this attention reads padded slot rows whose width "
-    "changes every step (graphs need our Triton kernels, which read fixed-width block tables)"
+    "changes every step (graphs need our Triton kernels, which read fixed-width block tables: "
+    "INFERSIGHT_KERNELS=triton where they run)"
 )
 _C_ATTENTION = "the C step's attention is the paged C kernel"
 

@@ -160,6 +160,7 @@ def engine_for(
         engine.threads_report = step_threads or threads
     engine.graph = engine.runner.settle_decode_graph(engine.config.decode_graph, engine.kv)
     engine.settle_cuda_graphs()
+    engine.runner.executor.ran.clear()  # the load's timed steps are not the engine's
     return engine
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.executor import step as step_executor
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.speculative.config import VerifyCost
 from engine.speculative.drafters import Drafter, ModelDrafter
@@ -50,13 +51,14 @@ def _time_forward(
     try:
         mgr.grow(rid, longest)
         ids = torch.zeros(longest, dtype=torch.long, device=device)
-        model(ids[:context], torch.arange(context, device=device),
-              kv.context([SeqChunk(rid, 0, context)]))  # fmt: skip
+        step = step_executor.of(model).forward  # as generation runs its steps
+        step(ids[:context], torch.arange(context, device=device),
+             kv.context([SeqChunk(rid, 0, context)]))  # fmt: skip
         for length in lengths:
             runs = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                model(
+                step(
                     ids[:length], torch.arange(context, context + length, device=device),
                     kv.context([SeqChunk(rid, context, length)]),
                     torch.arange(length, device=device),

@@ -14,6 +14,7 @@ from torch import Tensor
 from engine.attention.paged import PagedBackend
 from engine.core.sampling import race
 from engine.errors import InvalidRequestError
+from engine.executor import step as step_executor
 from engine.hardware.transfer import fetch, upload
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.kv_cache.window import CacheWindow
@@ -228,7 +229,7 @@ class ModelDrafter(Drafter):
                 positions += range(start, start + len(tokens))
                 chunks.append(SeqChunk(seq.request_id, start, len(tokens), window))
                 rows.append(len(ids) - 1)
-            logits = self.model(
+            logits = step_executor.of(self.model).forward(
                 upload(ids, self.device),
                 upload(positions, self.device),
                 self.kv.context(chunks),
@@ -252,7 +253,7 @@ class ModelDrafter(Drafter):
             ids += seq.tokens(start, start + CATCH_UP)
             positions += range(start, start + CATCH_UP)
             chunks.append(SeqChunk(seq.request_id, start, CATCH_UP, window))
-        self.model(  # no row of logits: only the draft cache is wanted
+        step_executor.of(self.model).forward(  # no row of logits: only the draft cache
             upload(ids, self.device),
             upload(positions, self.device),
             self.kv.context(chunks),
