@@ -83,6 +83,33 @@ def dequantize_int4(q: Tensor, scale: Tensor, zero: Tensor, group: int) -> Tenso
     return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
 
 
+# -- our INT4 layout (the C kernels' and the Triton kernels') -------------------------------
+
+#: the columns one packed block holds (llama.cpp's Q4 block)
+INT4_BLOCK = 32
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """Our INT4 layout of ``q`` (``[N, K]`` integers in 0..15, K a multiple of 32, as
+    :func:`quantize_int4` gives them): uint8 ``[N, K/2]`` in blocks of 32 columns, byte ``j``
+    of block ``c`` holding column ``32c + j`` in its low nibble and ``32c + 16 + j`` in its
+    high one (llama.cpp's Q4 order): either nibble's 16 columns of ``x`` are then contiguous.
+    Our C kernels (:mod:`engine.kernels.lowbit`) and our Triton kernels
+    (:mod:`engine.kernels.triton_kernels.quant_gemm`) both read it; each row packs by itself,
+    so rows can be packed a chunk at a time and read back one by one."""
+    n, k = q.shape if q.dim() == 2 else (0, 1)
+    if k % INT4_BLOCK:
+        raise ValueError(f"pack_int4 takes [N, K] values with K a multiple of 32, not {q.shape}")
+    halves = q.to(torch.uint8).view(n, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """The values of rows packed by :func:`pack_int4`: int32 ``[T, K]`` in 0..15."""
+    v = packed.to(torch.int32).view(packed.shape[0], -1, 1, INT4_BLOCK // 2)
+    return torch.cat([v & 15, v >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
 # -- reading rows back from the CPU INT4 layout -----------------------------------------------
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InfersightError
-from engine.formats import quantize_int4, quantize_int8
+from engine.formats import pack_int4, quantize_int4, quantize_int8, unpack_int4
 from engine.hardware import measured
 from engine.hardware.cpu_paths import forced_level
 from engine.kernels import lowbit, lowbit_rows, native
@@ -77,7 +77,7 @@ def test_each_product_matches_float64_on_the_dequantized_operands(lib, m, k0, n)
         qx = lowbit.quantize(lib, x)
         q4, scale, zero = quantize_int4(w, group)
         sz = torch.stack([scale, zero], dim=2).contiguous()
-        got = lowbit.int4_gemm(lib, qx, lowbit.pack_int4(q4), sz, group, 2)
+        got = lowbit.int4_gemm(lib, qx, pack_int4(q4), sz, group, 2)
         want = qx.dequantized() @ _dense_int4(q4, scale, zero, group).T
         assert _relative_error(got, want) < lowbit.TOLERANCE
     k = -(-k0 // 32) * 32  # INT8: int16 blocks of 128, the last one of 32, 64 or 96
@@ -142,7 +142,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, group):
     x = torch.randn(16, 320, generator=gen)
     w = torch.randn(70, 320, generator=gen)
     q4, scale, zero = quantize_int4(w, group)
-    packed, sz = lowbit.pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
+    packed, sz = pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
     wq, ws = quantize_int8(w)
     alone4 = torch.cat([lowbit.int4_gemm(lib, lowbit.quantize(lib, x[i : i + 1].contiguous()),
                                          packed, sz, group, 1) for i in range(16)])  # fmt: skip
@@ -166,7 +166,7 @@ def test_bf16_in_and_out_are_what_converting_around_an_fp32_call_gives():
     w = torch.randn(37, 160, generator=gen)
     wq, ws = quantize_int8(w)
     q4, scale, zero = quantize_int4(w, 32)
-    packed, sz = lowbit.pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
+    packed, sz = pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
     for out in (torch.float32, torch.bfloat16):
         got = lowbit.int8_linear(x, wq, ws.float(), out)
         assert got.dtype == out
@@ -182,7 +182,7 @@ def test_int4_dequantization_is_the_formula_in_fp32_rounded_to_bf16(lib, group):
     gen = torch.Generator().manual_seed(group)
     w = torch.randn(37, 256, generator=gen) * 3
     q4, scale, zero = quantize_int4(w, group)
-    packed, sz = lowbit.pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
+    packed, sz = pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
     dense = (q4.float().view(37, -1, group) - 8) * scale.float()[..., None] + zero.float()[
         ..., None
     ]
@@ -202,7 +202,7 @@ def test_a_tied_heads_embedding_rows_read_in_one_call_are_the_torch_codes(dtype)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(41, 96, generator=gen) * 2
     q4, scale, zero = quantize_int4(w, 32)
-    packed, sz = lowbit.pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
+    packed, sz = pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
     inverse = torch.rand(90, generator=gen) + 0.5
     ids = torch.tensor([0, 40, 7, 7, 19])
     groups = (q4.float().view(41, -1, 32) - 8) * scale.float()[..., None] + zero.float()[..., None]
@@ -241,9 +241,9 @@ def test_int4_prefill_chunks_run_bf16_gemms_and_decode_rows_our_kernel(monkeypat
 
 def test_packing_round_trips():
     q = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(3))
-    packed = lowbit.pack_int4(q)
+    packed = pack_int4(q)
     assert packed.shape == (5, 48) and packed.dtype == torch.uint8
-    assert torch.equal(lowbit.unpack_int4(packed), q.int())
+    assert torch.equal(unpack_int4(packed), q.int())
     assert packed[0, 0] == q[0, 0] | (q[0, 16] << 4)  # llama.cpp's order within a block
 
 
@@ -397,7 +397,7 @@ def test_a_model_on_our_kernels_gives_what_the_same_arithmetic_in_torch_gives(
 
     def int4_reference(x, packed, sz, group, out=torch.float32):
         q = lowbit.quantize_reference(x.float().contiguous())
-        dense = _dense_int4(lowbit.unpack_int4(packed), sz[..., 0], sz[..., 1], group)
+        dense = _dense_int4(unpack_int4(packed), sz[..., 0], sz[..., 1], group)
         return (q.dequantized() @ dense.T).float().to(out)
 
     monkeypatch.setattr(lowbit, "int8_linear", int8_reference)

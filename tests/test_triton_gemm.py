@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.sampling import SamplingParams
-from engine.formats import dequantize_int4, quantize_int4, quantize_int8
+from engine.formats import dequantize_int4, pack_int4, quantize_int4, quantize_int8, unpack_int4
 from engine.kernels import triton_support
 from engine.loader.load import load_model
 from engine.quant.int4 import Int4Linear
@@ -51,7 +51,7 @@ def int4_weights(group: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor,
     padded = -(-K // group) * group
     q, scale, zero = quantize_int4(F.pad(weights(seed), (0, padded - K)), group)
     sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
-    return qg.pack_int4(q), sz, dequantize_int4(q, scale, zero, group)[:, :K]
+    return pack_int4(q), sz, dequantize_int4(q, scale, zero, group)[:, :K]
 
 
 def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
@@ -122,7 +122,7 @@ def test_any_split_of_k_sums_to_the_same_product(m):
     q, scales = quantize_int8(w, torch.float16)
     w8 = q.float() * scales.float()[:, None]
     q4, scale, zero = quantize_int4(F.pad(w, (0, 24)), 32)
-    packed = qg.pack_int4(q4)
+    packed = pack_int4(q4)
     sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
     w4 = dequantize_int4(q4, scale, zero, 32)[:, :k]
     counts: dict[str, list[int]] = {"int8": [], "int4": []}
@@ -187,7 +187,7 @@ def test_each_nibble_and_group_lands_on_its_own_column():
     for col in (0, 15, 16, 31, 32, 63, 64, 95):
         q = torch.full((3, k), 8, dtype=torch.int32)  # (8 − 8)·s + 0: zero
         q[1, col] = 13
-        packed = qg.pack_int4(q)
+        packed = pack_int4(q)
         want = torch.zeros(k, 3)
         want[col, 1] = 5.0 * float(scale[0, col // group])
         assert torch.equal(qg.int4_linear(x, packed, sz, group).float(), want), col  # [k, 3]
@@ -255,7 +255,7 @@ def test_rows_past_2_31_elements_land_where_they_belong(fmt, x_stride, last_prog
     else:
         q4, scale, zero = quantize_int4(F.pad(w, (0, 64 - k)), group)
         sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
-        y = qg.int4_linear(x, qg.pack_int4(q4), sz, group, bias)
+        y = qg.int4_linear(x, pack_int4(q4), sz, group, bias)
         w = dequantize_int4(q4, scale, zero, group)[:, :k]
     assert y.shape == (m, VOCAB)
     cols = slice(VOCAB - 128, VOCAB)
@@ -293,12 +293,12 @@ def test_the_split_k_reduction_past_2_31_elements(last_programs):
 def test_the_int4_layout_is_q4_0_order_and_round_trips():
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (5, 96), generator=gen, dtype=torch.int32)
-    packed = qg.pack_int4(q)
+    packed = pack_int4(q)
     assert packed.dtype == torch.uint8 and packed.shape == (5, 48)
     assert int(packed[2, 16 + 3]) == int(q[2, 32 + 3]) | int(q[2, 32 + 16 + 3]) << 4
-    assert torch.equal(qg.unpack_int4(packed), q)
+    assert torch.equal(unpack_int4(packed), q)
     with pytest.raises(ValueError, match="multiple of 32"):
-        qg.pack_int4(q[:, :40])
+        pack_int4(q[:, :40])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

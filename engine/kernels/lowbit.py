@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InfersightError
+from engine.formats import pack_int4
 from engine.hardware import measured
 from engine.hardware.measured import KERNELS_FILE, machine_key
 from engine.kernels import native
@@ -219,23 +220,6 @@ def quantize_reference(x: Tensor) -> Q8:
     return Q8(q.to(torch.int8).view(m, k), d, q.sum(dim=2).to(torch.int32))
 
 
-def pack_int4(q: Tensor) -> Tensor:
-    """4-bit values ``q [N, K]`` (0..15, K a multiple of 32) two to a byte, ``uint8 [N, K/2]``:
-    in each block of 32, value ``j`` in the low nibble of byte ``j`` and value ``16 + j`` in
-    its high nibble (llama.cpp's Q4 order)."""
-    n, k = q.shape
-    blocks = q.to(torch.uint8).view(n, k // QK, 2, QK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
-def unpack_int4(packed: Tensor) -> Tensor:
-    """:func:`pack_int4` undone: ``int32 [N, K]``."""
-    n, half = packed.shape
-    blocks = packed.view(n, half // (QK // 2), 1, QK // 2)
-    both = torch.cat([blocks & 0x0F, blocks >> 4], dim=2)
-    return both.reshape(n, 2 * half).to(torch.int32)
-
-
 def int8_gemm(lib: Library, x: Q16, weight: Tensor, scales: Tensor, threads: int) -> Tensor:
     """``y [M, N]`` float32 from int16-quantized activations and INT8 weights ``[N, K]`` with
     float32 per-row ``scales``."""
@@ -253,7 +237,8 @@ def int4_gemm(
     lib: Library, x: Q8, packed: Tensor, scales_zeros: Tensor, group: int, threads: int
 ) -> Tensor:
     """``y [M, N]`` float32 from quantized activations and INT4 weights: ``packed`` from
-    :func:`pack_int4`, ``scales_zeros`` bf16 ``[N, K/group, 2]`` (scale, zero) per group."""
+    :func:`engine.formats.pack_int4`, ``scales_zeros`` bf16 ``[N, K/group, 2]`` (scale, zero)
+    per group."""
     m, k = x.q.shape
     n = packed.shape[0]
     y = torch.empty(m, n)
@@ -482,8 +467,9 @@ def int4_linear(
     x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int,
     out: torch.dtype = torch.float32,
 ) -> Tensor:  # fmt: skip
-    """``x [M, K]`` (K a multiple of the group) times INT4 weights (:func:`pack_int4`, bf16
-    ``scales_zeros [N, K/group, 2]``): ``[M, N]`` in ``out``."""
+    """``x [M, K]`` (K a multiple of the group) times INT4 weights
+    (:func:`engine.formats.pack_int4`, bf16 ``scales_zeros [N, K/group, 2]``): ``[M, N]`` in
+    ``out``."""
     if torch.compiler.is_compiling():
         return torch.ops.infersight.lowbit_int4(x, packed, scales_zeros, group).to(out)
     x, y = _operands(x, packed.shape[0], out)
@@ -500,9 +486,9 @@ def int4_linear(
 def int4_dequantized(
     packed: Tensor, scales_zeros: Tensor, group: int, rows: slice, lib: Library | None = None
 ) -> Tensor:
-    """Rows ``rows`` of INT4 weights (:func:`pack_int4`, bf16 ``scales_zeros [N, K/group,
-    2]``) as bf16 ``[rows, K]``: ``(q − 8)·s + z`` in fp32, rounded to nearest even (``lib``:
-    this machine's build, or another level's)."""
+    """Rows ``rows`` of INT4 weights (:func:`engine.formats.pack_int4`, bf16
+    ``scales_zeros [N, K/group, 2]``) as bf16 ``[rows, K]``: ``(q − 8)·s + z`` in fp32,
+    rounded to nearest even (``lib``: this machine's build, or another level's)."""
     n0, n1 = rows.start or 0, min(rows.stop, packed.shape[0])
     k = 2 * packed.shape[1]
     out = torch.empty(n1 - n0, k, dtype=torch.bfloat16)
@@ -517,10 +503,11 @@ def int4_rows(
     packed: Tensor, scales_zeros: Tensor, group: int, ids: Tensor, inverse_scale: Tensor,
     width: int, out: torch.dtype,
 ) -> Tensor:  # fmt: skip
-    """Rows ``ids`` of INT4 weights (:func:`pack_int4`, bf16 ``scales_zeros [N, K/group,
-    2]``), each column times fp32 ``inverse_scale [width]``, the first ``width`` columns, in
-    ``out`` (fp32 or bf16): a tied INT4 head's embedding lookup in one call, computed as its
-    torch code computes it (:class:`engine.quant.embedding.QuantizedEmbedding`)."""
+    """Rows ``ids`` of INT4 weights (:func:`engine.formats.pack_int4`, bf16
+    ``scales_zeros [N, K/group, 2]``), each column times fp32 ``inverse_scale [width]``, the
+    first ``width`` columns, in ``out`` (fp32 or bf16): a tied INT4 head's embedding lookup in
+    one call, computed as its torch code computes it
+    (:class:`engine.quant.embedding.QuantizedEmbedding`)."""
     ids = ids if ids.dtype == torch.long and ids.is_contiguous() else ids.long().contiguous()
     rows = torch.empty(ids.numel(), width, dtype=out)
     rc = native.call(

@@ -9,12 +9,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from engine.formats import pack_int4
 from engine.kernels.lowbit import (
     STREAM_BYTES,
     Timing,
     int4_linear,
     int8_linear,
-    pack_int4,
     time_kernels,
 )
 

@@ -3,7 +3,7 @@
 On CPU ``_weight_int4pack_mm_for_cpu``, on CUDA ``_weight_int4pack_mm`` (sm80+), both with bf16
 activations. Where our Triton kernels run (:func:`engine.kernels.triton_support.chosen`: a CUDA
 GPU with Triton), the layer holds their layout instead
-(:func:`engine.kernels.triton_kernels.quant_gemm.pack_int4`, the same 4-bit values, scales and
+(:func:`engine.formats.pack_int4`, the same 4-bit values, scales and
 zeros) and computes in the model's dtype: that is how INT4 runs on sm_75, in fp16. Where the
 input width K does not fit a kernel (it must be a multiple of the group and of 32), K is padded
 with zero columns and the load report says so. There is no fallback: a device without a kernel
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.formats import pack_int4_cuda, quantize_int4, row_chunks
+from engine.formats import pack_int4, pack_int4_cuda, quantize_int4, row_chunks, unpack_int4
 from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels import decode_step, gemv, lowbit, lowbit_timing
@@ -68,7 +68,7 @@ def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int, dtype: torch.dt
 
 
 def bf16_product(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
-    """``x [M, K]`` (bf16) times our INT4 weights (:func:`engine.kernels.lowbit.pack_int4`)
+    """``x [M, K]`` (bf16) times our INT4 weights (:func:`engine.formats.pack_int4`)
     dequantized to bf16 a block of output rows at a time (:func:`in_row_blocks`), so that
     oneDNN's bf16 GEMM runs a prefill chunk's product."""
     n, k = packed.shape[0], 2 * packed.shape[1]
@@ -84,7 +84,7 @@ def time_prefill(out_features: int, in_features: int, group: int) -> lowbit.Timi
     cache: a prefill is bound by compute)."""
     gen = torch.Generator().manual_seed(0)
     q, scale, zero = quantize_int4(torch.randn(out_features, in_features, generator=gen), group)
-    packed, sz = lowbit.pack_int4(q), torch.stack([scale, zero], dim=2).contiguous()
+    packed, sz = pack_int4(q), torch.stack([scale, zero], dim=2).contiguous()
     x = torch.randn(PREFILL_TIMED_ROWS, in_features, generator=gen).bfloat16()
     ours_ms, kernel_ms = measured.best_of_three(
         [lambda: bf16_product(x, packed, sz, group),
@@ -188,11 +188,6 @@ class Int4Linear(nn.Module):
         """Quantize and pack ``weight`` for our Triton or C kernels a chunk of rows at a time
         (beside ``weight``, only the result and one chunk's temporaries exist): both layouts
         pack each row by itself."""
-        if self.lowbit:
-            pack_int4 = lowbit.pack_int4
-        else:
-            from engine.kernels.triton_kernels.quant_gemm import pack_int4
-
         packed, scales, zeros = [], [], []
         for rows in row_chunks(self.out_features, k):
             q, scale, zero = quantize_int4(
@@ -206,10 +201,6 @@ class Int4Linear(nn.Module):
     def values(self, rows: Tensor) -> Tensor:
         """The 4-bit values (0..15) of rows ``rows`` of our Triton or C layout, int32
         ``[T, K']`` (what a tied embedding reads)."""
-        if self.lowbit:
-            return lowbit.unpack_int4(self.weight[rows])
-        from engine.kernels.triton_kernels.quant_gemm import unpack_int4
-
         return unpack_int4(self.weight[rows])
 
     def forward(self, x: Tensor) -> Tensor:

@@ -9,7 +9,8 @@ contiguous (whole cache lines per row, and a tied head's embedding row is one ro
   what :func:`engine.formats.quantize_int8` gives, unchanged.
 * INT4: ``weight`` uint8 ``[N, Kp/2]`` in chunks of 32 columns (16 bytes), byte ``j`` of a
   chunk holding column ``j`` in its low nibble and ``16 + j`` in its high one, llama.cpp's
-  Q4_0 order (:func:`pack_int4` converts :func:`engine.formats.quantize_int4`'s values): each
+  Q4_0 order (:func:`engine.formats.pack_int4` packs :func:`~engine.formats.quantize_int4`'s
+  values): each
   nibble's 16 columns of ``x`` are contiguous, so no kernel interleaves anything or loads
   ``x`` with a stride. ``scales_and_zeros`` bf16 ``[Kp/group, N, 2]``, ``w = (q − 8)·s + z``:
   group-major with N contiguous, so a tile's ``(s, z)`` of one group is one run of
@@ -49,6 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.formats import unpack_int4
 from engine.kernels.triton_kernels.quant_gemm_kernels import (
     _int4_dequantize,
     _int4_gemv,
@@ -192,7 +194,7 @@ def int4_linear(
     splits: int | None = None,
 ) -> Tensor:
     """``x · dequant(weight)ᵀ (+ bias)``: ``x [M, K]`` fp16 or bf16; ``weight`` uint8
-    ``[N, Kp/2]`` (:func:`pack_int4`), ``Kp`` the least multiple of ``group`` ≥ K;
+    ``[N, Kp/2]`` (:func:`engine.formats.pack_int4`), ``Kp`` the least multiple of ``group`` ≥ K;
     ``scales_and_zeros`` bf16 ``[Kp/group, N, 2]``; ``bias [N]`` in ``x``'s dtype. ``[M, N]``
     in ``x``'s dtype. ``splits`` as for :func:`int8_linear`."""
     m, k = _check_x(x)
@@ -352,28 +354,6 @@ def _run(
         has_bias = int(bias is not None)
         _splitk_reduce[flat](part, _or(bias, y), y, m, n, splits, has_bias, BLOCK=REDUCE_BLOCK)
     return y
-
-
-# -- the INT4 layout --------------------------------------------------------------------------
-
-
-def pack_int4(q: Tensor) -> Tensor:
-    """Our INT4 layout of ``q`` (``[N, Kp]`` integers in 0..15, Kp a multiple of 32, as
-    :func:`engine.formats.quantize_int4` gives them): uint8 ``[N, Kp/2]`` in chunks of 32
-    columns, byte ``j`` of chunk ``c`` holding column ``32c + j`` in its low nibble and
-    ``32c + 16 + j`` in its high one (llama.cpp's Q4_0 order): either nibble's 16 columns of
-    ``x`` are then contiguous."""
-    n, k = q.shape if q.dim() == 2 else (0, 1)
-    if k % 32:
-        raise ValueError(f"pack_int4 takes [N, K] values with K a multiple of 32, not {q.shape}")
-    halves = q.to(torch.uint8).view(n, k // 32, 2, 16)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
-
-
-def unpack_int4(packed: Tensor) -> Tensor:
-    """The values of rows packed by :func:`pack_int4`: int32 ``[T, Kp]`` in 0..15."""
-    v = packed.to(torch.int32).view(packed.shape[0], -1, 1, 16)
-    return torch.cat([v & 15, v >> 4], dim=2).reshape(packed.shape[0], -1)
 
 
 # -- the torch references -------------------------------------------------------------------
