@@ -154,6 +154,22 @@ def tiny_model_dir(
     return make
 
 
+@pytest.fixture
+def fresh_measurements(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No kernel timing or thread count measured yet (``kernels.json`` and ``threads.json``
+    in an empty folder, which it returns), while the builds of our C kernels and the probes'
+    verdicts stay the session's: a test about measurements need not rebuild every kernel and
+    rerun every probe, as an empty ``INFERSIGHT_HOME`` would make it."""
+    from engine.hardware import measured, threads
+
+    real = measured.path
+    fresh = {measured.KERNELS_FILE, threads.FILE}
+    monkeypatch.setattr(
+        measured, "path", lambda name: tmp_path / name if name in fresh else real(name)
+    )
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """The converted SmolLM2 folder (``make test`` pulls it before pytest starts)."""

@@ -212,13 +212,14 @@ def test_a_tied_heads_embedding_rows_read_in_one_call_are_the_torch_codes(dtype)
         lowbit.int4_rows(packed, sz, 32, torch.tensor([3, 41]), inverse, 90, dtype)
 
 
-def test_int4_prefill_chunks_run_bf16_gemms_and_decode_rows_our_kernel(monkeypatch, tmp_path):
+def test_int4_prefill_chunks_run_bf16_gemms_and_decode_rows_our_kernel(
+    monkeypatch, fresh_measurements
+):
     """With ``ours``, an INT4 layer on our layout takes bf16 GEMMs on weights dequantized a
     block of rows at a time for more than 16 rows, the int8-activation kernel for fewer; the
     blocks give what one whole dequantized matrix gives."""
     from engine.quant import int4, int8
 
-    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     monkeypatch.setenv(lowbit.ENV, "ours")
     gen = torch.Generator().manual_seed(8)
     w = torch.randn(40, 64, generator=gen)
@@ -299,7 +300,7 @@ def test_auto_hands_only_admitted_formats_and_ours_is_an_error_where_nothing_bui
 
 
 def test_int8_prefill_chunks_run_bf16_gemms_on_weights_converted_block_by_block(
-    monkeypatch, tmp_path
+    monkeypatch, fresh_measurements
 ):
     """An INT8 layer takes the int16-activation kernel for up to 16 rows and, for a prefill
     chunk, bf16 GEMMs on its weights converted a block of rows at a time: the same values as
@@ -308,7 +309,6 @@ def test_int8_prefill_chunks_run_bf16_gemms_on_weights_converted_block_by_block(
     from engine.kernels import gemv
     from engine.quant import int8
 
-    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(70, 96, generator=gen)
     x = torch.randn(40, 96, generator=gen).bfloat16()
@@ -343,8 +343,7 @@ def test_int8_prefill_chunks_run_bf16_gemms_on_weights_converted_block_by_block(
     assert calls == [40]
 
 
-def test_a_shape_is_timed_once_per_machine(monkeypatch, tmp_path):
-    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
+def test_a_shape_is_timed_once_per_machine(monkeypatch, fresh_measurements):
     monkeypatch.setenv(lowbit.ENV, "auto")
     timings = []
 

@@ -330,14 +330,15 @@ def test_a_chunk_under_two_windows_takes_the_portable_path() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("ours", [True, False])
-def test_prefill_chunks_take_the_path_measured_faster(tiny_model_dir, monkeypatch, tmp_path, ours):
+def test_prefill_chunks_take_the_path_measured_faster(
+    tiny_model_dir, monkeypatch, fresh_measurements, ours
+):
     """The paged prefill kernel against gather + SDPA is timed once per machine, dtype and
     shape (kept in kernels.json); prefill chunks take the faster, the load report says which,
     and both give the same tokens."""
     from engine.core.sampling import SamplingParams
     from engine.kernels import lowbit
 
-    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     monkeypatch.setattr(paged_decode, "_measured_faster", functools.cache(
         paged_decode._measured_faster.__wrapped__))  # fmt: skip
     timings = []

@@ -14,9 +14,8 @@ from engine.model.inventory import linear_modules
 
 
 @pytest.fixture
-def untimed(tmp_path, monkeypatch) -> Iterator[list[int]]:
+def untimed(fresh_measurements, monkeypatch) -> Iterator[list[int]]:
     """No count asked for, an empty cache, four cores; yields the counts that were timed."""
-    monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     monkeypatch.delenv(threads.ENV, raising=False)
     monkeypatch.setattr(threads, "_asked", None)
     monkeypatch.setattr(threads, "DEFAULT_THREADS", 4)
