@@ -17,6 +17,7 @@ from engine.errors import EngineBusyError, InvalidRequestError
 from engine.kv_cache.block_manager import RELEASED
 from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
+from tests.conftest import truncated_copy
 
 NEW = 8
 N_PROMPTS = 12  # more than fit an 11-block pool at once: preemption
@@ -24,10 +25,18 @@ GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def base(default_model: Path) -> LLMEngine:
-    """The real model, loaded once: each test runs an engine of its own on these weights
+def shallow(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model's weights, shapes, tokenizer and GQA at 8 of its 30 layers: what
+    batching must keep exact is the same at any depth, at a quarter of the time (the whole
+    model's exactness is test_real_model.py's)."""
+    return truncated_copy(default_model, tmp_path_factory.mktemp("batching") / "m", 8)
+
+
+@pytest.fixture(scope="module")
+def base(shallow: Path) -> LLMEngine:
+    """The model, loaded once: each test runs an engine of its own on these weights
     (:meth:`LLMEngine.sibling`), with its own KV pool and limits."""
-    return load_model(default_model, config=EngineConfig(num_blocks=256))
+    return load_model(shallow, config=EngineConfig(num_blocks=256))
 
 
 def load(base: LLMEngine, **config) -> LLMEngine:
@@ -117,7 +126,7 @@ def test_batch_invariance_with_chunked_prefill(base, prompts, alone):
     assert [outputs[i] for i in range(N_PROMPTS)] == alone
 
 
-def test_cache_window_keeps_memory_flat_far_past_the_window(default_model):
+def test_cache_window_keeps_memory_flat_far_past_the_window(shallow):
     """Far past the window (160 tokens against 16: ten times over): the blocks held stay flat
     and the logits finite. INT8, the precision that decodes fastest on every CPU kind, and a
     small window keep this short (2000 fp32 tokens against 256 took 181 s on the AVX2
@@ -125,7 +134,7 @@ def test_cache_window_keeps_memory_flat_far_past_the_window(default_model):
     and its answer would hold 13 blocks; with it, 3."""
     window = CacheWindow(sink=4, window=16)
     engine = load_model(
-        default_model, precision="int8", config=EngineConfig(num_blocks=64, window=window)
+        shallow, precision="int8", config=EngineConfig(num_blocks=64, window=window)
     )
     bad_logits = []
     engine.model.lm_head.register_forward_hook(
