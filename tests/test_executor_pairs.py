@@ -151,3 +151,17 @@ def test_the_table_and_the_backends_agree_on_what_a_graph_may_capture():
     for backend, names in ((TritonBackend(), ["triton"]), (PagedBackend(), ["c", "torch"])):
         for name in names:
             assert backend.graph_safe is (table.refusal("cuda-graphs", name) == "")
+
+
+def test_the_architecture_page_shows_the_table_as_it_is():
+    """docs/architecture.md's table of pairs is the table's own verdicts."""
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
+    header = "| executor \\ attention | " + " | ".join(table.BACKENDS) + " |"
+    rows = [
+        f"| {e} | " + " | ".join("refused" if table.refusal(e, b) else "runs" for b in
+                                 table.BACKENDS) + " |"
+        for e in table.EXECUTORS
+    ]  # fmt: skip
+    assert "\n".join([header, "|---|---|---|---|", *rows]) in page
