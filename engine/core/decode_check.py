@@ -11,7 +11,7 @@ import torch
 from engine.attention.paged import PagedBackend
 from engine.executor import c_step
 from engine.executor.step import StepExecutor
-from engine.kernels import decode_step, gemv
+from engine.kernels import decode_step, gemv, verify
 from engine.kernels.packed_linear import GemvLinear
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.model.config import ModelConfig
@@ -80,7 +80,4 @@ def _check(cfg: ModelConfig, dtype: torch.dtype, tolerance: float) -> str:
     if step.steps != 1 or executor.ran != {("decode", "c-step"): 1}:
         return "the C step did not run the step"
     want = model(ids, positions, cache.context(chunks))  # the modules, over the same K/V
-    if not torch.allclose(got, want, rtol=tolerance, atol=tolerance):
-        err = (got - want).abs().max().item()
-        return f"{dtype}: logits {err:.3g} from the eager step's"
-    return ""
+    return verify.differs(f"{dtype} logits (the eager step's)", got, want, tolerance)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.kernels import lowbit, lowbit_timing, native
+from engine.kernels import lowbit, lowbit_timing, native, verify
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,9 @@ def check(lib: Library) -> str:
                 xs = x.to(x_dtype)
                 want = xs.double() @ dense.T
                 got = product(lib, xs, weight, s, torch.float32)
-                err = ((got.double() - want).abs().max() / want.abs().max()).item()
-                if err > TOLERANCE:
-                    return f"{weight.dtype} [{m}, {k}] x [{n}, {k}] from {x_dtype}: {err:.3g}"
+                why = verify.differs(f"{weight.dtype} × {x_dtype}", got, want, TOLERANCE)
+                if why:
+                    return why
                 if not torch.equal(product(lib, xs, weight, s, torch.bfloat16), got.bfloat16()):
                     return f"{weight.dtype} [{m}, {k}]: bf16 output rounds otherwise than torch"
     return ""

@@ -42,7 +42,7 @@ from engine.errors import InfersightError
 from engine.formats import pack_int4
 from engine.hardware import measured
 from engine.hardware.measured import KERNELS_FILE, machine_key
-from engine.kernels import native
+from engine.kernels import native, verify
 
 log = logging.getLogger(__name__)
 
@@ -299,11 +299,7 @@ def check(lib: Library) -> str:
 
 
 def _compare(name: str, got: Tensor, want: Tensor) -> str:
-    err = (got.double() - want).abs().max().item()
-    scale = want.abs().max().item() or 1.0
-    if err > TOLERANCE * scale:
-        return f"{name} [{got.shape[0]}, {got.shape[1]}]: max difference {err:.3g}"
-    return ""
+    return verify.differs(name, got, want, TOLERANCE)
 
 
 # -- the choice, per layer shape ---------------------------------------------------------------

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from engine.errors import InfersightError
 from engine.hardware import isolated
-from engine.kernels import lowbit, native
+from engine.kernels import lowbit, native, verify
 
 log = logging.getLogger(__name__)
 
@@ -145,18 +145,18 @@ def _check(k: Kernel) -> str:
         want = gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
         got = _call(k, q, pool, slots, lens, mask)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
-            err = (got.float() - want.float()).abs().max().item()
-            return f"{dtype}: max difference {err:.3g}"
+        why = verify.differs(f"{dtype} decode", got, want, tol)
+        if why:
+            return why
         # a prefill chunk of 21 queries after 40 cached keys, under a window with a sink
         held = torch.cat([torch.arange(4), torch.arange(20, 61)])  # the window gave 4..19 back
         chunk = torch.randn(21, 6, 32, generator=gen).to(dtype)
         kept = slots.view(-1)[: held.numel()].contiguous()
         want = prefill_reference(chunk, pool, kept, held, 40, 4, 24)
         got = _call_prefill(k, chunk, pool, kept, held, 40, 4, 24)
-        if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
-            err = (got.float() - want.float()).abs().max().item()
-            return f"{dtype} prefill: max difference {err:.3g}"
+        why = verify.differs(f"{dtype} prefill", got, want, tol)
+        if why:
+            return why
     return ""
 
 

@@ -18,8 +18,7 @@ import logging
 import torch
 from torch import Tensor
 
-from engine.errors import InfersightError
-from engine.kernels import triton_support
+from engine.kernels import triton_support, verify
 
 log = logging.getLogger(__name__)
 
@@ -49,37 +48,12 @@ def gemms(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def _verdict(name: str, got: Tensor, want: Tensor) -> str:
-    err = (got.float() - want.float()).abs().max().item()
-    scale = want.float().abs().max().item() or 1.0
-    tol = TOLERANCE[got.dtype]
-    if not err <= tol * scale:  # NaN fails too
-        return (
-            f"our {name} kernel differs from the torch path by {err:.3g} (over {tol * scale:.3g})"
-        )
-    return ""
-
-
-#: What a CUDA error that poisons the process's context says (torch raises AcceleratorError,
-#: a RuntimeError, for these): after one, no kernel runs on the device in this process.
-STICKY = ("illegal memory access", "illegal instruction", "misaligned address",
-          "unspecified launch failure", "device-side assert")  # fmt: skip
+    why = verify.differs(f"our {name} kernel", got, want, TOLERANCE[got.dtype])
+    return f"{why} (the torch path)" if why else ""
 
 
 def _guarded(name: str, check: functools.partial[str]) -> str:
-    try:
-        why = check()
-    except Exception as exc:  # a kernel that raises here is not used
-        text = str(exc).splitlines()[0] if str(exc) else ""
-        if any(s in text for s in STICKY):  # the torch path cannot run after it either
-            raise InfersightError(
-                f"our {name} kernel crashed the GPU in its check ({type(exc).__name__}: "
-                f"{text}); the device is unusable in this process, so the torch path cannot "
-                f"take over: start again with {triton_support.ENV}=torch, and report this"
-            ) from exc
-        why = f"our {name} kernel failed its check: {type(exc).__name__}: {text}"
-    if why:
-        log.warning("%s; the torch path runs instead", why)
-    return why
+    return verify.guarded(name, check, what_to_do=f"start again with {triton_support.ENV}=torch")
 
 
 @functools.cache
