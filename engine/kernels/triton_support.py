@@ -20,6 +20,7 @@ limit.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -250,6 +251,26 @@ def fix_interpreter_scalar_index() -> None:
 
     patch_lang_tensor.index_fixed = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+@functools.cache
+def sm_count(device: torch.device, interpreted: int) -> int:
+    """The streaming multiprocessors of a CUDA ``device`` (asked once per device); elsewhere
+    ``interpreted``, what a kernel's launch plan takes for the interpreter (which runs one
+    program at a time): the one place our kernels read it."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return interpreted
+
+
+def split_k(programs: int, units: int, sms: int, *, per_sm: int, min_units: int, most: int) -> int:
+    """The ways a reduction of ``units`` (blocks of K, keys) is split so that ``programs``
+    output programs become about ``per_sm`` programs per SM of ``sms``, no split over fewer
+    than ``min_units``, at most ``most``; 1 where the outputs fill the GPU by themselves (or
+    ``sms`` is 0). The one split-K heuristic of our kernels (decode attention's partitions of
+    the keys, the quantized GEMMs' of K)."""
+    wanted = -(-per_sm * sms // max(1, programs))
+    return max(1, min(wanted, units // min_units, most))
 
 
 def attention_chosen(device: torch.device, head_dim: int) -> tuple[bool, str]:

@@ -56,7 +56,7 @@ configuration needs under 26 KiB of shared memory, within Turing's 64 KiB.
 
 from __future__ import annotations
 
-from functools import cache, partial
+from functools import partial
 
 import torch
 import triton
@@ -221,15 +221,10 @@ def num_splits(batch: int, kv_programs: int, keys: int, sms: int) -> int:
     ``sms`` SMs: enough for about :data:`PROGRAMS_PER_SM` programs per SM, none over fewer
     than :data:`MIN_SPLIT_KEYS` keys, at most :data:`MAX_SPLITS`. 1 (one pass) where the batch
     fills the GPU by itself or the context is short."""
-    wanted = -(-PROGRAMS_PER_SM * sms // max(1, batch * kv_programs))
-    return max(1, min(wanted, keys // MIN_SPLIT_KEYS, MAX_SPLITS))
-
-
-@cache
-def _sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return INTERPRETER_SMS
+    return triton_support.split_k(
+        batch * kv_programs, keys, sms,
+        per_sm=PROGRAMS_PER_SM, min_units=MIN_SPLIT_KEYS, most=MAX_SPLITS,
+    )  # fmt: skip
 
 
 def paged_decode_attention(
@@ -265,7 +260,8 @@ def paged_decode_attention(
     if window > 0:
         keys = min(keys, sink + window)
     if splits is None:
-        splits = num_splits(batch, kv_heads * head_chunks, keys, _sms(q.device))
+        sms = triton_support.sm_count(q.device, INTERPRETER_SMS)
+        splits = num_splits(batch, kv_heads * head_chunks, keys, sms)
     tile = block_n(q.dtype)
     grid = (batch, kv_heads * head_chunks, splits)
     args = (

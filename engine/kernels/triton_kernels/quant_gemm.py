@@ -51,6 +51,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.formats import unpack_int4
+from engine.kernels import triton_support
 from engine.kernels.triton_kernels.quant_gemm_kernels import (
     _int4_dequantize,
     _int4_gemv,
@@ -121,17 +122,9 @@ def splits_for(tiles: int, k_blocks: int, processors: int) -> int:
     programs per SM of ``processors``, each split at least two blocks of K, at most
     :data:`MAX_SPLITS` splits. No GPU (``processors == 0``: the interpreter runs programs one
     by one): one split."""
-    if processors <= 0:
-        return 1
-    want = -(-WAVES * processors // tiles)
-    return max(1, min(want, k_blocks // 2, MAX_SPLITS))
-
-
-@functools.cache
-def _processors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return triton_support.split_k(
+        tiles, k_blocks, processors, per_sm=WAVES, min_units=2, most=MAX_SPLITS
+    )
 
 
 @functools.cache
@@ -318,7 +311,7 @@ def _outputs(
         splits = 1
     elif splits is None:
         programs = max(1, triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n))
-        splits = splits_for(programs, k_blocks, _processors(x.device))
+        splits = splits_for(programs, k_blocks, triton_support.sm_count(x.device, 0))
     k_per_split = triton.cdiv(k_blocks, max(1, min(splits, k_blocks))) * tiles.block_k
     count = max(1, triton.cdiv(width, k_per_split))  # no split left empty
     part = y if count == 1 else x.new_empty((count, m, n), dtype=torch.float32)
