@@ -240,7 +240,7 @@ def test_the_step_is_checked_before_a_load_uses_it(tiny_model_dir, monkeypatch):
     """The check (run in a child process by the load, once per set of builds) passes here,
     with the C step running its decode step; a check that fails keeps the eager step and
     says why."""
-    from engine.core import decode_check
+    from engine.executor import c_step_check as decode_check
     from engine.hardware import isolated
 
     assert decode_check.check() == ""

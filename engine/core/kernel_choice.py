@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.core import decode_check
-from engine.executor import c_step, table
+from engine.executor import c_step, c_step_check, table
 from engine.executor import step as step_executor
 from engine.kernels import layer_ops, paged_decode, triton_check, triton_support
 from engine.model.config import ModelConfig
@@ -73,7 +72,7 @@ def layers(
     backend = "c" if dtype in paged_decode.DTYPES and paged_decode.kernel().available else "torch"
     refused = table.refusal("c-step", backend, tensor_parallel=parallel)
     step, why = (None, f"decode steps eager ({refused})") if refused else c_step.plan(model, dtype)
-    problem = decode_check.verdict() if step is not None else ""
+    problem = c_step_check.verdict() if step is not None else ""
     if problem:
         step, why = None, f"decode steps eager (the C step failed its check: {problem})"
     executor = step_executor.of(model)

@@ -181,7 +181,7 @@ def plan(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, str
     our C kernels on activations of ``dtype``, the attention the paged C kernel, and the
     norms and RoPE ours (``INFERSIGHT_LOWBIT`` not ``torch``); else None, and why (a line of
     the load report either way). The engine then has it checked in a child process
-    (:mod:`engine.core.decode_check`) before it runs a step."""
+    (:mod:`engine.executor.c_step_check`) before it runs a step."""
     if lowbit.requested() == "torch":
         return None, f"decode steps eager ({lowbit.ENV}=torch)"
     return planned(model, dtype)

@@ -128,7 +128,7 @@ def address(fn: Any) -> int:
 
 
 def builds() -> str:
-    """The builds a C step calls into (its check, :mod:`engine.core.decode_check`, holds for
+    """The builds a C step calls into (its check, :mod:`engine.executor.c_step_check`, holds for
     these)."""
     paths = [layer_ops.library().path, gemv.library().path, lowbit.library().path]
     cc = native.compiler()
