@@ -40,6 +40,13 @@ SLOT_BYTES = 8
 DECODE_ROWS_BYTES = 24
 
 
+def negates_mask(device: torch.device) -> bool:
+    """Whether SDPA on ``device`` may hold the boolean mask negated beside the additive mask
+    it makes of it: not on a CPU (measured: tests/test_attention_workspace.py); counted on a
+    GPU, whose allocator is not measured here (a byte a query of the group, conservative)."""
+    return device.type != "cpu"
+
+
 class PagedBackend(AttentionBackend):
     """The torch paths, with the paged C kernels wherever they read the pool (a CPU pool of
     a dtype they take). Any head size and dtype; not graph-safe (its slot rows change shape
@@ -104,9 +111,7 @@ class PagedBackend(AttentionBackend):
         itemsize = torch.empty((), dtype=dtype).element_size()
         row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
         group = cfg.num_heads // cfg.num_kv_heads
-        # a GPU's SDPA may negate the boolean mask before it makes the additive one (its own
-        # allocator, not measured here): a byte more a query of the group there
-        negated = 0 if self.device.type == "cpu" else 1
+        negated = int(negates_mask(self.device))
         return SLOT_BYTES + row + chunk * (1 + group * (1 + negated + itemsize))
 
 

@@ -29,15 +29,17 @@ STICKY = ("illegal memory access", "illegal instruction", "misaligned address",
           "unspecified launch failure", "device-side assert")  # fmt: skip
 
 
-def differs(name: str, got: Tensor, want: Tensor, tolerance: float) -> str:
-    """Why ``got`` is not ``want`` within ``tolerance`` of ``want``'s largest magnitude (""
-    where it is), compared in float64."""
+def differs(
+    name: str, got: Tensor, want: Tensor, tolerance: float, reference: str = "its reference"
+) -> str:
+    """Why ``got`` is not ``want`` (``reference``) within ``tolerance`` of ``want``'s largest
+    magnitude ("" where it is), compared in float64."""
     err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
     scale = (want.double().abs().max().item() if want.numel() else 0.0) or 1.0
     if not err <= tolerance * scale:  # NaN fails too
         shape = "×".join(map(str, got.shape))
         bound = tolerance * scale
-        return f"{name} [{shape}] differs from its reference by {err:.3g} (over {bound:.3g})"
+        return f"{name} differs from {reference} by {err:.3g} (over {bound:.3g}; [{shape}])"
     return ""
 
 
