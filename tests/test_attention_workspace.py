@@ -22,8 +22,9 @@ CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=512, intermedia
                   tie_word_embeddings=False, attention_bias=False)  # fmt: skip
 BATCH, CHUNK, CONTEXTS = 8, 256, (1024, 3072)
 #: Triton's interpreter runs a program per row and tile in Python: fewer rows, for seconds
-#: (contexts past where the decode kernel's split count stops growing with the context)
-INTERPRETED_BATCH, INTERPRETED_CONTEXTS = 2, (1024, 2048)
+#: (decode: contexts past where the kernel's split count stops growing with the context)
+INTERPRETED_BATCH = 2
+INTERPRETED_CONTEXTS = {"decode": (1024, 2048), "prefill": (128, 384)}
 
 
 def step_bytes(backend, kind: str, context: int, dtype: torch.dtype, batch: int) -> int:
@@ -49,7 +50,7 @@ def step_bytes(backend, kind: str, context: int, dtype: torch.dtype, batch: int)
 
 def measured_per_token(backend, kind: str, dtype: torch.dtype) -> float:
     interpreted = isinstance(backend, TritonBackend)
-    contexts = INTERPRETED_CONTEXTS if interpreted else CONTEXTS
+    contexts = INTERPRETED_CONTEXTS[kind] if interpreted else CONTEXTS
     batch = INTERPRETED_BATCH if interpreted else BATCH
     low, high = (step_bytes(backend, kind, n, dtype, batch) for n in contexts)
     return (high - low) / (contexts[1] - contexts[0])
