@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from engine.attention.context import PoolContext
 from engine.attention.ops import decode_attention, paged_decode_attention
 from engine.hardware.transfer import to_device, upload
 from engine.kernels import native, paged_decode
@@ -115,7 +116,7 @@ class PagedBackend(AttentionBackend):
         return SLOT_BYTES + row + chunk * (1 + group * (1 + negated + itemsize))
 
 
-class PagedContext(AttentionContext):
+class PagedContext(PoolContext):
     """Index tensors for one step, built once and shared by every layer.
 
     Decode chunks (one token each) are attended together: their keys are gathered into a
@@ -126,21 +127,8 @@ class PagedContext(AttentionContext):
     """
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
-        self.cache = cache
-        #: the step's chunks, as given (what a tensor-parallel step tells its other ranks)
-        self.chunks = chunks
+        super().__init__(cache, chunks)
         mgr, dev = cache.manager, cache.device
-        write: list[int] = []
-        for c in chunks:
-            write += mgr.slots(c.seq_id, c.start, c.start + c.length)
-        self.write_slots = upload(write, dev)
-
-        self.num_decode = 0
-        while self.num_decode < len(chunks) and chunks[self.num_decode].length == 1:
-            self.num_decode += 1
-        if any(c.length == 1 for c in chunks[self.num_decode :]):
-            raise ValueError("decode chunks must come first in a step")
-        self.decode_only = self.num_decode == len(chunks)
         self.decode_slots: Tensor | None = None
         self.decode_lens: Tensor | None = None  # real (unpadded) columns of each slot row
         self.decode_mask: Tensor | None = None

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.attention.context import PoolContext
 from engine.hardware.transfer import upload
 from engine.kernels import triton_support
 from engine.kv_cache.paged import PagedKVCache, SeqChunk, block_tables
@@ -49,28 +50,14 @@ class TritonBackend(AttentionBackend):
         return 0
 
 
-class TritonContext(AttentionContext):
+class TritonContext(PoolContext):
     """One step's attention through our Triton kernels: the step's :class:`BlockTables`, built
     once for every layer; K/V written into the pool (by the fused RoPE + K/V write where it
     runs), then read in place."""
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
-        self.cache = cache
-        #: the step's chunks, as given (what a tensor-parallel step tells its other ranks)
-        self.chunks = chunks
-        mgr, dev = cache.manager, cache.device
-        write: list[int] = []
-        for c in chunks:
-            write += mgr.slots(c.seq_id, c.start, c.start + c.length)
-        self.write_slots = upload(write, dev)
-        num_decode = 0
-        while num_decode < len(chunks) and chunks[num_decode].length == 1:
-            num_decode += 1
-        if any(c.length == 1 for c in chunks[num_decode:]):
-            raise ValueError("decode chunks must come first in a step")
-        self.num_decode = num_decode
-        self.decode_only = num_decode == len(chunks)
-        self.tables = BlockTables(cache, chunks, num_decode)
+        super().__init__(cache, chunks)
+        self.tables = BlockTables(cache, chunks, self.num_decode)
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
         return self.cache.kv[layer], self.write_slots

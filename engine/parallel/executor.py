@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engine.attention.paged import PagedBackend, PagedContext
-from engine.attention.triton import TritonBackend, TritonContext
+from engine.attention.context import PoolContext
+from engine.attention.paged import PagedBackend
+from engine.attention.triton import TritonBackend
 from engine.errors import InfersightError
 from engine.kv_cache.contiguous import ContiguousKVCache, _ContiguousContext
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
@@ -160,7 +161,7 @@ class Driver:
         self.closed = False
 
     def _recipe(self, ctx: AttentionContext) -> Paged | Contiguous:
-        if isinstance(ctx, (PagedContext, TritonContext)):
+        if isinstance(ctx, PoolContext):
             cache = ctx.cache
             mgr = cache.manager
             self._caches[id(cache)] = cache

@@ -1,0 +1,29 @@
+"""What every backend's step context over the paged pool holds, built once per step: the
+cache, the step's chunks as given (what a tensor-parallel step tells its other ranks), where
+their new K/V go, and how many decode chunks (one token each) lead the step."""
+
+from __future__ import annotations
+
+from engine.hardware.transfer import upload
+from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.model.attention import AttentionContext
+
+
+class PoolContext(AttentionContext):
+    """The part of a step's context every paged backend shares (the module's docstring)."""
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
+        self.cache = cache
+        self.chunks = chunks
+        mgr = cache.manager
+        write: list[int] = []
+        for c in chunks:
+            write += mgr.slots(c.seq_id, c.start, c.start + c.length)
+        self.write_slots = upload(write, cache.device)
+        num_decode = 0
+        while num_decode < len(chunks) and chunks[num_decode].length == 1:
+            num_decode += 1
+        if any(c.length == 1 for c in chunks[num_decode:]):
+            raise ValueError("decode chunks must come first in a step")
+        self.num_decode = num_decode
+        self.decode_only = num_decode == len(chunks)
