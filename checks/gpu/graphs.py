@@ -100,11 +100,19 @@ def check_triton(
     )
     expect(with_graphs["agree"], f"graph replays changed greedy ids, not at a tie: {with_graphs}")
     expect(with_torch["agree"], f"our kernels part from torch's, not at a tie: {with_torch}")
-    for name, executor in (("graphs", "cuda-graphs"), ("eager", "eager"), ("torch", "eager")):
+    # what each run's decode steps may run on: graphs all on CUDA graphs; the others eagerly
+    # (a CPU's dry run may take its C step, which a GPU never settles)
+    step_kinds = {"eager"} if device.type == "cuda" else {"eager", "c-step"}
+    for name, allowed in (
+        ("graphs", {"cuda-graphs"}),
+        ("eager", step_kinds),
+        ("torch", step_kinds),
+    ):
         paths = runs[name]["paths"]
+        decoded = set(paths["steps"].get("decode", {}))
         expect(not paths["fallbacks"], f"{name}: fell back: {paths['fallbacks']}")
-        expect(set(paths["steps"].get("decode", {})) == {executor},
-               f"{name}: decode steps ran {paths['steps']}, not all on {executor}")  # fmt: skip
+        expect(bool(decoded) and decoded <= allowed,
+               f"{name}: decode steps ran {paths['steps']}, not on {sorted(allowed)}")  # fmt: skip
     graphs_ran = runs["graphs"]["ran"]["cuda_graphs"]
     expect(graphs_ran.startswith(("captured", "static")), f"no CUDA graphs: {graphs_ran}")
     if device.type == "cuda":
