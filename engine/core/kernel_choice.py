@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.attention.paged import PagedBackend
 from engine.executor import c_step, c_step_check, table
 from engine.executor import step as step_executor
 from engine.kernels import layer_ops, paged_decode, triton_check, triton_support
@@ -69,7 +70,7 @@ def layers(
     fused = 0 if parallel else w8a8.fuse_layers(model)
     if fused:
         report += f"; W8A8 prefill rows fused in C ({fused} layers)"
-    backend = "c" if dtype in paged_decode.DTYPES and paged_decode.kernel().available else "torch"
+    backend = "c" if PagedBackend(device).kernel(dtype) else "torch"
     refused = table.refusal("c-step", backend, tensor_parallel=parallel)
     step, why = (None, f"decode steps eager ({refused})") if refused else c_step.plan(model, dtype)
     problem = c_step_check.verdict() if step is not None else ""
