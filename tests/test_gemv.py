@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.formats import quantize_int8
+from engine.formats.int8 import quantize_int8
 from engine.hardware.cpu_paths import forced_level
 from engine.kernels import gemv, lowbit, native
 from engine.kernels.packed_linear import GemvLinear

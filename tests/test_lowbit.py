@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InfersightError
-from engine.formats import pack_int4, quantize_int4, quantize_int8, unpack_int4
+from engine.formats.int4 import pack_int4, quantize_int4, unpack_int4
+from engine.formats.int8 import quantize_int8
 from engine.hardware import measured
 from engine.hardware.cpu_paths import forced_level
 from engine.kernels import lowbit, lowbit_rows, native

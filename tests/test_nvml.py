@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from engine import formats
 from engine.core.instruments import LayerTimer, memory_by_kind
 from engine.errors import InvalidRequestError
-from engine.formats import dequantize_int4, probe_int4_layout, quantize_int4
+from engine.formats import int4 as int4_format
+from engine.formats.int4 import dequantize_int4, probe_int4_layout, quantize_int4
 from engine.hardware import nvml
+from engine.kernels import lowbit
 from engine.quant import int8
 from engine.quant.embedding import QuantizedEmbedding
 from engine.quant.int4 import Int4Linear
@@ -280,15 +281,16 @@ def test_the_probe_finds_other_tile_shapes_and_refuses_what_is_no_permutation():
 def cuda_like_head(monkeypatch: pytest.MonkeyPatch, pack: Any) -> tuple[Int4Linear, torch.Tensor]:
     """An Int4Linear whose weight is laid out as on CUDA (by ``pack``) and the dequantized
     matrix it holds."""
-    monkeypatch.setattr(formats, "_CUDA_INT4_LAYOUTS", {})
-    monkeypatch.setattr(formats, "pack_int4_cuda", pack)
+    monkeypatch.setattr(int4_format, "_CUDA_INT4_LAYOUTS", {})
+    monkeypatch.setattr(int4_format, "pack_int4_cuda", pack)
     torch.manual_seed(0)
     w = torch.randn(40, 96)  # N padded to 48, K padded to 128 for g64
-    head = Int4Linear(w, None, 64)
+    with lowbit.choosing("torch"):  # torch's packing, whose shape CUDA's shares
+        head = Int4Linear(w, None, 64)
     padded = torch.nn.functional.pad(w, (0, head.padded_k, 0, head.padded_n))
     q, scale, zero = quantize_int4(padded, 64)
     head.weight = pack(q, head.inner_k_tiles)
-    head.on_cuda = True
+    head.on_cuda, head.packing = True, int4_format.TORCH_CUDA
     return head, dequantize_int4(q, scale, zero, 64)[:40, :96]
 
 
@@ -301,7 +303,7 @@ def test_a_tied_int4_head_on_cuda_serves_embedding_rows_from_its_packed_weight(m
 
 def test_a_cuda_int4_layout_that_cannot_be_read_is_refused_by_name(monkeypatch):
     head, _ = cuda_like_head(monkeypatch, nv_pack)
-    monkeypatch.setattr(formats, "pack_int4_cuda", lambda q, t: nv_pack(q ^ 8, t))
+    monkeypatch.setattr(int4_format, "pack_int4_cuda", lambda q, t: nv_pack(q ^ 8, t))
     with pytest.raises(InvalidRequestError, match="int8\\+head"):
         QuantizedEmbedding(head, torch.float32, torch.ones(96))
 

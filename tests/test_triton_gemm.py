@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.sampling import SamplingParams
-from engine.formats import dequantize_int4, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from engine.formats.int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from engine.formats.int8 import quantize_int8
 from engine.kernels import triton_support
 from engine.loader.load import load_model
 from engine.quant.int4 import Int4Linear

@@ -48,7 +48,8 @@ def check_layers(device: torch.device, figures: dict[str, Any]) -> None:
     """The INT8 and INT4 layers as the engine builds them here, at 1, 5, 16 and 80 rows (a
     GEMV, a decode batch, the 16-row tile split over K, a prefill tile) against their
     dequantized references, and a tied INT4 head read back as embedding rows, exactly."""
-    from engine.formats import dequantize_int4, dequantize_int8, quantize_int4
+    from engine.formats.int4 import dequantize_int4, quantize_int4
+    from engine.formats.int8 import dequantize_int8
     from engine.quant.embedding import QuantizedEmbedding
     from engine.quant.int4 import Int4Linear
     from engine.quant.int8 import Int8Linear, int8_kernel_runs

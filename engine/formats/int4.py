@@ -1,66 +1,35 @@
-"""The INT8 and INT4 formats: the arithmetic that makes and reads the low-bit values, and
-where torch's packed INT4 tensors keep each value.
+"""INT4 weights: group-wise (32, 64 or 128 input channels), asymmetric:
+``w ≈ (q − 8) · s + z``, ``q ∈ [0, 15]``, one bf16 ``(s, z)`` per group.
 
-* **INT8**: per output channel, symmetric: ``w ≈ q · s``, ``q ∈ [-127, 127]``, ``s = max|w| / 127``.
-* **INT4**: group-wise (32, 64 or 128 input channels), asymmetric: ``w ≈ (q − 8) · s + z``,
-  ``q ∈ [0, 15]``, one ``(s, z)`` per group.
+A kernel takes ``K`` padded with zero columns to a multiple of the group and of 32
+(:func:`padded_width`). Three packings hold the values, one per backend (:class:`Packing`):
 
-The packed INT4 layouts (CPU and CUDA) are torch's own and change between builds, so they are
-found by probing (:func:`cpu_int4_block_rows`, :func:`probe_int4_layout`), never assumed: a
-tied, quantized LM head reads its embedding rows straight from them. This module is pure math
-on tensors, below everything else in the engine: the CPU probes
-(:mod:`engine.hardware.cpu_paths`) and the quantized layers (:mod:`engine.quant`) both build
-on it.
+* :data:`OURS`: our C kernels' and our Triton kernels' (:func:`pack_int4`, llama.cpp's Q4
+  order), each row by itself;
+* :func:`torch_cpu`: ``_convert_weight_to_int4pack_for_cpu``'s, rows interleaved in blocks;
+* :data:`TORCH_CUDA`: ``_convert_weight_to_int4pack``'s tiles.
+
+Torch's two layouts are its own and change between builds, so where a weight's rows are read
+back (a tied, quantized LM head serving the embedding) they are found by probing
+(:func:`cpu_int4_block_rows`, :func:`probe_int4_layout`), never assumed. Each packing says the
+bytes a weight holds in it and the temporaries its packing holds while loading: the memory
+plan counts those.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from engine.formats import row_chunks
+
 log = logging.getLogger(__name__)
 
-# -- INT8 -------------------------------------------------------------------------------------
-
-
-def quantize_int8(w: Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-    """Per-row symmetric INT8: ``(q int8 [N, K], scale [N])`` with ``w ≈ q · scale``.
-
-    The scale is rounded to ``scale_dtype`` *before* ``q`` is computed against it, so that
-    dequantization in that dtype is exactly ``q · scale``. Rows are quantized a chunk at a
-    time (:func:`row_chunks`): beside ``w``, only the int8 result and one chunk's fp32
-    temporaries exist."""
-    n = w.shape[0]
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    scale = torch.empty(n, dtype=scale_dtype, device=w.device)
-    for rows in row_chunks(n, w.shape[1]):
-        chunk = w[rows].float()
-        s = (chunk.abs().amax(dim=1) / 127).clamp(min=1e-12).to(scale_dtype)
-        q[rows] = torch.round(chunk / s.float()[:, None]).clamp_(-127, 127)
-        scale[rows] = s
-    return q, scale
-
-
-#: fp32 bytes of weight rows quantized at once: bounds a quantization's temporaries
-QUANT_CHUNK_BYTES = 32 * 2**20
-
-
-def row_chunks(n: int, k: int, multiple: int = 1) -> list[slice]:
-    """Slices of ``n`` rows of width ``k``, each about :data:`QUANT_CHUNK_BYTES` in fp32 and
-    a multiple of ``multiple`` rows long (the last one may be shorter)."""
-    rows = max(multiple, QUANT_CHUNK_BYTES // (4 * k) // multiple * multiple)
-    return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
-
-
-def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
-    return q.float() * scale.float()[:, None]
-
-
-# -- INT4 -------------------------------------------------------------------------------------
+# -- the values -------------------------------------------------------------------------------
 
 
 def quantize_int4(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,6 +50,21 @@ def dequantize_int4(q: Tensor, scale: Tensor, zero: Tensor, group: int) -> Tenso
     n, k = q.shape
     g = q.float().reshape(n, k // group, group) - 8
     return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def padded_width(k: int, group: int) -> int:
+    """Smallest K' ≥ K that the INT4 kernels accept for ``group`` (a multiple of it and 32)."""
+    step = max(group, 32)
+    return -(-k // step) * step
+
+
+def inner_k_tiles(k: int) -> int:
+    """Torch's packing parameter for a padded width ``k``: the most 16-column tiles (8, 4 or
+    2) a warp's load spans that divide it."""
+    for tiles in (8, 4, 2):
+        if k % (tiles * 16) == 0:
+            return tiles
+    raise ValueError(f"K={k} is not a multiple of 32")
 
 
 # -- our INT4 layout (the C kernels' and the Triton kernels') -------------------------------
@@ -244,3 +228,115 @@ def cuda_int4_layout(device: torch.device, tiles: int) -> Int4TileLayout | None:
         if _CUDA_INT4_LAYOUTS[key] is None:
             log.warning("cannot read rows from the CUDA INT4 layout on %s", device)
     return _CUDA_INT4_LAYOUTS[key]
+
+
+# -- one packing per backend -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """How one backend's kernels hold INT4 values: the packed matrix, with its bf16
+    ``(scale, zero)`` pairs, packed and read back here alone.
+
+    ``K`` is padded to :func:`padded_width`; torch's packings also pad ``N`` with zero rows to
+    a multiple of 16 (``row_multiple``), sliced off the output. ``temporary_bytes_per_value``:
+    what packing holds beside the weights while a matrix loads, per value of the padded matrix
+    (ours and torch's CPU layout pack a chunk of rows at a time, whose packed chunks are joined
+    at the end: half a byte a value; torch's CUDA packing takes the whole matrix's values a byte
+    each, and its own temporaries: three bytes a value).
+    """
+
+    name: str
+    row_multiple: int
+    temporary_bytes_per_value: float
+    #: rows per interleaved block of torch's CPU layout (:func:`cpu_int4_block_rows`; None where
+    #: the probe found none: it then packs the matrix in one piece and its rows cannot be read)
+    block: int | None = field(default=None, compare=False)
+
+    def rows(self, n: int) -> int:
+        """The packed matrix's rows for ``n`` output features."""
+        return -(-n // self.row_multiple) * self.row_multiple
+
+    def bytes_held(self, n: int, k: int, group: int) -> int:
+        """Bytes of an ``[n, k]`` weight packed here: two values a byte of the padded matrix and
+        a bf16 (scale, zero) pair per group and padded row."""
+        rows, width = self.rows(n), padded_width(k, group)
+        return rows * width // 2 + (width // group) * rows * 2 * 2
+
+    def load_temporaries(self, n: int, k: int, group: int) -> int:
+        """Bytes packing an ``[n, k]`` weight holds beside the weights while it loads, past the
+        quantization's one chunk of fp32 rows (the memory plan's own term)."""
+        return int(self.rows(n) * padded_width(k, group) * self.temporary_bytes_per_value)
+
+    def pack(self, weight: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Quantize ``weight [N, K]`` (any float dtype) and pack it: ``(packed, scale, zero)``,
+        the scales and zeros ``[rows, K'/group]``. A chunk of rows at a time
+        (:func:`engine.formats.row_chunks`; whole blocks of torch's CPU layout), so beside
+        ``weight`` only the result and one chunk's temporaries exist; torch's CUDA packing
+        keeps the values a byte each and packs them once."""
+        n, k = weight.shape
+        rows, width = self.rows(n), padded_width(k, group)
+        cuda = self is TORCH_CUDA
+        values = (
+            torch.empty((rows, width), dtype=torch.uint8, device=weight.device) if cuda else None
+        )
+        multiple = self.block or 1
+        whole = self.name == TORCH_CPU_NAME and self.block is None
+        chunks = [slice(0, rows)] if whole else row_chunks(rows, width, multiple)
+        packed: list[Tensor] = []
+        scales: list[Tensor] = []
+        zeros: list[Tensor] = []
+        for chunk_rows in chunks:
+            chunk = weight[chunk_rows].float()
+            pad_rows = chunk_rows.stop - chunk_rows.start - chunk.shape[0]
+            if width != k or pad_rows:
+                chunk = torch.nn.functional.pad(chunk, (0, width - k, 0, pad_rows))
+            q, scale, zero = quantize_int4(chunk, group)
+            if values is not None:
+                values[chunk_rows] = q
+            elif self is OURS:
+                packed.append(pack_int4(q))
+            else:
+                packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    q, inner_k_tiles(width)))  # fmt: skip
+            scales.append(scale)
+            zeros.append(zero)
+        if values is not None:
+            packed = [pack_int4_cuda(values, inner_k_tiles(width))]
+        return torch.cat(packed), torch.cat(scales), torch.cat(zeros)
+
+    def unreadable(self, device: torch.device, k: int, n: int) -> str:
+        """Why rows of a weight packed here (``k``: its padded width, ``n``: its packed rows)
+        cannot be read back on this torch build ("" where they can)."""
+        if self is TORCH_CUDA and cuda_int4_layout(device, inner_k_tiles(k)) is None:
+            return "this torch build packs CUDA INT4 weights in a layout Infersight cannot read"
+        if self.name == TORCH_CPU_NAME and (self.block is None or n % self.block):
+            return "this torch build packs INT4 weights in a layout Infersight cannot read"
+        return ""
+
+    def read_rows(self, packed: Tensor, rows: Tensor, k: int) -> Tensor:
+        """Rows ``rows`` of the 4-bit values (0..15) packed in ``packed`` (``k``: the padded
+        width): int32 ``[T, k]``."""
+        if self is OURS:
+            return unpack_int4(packed[rows])
+        if self is TORCH_CUDA:
+            layout = cuda_int4_layout(packed.device, inner_k_tiles(k))
+            if layout is None:
+                raise ValueError(self.unreadable(packed.device, k, 0))
+            return layout.read_rows(packed, rows, k)
+        if self.block is None:
+            raise ValueError(self.unreadable(packed.device, k, 0))
+        return _read_int4_rows(packed, rows, self.block, k)
+
+
+TORCH_CPU_NAME = "torch's CPU INT4 packing"
+#: our C and Triton kernels' layout (:func:`pack_int4`)
+OURS = Packing("our INT4 layout", 1, 0.5)
+#: ``_convert_weight_to_int4pack``'s tiles (:class:`Int4TileLayout`)
+TORCH_CUDA = Packing("torch's CUDA INT4 packing", 16, 3.0)
+
+
+def torch_cpu(block: int | None) -> Packing:
+    """``_convert_weight_to_int4pack_for_cpu``'s layout, whose blocks of ``block`` rows
+    interleave (:func:`cpu_int4_block_rows`)."""
+    return Packing(TORCH_CPU_NAME, 16, 0.5, block)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.formats import cpu_int4_block_rows, dequantize_int4, quantize_int4
+from engine.formats.int4 import cpu_int4_block_rows, dequantize_int4, quantize_int4
 
 log = logging.getLogger(__name__)
 

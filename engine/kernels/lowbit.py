@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InfersightError
-from engine.formats import pack_int4
+from engine.formats.int4 import pack_int4
 from engine.hardware import measured
 from engine.hardware.measured import KERNELS_FILE, machine_key
 from engine.kernels import native, verify
@@ -237,7 +237,7 @@ def int4_gemm(
     lib: Library, x: Q8, packed: Tensor, scales_zeros: Tensor, group: int, threads: int
 ) -> Tensor:
     """``y [M, N]`` float32 from quantized activations and INT4 weights: ``packed`` from
-    :func:`engine.formats.pack_int4`, ``scales_zeros`` bf16 ``[N, K/group, 2]`` (scale, zero)
+    :func:`engine.formats.int4.pack_int4`, ``scales_zeros`` bf16 ``[N, K/group, 2]`` (scale, zero)
     per group."""
     m, k = x.q.shape
     n = packed.shape[0]
@@ -262,7 +262,8 @@ TOLERANCE = 1e-5
 def check(lib: Library) -> str:
     """Each product of ``lib`` on small ragged shapes against float64 on the dequantized
     operands, and its quantization against :func:`quantize_reference`: "" if all agree."""
-    from engine.formats import quantize_int4, quantize_int8
+    from engine.formats.int4 import quantize_int4
+    from engine.formats.int8 import quantize_int8
 
     gen = torch.Generator().manual_seed(0)
     for m, k, n in ((1, 64, 7), (5, 96, 19), (6, 128, 33), (2, 160, 9)):
@@ -464,7 +465,7 @@ def int4_linear(
     out: torch.dtype = torch.float32,
 ) -> Tensor:  # fmt: skip
     """``x [M, K]`` (K a multiple of the group) times INT4 weights
-    (:func:`engine.formats.pack_int4`, bf16 ``scales_zeros [N, K/group, 2]``): ``[M, N]`` in
+    (:func:`engine.formats.int4.pack_int4`, bf16 ``scales_zeros [N, K/group, 2]``): ``[M, N]`` in
     ``out``."""
     if torch.compiler.is_compiling():
         return torch.ops.infersight.lowbit_int4(x, packed, scales_zeros, group).to(out)
@@ -482,7 +483,7 @@ def int4_linear(
 def int4_dequantized(
     packed: Tensor, scales_zeros: Tensor, group: int, rows: slice, lib: Library | None = None
 ) -> Tensor:
-    """Rows ``rows`` of INT4 weights (:func:`engine.formats.pack_int4`, bf16
+    """Rows ``rows`` of INT4 weights (:func:`engine.formats.int4.pack_int4`, bf16
     ``scales_zeros [N, K/group, 2]``) as bf16 ``[rows, K]``: ``(q − 8)·s + z`` in fp32,
     rounded to nearest even (``lib``: this machine's build, or another level's)."""
     n0, n1 = rows.start or 0, min(rows.stop, packed.shape[0])
@@ -499,7 +500,7 @@ def int4_rows(
     packed: Tensor, scales_zeros: Tensor, group: int, ids: Tensor, inverse_scale: Tensor,
     width: int, out: torch.dtype,
 ) -> Tensor:  # fmt: skip
-    """Rows ``ids`` of INT4 weights (:func:`engine.formats.pack_int4`, bf16
+    """Rows ``ids`` of INT4 weights (:func:`engine.formats.int4.pack_int4`, bf16
     ``scales_zeros [N, K/group, 2]``), each column times fp32 ``inverse_scale [width]``, the
     first ``width`` columns, in ``out`` (fp32 or bf16): a tied INT4 head's embedding lookup in
     one call, computed as its torch code computes it

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from engine.formats import pack_int4
+from engine.formats.int4 import pack_int4
 from engine.kernels.lowbit import (
     STREAM_BYTES,
     Timing,
@@ -30,7 +30,7 @@ def time_int8(
 ) -> Timing:  # fmt: skip
     """Ours (``kernel``: the GEMM's by default, or the GEMV's) against
     ``torch._weight_int8pack_mm`` (activations in ``dtype``) for one shape."""
-    from engine.formats import quantize_int8
+    from engine.formats.int8 import quantize_int8
 
     gen = torch.Generator().manual_seed(0)
     copies = copies_for(out_features * in_features)
@@ -52,7 +52,7 @@ def time_int4(
 ) -> Timing:
     """Ours against ``_weight_int4pack_mm_for_cpu`` (bf16 activations) for one shape, from
     and to activations in ``dtype``."""
-    from engine.formats import quantize_int4
+    from engine.formats.int4 import quantize_int4
 
     gen = torch.Generator().manual_seed(0)
     copies = copies_for(out_features * in_features // 2)

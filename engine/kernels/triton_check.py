@@ -190,7 +190,7 @@ def _int8(dev: torch.device, dtype: torch.dtype) -> str:
 
 
 def _int4(dev: torch.device, dtype: torch.dtype) -> str:
-    from engine.formats import pack_int4
+    from engine.formats.int4 import pack_int4
     from engine.kernels.triton_kernels.quant_gemm import int4_linear, int4_reference
 
     gen = torch.Generator().manual_seed(3)

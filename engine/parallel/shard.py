@@ -104,7 +104,7 @@ class Shard:
 
 
 #: the vocabulary splits in runs of whole blocks of this many rows: the rows a CPU INT4
-#: layout packs together (64, 32 or 16: :func:`engine.formats.cpu_int4_block_rows`), so
+#: layout packs together (64, 32 or 16: :func:`engine.formats.int4.cpu_int4_block_rows`), so
 #: that a tied INT4 head's rows of one rank still serve its embedding lookups
 VOCAB_UNIT = 64
 

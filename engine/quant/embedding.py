@@ -11,8 +11,6 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import InvalidRequestError
-from engine.formats import Int4TileLayout, _read_int4_rows, cuda_int4_layout
-from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels import lowbit
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
@@ -21,7 +19,9 @@ from engine.quant.int8 import Int8Linear
 class QuantizedEmbedding(nn.Module):
     """Token embedding read from a tied, quantized LM head: one matrix serves both.
 
-    Rows are dequantized on lookup (a few per step), so the tied matrix exists only once, in
+    Rows are dequantized on lookup (a few per step), read back from the head's own format and
+    packing (:meth:`~engine.quant.int8.Int8Linear.read_rows`,
+    :meth:`~engine.quant.int4.Int4Linear.read_rows`), so the tied matrix exists only once, in
     its quantized form.
     """
 
@@ -36,28 +36,12 @@ class QuantizedEmbedding(nn.Module):
         # The head holds W·diag(s) (see head_channel_scale); embedding rows are W[id].
         self.register_buffer("inverse_scale", inverse_scale.float())
         self.embedding_dim = head.in_features
-        self.own_rows: Tensor | None = None
-        self.cuda_layout: Int4TileLayout | None = None
-        if isinstance(head, Int4Linear) and (head.triton is not None or head.lowbit):
-            pass  # our layouts keep rows whole: head.values reads them
-        elif isinstance(head, Int4Linear) and head.on_cuda:
-            self.cuda_layout = cuda_int4_layout(head.weight.device, head.inner_k_tiles)
-            if self.cuda_layout is None:
-                raise InvalidRequestError(
-                    "this torch build packs CUDA INT4 weights in a layout Infersight cannot "
-                    "read rows from, so a tied INT4 head cannot serve the embedding; use "
-                    "int8+head, or INT4 without +head"
-                )
-        elif isinstance(head, Int4Linear):
-            block = cpu_paths().int4_block_rows
-            rows = head.out_features + head.padded_n
-            if block is None or rows % block:
-                raise InvalidRequestError(
-                    "this torch build packs INT4 weights in a layout Infersight cannot read "
-                    "rows from, so a tied INT4 head cannot serve the embedding; use int8+head, "
-                    "or INT4 without +head"
-                )
-            self.block = block
+        why = head.unreadable()
+        if why:
+            raise InvalidRequestError(
+                f"{why} rows from, so a tied INT4 head cannot serve the embedding; use "
+                "int8+head, or INT4 without +head"
+            )
 
     def forward(self, ids: Tensor) -> Tensor:
         head = self.__dict__["head"]
@@ -73,25 +57,8 @@ class QuantizedEmbedding(nn.Module):
                 self.inverse_scale[: head.in_features], head.in_features, self.dtype,
             )  # fmt: skip
             return rows.reshape(*ids.shape, self.embedding_dim)
-        if isinstance(head, Int8Linear):
-            rows = head.weight[flat].float() * head.scales[flat].float()[:, None]
-        else:
-            k = head.in_features + head.padded_k
-            q = self._int4_rows(head, flat, k).float() - 8
-            sz = head.scales_and_zeros[:, flat].float()  # [K/group, T, 2]
-            groups = q.view(len(flat), k // head.group, head.group)
-            rows = groups * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
-            rows = rows.reshape(len(flat), k)[:, : head.in_features]
-        rows = rows * self.inverse_scale
+        rows = head.read_rows(flat) * self.inverse_scale
         return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
-
-    def _int4_rows(self, head: Int4Linear, ids: Tensor, k: int) -> Tensor:
-        """Rows ``ids`` of the head's 4-bit values (0..15), read from its packed weight."""
-        if head.triton is not None or head.lowbit:
-            return head.values(ids)
-        if self.cuda_layout is not None:
-            return self.cuda_layout.read_rows(head.weight, ids, k)
-        return _read_int4_rows(head.weight, ids, self.block, k)
 
 
 def head_channel_scale(norm_weight: Tensor, alpha: float = 0.5) -> Tensor:

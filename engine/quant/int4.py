@@ -3,7 +3,7 @@
 On CPU ``_weight_int4pack_mm_for_cpu``, on CUDA ``_weight_int4pack_mm`` (sm80+), both with bf16
 activations. Where our Triton kernels run (:func:`engine.kernels.triton_support.chosen`: a CUDA
 GPU with Triton), the layer holds their layout instead
-(:func:`engine.formats.pack_int4`, the same 4-bit values, scales and
+(:data:`engine.formats.int4.OURS`, the same 4-bit values, scales and
 zeros) and computes in the model's dtype: that is how INT4 runs on sm_75, in fp16. Where the
 input width K does not fit a kernel (it must be a multiple of the group and of 32), K is padded
 with zero columns and the load report says so. There is no fallback: a device without a kernel
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.formats import pack_int4, pack_int4_cuda, quantize_int4, row_chunks, unpack_int4
+from engine.formats import int4
+from engine.formats.int4 import Packing, dequantize_int4, pack_int4, padded_width, quantize_int4
 from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels import decode_step, gemv, lowbit, lowbit_timing
@@ -30,19 +31,6 @@ from engine.quant.int8 import (
     in_row_blocks,
     triton_gemms,
 )
-
-
-def _inner_k_tiles(k: int) -> int:
-    for tiles in (8, 4, 2):
-        if k % (tiles * 16) == 0:
-            return tiles
-    raise ValueError(f"K={k} is not a multiple of 32")
-
-
-def padded_width(k: int, group: int) -> int:
-    """Smallest K' ≥ K that the INT4 kernels accept for ``group`` (a multiple of it and 32)."""
-    step = max(group, 32)
-    return -(-k // step) * step
 
 
 def _triton_int4(device: torch.device, dtype: torch.dtype) -> Callable[..., Tensor] | None:
@@ -68,7 +56,7 @@ def _lowbit_int4(n: int, k: int, group: int, inner_k_tiles: int, dtype: torch.dt
 
 
 def bf16_product(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) -> Tensor:
-    """``x [M, K]`` (bf16) times our INT4 weights (:func:`engine.formats.pack_int4`)
+    """``x [M, K]`` (bf16) times our INT4 weights (:func:`engine.formats.int4.pack_int4`)
     dequantized to bf16 a block of output rows at a time (:func:`in_row_blocks`), so that
     oneDNN's bf16 GEMM runs a prefill chunk's product."""
     n, k = packed.shape[0], 2 * packed.shape[1]
@@ -110,11 +98,8 @@ class Int4Linear(nn.Module):
         self.triton = _triton_int4(weight.device, dtype)
         k = padded_width(self.in_features, group)
         self.padded_k = k - self.in_features
-        # The CPU packing also wants N divisible by 16: extra zero rows, sliced off the output.
-        padded_n = -(-self.out_features // 16) * 16 - self.out_features
-        self.padded_n = 0 if self.triton is not None else padded_n
         self.on_cuda = weight.device.type == "cuda"
-        tiles = self.inner_k_tiles = _inner_k_tiles(k)
+        tiles = self.inner_k_tiles = int4.inner_k_tiles(k)
         #: whether our C kernel runs this layer (on a CPU, where it measured faster than
         #: torch's for this shape: :func:`engine.kernels.lowbit.chosen`); it keeps its layout
         self.lowbit = (
@@ -122,15 +107,21 @@ class Int4Linear(nn.Module):
             and self.triton is None
             and _lowbit_int4(self.out_features, k, group, tiles, dtype)
         )
+        #: the layout the kernel that runs this layer reads (:mod:`engine.formats.int4`)
+        self.packing: Packing = (
+            int4.OURS if self.triton is not None or self.lowbit
+            else int4.TORCH_CUDA if self.on_cuda
+            else int4.torch_cpu(cpu_paths().int4_block_rows)
+        )  # fmt: skip
+        # torch's packings want N divisible by 16: extra zero rows, sliced off the output
+        self.padded_n = self.packing.rows(self.out_features) - self.out_features
         #: whether prefill chunks (more than :data:`engine.kernels.gemv.MAX_ROWS` rows) take
         #: bf16 GEMMs on weights dequantized a block at a time (:func:`bf16_product`), where our
         #: kernel runs the layer of a bf16 model and that measured faster than it for this shape
         self.prefill_bf16 = self.lowbit and dtype == torch.bfloat16 and self._prefill(k)
-        if self.lowbit:
-            self.padded_n = 0
         # torch's kernels take bf16 only; ours the model's compute dtype (fp16 below sm80)
         self.out_dtype = dtype if self.triton is not None or self.lowbit else torch.bfloat16
-        packed, scale, zero = self._quantize_and_pack(weight, k, tiles)
+        packed, scale, zero = self.packing.pack(weight, group)
         # [K/group, N, 2]: (scale, zero) per group and output channel, as the kernels want;
         # for ours a view of [N, K/group, 2], each channel's groups together.
         sz = torch.stack([scale, zero], dim=2)
@@ -151,57 +142,22 @@ class Int4Linear(nn.Module):
         ours = f"bf16 GEMM, torch {torch.__version__}, {found.path.stem if found.path else ''}"
         return lowbit.faster(ours, key, lambda: time_prefill(n, k, group))
 
-    def _quantize_and_pack(self, weight: Tensor, k: int, tiles: int) -> tuple[Tensor, ...]:
-        """Quantize ``weight`` (padded to ``[N + padded_n, k]`` with zeros) a chunk of rows at a
-        time and pack it for the kernel: beside ``weight``, only the packed result and one
-        chunk's temporaries exist. The CPU packing lays rows out in independent blocks
-        (``cpu_paths().int4_block_rows``), so chunks of whole blocks are packed one by one;
-        for CUDA the 4-bit values are kept a byte each (a quarter of fp32) and packed once.
-        Our Triton layout packs each row by itself, so any chunk of rows packs alone."""
-        if self.triton is not None or self.lowbit:
-            return self._quantize_rows(weight, k)
-        n = self.out_features + self.padded_n
-        block = None if self.on_cuda else cpu_paths().int4_block_rows
-        chunks = row_chunks(n, k, block or 1) if self.on_cuda or block else [slice(0, n)]
-        values = None
-        if self.on_cuda:
-            values = torch.empty((n, k), dtype=torch.uint8, device=weight.device)
-        packed_rows: list[Tensor] = []
-        scales: list[Tensor] = []
-        zeros: list[Tensor] = []
-        for rows in chunks:
-            chunk = weight[rows].float()
-            pad_rows = rows.stop - rows.start - chunk.shape[0]
-            if self.padded_k or pad_rows:
-                chunk = F.pad(chunk, (0, self.padded_k, 0, pad_rows))
-            q, scale, zero = quantize_int4(chunk, self.group)
-            if values is not None:
-                values[rows] = q
-            else:
-                packed_rows.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles))
-            scales.append(scale)
-            zeros.append(zero)
-        packed = pack_int4_cuda(values, tiles) if values is not None else torch.cat(packed_rows)
-        return packed, torch.cat(scales), torch.cat(zeros)
-
-    def _quantize_rows(self, weight: Tensor, k: int) -> tuple[Tensor, ...]:
-        """Quantize and pack ``weight`` for our Triton or C kernels a chunk of rows at a time
-        (beside ``weight``, only the result and one chunk's temporaries exist): both layouts
-        pack each row by itself."""
-        packed, scales, zeros = [], [], []
-        for rows in row_chunks(self.out_features, k):
-            q, scale, zero = quantize_int4(
-                F.pad(weight[rows].float(), (0, self.padded_k)), self.group
-            )
-            packed.append(pack_int4(q))
-            scales.append(scale)
-            zeros.append(zero)
-        return torch.cat(packed), torch.cat(scales), torch.cat(zeros)
-
     def values(self, rows: Tensor) -> Tensor:
-        """The 4-bit values (0..15) of rows ``rows`` of our Triton or C layout, int32
-        ``[T, K']`` (what a tied embedding reads)."""
-        return unpack_int4(self.weight[rows])
+        """The 4-bit values (0..15) of rows ``rows``, int32 ``[T, K']``, read from the layer's
+        packing (:meth:`engine.formats.int4.Packing.read_rows`)."""
+        return self.packing.read_rows(self.weight, rows, self.in_features + self.padded_k)
+
+    def unreadable(self) -> str:
+        """Why this layer's rows cannot be read back ("" where they can)."""
+        k, n = self.in_features + self.padded_k, self.out_features + self.padded_n
+        return self.packing.unreadable(self.weight.device, k, n)
+
+    def read_rows(self, rows: Tensor) -> Tensor:
+        """Rows ``rows`` of the weight, dequantized in fp32 ``[T, in_features]``."""
+        k = self.in_features + self.padded_k
+        sz = self.scales_and_zeros[:, rows].transpose(0, 1).float()  # [T, K'/group, 2]
+        full = dequantize_int4(self.values(rows), sz[..., 0], sz[..., 1], self.group)
+        return full.reshape(len(rows), k)[:, : self.in_features]
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import InfersightError
-from engine.formats import quantize_int8
+from engine.formats import int8
 from engine.hardware import gpu, measured
 from engine.hardware.cpu_paths import cpu_paths
 from engine.kernels import decode_step, gemv, lowbit, lowbit_timing, triton_check, triton_support
@@ -108,7 +108,7 @@ def time_prefill(out_features: int, in_features: int) -> lowbit.Timing:
     """:func:`bf16_product` against ``torch._weight_int8pack_mm`` on a prefill chunk's rows of
     bf16 activations (ms per call; the weights stay in cache: a prefill is bound by compute)."""
     gen = torch.Generator().manual_seed(0)
-    q, scales = quantize_int8(torch.randn(out_features, in_features, generator=gen),
+    q, scales = int8.quantize_int8(torch.randn(out_features, in_features, generator=gen),
                               torch.bfloat16)  # fmt: skip
     x = torch.randn(PREFILL_TIMED_ROWS, in_features, generator=gen).bfloat16()
     ours_ms, torch_ms = measured.best_of_three(
@@ -154,7 +154,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         # The kernel applies scales in the activation dtype, so q is computed against the
         # scales rounded to it (once: quantize_int8 rounds before it divides).
-        q, scale = quantize_int8(weight, dtype)
+        q, scale = int8.quantize_int8(weight, dtype)
         self.register_buffer("weight", q)
         self.register_buffer("scales", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
@@ -252,9 +252,27 @@ class Int8Linear(nn.Module):
             )
         return "runs torch's INT8 kernel"
 
+    def read_rows(self, rows: Tensor) -> Tensor:
+        """Rows ``rows`` of the weight, dequantized in fp32 ``[T, in_features]``."""
+        return int8.read_rows(self.weight, self.scales, rows)
+
+    def unreadable(self) -> str:
+        return ""  # one layout, row-major
+
+    @property
+    def c_scales(self) -> bool:
+        """Whether our C kernels run this layer's decode rows, on scales of their own."""
+        return self.lowbit_scales is not None or self.gemv_scales is not None
+
+    def held(self) -> list[Tensor | None]:
+        """The tensors the weight holds: the int8 matrix, its scales and our C kernels' fp32
+        copy of them (:func:`engine.formats.int8.bytes_held` counts them)."""
+        return [self.weight, self.scales, self.lowbit_scales, self.gemv_scales]
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales))
+        unique = {id(t): t for t in self.held() if t is not None}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     @property
     def kernel(self) -> str:

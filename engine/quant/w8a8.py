@@ -33,7 +33,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from engine.formats import quantize_int8
+from engine.formats.int8 import quantize_int8
 from engine.hardware import measured
 from engine.kernels import amx, decode_step, gemv, layer_ops, lowbit, lowbit_rows, native
 from engine.model.attention import AttentionContext
@@ -128,14 +128,17 @@ class W8A8Linear(Int8Linear):
         decode_int_mm: bool | None = None,
     ) -> None:  # fmt: skip
         super().__init__(weight, bias, dtype)
-        #: the weights' scales in fp32, as the int32 sums take them
-        self.register_buffer("w_scales", self.scales.float())
+        #: the weights' scales in fp32, as the int32 sums take them (our C kernels' copy where
+        #: they run the decode rows: the same values)
+        c_scales = self.lowbit_scales if self.lowbit_scales is not None else self.gemv_scales
+        self.register_buffer("w_scales", self.scales.float() if c_scales is None else c_scales)
         self.decode_int_mm = self._decode_int_mm() if decode_int_mm is None else decode_int_mm
         #: one activation scale for every token (``w8a8-static``: from the calibration, set by
         #: :func:`engine.quant.calibration.set_static_scales`), or None: per token
         self.act_scale: float | None = None
         #: the weights packed for our AMX GEMM, where it runs here and measured faster than
-        #: torch._int_mm for this shape (:meth:`_amx_packed`); None: torch._int_mm
+        #: torch._int_mm for this shape, or ``INFERSIGHT_LOWBIT=ours`` asks for it
+        #: (:meth:`_amx_packed`); None: torch._int_mm
         self.amx_weight: Tensor | None
         self.register_buffer("amx_weight", self._amx_packed(), persistent=False)
 
@@ -159,8 +162,10 @@ class W8A8Linear(Int8Linear):
             return None
         build = lib.path.name if lib.path is not None else "?"
         key = lowbit.shape_key(f"prefill w8a8 {TIMED_ROWS} rows", n, k)
-        if not lowbit.faster(f"AMX int8 GEMM {build}, torch {torch.__version__}", key,
-                             lambda: time_prefill(n, k)):  # fmt: skip
+        ours = f"AMX int8 GEMM {build}, torch {torch.__version__}"
+        if lowbit.requested() != "ours" and not lowbit.faster(
+            ours, key, lambda: time_prefill(n, k)
+        ):
             return None
         return amx.pack(self.weight, lib)
 
@@ -208,10 +213,10 @@ class W8A8Linear(Int8Linear):
             return "multiplies decode rows int8 × int8 (torch._int_mm measured faster)"
         return super().c_product(dtype)
 
-    @property
-    def nbytes(self) -> int:
-        packed = 0 if self.amx_weight is None else self.amx_weight.numel()
-        return super().nbytes + self.w_scales.numel() * 4 + packed
+    def held(self) -> list[Tensor | None]:
+        """INT8's tensors, the fp32 weight scales and the AMX packing
+        (:func:`engine.formats.w8a8.bytes_held` counts them)."""
+        return [*super().held(), self.w_scales, self.amx_weight]
 
     @property
     def kernel(self) -> str:

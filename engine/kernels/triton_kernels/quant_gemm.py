@@ -6,17 +6,16 @@
 contiguous (whole cache lines per row, and a tied head's embedding row is one row here too):
 
 * INT8: ``weight`` int8 ``[N, K]`` and ``scales [N]`` in the activations' dtype, ``w = q · s``:
-  what :func:`engine.formats.quantize_int8` gives, unchanged.
-* INT4: ``weight`` uint8 ``[N, Kp/2]`` in chunks of 32 columns (16 bytes), byte ``j`` of a
-  chunk holding column ``j`` in its low nibble and ``16 + j`` in its high one, llama.cpp's
-  Q4_0 order (:func:`engine.formats.pack_int4` packs :func:`~engine.formats.quantize_int4`'s
-  values): each
-  nibble's 16 columns of ``x`` are contiguous, so no kernel interleaves anything or loads
-  ``x`` with a stride. ``scales_and_zeros`` bf16 ``[Kp/group, N, 2]``, ``w = (q − 8)·s + z``:
-  group-major with N contiguous, so a tile's ``(s, z)`` of one group is one run of
-  ``4·BLOCK_N`` bytes; they are the very values torch's INT4 kernels take, so both paths run
-  the same quantization. ``Kp`` is K padded to a multiple of the group (32, 64 or 128); the
-  kernels mask ``x`` at K, so the padding multiplies only zeros and ``x`` is never padded.
+  what :func:`engine.formats.int8.quantize_int8` gives, unchanged.
+* INT4: ``weight`` uint8 ``[N, Kp/2]`` in chunks of 32 columns (16 bytes), byte ``j`` of a chunk
+  holding column ``j`` in its low nibble and ``16 + j`` in its high one, llama.cpp's Q4_0 order
+  (:func:`engine.formats.int4.pack_int4` packs :func:`~engine.formats.int4.quantize_int4`'s
+  values): each nibble's 16 columns of ``x`` are contiguous, so no kernel interleaves anything
+  or loads ``x`` with a stride. ``scales_and_zeros`` bf16 ``[Kp/group, N, 2]``, ``w = (q − 8)·s
+  + z``: group-major with N contiguous, so a tile's ``(s, z)`` of one group is one run of
+  ``4·BLOCK_N`` bytes; they are the very values torch's INT4 kernels take, so both paths run the
+  same quantization. ``Kp`` is K padded to a multiple of the group (32, 64 or 128); the kernels
+  mask ``x`` at K, so the padding multiplies only zeros and ``x`` is never padded.
 
 **Kernels** (:mod:`engine.kernels.triton_kernels.quant_gemm_kernels`): a GEMV for batch-1
 decode, tensor-core tiles for M > 1, split-K for decode (fp32 partial sums that a second pass
@@ -50,7 +49,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.formats import unpack_int4
+from engine.formats.int4 import unpack_int4
 from engine.kernels import triton_support
 from engine.kernels.triton_kernels.quant_gemm_kernels import (
     _int4_dequantize,
@@ -156,7 +155,7 @@ def int8_linear(
     if weight.dtype != torch.int8 or weight.shape != (n, k) or not weight.is_contiguous():
         raise ValueError(
             f"INT8 weights must be contiguous int8 [N, {k}] (x has K={k}), not "
-            f"{weight.dtype} {tuple(weight.shape)}; quantize with engine.formats.quantize_int8"
+            f"{weight.dtype} {tuple(weight.shape)}; quantize with engine.formats.int8.quantize_int8"
         )
     _check_vector("scales", scales, n, x.dtype)
     _check_vector("bias", bias, n, x.dtype)
@@ -187,9 +186,9 @@ def int4_linear(
     splits: int | None = None,
 ) -> Tensor:
     """``x · dequant(weight)ᵀ (+ bias)``: ``x [M, K]`` fp16 or bf16; ``weight`` uint8
-    ``[N, Kp/2]`` (:func:`engine.formats.pack_int4`), ``Kp`` the least multiple of ``group`` ≥ K;
-    ``scales_and_zeros`` bf16 ``[Kp/group, N, 2]``; ``bias [N]`` in ``x``'s dtype. ``[M, N]``
-    in ``x``'s dtype. ``splits`` as for :func:`int8_linear`."""
+    ``[N, Kp/2]`` (:func:`engine.formats.int4.pack_int4`), ``Kp`` the least multiple of
+    ``group`` ≥ K; ``scales_and_zeros`` bf16 ``[Kp/group, N, 2]``; ``bias [N]`` in ``x``'s
+    dtype. ``[M, N]`` in ``x``'s dtype. ``splits`` as for :func:`int8_linear`."""
     m, k = _check_x(x)
     if group not in GROUPS:
         raise ValueError(f"INT4 group {group} is not one of ours; use one of {GROUPS}")
