@@ -167,7 +167,10 @@ def test_a_plan_never_times_the_weight_layout(tiny_model_dir, monkeypatch):
 
 def test_the_load_bound_follows_the_precision():
     """A float load holds its largest tensor in the compute dtype; a quantized head holds it in
-    fp32 (the head/embedding being quantized); a GPU holds no checkpoint copy."""
+    fp32 (the head/embedding being quantized), and an INT4 one its packed chunks before they
+    are joined; a GPU holds no checkpoint copy."""
+    from engine.formats import int4
+
     cfg = ModelConfig.from_file(CONFIGS / "llama-3.2-3b.json")
     overhead = {
         p: plan_memory(cfg, p, "cpu", memory=64 * 2**30).load_overhead_bytes
@@ -176,7 +179,9 @@ def test_the_load_bound_follows_the_precision():
     # Llama-3.2-3B's largest tensor is its tied embedding, in bf16 unless the head is quantized
     embedding = cfg.vocab_size * cfg.hidden_size
     assert overhead["bf16"] == overhead["int8"] < overhead["int4-g32+head"]
-    assert overhead["int4-g32+head"] - overhead["int8"] == embedding * (4 - 2)
+    chunks = int4.torch_cpu(None).load_temporaries(cfg.vocab_size, cfg.hidden_size, 32)
+    assert chunks == embedding // 2
+    assert overhead["int4-g32+head"] - overhead["int8"] == embedding * (4 - 2) + chunks
     gpu = plan_memory(cfg, "int8", "cuda", memory=64 * 2**30).load_overhead_bytes
     assert gpu == overhead["int8"] - embedding * 2  # no bf16 checkpoint copy on the device
 

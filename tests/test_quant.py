@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from engine.formats.int4 import dequantize_int4, quantize_int4
+from engine.formats.int8 import dequantize_int8, quantize_int8
 from engine.hardware.cpu_paths import cpu_paths
+from engine.kernels import lowbit
 from engine.kernels.packed_linear import PackedLinear
 from engine.loader.load import load_model
 from engine.quant.int4 import Int4Linear, padded_width
@@ -365,6 +367,7 @@ ESTIMATED_SPECS = [
     "bf16",
     "int8",
     "int4-g32",
+    "w8a8",
     "int8+head",
     "int4-g64+head",
     "mixed:attn=int4-g128,mlp=int4-g32,head=int8,attn.0-1=none,mlp.1=int8",
@@ -376,17 +379,25 @@ ESTIMATED_SPECS = [
 @pytest.mark.parametrize(
     ("arch", "tied"), [("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
 )
-def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied):
+@pytest.mark.parametrize("mode", ["torch", "ours"])
+def test_estimate_weight_bytes_is_exact(tiny_model_dir, spec, arch, tied, mode):
+    """With the kernels forced (``INFERSIGHT_LOWBIT``), the estimate is the load's bytes to the
+    byte; left to the timings, it is what the load could hold at most."""
     from engine.model.config import ModelConfig
+    from engine.quant.sizes import Backends
 
     folder, _ = tiny_model_dir(arch, tied)
     cfg = ModelConfig.from_file(folder / "config.json")
     parsed = parse_precision_spec(spec)
-    # The default load packs float linears where this CPU's oneDNN path runs their dtype.
-    packed = load_model(folder, precision=spec).weights_bytes
-    assert estimate_weight_bytes(cfg, parsed) == packed
-    unpacked = load_model(folder, precision=spec, pack=False).weights_bytes
-    assert estimate_weight_bytes(cfg, parsed, packed=False) == unpacked
+    backends = Backends(c_kernels=mode == "ours")
+    with lowbit.choosing(mode):
+        # The default load packs float linears where this CPU's oneDNN path runs their dtype.
+        packed = load_model(folder, precision=spec).weights_bytes
+        assert estimate_weight_bytes(cfg, parsed, backends=backends) == packed
+        unpacked = load_model(folder, precision=spec, pack=False).weights_bytes
+        assert estimate_weight_bytes(cfg, parsed, packed=False, backends=backends) == unpacked
+    timed = load_model(folder, precision=spec).weights_bytes
+    assert timed <= estimate_weight_bytes(cfg, parsed)
 
 
 @pytest.mark.parametrize("spec", precisions("bf16", "int8", "int4-g32", "int4-g128"))

@@ -54,14 +54,14 @@ from engine.attention import planned as planned_attention
 from engine.core.config import kv_pool_blocks
 from engine.core.pool_profile import PoolSizing, size_pool
 from engine.errors import InvalidRequestError, OutOfMemoryError
-from engine.formats import QUANT_CHUNK_BYTES
+from engine.formats import QUANT_CHUNK_BYTES, int8
 from engine.hardware import gpu
 from engine.hardware import memory as device_memory
 from engine.hardware.memory import free_memory
 from engine.kernels import triton_support
 from engine.model.config import ModelConfig
-from engine.quant.sizes import weight_bytes_by_kind
-from engine.quant.spec import PrecisionSpec, dtype_name, parse_precision_spec
+from engine.quant.sizes import Backends, weight_bytes_by_kind
+from engine.quant.spec import PrecisionSpec, QuantKind, dtype_name, parse_precision_spec
 
 if TYPE_CHECKING:
     from engine.core.config import EngineConfig
@@ -369,7 +369,10 @@ class _Target:
 
     def plan(self, spec: PrecisionSpec) -> MemoryPlan:
         cfg, config = self.cfg, self.config
-        weights = weight_bytes_by_kind(cfg, spec, packed=self.packed)
+        gemms = triton_support.planned(self.device.type, self.capability)
+        cuda = self.device.type == "cuda"
+        backends = Backends(triton=gemms, cuda=cuda and not gemms)
+        weights = weight_bytes_by_kind(cfg, spec, packed=self.packed, backends=backends)
         per_token = kv_bytes_per_token(cfg, spec.compute)
         step = workspace_bytes(cfg, spec.compute, config)
         cuda = self.device.type == "cuda"
@@ -378,7 +381,6 @@ class _Target:
         attention = triton_support.planned(
             self.device.type, self.capability, head_dim=cfg.head_dim, dtype=spec.compute
         )
-        gemms = triton_support.planned(self.device.type, self.capability)
         backend = planned_attention(self.device, attention)
         given = config.num_blocks is not None or config.kv_memory is not None
         sizing = None
@@ -417,7 +419,7 @@ class _Target:
             kv_pool_bytes=(blocks * config.block_size + 1) * per_token,  # + the zero pad slot
             workspace_bytes=step + gather * reach,
             runtime_bytes=self.runtime,
-            load_overhead_bytes=load_overhead_bytes(cfg, spec, self.device, triton=gemms),
+            load_overhead_bytes=load_overhead_bytes(cfg, spec, backends),
             budget_bytes=self.budget,
             budget_source=self.source,
             max_position=cfg.max_position_embeddings,
@@ -498,25 +500,23 @@ def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, config: EngineConfig) 
     return activations + logits
 
 
-def load_overhead_bytes(
-    cfg: ModelConfig, spec: PrecisionSpec, device: torch.device, *, triton: bool | None = None
-) -> int:
+def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, backends: Backends) -> int:
     """The most :func:`engine.loader.weights.load_transformer` holds beside the weights already
     loaded: the largest tensor being assembled (the embedding or head, or a fused gate/up or
     q/k/v projection) in fp32 where it will be quantized, else in the compute dtype; on a CPU
     also its copy read from the checkpoint (in the checkpoint's dtype, fp32 when the config
-    does not say); on a GPU, INT4's packing temporaries of its largest 4-bit matrix: where
-    torch's kernel runs, which packs a whole matrix's 4-bit values at once, 0.75 of its fp32
-    size; where ours do (``triton``; None: where :func:`engine.kernels.triton_support.planned`
-    says the load runs them), whose layout is packed a chunk of rows at a time
-    (:meth:`engine.quant.int4.Int4Linear._quantize_rows`), the packed chunks' copy as they are
-    joined, half a byte a value; and four chunks of quantization temporaries with allocator
-    slack. INT8 quantizes into its final matrix a chunk of rows at a time on either path."""
+    does not say); the packing temporaries of the largest quantized matrix in its format and
+    packing on ``backends`` (:meth:`engine.formats.int4.Packing.load_temporaries`,
+    :func:`engine.formats.int8.load_temporaries`); and four chunks of quantization
+    temporaries with allocator slack."""
     compute = torch.empty((), dtype=spec.compute).element_size()
-    layer_elems = max(
-        2 * cfg.intermediate_size * cfg.hidden_size,
-        (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size,
-    )
+    shapes = {
+        "qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+        "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+        "down": (cfg.hidden_size, cfg.intermediate_size),
+        "o": (cfg.hidden_size, cfg.q_size),
+    }
+    layer_elems = max(shapes["qkv"][0] * shapes["qkv"][1], shapes["gate_up"][0] * cfg.hidden_size)
     head_elems = cfg.vocab_size * cfg.hidden_size
     layer_kinds = {spec.block_kind(p, i) for p in ("attn", "mlp") for i in range(cfg.num_layers)}
     head = spec.parts.get("head")
@@ -524,21 +524,23 @@ def load_overhead_bytes(
         layer_elems * (4 if layer_kinds - {None} else compute),
         head_elems * (4 if head is not None else compute),
     )
-    if device.type == "cpu":
-        file_itemsize = CHECKPOINT_ITEMSIZE.get(cfg.torch_dtype or "", 4)
-        extra = max(layer_elems, head_elems) * file_itemsize
-    else:  # INT4's packing temporaries
-        if triton is None:
-            triton = triton_support.planned(device.type)
-        int4_layers = any(k is not None and k.bits == 4 for k in layer_kinds)
-        int4_elems = max(
-            layer_elems if int4_layers else 0,
-            head_elems if head is not None and head.bits == 4 else 0,
-        )
-        # ours: the packed chunks, and their concatenation; torch's: the 4-bit values a byte
-        # each, and the packing's temporaries
-        extra = int4_elems // 2 if triton else int4_elems * 3
-    return largest + extra + 4 * QUANT_CHUNK_BYTES + LOAD_SLACK_BYTES
+    extra = 0
+    if not backends.triton and not backends.cuda:  # a CPU reads the checkpoint's copy
+        extra = max(layer_elems, head_elems) * CHECKPOINT_ITEMSIZE.get(cfg.torch_dtype or "", 4)
+    matrices = [(kind, n, k) for kind in layer_kinds if kind for n, k in shapes.values()]
+    if head is not None:
+        matrices.append((head, cfg.vocab_size, cfg.hidden_size))
+    packing = max(
+        (_packing_temporaries(kind, n, k, backends) for kind, n, k in matrices), default=0
+    )
+    return largest + extra + packing + 4 * QUANT_CHUNK_BYTES + LOAD_SLACK_BYTES
+
+
+def _packing_temporaries(kind: QuantKind, n: int, k: int, backends: Backends) -> int:
+    if kind.bits == 8:
+        return int8.load_temporaries(n, k)
+    assert kind.group is not None
+    return backends.int4_packing().load_temporaries(n, k, kind.group)
 
 
 #: bytes per value of a checkpoint by its config's ``torch_dtype``
