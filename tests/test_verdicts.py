@@ -14,7 +14,7 @@ import pytest
 
 from engine.hardware import measured, verdicts
 from engine.hardware.verdicts import Key, Timing
-from engine.kernels import lowbit
+from engine.kernels import lowbit, packed_linear
 
 KEY = Key("lowbit-0123abcd avx2", "lowbit int8 bfloat16 96x64", threads=2)
 
@@ -149,6 +149,9 @@ def test_two_threads_asking_at_once_time_once(home):
     assert answers == [True, True] and calls == [1]
 
 
-def test_ours_wins_only_below_its_slack():
+def test_ours_wins_only_below_its_slack_and_the_packed_layout_wins_ties_within_five_percent():
     assert not Timing(ours_ms=1.0, torch_ms=1.0).ours_within(1.0)  # a tie: torch's
     assert Timing(ours_ms=1.2, torch_ms=1.0).ours_within(1.25)
+    assert Timing(ours_ms=1.0, torch_ms=1.0).ours_within(packed_linear.PACKED_SLACK)
+    assert Timing(ours_ms=1.04, torch_ms=1.0).ours_within(packed_linear.PACKED_SLACK)
+    assert not Timing(ours_ms=1.06, torch_ms=1.0).ours_within(packed_linear.PACKED_SLACK)
