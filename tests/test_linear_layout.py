@@ -6,21 +6,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
+from engine.hardware import measured
 from engine.hardware.cpu_paths import cpu_paths
-from engine.hardware.measured import machine_key
+from engine.hardware.verdicts import Timing
 from engine.kernels import packed_linear
-from engine.kernels.packed_linear import (
-    LayoutTiming,
-    PackedLinear,
-    layout_timing,
-    pack_linears,
-    time_layouts,
-)
+from engine.kernels.packed_linear import PackedLinear, pack_linears, packs, time_layouts
 from engine.loader.load import load_model
 
 needs_packing = pytest.mark.skipif(
@@ -32,45 +28,56 @@ needs_packing = pytest.mark.skipif(
 def home(tmp_path, monkeypatch) -> Iterator[object]:
     monkeypatch.setenv("INFERSIGHT_HOME", str(tmp_path))
     monkeypatch.delenv(packed_linear.LAYOUT_ENV, raising=False)
-    packed_linear._verdicts.cache_clear()
     yield tmp_path
-    packed_linear._verdicts.cache_clear()
+
+
+@pytest.fixture
+def packable(home, monkeypatch) -> Iterator[object]:
+    """Every dtype counts as packable here (the timing is faked: no packed op runs)."""
+    probe = SimpleNamespace(ok=True)
+    monkeypatch.setattr(packed_linear, "cpu_paths", lambda: SimpleNamespace(packed=lambda d: probe))
+    yield home
 
 
 @needs_packing
 def test_both_layouts_are_timed_streaming_from_memory():
     t = time_layouts(torch.float32, 96, 64)
-    assert t.packed_ms > 0 and t.plain_ms > 0
+    assert t.ours_ms > 0 and t.torch_ms > 0
 
 
-def test_a_verdict_is_timed_once_and_kept_per_machine(home, monkeypatch):
+def test_a_verdict_is_timed_once_and_kept_per_machine(packable, monkeypatch):
     timed: list[tuple[int, int]] = []
 
-    def fake(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
+    def fake(dtype: torch.dtype, out_features: int, in_features: int) -> Timing:
         timed.append((out_features, in_features))
-        return LayoutTiming(packed_ms=1.0, plain_ms=2.0)
+        return Timing(ours_ms=1.0, torch_ms=2.0)
 
     monkeypatch.setattr(packed_linear, "time_layouts", fake)
-    assert layout_timing(torch.float32, 96, 64).packed
-    assert layout_timing(torch.float32, 96, 64).packed
+    assert packs(torch.float32, 96, 64)
+    assert packs(torch.float32, 96, 64)
     assert timed == [(96, 64)]
-    saved = json.loads((home / packed_linear.KERNELS_FILE).read_text())
-    assert saved == {machine_key(): {"float32 96x64": {"packed_ms": 1.0, "plain_ms": 2.0}}}
-
-    packed_linear._verdicts.cache_clear()  # a new process reads the file instead of timing again
-    assert layout_timing(torch.float32, 96, 64).packed and timed == [(96, 64)]
-
-
-def test_an_unreadable_file_is_timed_again(home, monkeypatch):
-    (home / packed_linear.KERNELS_FILE).write_text("{not json")
-    monkeypatch.setattr(packed_linear, "time_layouts", lambda *a: LayoutTiming(3.0, 1.0))
-    assert not layout_timing(torch.float32, 32, 32).packed
-    assert "float32 32x32" in (home / packed_linear.KERNELS_FILE).read_text()
+    saved = json.loads((packable / measured.KERNELS_FILE).read_text())
+    entry = packed_linear.layout_key(torch.float32, 96, 64).entry()
+    assert saved == {entry: {"float32 96x64": {"ours_ms": 1.0, "torch_ms": 2.0}}}
+    assert entry.startswith(measured.machine_key())
 
 
-def test_noise_within_five_percent_keeps_the_packed_layout():
-    assert LayoutTiming(packed_ms=1.04, plain_ms=1.0).packed
-    assert not LayoutTiming(packed_ms=1.06, plain_ms=1.0).packed
+def test_an_unreadable_file_is_timed_again(packable, monkeypatch):
+    (packable / measured.KERNELS_FILE).write_text("{not json")
+    monkeypatch.setattr(packed_linear, "time_layouts", lambda *a: Timing(3.0, 1.0))
+    assert not packs(torch.float32, 32, 32)
+    assert "float32 32x32" in (packable / measured.KERNELS_FILE).read_text()
+
+
+def test_noise_within_five_percent_keeps_the_packed_layout(packable, monkeypatch):
+    timings = {64: Timing(ours_ms=1.04, torch_ms=1.0), 32: Timing(ours_ms=1.06, torch_ms=1.0)}
+    monkeypatch.setattr(packed_linear, "time_layouts", lambda d, n, k: timings[n])
+    assert packs(torch.float32, 64, 16) and not packs(torch.float32, 32, 16)
+    # a plan reads the same verdicts back under the same rule; a shape never timed counts as
+    # packed (the layout that takes more memory)
+    assert packs(torch.float32, 64, 16, measure=False)
+    assert not packs(torch.float32, 32, 16, measure=False)
+    assert packs(torch.float32, 48, 16, measure=False)
 
 
 @needs_packing
@@ -79,9 +86,9 @@ def test_the_loader_packs_only_where_packing_measured_faster(
     tiny_model_dir, home, monkeypatch, packed_faster
 ):
     # The head (vocab 320) gets one verdict, every other shape the opposite.
-    def fake(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
+    def fake(dtype: torch.dtype, out_features: int, in_features: int) -> Timing:
         faster = packed_faster == (out_features != 320)
-        return LayoutTiming(1.0, 2.0) if faster else LayoutTiming(2.0, 1.0)
+        return Timing(1.0, 2.0) if faster else Timing(2.0, 1.0)
 
     monkeypatch.setattr(packed_linear, "time_layouts", fake)
     folder, _ = tiny_model_dir("llama", False)
@@ -96,7 +103,7 @@ def test_the_loader_packs_only_where_packing_measured_faster(
 
 @needs_packing
 def test_the_layout_switch_skips_the_timing(monkeypatch):
-    monkeypatch.setattr(packed_linear, "layout_timing", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(packed_linear, "time_layouts", lambda *a: pytest.fail("timed"))
     monkeypatch.setenv(packed_linear.LAYOUT_ENV, "plain")
     assert not packed_linear.packs(torch.float32, 96, 64)
     monkeypatch.setenv(packed_linear.LAYOUT_ENV, "packed")

@@ -147,7 +147,7 @@ def test_a_gguf_that_cannot_fit_is_refused_before_it_is_imported(
     assert not models_dir().exists() or not any(models_dir().iterdir())
 
 
-def test_a_plan_never_times_the_weight_layout(tiny_model_dir, monkeypatch):
+def test_a_plan_never_times_the_weight_layout(tiny_model_dir, monkeypatch, fresh_measurements):
     """Planning (in the loader thread beside a decoding model, in the picker's scan) reads
     this machine's measured layout verdicts; a shape never timed counts as packed (the
     layout that takes more memory)."""
@@ -158,7 +158,6 @@ def test_a_plan_never_times_the_weight_layout(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(
         packed_linear, "time_layouts", lambda *a: pytest.fail("a plan timed a layout")
     )
-    monkeypatch.setattr(packed_linear, "_verdicts", lambda: {})
     plan = plan_for_folder(folder, "fp32", "cpu")
     cfg = ModelConfig.from_file(folder / "config.json")
     packed = packed_linear.cpu_paths().packed(torch.float32).ok

@@ -355,7 +355,7 @@ def test_a_shape_is_timed_once_per_machine(monkeypatch, fresh_measurements):
     assert lowbit.chosen("int4-g32", 96, 64, timer)
     assert lowbit.chosen("int4-g32", 96, 64, timer)
     assert timings == [1]
-    kept = measured.read(lowbit.measured_file())
+    kept = measured.read(measured.KERNELS_FILE)
     assert any("lowbit int4-g32 96x64" in shapes for shapes in kept.values())
 
 

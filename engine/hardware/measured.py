@@ -27,7 +27,7 @@ from engine.paths import home
 log = logging.getLogger(__name__)
 
 
-#: the kernel and layout verdicts (engine/kernels/packed_linear.py, lowbit.py, gemv.py)
+#: the kernel and layout verdicts (:mod:`engine.hardware.verdicts`)
 KERNELS_FILE = "kernels.json"
 
 

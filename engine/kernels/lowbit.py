@@ -28,9 +28,8 @@ import contextvars
 import ctypes
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,8 @@ from torch import Tensor
 
 from engine.errors import InfersightError
 from engine.formats.int4 import pack_int4
-from engine.hardware import measured
-from engine.hardware.measured import KERNELS_FILE, machine_key
+from engine.hardware import measured, verdicts
+from engine.hardware.verdicts import Timing as Timing  # the verdicts' figures, as ours time them
 from engine.kernels import native, verify
 
 log = logging.getLogger(__name__)
@@ -306,27 +305,8 @@ def _compare(name: str, got: Tensor, want: Tensor) -> str:
 # -- the choice, per layer shape ---------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Timing:
-    """One shape's two kernels, timed streaming from memory: ms per one-row product."""
-
-    ours_ms: float
-    torch_ms: float
-
-    @property
-    def ours(self) -> bool:
-        return self.ours_ms < self.torch_ms
-
-    def ours_within(self, slack: float) -> bool:
-        """Whether ours runs the shape when it may take up to ``slack`` × torch's time."""
-        return self.ours_ms < slack * self.torch_ms
-
-
 #: bytes of weights each timing streams through: far beyond any last-level cache
 STREAM_BYTES = 64 * 2**20
-#: held while a shape's verdict is read, timed and written (the app loads models on a thread
-#: of its own; :mod:`engine.kernels.gemv` keeps its verdicts under it too)
-LOCK = threading.Lock()
 
 
 def shape_key(fmt: str, out_features: int, in_features: int) -> str:
@@ -398,24 +378,9 @@ def faster(ours: str, key: str, timer: Callable[[], Timing], slack: float = 1.0)
     """Whether ``ours`` (a build of our kernel, or a path of ours through torch's operators,
     with what makes it that version) measured faster than torch's kernel for the layer shape
     ``key`` (or within ``slack`` × its time): timed once by ``timer`` and kept in
-    ``kernels.json`` under this machine, ``ours`` and the thread count."""
-    verdicts = f"{machine_key()} | {ours} | {threads()} threads"
-    with LOCK:
-        known = measured.read(measured_file()).get(verdicts, {}).get(key)
-        if known is not None:
-            try:
-                return Timing(**known).ours_within(slack)
-            except TypeError:
-                pass
-        timing = timer()
-        log.info("timed %s: ours %.3f ms, torch %.3f ms per token", key, timing.ours_ms,
-                 timing.torch_ms)  # fmt: skip
-        measured.write(measured_file(), {verdicts: {key: asdict(timing)}})
-        return timing.ours_within(slack)
-
-
-def measured_file() -> str:
-    return KERNELS_FILE
+    ``kernels.json`` under this machine, ``ours`` and the thread count
+    (:func:`engine.hardware.verdicts.faster`)."""
+    return verdicts.faster(verdicts.Key(ours, key, threads()), timer, slack)
 
 
 def threads() -> int:

@@ -7,28 +7,24 @@ repacks fp32/bf16 weights into it at load time where :func:`engine.hardware.cpu_
 that this CPU runs the packed op for that dtype (bf16 needs AVX-512 or AVX-NE-CONVERT) *and*
 it measured faster for that shape on this machine (:func:`packs`): each (dtype, shape) is timed
 once, both layouts streaming from memory as in decode, and the verdict is kept per machine in
-``<cache>/kernels.json``. Elsewhere, and on other devices, the module stays ``nn.Linear``. The
-packed path uses ``torch.ops.mkldnn``, the same private ops TorchInductor emits for CPU
-linears.
+``<cache>/kernels.json`` (:mod:`engine.hardware.verdicts`). Elsewhere, and on other devices,
+the module stays ``nn.Linear``. The packed path uses ``torch.ops.mkldnn``, the same private
+ops TorchInductor emits for CPU linears.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import threading
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.hardware import measured
+from engine.hardware import measured, verdicts
 from engine.hardware.cpu_paths import cpu_paths
-from engine.hardware.measured import KERNELS_FILE, machine_key
+from engine.hardware.verdicts import Timing
 from engine.kernels import decode_step, gemv
-from engine.kernels.lowbit import Timing
 
 log = logging.getLogger(__name__)
 
@@ -75,27 +71,22 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
-@dataclass(frozen=True, slots=True)
-class LayoutTiming:
-    """One shape's two layouts, timed streaming from memory: ms per matrix-vector product."""
-
-    packed_ms: float
-    plain_ms: float
-
-    @property
-    def packed(self) -> bool:
-        # Within 5% (noise on a shared machine) the packed layout, measured faster on the
-        # CPUs we have, keeps its place.
-        return self.packed_ms <= 1.05 * self.plain_ms
+#: How much slower than ``nn.Linear`` the packed layout may measure for a shape and still be
+#: chosen: within 5% (noise on a shared machine) the packed layout, measured faster on the CPUs
+#: we have, keeps its place.
+PACKED_SLACK = 1.05
+#: the layout verdicts' build in ``kernels.json`` (oneDNN's, as this torch ships it)
+PACKED_BUILD = f"oneDNN packed layout, torch {torch.__version__}"
 
 
 #: bytes of weights each timing streams through: far beyond any last-level cache
 STREAM_BYTES = 96 * 2**20
 
 
-def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
+def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> Timing:
     """Time ``y = x Wᵀ`` for one token in both layouts over enough distinct matrices of this
-    shape that every call reads its weights from memory, as decode does; the best of three."""
+    shape that every call reads its weights from memory, as decode does; the best of three
+    (ours: the packed layout; torch's: ``nn.Linear``)."""
     weights, x = _streamed(dtype, out_features, in_features)
     packed = [
         torch.ops.mkldnn._reorder_linear_weight(w, batch_size=PACK_BATCH_HINT) for w in weights
@@ -110,7 +101,7 @@ def time_layouts(dtype: torch.dtype, out_features: int, in_features: int) -> Lay
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
     plain_ms, packed_ms = measured.best_of_three([plain_run, packed_run], len(weights))
-    return LayoutTiming(packed_ms=packed_ms, plain_ms=plain_ms)
+    return Timing(ours_ms=packed_ms, torch_ms=plain_ms)
 
 
 def _streamed(
@@ -127,43 +118,11 @@ def _streamed(
     return weights, torch.randn(1, in_features, generator=gen).to(dtype)
 
 
-@functools.cache
-def _verdicts() -> dict[str, dict[str, LayoutTiming]]:
-    """The per-machine verdicts on disk (read once per process; unreadable ones are timed
-    again)."""
-    verdicts: dict[str, dict[str, LayoutTiming]] = {}
-    for machine, shapes in measured.read(KERNELS_FILE).items():
-        try:
-            verdicts[machine] = {shape: LayoutTiming(**t) for shape, t in shapes.items()}
-        except TypeError:
-            continue
-    return verdicts
-
-
-def _save_verdicts(verdicts: dict[str, dict[str, LayoutTiming]]) -> None:
-    measured.write(
-        KERNELS_FILE,
-        {m: {s: asdict(t) for s, t in shapes.items()} for m, shapes in verdicts.items()},
-    )
-
-
-_LOCK = threading.Lock()  # the app loads models on a thread of its own
-
-
-def layout_timing(dtype: torch.dtype, out_features: int, in_features: int) -> LayoutTiming:
-    """This machine's verdict for one shape: from ``kernels.json``, else timed now and kept."""
+def layout_key(dtype: torch.dtype, out_features: int, in_features: int) -> verdicts.Key:
+    """What a layout verdict holds for: this machine, torch's oneDNN and the shape (not the
+    thread count: a memory plan asks before a load has settled it)."""
     shape = f"{str(dtype).removeprefix('torch.')} {out_features}x{in_features}"
-    with _LOCK:
-        verdicts = _verdicts()
-        machine = verdicts.setdefault(machine_key(), {})
-        if shape not in machine:
-            machine[shape] = time_layouts(dtype, out_features, in_features)
-            log.info(
-                "timed %s: oneDNN packed %.3f ms, nn.Linear %.3f ms per token",
-                shape, machine[shape].packed_ms, machine[shape].plain_ms,
-            )  # fmt: skip
-            _save_verdicts(verdicts)
-        return machine[shape]
+    return verdicts.Key(PACKED_BUILD, shape)
 
 
 LAYOUT_ENV = "INFERSIGHT_LAYOUT"
@@ -181,12 +140,12 @@ def packs(dtype: torch.dtype, out_features: int, in_features: int, *, measure: b
     forced = os.environ.get(LAYOUT_ENV, "").strip().lower()
     if forced in ("packed", "plain"):
         return forced == "packed"
+    key = layout_key(dtype, out_features, in_features)
     if not measure:
-        shape = f"{str(dtype).removeprefix('torch.')} {out_features}x{in_features}"
-        with _LOCK:
-            known = _verdicts().get(machine_key(), {}).get(shape)
-        return True if known is None else known.packed
-    return layout_timing(dtype, out_features, in_features).packed
+        known = verdicts.known(key, PACKED_SLACK)
+        return True if known is None else known
+    return verdicts.faster(key, lambda: time_layouts(dtype, out_features, in_features),
+                           PACKED_SLACK, ("oneDNN packed", "nn.Linear"))  # fmt: skip
 
 
 class GemvLinear(nn.Linear):

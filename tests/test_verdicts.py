@@ -1,0 +1,157 @@
+"""The one store of "measured faster" verdicts (engine/hardware/verdicts.py): timed once per
+machine, build, thread count and shape, kept in ``kernels.json``, read back without timing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine.hardware import measured, verdicts
+from engine.hardware.verdicts import Key, Timing
+from engine.kernels import lowbit, packed_linear
+
+KEY = Key("lowbit-0123abcd avx2", "lowbit int8 bfloat16 96x64", threads=2)
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "home"
+    monkeypatch.setenv("INFERSIGHT_HOME", str(folder))
+    return folder
+
+
+def counting(timing: Timing) -> tuple[list[int], Callable[[], Timing]]:
+    calls: list[int] = []
+
+    def timer() -> Timing:
+        calls.append(1)
+        return timing
+
+    return calls, timer
+
+
+def test_a_verdict_is_timed_once_then_read_back_from_the_file(home, monkeypatch, tmp_path):
+    calls, timer = counting(Timing(ours_ms=1.0, torch_ms=2.0))
+    assert verdicts.faster(KEY, timer)
+    assert verdicts.faster(KEY, timer)
+    assert calls == [1]
+    saved = json.loads((home / measured.KERNELS_FILE).read_text())
+    assert saved == {KEY.entry(): {KEY.shape: {"ours_ms": 1.0, "torch_ms": 2.0}}}
+
+    # another process, another cache folder holding the same file: read, not timed
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(home / measured.KERNELS_FILE, elsewhere / measured.KERNELS_FILE)
+    monkeypatch.setenv("INFERSIGHT_HOME", str(elsewhere))
+    assert verdicts.faster(KEY, timer) and verdicts.known(KEY) is True
+    assert calls == [1]
+
+
+def test_the_key_names_machine_build_and_threads_as_lowbit_kept_them(home, monkeypatch):
+    """The file's keys are those ``lowbit.faster`` wrote before the store: existing caches
+    still answer."""
+    assert KEY.entry() == f"{measured.machine_key()} | lowbit-0123abcd avx2 | 2 threads"
+    assert Key("oneDNN", "float32 8x8").entry() == f"{measured.machine_key()} | oneDNN"
+    monkeypatch.setattr(lowbit, "threads", lambda: 3)
+    calls, timer = counting(Timing(ours_ms=1.0, torch_ms=2.0))
+    assert lowbit.faster("bf16 GEMM, torch x", "prefill int8 bfloat16 8x8", timer)
+    written = measured.read(measured.KERNELS_FILE)
+    assert f"{measured.machine_key()} | bf16 GEMM, torch x | 3 threads" in written
+    monkeypatch.setattr(lowbit, "threads", lambda: 4)  # settled otherwise: timed anew
+    assert lowbit.faster("bf16 GEMM, torch x", "prefill int8 bfloat16 8x8", timer)
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        Key("lowbit-4567cdef avx2", KEY.shape, KEY.threads),  # a rebuilt kernel
+        Key(KEY.build, "lowbit int8 bfloat16 96x32", KEY.threads),
+        Key(KEY.build, KEY.shape, 4),
+        Key(KEY.build, KEY.shape, None),
+    ],
+    ids=["build", "shape", "threads", "no-threads"],
+)
+def test_another_build_shape_or_thread_count_is_timed_anew(home, changed):
+    calls, timer = counting(Timing(ours_ms=1.0, torch_ms=2.0))
+    verdicts.faster(KEY, timer)
+    assert verdicts.known(changed) is None
+    verdicts.faster(changed, timer)
+    assert calls == [1, 1]
+    assert verdicts.known(KEY) is True and verdicts.known(changed) is True
+
+
+def test_another_machine_is_timed_anew(home, monkeypatch):
+    calls, timer = counting(Timing(ours_ms=2.0, torch_ms=1.0))
+    assert not verdicts.faster(KEY, timer)
+    monkeypatch.setattr(measured, "machine_key", lambda: "another CPU | AVX512 | torch 9")
+    assert verdicts.known(KEY) is None
+    assert not verdicts.faster(KEY, timer)
+    assert calls == [1, 1]
+    assert len(measured.read(measured.KERNELS_FILE)) == 2
+
+
+def test_known_never_times(home):
+    assert verdicts.known(KEY) is None
+    assert not (home / measured.KERNELS_FILE).exists()
+    verdicts.faster(KEY, lambda: Timing(ours_ms=1.2, torch_ms=1.0))
+    assert verdicts.known(KEY) is False
+    assert verdicts.known(KEY, slack=1.25) is True
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"ours_ms": "fast", "torch_ms": 1.0}, {"packed_ms": 1.0, "plain_ms": 2.0}, [1.0, 2.0], 3],
+    ids=["not-a-number", "older-layout-figures", "a-list", "a-number"],
+)
+def test_an_entry_that_does_not_read_back_is_timed_again(home, entry):
+    home.mkdir()
+    (home / measured.KERNELS_FILE).write_text(json.dumps({KEY.entry(): {KEY.shape: entry}}))
+    assert verdicts.known(KEY) is None
+    calls, timer = counting(Timing(ours_ms=1.0, torch_ms=2.0))
+    assert verdicts.faster(KEY, timer)
+    assert calls == [1]
+    saved = measured.read(measured.KERNELS_FILE)[KEY.entry()][KEY.shape]
+    assert saved == {"ours_ms": 1.0, "torch_ms": 2.0}
+
+
+def test_an_unreadable_file_is_timed_again(home):
+    home.mkdir()
+    (home / measured.KERNELS_FILE).write_text("{not json")
+    calls, timer = counting(Timing(ours_ms=1.0, torch_ms=2.0))
+    assert verdicts.known(KEY) is None and verdicts.faster(KEY, timer)
+    assert calls == [1] and verdicts.known(KEY) is True
+
+
+def test_two_threads_asking_at_once_time_once(home):
+    calls: list[int] = []
+
+    def slow() -> Timing:
+        calls.append(1)
+        time.sleep(0.05)
+        return Timing(ours_ms=1.0, torch_ms=2.0)
+
+    answers: list[bool] = []
+    workers = [
+        threading.Thread(target=lambda: answers.append(verdicts.faster(KEY, slow)))
+        for _ in range(2)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert answers == [True, True] and calls == [1]
+
+
+def test_ours_wins_only_below_its_slack_and_the_packed_layout_wins_ties_within_five_percent():
+    assert not Timing(ours_ms=1.0, torch_ms=1.0).ours_within(1.0)  # a tie: torch's
+    assert Timing(ours_ms=1.2, torch_ms=1.0).ours_within(1.25)
+    assert Timing(ours_ms=1.0, torch_ms=1.0).ours_within(packed_linear.PACKED_SLACK)
+    assert Timing(ours_ms=1.04, torch_ms=1.0).ours_within(packed_linear.PACKED_SLACK)
+    assert not Timing(ours_ms=1.06, torch_ms=1.0).ours_within(packed_linear.PACKED_SLACK)
