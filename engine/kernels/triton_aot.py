@@ -41,14 +41,17 @@ SAME_AS = {86: 80, 89: 80}
 
 def configurations() -> list[triton_support.KernelConfig]:
     """Every configuration of every module of :mod:`engine.kernels.triton_kernels` (each
-    module's ``configs()``)."""
+    module's ``configs()``; a module of device functions only, such as ``rounding``, has
+    none: the kernels that call them build them)."""
     from engine.kernels import triton_kernels
 
     out: list[triton_support.KernelConfig] = []
     for info in sorted(pkgutil.iter_modules(triton_kernels.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{triton_kernels.__name__}.{info.name}")
-        configs: Callable[[], list[triton_support.KernelConfig]] = module.configs
-        out += configs()
+        configs: Callable[[], list[triton_support.KernelConfig]] | None = getattr(
+            module, "configs", None
+        )
+        out += configs() if configs is not None else []
     return out
 
 

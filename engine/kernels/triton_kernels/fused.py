@@ -39,9 +39,9 @@ and Unsloth's RoPE kernels: a decode token is one to six programs for the models
 runs on a 12 GB card, and a long prefill has blocks big enough to stream at bandwidth. Head
 dims up to 64 share the ``D/2 = 32`` block (only the tiny test models have smaller heads).
 
-bf16 values are rounded from fp32 with integer ops (:func:`_round`), the bits the GPU's
-``cvt.rn.bf16.f32`` gives, because Triton's interpreter truncates in its own cast: so the
-interpreter tests check the bits the GPU computes.
+Values are rounded from fp32 by :func:`~engine.kernels.triton_kernels.rounding.round_to`, to
+nearest even, as the GPU's ``cvt.rn`` does (with integer ops under Triton's interpreter, whose
+own bf16 cast truncates: so the interpreter tests check the bits the GPU computes).
 
 ``configs()`` lists every configuration the launchers pick: three dtypes × each ``BLOCK``, with
 and without the residual, for the norm; three dtypes × each ``D/2`` block (rounded up to a power
@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels.triton_kernels.rounding import round_to
 from engine.kernels.triton_support import GPU_DTYPES, KernelConfig
 
 #: The activation dtypes the kernels take, by their Triton names.
@@ -66,18 +67,6 @@ ROPE_HALF_BLOCKS = (32, 64, 128)
 #: Elements of qkv one RoPE program rotates (``HEADS × D``).
 ROPE_TILE = 1024
 ROPE_WARPS = 4
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """fp32 ``x`` rounded to nearest even in ``dtype``; bf16 with integer ops, as
-    ``c10::BFloat16`` rounds (see the module's docstring)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        upper = tl.where(x != x, 0x7FC0, bits >> 16).to(tl.uint16)  # NaN stays NaN
-        return upper.to(tl.bfloat16, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -108,7 +97,7 @@ def _rms_norm_kernel(
             residual_ptr + row * residual_row_stride + cols, mask=inside, other=0.0
         ).to(tl.float32)
         # One fp32 sum and one rounding: the correctly rounded fp16/bf16 sum, as torch's.
-        summed = _round(x + residual, dtype)
+        summed = round_to(x + residual, dtype)
         tl.store(summed_ptr + row * summed_row_stride + cols, summed, mask=inside)
         x = summed.to(tl.float32)
     mean_square = tl.math.div_rn(tl.sum(x * x, axis=0), n_cols.to(tl.float32))
@@ -117,8 +106,8 @@ def _rms_norm_kernel(
     if dtype == tl.float32:
         normed = (x * rstd) * weight
     else:  # normalised in fp32 and rounded, then scaled in the activation dtype
-        normed = _round(x * rstd, dtype).to(tl.float32) * weight
-    tl.store(normed_ptr + row * normed_row_stride + cols, _round(normed, dtype), mask=inside)
+        normed = round_to(x * rstd, dtype).to(tl.float32) * weight
+    tl.store(normed_ptr + row * normed_row_stride + cols, round_to(normed, dtype), mask=inside)
 
 
 @triton.jit
@@ -127,9 +116,9 @@ def _rotate(x, partner, cos, sin, dtype: tl.constexpr):
     ``x * cos``, ``roll(x) * sin`` and their sum are (given ``enable_fp_fusion=False``)."""
     if dtype == tl.float32:
         return x * cos + partner * sin
-    x_cos = _round(x.to(tl.float32) * cos.to(tl.float32), dtype)
-    partner_sin = _round(partner.to(tl.float32) * sin.to(tl.float32), dtype)
-    return _round(x_cos.to(tl.float32) + partner_sin.to(tl.float32), dtype)
+    x_cos = round_to(x.to(tl.float32) * cos.to(tl.float32), dtype)
+    partner_sin = round_to(partner.to(tl.float32) * sin.to(tl.float32), dtype)
+    return round_to(x_cos.to(tl.float32) + partner_sin.to(tl.float32), dtype)
 
 
 @triton.jit

@@ -32,13 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels import triton_support
+from engine.kernels.triton_kernels.rounding import round_to
 from engine.kernels.triton_support import KernelConfig
-
-#: Triton 3.9's interpreter rounds fp32 to bf16 toward zero (and its round-to-nearest mode
-#: does not carry), so under it :func:`_cast` rounds to nearest even with integer ops, as a
-#: GPU's conversion does; compiled kernels convert as usual.
-_INTERPRETED = tl.constexpr(triton_support.interpreting())
 
 
 @triton.jit
@@ -51,16 +46,6 @@ def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
     first_m = (pid // per_group) * GROUP_M
     rows = tl.minimum(tiles_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % rows, (pid % per_group) // rows
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """fp32 ``x`` rounded to nearest even in ``dtype`` (see :data:`_INTERPRETED`)."""
-    if _INTERPRETED and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -81,7 +66,7 @@ def _finish(
     else:
         if has_bias:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows * N + cols, _cast(acc, y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + rows * N + cols, round_to(acc, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -96,7 +81,7 @@ def _splitk_reduce(part_ptr, bias_ptr, y_ptr, M, N, splits, has_bias, BLOCK: tl.
         acc += tl.load(part_ptr + split * total + offs, mask=ok, other=0.0)
     if has_bias:
         acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, _cast(acc, y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + offs, round_to(acc, y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -238,8 +223,8 @@ def _int4_mm(
         sz = ((k0 // group).to(tl.int64) * N + offs_n) * 2
         s = tl.load(sz_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         z = tl.load(sz_ptr + sz + 1, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        lo = _cast(((packed & 15).to(tl.float32) - 8.0) * s + z, dtype)
-        hi = _cast(((packed >> 4).to(tl.float32) - 8.0) * s + z, dtype)
+        lo = round_to(((packed & 15).to(tl.float32) - 8.0) * s + z, dtype)
+        hi = round_to(((packed >> 4).to(tl.float32) - 8.0) * s + z, dtype)
         col = k0 + byte[None, :]
         x_lo = tl.load(x_rows + col, mask=m_ok[:, None] & (col < K), other=0.0)
         x_hi = tl.load(x_rows + col + 16, mask=m_ok[:, None] & (col + 16 < K), other=0.0)
@@ -269,8 +254,8 @@ def _int4_dequantize(
     dtype = out_ptr.dtype.element_ty
     row = out_ptr + offs_n[:, None].to(tl.int64) * K
     col = k0 + byte
-    lo = _cast(((packed & 15).to(tl.float32) - 8.0) * s + z, dtype)
-    hi = _cast(((packed >> 4).to(tl.float32) - 8.0) * s + z, dtype)
+    lo = round_to(((packed & 15).to(tl.float32) - 8.0) * s + z, dtype)
+    hi = round_to(((packed >> 4).to(tl.float32) - 8.0) * s + z, dtype)
     tl.store(row + col, lo, mask=n_ok[:, None] & (col < K))
     tl.store(row + col + 16, hi, mask=n_ok[:, None] & (col + 16 < K))
 
