@@ -19,6 +19,12 @@ from engine.model.transformer import DecoderLayer, Transformer
 
 PROBE = f"{__name__}:check"
 NAME = "C decode step"
+#: The finest the logits are checked to (:func:`engine.kernels.verify.tolerance`'s floor),
+#: binding fp32 only: the 1e-4 it had before the policy, kept as a stated exception. The
+#: policy's 6e-5 sums the depth's rounding errors as independent, where each layer also
+#: carries the errors before it through its gain, which the policy does not model (measured
+#: here: 2.6e-7).
+FINEST = 1e-4
 
 
 def verdict() -> str:
@@ -32,19 +38,38 @@ def verdict() -> str:
 def check() -> str:
     """A tiny random Llama on our GEMV, fp32 and bf16: two sequences of different lengths
     prefilled through the modules, then one decode step through the C step and through the
-    modules, whose logits must agree (within 1e-4 in fp32, 0.05 in bf16: the C glue's
-    roundings); "" where they do."""
+    modules, whose logits must agree within :func:`tolerance`; "" where they do."""
     if not gemv.library().available:
         return f"no GEMV to check it on ({gemv.library().why})"
     cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                       max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
                       tie_word_embeddings=False, attention_bias=False)  # fmt: skip
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
-        problem = _check(cfg, dtype, tolerance)
+    for dtype in (torch.float32, torch.bfloat16):
+        problem = _check(cfg, dtype, tolerance(cfg, dtype, CONTEXT))
         if problem:
             return problem
     return ""
+
+
+def tolerance(cfg: ModelConfig, dtype: torch.dtype, context: int) -> float:
+    """The logits' bound: the policy (:func:`engine.kernels.verify.tolerance`) for the sums
+    along the depth, the layers' widths times the layers: per layer the input norm's, q/k/v's,
+    the post-attention norm's and gate/up's (``hidden`` each), a score's and an output's
+    (``head_dim`` and ``context``), o's (``heads · head_dim``) and down's (``intermediate``);
+    then the final norm's and the head's (``hidden`` each). Roundings: two (one each side)
+    at every place the C step computes apart from the modules, where a value may round
+    otherwise: per layer the two norms, the attention and SiLU · up, then the final norm (the
+    products are the same GEMV on both sides). fp32 floored at :data:`FINEST`."""
+    attention = cfg.head_dim + context + cfg.num_heads * cfg.head_dim
+    layer = 4 * cfg.hidden_size + attention + cfg.intermediate_size
+    reduction = cfg.num_layers * layer + 2 * cfg.hidden_size
+    places = 4 * cfg.num_layers + 1
+    return verify.tolerance(dtype, reduction, roundings=2 * places, finest=FINEST)
+
+
+#: the longest context of the check's decode step (its longer sequence's, the new token's too)
+CONTEXT = 8
 
 
 def _check(cfg: ModelConfig, dtype: torch.dtype, tolerance: float) -> str:
@@ -68,7 +93,7 @@ def _check(cfg: ModelConfig, dtype: torch.dtype, tolerance: float) -> str:
     executor = StepExecutor(model)
     executor.c_step = step
     cache = PagedKVCache(cfg, num_blocks=8, block_size=4, dtype=dtype, attention=PagedBackend())
-    lengths = {"a": 7, "b": 3}
+    lengths = {"a": CONTEXT - 1, "b": 3}
     for seq, n in lengths.items():
         cache.manager.grow(seq, n + 1)
         model(torch.arange(n) + 5, torch.arange(n), cache.context([SeqChunk(seq, 0, n)]))

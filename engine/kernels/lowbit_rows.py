@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.kernels import lowbit, native
+from engine.kernels import lowbit, native, verify
 from engine.kernels.lowbit import _BF16, Library, library, threads
 
 
@@ -41,6 +41,20 @@ def quantize_rows(
         threads(),
     )  # fmt: skip
     return q, scale
+
+
+def quantization_differs(
+    name: str, got: tuple[Tensor, Tensor], values: Tensor, fixed: float | None = None
+) -> str:
+    """Why ``got`` (``q``, ``scale``) is not torch's quantization of ``values``
+    (:func:`quantize_rows_reference`) within the tolerance of ``values``' dtype
+    (:func:`engine.kernels.verify.quantized`): one rounding each side and no reduction, for
+    values computed element by element from exact int32 sums, such as SiLU · up, whose ``exp``
+    is ours where torch's is its own (a few fp32 ulps apart, under the policy's floor). ""
+    where it is."""
+    want = quantize_rows_reference(values, fixed)
+    tolerance = verify.tolerance(values.dtype, 1)
+    return verify.quantized(name, got, want, values, tolerance, "torch's")
 
 
 def scale_rows_reference(

@@ -22,9 +22,18 @@ from engine.kernels import triton_support, verify
 
 log = logging.getLogger(__name__)
 
-#: Largest error over the reference's largest magnitude, by dtype: a few roundings of each
-#: (the kernels accumulate in fp32 and round once or twice to the dtype).
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
+#: The roundings to the dtype between a kernel and the torch path (:func:`_verdict`): both
+#: outputs', one between (the attention's probabilities rounded to V's dtype, INT4 weights
+#: dequantized to the activations', a normalised value before its weight, RoPE's products before
+#: their sum), and one more that no GPU has confirmed the checks may drop (they allowed four).
+ROUNDINGS = 4
+#: The finest the Triton checks resolve (:func:`engine.kernels.verify.tolerance`'s floor),
+#: binding fp32 only: the 1e-4 fp32 had before the policy, kept as a stated exception. On a
+#: GPU fp32 reaches our Triton kernels only in the quantized GEMMs (attention and the fused
+#: norms refuse it there), whose tiles' ``tl.dot`` rounds fp32 operands to TF32 from sm_80:
+#: 2–5e-4 on these inputs (simulated), over either bound, so those layers keep torch's exact
+#: products; sm_75's FMAs are exact, but no GPU has confirmed them under the policy's 2.4e-5.
+FINEST = 1e-4
 BLOCK = 16
 
 
@@ -47,8 +56,11 @@ def gemms(device: torch.device, dtype: torch.dtype) -> str:
     return _gemms(str(device), dtype)
 
 
-def _verdict(name: str, got: Tensor, want: Tensor) -> str:
-    return verify.differs(f"our {name} kernel", got, want, TOLERANCE[got.dtype], "the torch path")
+def _verdict(name: str, got: Tensor, want: Tensor, reduction: int) -> str:
+    """``got`` against the torch path's ``want``, within the policy's bound for the kernel's
+    dtype and the longest sum behind a result (:func:`engine.kernels.verify.tolerance`)."""
+    tolerance = verify.tolerance(got.dtype, reduction, roundings=ROUNDINGS, finest=FINEST)
+    return verify.differs(f"our {name} kernel", got, want, tolerance, "the torch path")
 
 
 def _guarded(name: str, check: functools.partial[str]) -> str:
@@ -141,7 +153,7 @@ def _decode(dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv
         got = paged_decode_attention(
             q, pool, _padded(tables, dev), lens, block_size=BLOCK, splits=splits
         )
-        why = _verdict(name, got, want)
+        why = _verdict(name, got, want, head_dim + max(lengths))  # q·k, then p·v
         if why:
             return why
     return ""
@@ -166,7 +178,8 @@ def _prefill(
     for table, f, c in zip(tables, firsts, chunks, strict=True):
         want.append(_reference(q[at : at + c], *_keys(pool, table, f + c, kv_heads), f))
         at += c
-    return _verdict("prefill attention", got, torch.cat(want).to(dtype))
+    keys = max(f + c for f, c in zip(firsts, chunks, strict=True))
+    return _verdict("prefill attention", got, torch.cat(want).to(dtype), head_dim + keys)
 
 
 def _int8(dev: torch.device, dtype: torch.dtype) -> str:
@@ -183,6 +196,7 @@ def _int8(dev: torch.device, dtype: torch.dtype) -> str:
             "INT8 GEMM" if splits is None else f"INT8 GEMM split over K ({rows} rows)",
             int8_linear(x, weight, scales, bias, splits=splits),
             int8_reference(x, weight, scales, bias),
+            weight.shape[1],
         )
         if why:
             return why
@@ -203,7 +217,7 @@ def _int4(dev: torch.device, dtype: torch.dtype) -> str:
         x = torch.randn(rows, k, generator=gen).to(dev, dtype)
         got = int4_linear(x, weight, sz, group, splits=splits)
         name = "INT4 GEMM" if splits is None else f"INT4 GEMM split over K ({rows} rows)"
-        why = _verdict(name, got, int4_reference(x, weight, sz, group, None))
+        why = _verdict(name, got, int4_reference(x, weight, sz, group, None), k)
         if why:
             return why
     return ""
@@ -232,10 +246,11 @@ def _norms(dev: torch.device, dtype: torch.dtype, hidden: int, *_: int) -> str:
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dev, dtype)
     normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5)
     want_normed, want_summed = add_rms_norm(x, residual, weight, 1e-5)
+    alone, want_alone = fused.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5)
     return (
-        _verdict("fused RMSNorm", fused.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
-        or _verdict("fused residual add + RMSNorm", normed, want_normed)
-        or _verdict("fused residual add", summed, want_summed)
+        _verdict("fused RMSNorm", alone, want_alone, hidden)
+        or _verdict("fused residual add + RMSNorm", normed, want_normed, hidden)
+        or _verdict("fused residual add", summed, want_summed, 2)
     )
 
 
@@ -259,4 +274,7 @@ def _rope(
     rotate_(qk, cos, sin)
     want_pool = torch.zeros_like(pool)
     want_pool.index_copy_(0, write, qkv[:, heads * head_dim :].view(tokens, 2 * kv_heads, head_dim))
-    return _verdict("fused RoPE", q, qk[:, :heads]) or _verdict("fused K/V write", pool, want_pool)
+    # x·cos + partner·sin: two terms
+    return _verdict("fused RoPE", q, qk[:, :heads], 2) or _verdict(
+        "fused K/V write", pool, want_pool, 2
+    )
