@@ -48,6 +48,7 @@ def check_layers(device: torch.device, figures: dict[str, Any]) -> None:
     """The INT8 and INT4 layers as the engine builds them here, at 1, 5, 16 and 80 rows (a
     GEMV, a decode batch, the 16-row tile split over K, a prefill tile) against their
     dequantized references, and a tied INT4 head read back as embedding rows, exactly."""
+    from engine.formats import int4
     from engine.formats.int4 import dequantize_int4, quantize_int4
     from engine.formats.int8 import dequantize_int8
     from engine.quant.embedding import QuantizedEmbedding
@@ -82,9 +83,11 @@ def check_layers(device: torch.device, figures: dict[str, Any]) -> None:
         embed = QuantizedEmbedding(layer, torch.float32, torch.ones(576, device=device))
         ids = torch.tensor([0, 1, 7, 8, 9, 63, 64, 199, 255], device=device)
         expect(torch.equal(embed(ids), dense[ids]), f"tied INT4 g{group} rows are not exact")
-        layout = embed.cuda_layout
-        if layout is not None:
-            figures[f"int4_g{group}_layout"] = f"{layout.tile_rows}×{layout.tile_cols} tiles"
+        figures[f"int4_g{group}_packing"] = layer.packing.name
+        if layer.packing is int4.TORCH_CUDA:  # torch's tiles, as probed on this build
+            layout = int4.cuda_int4_layout(device, layer.inner_k_tiles)
+            if layout is not None:
+                figures[f"int4_g{group}_layout"] = f"{layout.tile_rows}×{layout.tile_cols} tiles"
 
 
 def check_triton_kernels(
