@@ -1,7 +1,7 @@
 """A model split over N processes (tensor parallelism), loaded: rank 0 here, in the engine's
-process, the other ranks spawned, each loading its own shard of the same checkpoint
-(:mod:`engine.parallel.shard`) and then following rank 0's forwards
-(:func:`engine.parallel.executor.follow`).
+process, the other ranks started from a fork server (:func:`_context`), each loading its own
+shard of the same checkpoint (:mod:`engine.parallel.shard`) and then following rank 0's
+forwards (:func:`engine.parallel.executor.follow`).
 
 On a CPU every rank runs on the CPU (sharing out its threads); on CUDA rank ``r`` runs on
 GPU ``r``. The ranks meet in two process groups of the model's own (:func:`groups`): gloo for
@@ -168,14 +168,18 @@ def _load_shard(folder: Path, precision: str, rank: int, world: int, alpha: Any,
 
 
 def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, threads: int,
-               errors: Any, alpha: Any, device_type: str, timeout_s: float) -> None:  # fmt: skip
-    """A spawned rank: join the group, load its shard, follow rank 0 until it says stop.
-    Whatever fails goes to ``errors`` with the rank before the process exits."""
+               errors: Any, alpha: Any, device_type: str, timeout_s: float,
+               environ: dict[str, str]) -> None:  # fmt: skip
+    """A started rank: join the group, load its shard, follow rank 0 until it says stop.
+    Whatever fails goes to ``errors`` with the rank before the process exits. ``environ``:
+    rank 0's environment as the rank started (a fork server's is its own start's)."""
     from engine.kernels import layer_ops
     from engine.model.transformer import TORCH_OPS
 
     # Ctrl+C reaches every process of the terminal's group: rank 0 shuts the ranks down
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         torch.set_num_threads(threads)
         device = rank_device(device_type, rank)
@@ -207,6 +211,20 @@ def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, th
     os._exit(0)
 
 
+def _context() -> Any:
+    """How the ranks start: from a fork server that has imported torch and this module once
+    per process (``forkserver``: a rank then starts in a fraction of a second, where a fresh
+    interpreter spends seconds importing torch), or spawned where the platform has none. A
+    fork server is a clean process of its own, never a fork of this one's threads, CUDA
+    context or Qt; it exits when this process does, and a rank watches it as its parent
+    (:func:`meet`)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 def load_parallel(
     folder: Path, *, world: int, precision: str, device: str, config: EngineConfig | None,
     alpha: Any, settle: Callable[..., LLMEngine], load: Callable[..., LLMEngine],
@@ -228,7 +246,7 @@ def load_parallel(
     shard_for(ModelConfig.from_file(folder / "config.json"), spec, 0, world)
     threads = max(1, torch.get_num_threads() // world)
     kind = torch.device(device).type
-    context = mp.get_context("spawn")
+    context = _context()
     errors = context.Queue()
     timeout_s = TIMEOUT_S
     store = rendezvous(world, 0, timeout_s)
@@ -249,6 +267,7 @@ def load_parallel(
                 alpha,
                 kind,
                 timeout_s,
+                dict(os.environ),
             ),
         )
         for rank in range(1, world)
