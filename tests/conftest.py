@@ -87,12 +87,14 @@ TINY_ARCH: dict[str, dict[str, object]] = {
     "qwen2": {},
     "qwen3": {"head_dim": 16},
     "mistral": {"sliding_window": 8},
+    # q/k/v and gate/up fused in the checkpoint; its defaults' token ids lie past the vocabulary
+    "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
 }
 
 
 def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A random transformers model of ``arch`` (``llama``, ``qwen2``, ``qwen3`` or
-    ``mistral``) with GQA."""
+    """A random transformers model of ``arch`` (``llama``, ``qwen2``, ``qwen3``, ``mistral``
+    or ``phi3``) with GQA."""
     import transformers
 
     classes = {
@@ -100,6 +102,7 @@ def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) 
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     }
     if arch not in classes:
         raise ValueError(arch)

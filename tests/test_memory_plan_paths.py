@@ -200,6 +200,15 @@ def test_the_rope_tables_are_planned_on_a_gpu():
     small = ModelConfig.from_dict(HEAVY_HEAD)
     tables = RotaryEmbedding(small)
     assert memory_plan.rope_bytes(small) == sum(t.nbytes for t in tables.buffers())
+    half = small.head_dim // 2
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [2.0] * half}
+    phi = ModelConfig.from_dict(
+        {**HEAVY_HEAD, "model_type": "phi3", "rope_scaling": longrope,
+         "original_max_position_embeddings": small.max_position_embeddings // 4}
+    )  # fmt: skip
+    long_tables = RotaryEmbedding(phi)
+    assert memory_plan.rope_bytes(phi) == sum(t.nbytes for t in long_tables.buffers())
+    assert memory_plan.rope_bytes(phi) == 2 * memory_plan.rope_bytes(small)
     plan = memory_plan.plan_memory(cfg, "int4-g32+head", "cuda", memory=12 * GiB, capability=HOPPER)
     assert plan.rope_bytes == 128 * MiB
     assert plan.load_bytes == (

@@ -126,7 +126,7 @@ class LLMEngine:
             prefix_caching=self.config.prefix_caching,
             attention=self.attention,
         )
-        self.scheduler = Scheduler(self.kv.manager, self.config.limits)
+        self.scheduler = Scheduler(self.kv.manager, self.config.limits, model.rope.long_after)
         #: the window every sequence runs under: the user's within the model's own sliding
         #: window, or the model's where the user set none (:func:`effective_window`)
         self.window = effective_window(self.config.window, cfg.sliding_window)

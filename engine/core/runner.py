@@ -81,7 +81,8 @@ class ModelRunner:
             if rid in drafts:
                 new += drafts[rid].tokens
             b.ids += new
-            b.positions += range(c.start, c.start + len(new))
+            start = c.start + (self.model.rope.long_offset if c.seq.rope_long else 0)
+            b.positions += range(start, start + len(new))  # RoPE's: LongRoPE's long rows
             b.chunks.append(SeqChunk(rid, c.start, len(new), window))
             if c.seq.prompt_logprobs is not None:  # each prompt row but the last, until given
                 scored = min(c.start + c.length, len(c.seq.prompt_ids) - 1) - c.start
@@ -179,9 +180,11 @@ class ModelRunner:
         self, token_ids: Sequence[int], cache: ContiguousKVCache, start: int
     ) -> torch.Tensor:
         """Logits for every position of ``token_ids`` continuing a sequence at ``start``,
-        through a private contiguous cache (not the engine's pool)."""
+        through a private contiguous cache (not the engine's pool). LongRoPE's factors are
+        this call's, by how far it reaches (as a transformers forward picks them)."""
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)
+        first = start + self.model.rope.offset(start + len(ids))
+        positions = torch.arange(first, first + len(ids), device=self.device)
         ctx = cache.context([0], [start], [len(ids)])
         return self.model(ids, positions, ctx)
 

@@ -29,6 +29,9 @@ from engine.core.sequence import FinishReason, Sequence, Status
 from engine.errors import InvalidRequestError
 from engine.kv_cache.block_manager import BlockManager
 
+#: what keys a LongRoPE sequence's blocks apart from a short one's in the prefix cache
+LONG_ROPE_SALT = b"longrope"
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerLimits:
@@ -88,9 +91,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockManager, limits: SchedulerLimits | None = None) -> None:
+    def __init__(
+        self, manager: BlockManager, limits: SchedulerLimits | None = None,
+        long_rope_after: int | None = None,
+    ) -> None:  # fmt: skip
         self.manager = manager
         self.limits = limits or SchedulerLimits()
+        #: LongRoPE's pretraining context: a sequence that grows past it is recomputed on the
+        #: long factors (:meth:`_rope_switch`); None: the model has no LongRoPE
+        self.long_rope_after = long_rope_after
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
 
@@ -152,6 +161,9 @@ class Scheduler:
         del queue[limits.max_batch_size :]
         while queue:
             seq = queue.pop(0)
+            if self._rope_switch(seq):  # recomputed whole on the long factors
+                self._preempt(seq, out)
+                continue
             need = min(seq.num_tokens - seq.num_computed, budget)
             if need <= 0:
                 continue
@@ -171,6 +183,17 @@ class Scheduler:
 
         out.chunks.sort(key=lambda c: c.length != 1)  # decode chunks first (stable)
         return out
+
+    def _rope_switch(self, seq: Sequence) -> bool:
+        """Whether ``seq``, running on LongRoPE's short factors, reaches past the pretraining
+        context this step (its next token, or a draft after it): then it is marked long and
+        preempted, so that it is recomputed whole on the long factors, as transformers drops
+        its cache at that token and recomputes the sequence."""
+        after = self.long_rope_after
+        if after is None or seq.rope_long or seq.num_tokens + seq.spec_k <= after:
+            return False
+        seq.rope_long = True
+        return True
 
     def _lookahead(self, out: SchedulerOutput, budget: int) -> None:
         """Slots for the draft tokens each decoding sequence verifies this step (its
@@ -197,6 +220,10 @@ class Scheduler:
             if len(self.running) >= limits.max_batch_size or budget <= 0:
                 break
             rid, read = seq.request_id, seq.tokens
+            if self.long_rope_after is not None and seq.num_tokens > self.long_rope_after:
+                seq.rope_long = True
+            if seq.rope_long:  # its K/V differ from a short sequence's of the same tokens
+                mgr.set_salt(rid, LONG_ROPE_SALT)
             # a prompt scored token by token is computed whole: no cached prefix
             scored = seq.params.prompt_logprobs is not None and seq.times.first_token is None
             hit = [] if scored else mgr.cached_prefix(rid, seq.num_tokens, read)

@@ -63,6 +63,9 @@ class Sequence:
     prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] | None = None
     #: with ``params.constraint``: its grammar's matcher (llguidance's), fed each token taken
     matcher: Any = None
+    #: rotated by LongRoPE's long factors, every position (it grew past the pretraining
+    #: context: :attr:`engine.model.transformer.RotaryEmbedding.long_after`)
+    rope_long: bool = False
 
     def __post_init__(self) -> None:
         self.times = Timestamps(arrival=self.arrival)

@@ -112,6 +112,7 @@ class BlockManager:
         self._chains: dict[str, list[bytes]] = {}  # keys of each sequence's full blocks
         self._committed: dict[str, int] = {}  # leading blocks of each table already keyed
         self._unkeyable: set[str] = set()  # computed under another context: never shared
+        self._salts: dict[str, bytes] = {}  # what else keys a sequence's blocks (LongRoPE's)
 
     # -- questions ---------------------------------------------------------------------------
     @property
@@ -225,12 +226,22 @@ class BlockManager:
                 self._key_of[block] = key
         self._committed[seq_id] = full
 
+    def set_salt(self, seq_id: str, salt: bytes) -> None:
+        """Key the blocks of ``seq_id`` apart from other sequences' of the same tokens: its
+        K/V differ from theirs (a LongRoPE sequence past the pretraining context, rotated by
+        the long factors). Asked before its blocks are looked up or keyed."""
+        if self._salts.get(seq_id) != salt:
+            self._salts[seq_id] = salt
+            self._chains.pop(seq_id, None)
+
     def _keys(self, seq_id: str, blocks: int, read: TokenReader) -> list[bytes]:
         """The keys of the first ``blocks`` full blocks of ``seq_id`` (computed once)."""
         chain = self._chains.setdefault(seq_id, [])
         bs = self.block_size
+        salt = self._salts.get(seq_id)
+        root = self._root if salt is None else _root_key(self._context + b"\0" + salt)
         for index in range(len(chain), blocks):
-            parent = chain[-1] if chain else self._root
+            parent = chain[-1] if chain else root
             chain.append(_block_key(parent, read(index * bs, (index + 1) * bs)))
         return chain[:blocks]
 
@@ -290,6 +301,7 @@ class BlockManager:
         self._unkeyable.discard(seq_id)
         if not keep_keys:
             self._chains.pop(seq_id, None)
+            self._salts.pop(seq_id, None)
         blocks = [b for b in reversed(table) if b != RELEASED]
         for block in blocks:
             self._drop(block)

@@ -550,8 +550,10 @@ CHECKPOINT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 def rope_bytes(cfg: ModelConfig) -> int:
     """RoPE's tables (:class:`engine.model.transformer.RotaryEmbedding`): fp32 cos and sin of
     every position up to the model's context, ``[max_position_embeddings, head_dim]`` each,
-    moved to the device at the load's start and kept (128 MiB for Llama-3.1-8B)."""
-    return 2 * cfg.max_position_embeddings * cfg.head_dim * 4
+    moved to the device at the load's start and kept (128 MiB for Llama-3.1-8B); twice that
+    with LongRoPE, whose long factors have tables of their own (Phi-3's)."""
+    tables = 2 if cfg.rope_scaling.kind == "longrope" else 1
+    return tables * 2 * cfg.max_position_embeddings * cfg.head_dim * 4
 
 
 def check_plan(plan: MemoryPlan) -> None:

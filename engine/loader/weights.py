@@ -41,9 +41,11 @@ _LAYER_NAMES: dict[str, tuple[str, int | None]] = {
     "self_attn.q_proj.bias": ("attn.qkv_proj.bias", 0),
     "self_attn.k_proj.bias": ("attn.qkv_proj.bias", 1),
     "self_attn.v_proj.bias": ("attn.qkv_proj.bias", 2),
+    "self_attn.qkv_proj.weight": ("attn.qkv_proj.weight", None),  # Phi-3: fused already
     "self_attn.o_proj.weight": ("attn.o_proj.weight", None),
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+    "mlp.gate_up_proj.weight": ("mlp.gate_up_proj.weight", None),  # Phi-3: gate, then up
     "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
     "input_layernorm.weight": ("input_norm.weight", None),
     "post_attention_layernorm.weight": ("post_attn_norm.weight", None),

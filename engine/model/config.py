@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,18 +28,26 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "mistral": Architecture(window="every_layer"),
     "qwen2": Architecture(qkv_bias=True, window="opt_in"),
     "qwen3": Architecture(qk_norm=True, window="opt_in"),
+    # Phi-3 and Phi-4: q/k/v and gate/up fused in the checkpoint itself, LongRoPE on the long
+    # context variants, a window on every layer where the config sets one
+    "phi3": Architecture(window="every_layer"),
 }
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``kind`` is ``none``, ``linear`` or ``llama3``."""
+    """RoPE frequency scaling. ``kind`` is ``none``, ``linear``, ``llama3`` or ``longrope``
+    (Phi-3's: per-frequency ``short_factor`` within the pretraining context, ``long_factor``
+    past it, and cos/sin scaled by ``attention_factor``)."""
 
     kind: str = "none"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,7 @@ class ModelConfig:
             theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
             arch = SUPPORTED_ARCHITECTURES[model_type]
             context = int(raw.get("max_position_embeddings", 2048))
+            _refuse_partial_rotary(raw, rope)
             cfg = cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -109,7 +119,7 @@ class ModelConfig:
                 rope_theta=float(theta),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", arch.qkv_bias)),
-                rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
+                rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope, raw, context),
                 bos_token_id=_opt_int(raw.get("bos_token_id")),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "") or None,
@@ -211,7 +221,17 @@ def _sliding_window(raw: dict[str, Any], arch: Architecture, context: int) -> in
     return None if window >= context else window
 
 
-def _rope_scaling(raw: Any) -> RopeScaling:
+def _refuse_partial_rotary(raw: dict[str, Any], rope: dict[str, Any]) -> None:
+    """Refuse by name a model that rotates only part of each head (Phi-4-mini's 0.75)."""
+    partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor {partial}: this model rotates only part of each head, "
+            "which Infersight does not run yet (every head is rotated whole)"
+        )
+
+
+def _rope_scaling(raw: Any, config: dict[str, Any], context: int) -> RopeScaling:
     if not raw:
         return RopeScaling()
     kind = str(raw.get("rope_type") or raw.get("type") or "default")
@@ -227,6 +247,32 @@ def _rope_scaling(raw: Any) -> RopeScaling:
             high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
         )
+    if kind in ("longrope", "su"):
+        return _longrope(raw, config, context)
     raise UnsupportedModelError(
-        f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3"
+        f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, longrope"
+    )
+
+
+def _longrope(raw: dict[str, Any], config: dict[str, Any], context: int) -> RopeScaling:
+    """Phi-3's LongRoPE as transformers computes it: the pretraining context is the config's
+    own ``original_max_position_embeddings`` (else the scaling's), the factor the context's
+    ratio to it unless given, and the attention factor ``sqrt(1 + ln(factor) / ln(original))``
+    unless given (1 where the context is not extended)."""
+    original = int(
+        config.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
+        or context
+    )
+    factor = float(raw.get("factor") or context / original)
+    attention = raw.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        kind="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        short_factor=tuple(float(f) for f in raw["short_factor"]),
+        long_factor=tuple(float(f) for f in raw["long_factor"]),
+        attention_factor=float(attention),
     )

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.errors import ModelLoadError
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
 
@@ -81,11 +82,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> Tensor:
-    """Inverse frequency of each rotary pair, fp32, with the config's scaling (HF's formulas)."""
+def rope_inverse_frequencies(cfg: ModelConfig, *, long: bool = False) -> Tensor:
+    """Inverse frequency of each rotary pair, fp32, with the config's scaling (HF's formulas;
+    LongRoPE's ``long`` factors where ``long``, its short ones otherwise)."""
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta**exponents)
     rs = cfg.rope_scaling
+    if rs.kind == "longrope":
+        factors = rs.long_factor if long else rs.short_factor
+        if len(factors) != cfg.head_dim // 2:
+            raise ModelLoadError(
+                f"config.json: LongRoPE's factors number {len(factors)}, the head's rotary "
+                f"pairs {cfg.head_dim // 2}; config and model disagree"
+            )
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta**exponents)
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
     if rs.kind == "linear":
         inv_freq = inv_freq / rs.factor
     elif rs.kind == "llama3":
@@ -110,6 +120,13 @@ class RotaryEmbedding(nn.Module):
     ``roll(x, D/2)`` = ``[x₂, x₁]``: the same products (IEEE negation is exact), in three fewer
     ops per call. The angles of a step are looked up once (:meth:`angles`) and shared by every
     layer.
+
+    LongRoPE (Phi-3) has two tables, both scaled by the attention factor: the short factors'
+    for a sequence within the pretraining context, the long factors' (rows from
+    :attr:`long_offset` on) for a sequence longer than it, every position of it, as
+    transformers rotates them. A sequence that grows past the context is recomputed whole on
+    the long table (the scheduler preempts it: :class:`engine.core.scheduler.Scheduler`), as
+    transformers drops its cache there; its blocks are keyed apart in the prefix cache.
     """
 
     cos: Tensor
@@ -118,13 +135,32 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inverse_frequencies(cfg)[None, :]
+        rs = cfg.rope_scaling
+        inverse = [rope_inverse_frequencies(cfg)]
+        #: LongRoPE: a sequence longer than this many tokens is rotated by the long factors,
+        #: every position of it (:attr:`long_offset`); None: one table serves every sequence
+        self.long_after: int | None = None
+        #: where the long factors' rows start in the tables (0: there are none)
+        self.long_offset = 0
+        if rs.kind == "longrope":
+            inverse.append(rope_inverse_frequencies(cfg, long=True))
+            self.long_after = rs.original_max_position_embeddings
+            self.long_offset = cfg.max_position_embeddings
+        freqs = torch.cat([positions[:, None] * f[None, :] for f in inverse])
         angles = torch.cat((freqs, freqs), dim=-1)
         half = angles.shape[-1] // 2
-        sin = angles.sin()
+        cos, sin = angles.cos(), angles.sin()
+        if rs.kind == "longrope" and rs.attention_factor != 1.0:
+            cos, sin = cos * rs.attention_factor, sin * rs.attention_factor
         sin[:, :half].neg_()
-        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def offset(self, length: int) -> int:
+        """What to add to the positions of a sequence of ``length`` tokens to look its angles
+        up: the long factors' rows where LongRoPE extends past the pretraining context and the
+        sequence does."""
+        return self.long_offset if self.long_after is not None and length > self.long_after else 0
 
     def angles(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(cos, signed sin)`` of ``positions: [T]`` as ``[T, 1, D]`` in ``dtype``."""

@@ -1,0 +1,142 @@
+"""Phi-3 and Phi-4 (``model_type: phi3``) against transformers' own ``Phi3ForCausalLM``: q/k/v
+and gate/up fused in the checkpoint itself, LongRoPE's short and long factors and its
+attention factor, a window on every layer; what the engine does not run is refused by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig
+from engine.core.sampling import SamplingParams
+from engine.core.scheduler import SchedulerLimits
+from engine.errors import UnsupportedModelError
+from engine.loader.load import load_model
+from engine.model.config import ModelConfig
+from tests.conftest import TINY, build_tiny_hf, save_tiny
+from tests.test_exactness_tiny import hf_greedy, hf_logits, tiny_prompt
+
+STEPS = 32
+
+
+def ours_step_by_step(engine, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Prefill, then one token at a time through the paged cache: each step's logits."""
+    cache = engine.runner.new_cache(len(prompt) + steps)
+    rows = [engine.runner.forward_logits(prompt, cache, 0)[-1:]]
+    ids = [int(rows[-1][-1].argmax())]
+    for step in range(steps - 1):
+        rows.append(engine.runner.forward_logits([ids[-1]], cache, len(prompt) + step))
+        ids.append(int(rows[-1][-1].argmax()))
+    return torch.cat(rows), ids
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_phi3_gives_transformers_logits_and_greedy_ids(tiny_model_dir, tied):
+    folder, hf = tiny_model_dir("phi3", tied)
+    names = {n for n, _ in hf.named_parameters()}
+    assert any("qkv_proj" in n for n in names) and any("gate_up_proj" in n for n in names)
+    engine = load_model(folder, precision="fp32")
+    prompt = tiny_prompt(hf)
+    ref_ids = hf_greedy(hf, prompt)
+    logits, ids = ours_step_by_step(engine, prompt.tolist(), STEPS)
+    ref = hf_logits(hf, torch.cat([prompt, torch.tensor(ref_ids[:-1])]))[len(prompt) - 1 :]
+    assert ids == ref_ids
+    assert (logits - ref).abs().max().item() <= 1e-4
+    params = SamplingParams(max_new_tokens=STEPS, ignore_eos=True)
+    assert [e.token_id for e in engine.generate(prompt.tolist(), params)] == ref_ids
+
+
+def longrope_model(tmp_path):
+    """A tiny Phi-3 pretrained on 64 positions, extended to 256 by LongRoPE (factor 4)."""
+    half = (TINY["hidden_size"] // TINY["num_attention_heads"]) // 2
+    gen = torch.Generator().manual_seed(5)
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": (1 + torch.rand(half, generator=gen)).tolist(),
+        "long_factor": (2 + 4 * torch.rand(half, generator=gen)).tolist(),
+    }
+    hf = build_tiny_hf(
+        "phi3", tied=False, rope_scaling=scaling, original_max_position_embeddings=64
+    )
+    return hf, save_tiny(hf, tmp_path)
+
+
+def hf_steps(hf, prompt: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy ``generate`` with its own cache: the ids and each step's logits."""
+    with torch.no_grad():
+        out = hf.generate(
+            prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat([r.float() for r in out.logits])
+
+
+def engine_steps(engine, prompts: list[list[int]], steps: int) -> list[tuple[list[int], list]]:
+    """The engine's greedy ids and each step's logits (caught at the model's output), for
+    ``prompts`` run one after the other through the scheduler and the paged cache."""
+    results = []
+    for prompt in prompts:
+        rows: list[torch.Tensor] = []
+        hook = engine.model.register_forward_hook(lambda _m, _a, out, rows=rows: rows.append(out))
+        try:
+            params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
+            ids = [e.token_id for e in engine.generate(prompt, params)]
+        finally:
+            hook.remove()
+        results.append((ids, rows))
+    return results
+
+
+@pytest.mark.parametrize("prompt_len", [50, 90])
+def test_longrope_follows_transformers_across_the_pretraining_context(tmp_path, prompt_len):
+    """Pretrained on 64 positions, extended to 256. A prompt of 50 decoded past 64:
+    transformers rotates by the short factors, then, at the token that passes 64, drops its
+    cache and recomputes the whole sequence by the long ones; a prompt of 90 is long from its
+    first token. The engine gives the same logits at every step (the sequence is recomputed
+    when it passes 64), with prompts split into chunks of 16 and blocks of 8."""
+    hf, folder = longrope_model(tmp_path)
+    limits = SchedulerLimits(max_tokens_per_step=16)
+    config = EngineConfig(block_size=8, num_blocks=64, limits=limits)
+    engine = load_model(folder, precision="fp32", config=config)
+    rope = engine.cfg.rope_scaling
+    assert rope.kind == "longrope" and rope.original_max_position_embeddings == 64
+    assert rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, TINY["vocab_size"], (prompt_len,), generator=gen)
+    ref_ids, ref = hf_steps(hf, prompt, STEPS)
+    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)
+    assert ids == ref_ids
+    # each step's sampled row: a prompt's last chunk's, then one per decode step; the step
+    # that recomputed the sequence gives its last row's
+    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
+    assert (ours - ref).abs().max().item() <= 1e-4
+    recomputed = 1 if prompt_len < 64 else 0
+    assert engine.metrics().total_preemptions == recomputed
+
+
+def test_a_long_sequence_never_shares_a_short_ones_blocks(tmp_path):
+    """The same 40 tokens, rotated by the short factors in one sequence and by the long ones
+    in another (it is 90 tokens long): their blocks are keyed apart, so the second computes
+    its own and both equal transformers."""
+    hf, folder = longrope_model(tmp_path)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=8))
+    gen = torch.Generator().manual_seed(9)
+    head = torch.randint(0, TINY["vocab_size"], (40,), generator=gen)
+    short, long = (
+        head,
+        torch.cat([head, torch.randint(0, TINY["vocab_size"], (50,), generator=gen)]),
+    )
+    runs = engine_steps(engine, [short.tolist(), long.tolist(), short.tolist()], 4)
+    for prompt, (ids, _) in zip((short, long, short), runs, strict=True):
+        assert ids == hf_steps(hf, prompt, 4)[0]
+    stats = engine.kv.manager.stats
+    assert stats.hit_tokens == 32  # the third run found the first one's four full blocks
+
+
+def test_a_partly_rotated_head_is_refused_by_name():
+    raw = {"model_type": "phi3", **TINY, "num_hidden_layers": 1, "partial_rotary_factor": 0.75}
+    with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor 0\.75"):
+        ModelConfig.from_dict(raw)
