@@ -140,3 +140,60 @@ def test_a_partly_rotated_head_is_refused_by_name():
     raw = {"model_type": "phi3", **TINY, "num_hidden_layers": 1, "partial_rotary_factor": 0.75}
     with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor 0\.75"):
         ModelConfig.from_dict(raw)
+
+
+def run_ragged(engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """``prompts`` arriving one a step, decoded together: each one's greedy ids."""
+    params = SamplingParams(max_new_tokens=steps, ignore_eos=True)
+    ids: dict[str, int] = {}
+    out: list[list[int]] = [[] for _ in prompts]
+    pending = list(enumerate(prompts))
+    while pending or engine.has_work():
+        if pending:
+            i, prompt = pending.pop(0)
+            ids[engine.add_request(prompt, params)] = i
+        for event in engine.step():
+            if event.token_id is not None:
+                out[ids[event.request_id]].append(event.token_id)
+    return out
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "lookup-drafts"])
+def test_longrope_in_a_ragged_batch_with_drafts_gives_each_prompts_own_ids(tmp_path, speculative):
+    """Five prompts of 20 to 100 tokens arriving a step apart, crossing the pretraining
+    context at steps of their own, starting past it or never reaching it, repetitive enough
+    that lookup drafts get accepted: each one's ids are transformers' for it alone."""
+    from engine.speculative.config import parse_speculative
+
+    hf, folder = longrope_model(tmp_path)
+    limits = SchedulerLimits(max_tokens_per_step=48)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=8, limits=limits))
+    if speculative:
+        engine.set_speculation(parse_speculative("lookup", 3, adaptive=False))
+    gen = torch.Generator().manual_seed(11)
+    prompts = []
+    for n in (20, 45, 60, 63, 100):
+        motif = torch.randint(0, TINY["vocab_size"], (5,), generator=gen)
+        prompts.append(torch.cat([motif.repeat(n // 5), motif[: n % 5]]))
+    got = run_ragged(engine, [p.tolist() for p in prompts], 24)
+    for prompt, ids in zip(prompts, got, strict=True):
+        assert ids == hf_steps(hf, prompt, 24)[0]
+    # recomputed on the long factors: the prompts of 45, 60 and 63 as they pass 64 (the one of
+    # 20 never reaches it, the one of 100 starts past it)
+    assert engine.metrics().total_preemptions == 3
+    if speculative:
+        assert engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_phi3_under_its_sliding_window(tiny_model_dir):
+    """Phi-3-mini-4k sets a window on every layer: transformers applies it, and so does the
+    engine, through the paged cache."""
+    folder, hf = tiny_model_dir("phi3", False, sliding_window=8)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, num_blocks=32))
+    assert engine.cfg.sliding_window == 8
+    prompt = tiny_prompt(hf)
+    ref_ids, ref = hf_steps(hf, prompt, STEPS)
+    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)
+    assert ids == ref_ids
+    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
+    assert (ours - ref).abs().max().item() <= 1e-4

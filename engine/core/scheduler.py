@@ -185,15 +185,19 @@ class Scheduler:
         return out
 
     def _rope_switch(self, seq: Sequence) -> bool:
-        """Whether ``seq``, running on LongRoPE's short factors, reaches past the pretraining
-        context this step (its next token, or a draft after it): then it is marked long and
-        preempted, so that it is recomputed whole on the long factors, as transformers drops
-        its cache at that token and recomputes the sequence."""
+        """Whether ``seq``, running on LongRoPE's short factors, computes its next token past
+        the pretraining context this step: then it is marked long and preempted, so that it
+        is recomputed whole on the long factors, as transformers drops its cache at that
+        token and recomputes the sequence. Drafts to verify before then stop at the context's
+        end, so that no step computes a token on each side of it."""
         after = self.long_rope_after
-        if after is None or seq.rope_long or seq.num_tokens + seq.spec_k <= after:
+        if after is None or seq.rope_long:
             return False
-        seq.rope_long = True
-        return True
+        if seq.num_tokens > after:  # its next token's position is past the context
+            seq.rope_long = True
+            return True
+        seq.spec_k = min(seq.spec_k, after - seq.num_tokens)
+        return False
 
     def _lookahead(self, out: SchedulerOutput, budget: int) -> None:
         """Slots for the draft tokens each decoding sequence verifies this step (its
