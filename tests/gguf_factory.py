@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,7 +86,7 @@ def write_gguf(
     tensor_type_override: str | None = None,
     extra_uint16: dict[str, int] | None = None,
 ) -> Path:
-    """Write ``hf_model`` (a tiny transformers Llama/Qwen2) as a GGUF of ``arch``.
+    """Write ``hf_model`` (a tiny transformers Llama/Qwen2/Phi-3) as a GGUF of ``arch``.
 
     ``quant`` is the type of 2-D weight matrices (``F32``, ``F16``, ``Q8_0``, ``Q4_0`` …);
     norms stay F32 as in llama.cpp. ``arch`` may name an architecture we do not support.
@@ -136,7 +138,12 @@ def write_gguf(
         "mlp.gate_proj.weight": "ffn_gate.weight",
         "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
+        # Phi-3's, fused in the checkpoint and kept so by llama.cpp
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
     }
+    if arch == "phi3":
+        _phi3_metadata(writer, cfg)
     state = hf_model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -169,3 +176,24 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _phi3_metadata(writer: Any, cfg: Any) -> None:
+    """What llama.cpp's converter writes of a Phi-3 beyond a Llama: its window, and LongRoPE's
+    pretraining context, attention factor (from the context's ratio to it) and factors (as
+    the F32 tensors ``rope_factors_long`` / ``rope_factors_short``)."""
+    if getattr(cfg, "sliding_window", None):
+        writer.add_uint32("phi3.attention.sliding_window", cfg.sliding_window)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type") != "longrope":
+        return
+    original = cfg.original_max_position_embeddings
+    scale = cfg.max_position_embeddings / original
+    writer.add_uint32("phi3.rope.scaling.original_context_length", original)
+    writer.add_float32(
+        "phi3.rope.scaling.attn_factor",
+        math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0,
+    )
+    for kind in ("long", "short"):
+        factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+        writer.add_tensor(f"rope_factors_{kind}.weight", factors)

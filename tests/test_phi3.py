@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,3 +198,56 @@ def test_phi3_under_its_sliding_window(tiny_model_dir):
     assert ids == ref_ids
     ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def phi3_for_gguf(tmp_path, longrope: bool):
+    if longrope:
+        return longrope_model(tmp_path / "hf")[0]
+    return build_tiny_hf("phi3", tied=False, sliding_window=8)
+
+
+@pytest.mark.parametrize("longrope", [False, True], ids=["window", "longrope"])
+def test_a_phi3_gguf_imports_to_transformers_logits(tmp_path, longrope):
+    """A Phi-3 GGUF as llama.cpp's converter lays it out (q/k/v and gate/up fused, no row
+    permuted, the window and LongRoPE's factors as llama.cpp keeps them), imported into a
+    folder: its config is the original's and its logits are transformers'."""
+    from engine.store.gguf_import import import_gguf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = phi3_for_gguf(tmp_path, longrope)
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    gguf = write_like_llama_cpp(hf, tmp_path / "phi.gguf", arch="phi3")
+    folder = tmp_path / "imported"
+    import_gguf(gguf, folder, dtype="fp32")
+    imported = ModelConfig.from_file(folder / "config.json")
+    assert imported.rope_scaling == cfg.rope_scaling
+    assert imported.sliding_window == cfg.sliding_window
+    engine = load_model(folder, precision="fp32")
+    prompt = torch.randint(0, TINY["vocab_size"], (90,), generator=torch.Generator().manual_seed(4))
+    ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(90), 0)
+    assert (ours - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("longrope", [False, True], ids=["window", "longrope"])
+def test_our_phi3_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path, longrope):
+    """The benchmark peer's GGUF (:mod:`engine.store.gguf_writer`): the same tensors under the
+    same names, F16 matrices and F32 norms and factors, and the same Phi-3 metadata."""
+    from engine.store.gguf_reader import gguf_metadata, open_gguf
+    from engine.store.gguf_writer import write_gguf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = phi3_for_gguf(tmp_path, longrope)
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    tokens = [f"t{i}" for i in range(cfg.vocab_size)]
+    ours = open_gguf(write_gguf(tmp_path / "ours.gguf", cfg, hf.state_dict().items(),
+                                name="t", tokens=tokens))  # fmt: skip
+    want = open_gguf(write_like_llama_cpp(hf, tmp_path / "want.gguf", arch="phi3", quant="F16"))
+    got = {t.name: t for t in ours.tensors}
+    assert set(got) == {t.name for t in want.tensors}
+    for tensor in want.tensors:
+        assert got[tensor.name].tensor_type == tensor.tensor_type, tensor.name
+        assert np.array_equal(got[tensor.name].data, tensor.data), tensor.name
+    keys = [k for k in gguf_metadata(want) if k.startswith("phi3.")]
+    assert keys and all(
+        gguf_metadata(ours)[k] == pytest.approx(gguf_metadata(want)[k]) for k in keys
+    )

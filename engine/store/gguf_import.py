@@ -88,7 +88,8 @@ def check_free_space(folder: Path, needed: int) -> None:
 
 def _output_bytes(reader: Any, dtype: torch.dtype) -> int:
     """Bytes of the tensors an import writes, in ``dtype`` (safetensors headers aside)."""
-    elements = sum(int(t.n_elements) for t in reader.tensors if hf_tensor_name(t.name))
+    arch = str(gguf_metadata(reader).get("general.architecture", "llama"))
+    elements = sum(int(t.n_elements) for t in reader.tensors if hf_tensor_name(t.name, arch))
     return elements * dtype.itemsize
 
 
@@ -171,8 +172,8 @@ def _write_tensors(
     folder: Path,
     progress: Progress | None,
 ) -> None:
-    tensors = [t for t in reader.tensors if hf_tensor_name(t.name) is not None]
-    skipped = [t.name for t in reader.tensors if hf_tensor_name(t.name) is None]
+    tensors = [t for t in reader.tensors if hf_tensor_name(t.name, arch) is not None]
+    skipped = [t.name for t in reader.tensors if hf_tensor_name(t.name, arch) is None]
     if skipped:
         log.info("not imported (derived at run time): %s", ", ".join(skipped))
     shard: dict[str, torch.Tensor] = {}
@@ -194,7 +195,7 @@ def _write_tensors(
     if progress:  # a cancel requested before the first (possibly huge) tensor stops here
         progress("dequantize", 0, len(tensors))
     for i, t in enumerate(tensors):
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         assert name is not None
         array = dequantize_tensor(t)
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):

@@ -9,6 +9,7 @@ its author recommends.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,14 @@ import numpy as np
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model.config import ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "phi3")
+#: the transformers class each architecture's folder names
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+#: Phi-3's tensors where llama.cpp keeps them fused as the checkpoint does (q/k/v; gate/up)
+_PHI3_TENSORS = {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 
 _TOP_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -140,7 +148,7 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
     names = {t.name for t in reader.tensors}
     vocab = _array_length(reader, "tokenizer.ggml.tokens") or int(key("vocab_size"))
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [_HF_CLASSES[arch]],
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -159,6 +167,8 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
+    if arch == "phi3":
+        config.update(_phi3_config(meta, reader, names, config["max_position_embeddings"]))
     if "rope_freqs.weight" in names:  # Llama 3's RoPE scaling, as llama.cpp keeps it
         divisors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = llama3_scaling(
@@ -173,6 +183,43 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
         if f"tokenizer.ggml.{gguf_key}" in meta:
             config[hf_key] = int(meta[f"tokenizer.ggml.{gguf_key}"])
     return config
+
+
+def _phi3_config(
+    meta: dict[str, Any], reader: Any, names: set[str], context: int
+) -> dict[str, Any]:
+    """Phi-3's window and LongRoPE as llama.cpp keeps them: the short and long factors as the
+    ``rope_factors_short`` / ``rope_factors_long`` tensors, the pretraining context and the
+    attention factor as metadata."""
+    out: dict[str, Any] = {}
+    window = meta.get("phi3.attention.sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    out["original_max_position_embeddings"] = int(original or context)
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} <= names:
+        factors = {
+            t.name: np.asarray(t.data, dtype=np.float64).tolist()
+            for t in reader.tensors
+            if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
+        }
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"],
+        }
+        # kept in float32: where it is the factor the context's ratio gives, that ratio is
+        # left to give it in full precision, as the original config did
+        attention = meta.get("phi3.rope.scaling.attn_factor")
+        original, ratio = (
+            out["original_max_position_embeddings"],
+            context / out["original_max_position_embeddings"],
+        )
+        implied = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+        if attention is not None and np.float32(attention) != np.float32(implied):
+            scaling["attention_factor"] = float(attention)
+        out["rope_scaling"] = scaling
+    return out
 
 
 def unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -270,13 +317,16 @@ def _llama3_divisors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np
     return (plain / scaled).double().numpy()
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of ``arch`` (None: not a checkpoint tensor, such as
+    llama.cpp's RoPE tables, which the config carries instead)."""
     if gguf_name in _TOP_TENSORS:
         return _TOP_TENSORS[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk":
+        return None
+    names = {**_LAYER_TENSORS, **_PHI3_TENSORS} if arch == "phi3" else _LAYER_TENSORS
+    return f"model.layers.{parts[1]}.{names[parts[2]]}" if parts[2] in names else None
 
 
 #: llama.cpp's recommended-sampling keys → ``generation_config.json`` keys

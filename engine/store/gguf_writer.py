@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,19 +42,28 @@ _LAYER = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
+#: Phi-3's tensors as llama.cpp keeps them, fused as the checkpoint holds them (q/k/v; gate/up)
+_PHI3 = {
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
+#: the architectures this writes, as llama.cpp names them
+ARCHITECTURES = ("llama", "phi3")
+
 #: llama.cpp's ``general.file_type`` for matrices in F16 (``LLAMA_FTYPE_MOSTLY_F16``)
 FILE_TYPE_F16 = 1
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The GGUF name of an HF Llama tensor (``model.layers.3.mlp.up_proj.weight`` →
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
+    """The GGUF name of an HF tensor of ``arch`` (``model.layers.3.mlp.up_proj.weight`` →
     ``blk.3.ffn_up.weight``)."""
     if hf_name in _TOP:
         return _TOP[hf_name]
     parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER:
-        return f"blk.{parts[2]}.{_LAYER[parts[3]]}"
-    raise ValueError(f"{hf_name}: no GGUF name for this tensor of a Llama checkpoint")
+    names = {**_LAYER, **_PHI3} if arch == "phi3" else _LAYER
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
+        return f"blk.{parts[2]}.{names[parts[3]]}"
+    raise ValueError(f"{hf_name}: no GGUF name for this tensor of a {arch} checkpoint")
 
 
 def permute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -89,14 +99,16 @@ def write_gguf(
 ) -> Path:
     """Write ``tensors`` (HF names; matrices in float16, norms kept as float32, as llama.cpp's
     converter does) of a Llama model of ``cfg`` to the GGUF ``path``, with ``tokens`` as its
-    vocabulary."""
+    vocabulary. A Phi-3 model keeps its fused tensors, its window and LongRoPE as llama.cpp's
+    converter writes them."""
     import gguf
 
-    if cfg.model_type != "llama":
-        raise ValueError(f"writing a GGUF of a {cfg.model_type!r} model is not supported")
+    arch = cfg.model_type
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"writing a GGUF of a {arch!r} model is not supported")
     if len(tokens) != cfg.vocab_size:
         raise ValueError(f"{len(tokens)} tokens for a vocabulary of {cfg.vocab_size}")
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
     writer.add_file_type(FILE_TYPE_F16)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -123,16 +135,35 @@ def write_gguf(
     divisors = rope_divisors(cfg)
     if divisors is not None:
         writer.add_tensor("rope_freqs.weight", divisors)
+    if arch == "phi3":
+        _phi3_extras(writer, cfg)
     for hf_name, tensor in tensors:
         host = tensor.detach().cpu()
         array = (host.float() if host.dim() == 1 else host.half()).numpy()
-        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")) and arch == "llama":
             array = permute_rotary(array, cfg.num_heads)
-        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")) and arch == "llama":
             array = permute_rotary(array, cfg.num_kv_heads)
-        writer.add_tensor(gguf_tensor_name(hf_name), np.ascontiguousarray(array))
+        writer.add_tensor(gguf_tensor_name(hf_name, arch), np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _phi3_extras(writer: Any, cfg: ModelConfig) -> None:
+    """Phi-3's window and LongRoPE as llama.cpp's converter writes them: the pretraining
+    context and the attention factor as metadata, the short and long factors as the
+    ``rope_factors_short`` / ``rope_factors_long`` tensors (its rotation is NEOX's, on the
+    halves of each head as transformers', so no row is permuted)."""
+    rs = cfg.rope_scaling
+    if cfg.sliding_window:
+        writer.add_uint32("phi3.attention.sliding_window", cfg.sliding_window)
+    if rs.kind != "longrope":
+        return
+    writer.add_uint32("phi3.rope.scaling.original_context_length",
+                      rs.original_max_position_embeddings)  # fmt: skip
+    writer.add_float32("phi3.rope.scaling.attn_factor", rs.attention_factor)
+    for kind, factors in (("long", rs.long_factor), ("short", rs.short_factor)):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(factors, dtype=np.float32))
