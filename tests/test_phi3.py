@@ -251,3 +251,31 @@ def test_our_phi3_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path, longro
     assert keys and all(
         gguf_metadata(ours)[k] == pytest.approx(gguf_metadata(want)[k]) for k in keys
     )
+
+
+def test_a_synthetic_phi3_is_a_phi3_checkpoint(tmp_path):
+    """Synthetic real-size weights of a Phi-3 config (``models synth``, the benchmark peer's
+    model) hold Phi-3's fused tensors: transformers' own class loads the folder, and the
+    engine gives its logits; the GGUF beside it imports to the same config."""
+    import transformers
+
+    from engine.store.gguf_reader import read_gguf_header
+    from engine.store.synthetic_store import GGUF_NAME, write_synthetic
+
+    half = (TINY["hidden_size"] // TINY["num_attention_heads"]) // 2
+    raw = {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **TINY,
+        "original_max_position_embeddings": 64, "sliding_window": 48,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + i for i in range(half)],
+                         "long_factor": [2.0 + i for i in range(half)]},
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float16",
+    }  # fmt: skip
+    folder = write_synthetic(raw, tmp_path / "synthetic", seed=2)
+    hf = transformers.Phi3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = load_model(folder, precision="fp32")
+    prompt = torch.randint(0, TINY["vocab_size"], (80,), generator=torch.Generator().manual_seed(6))
+    ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(80), 0)
+    assert (ours - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
+    header = read_gguf_header(folder / GGUF_NAME).model_config()
+    assert header.rope_scaling == engine.cfg.rope_scaling
+    assert header.sliding_window == engine.cfg.sliding_window == 48

@@ -86,7 +86,8 @@ class SyntheticCheckpoint:
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF names and shapes of a Llama-family checkpoint of ``cfg`` (biases where the config
-    has them, Qwen3's q/k norms, the LM head unless tied)."""
+    has them, Qwen3's q/k norms, the LM head unless tied; Phi-3's q/k/v and gate/up fused, as
+    its checkpoints hold them)."""
     hidden, inner, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hidden)}
     for i in range(cfg.num_layers):
@@ -102,6 +103,14 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (inner, hidden),
             p + "mlp.down_proj.weight": (hidden, inner),
         }
+        if cfg.model_type == "phi3":
+            for part in ("q", "k", "v"):
+                del shapes[f"{p}self_attn.{part}_proj.weight"]
+            del shapes[p + "mlp.gate_proj.weight"], shapes[p + "mlp.up_proj.weight"]
+            shapes |= {
+                p + "self_attn.qkv_proj.weight": (cfg.q_size + 2 * cfg.kv_size, hidden),
+                p + "mlp.gate_up_proj.weight": (2 * inner, hidden),
+            }
         if cfg.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (cfg.q_size,),
