@@ -363,7 +363,9 @@ class _Runner:
         self.cache = ContiguousKVCache(
             model.cfg, slots=1, capacity=tokens, dtype=torch.float32, device=device
         )
-        self.positions = torch.arange(tokens, device=device)
+        # one forward over the text: LongRoPE's factors by its length, as transformers picks
+        first = model.rope.offset(tokens)
+        self.positions = torch.arange(first, first + tokens, device=device)
         self.tokens = tokens
         with torch.inference_mode():
             x = model.embed(torch.tensor(list(text_ids), dtype=torch.long, device=device))
