@@ -279,3 +279,17 @@ def test_a_synthetic_phi3_is_a_phi3_checkpoint(tmp_path):
     header = read_gguf_header(folder / GGUF_NAME).model_config()
     assert header.rope_scaling == engine.cfg.rope_scaling
     assert header.sliding_window == engine.cfg.sliding_window == 48
+
+
+def test_a_phi3_gguf_that_rotates_part_of_each_head_is_refused_by_name(tmp_path):
+    """Phi-4-mini's GGUF says so only by a rotary dimension count under the head's width."""
+    from engine.store.gguf_reader import gguf_metadata, hf_config, open_gguf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = build_tiny_hf("phi3", tied=False)
+    reader = open_gguf(write_like_llama_cpp(hf, tmp_path / "phi.gguf", arch="phi3"))
+    meta = gguf_metadata(reader)
+    assert hf_config(meta, "phi3", reader, "fp32")["head_dim"] == 8
+    meta["phi3.rope.dimension_count"] = 6
+    with pytest.raises(UnsupportedModelError, match="rotates 6 of each head's 8 dimensions"):
+        hf_config(meta, "phi3", reader, "fp32")

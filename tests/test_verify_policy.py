@@ -273,6 +273,10 @@ def test_a_quantization_may_be_one_step_off_beside_a_tie_only():
     assert "up to 2 steps" in verify.quantized("k", (two, s), (q, s), v, tolerance)
     assert "scales differ" in verify.quantized("k", (q, s * 1.01), (q, s), v, tolerance)
     assert verify.quantized("k", (q, s), (q, s), v, tolerance) == ""
+    # a row of zeros has a zero scale on both sides: no difference, not a NaN
+    zeros, zero_scale = torch.zeros(1, 3, dtype=torch.int8), torch.zeros(1, 1)
+    same = verify.quantized("k", (zeros, zero_scale), (zeros, zero_scale), zeros.float(), tolerance)
+    assert same == ""
 
 
 def test_a_broken_silu_quantization_fails_on_synthetic_rows():

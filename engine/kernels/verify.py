@@ -119,7 +119,9 @@ def quantized(
     if q.shape != want_q.shape or scale.shape != want_scale.shape:
         return f"{name} gives {tuple(q.shape)} values, {reference} {tuple(want_q.shape)}"
     s, ws = scale.double(), want_scale.double()
-    apart = ((s - ws).abs() / ws.abs()).max().item() if ws.numel() else 0.0
+    # equal scales are no difference, zeros (a row of zeros) included
+    gap = torch.where(s == ws, 0.0, (s - ws).abs() / ws.abs())
+    apart = gap.max().item() if ws.numel() else 0.0
     if not apart <= tolerance:  # NaN fails too
         return (
             f"{name}'s scales differ from {reference}'s by {apart:.3g} of theirs "

@@ -214,11 +214,12 @@ def _rank_main(rank: int, world: int, port: int, folder: str, precision: str, th
 def _context() -> Any:
     """How the ranks start: from a fork server that has imported torch and this module once
     per process (``forkserver``: a rank then starts in a fraction of a second, where a fresh
-    interpreter spends seconds importing torch), or spawned where the platform has none. A
+    interpreter spends seconds importing torch), on Linux; spawned elsewhere. A
     fork server is a clean process of its own, never a fork of this one's threads, CUDA
     context or Qt; it exits when this process does, and a rank watches it as its parent
     (:func:`meet`)."""
-    if "forkserver" not in mp.get_all_start_methods():
+    # macOS: a fork of a process that loaded its system frameworks is not safe there
+    if not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([__name__])

@@ -255,15 +255,15 @@ def _rope_scaling(raw: Any, config: dict[str, Any], context: int) -> RopeScaling
 
 
 def _longrope(raw: dict[str, Any], config: dict[str, Any], context: int) -> RopeScaling:
-    """Phi-3's LongRoPE as transformers computes it: the pretraining context is the config's
-    own ``original_max_position_embeddings`` (else the scaling's), the factor the context's
-    ratio to it unless given, and the attention factor ``sqrt(1 + ln(factor) / ln(original))``
-    unless given (1 where the context is not extended)."""
-    original = int(
-        config.get("original_max_position_embeddings")
-        or raw.get("original_max_position_embeddings")
-        or context
-    )
+    """Phi-3's LongRoPE as transformers computes it: the pretraining context is Phi-3's own
+    ``original_max_position_embeddings`` (4096 where unset; another model's, its scaling's),
+    the factor the context's ratio to it unless given, and the attention factor
+    ``sqrt(1 + ln(factor) / ln(original))`` unless given (1 where the context is not
+    extended)."""
+    if str(config.get("model_type", "")).lower() == "phi3":  # Phi3Config's own, 4096 unset
+        original = int(config.get("original_max_position_embeddings") or 4096)
+    else:
+        original = int(raw.get("original_max_position_embeddings") or context)
     factor = float(raw.get("factor") or context / original)
     attention = raw.get("attention_factor")
     if attention is None:

@@ -226,7 +226,8 @@ class ModelDrafter(Drafter):
                 start = starts[i] if r == 0 else seq.num_tokens + r - 1
                 tokens = fed[i] if r == 0 else drafts[i].tokens[-1:]
                 ids += tokens
-                positions += range(start, start + len(tokens))
+                first = start + self._rope_offset(seq)
+                positions += range(first, first + len(tokens))
                 chunks.append(SeqChunk(seq.request_id, start, len(tokens), window))
                 rows.append(len(ids) - 1)
             logits = step_executor.of(self.model).forward(
@@ -242,6 +243,11 @@ class ModelDrafter(Drafter):
                 drafts[i].probs = torch.stack(probs[i])
         return drafts
 
+    def _rope_offset(self, seq: Seq) -> int:
+        """What to add to ``seq``'s positions in the draft model's RoPE tables: LongRoPE's long
+        rows where the target runs ``seq`` on them and the draft model has them too."""
+        return self.model.rope.long_offset if getattr(seq, "rope_long", False) else 0
+
     def _catch_up(self, behind: list[tuple[Seq, int]], window: CacheWindow | None) -> None:
         """Feed the next :data:`CATCH_UP` tokens of each sequence far behind (no draft)."""
         if not behind:
@@ -251,7 +257,8 @@ class ModelDrafter(Drafter):
         chunks: list[SeqChunk] = []
         for seq, start in behind:
             ids += seq.tokens(start, start + CATCH_UP)
-            positions += range(start, start + CATCH_UP)
+            first = start + self._rope_offset(seq)
+            positions += range(first, first + CATCH_UP)
             chunks.append(SeqChunk(seq.request_id, start, CATCH_UP, window))
         step_executor.of(self.model).forward(  # no row of logits: only the draft cache
             upload(ids, self.device),

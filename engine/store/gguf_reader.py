@@ -168,7 +168,7 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
     if arch == "phi3":
-        config.update(_phi3_config(meta, reader, names, config["max_position_embeddings"]))
+        config.update(_phi3_config(meta, reader, names, config))
     if "rope_freqs.weight" in names:  # Llama 3's RoPE scaling, as llama.cpp keeps it
         divisors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = llama3_scaling(
@@ -186,11 +186,21 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
 
 
 def _phi3_config(
-    meta: dict[str, Any], reader: Any, names: set[str], context: int
+    meta: dict[str, Any], reader: Any, names: set[str], config: dict[str, Any]
 ) -> dict[str, Any]:
     """Phi-3's window and LongRoPE as llama.cpp keeps them: the short and long factors as the
     ``rope_factors_short`` / ``rope_factors_long`` tensors, the pretraining context and the
-    attention factor as metadata."""
+    attention factor as metadata. A model that rotates only part of each head (Phi-4-mini:
+    llama.cpp's rotary dimension count under the head's width) is refused by name."""
+    context = config["max_position_embeddings"]
+    head = int(meta.get("phi3.attention.key_length") or 0) or (
+        config["hidden_size"] // config["num_attention_heads"]
+    )
+    if config["head_dim"] != head:
+        raise UnsupportedModelError(
+            f"this Phi-3 model rotates {config['head_dim']} of each head's {head} dimensions "
+            "(partial_rotary_factor), which Infersight does not run yet"
+        )
     out: dict[str, Any] = {}
     window = meta.get("phi3.attention.sliding_window")
     if window:
