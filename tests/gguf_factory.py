@@ -106,7 +106,12 @@ def write_gguf(
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(rope_theta(cfg))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", 1.0)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * (partial or 1.0)))
     tokens, types, merges = byte_level_vocab(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

@@ -13,7 +13,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
-from engine.errors import UnsupportedModelError
+from engine.errors import ModelLoadError
 from engine.loader.load import load_model
 from engine.model.config import ModelConfig
 from tests.conftest import TINY, build_tiny_hf, save_tiny
@@ -137,10 +137,11 @@ def test_a_long_sequence_never_shares_a_short_ones_blocks(tmp_path):
     assert stats.hit_tokens == 32  # the third run found the first one's four full blocks
 
 
-def test_a_partly_rotated_head_is_refused_by_name():
-    raw = {"model_type": "phi3", **TINY, "num_hidden_layers": 1, "partial_rotary_factor": 0.75}
-    with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor 0\.75"):
-        ModelConfig.from_dict(raw)
+def test_a_partial_rotary_factor_that_leaves_an_odd_part_is_refused_by_name():
+    raw = {"model_type": "phi3", **TINY, "num_hidden_layers": 1, "partial_rotary_factor": 0.25}
+    assert ModelConfig.from_dict(raw).rotary_dim == 2  # one pair of each head's 8
+    with pytest.raises(ModelLoadError, match=r"partial_rotary_factor 0\.375 rotates 3"):
+        ModelConfig.from_dict({**raw, "partial_rotary_factor": 0.375})
 
 
 def run_ragged(engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -281,15 +282,37 @@ def test_a_synthetic_phi3_is_a_phi3_checkpoint(tmp_path):
     assert header.sliding_window == engine.cfg.sliding_window == 48
 
 
-def test_a_phi3_gguf_that_rotates_part_of_each_head_is_refused_by_name(tmp_path):
-    """Phi-4-mini's GGUF says so only by a rotary dimension count under the head's width."""
-    from engine.store.gguf_reader import gguf_metadata, hf_config, open_gguf
+@pytest.mark.parametrize("longrope", [False, True], ids=["plain", "longrope"])
+def test_a_partly_rotated_head_gives_transformers_logits(tmp_path, longrope):
+    """Phi-4-mini rotates 3/4 of each head: transformers rotates the first dimensions in pairs
+    and passes the rest; the engine, with each q/k head's rows reordered at load, gives its
+    logits, through the paged cache and a GGUF import (llama.cpp's rotary dimension count)."""
+    from engine.store.gguf_import import import_gguf
     from tests.gguf_factory import write_gguf as write_like_llama_cpp
 
-    hf = build_tiny_hf("phi3", tied=False)
-    reader = open_gguf(write_like_llama_cpp(hf, tmp_path / "phi.gguf", arch="phi3"))
-    meta = gguf_metadata(reader)
-    assert hf_config(meta, "phi3", reader, "fp32")["head_dim"] == 8
-    meta["phi3.rope.dimension_count"] = 6
-    with pytest.raises(UnsupportedModelError, match="rotates 6 of each head's 8 dimensions"):
-        hf_config(meta, "phi3", reader, "fp32")
+    extra: dict = {"partial_rotary_factor": 0.5}  # 4 of each head's 8
+    if longrope:
+        gen = torch.Generator().manual_seed(8)
+        extra["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": (1 + torch.rand(2, generator=gen)).tolist(),
+            "long_factor": (2 + torch.rand(2, generator=gen)).tolist(),
+        }
+        extra["original_max_position_embeddings"] = 64
+    hf = build_tiny_hf("phi3", tied=False, **extra)
+    folder = save_tiny(hf, tmp_path / "hf")
+    gguf = write_like_llama_cpp(hf, tmp_path / "phi.gguf", arch="phi3")
+    import_gguf(gguf, tmp_path / "imported", dtype="fp32")
+    prompt = torch.randint(0, TINY["vocab_size"], (90,), generator=torch.Generator().manual_seed(7))
+    ref = hf_logits(hf, prompt)
+    for source in (folder, tmp_path / "imported"):
+        engine = load_model(source, precision="fp32")
+        assert engine.cfg.rotary_dim == 4 and engine.cfg.head_dim == 8
+        ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(90), 0)
+        assert (ours - ref).abs().max().item() <= 1e-4, source
+    ref_ids, ref_steps = hf_steps(hf, prompt[:50], STEPS)  # decoded past 64 where longrope
+    engine = load_model(folder, precision="fp32")
+    ((ids, rows),) = engine_steps(engine, [prompt[:50].tolist()], STEPS)
+    assert ids == ref_ids
+    ours_steps = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
+    assert (ours_steps - ref_steps).abs().max().item() <= 1e-4

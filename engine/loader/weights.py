@@ -22,7 +22,12 @@ from torch import Tensor, nn
 
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
-from engine.model.transformer import Transformer, VocabParallelEmbedding
+from engine.model.transformer import (
+    Transformer,
+    VocabParallelEmbedding,
+    permute_rotary_rows,
+    rotary_permutation,
+)
 from engine.parallel.shard import Shard
 from engine.quant.calibration import Calibration, SmoothingPlan
 from engine.quant.embedding import QuantizedEmbedding, head_channel_scale
@@ -144,6 +149,7 @@ def load_transformer(
         tensors = ((name, source.get_tensor(name)) for name in source.keys())  # noqa: SIM118
         read = source.get_tensor
     expected = _expected_parameters(model, cfg)
+    rotary = rotary_permutation(cfg)
     stage = "quantize" if quant else "read"
     fusing: dict[str, _Fused] = {}
     loaded: set[str] = set()
@@ -187,6 +193,8 @@ def load_transformer(
         else:
             # converted on the host, then moved: the device never holds a second copy
             tensor = tensor.to(dtype=store).to(device)
+        if rotary is not None and ours.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+            tensor = permute_rotary_rows(tensor, cfg, rotary)  # a partly rotated head's order
         if is_head:
             assert head_kind is not None and head_scale is not None
             vocab = shard.vocab if shard is not None else None

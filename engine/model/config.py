@@ -75,6 +75,14 @@ class ModelConfig:
     qk_norm: bool = False
     #: attention sees only the last ``sliding_window`` keys (Mistral); None: every key
     sliding_window: int | None = None
+    #: the leading dimensions of each q/k head that RoPE rotates (``partial_rotary_factor`` of
+    #: the head: Phi-4-mini's 0.75); 0 for every one
+    partial_rotary_dim: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates."""
+        return self.partial_rotary_dim or self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -104,7 +112,6 @@ class ModelConfig:
             theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
             arch = SUPPORTED_ARCHITECTURES[model_type]
             context = int(raw.get("max_position_embeddings", 2048))
-            _refuse_partial_rotary(raw, rope)
             cfg = cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -125,6 +132,7 @@ class ModelConfig:
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "") or None,
                 qk_norm=arch.qk_norm,
                 sliding_window=_sliding_window(raw, arch, context),
+                partial_rotary_dim=_partial_rotary_dim(raw, rope, head_dim),
             )
         except KeyError as exc:
             raise ModelLoadError(
@@ -221,14 +229,21 @@ def _sliding_window(raw: dict[str, Any], arch: Architecture, context: int) -> in
     return None if window >= context else window
 
 
-def _refuse_partial_rotary(raw: dict[str, Any], rope: dict[str, Any]) -> None:
-    """Refuse by name a model that rotates only part of each head (Phi-4-mini's 0.75)."""
+def _partial_rotary_dim(raw: dict[str, Any], rope: dict[str, Any], head_dim: int) -> int:
+    """The dimensions RoPE rotates where it rotates only part of each head (transformers'
+    ``int(head_dim · partial_rotary_factor)``), else 0."""
     partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise UnsupportedModelError(
-            f"partial_rotary_factor {partial}: this model rotates only part of each head, "
-            "which Infersight does not run yet (every head is rotated whole)"
+    if partial is None or float(partial) >= 1.0:
+        return 0
+    dim = int(head_dim * float(partial))
+    if dim <= 0 or dim % 2:
+        raise ModelLoadError(
+            f"config.json: partial_rotary_factor {partial} rotates {dim} of each head's "
+            f"{head_dim} dimensions; RoPE needs an even, positive number of them"
         )
+    if raw.get("model_type") == "qwen3":  # its q/k norms are per head dimension
+        raise UnsupportedModelError("partial_rotary_factor with Qwen3's q/k norms is not run")
+    return dim
 
 
 def _rope_scaling(raw: Any, config: dict[str, Any], context: int) -> RopeScaling:

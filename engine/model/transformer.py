@@ -85,14 +85,15 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(cfg: ModelConfig, *, long: bool = False) -> Tensor:
     """Inverse frequency of each rotary pair, fp32, with the config's scaling (HF's formulas;
     LongRoPE's ``long`` factors where ``long``, its short ones otherwise)."""
-    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    dim = cfg.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rs = cfg.rope_scaling
     if rs.kind == "longrope":
         factors = rs.long_factor if long else rs.short_factor
-        if len(factors) != cfg.head_dim // 2:
+        if len(factors) != dim // 2:
             raise ModelLoadError(
                 f"config.json: LongRoPE's factors number {len(factors)}, the head's rotary "
-                f"pairs {cfg.head_dim // 2}; config and model disagree"
+                f"pairs {dim // 2}; config and model disagree"
             )
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta**exponents)
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
@@ -147,11 +148,17 @@ class RotaryEmbedding(nn.Module):
             self.long_after = rs.original_max_position_embeddings
             self.long_offset = cfg.max_position_embeddings
         freqs = torch.cat([positions[:, None] * f[None, :] for f in inverse])
+        # a partly rotated head: its pass-through dimensions turn by angle 0 (cos 1, sin 0),
+        # laid out as :func:`rotary_permutation` puts its q/k rows
+        half = cfg.head_dim // 2
+        freqs = torch.nn.functional.pad(freqs, (0, half - freqs.shape[-1]))
         angles = torch.cat((freqs, freqs), dim=-1)
-        half = angles.shape[-1] // 2
         cos, sin = angles.cos(), angles.sin()
         if rs.kind == "longrope" and rs.attention_factor != 1.0:
-            cos, sin = cos * rs.attention_factor, sin * rs.attention_factor
+            turned = torch.zeros(half, dtype=torch.bool)
+            turned[: cfg.rotary_dim // 2] = True
+            scale = torch.where(torch.cat((turned, turned)), rs.attention_factor, 1.0)
+            cos, sin = cos * scale, sin * scale
         sin[:, :half].neg_()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -168,6 +175,32 @@ class RotaryEmbedding(nn.Module):
             self.cos[positions].unsqueeze(1).to(dtype),
             self.sin[positions].unsqueeze(1).to(dtype),
         )
+
+
+def rotary_permutation(cfg: ModelConfig) -> Tensor | None:
+    """The order of each q/k head's rows (``new[i] = old[perm[i]]``) where RoPE rotates only
+    part of the head (None where it rotates all of it). transformers rotates the first
+    ``rotary_dim`` dimensions in pairs ``(i, i + rotary_dim/2)`` and passes the rest through;
+    the rotated halves go to the head's two halves here, so that every kernel rotates pairs
+    ``(i, i + D/2)`` as for a whole head, the pass-through dimensions by angle 0. q and k are
+    permuted alike, so their products, the attention, are unchanged; V is not."""
+    dim, rot = cfg.head_dim, cfg.rotary_dim
+    if rot == dim:
+        return None
+    rest = (dim - rot) // 2
+    return torch.cat([
+        torch.arange(0, rot // 2), torch.arange(rot, rot + rest),
+        torch.arange(rot // 2, rot), torch.arange(rot + rest, dim),
+    ])  # fmt: skip
+
+
+def permute_rotary_rows(qkv: Tensor, cfg: ModelConfig, perm: Tensor) -> Tensor:
+    """``qkv`` (a fused projection's weight ``[(H + 2·Hkv)·D, ·]`` or bias) with each q and k
+    head's rows in :func:`rotary_permutation`'s order."""
+    heads = cfg.num_heads + cfg.num_kv_heads
+    qk = qkv[: heads * cfg.head_dim].reshape(heads, cfg.head_dim, *qkv.shape[1:])
+    permuted = qk[:, perm.to(qkv.device)].reshape(heads * cfg.head_dim, *qkv.shape[1:])
+    return torch.cat([permuted, qkv[heads * cfg.head_dim :]])
 
 
 def rotate_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

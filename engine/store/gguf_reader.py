@@ -190,18 +190,16 @@ def _phi3_config(
 ) -> dict[str, Any]:
     """Phi-3's window and LongRoPE as llama.cpp keeps them: the short and long factors as the
     ``rope_factors_short`` / ``rope_factors_long`` tensors, the pretraining context and the
-    attention factor as metadata. A model that rotates only part of each head (Phi-4-mini:
-    llama.cpp's rotary dimension count under the head's width) is refused by name."""
+    attention factor as metadata; a model that rotates only part of each head (Phi-4-mini),
+    by llama.cpp's rotary dimension count under the head's width."""
     context = config["max_position_embeddings"]
     head = int(meta.get("phi3.attention.key_length") or 0) or (
         config["hidden_size"] // config["num_attention_heads"]
     )
-    if config["head_dim"] != head:
-        raise UnsupportedModelError(
-            f"this Phi-3 model rotates {config['head_dim']} of each head's {head} dimensions "
-            "(partial_rotary_factor), which Infersight does not run yet"
-        )
     out: dict[str, Any] = {}
+    if config["head_dim"] != head:  # llama.cpp's rotary dimension count: a part of the head
+        out["partial_rotary_factor"] = config["head_dim"] / head
+        out["head_dim"] = head
     window = meta.get("phi3.attention.sliding_window")
     if window:
         out["sliding_window"] = int(window)
