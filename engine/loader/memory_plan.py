@@ -54,14 +54,14 @@ from engine.attention import planned as planned_attention
 from engine.core.config import kv_pool_blocks
 from engine.core.pool_profile import PoolSizing, size_pool
 from engine.errors import InvalidRequestError, OutOfMemoryError
-from engine.formats import QUANT_CHUNK_BYTES, int8
+from engine.formats import QUANT_CHUNK_BYTES
 from engine.hardware import gpu
 from engine.hardware import memory as device_memory
 from engine.hardware.memory import free_memory
 from engine.kernels import triton_support
 from engine.model.config import ModelConfig
-from engine.quant.sizes import Backends, weight_bytes_by_kind
-from engine.quant.spec import PrecisionSpec, QuantKind, dtype_name, parse_precision_spec
+from engine.quant.sizes import Backends, linear_load_temporaries, weight_bytes_by_kind
+from engine.quant.spec import PrecisionSpec, dtype_name, parse_precision_spec
 
 if TYPE_CHECKING:
     from engine.core.config import EngineConfig
@@ -531,16 +531,9 @@ def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, backends: Backend
     if head is not None:
         matrices.append((head, cfg.vocab_size, cfg.hidden_size))
     packing = max(
-        (_packing_temporaries(kind, n, k, backends) for kind, n, k in matrices), default=0
+        (linear_load_temporaries(n, k, kind, backends) for kind, n, k in matrices), default=0
     )
     return largest + extra + packing + 4 * QUANT_CHUNK_BYTES + LOAD_SLACK_BYTES
-
-
-def _packing_temporaries(kind: QuantKind, n: int, k: int, backends: Backends) -> int:
-    if kind.bits == 8:
-        return int8.load_temporaries(n, k)
-    assert kind.group is not None
-    return backends.int4_packing().load_temporaries(n, k, kind.group)
 
 
 #: bytes per value of a checkpoint by its config's ``torch_dtype``

@@ -180,6 +180,12 @@ class ModelConfig:
             raise ModelLoadError(
                 f"config.json: head_dim must be even for RoPE, got {self.head_dim}"
             )
+        rs, pairs = self.rope_scaling, self.rotary_dim // 2
+        if rs.kind == "longrope" and {len(rs.short_factor), len(rs.long_factor)} != {pairs}:
+            raise ModelLoadError(
+                f"config.json: LongRoPE's short and long factors number {len(rs.short_factor)} "
+                f"and {len(rs.long_factor)}; each head rotates {pairs} pairs"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(
                 f"config.json: sliding_window must be positive, got {self.sliding_window}"

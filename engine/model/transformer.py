@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.errors import ModelLoadError
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
 
@@ -88,13 +87,8 @@ def rope_inverse_frequencies(cfg: ModelConfig, *, long: bool = False) -> Tensor:
     dim = cfg.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rs = cfg.rope_scaling
-    if rs.kind == "longrope":
+    if rs.kind == "longrope":  # as many factors as pairs (ModelConfig checks)
         factors = rs.long_factor if long else rs.short_factor
-        if len(factors) != dim // 2:
-            raise ModelLoadError(
-                f"config.json: LongRoPE's factors number {len(factors)}, the head's rotary "
-                f"pairs {dim // 2}; config and model disagree"
-            )
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta**exponents)
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     if rs.kind == "linear":

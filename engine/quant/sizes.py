@@ -93,6 +93,18 @@ def linear_bytes(
     return backends.int4_packing().bytes_held(n, k, kind.group)
 
 
+def linear_load_temporaries(
+    out_features: int, in_features: int, kind: QuantKind, backends: Backends = CPU
+) -> int:
+    """What packing one quantized linear's weight holds beside it while it loads, in its
+    format's packing on ``backends`` (:func:`engine.formats.int8.load_temporaries`,
+    :meth:`engine.formats.int4.Packing.load_temporaries`)."""
+    if kind.bits == 8:
+        return int8.load_temporaries(out_features, in_features)
+    assert kind.group is not None
+    return backends.int4_packing().load_temporaries(out_features, in_features, kind.group)
+
+
 def block_bytes(
     cfg: ModelConfig, part: str, kind: QuantKind | None, compute: torch.dtype,
     backends: Backends = CPU,

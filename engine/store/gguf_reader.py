@@ -219,10 +219,8 @@ def _phi3_config(
         # kept in float32: where it is the factor the context's ratio gives, that ratio is
         # left to give it in full precision, as the original config did
         attention = meta.get("phi3.rope.scaling.attn_factor")
-        original, ratio = (
-            out["original_max_position_embeddings"],
-            context / out["original_max_position_embeddings"],
-        )
+        original = out["original_max_position_embeddings"]
+        ratio = context / original
         implied = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
         if attention is not None and np.float32(attention) != np.float32(implied):
             scaling["attention_factor"] = float(attention)
