@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +45,17 @@ os.environ.setdefault("INFERSIGHT_LOWBIT", "torch")
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
 torch.set_num_threads(int(os.environ["INFERSIGHT_THREADS"]))
+
+
+#: seconds a test process may take to exit once its tests are done (its atexit handlers, a
+#: split model's ranks stopping) before it prints every thread's stack and exits with 1: a
+#: hang at exit fails the run where it would stall it (pytest-timeout covers the tests)
+EXIT_GRACE_S = 120
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -180,6 +180,11 @@ class Driver:
     ) -> None:
         if self.closed:
             raise RankFailed("this tensor-parallel model was shut down; load it again")
+        # a rank already gone is named now: a send to it need not fail (the bytes fit in
+        # the socket's buffer) and the control group waits as long as rank 0 idles
+        dead = self.dead()
+        if dead:
+            raise self.failure(RuntimeError(dead))
         message = Forward(
             ids.cpu(), positions.cpu(), None if rows is None else rows.cpu(), self._recipe(ctx),
             frozenset(self._caches),
@@ -230,15 +235,19 @@ class Driver:
 
         return (rss(os.getpid()), *(rss(p.pid) for p in self.processes))
 
+    def dead(self) -> str | None:
+        """The first rank whose process has ended ("rank r ended"), or None."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                return f"rank {rank} ended"
+        return None
+
     def gone(self) -> str | None:
         """Why the ranks cannot go on, checked while they start: a rank that said why it
         failed, or one whose process ended; None while all are running."""
         if not self.errors.empty():
             return "a rank failed"
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                return f"rank {rank} ended"
-        return None
+        return self.dead()
 
     def failure(self, exc: BaseException) -> RankFailed:
         """What failed, by rank: a rank's own report where it made one, else the rank whose
@@ -275,7 +284,8 @@ class Driver:
         if not self.closed:
             self.closed = True
             try:
-                if self.groups is not None:
+                # with a rank gone the group is broken: the others are killed below
+                if self.groups is not None and self.dead() is None:
                     broadcast_object(self.groups.control, STOP)
             except Exception as exc:  # a rank already gone: the processes are ended below
                 log.warning("stopping the tensor-parallel ranks: %s", exc)
