@@ -101,12 +101,25 @@ TINY_ARCH: dict[str, dict[str, object]] = {
     "mistral": {"sliding_window": 8},
     # q/k/v and gate/up fused in the checkpoint; its defaults' token ids lie past the vocabulary
     "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    # local layers (window 8, their own RoPE base) around a global one; attention scaled by
+    # 1/sqrt(8), not 1/sqrt(head_dim 16); the final logits soft-capped
+    "gemma3_text": {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "rope_local_base_freq": 300.0,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "query_pre_attn_scalar": 8,
+        "final_logit_softcapping": 3.0,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 
 
 def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A random transformers model of ``arch`` (``llama``, ``qwen2``, ``qwen3``, ``mistral``
-    or ``phi3``) with GQA."""
+    """A random transformers model of ``arch`` (``llama``, ``qwen2``, ``qwen3``, ``mistral``,
+    ``phi3`` or ``gemma3_text``) with GQA."""
     import transformers
 
     classes = {
@@ -115,6 +128,7 @@ def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) 
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+        "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     }
     if arch not in classes:
         raise ValueError(arch)

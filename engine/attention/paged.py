@@ -25,7 +25,7 @@ from engine.attention.ops import decode_attention, paged_decode_attention
 from engine.hardware.transfer import to_device, upload
 from engine.kernels import native, paged_decode
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
-from engine.kv_cache.window import _one_window, _visible
+from engine.kv_cache.window import CacheWindow, _one_window, _visible
 from engine.model.attention import (
     AttentionBackend,
     AttentionContext,
@@ -123,7 +123,9 @@ class PagedContext(PoolContext):
     padded ``[B, Tmax]`` slot matrix (pad = the zero slot, masked out). Longer chunks
     (prefill) are attended one sequence at a time: on a CPU through the paged prefill kernel
     (:func:`engine.kernels.paged_decode.paged_prefill`, which masks as it goes), else with a
-    causal (and window) mask.
+    causal (and window) mask. What the masks hold depends on the layer's window
+    (:attr:`PagedKVCache.layer_windows`: Gemma's local layers see less than its global
+    ones): one :class:`_Masks` per window the layers have.
     """
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
@@ -131,48 +133,68 @@ class PagedContext(PoolContext):
         mgr, dev = cache.manager, cache.device
         self.decode_slots: Tensor | None = None
         self.decode_lens: Tensor | None = None  # real (unpadded) columns of each slot row
-        self.decode_mask: Tensor | None = None
-        self.mask_needed = False
+        self._decode_positions: list[Tensor] = []
         if self.num_decode:
-            slot_rows, mask_rows = [], []
+            slot_rows = []
             for c in chunks[: self.num_decode]:
                 positions, slots = mgr.held(c.seq_id, c.start + 1)
                 slot_rows.append(slots)
-                mask_rows.append(
-                    _visible(c.window, cache.model_window, positions, torch.tensor([c.start]))[0]
-                )
-            lens = [len(r) for r in slot_rows]
+                self._decode_positions.append(positions)
+            self._lens = [len(r) for r in slot_rows]
             self.decode_slots = to_device(
                 pad_sequence(slot_rows, batch_first=True, padding_value=cache.pad_slot), dev
             )
-            self.decode_lens = upload(lens, dev)
+            self.decode_lens = upload(self._lens, dev)
+        self._prefill_held = [
+            mgr.held(c.seq_id, c.start + c.length) for c in chunks[self.num_decode :]
+        ]
+        pool = cache.kv[0]
+        self._kernel = (
+            len(chunks) > self.num_decode
+            and paged_decode.reads_pool(pool)
+            and paged_decode.prefill_faster(pool.dtype, cache.heads, cache.kv_heads, pool.shape[2])
+        )
+        self._masks = {w: self._build(w) for w in dict.fromkeys(cache.layer_windows)}
+        first = self._masks[cache.layer_windows[0]]
+        # the first layer's, for what reads one set (the C decode step: the models it runs
+        # have one window)
+        self.decode_mask, self.mask_needed, self.prefill = (
+            first.decode_mask, first.mask_needed, first.prefill
+        )  # fmt: skip
+
+    def _build(self, model_window: CacheWindow | None) -> _Masks:
+        """The masks of the layers whose own window is ``model_window``."""
+        chunks, dev = self.chunks, self.cache.device
+        decode_mask, mask_needed = None, False
+        if self.num_decode:
+            mask_rows = [
+                _visible(c.window, model_window, positions, torch.tensor([c.start]))[0]
+                for c, positions in zip(
+                    chunks[: self.num_decode], self._decode_positions, strict=True
+                )
+            ]
             mask = pad_sequence(mask_rows, batch_first=True, padding_value=False)
             # Additive (0 / -inf, what SDPA makes of a boolean mask in every call), built once
             # per step for every layer. Eager steps leave it out where every key is visible
             # by construction (rows of one length, no window: a decode query sees every key
             # its sequence holds), decided from lengths alone, as a GPU step must not read
             # a tensor back; a compiled step always passes it, so that one graph serves both.
-            additive = torch.zeros(mask.shape, dtype=cache.kv[0].dtype)
+            additive = torch.zeros(mask.shape, dtype=self.cache.kv[0].dtype)
             additive.masked_fill_(~mask, float("-inf"))
-            self.decode_mask = to_device(additive[:, None, None, :], dev)
-            windowed = cache.model_window is not None or any(
+            decode_mask = to_device(additive[:, None, None, :], dev)
+            windowed = model_window is not None or any(
                 c.window is not None for c in chunks[: self.num_decode]
             )
-            self.mask_needed = windowed or min(lens) != max(lens)
+            mask_needed = windowed or min(self._lens) != max(self._lens)
         #: each prefill chunk: its query offset, and what the kernel or SDPA reads (None: a
         #: whole prompt, causal over its own keys)
-        self.prefill: list[tuple[int, int, _Prefill | Tensor | None, Tensor]] = []
+        prefill: list[tuple[int, int, _Prefill | Tensor | None, Tensor]] = []
         offset = self.num_decode
-        pool = cache.kv[0]
-        kernel = (
-            len(chunks) > self.num_decode
-            and paged_decode.reads_pool(pool)
-            and paged_decode.prefill_faster(pool.dtype, cache.heads, cache.kv_heads, pool.shape[2])
-        )
-        for c in chunks[self.num_decode :]:
-            positions, slots = mgr.held(c.seq_id, c.start + c.length)
-            one, window = _one_window(c.window, cache.model_window)
-            if kernel and one:
+        for c, (positions, slots) in zip(
+            chunks[self.num_decode :], self._prefill_held, strict=True
+        ):
+            one, window = _one_window(c.window, model_window)
+            if self._kernel and one:
                 sink, width = (0, 0) if window is None else (window.sink, window.window)
                 # the kernel masks as it goes: what it needs is the keys' positions
                 read: _Prefill | Tensor | None = _Prefill(positions, c.start, sink, width)
@@ -180,9 +202,10 @@ class PagedContext(PoolContext):
                 read = None  # a whole prompt over its own keys: causal, no mask to build
             else:
                 queries = torch.arange(c.start, c.start + c.length)
-                read = to_device(_visible(c.window, cache.model_window, positions, queries), dev)
-            self.prefill.append((offset, c.length, read, to_device(slots, dev)))
+                read = to_device(_visible(c.window, model_window, positions, queries), dev)
+            prefill.append((offset, c.length, read, to_device(slots, dev)))
             offset += c.length
+        return _Masks(decode_mask, mask_needed, prefill)
 
     def decode_tables(self) -> DecodeTables | None:
         if not self.decode_only:
@@ -207,7 +230,7 @@ class PagedContext(PoolContext):
         return self.cache.kv[layer], self.write_slots
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
-        return self._attend_pool(q, self.cache.kv[layer])
+        return self._attend_pool(q, self.cache.kv[layer], layer)
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         pool = self.cache.kv[layer]
@@ -217,28 +240,29 @@ class PagedContext(PoolContext):
             if torch.compiler.is_compiling():  # one opaque op in a compiled decode step
                 return paged_decode_attention(
                     q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens,
-                    self.decode_mask,
+                    self._masks[self.cache.layer_windows[layer]].decode_mask,
                 )  # fmt: skip
         pool.index_copy_(0, self.write_slots, kv)
-        return self._attend_pool(q, pool)
+        return self._attend_pool(q, pool, layer)
 
-    def _attend_pool(self, q: Tensor, pool: Tensor) -> Tensor:
+    def _attend_pool(self, q: Tensor, pool: Tensor, layer: int) -> Tensor:
         """The step's attention on the torch and C paths, its K/V already in ``pool``."""
+        masks = self._masks[self.cache.layer_windows[layer]]
         if self.decode_only:
             assert self.decode_slots is not None
             assert self.decode_lens is not None
-            mask = self.decode_mask if self.mask_needed else None
+            mask = masks.decode_mask if masks.mask_needed else None
             return decode_attention(q, pool, self.decode_slots, self.decode_lens, mask)
         tokens, heads, dim = q.shape
         kv_heads = self.cache.kv_heads
         out = q.new_empty(tokens, heads * dim)
         if self.decode_slots is not None:
             assert self.decode_lens is not None
-            mask = self.decode_mask if self.mask_needed else None
+            mask = masks.decode_mask if masks.mask_needed else None
             out[: self.num_decode] = decode_attention(
                 q[: self.num_decode], pool, self.decode_slots, self.decode_lens, mask
             )
-        for offset, length, read, slots in self.prefill:
+        for offset, length, read, slots in masks.prefill:
             chunk = q[offset : offset + length]
             if isinstance(read, _Prefill):
                 out[offset : offset + length] = paged_decode.paged_prefill(
@@ -250,6 +274,18 @@ class PagedContext(PoolContext):
                 chunk, rows[:kv_heads], rows[kv_heads:], read, causal=read is None
             )
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Masks:
+    """What a step's layers of one window read: the decode rows' additive mask
+    ``[B, 1, 1, W]`` (None without decode rows), whether an eager step needs it, and each
+    prefill chunk's query offset, length, read (:class:`_Prefill`, a boolean mask, or None:
+    causal over its own keys) and slots."""
+
+    decode_mask: Tensor | None
+    mask_needed: bool
+    prefill: list[tuple[int, int, _Prefill | Tensor | None, Tensor]]
 
 
 @dataclass(frozen=True, slots=True)

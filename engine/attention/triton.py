@@ -34,6 +34,8 @@ class TritonBackend(AttentionBackend):
         return TritonContext(cache, chunks)
 
     def refusal(self, cfg: Any, dtype: torch.dtype, device: torch.device) -> str:
+        if cfg.local_layers:  # one window a step, for every layer
+            return "our attention kernels take one window for every layer, not local layers"
         if cfg.head_dim not in triton_support.HEAD_DIMS:
             built = " or ".join(map(str, triton_support.HEAD_DIMS))
             return f"our attention kernels are built for heads {built} wide, not {cfg.head_dim}"

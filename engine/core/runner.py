@@ -166,7 +166,7 @@ class ModelRunner:
                     tokens, positions, rows = self.inputs([0] * b, [pos] * b, list(range(b)))
                     with torch.inference_mode():
                         compiled(
-                            model.embed(tokens),
+                            model.embed_ids(tokens),
                             positions,
                             kv.context([SeqChunk(rid, pos, 1) for rid in ids[:b]]),
                             rows,

@@ -368,13 +368,13 @@ class _Runner:
         self.positions = torch.arange(first, first + tokens, device=device)
         self.tokens = tokens
         with torch.inference_mode():
-            x = model.embed(torch.tensor(list(text_ids), dtype=torch.long, device=device))
+            x = model.embed_ids(torch.tensor(list(text_ids), dtype=torch.long, device=device))
             self.inputs: list[Tensor] = []  # the residual stream entering each layer
             ctx = self._context()
-            self.angles = model.rope.angles(self.positions, x.dtype)
-            for layer in model.layers:
+            self.angles = model.angles(self.positions, x.dtype)
+            for layer, angles in zip(model.layers, self.angles, strict=True):
                 self.inputs.append(x)
-                x = layer(x, *self.angles, ctx)
+                x = layer(x, *angles, ctx)
             self.ref_logp = self._logp(x)
             self.ref_p = self.ref_logp.exp()
 
@@ -384,8 +384,8 @@ class _Runner:
         model = self.model
         with torch.inference_mode():
             x, ctx = self.inputs[first], self._context()
-            for layer in model.layers[first:]:
-                x = layer(x, *self.angles, ctx)
+            for layer, angles in zip(model.layers[first:], self.angles[first:], strict=True):
+                x = layer(x, *angles, ctx)
             kl = (self.ref_p * (self.ref_logp - self._logp(x))).sum(-1).mean()
         # Rounding can leave a KL of (near) nothing a hair below zero.
         return max(float(kl), 0.0)

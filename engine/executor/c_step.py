@@ -199,6 +199,8 @@ def planned(model: Transformer, dtype: torch.dtype) -> tuple[DecodeStep | None, 
     cfg = model.cfg
     if cfg.qk_norm:
         return None, "decode steps eager (per-head q/k norms: not in the C step)"
+    if cfg.layer_extras:
+        return None, f"decode steps eager ({cfg.layer_extras}: not in the C step)"
     if cfg.head_dim > layer_ops.MAX_HEAD_DIM or cfg.head_dim % 2:
         return None, f"decode steps eager (head size {cfg.head_dim})"
     _declare(found.lib)

@@ -105,7 +105,7 @@ class StepExecutor:
             self.ran[DECODE if decode else PREFILL, "eager"] += 1
             return model(input_ids, positions, ctx, logits_indices)
         with torch.inference_mode():
-            x = model.embed(input_ids)
+            x = model.embed_ids(input_ids)
             logits, clean = self._compiled(x, positions, ctx, logits_indices)
             if logits is None and clean:
                 logits, clean = self._c_step(x, positions, ctx, logits_indices)
@@ -113,7 +113,7 @@ class StepExecutor:
                 return logits
             self.ran[DECODE, "eager"] += 1
             if not clean:
-                x = model.embed(input_ids)
+                x = model.embed_ids(input_ids)
             return model.body(x, positions, ctx, logits_indices)
 
     def _compiled(

@@ -32,6 +32,10 @@ class ContiguousKVCache:
         shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.capacity = capacity
         self.sliding_window = cfg.sliding_window
+        #: each layer's window: the model's, or a local layer's own (Gemma's)
+        self.layer_windows = [
+            cfg.layer_window(i) or cfg.sliding_window for i in range(cfg.num_layers)
+        ]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
@@ -59,7 +63,7 @@ class _ContiguousContext(AttentionContext):
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         k_buf, v_buf = self.cache.k[layer], self.cache.v[layer]
         k, v = kv.chunk(2, dim=1)
-        window = self.cache.sliding_window
+        window = self.cache.layer_windows[layer]
         outputs = []
         offset = 0
         for slot, start, length in zip(self.slots, self.starts, self.lengths, strict=True):

@@ -60,6 +60,12 @@ class PagedKVCache:
         self.model_window = (
             None if cfg.sliding_window is None else CacheWindow(0, cfg.sliding_window)
         )
+        #: each layer's own window, masked in its attention: the model's, or a local layer's
+        #: (Gemma's sliding layers, whose keys stay held for its global ones)
+        self.layer_windows: list[CacheWindow | None] = [
+            self.model_window if w is None else CacheWindow(0, w)
+            for w in map(cfg.layer_window, range(cfg.num_layers))
+        ]
         slots = num_blocks * block_size + 1
         self.pad_slot = slots - 1
         self.heads = cfg.num_heads

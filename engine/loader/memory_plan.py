@@ -544,8 +544,10 @@ def rope_bytes(cfg: ModelConfig) -> int:
     """RoPE's tables (:class:`engine.model.transformer.RotaryEmbedding`): fp32 cos and sin of
     every position up to the model's context, ``[max_position_embeddings, head_dim]`` each,
     moved to the device at the load's start and kept (128 MiB for Llama-3.1-8B); twice that
-    with LongRoPE, whose long factors have tables of their own (Phi-3's)."""
+    with LongRoPE, whose long factors have tables of their own (Phi-3's), or with local
+    layers that turn by a base of their own (Gemma's)."""
     tables = 2 if cfg.rope_scaling.kind == "longrope" else 1
+    tables += bool(cfg.local_layers and cfg.local_rope_theta is not None)
     return tables * 2 * cfg.max_position_embeddings * cfg.head_dim * 4
 
 

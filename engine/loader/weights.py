@@ -57,6 +57,12 @@ _LAYER_NAMES: dict[str, tuple[str, int | None]] = {
     "self_attn.q_norm.weight": ("attn.q_norm_weight", None),  # Qwen3
     "self_attn.k_norm.weight": ("attn.k_norm_weight", None),
 }
+#: Gemma's four norms of a layer, where they differ from Llama's (see ``DecoderLayer``)
+_GEMMA_NAMES: dict[str, tuple[str, int | None]] = {
+    "post_attention_layernorm.weight": ("attn_out_norm.weight", None),
+    "pre_feedforward_layernorm.weight": ("post_attn_norm.weight", None),
+    "post_feedforward_layernorm.weight": ("mlp_out_norm.weight", None),
+}
 _TOP_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -139,6 +145,8 @@ def load_transformer(
             model.embed = VocabParallelEmbedding(start, stop, cfg.hidden_size)  # type: ignore[assignment]
             model.lm_head = nn.Linear(cfg.hidden_size, stop - start, bias=False)
     model.rope = model.rope.to(device)  # real buffers (built on the CPU), not meta
+    if model.rope_local is not None:
+        model.rope_local = model.rope_local.to(device)
 
     tensors: Iterable[tuple[str, Tensor]]
     read: Callable[[str], Tensor]
@@ -158,10 +166,12 @@ def load_transformer(
     # where the final norm makes activations large, and the inverse is folded into that norm.
     # Read first, so the head is quantized the moment it arrives, never held in fp32.
     head_scale = (
-        head_channel_scale(read("model.norm.weight").float()) if head_kind is not None else None
+        head_channel_scale(folded_norm("norm.weight", read("model.norm.weight"), cfg))
+        if head_kind is not None
+        else None
     )
     for hf_name, tensor in tensors:
-        target = _map_name(hf_name)
+        target = _map_name(hf_name, cfg)
         if target is None:
             continue
         ours, part = target
@@ -192,7 +202,7 @@ def load_transformer(
             tensor = fusing.pop(ours).tensor
         else:
             # converted on the host, then moved: the device never holds a second copy
-            tensor = tensor.to(dtype=store).to(device)
+            tensor = folded_norm(ours, tensor, cfg).to(dtype=store).to(device)
         if rotary is not None and ours.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
             tensor = permute_rotary_rows(tensor, cfg, rotary)  # a partly rotated head's order
         if is_head:
@@ -333,16 +343,28 @@ def _quantize_into(
     setattr(parent, attr, quantized_linear(weight, bias, kind, dtype))
 
 
-def _map_name(hf_name: str) -> tuple[str, int | None] | None:
+def _map_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     if _IGNORED.search(hf_name):
         return None
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name], None
     m = _LAYER.match(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        ours, part = _LAYER_NAMES[m.group(2)]
+    names = {**_LAYER_NAMES, **_GEMMA_NAMES} if cfg.gemma else _LAYER_NAMES
+    if m and m.group(2) in names:
+        ours, part = names[m.group(2)]
         return f"layers.{m.group(1)}.{ours}", part
     raise ModelLoadError(f"unexpected tensor {hf_name!r}; is this a Llama/Qwen2 checkpoint?")
+
+
+def folded_norm(ours: str, tensor: Tensor, cfg: ModelConfig) -> Tensor:
+    """A norm's weight as our RMSNorm multiplies by it: Gemma stores ``w`` of ``(1 + w)``,
+    here ``1 + w`` in fp32 (and its q norm times :attr:`ModelConfig.query_scale`, which
+    brings attention's 1/sqrt(head_dim) to the model's own scale); any other tensor as it
+    is."""
+    if not cfg.gemma or not ours.endswith(("norm.weight", "norm_weight")):
+        return tensor
+    weight = tensor.float() + 1.0
+    return weight * cfg.query_scale if ours.endswith("q_norm_weight") else weight
 
 
 def _expected_parameters(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Size]:

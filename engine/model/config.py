@@ -19,7 +19,12 @@ class Architecture:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     #: how the config's ``sliding_window`` applies: not at all, to every layer (Mistral), or
     #: to the layers it marks behind ``use_sliding_window`` (Qwen2, Qwen3)
-    window: Literal["ignored", "every_layer", "opt_in"] = "ignored"
+    window: Literal["ignored", "every_layer", "opt_in", "local_layers"] = "ignored"
+    #: Gemma's layer: RMSNorm weights stored as offsets from 1 (``(1 + w)``), norms after
+    #: attention and after the MLP as well as before them, GeGLU, embeddings scaled by
+    #: sqrt(hidden), attention scaled by ``query_pre_attn_scalar``, and local (sliding) layers
+    #: with a RoPE base of their own between the global ones
+    gemma: bool = False
 
 
 #: HF ``model_type`` values whose checkpoints this engine runs.
@@ -31,6 +36,8 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     # Phi-3 and Phi-4: q/k/v and gate/up fused in the checkpoint itself, LongRoPE on the long
     # context variants, a window on every layer where the config sets one
     "phi3": Architecture(window="every_layer"),
+    # Gemma 3's text model (the 1B checkpoint; the larger ones' language model is the same)
+    "gemma3_text": Architecture(qk_norm=True, window="local_layers", gemma=True),
 }
 
 
@@ -78,6 +85,33 @@ class ModelConfig:
     #: the leading dimensions of each q/k head that RoPE rotates (``partial_rotary_factor`` of
     #: the head: Phi-4-mini's 0.75); 0 for every one
     partial_rotary_dim: int = 0
+    #: Gemma's layer (:class:`Architecture`); the fields below hold its numbers
+    gemma: bool = False
+    #: the MLP's activation of the gate: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)
+    activation: str = "silu"
+    #: what the embedding rows are multiplied by (rounded to the activations' dtype), or None
+    embed_scale: float | None = None
+    #: the final logits pass through ``cap · tanh(logits / cap)``; None: as they are
+    final_softcap: float | None = None
+    #: what each query is multiplied by at load (folded into its projection or its norm) so
+    #: that attention's 1/sqrt(head_dim) comes to the model's own scale
+    query_scale: float = 1.0
+    #: the window of the local (sliding) layers, ``local_layers``; None: no such layers
+    local_window: int | None = None
+    local_layers: tuple[int, ...] = ()
+    #: the local layers' RoPE base (no scaling); None: they turn as the others do
+    local_rope_theta: float | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of ``layer`` alone (a local layer's), beside the model's
+        :attr:`sliding_window`; None for a global layer."""
+        return self.local_window if layer in self.local_layers else None
+
+    @property
+    def layer_extras(self) -> str:
+        """What this model's layers do beyond Llama's, for the paths that run Llama's layer
+        only (the C decode step, the fused W8A8 layer, the Triton attention): "" for none."""
+        return "Gemma's layer (extra norms, GeGLU, local layers)" if self.gemma else ""
 
     @property
     def rotary_dim(self) -> int:
@@ -109,7 +143,10 @@ class ModelConfig:
             # transformers >= 5 keeps RoPE settings in `rope_parameters`; older configs use
             # top-level `rope_theta` and `rope_scaling`.
             rope = raw.get("rope_parameters") or {}
-            theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+            if arch_window(model_type) == "local_layers":  # per layer kind: the global ones'
+                rope = rope.get("full_attention") or {}
+            base = 1_000_000.0 if arch_window(model_type) == "local_layers" else 10000.0
+            theta = raw.get("rope_theta", rope.get("rope_theta", base))
             arch = SUPPORTED_ARCHITECTURES[model_type]
             context = int(raw.get("max_position_embeddings", 2048))
             cfg = cls(
@@ -133,6 +170,7 @@ class ModelConfig:
                 qk_norm=arch.qk_norm,
                 sliding_window=_sliding_window(raw, arch, context),
                 partial_rotary_dim=_partial_rotary_dim(raw, rope, head_dim),
+                **(_gemma(raw, head_dim, context) if arch.gemma else {}),
             )
         except KeyError as exc:
             raise ModelLoadError(
@@ -192,6 +230,60 @@ class ModelConfig:
             )
 
 
+def arch_window(model_type: str) -> str:
+    return SUPPORTED_ARCHITECTURES[model_type].window
+
+
+def _gemma(raw: dict[str, Any], head_dim: int, context: int) -> dict[str, Any]:
+    """Gemma 3's numbers, as Gemma3TextConfig reads them: its layer kinds (``layer_types``,
+    else every ``sliding_window_pattern``-th layer global), the local layers' window and RoPE
+    base (``rope_parameters.sliding_attention`` or ``rope_local_base_freq``), the attention's
+    ``query_pre_attn_scalar`` and the final soft-cap. Attention soft-capping (Gemma 2's) is
+    refused by name."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError(
+            "attn_logit_softcapping (Gemma 2's attention soft-capping) is not run yet; Gemma 3 "
+            "checkpoints leave it unset"
+        )
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention (an encoder) is not run")
+    activation = str(raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh")
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(
+            f"hidden_activation {activation!r}: Gemma runs gelu_pytorch_tanh"
+        )
+    layers = int(raw["num_hidden_layers"])
+    pattern = int(raw.get("sliding_window_pattern", 6))
+    kinds = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(
+            f"config.json: layer_types must name {layers} layers, each sliding_attention or "
+            "full_attention"
+        )
+    window = _opt_int(raw.get("sliding_window"))
+    local = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    if window is None or window >= context:
+        local, window = (), None  # a window no shorter than the context is none
+    rope = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if str(rope.get("rope_type", "default")) != "default":
+        raise UnsupportedModelError("RoPE scaling on Gemma's local layers is not run")
+    theta = float(rope.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
+    softcap = raw.get("final_logit_softcapping")
+    scalar = float(raw.get("query_pre_attn_scalar") or head_dim)
+    return {
+        "gemma": True,
+        "activation": "gelu_tanh",
+        "embed_scale": float(raw["hidden_size"]) ** 0.5,
+        "final_softcap": None if softcap is None else float(softcap),
+        "query_scale": (head_dim / scalar) ** 0.5,
+        "local_window": window,
+        "local_layers": local,
+        "local_rope_theta": theta,
+    }
+
+
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -213,8 +305,8 @@ def _sliding_window(raw: dict[str, Any], arch: Architecture, context: int) -> in
     on none runs here, a mix of the two does not. A window no shorter than the context is none.
     """
     window = _opt_int(raw.get("sliding_window"))
-    if window is None or arch.window == "ignored":
-        return None
+    if window is None or arch.window in ("ignored", "local_layers"):
+        return None  # Gemma's is its local layers' alone: :func:`_gemma`
     if arch.window == "opt_in":
         if not raw.get("use_sliding_window"):
             return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.attention import AttentionContext
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, RopeScaling
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -268,9 +268,17 @@ class Attention(nn.Module):
         qk[:, heads:] = rms_norm(qk[:, heads:], k_weight, self.norm_eps)
 
 
+#: the MLP's gate activations, by :attr:`ModelConfig.activation`
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[cfg.activation]
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -279,7 +287,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -324,6 +332,12 @@ class DecoderLayer(nn.Module):
         self.ops = TORCH_OPS
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        #: Gemma's norms of the attention's and the MLP's outputs, before each residual add
+        #: (its ``post_attention_layernorm`` and ``post_feedforward_layernorm``; its
+        #: ``pre_feedforward_layernorm`` is :attr:`post_attn_norm`, as Llama's norm before the
+        #: MLP); None in Llama's layer
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.gemma else None
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.gemma else None
         #: the whole layer in fewer, fused calls where its quantization has them (W8A8 on a
         #: CPU: :func:`engine.quant.w8a8.fused_layer`); it returns None for a step it does not
         #: take (few rows, say), which then runs the code below
@@ -336,9 +350,14 @@ class DecoderLayer(nn.Module):
                 return out
         ops, eps = self.ops, self.input_norm.eps
         attended = self.attn(ops.rms_norm(x, self.input_norm.weight, eps), cos, sin, ctx)
+        if self.attn_out_norm is not None:
+            attended = ops.rms_norm(attended, self.attn_out_norm.weight, eps)
         # the residual add and the norm after it, one pass where ours run
         h, x = ops.add_rms_norm(attended, x, self.post_attn_norm.weight, self.post_attn_norm.eps)
-        return x + self.mlp(h)
+        out = self.mlp(h)
+        if self.mlp_out_norm is not None:
+            out = ops.rms_norm(out, self.mlp_out_norm.weight, eps)
+        return x + out
 
 
 class Transformer(nn.Module):
@@ -353,6 +372,13 @@ class Transformer(nn.Module):
         )
         with torch.device("cpu"):
             self.rope = RotaryEmbedding(cfg)
+            #: the local layers' own tables (Gemma's, another base, no scaling); None: every
+            #: layer turns by :attr:`rope`
+            self.rope_local = (
+                RotaryEmbedding(replace(cfg, rope_theta=cfg.local_rope_theta,
+                                        rope_scaling=RopeScaling()))
+                if cfg.local_layers and cfg.local_rope_theta is not None else None
+            )  # fmt: skip
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -390,8 +416,23 @@ class Transformer(nn.Module):
         if self.announce is not None:  # the other ranks run this forward beside us
             self.announce(input_ids, positions, ctx, logits_indices)
         with torch.inference_mode():
-            x = self.embed(input_ids)
-            return self.body(x, positions, ctx, logits_indices)
+            return self.body(self.embed_ids(input_ids), positions, ctx, logits_indices)
+
+    def embed_ids(self, input_ids: Tensor) -> Tensor:
+        """The rows of ``input_ids``, scaled where the model scales them (Gemma: by
+        sqrt(hidden) rounded to the rows' dtype, as transformers does)."""
+        x = self.embed(input_ids)
+        scale = self.cfg.embed_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
+
+    def angles(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's ``(cos, signed sin)`` of ``positions`` (:meth:`RotaryEmbedding.angles`),
+        looked up once per table: a local layer's from :attr:`rope_local` where it has one."""
+        both = self.rope.angles(positions, dtype)
+        if self.rope_local is None:
+            return [both] * len(self.layers)
+        local = self.rope_local.angles(positions, dtype)
+        return [local if i in self.cfg.local_layers else both for i in range(len(self.layers))]
 
     def set_parallel(
         self,
@@ -427,8 +468,7 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Everything after the embedding, one operator at a time (what the decode graph
         compiles)."""
-        cos, sin = self.rope.angles(positions, x.dtype)
-        for layer in self.layers:
+        for layer, (cos, sin) in zip(self.layers, self.angles(positions, x.dtype), strict=True):
             x = layer(x, cos, sin, ctx)
         return self.head(x, logits_indices)
 
@@ -443,4 +483,6 @@ class Transformer(nn.Module):
                 return x.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
             x = x[logits_indices]
         logits = self.lm_head(self.norm(x)).float()
-        return logits if self.gather is None else self.gather(logits)
+        logits = logits if self.gather is None else self.gather(logits)
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -304,7 +304,11 @@ def fuse_layers(model: Transformer, lib: native.Library | None = None) -> int:
         layer = cast(DecoderLayer, module)
         products = (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj)  # fmt: skip
-        ours = run is not None and all(isinstance(p, W8A8Linear) for p in products)
+        ours = (
+            run is not None
+            and not model.cfg.layer_extras  # it runs Llama's layer
+            and all(isinstance(p, W8A8Linear) for p in products)
+        )
         layer.fused = run if ours else None
         count += ours
     return count

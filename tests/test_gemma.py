@@ -1,0 +1,112 @@
+"""Gemma 3 (``model_type: gemma3_text``) against transformers' own ``Gemma3ForCausalLM``:
+norms of ``(1 + w)`` before and after attention and the MLP, GeGLU, scaled embeddings, the
+attention scaled by ``query_pre_attn_scalar``, local layers with a window and a RoPE base of
+their own between global ones, soft-capped logits; what the engine does not run is refused by
+name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig
+from engine.core.sampling import SamplingParams
+from engine.core.scheduler import SchedulerLimits
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.loader.load import load_model
+from engine.model.config import ModelConfig
+from tests.conftest import TINY, TINY_ARCH
+from tests.test_exactness_tiny import hf_greedy, hf_logits, tiny_prompt
+from tests.test_phi3 import engine_steps, hf_steps, ours_step_by_step, run_ragged
+
+STEPS = 32
+GEMMA = {"model_type": "gemma3_text", **TINY, **TINY_ARCH["gemma3_text"]}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gemma3_gives_transformers_logits_and_greedy_ids(tiny_model_dir, tied):
+    folder, hf = tiny_model_dir("gemma3_text", tied)
+    engine = load_model(folder, precision="fp32")
+    assert engine.cfg.local_layers == (0, 2) and engine.cfg.local_window == 8
+    prompt = tiny_prompt(hf)
+    assert len(prompt) + STEPS > 4 * 8  # the local layers' window slides a long way
+    ref_ids = hf_greedy(hf, prompt)
+    logits, ids = ours_step_by_step(engine, prompt.tolist(), STEPS)
+    ref = hf_logits(hf, torch.cat([prompt, torch.tensor(ref_ids[:-1])]))[len(prompt) - 1 :]
+    assert ids == ref_ids
+    assert (logits - ref).abs().max().item() <= 1e-4
+    assert logits.abs().max().item() < 3.0  # soft-capped
+    params = SamplingParams(max_new_tokens=STEPS, ignore_eos=True)
+    assert [e.token_id for e in engine.generate(prompt.tolist(), params)] == ref_ids
+
+
+def test_gemma3_through_the_scheduler_gives_each_steps_logits(tiny_model_dir):
+    """The paged cache in blocks of 4, the window of 8 spanning blocks: each step's logits as
+    transformers' with its own cache."""
+    folder, hf = tiny_model_dir("gemma3_text", True)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, num_blocks=48))
+    prompt = tiny_prompt(hf)
+    ref_ids, ref = hf_steps(hf, prompt, STEPS)
+    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)
+    assert ids == ref_ids
+    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "lookup-drafts"])
+def test_gemma3_in_a_ragged_batch_sharing_a_prefix_gives_each_prompts_own_ids(
+    tiny_model_dir, speculative
+):
+    """Four prompts of 13 to 40 tokens on one 12-token prefix, arriving a step apart in
+    chunks of at most 16 tokens, repetitive enough that lookup drafts get accepted: each
+    one's ids are transformers' for it alone, and the shared prefix is read from the cache."""
+    from engine.speculative.config import parse_speculative
+
+    folder, hf = tiny_model_dir("gemma3_text", False)
+    limits = SchedulerLimits(max_tokens_per_step=16)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, limits=limits))
+    if speculative:
+        engine.set_speculation(parse_speculative("lookup", 3, adaptive=False))
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, TINY["vocab_size"], (12,), generator=gen)
+    prompts = []
+    for n in (1, 9, 20, 28):
+        motif = torch.randint(0, TINY["vocab_size"], (3,), generator=gen)
+        prompts.append(torch.cat([prefix, motif.repeat(n // 3 + 1)[:n]]))
+    got = run_ragged(engine, [p.tolist() for p in prompts], 20)
+    for prompt, ids in zip(prompts, got, strict=True):
+        assert ids == hf_steps(hf, prompt, 20)[0]
+    assert engine.metrics().prefix_cache_hit_tokens >= 3 * 12 - 4  # whole blocks of it
+    if speculative:
+        assert engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_gemma3s_config_as_transformers_reads_it():
+    cfg = ModelConfig.from_dict(GEMMA)
+    assert (cfg.local_layers, cfg.local_window, cfg.sliding_window) == ((0, 2), 8, None)
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (5000.0, 300.0)
+    assert cfg.query_scale == pytest.approx((16 / 8) ** 0.5)
+    assert cfg.embed_scale == pytest.approx(64**0.5) and cfg.final_softcap == 3.0
+    # transformers 5's layout: RoPE per layer kind; the global layers' scaled
+    raw = {k: v for k, v in GEMMA.items() if k not in ("rope_theta", "rope_local_base_freq")}
+    raw["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (1e6, 1e4)
+    assert (cfg.rope_scaling.kind, cfg.rope_scaling.factor) == ("linear", 8.0)
+    # without layer_types: every sixth layer global, as Gemma3TextConfig says
+    raw = {k: v for k, v in GEMMA.items() if k != "layer_types"} | {"num_hidden_layers": 7}
+    assert ModelConfig.from_dict(raw).local_layers == (0, 1, 2, 3, 4, 6)
+    # a window no shorter than the context: no local layers
+    assert ModelConfig.from_dict({**GEMMA, "sliding_window": 256}).local_layers == ()
+
+
+def test_what_gemma_runs_not_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
+        ModelConfig.from_dict({**GEMMA, "attn_logit_softcapping": 50.0})
+    with pytest.raises(ModelLoadError, match="layer_types must name 3 layers"):
+        ModelConfig.from_dict({**GEMMA, "layer_types": ["full_attention"]})
+    with pytest.raises(UnsupportedModelError, match="hidden_activation 'silu'"):
+        ModelConfig.from_dict({**GEMMA, "hidden_activation": "silu"})
