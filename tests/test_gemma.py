@@ -110,3 +110,66 @@ def test_what_gemma_runs_not_is_refused_by_name():
         ModelConfig.from_dict({**GEMMA, "layer_types": ["full_attention"]})
     with pytest.raises(UnsupportedModelError, match="hidden_activation 'silu'"):
         ModelConfig.from_dict({**GEMMA, "hidden_activation": "silu"})
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_an_image_and_text_gemma3_loads_its_language_model(tiny_model_dir, tmp_path, prefix):
+    """A published Gemma 3 of 4B and up is the image-and-text model: ``model_type: gemma3``,
+    its language model's numbers in ``text_config`` over Gemma3TextConfig's defaults, its
+    tensors under transformers 5's prefix (or 4's), beside a vision tower. The engine loads the
+    language model alone, with transformers' text model's logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder, hf = tiny_model_dir("gemma3_text", True)
+    text = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "eos_token_id": [2, 5], "torch_dtype": "float32",
+        "text_config": {k: v for k, v in text.items() if k not in ("eos_token_id", "dtype")},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }))  # fmt: skip
+    tensors = {
+        prefix + name.removeprefix("model."): t
+        for name, t in load_file(folder / "model.safetensors").items()
+    }
+    tensors["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(4)
+    tensors["model.multi_modal_projector.mm_soft_emb_norm.weight"] = torch.ones(4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    engine = load_model(tmp_path, precision="fp32")
+    assert engine.cfg.model_type == "gemma3_text" and engine.cfg.eos_token_ids == (2, 5)
+    prompt = tiny_prompt(hf)
+    ref = hf_logits(hf, prompt)
+    ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(len(prompt)), 0)
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_gemma_3_12bs_published_config_reads_as_gemma3textconfig_does():
+    import json
+
+    import transformers
+
+    from engine.store.synthetic_store import CONFIGS
+
+    raw = json.loads((CONFIGS / "gemma-3-12b.json").read_text())
+    ours = ModelConfig.from_dict(raw)
+    theirs = transformers.Gemma3TextConfig(**raw["text_config"])
+    assert (ours.hidden_size, ours.num_layers, ours.num_heads, ours.num_kv_heads) == (
+        theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+    )  # fmt: skip
+    assert (ours.head_dim, ours.vocab_size, ours.local_window) == (
+        theirs.head_dim,
+        theirs.vocab_size,
+        theirs.sliding_window,
+    )
+    kinds = theirs.layer_types
+    assert ours.local_layers == tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+    full, local = (
+        theirs.rope_parameters["full_attention"],
+        theirs.rope_parameters["sliding_attention"],
+    )
+    assert (ours.rope_theta, ours.local_rope_theta) == (full["rope_theta"], local["rope_theta"])
+    assert (ours.rope_scaling.kind, ours.rope_scaling.factor) == (full["rope_type"], full["factor"])
+    assert ours.query_scale == 1.0 and ours.eos_token_ids == (1, 106)

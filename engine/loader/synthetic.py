@@ -86,8 +86,8 @@ class SyntheticCheckpoint:
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF names and shapes of a Llama-family checkpoint of ``cfg`` (biases where the config
-    has them, Qwen3's q/k norms, the LM head unless tied; Phi-3's q/k/v and gate/up fused, as
-    its checkpoints hold them)."""
+    has them, Qwen3's and Gemma's q/k norms, Gemma's norms around the MLP, the LM head unless
+    tied; Phi-3's q/k/v and gate/up fused, as its checkpoints hold them)."""
     hidden, inner, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hidden)}
     for i in range(cfg.num_layers):
@@ -117,6 +117,9 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (cfg.kv_size,),
                 p + "self_attn.v_proj.bias": (cfg.kv_size,),
             }
+        if cfg.gemma:  # norms after attention and the MLP, and one before the MLP
+            shapes |= {p + "pre_feedforward_layernorm.weight": (hidden,),
+                       p + "post_feedforward_layernorm.weight": (hidden,)}  # fmt: skip
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (head_dim,),
                        p + "self_attn.k_norm.weight": (head_dim,)}  # fmt: skip

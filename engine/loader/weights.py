@@ -166,7 +166,7 @@ def load_transformer(
     # where the final norm makes activations large, and the inverse is folded into that norm.
     # Read first, so the head is quantized the moment it arrives, never held in fp32.
     head_scale = (
-        head_channel_scale(folded_norm("norm.weight", read("model.norm.weight"), cfg))
+        head_channel_scale(folded_norm("norm.weight", _final_norm(read, cfg), cfg))
         if head_kind is not None
         else None
     )
@@ -343,9 +343,22 @@ def _quantize_into(
     setattr(parent, attr, quantized_linear(weight, bias, kind, dtype))
 
 
+#: the image side of an image-and-text checkpoint (Gemma 3's), which a text model leaves
+_IMAGE_PARTS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+#: where an image-and-text checkpoint keeps its language model's tensors: transformers 4's
+#: ``language_model.model.…`` and 5's ``model.language_model.…``, for ``model.…``
+_LANGUAGE_MODEL = re.compile(r"^(language_model\.model\.|model\.language_model\.)")
+
+
 def _map_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     if _IGNORED.search(hf_name):
         return None
+    if cfg.gemma:
+        if _IMAGE_PARTS.match(hf_name):
+            return None
+        hf_name = _LANGUAGE_MODEL.sub("model.", hf_name).replace(
+            "language_model.lm_head", "lm_head"
+        )
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name], None
     m = _LAYER.match(hf_name)
@@ -354,6 +367,20 @@ def _map_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
         ours, part = names[m.group(2)]
         return f"layers.{m.group(1)}.{ours}", part
     raise ModelLoadError(f"unexpected tensor {hf_name!r}; is this a Llama/Qwen2 checkpoint?")
+
+
+def _final_norm(read: Callable[[str], Tensor], cfg: ModelConfig) -> Tensor:
+    """The final norm's weight as the checkpoint holds it (an image-and-text Gemma's under its
+    language model's prefix)."""
+    names = ["model.norm.weight"]
+    if cfg.gemma:
+        names += ["language_model.model.norm.weight", "model.language_model.norm.weight"]
+    for name in names[:-1]:
+        try:
+            return read(name)
+        except ModelLoadError:
+            continue
+    return read(names[-1])
 
 
 def folded_norm(ours: str, tensor: Tensor, cfg: ModelConfig) -> Tensor:

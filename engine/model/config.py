@@ -128,6 +128,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        raw = _language_model(raw)
         model_type = str(raw.get("model_type", "")).lower()
         if model_type not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
@@ -228,6 +229,31 @@ class ModelConfig:
             raise ModelLoadError(
                 f"config.json: sliding_window must be positive, got {self.sliding_window}"
             )
+
+
+#: Gemma3TextConfig's defaults: a published Gemma 3's ``text_config`` names only the others
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+}  # fmt: skip
+
+
+def _language_model(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config of the language model a checkpoint holds: Gemma 3's own where it is the
+    image-and-text model (``gemma3``, its language model's in ``text_config``, the token ids
+    and dtype beside it), with Gemma3TextConfig's defaults under what it names."""
+    kind = str(raw.get("model_type", "")).lower()
+    if kind == "gemma3" and isinstance(raw.get("text_config"), dict):
+        outer = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype",
+                                     "tie_word_embeddings") if raw.get(k) is not None}  # fmt: skip
+        raw = {**outer, **raw["text_config"], "model_type": "gemma3_text"}
+        kind = "gemma3_text"
+    if kind == "gemma3_text":
+        return {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+    return raw
 
 
 def arch_window(model_type: str) -> str:
