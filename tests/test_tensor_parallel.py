@@ -124,7 +124,7 @@ BREADTH = pytest.mark.breadth  # the same paths as the first case: left out of t
     [("llama", False), pytest.param("llama", True, marks=BREADTH),
      pytest.param("qwen2", False, marks=BREADTH), ("qwen2", True), ("qwen3", False),
      pytest.param("qwen3", True, marks=BREADTH), ("mistral", False),
-     pytest.param("mistral", True, marks=BREADTH), ("phi3", False)],
+     pytest.param("mistral", True, marks=BREADTH), ("phi3", False), ("gemma3_text", False)],
 )  # fmt: skip
 def test_two_ranks_give_one_processs_ids_and_logits(tiny_model_dir, split, arch, tied) -> None:
     """fp32: the prompt's logits within 1e-4 of one process's (only the order of two sums a
