@@ -86,8 +86,10 @@ TINY = dict(
 
 
 def rope_theta(config: object) -> float:
-    """RoPE base of a transformers config (``rope_parameters`` in v5, ``rope_theta`` before)."""
+    """RoPE base of a transformers config (``rope_parameters`` in v5, ``rope_theta`` before;
+    the global layers' where each kind of layer has its own)."""
     params = getattr(config, "rope_parameters", None) or {}
+    params = params.get("full_attention", params)  # per layer kind (Gemma 3): the global ones'
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 

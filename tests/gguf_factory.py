@@ -86,7 +86,7 @@ def write_gguf(
     tensor_type_override: str | None = None,
     extra_uint16: dict[str, int] | None = None,
 ) -> Path:
-    """Write ``hf_model`` (a tiny transformers Llama/Qwen2/Phi-3) as a GGUF of ``arch``.
+    """Write ``hf_model`` (a tiny transformers Llama/Qwen2/Phi-3/Gemma 3) as a GGUF of ``arch``.
 
     ``quant`` is the type of 2-D weight matrices (``F32``, ``F16``, ``Q8_0``, ``Q4_0`` …);
     norms stay F32 as in llama.cpp. ``arch`` may name an architecture we do not support.
@@ -149,6 +149,19 @@ def write_gguf(
     }
     if arch == "phi3":
         _phi3_metadata(writer, cfg)
+    if arch == "gemma3":  # its norms, as llama.cpp's converter names them
+        layer |= {
+            "self_attn.q_norm.weight": "attn_q_norm.weight",
+            "self_attn.k_norm.weight": "attn_k_norm.weight",
+            "post_attention_layernorm.weight": "post_attention_norm.weight",
+            "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+            "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+        }
+        writer.add_sliding_window(cfg.sliding_window)
+        scaling = cfg.rope_parameters["full_attention"]
+        if scaling.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(scaling["factor"])
     state = hf_model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -159,6 +172,8 @@ def write_gguf(
             _, _, idx, rest = hf_name.split(".", 3)
             name = f"blk.{idx}.{layer[rest]}"
         data = tensor.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's 1 + w, stored so
+            data = data + np.float32(1.0)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
             data = permute_rotary(data, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):

@@ -173,3 +173,68 @@ def test_gemma_3_12bs_published_config_reads_as_gemma3textconfig_does():
     assert (ours.rope_theta, ours.local_rope_theta) == (full["rope_theta"], local["rope_theta"])
     assert (ours.rope_scaling.kind, ours.rope_scaling.factor) == (full["rope_type"], full["factor"])
     assert ours.query_scale == 1.0 and ours.eos_token_ids == (1, 106)
+
+
+def gemma3_as_llama_cpp_has_it(**overrides):
+    """A tiny Gemma 3 with what llama.cpp fixes for every Gemma 3: every sixth layer global,
+    the local layers on RoPE base 10000, the attention over the head's width; the global
+    layers' RoPE scaled linearly, as the 4B and larger are."""
+    from tests.conftest import build_tiny_hf
+
+    return build_tiny_hf(
+        "gemma3_text", tied=True, num_hidden_layers=7, layer_types=None,
+        rope_local_base_freq=10000.0, query_pre_attn_scalar=16, final_logit_softcapping=None,
+        rope_scaling={"rope_type": "linear", "factor": 4.0}, **overrides,
+    )  # fmt: skip
+
+
+def test_a_gemma3_gguf_imports_to_transformers_logits(tmp_path):
+    """A Gemma 3 GGUF as llama.cpp's converter lays it out (its norms stored as 1 + w, its
+    q/k norms, no row permuted, the window and the linear RoPE scaling as metadata),
+    imported into a folder: the original's config and transformers' logits."""
+    from engine.store.gguf_import import import_gguf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = gemma3_as_llama_cpp_has_it()
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    assert cfg.local_layers == (0, 1, 2, 3, 4, 6)
+    gguf = write_like_llama_cpp(hf, tmp_path / "gemma.gguf", arch="gemma3")
+    folder = tmp_path / "imported"
+    import_gguf(gguf, folder, dtype="fp32")
+    imported = ModelConfig.from_file(folder / "config.json")
+    for field in ("local_layers", "local_window", "local_rope_theta", "rope_theta",
+                  "rope_scaling", "query_scale", "head_dim", "embed_scale"):  # fmt: skip
+        assert getattr(imported, field) == getattr(cfg, field), field
+    engine = load_model(folder, precision="fp32")
+    prompt = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(4))
+    ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(40), 0)
+    assert (ours - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
+
+
+def test_our_gemma3_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path):
+    """The benchmark peer's GGUF (:mod:`engine.store.gguf_writer`) of a Gemma 3: the same
+    tensors under the same names, norms as 1 + w, and the same Gemma 3 metadata; a Gemma 3
+    whose layers llama.cpp could not read as it wrote them is refused."""
+    import numpy as np
+
+    from engine.store.gguf_reader import gguf_metadata, open_gguf
+    from engine.store.gguf_writer import write_gguf
+    from tests.conftest import build_tiny_hf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = gemma3_as_llama_cpp_has_it()
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    tokens = [f"t{i}" for i in range(cfg.vocab_size)]
+    saved = [(n, t) for n, t in hf.state_dict().items() if n != "lm_head.weight"]  # tied
+    ours = open_gguf(write_gguf(tmp_path / "ours.gguf", cfg, saved, name="t", tokens=tokens))
+    want = open_gguf(write_like_llama_cpp(hf, tmp_path / "want.gguf", arch="gemma3", quant="F16"))
+    got = {t.name: t for t in ours.tensors}
+    assert set(got) == {t.name for t in want.tensors}
+    for tensor in want.tensors:
+        assert np.array_equal(got[tensor.name].data, tensor.data), tensor.name
+    keys = ("gemma3.attention.sliding_window", "gemma3.rope.freq_base")
+    assert all(gguf_metadata(ours)[k] == pytest.approx(gguf_metadata(want)[k]) for k in keys)
+    assert gguf_metadata(ours)["gemma3.rope.scaling.factor"] == 4.0
+    odd = ModelConfig.from_dict(build_tiny_hf("gemma3_text", tied=True).config.to_dict())
+    with pytest.raises(ValueError, match="layer pattern, local RoPE base and attention scale"):
+        write_gguf(tmp_path / "odd.gguf", odd, [], name="t", tokens=tokens)

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.store.gguf_reader import (
+    NORM_SHIFT,
     dequantize_tensor,
     gguf_metadata,
     gguf_sampling,
@@ -202,6 +203,8 @@ def _write_tensors(
             array = unpermute_rotary(array, config["num_attention_heads"])
         elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             array = unpermute_rotary(array, config["num_key_value_heads"])
+        if arch in NORM_SHIFT and t.name.endswith("norm.weight"):  # back to HF's ``w``
+            array = array.astype(np.float32) - NORM_SHIFT[arch]
         if not array.flags.writeable:  # F32/F16 tensors come straight from the mmap
             array = array.copy()
         tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)

@@ -19,14 +19,29 @@ import numpy as np
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model.config import ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma3")
 #: the transformers class each architecture's folder names
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM",
+               "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
+#: the ``model_type`` of each architecture where it is not llama.cpp's name
+MODEL_TYPES = {"gemma3": "gemma3_text"}
 #: Phi-3's tensors where llama.cpp keeps them fused as the checkpoint does (q/k/v; gate/up)
 _PHI3_TENSORS = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+#: Gemma 3's: its q/k norms and its four norms of a layer (``ffn_norm`` before the MLP)
+_GEMMA3_TENSORS = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+#: per architecture, its tensors' names beyond (or in place of) Llama's
+_ARCH_TENSORS = {"phi3": _PHI3_TENSORS, "gemma3": _GEMMA3_TENSORS}
+#: llama.cpp's converter stores Gemma's norm weights ``w`` of ``(1 + w)`` as ``1 + w``
+NORM_SHIFT = {"gemma3": 1.0}
 
 _TOP_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -149,7 +164,7 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
     vocab = _array_length(reader, "tokenizer.ggml.tokens") or int(key("vocab_size"))
     config: dict[str, Any] = {
         "architectures": [_HF_CLASSES[arch]],
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
@@ -169,6 +184,8 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
         config["mlp_bias"] = False
     if arch == "phi3":
         config.update(_phi3_config(meta, reader, names, config))
+    if arch == "gemma3":
+        config.update(_gemma3_config(meta, config))
     if "rope_freqs.weight" in names:  # Llama 3's RoPE scaling, as llama.cpp keeps it
         divisors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = llama3_scaling(
@@ -225,6 +242,39 @@ def _phi3_config(
         if attention is not None and np.float32(attention) != np.float32(implied):
             scaling["attention_factor"] = float(attention)
         out["rope_scaling"] = scaling
+    return out
+
+
+#: llama.cpp's Gemma 3: every sixth layer global, the local ones on RoPE base 10000
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_BASE = 10000.0
+
+
+def _gemma3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's numbers as llama.cpp reads them: the head's width (``key_length``), the
+    local layers' window, every :data:`GEMMA3_PATTERN`-th layer global and the local ones
+    turning by :data:`GEMMA3_LOCAL_BASE` (``rope.freq_base_swa`` where the file says), the
+    global ones' linear RoPE scaling, and the attention's scale as llama.cpp derives it:
+    over the hidden size per head for the 62-layer 27B, over the head's width otherwise."""
+    head = int(meta.get("gemma3.attention.key_length") or config["head_dim"])
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    out: dict[str, Any] = {
+        "head_dim": head,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(meta.get("gemma3.attention.sliding_window") or 4096),
+        "layer_types": [
+            "sliding_attention" if (i + 1) % GEMMA3_PATTERN else "full_attention"
+            for i in range(layers)
+        ],
+        "rope_local_base_freq": float(meta.get("gemma3.rope.freq_base_swa") or GEMMA3_LOCAL_BASE),
+        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 else head,
+    }
+    if str(meta.get("gemma3.rope.scaling.type", "")) == "linear":
+        out["rope_scaling"] = {"rope_type": "linear",
+                               "factor": float(meta["gemma3.rope.scaling.factor"])}  # fmt: skip
+    softcap = meta.get("gemma3.final_logit_softcapping")
+    if softcap:
+        out["final_logit_softcapping"] = float(softcap)
     return out
 
 
@@ -331,7 +381,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     parts = gguf_name.split(".", 2)
     if len(parts) != 3 or parts[0] != "blk":
         return None
-    names = {**_LAYER_TENSORS, **_PHI3_TENSORS} if arch == "phi3" else _LAYER_TENSORS
+    names = {**_LAYER_TENSORS, **_ARCH_TENSORS.get(arch, {})}
     return f"model.layers.{parts[1]}.{names[parts[2]]}" if parts[2] in names else None
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.model.config import ModelConfig
+from engine.store.gguf_reader import GEMMA3_LOCAL_BASE, GEMMA3_PATTERN, NORM_SHIFT
 
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -47,8 +48,17 @@ _PHI3 = {
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
-#: the architectures this writes, as llama.cpp names them
-ARCHITECTURES = ("llama", "phi3")
+#: Gemma 3's, its norms where they differ from Llama's (``ffn_norm`` is the one before the MLP)
+_GEMMA3 = {
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_ARCH_NAMES = {"phi3": _PHI3, "gemma3": _GEMMA3}
+#: the architectures this writes, as llama.cpp names them, by our ``model_type``
+ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "gemma3_text": "gemma3"}
 
 #: llama.cpp's ``general.file_type`` for matrices in F16 (``LLAMA_FTYPE_MOSTLY_F16``)
 FILE_TYPE_F16 = 1
@@ -60,7 +70,7 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _TOP:
         return _TOP[hf_name]
     parts = hf_name.split(".", 3)
-    names = {**_LAYER, **_PHI3} if arch == "phi3" else _LAYER
+    names = {**_LAYER, **_ARCH_NAMES.get(arch, {})}
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
         return f"blk.{parts[2]}.{names[parts[3]]}"
     raise ValueError(f"{hf_name}: no GGUF name for this tensor of a {arch} checkpoint")
@@ -103,9 +113,9 @@ def write_gguf(
     converter writes them."""
     import gguf
 
-    arch = cfg.model_type
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"writing a GGUF of a {arch!r} model is not supported")
+    if cfg.model_type not in ARCHITECTURES:
+        raise ValueError(f"writing a GGUF of a {cfg.model_type!r} model is not supported")
+    arch = ARCHITECTURES[cfg.model_type]
     if len(tokens) != cfg.vocab_size:
         raise ValueError(f"{len(tokens)} tokens for a vocabulary of {cfg.vocab_size}")
     writer = gguf.GGUFWriter(str(path), arch)
@@ -137,9 +147,13 @@ def write_gguf(
         writer.add_tensor("rope_freqs.weight", divisors)
     if arch == "phi3":
         _phi3_extras(writer, cfg)
+    if arch == "gemma3":
+        _gemma3_extras(writer, cfg)
     for hf_name, tensor in tensors:
         host = tensor.detach().cpu()
         array = (host.float() if host.dim() == 1 else host.half()).numpy()
+        if arch in NORM_SHIFT and hf_name.endswith("norm.weight"):  # llama.cpp keeps 1 + w
+            array = array + np.float32(NORM_SHIFT[arch])
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")) and arch == "llama":
             array = permute_rotary(array, cfg.num_heads)
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")) and arch == "llama":
@@ -167,3 +181,28 @@ def _phi3_extras(writer: Any, cfg: ModelConfig) -> None:
     writer.add_float32("phi3.rope.scaling.attn_factor", rs.attention_factor)
     for kind, factors in (("long", rs.long_factor), ("short", rs.short_factor)):
         writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(factors, dtype=np.float32))
+
+
+def _gemma3_extras(writer: Any, cfg: ModelConfig) -> None:
+    """Gemma 3's window and its global layers' RoPE scaling as llama.cpp's converter writes
+    them; the rest llama.cpp fixes for every Gemma 3 (its layer pattern, the local RoPE base,
+    the attention's scale: :func:`engine.store.gguf_reader._gemma3_config`), which this
+    model must have."""
+    expected = tuple(i for i in range(cfg.num_layers) if (i + 1) % GEMMA3_PATTERN)
+    head = cfg.hidden_size // cfg.num_heads if cfg.num_layers == 62 else cfg.head_dim
+    if (
+        cfg.local_layers != expected
+        or cfg.local_rope_theta != GEMMA3_LOCAL_BASE
+        or abs(cfg.query_scale - (cfg.head_dim / head) ** 0.5) > 1e-12
+    ):
+        raise ValueError("llama.cpp's GGUF of a Gemma 3 holds its own layer pattern, local "
+                         "RoPE base and attention scale; this model's differ")  # fmt: skip
+    if cfg.local_window is not None:
+        writer.add_sliding_window(cfg.local_window)
+    if cfg.rope_scaling.kind == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scaling.factor)
+    if cfg.final_softcap is not None:
+        writer.add_final_logit_softcapping(cfg.final_softcap)
