@@ -99,8 +99,9 @@ def test_gemma3s_config_as_transformers_reads_it():
     # without layer_types: every sixth layer global, as Gemma3TextConfig says
     raw = {k: v for k, v in GEMMA.items() if k != "layer_types"} | {"num_hidden_layers": 7}
     assert ModelConfig.from_dict(raw).local_layers == (0, 1, 2, 3, 4, 6)
-    # a window no shorter than the context: no local layers
-    assert ModelConfig.from_dict({**GEMMA, "sliding_window": 256}).local_layers == ()
+    # a window no shorter than the context: none, while the local layers keep their RoPE
+    wide = ModelConfig.from_dict({**GEMMA, "sliding_window": 256})
+    assert (wide.local_window, wide.local_layers, wide.layer_windows) == (None, (0, 2), 1)
 
 
 def test_what_gemma_runs_not_is_refused_by_name():

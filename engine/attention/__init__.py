@@ -18,6 +18,8 @@ choose (:func:`planned`); the executors' compatibility table names backends the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.attention.paged import PagedBackend
@@ -53,8 +55,11 @@ def choose(
     return PagedBackend(device), f"torch attention ({failed})"
 
 
-def planned(device: torch.device, triton: bool) -> AttentionBackend:
+def planned(device: torch.device, triton: bool, cfg: Any = None) -> AttentionBackend:
     """The backend a load on ``device`` would choose, as the plan knows it (``triton``: our
-    kernels would attend, :func:`triton_support.planned`), without building or checking
-    anything (on this machine either: a plan neither builds the C kernel nor times a path)."""
-    return TritonBackend() if triton else PagedBackend(device, measure=False)
+    kernels would attend, :func:`triton_support.planned`, unless they refuse the model of
+    ``cfg``), without building or checking anything (on this machine either: a plan neither
+    builds the C kernel nor times a path)."""
+    if triton and (cfg is None or not TritonBackend.model_refusal(cfg)):
+        return TritonBackend()
+    return PagedBackend(device, measure=False)

@@ -96,7 +96,9 @@ class PagedBackend(AttentionBackend):
         torch path gathers (the C kernel reads the pool in place) the token's K and V."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         gathered = 0 if self.kernel(dtype) else 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-        return max_batch * max(DECODE_ROWS_BYTES, gathered + itemsize + SLOT_BYTES)
+        # a step keeps an additive mask per window its layers attend under (Gemma's two)
+        masks = (cfg.layer_windows - 1) * itemsize
+        return max_batch * (max(DECODE_ROWS_BYTES, gathered + itemsize + SLOT_BYTES) + masks)
 
     def prefill_bytes_per_token(self, cfg: ModelConfig, dtype: torch.dtype, chunk: int) -> int:
         """A prefill chunk of ``chunk`` queries: its keys' slots and positions (int64); through
@@ -113,7 +115,8 @@ class PagedBackend(AttentionBackend):
         row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
         group = cfg.num_heads // cfg.num_kv_heads
         negated = int(negates_mask(self.device))
-        return SLOT_BYTES + row + chunk * (1 + group * (1 + negated + itemsize))
+        # the boolean mask is kept a step for each window the layers attend under
+        return SLOT_BYTES + row + chunk * (cfg.layer_windows + group * (1 + negated + itemsize))
 
 
 class PagedContext(PoolContext):
@@ -133,46 +136,49 @@ class PagedContext(PoolContext):
         mgr, dev = cache.manager, cache.device
         self.decode_slots: Tensor | None = None
         self.decode_lens: Tensor | None = None  # real (unpadded) columns of each slot row
-        self._decode_positions: list[Tensor] = []
+        windows = list(dict.fromkeys(cache.layer_windows))
+        mask_rows: dict[CacheWindow | None, list[Tensor]] = {w: [] for w in windows}
+        self._lens: list[int] = []
         if self.num_decode:
             slot_rows = []
             for c in chunks[: self.num_decode]:
                 positions, slots = mgr.held(c.seq_id, c.start + 1)
                 slot_rows.append(slots)
-                self._decode_positions.append(positions)
+                for w in windows:
+                    mask_rows[w].append(
+                        _visible(c.window, w, positions, torch.tensor([c.start]))[0]
+                    )
             self._lens = [len(r) for r in slot_rows]
             self.decode_slots = to_device(
                 pad_sequence(slot_rows, batch_first=True, padding_value=cache.pad_slot), dev
             )
             self.decode_lens = upload(self._lens, dev)
-        self._prefill_held = [
-            mgr.held(c.seq_id, c.start + c.length) for c in chunks[self.num_decode :]
-        ]
+        held = [mgr.held(c.seq_id, c.start + c.length) for c in chunks[self.num_decode :]]
         pool = cache.kv[0]
         self._kernel = (
             len(chunks) > self.num_decode
             and paged_decode.reads_pool(pool)
             and paged_decode.prefill_faster(pool.dtype, cache.heads, cache.kv_heads, pool.shape[2])
         )
-        self._masks = {w: self._build(w) for w in dict.fromkeys(cache.layer_windows)}
-        first = self._masks[cache.layer_windows[0]]
+        built = {w: self._build(w, mask_rows[w], held) for w in windows}
+        #: each layer's masks (a list indexed by the layer: what a compiled step reads)
+        self._masks = [built[w] for w in cache.layer_windows]
+        first = self._masks[0]
         # the first layer's, for what reads one set (the C decode step: the models it runs
         # have one window)
         self.decode_mask, self.mask_needed, self.prefill = (
             first.decode_mask, first.mask_needed, first.prefill
         )  # fmt: skip
 
-    def _build(self, model_window: CacheWindow | None) -> _Masks:
-        """The masks of the layers whose own window is ``model_window``."""
+    def _build(
+        self, model_window: CacheWindow | None, mask_rows: list[Tensor],
+        held: list[tuple[Tensor, Tensor]],
+    ) -> _Masks:  # fmt: skip
+        """The masks of the layers whose own window is ``model_window``, from the decode
+        rows' boolean masks under it and each prefill chunk's held positions and slots."""
         chunks, dev = self.chunks, self.cache.device
         decode_mask, mask_needed = None, False
         if self.num_decode:
-            mask_rows = [
-                _visible(c.window, model_window, positions, torch.tensor([c.start]))[0]
-                for c, positions in zip(
-                    chunks[: self.num_decode], self._decode_positions, strict=True
-                )
-            ]
             mask = pad_sequence(mask_rows, batch_first=True, padding_value=False)
             # Additive (0 / -inf, what SDPA makes of a boolean mask in every call), built once
             # per step for every layer. Eager steps leave it out where every key is visible
@@ -190,9 +196,7 @@ class PagedContext(PoolContext):
         #: whole prompt, causal over its own keys)
         prefill: list[tuple[int, int, _Prefill | Tensor | None, Tensor]] = []
         offset = self.num_decode
-        for c, (positions, slots) in zip(
-            chunks[self.num_decode :], self._prefill_held, strict=True
-        ):
+        for c, (positions, slots) in zip(chunks[self.num_decode :], held, strict=True):
             one, window = _one_window(c.window, model_window)
             if self._kernel and one:
                 sink, width = (0, 0) if window is None else (window.sink, window.window)
@@ -240,14 +244,14 @@ class PagedContext(PoolContext):
             if torch.compiler.is_compiling():  # one opaque op in a compiled decode step
                 return paged_decode_attention(
                     q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens,
-                    self._masks[self.cache.layer_windows[layer]].decode_mask,
+                    self._masks[layer].decode_mask,
                 )  # fmt: skip
         pool.index_copy_(0, self.write_slots, kv)
         return self._attend_pool(q, pool, layer)
 
     def _attend_pool(self, q: Tensor, pool: Tensor, layer: int) -> Tensor:
         """The step's attention on the torch and C paths, its K/V already in ``pool``."""
-        masks = self._masks[self.cache.layer_windows[layer]]
+        masks = self._masks[layer]
         if self.decode_only:
             assert self.decode_slots is not None
             assert self.decode_lens is not None

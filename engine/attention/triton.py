@@ -33,9 +33,17 @@ class TritonBackend(AttentionBackend):
     def context(self, cache: Any, chunks: list[Any]) -> AttentionContext:
         return TritonContext(cache, chunks)
 
-    def refusal(self, cfg: Any, dtype: torch.dtype, device: torch.device) -> str:
-        if cfg.local_layers:  # one window a step, for every layer
+    @staticmethod
+    def model_refusal(cfg: Any) -> str:
+        """Why the kernels cannot attend for the model of ``cfg`` whatever the device: ""
+        where they can (what a plan checks, which sees no device)."""
+        if cfg.layer_windows > 1:  # one window a step, for every layer
             return "our attention kernels take one window for every layer, not local layers"
+        return ""
+
+    def refusal(self, cfg: Any, dtype: torch.dtype, device: torch.device) -> str:
+        if self.model_refusal(cfg):
+            return self.model_refusal(cfg)
         if cfg.head_dim not in triton_support.HEAD_DIMS:
             built = " or ".join(map(str, triton_support.HEAD_DIMS))
             return f"our attention kernels are built for heads {built} wide, not {cfg.head_dim}"

@@ -394,7 +394,7 @@ class _Runner:
         return self.cache.context([0], [0], [self.tokens])
 
     def _logp(self, x: Tensor) -> Tensor:
-        return F.log_softmax(self.model.lm_head(self.model.norm(x)).float(), dim=-1)
+        return F.log_softmax(self.model.head(x), dim=-1)
 
 
 def _check_text(cfg: ModelConfig, text_ids: Sequence[int]) -> None:

@@ -381,7 +381,7 @@ class _Target:
         attention = triton_support.planned(
             self.device.type, self.capability, head_dim=cfg.head_dim, dtype=spec.compute
         )
-        backend = planned_attention(self.device, attention)
+        backend = planned_attention(self.device, attention, cfg)
         given = config.num_blocks is not None or config.kv_memory is not None
         sizing = None
         if cuda and not given:  # as a load sizes it, its peak estimated

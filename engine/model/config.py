@@ -108,6 +108,11 @@ class ModelConfig:
         return self.local_window if layer in self.local_layers else None
 
     @property
+    def layer_windows(self) -> int:
+        """How many windows the layers attend under (2 where local layers have their own)."""
+        return 1 + (self.local_window is not None and bool(self.local_layers))
+
+    @property
     def layer_extras(self) -> str:
         """What this model's layers do beyond Llama's, for the paths that run Llama's layer
         only (the C decode step, the fused W8A8 layer, the Triton attention): "" for none."""
@@ -146,8 +151,10 @@ class ModelConfig:
             rope = raw.get("rope_parameters") or {}
             if arch_window(model_type) == "local_layers":  # per layer kind: the global ones'
                 rope = rope.get("full_attention") or {}
-            base = 1_000_000.0 if arch_window(model_type) == "local_layers" else 10000.0
-            theta = raw.get("rope_theta", rope.get("rope_theta", base))
+            if arch_window(model_type) == "local_layers":  # rope_parameters' own first
+                theta = rope.get("rope_theta") or raw.get("rope_theta") or 1_000_000.0
+            else:
+                theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
             arch = SUPPORTED_ARCHITECTURES[model_type]
             context = int(raw.get("max_position_embeddings", 2048))
             cfg = cls(
@@ -252,7 +259,7 @@ def _language_model(raw: dict[str, Any]) -> dict[str, Any]:
         raw = {**outer, **raw["text_config"], "model_type": "gemma3_text"}
         kind = "gemma3_text"
     if kind == "gemma3_text":
-        return {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+        return {**GEMMA3_TEXT_DEFAULTS, **raw}
     return raw
 
 
@@ -290,8 +297,8 @@ def _gemma(raw: dict[str, Any], head_dim: int, context: int) -> dict[str, Any]:
         )
     window = _opt_int(raw.get("sliding_window"))
     local = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
-    if window is None or window >= context:
-        local, window = (), None  # a window no shorter than the context is none
+    if window is not None and window >= context:
+        window = None  # a window no shorter than the context is none (their RoPE stays theirs)
     rope = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
     if str(rope.get("rope_type", "default")) != "default":
         raise UnsupportedModelError("RoPE scaling on Gemma's local layers is not run")

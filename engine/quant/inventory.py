@@ -108,11 +108,11 @@ def _kind_of(name: str) -> str:
         return "embedding"
     if name.startswith("lm_head"):
         return "lm_head"
-    if ".attn" in name:
+    if ".attn." in name:
         return "attention"
-    if ".mlp" in name:
+    if ".mlp." in name:
         return "mlp"
-    return "norm"
+    return "norm"  # Gemma's attn_out_norm and mlp_out_norm too
 
 
 def linear_kernel(module: nn.Module) -> str:

@@ -162,7 +162,8 @@ def weight_bytes_by_kind(
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     kinds = {"embedding": 0, "attention": 0, "mlp": 0, "norm": hidden * size, "lm_head": 0}
     for layer in range(cfg.num_layers):
-        kinds["norm"] += 2 * hidden * size  # input and post-attention norms
+        # input and post-attention norms (Gemma's: and those after attention and the MLP)
+        kinds["norm"] += (4 if cfg.gemma else 2) * hidden * size
         kinds["attention"] += 2 * cfg.head_dim * size if cfg.qk_norm else 0  # Qwen3
         kinds["attention"] += block_bytes(
             cfg, "attn", spec.block_kind("attn", layer), compute, backends
