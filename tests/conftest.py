@@ -116,12 +116,20 @@ TINY_ARCH: dict[str, dict[str, object]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
-}
+    # mixtures of experts: 6 experts of 24 channels, 2 a token (Qwen3-MoE's renormalised, its
+    # middle layer dense; Qwen2-MoE's not, with a shared expert; Mixtral's always)
+    "qwen3_moe": {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 24, "norm_topk_prob": True, "mlp_only_layers": [1]},
+    "qwen2_moe": {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                  "shared_expert_intermediate_size": 40},
+    "mixtral": {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 24},
+}  # fmt: skip
 
 
 def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) -> torch.nn.Module:
     """A random transformers model of ``arch`` (``llama``, ``qwen2``, ``qwen3``, ``mistral``,
-    ``phi3`` or ``gemma3_text``) with GQA."""
+    ``phi3``, ``gemma3_text``, or the mixtures of experts ``qwen3_moe``, ``qwen2_moe`` and
+    ``mixtral``) with GQA."""
     import transformers
 
     classes = {
@@ -131,6 +139,9 @@ def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) 
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
         "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     }
     if arch not in classes:
         raise ValueError(arch)

@@ -71,7 +71,9 @@ def layers(
     if fused:
         report += f"; W8A8 prefill rows fused in C ({fused} layers)"
     backend = "c" if PagedBackend(device).kernel(dtype) else "torch"
-    refused = table.refusal("c-step", backend, tensor_parallel=parallel)
+    refused = table.refusal(
+        "c-step", backend, tensor_parallel=parallel, experts=model.cfg.num_experts > 0
+    )
     step, why = (None, f"decode steps eager ({refused})") if refused else c_step.plan(model, dtype)
     problem = c_step_check.verdict() if step is not None else ""
     if problem:

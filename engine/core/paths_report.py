@@ -59,7 +59,9 @@ def settled(engine: LLMEngine) -> list[dict[str, Any]]:
     rows = []
     for name in table.EXECUTORS:
         on, why = lines[name]
-        refused = table.refusal(name, backend, tensor_parallel=parallel)
+        refused = table.refusal(
+            name, backend, tensor_parallel=parallel, experts=engine.model.cfg.num_experts > 0
+        )
         rows.append({"executor": name, "settled": on and not refused, "why": refused or why})
     return rows
 
@@ -71,8 +73,8 @@ def paths(engine: LLMEngine) -> dict[str, Any]:
     layers = []
     for i, module in enumerate(model.layers):
         layer = cast(DecoderLayer, module)
-        linears = (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
-                   layer.mlp.down_proj)  # fmt: skip
+        # a mixture of experts: its first expert's products (every expert's run alike)
+        linears = (layer.attn.qkv_proj, layer.attn.o_proj, *layer.mlp.linears()[:2])
         entry: dict[str, Any] = {"layer": i}
         entry.update((name, linear_kernel(m)) for name, m in zip(PRODUCTS, linears, strict=True))
         entry["fused_layer"] = layer.fused is not None

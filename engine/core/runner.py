@@ -121,8 +121,9 @@ class ModelRunner:
         """Compile the decode step where :func:`inductor.choose` says so, and compile it
         now: a few warm-up steps on scratch sequences, so that no reply waits for it."""
         choice = inductor.choose(
-            mode, self.device, backend=kv.backend, tensor_parallel=self.model.announce is not None
-        )
+            mode, self.device, backend=kv.backend, tensor_parallel=self.model.announce is not None,
+            experts=self.model.cfg.num_experts > 0,
+        )  # fmt: skip
         if not choice.compiled:
             return choice
         model = self.model

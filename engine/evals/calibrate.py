@@ -283,6 +283,14 @@ def calibrate(
     def report(stage: str) -> Callable[[int, int], None] | None:
         return None if progress is None else (lambda d, t: progress(stage, d, t))
 
+    from engine.model.config import ModelConfig
+    from engine.quant.calibration import CalibrationError
+
+    if ModelConfig.from_file(folder / "config.json").num_experts:
+        raise CalibrationError(
+            "calibration measures dense MLPs; a mixture of experts runs w8a8 (dynamic), int8 "
+            "or int4 per expert, which need none"
+        )
     eng = load(folder, precision=precision, pack=False)
     started = time.perf_counter()
     if recipe.source == "self":

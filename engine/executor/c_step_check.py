@@ -15,7 +15,7 @@ from engine.kernels import decode_step, gemv, verify
 from engine.kernels.packed_linear import GemvLinear
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.model.config import ModelConfig
-from engine.model.transformer import DecoderLayer, Transformer
+from engine.model.transformer import MLP, DecoderLayer, Transformer
 
 PROBE = f"{__name__}:check"
 NAME = "C decode step"
@@ -80,7 +80,7 @@ def _check(cfg: ModelConfig, dtype: torch.dtype, tolerance: float) -> str:
             p.normal_(0.0, 0.1).add_(1.0 if "norm" in name else 0.0)
     for module in model.layers:
         layer = cast(DecoderLayer, module)
-        attn, mlp = layer.attn, layer.mlp
+        attn, mlp = layer.attn, cast(MLP, layer.mlp)  # a dense model
         attn.qkv_proj = GemvLinear.of(attn.qkv_proj)
         attn.o_proj = GemvLinear.of(attn.o_proj)
         mlp.gate_up_proj = GemvLinear.of(mlp.gate_up_proj)

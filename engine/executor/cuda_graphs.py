@@ -92,7 +92,10 @@ def settle(mode: str | None, model: Transformer, kv: PagedKVCache, max_batch: in
     device = kv.device
     if mode == "off":
         return GraphsChoice(None, "off as asked")
-    refused = table.refusal("cuda-graphs", kv.backend, tensor_parallel=model.announce is not None)
+    refused = table.refusal(
+        "cuda-graphs", kv.backend, tensor_parallel=model.announce is not None,
+        experts=model.cfg.num_experts > 0,
+    )  # fmt: skip
     if refused:
         return GraphsChoice(None, f"off: {refused}")
     if device.type != "cuda" and mode == "auto":

@@ -90,6 +90,7 @@ def choose(
     *,
     backend: str = "torch",
     tensor_parallel: bool = False,
+    experts: bool = False,
 ) -> GraphChoice:
     """Settle the mode for ``device`` before the model is compiled: the one place that says
     whether an engine compiles its decode step (the load asks it, and so does gpu-check).
@@ -100,7 +101,7 @@ def choose(
     kind = device_kind(device)
     if mode == "off":
         return GraphChoice(False, "off as asked")
-    refused = table.refusal("compiled", backend, tensor_parallel=tensor_parallel)
+    refused = table.refusal("compiled", backend, tensor_parallel=tensor_parallel, experts=experts)
     if refused:
         return GraphChoice(False, f"eager: {refused}")
     if mode == "auto" and kind not in FASTER_COMPILED:

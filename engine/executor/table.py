@@ -40,14 +40,25 @@ TENSOR_PARALLEL: dict[str, str] = {
     "c-step": "each layer's products end in an all-reduce, which the C step does not make",
 }
 
+#: executor → why it does not run a mixture of experts (eager does)
+EXPERTS: dict[str, str] = {
+    "cuda-graphs": "a step's tokens go to experts the host learns of only as it runs",
+    "compiled": "a step's tokens are grouped by expert on the host, which a graph cannot hold",
+    "c-step": "its layer is Llama's dense one",
+}
 
-def refusal(executor: str, backend: str, *, tensor_parallel: bool = False) -> str:
-    """Why ``executor`` cannot run decode steps whose attention runs on ``backend``; "" where
-    it can."""
+
+def refusal(
+    executor: str, backend: str, *, tensor_parallel: bool = False, experts: bool = False
+) -> str:
+    """Why ``executor`` cannot run decode steps whose attention runs on ``backend`` (of a
+    model split over ranks, of a mixture of ``experts``); "" where it can."""
     if executor not in EXECUTORS or backend not in BACKENDS:
         raise ValueError(f"no executor {executor!r} or attention backend {backend!r}")
     if tensor_parallel and executor in TENSOR_PARALLEL:
         return f"{executor} refused under tensor parallelism: {TENSOR_PARALLEL[executor]}"
+    if experts and executor in EXPERTS:
+        return f"{executor} refused for a mixture of experts: {EXPERTS[executor]}"
     why = REFUSED.get((executor, backend))
     return f"{executor} refused with {backend} attention: {why}" if why else ""
 

@@ -84,6 +84,29 @@ class SyntheticCheckpoint:
             yield name, self.draw(name, dtype)
 
 
+def _expert_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A layer's experts and router as the family's checkpoints name them (Qwen's
+    ``mlp.experts.E.gate_proj`` …, Mixtral's ``block_sparse_moe.experts.E.w1`` …), and
+    Qwen2-MoE's shared expert and its gate."""
+    hidden, inner, n = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    mixtral = cfg.model_type == "mixtral"
+    block = f"{p}block_sparse_moe." if mixtral else f"{p}mlp."
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes: dict[str, tuple[int, ...]] = {f"{block}gate.weight": (n, hidden)}
+    for e in range(n):
+        gate, up, down = (f"{block}experts.{e}.{name}.weight" for name in names)
+        shapes |= {gate: (inner, hidden), up: (inner, hidden), down: (hidden, inner)}
+    if cfg.shared_expert_size:
+        size = cfg.shared_expert_size
+        shapes |= {
+            f"{p}mlp.shared_expert.gate_proj.weight": (size, hidden),
+            f"{p}mlp.shared_expert.up_proj.weight": (size, hidden),
+            f"{p}mlp.shared_expert.down_proj.weight": (hidden, size),
+            f"{p}mlp.shared_expert_gate.weight": (1, hidden),
+        }
+    return shapes
+
+
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF names and shapes of a Llama-family checkpoint of ``cfg`` (biases where the config
     has them, Qwen3's and Gemma's q/k norms, Gemma's norms around the MLP, the LM head unless
@@ -117,6 +140,10 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (cfg.kv_size,),
                 p + "self_attn.v_proj.bias": (cfg.kv_size,),
             }
+        if cfg.is_moe(i):
+            for part in ("gate", "up", "down"):
+                del shapes[f"{p}mlp.{part}_proj.weight"]
+            shapes |= _expert_shapes(cfg, p)
         if cfg.gemma:  # norms after attention and the MLP, and one before the MLP
             shapes |= {p + "pre_feedforward_layernorm.weight": (hidden,),
                        p + "post_feedforward_layernorm.weight": (hidden,)}  # fmt: skip

@@ -63,6 +63,22 @@ _GEMMA_NAMES: dict[str, tuple[str, int | None]] = {
     "pre_feedforward_layernorm.weight": ("post_attn_norm.weight", None),
     "post_feedforward_layernorm.weight": ("mlp_out_norm.weight", None),
 }
+#: a mixture of experts' router and shared expert (Qwen's and Mixtral's names)
+_MOE_NAMES: dict[str, tuple[str, int | None]] = {
+    "mlp.gate.weight": ("mlp.router.weight", None),
+    "block_sparse_moe.gate.weight": ("mlp.router.weight", None),
+    "mlp.shared_expert.gate_proj.weight": ("mlp.shared.gate_up_proj.weight", 0),
+    "mlp.shared_expert.up_proj.weight": ("mlp.shared.gate_up_proj.weight", 1),
+    "mlp.shared_expert.down_proj.weight": ("mlp.shared.down_proj.weight", None),
+    "mlp.shared_expert_gate.weight": ("mlp.shared_gate.weight", None),
+}
+#: an expert's products: Qwen's gate/up/down_proj, Mixtral's w1 (gate), w3 (up), w2 (down)
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PARTS: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
+}  # fmt: skip
 _TOP_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -296,6 +312,10 @@ def _fused_sizes(ours: str, cfg: ModelConfig) -> list[int]:
     """Rows each checkpoint part contributes to a fused parameter (q, k, v or gate, up)."""
     if ".qkv_proj." in ours:
         return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    if ".experts." in ours:
+        return [cfg.expert_intermediate_size] * 2
+    if ".shared." in ours:
+        return [cfg.shared_expert_size] * 2
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
@@ -363,9 +383,15 @@ def _map_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
         return _TOP_NAMES[hf_name], None
     m = _LAYER.match(hf_name)
     names = {**_LAYER_NAMES, **_GEMMA_NAMES} if cfg.gemma else _LAYER_NAMES
+    if cfg.num_experts:
+        names = {**names, **_MOE_NAMES}
     if m and m.group(2) in names:
         ours, part = names[m.group(2)]
         return f"layers.{m.group(1)}.{ours}", part
+    expert = _EXPERT.match(m.group(2)) if m and cfg.num_experts else None
+    if m and expert and expert.group(2) in _EXPERT_PARTS:
+        ours, part = _EXPERT_PARTS[expert.group(2)]
+        return f"layers.{m.group(1)}.mlp.experts.{expert.group(1)}.{ours}.weight", part
     raise ModelLoadError(f"unexpected tensor {hf_name!r}; is this a Llama/Qwen2 checkpoint?")
 
 

@@ -25,6 +25,8 @@ class Architecture:
     #: sqrt(hidden), attention scaled by ``query_pre_attn_scalar``, and local (sliding) layers
     #: with a RoPE base of their own between the global ones
     gemma: bool = False
+    #: a mixture of experts in place of the MLP (:func:`_moe` reads its numbers)
+    moe: bool = False
 
 
 #: HF ``model_type`` values whose checkpoints this engine runs.
@@ -38,6 +40,11 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "phi3": Architecture(window="every_layer"),
     # Gemma 3's text model (the 1B checkpoint; the larger ones' language model is the same)
     "gemma3_text": Architecture(qk_norm=True, window="local_layers", gemma=True),
+    # mixtures of experts: Qwen3's, Qwen2's (with a shared expert beside the routed ones),
+    # Mixtral's
+    "qwen3_moe": Architecture(qk_norm=True, window="opt_in", moe=True),
+    "qwen2_moe": Architecture(qkv_bias=True, window="opt_in", moe=True),
+    "mixtral": Architecture(window="every_layer", moe=True),
 }
 
 
@@ -101,6 +108,20 @@ class ModelConfig:
     local_layers: tuple[int, ...] = ()
     #: the local layers' RoPE base (no scaling); None: they turn as the others do
     local_rope_theta: float | None = None
+    #: a mixture of experts: how many experts a layer has (0: a dense MLP), how many each
+    #: token is routed to, each expert's intermediate size, whether the chosen experts'
+    #: weights are renormalised to sum to 1, the shared expert's intermediate size (Qwen2-MoE;
+    #: 0: none) and the layers that keep a dense MLP
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = False
+    shared_expert_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether ``layer`` routes its tokens to experts (else it has a dense MLP)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The window of ``layer`` alone (a local layer's), beside the model's
@@ -116,7 +137,9 @@ class ModelConfig:
     def layer_extras(self) -> str:
         """What this model's layers do beyond Llama's, for the paths that run Llama's layer
         only (the C decode step, the fused W8A8 layer, the Triton attention): "" for none."""
-        return "Gemma's layer (extra norms, GeGLU, local layers)" if self.gemma else ""
+        if self.gemma:
+            return "Gemma's layer (extra norms, GeGLU, local layers)"
+        return "a mixture of experts" if self.num_experts else ""
 
     @property
     def rotary_dim(self) -> int:
@@ -179,6 +202,7 @@ class ModelConfig:
                 sliding_window=_sliding_window(raw, arch, context),
                 partial_rotary_dim=_partial_rotary_dim(raw, rope, head_dim),
                 **(_gemma(raw, head_dim, context) if arch.gemma else {}),
+                **(_moe(raw, model_type) if arch.moe else {}),
             )
         except KeyError as exc:
             raise ModelLoadError(
@@ -314,6 +338,41 @@ def _gemma(raw: dict[str, Any], head_dim: int, context: int) -> dict[str, Any]:
         "local_window": window,
         "local_layers": local,
         "local_rope_theta": theta,
+    }
+
+
+def _moe(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A mixture of experts' numbers as transformers reads them: Qwen3-MoE's and Qwen2-MoE's
+    ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``,
+    and dense layers (``mlp_only_layers``, and those ``decoder_sparse_step`` skips);
+    Qwen2-MoE's shared expert; Mixtral's ``num_local_experts`` and experts of
+    ``intermediate_size``, their weights always renormalised."""
+    layers = int(raw["num_hidden_layers"])
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    per_token = int(raw.get("num_experts_per_tok") or 2)
+    if experts < 1 or not 1 <= per_token <= experts:
+        raise ModelLoadError(
+            f"config.json: {per_token} experts per token of {experts}; a mixture of experts "
+            "routes each token to between 1 and all of its experts"
+        )
+    if model_type == "mixtral":
+        return {"num_experts": experts, "experts_per_token": per_token,
+                "expert_intermediate_size": int(raw["intermediate_size"]),
+                "normalize_expert_weights": True}  # fmt: skip
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    dense |= {i for i in range(layers) if (i + 1) % step}
+    shared = int(raw.get("shared_expert_intermediate_size") or 0)
+    shared = shared if model_type == "qwen2_moe" else 0
+    return {
+        "num_experts": experts,
+        "experts_per_token": per_token,
+        "expert_intermediate_size": int(
+            raw.get("moe_intermediate_size") or raw["intermediate_size"]
+        ),
+        "normalize_expert_weights": bool(raw.get("norm_topk_prob", False)),
+        "shared_expert_size": shared,
+        "dense_layers": tuple(sorted(int(i) for i in dense)),
     }
 
 

@@ -276,12 +276,16 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The gated MLP (SwiGLU, GeGLU) of ``inner`` channels (the config's intermediate size
+    unless given: an expert's, a shared expert's)."""
+
+    def __init__(self, cfg: ModelConfig, inner: int | None = None) -> None:
         super().__init__()
+        inner = inner or cfg.intermediate_size
         self.act = ACTIVATIONS[cfg.activation]
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = inner
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
         #: as :attr:`Attention.reduce`, for ``down_proj``
         self.reduce: Callable[[Tensor], Tensor] | None = None
 
@@ -289,6 +293,10 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         out = self.down_proj(self.act(gate) * up)
         return out if self.reduce is None else self.reduce(out)
+
+    def linears(self) -> list[nn.Module]:
+        """Its products, in the order they run."""
+        return [self.gate_up_proj, self.down_proj]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -331,7 +339,7 @@ class DecoderLayer(nn.Module):
         #: the operations it may hand to fused kernels (:meth:`Transformer.set_ops`)
         self.ops = TORCH_OPS
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | MoE = MoE(cfg) if cfg.is_moe(layer) else MLP(cfg)
         #: Gemma's norms of the attention's and the MLP's outputs, before each residual add
         #: (its ``post_attention_layernorm`` and ``post_feedforward_layernorm``; its
         #: ``pre_feedforward_layernorm`` is :attr:`post_attn_norm`, as Llama's norm before the
@@ -486,3 +494,6 @@ class Transformer(nn.Module):
         logits = logits if self.gather is None else self.gather(logits)
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+from engine.model.moe import MoE  # noqa: E402 (it builds its experts of MLP)

@@ -130,6 +130,11 @@ def plan(cfg: ModelConfig, rank: int, world: int, align: int = 1, *, vocab: bool
     or where KV heads cannot be shared out evenly."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of {world}")
+    if cfg.num_experts and world > 1:
+        raise InvalidRequestError(
+            "tensor parallelism does not split a mixture of experts yet; load it on one "
+            "device (without --tensor-parallel)"
+        )
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
     group = heads // kv_heads
     if world <= kv_heads:

@@ -143,6 +143,11 @@ class Calibration:
 
 def load(folder: Path, name: str, cfg: ModelConfig) -> Calibration:
     """Calibration ``name`` of the model in ``folder``, checked against it."""
+    if cfg.num_experts:
+        raise CalibrationError(
+            "a calibration (SmoothQuant's factors, static scales) is measured for dense MLPs; "
+            "a mixture of experts runs w8a8 (dynamic), int8 or int4 per expert"
+        )
     tensors_path, meta_path = files(folder, name)
     if not meta_path.is_file() or not tensors_path.is_file():
         raise CalibrationError(

@@ -107,11 +107,15 @@ def linear_load_temporaries(
 
 def block_bytes(
     cfg: ModelConfig, part: str, kind: QuantKind | None, compute: torch.dtype,
-    backends: Backends = CPU,
+    backends: Backends = CPU, layer: int | None = None,
 ) -> int:  # fmt: skip
     """Bytes of one layer's ``attn`` block (qkv_proj + o_proj, with the q/k/v biases of a
-    Qwen2-style model) or ``mlp`` block (gate_up_proj + down_proj) stored in ``kind``
-    (``None``: the ``compute`` dtype). A quantized linear keeps its bias in bf16."""
+    Qwen2-style model) or ``mlp`` block (gate_up_proj + down_proj; in a mixture of experts,
+    every expert's, the shared expert's, and the router and the shared expert's gate, which
+    stay in the compute dtype) stored in ``kind`` (``None``: the ``compute`` dtype). A
+    quantized linear keeps its bias in bf16. ``layer``: which layer (one of a mixture of
+    experts' dense layers holds a plain MLP); None: a layer of experts where the model has
+    them."""
     hidden = cfg.hidden_size
     if part == "attn":
         qkv = cfg.q_size + 2 * cfg.kv_size
@@ -122,10 +126,19 @@ def block_bytes(
             total += qkv * (_itemsize(compute) if kind is None else 2)
         return total
     if part == "mlp":
-        inner = cfg.intermediate_size
-        return linear_bytes(2 * inner, hidden, kind, compute, backends) + linear_bytes(
-            hidden, inner, kind, compute, backends
-        )
+
+        def mlp(inner: int) -> int:
+            return linear_bytes(2 * inner, hidden, kind, compute, backends) + linear_bytes(
+                hidden, inner, kind, compute, backends
+            )
+
+        if not cfg.num_experts or (layer is not None and not cfg.is_moe(layer)):
+            return mlp(cfg.intermediate_size)
+        total = cfg.num_experts * mlp(cfg.expert_intermediate_size)
+        total += cfg.num_experts * hidden * _itemsize(compute)  # the router
+        if cfg.shared_expert_size:  # and its gate
+            total += mlp(cfg.shared_expert_size) + hidden * _itemsize(compute)
+        return total
     raise ValueError(f"part {part!r} is not a layer block; use one of {', '.join(LAYER_PARTS)}")
 
 
@@ -168,7 +181,9 @@ def weight_bytes_by_kind(
         kinds["attention"] += block_bytes(
             cfg, "attn", spec.block_kind("attn", layer), compute, backends
         )
-        kinds["mlp"] += block_bytes(cfg, "mlp", spec.block_kind("mlp", layer), compute, backends)
+        kinds["mlp"] += block_bytes(
+            cfg, "mlp", spec.block_kind("mlp", layer), compute, backends, layer
+        )
     head = spec.parts.get("head")
     embedding = vocab * hidden * size
     if head is not None:  # a tied embedding reads its rows from the quantized head

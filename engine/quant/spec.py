@@ -382,6 +382,8 @@ def part_of(module_name: str) -> str | None:
     """Which spec part a linear belongs to: ``attn``, ``mlp`` or ``head``."""
     if module_name == "lm_head":
         return "head"
+    if module_name.endswith((".router", ".shared_gate")):  # routing stays in float
+        return None
     if ".attn." in module_name:
         return "attn"
     if ".mlp." in module_name:

@@ -37,7 +37,7 @@ from engine.formats.int8 import quantize_int8
 from engine.hardware import measured
 from engine.kernels import amx, decode_step, gemv, layer_ops, lowbit, lowbit_rows, native
 from engine.model.attention import AttentionContext
-from engine.model.transformer import DecoderLayer, FusedLayer, Transformer
+from engine.model.transformer import MLP, DecoderLayer, FusedLayer, Transformer
 from engine.quant.int8 import Int8Linear
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ def fused_layer(lib: native.Library) -> FusedLayer:
     def run(
         layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext
     ) -> Tensor | None:
-        attn, mlp = layer.attn, layer.mlp
+        attn, mlp = layer.attn, cast(MLP, layer.mlp)  # a dense layer's (fuse_layers)
         qkv_p, o_p = attn.qkv_proj, attn.o_proj
         gu_p, down_p = mlp.gate_up_proj, mlp.down_proj
         if (
@@ -302,13 +302,11 @@ def fuse_layers(model: Transformer, lib: native.Library | None = None) -> int:
     count = 0
     for module in model.layers:
         layer = cast(DecoderLayer, module)
-        products = (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj)  # fmt: skip
-        ours = (
-            run is not None
-            and not model.cfg.layer_extras  # it runs Llama's layer
-            and all(isinstance(p, W8A8Linear) for p in products)
-        )
+        if model.cfg.layer_extras:  # it runs Llama's layer
+            layer.fused = None
+            continue
+        products = (layer.attn.qkv_proj, layer.attn.o_proj, *layer.mlp.linears())
+        ours = run is not None and all(isinstance(p, W8A8Linear) for p in products)
         layer.fused = run if ours else None
         count += ours
     return count

@@ -1,0 +1,88 @@
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Qwen2-MoE, Mixtral).
+
+A router (a linear of ``hidden → experts``, kept in the compute dtype, never quantized) scores
+each token; the softmax of its scores, in fp32, picks the token's ``k`` best experts, whose
+weights are renormalised to sum to 1 where the model says (Mixtral always, Qwen's
+``norm_topk_prob``). Each expert is a gated MLP of its own (:class:`~engine.model.transformer.MLP`,
+``experts.E.gate_up_proj`` / ``down_proj``), so that every format quantizes it as any other
+linear. The tokens run grouped by expert: one sort of the (token, expert) pairs, then each
+expert that any token chose runs once on all of its tokens, and its weighted output is added
+back at their rows (no loop over tokens). Qwen2-MoE adds a shared expert on every token,
+gated by a sigmoid of its own linear.
+
+:attr:`MoE.load` counts, per expert, the tokens routed to it since the instruments last read
+it (the expert heat map).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.model.config import ModelConfig
+from engine.model.transformer import MLP
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.experts_per_token
+        self.normalize = cfg.normalize_expert_weights
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(cfg, cfg.expert_intermediate_size) for _ in range(cfg.num_experts)
+        )
+        size = cfg.shared_expert_size
+        self.shared = MLP(cfg, size) if size else None
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if size else None
+        #: tokens routed to each expert since the instruments last took it (int64 ``[E]``;
+        #: None before the first step)
+        self.load: Tensor | None = None
+        #: as :attr:`MLP.reduce` (tensor parallelism does not split experts yet: always None)
+        self.reduce: Callable[[Tensor], Tensor] | None = None
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Each token's ``k`` experts ``[T, k]`` (int64) and their weights ``[T, k]`` in
+        ``x``'s dtype, as transformers picks them."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(x.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        chosen, weights = self.route(x)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # the (token, expert) pairs by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.load = counts if self.load is None else self.load + counts
+        rows = order // self.top_k  # each pair's token
+        pair_weights = weights.flatten()[order, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts.tolist()):
+            if not n:
+                continue
+            tokens = rows[start : start + n]
+            ran = self.experts[expert](x[tokens]) * pair_weights[start : start + n]
+            out.index_add_(0, tokens, ran)
+            start += n
+        if self.shared is not None and self.shared_gate is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+    def linears(self) -> list[nn.Module]:
+        """Its products: each expert's, then the shared expert's (the router and the shared
+        expert's gate stay in the compute dtype)."""
+        experts = [p for e in self.experts for p in e.linears()]  # type: ignore[operator]
+        return experts + (self.shared.linears() if self.shared is not None else [])
+
+    def take_load(self) -> Tensor:
+        """The tokens routed to each expert since the last call (on the CPU), and a fresh
+        count."""
+        load, self.load = self.load, None
+        return torch.zeros(self.num_experts, dtype=torch.long) if load is None else load.cpu()

@@ -1,0 +1,140 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) against
+transformers' own classes: the router's choice and weights, the experts run grouped by token,
+exactly; INT8/INT4 per expert with the router in float; what the engine does not run is
+refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig
+from engine.core.scheduler import SchedulerLimits
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.loader.load import load_model
+from engine.model.config import ModelConfig
+from engine.model.moe import MoE
+from engine.quant.int4 import Int4Linear
+from engine.quant.int8 import Int8Linear
+from tests.conftest import TINY, TINY_ARCH
+from tests.test_exactness_tiny import hf_greedy, hf_logits, tiny_prompt
+from tests.test_phi3 import hf_steps, ours_step_by_step, run_ragged
+
+STEPS = 24
+FAMILIES = [("qwen3_moe", False), ("qwen2_moe", True), ("mixtral", False)]
+
+
+@pytest.mark.parametrize(("arch", "tied"), FAMILIES)
+def test_a_mixture_of_experts_gives_transformers_logits_and_greedy_ids(tiny_model_dir, arch, tied):
+    folder, hf = tiny_model_dir(arch, tied)
+    engine = load_model(folder, precision="fp32")
+    kinds = [type(layer.mlp).__name__ for layer in engine.model.layers]
+    assert kinds == (["MoE", "MLP", "MoE"] if arch == "qwen3_moe" else ["MoE"] * 3)
+    prompt = tiny_prompt(hf)
+    ref_ids = hf_greedy(hf, prompt)
+    logits, ids = ours_step_by_step(engine, prompt.tolist(), STEPS)
+    ref = hf_logits(hf, torch.cat([prompt, torch.tensor(ref_ids[:-1])]))[len(prompt) - 1 :]
+    assert ids == ref_ids[:STEPS]
+    assert (logits - ref[:STEPS]).abs().max().item() <= 1e-4
+    # every token went to 2 experts of 6, in each layer of experts
+    tokens = len(prompt) + STEPS - 1
+    for layer in engine.model.layers:
+        if isinstance(layer.mlp, MoE):
+            load = layer.mlp.take_load()
+            assert load.sum().item() == 2 * tokens and (load > 0).sum() >= 2
+            assert layer.mlp.take_load().sum().item() == 0  # taken: a fresh count
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "lookup-drafts"])
+def test_experts_in_a_ragged_batch_sharing_a_prefix_give_each_prompts_own_ids(
+    tiny_model_dir, speculative
+):
+    """Four prompts on one 12-token prefix, arriving a step apart in chunks of at most 16
+    tokens, repetitive enough that drafts get accepted: the experts run grouped over rows of
+    different sequences and steps, and each prompt's ids are transformers' for it alone."""
+    from engine.speculative.config import parse_speculative
+
+    folder, hf = tiny_model_dir("qwen3_moe", False)
+    limits = SchedulerLimits(max_tokens_per_step=16)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, limits=limits))
+    if speculative:
+        engine.set_speculation(parse_speculative("lookup", 3, adaptive=False))
+    gen = torch.Generator().manual_seed(9)
+    prefix = torch.randint(0, TINY["vocab_size"], (12,), generator=gen)
+    prompts = []
+    for n in (1, 9, 20, 28):
+        motif = torch.randint(0, TINY["vocab_size"], (3,), generator=gen)
+        prompts.append(torch.cat([prefix, motif.repeat(n // 3 + 1)[:n]]))
+    got = run_ragged(engine, [p.tolist() for p in prompts], 16)
+    for prompt, ids in zip(prompts, got, strict=True):
+        assert ids == hf_steps(hf, prompt, 16)[0]
+    assert engine.metrics().prefix_cache_hit_tokens >= 3 * 12 - 4
+    if speculative:
+        assert engine.speculator.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4-g32", "mixed:attn=int8,mlp=int4-g32"])
+def test_each_expert_is_quantized_and_the_router_stays_in_float(tiny_model_dir, spec):
+    """Every expert's products (and the shared expert's) in the spec's format, the router and
+    the shared expert's gate in the compute dtype; the logits those of the same model with
+    its weights replaced by their dequantized values."""
+    from tests.test_quant import _dequantized_reference, _relative_error
+
+    folder, _ = tiny_model_dir("qwen2_moe", True)
+    engine = load_model(folder, precision=spec)
+    quantized = Int8Linear if spec == "int8" else Int4Linear
+    for layer in engine.model.layers:
+        moe = layer.mlp
+        assert isinstance(moe, MoE)
+        assert all(isinstance(p, quantized) for p in moe.linears())
+        assert len(moe.linears()) == 2 * 6 + 2
+        assert type(moe.router) is torch.nn.Linear and type(moe.shared_gate) is torch.nn.Linear
+    ids = list(range(3, 40))
+    reference = _dequantized_reference(folder, spec)
+    ours = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0)
+    theirs = reference.runner.forward_logits(ids, reference.runner.new_cache(len(ids)), 0)
+    assert _relative_error(ours, theirs) <= 2e-2
+
+
+@pytest.mark.parametrize("spec", ["fp32", "int8", "int4-g32+head"])
+def test_the_weight_estimate_of_a_mixture_of_experts_is_what_loads(tiny_model_dir, spec):
+    from engine.quant.sizes import estimate_weight_bytes
+    from engine.quant.spec import parse_precision_spec
+
+    for arch, tied in FAMILIES:
+        folder, _ = tiny_model_dir(arch, tied)
+        engine = load_model(folder, precision=spec)
+        estimate = estimate_weight_bytes(engine.cfg, parse_precision_spec(spec))
+        assert estimate == engine.weights_bytes, arch
+
+
+def test_what_a_mixture_of_experts_runs_not_is_refused_by_name(tiny_model_dir, tmp_path):
+    folder, _ = tiny_model_dir("mixtral", False)
+    with pytest.raises(InvalidRequestError, match="does not split a mixture of experts"):
+        load_model(folder, tensor_parallel=2)
+    with pytest.raises(InvalidRequestError, match="mixture of experts runs w8a8"):
+        load_model(folder, precision="w8a8-sq")
+    raw = {"model_type": "qwen3_moe", **TINY, **TINY_ARCH["qwen3_moe"], "num_experts_per_tok": 7}
+    with pytest.raises(ModelLoadError, match="7 experts per token of 6"):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_the_published_moe_configs_read_as_transformers_reads_them(name):
+    import transformers
+
+    from engine.store.synthetic_store import CONFIGS
+
+    raw = json.loads((CONFIGS / f"{name}.json").read_text())
+    ours = ModelConfig.from_dict(raw)
+    theirs = transformers.AutoConfig.for_model(
+        **{k: v for k, v in raw.items() if not k.startswith("_")}
+    )
+    experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
+    assert (ours.num_experts, ours.experts_per_token) == (experts, theirs.num_experts_per_tok)
+    inner = getattr(theirs, "moe_intermediate_size", None) or theirs.intermediate_size
+    assert ours.expert_intermediate_size == inner
+    assert ours.normalize_expert_weights == getattr(theirs, "norm_topk_prob", True)
+    assert ours.dense_layers == ()
