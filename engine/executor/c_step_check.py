@@ -15,7 +15,8 @@ from engine.kernels import decode_step, gemv, verify
 from engine.kernels.packed_linear import GemvLinear
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.model.config import ModelConfig
-from engine.model.transformer import MLP, DecoderLayer, Transformer
+from engine.model.mlp import MLP
+from engine.model.transformer import DecoderLayer, Transformer
 
 PROBE = f"{__name__}:check"
 NAME = "C decode step"

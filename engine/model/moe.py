@@ -3,7 +3,7 @@
 A router (a linear of ``hidden → experts``, kept in the compute dtype, never quantized) scores
 each token; the softmax of its scores, in fp32, picks the token's ``k`` best experts, whose
 weights are renormalised to sum to 1 where the model says (Mixtral always, Qwen's
-``norm_topk_prob``). Each expert is a gated MLP of its own (:class:`~engine.model.transformer.MLP`,
+``norm_topk_prob``). Each expert is a gated MLP of its own (:class:`~engine.model.mlp.MLP`,
 ``experts.E.gate_up_proj`` / ``down_proj``), so that every format quantizes it as any other
 linear. The tokens run grouped by expert: one sort of the (token, expert) pairs, then each
 expert that any token chose runs once on all of its tokens, and its weighted output is added
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.config import ModelConfig
-from engine.model.transformer import MLP
+from engine.model.mlp import MLP
 
 
 class MoE(nn.Module):

@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig, RopeScaling
+from engine.model.mlp import MLP
+from engine.model.moe import MoE
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -268,37 +270,6 @@ class Attention(nn.Module):
         qk[:, heads:] = rms_norm(qk[:, heads:], k_weight, self.norm_eps)
 
 
-#: the MLP's gate activations, by :attr:`ModelConfig.activation`
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "silu": F.silu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
-class MLP(nn.Module):
-    """The gated MLP (SwiGLU, GeGLU) of ``inner`` channels (the config's intermediate size
-    unless given: an expert's, a shared expert's)."""
-
-    def __init__(self, cfg: ModelConfig, inner: int | None = None) -> None:
-        super().__init__()
-        inner = inner or cfg.intermediate_size
-        self.act = ACTIVATIONS[cfg.activation]
-        self.intermediate_size = inner
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inner, bias=False)
-        self.down_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
-        #: as :attr:`Attention.reduce`, for ``down_proj``
-        self.reduce: Callable[[Tensor], Tensor] | None = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(self.act(gate) * up)
-        return out if self.reduce is None else self.reduce(out)
-
-    def linears(self) -> list[nn.Module]:
-        """Its products, in the order they run."""
-        return [self.gate_up_proj, self.down_proj]
-
-
 class VocabParallelEmbedding(nn.Module):
     """The embedding rows ``[start, stop)`` of a vocabulary split across tensor-parallel
     ranks: a token outside them looks up zeros, and the all-reduce (:attr:`reduce`, set by
@@ -494,6 +465,3 @@ class Transformer(nn.Module):
         logits = logits if self.gather is None else self.gather(logits)
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-from engine.model.moe import MoE  # noqa: E402 (it builds its experts of MLP)

@@ -37,7 +37,8 @@ from engine.formats.int8 import quantize_int8
 from engine.hardware import measured
 from engine.kernels import amx, decode_step, gemv, layer_ops, lowbit, lowbit_rows, native
 from engine.model.attention import AttentionContext
-from engine.model.transformer import MLP, DecoderLayer, FusedLayer, Transformer
+from engine.model.mlp import MLP
+from engine.model.transformer import DecoderLayer, FusedLayer, Transformer
 from engine.quant.int8 import Int8Linear
 
 log = logging.getLogger(__name__)
