@@ -10,7 +10,7 @@ Each precision then loads in a fresh process while a thread samples memory every
 * on CUDA, ``torch.cuda.max_memory_allocated`` over the load.
 
 The bound is the plan's (:func:`engine.loader.memory_plan.plan_memory`): the final weights plus
-the load overhead (:func:`engine.loader.memory_plan.load_overhead_bytes`: the largest tensor in
+the load overhead (:func:`engine.loader.memory_terms.load_overhead_bytes`: the largest tensor in
 fp32, on a CPU its checkpoint copy too, four quantization chunks and 64 MiB of allocator slack).
 Exits 1 if a peak passes its bound or the loaded weights differ from the plan's by more than 1%.
 

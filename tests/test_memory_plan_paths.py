@@ -24,7 +24,7 @@ from engine.core import pool_profile
 from engine.core.config import EngineConfig
 from engine.core.scheduler import SchedulerLimits
 from engine.kernels import triton_support
-from engine.loader import memory_plan
+from engine.loader import memory_plan, memory_terms
 from engine.loader.load import load_model
 from engine.loader.synthetic import SyntheticCheckpoint
 from engine.loader.weights import load_transformer
@@ -103,8 +103,8 @@ def test_the_plan_bounds_the_triton_int4_load_within_10_percent(monkeypatch):
     the allocations has none: what is compared is what grows with the model."""
     cfg = ModelConfig.from_dict(HEAVY_HEAD)
     monkeypatch.setattr(formats, "QUANT_CHUNK_BYTES", MiB)
-    monkeypatch.setattr(memory_plan, "QUANT_CHUNK_BYTES", MiB)
-    monkeypatch.setattr(memory_plan, "LOAD_SLACK_BYTES", 0)
+    monkeypatch.setattr(memory_terms, "QUANT_CHUNK_BYTES", MiB)
+    monkeypatch.setattr(memory_terms, "LOAD_SLACK_BYTES", 0)
     on_a_cuda_gpu(monkeypatch, "triton")
     plan = memory_plan.plan_memory(cfg, "int4-g32+head", "cuda", memory=64 * GiB, capability=HOPPER)
     bound = plan.load_bytes - plan.runtime_bytes  # the weights, the tables, the overhead
@@ -135,7 +135,7 @@ def test_the_plan_keeps_torchs_int4_packing_where_torch_runs(monkeypatch):
         cfg, "int4-g32+head", "cuda", memory=80 * GiB, capability=HOPPER
     )
     head = cfg.vocab_size * cfg.hidden_size
-    fixed = 4 * memory_plan.QUANT_CHUNK_BYTES + memory_plan.LOAD_SLACK_BYTES
+    fixed = 4 * memory_terms.QUANT_CHUNK_BYTES + memory_terms.LOAD_SLACK_BYTES
     assert not torch_plan.triton_gemms
     assert torch_plan.load_overhead_bytes == head * 4 + head * 3 + fixed
     if triton_support.installed():

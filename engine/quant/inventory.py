@@ -108,11 +108,12 @@ def _kind_of(name: str) -> str:
         return "embedding"
     if name.startswith("lm_head"):
         return "lm_head"
-    if ".attn." in name:
+    # the block's own name, or a name within it (not Gemma's attn_out_norm, mlp_out_norm)
+    if ".attn." in name or name.endswith(".attn"):
         return "attention"
-    if ".mlp." in name:
+    if ".mlp." in name or name.endswith(".mlp"):
         return "mlp"
-    return "norm"  # Gemma's attn_out_norm and mlp_out_norm too
+    return "norm"
 
 
 def linear_kernel(module: nn.Module) -> str:
