@@ -47,6 +47,7 @@ def engine_config(
     from engine.core.config import EngineConfig
     from engine.core.scheduler import SchedulerLimits
     from engine.kv_cache.window import CacheWindow
+    from engine.loader import expert_placement
 
     if max_tokens_per_step is None:
         max_tokens_per_step = args.max_tokens_per_step
@@ -67,6 +68,7 @@ def engine_config(
         decode_graph=args.decode_graph,
         cuda_graphs=getattr(args, "cuda_graphs", None),
         prefix_caching=args.prefix_caching,
+        cpu_experts=expert_placement.parse(getattr(args, "cpu_experts", None)),
     )
 
 

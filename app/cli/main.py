@@ -19,6 +19,7 @@ from app.cli.common import configure_cuda_allocator
 from app.cli.eval import cmd_calibrate, cmd_eval_compare, cmd_eval_ppl, cmd_eval_scan
 from app.cli.models import PLAN_PRECISIONS, add_models_parser, cmd_import_gguf, cmd_plan
 from app.cli.options import (
+    CPU_EXPERTS_HELP,
     DEVICE_HELP,
     MODEL_HELP,
     THREADS_HELP,
@@ -406,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the KV pool a load would allocate: bytes (> 1) or a fraction of what is left",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=UTILIZATION_HELP)
+    p.add_argument("--cpu-experts", default="0", metavar="N|auto", help=CPU_EXPERTS_HELP)
     p.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
     p.set_defaults(handler=cmd_plan)
 

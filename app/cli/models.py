@@ -107,6 +107,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from engine.core.config import EngineConfig
     from engine.errors import InvalidRequestError
     from engine.hardware.gpu import parse_capability
+    from engine.loader import expert_placement
     from engine.loader.memory_plan import MemoryPlan, parse_bytes, plan_memory
     from engine.model.config import ModelConfig
 
@@ -138,8 +139,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         local = replace(shard_plan(cfg, 0, world).local, vocab_size=rows[1] - rows[0])
         cfg, name = local, f"{name}, one rank of {world}"
     config = EngineConfig(
-        kv_memory=args.kv_memory, gpu_memory_utilization=args.gpu_memory_utilization
-    )
+        kv_memory=args.kv_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_experts=expert_placement.parse(args.cpu_experts),
+    )  # fmt: skip
     texts = [t.strip() for t in (args.precision or ",".join(PLAN_PRECISIONS)).split(",")]
     plans: list[MemoryPlan] = []
     skipped: list[str] = []

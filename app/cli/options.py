@@ -11,6 +11,11 @@ MODEL_HELP = "'default', an HF model folder or a .gguf file (imported into the s
 DEVICE_HELP = "auto (CUDA when torch sees one, else cpu), cpu, cuda, cuda:1 …"
 
 
+CPU_EXPERTS_HELP = (
+    "a mixture of experts: keep the experts of the first N layers of experts in host memory, "
+    "run on the CPU, and the rest on the device; auto: the fewest layers that let the plan "
+    "fit (default 0)"
+)
 UTILIZATION_HELP = (
     "on a GPU, without --kv-memory or --num-blocks: the share of its memory the engine takes "
     "in all (weights, a step's peak measured in a warm-up, the KV pool), in (0, 1] "
@@ -61,6 +66,7 @@ def engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
     )
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=UTILIZATION_HELP)
+    g.add_argument("--cpu-experts", default="0", metavar="N|auto", help=CPU_EXPERTS_HELP)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     if limits:
         g.add_argument("--max-tokens-per-step", type=int, default=512, help="prefill chunk budget")

@@ -42,8 +42,17 @@ class EngineConfig:
     #: INFERSIGHT_CUDA_GRAPHS
     cuda_graphs: str | None = None
     prefix_caching: bool = True
+    #: layers of a mixture of experts whose experts stay on the CPU, or ``auto``
+    #: (:mod:`engine.loader.expert_placement`)
+    cpu_experts: int | str = 0
 
     def __post_init__(self) -> None:
+        if self.cpu_experts != "auto" and (
+            not isinstance(self.cpu_experts, int) or self.cpu_experts < 0
+        ):
+            raise InvalidRequestError(
+                f"cpu_experts must be a count of layers (>= 0) or auto, got {self.cpu_experts!r}"
+            )
         try:
             inductor.requested_mode(self.decode_graph)
         except ValueError as exc:

@@ -58,6 +58,7 @@ from engine.hardware import gpu
 from engine.hardware import memory as device_memory
 from engine.hardware.memory import free_memory
 from engine.kernels import triton_support
+from engine.loader import expert_placement
 from engine.loader.memory_terms import (
     kv_bytes_per_token,
     load_overhead_bytes,
@@ -116,6 +117,9 @@ class MemoryPlan:
     #: (:func:`engine.kernels.triton_support.planned`)
     triton_attention: bool = False
     triton_gemms: bool = False
+    #: the layers whose experts stay in host memory (``--cpu-experts``), and their bytes
+    cpu_expert_layers: tuple[int, ...] = ()
+    host_expert_bytes: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -211,6 +215,11 @@ class MemoryPlan:
         if self.max_context > 0:
             ctx = self.max_context
             line += f", context up to {_tokens(ctx)}"
+        if self.cpu_expert_layers:
+            line += (
+                f"; experts of {len(self.cpu_expert_layers)} layers on the CPU "
+                f"({_gib(self.host_expert_bytes)})"
+            )
         return line
 
     def lines(self) -> list[str]:
@@ -221,6 +230,14 @@ class MemoryPlan:
                 rows.append(f"  weights  {kind:<10} {_mib(nbytes):>12}")
         rows += [
             f"  weights  total      {_mib(self.weight_bytes):>12}",
+            *(
+                [
+                    f"  experts on the CPU  {_mib(self.host_expert_bytes):>12}  (the experts of "
+                    f"{len(self.cpu_expert_layers)} layers, in host memory: --cpu-experts)"
+                ]
+                if self.cpu_expert_layers
+                else []
+            ),
             *([f"  rotary tables       {_mib(self.rope_bytes):>12}"] if self.rope_bytes else []),
             f"  KV cache per token  {self.kv_bytes_per_token / 1024:>9.1f} KiB "
             f"(pool {_mib(self.kv_pool_bytes)} = {_tokens(self.pool_tokens)})",
@@ -336,11 +353,14 @@ def plan_memory(
         from engine.kernels.packed_linear import packs
 
         packed = packs(spec.compute, cfg.vocab_size, cfg.hidden_size, measure=False)
+    counted = 0 if config.cpu_experts == expert_placement.AUTO else int(config.cpu_experts)
     target = _Target(
         cfg, torch_device, config, budget, source, runtime, packed, name, capability, probe,
-        given, total,
+        given, total, counted,
     )  # fmt: skip
     plan = target.plan(spec)
+    if config.cpu_experts == expert_placement.AUTO:
+        plan = expert_placement.fewest(lambda n: replace(target, cpu_experts=n).plan(spec), cfg)
     if plan.fits:
         return plan
     return replace(plan, suggestion=target.suggestion(plan))
@@ -363,6 +383,7 @@ class _Target:
     probe: torch.device  # the device specs are parsed for
     given: gpu.Capability | None  # the capability planned for instead of the probe's
     total: int  # a GPU's memory (0: a CPU)
+    cpu_experts: int = 0  # layers whose experts stay on the CPU
 
     def parse(self, text: str) -> PrecisionSpec:
         return parse_precision_spec(text, self.probe, capability=self.given)
@@ -373,6 +394,8 @@ class _Target:
         cuda = self.device.type == "cuda"
         backends = Backends(triton=gemms, cuda=cuda and not gemms)
         weights = weight_bytes_by_kind(cfg, spec, packed=self.packed, backends=backends)
+        experts = expert_placement.place(cfg, spec, self.cpu_experts, backends)
+        weights["mlp"] -= experts.device_bytes
         per_token = kv_bytes_per_token(cfg, spec.compute)
         step = workspace_bytes(cfg, spec.compute, config)
         cuda = self.device.type == "cuda"
@@ -428,6 +451,8 @@ class _Target:
             utilization=config.gpu_memory_utilization if self.device.type == "cuda" else 1.0,
             pool_sizing=sizing,
             rope_bytes=rope,
+            cpu_expert_layers=experts.layers,
+            host_expert_bytes=experts.host_bytes,
             triton_attention=attention,
             triton_gemms=gemms,
         )
