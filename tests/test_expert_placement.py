@@ -85,3 +85,27 @@ def test_the_plan_command_says_where_the_experts_go():
     layers = len(plan(published("qwen3-30b-a3b"), "int4-g32", "auto").cpu_expert_layers)
     assert re.search(rf"experts on the CPU .*the experts of {layers} layers", out.stdout)
     assert re.search(r"verdict\s+fits", out.stdout)
+
+
+def test_a_load_checks_its_count_and_experts_run_where_they_are_placed(tiny_model_dir):
+    """On a CPU both sides are the CPU: a load keeps every expert where the rest is, after
+    checking the count against the model; experts marked as living on the CPU (as a GPU
+    load marks the layers it kept in host memory) give the same logits, their rows sent
+    there and back."""
+    import torch
+
+    from engine.loader.load import load_model
+    from engine.model.moe import MoE
+
+    folder, _ = tiny_model_dir("qwen3_moe", False)  # layers 0 and 2 of experts, 1 dense
+    with pytest.raises(InvalidRequestError, match="this model has 2 layers of experts"):
+        load_model(folder, precision="fp32", config=EngineConfig(cpu_experts=3))
+    engine = load_model(folder, precision="fp32", config=EngineConfig(cpu_experts=2))
+    ids = list(range(3, 30))
+    before = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0)
+    moes = [layer.mlp for layer in engine.model.layers if isinstance(layer.mlp, MoE)]
+    assert len(moes) == 2 and all(m.expert_device is None for m in moes)
+    for moe in moes:
+        moe.expert_device = torch.device("cpu")
+    after = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0)
+    assert torch.equal(before, after)

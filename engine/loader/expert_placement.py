@@ -15,12 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.errors import InvalidRequestError
 from engine.model.config import ModelConfig
 from engine.quant.sizes import CPU, Backends, linear_bytes
 from engine.quant.spec import PrecisionSpec
 
 if TYPE_CHECKING:
+    from engine.core.config import EngineConfig
     from engine.loader.memory_plan import MemoryPlan
 
 #: ``--cpu-experts auto``
@@ -112,3 +115,20 @@ def place(cfg: ModelConfig, spec: PrecisionSpec, count: int, backends: Backends)
     return Placement(
         layers, experts_bytes(cfg, spec, layers, backends), experts_bytes(cfg, spec, layers, CPU)
     )
+
+
+def resolve(
+    cfg: ModelConfig, precision: str, device: torch.device, config: EngineConfig
+) -> tuple[int, ...]:
+    """The layers whose experts a load keeps on the CPU: the count asked for, or ``auto``'s
+    from the memory plan of ``device``; none on a CPU, where both sides are the CPU (a count
+    is still checked against the model)."""
+    asked = config.cpu_experts
+    if asked == AUTO:
+        if device.type == "cpu":
+            return ()
+        from engine.loader.memory_plan import plan_memory
+
+        return plan_memory(cfg, precision, str(device), config=config).cpu_expert_layers
+    layers = host_layers(cfg, int(asked))
+    return () if device.type == "cpu" else layers

@@ -24,6 +24,7 @@ from engine.hardware.threads import settle_step_threads, settle_threads
 from engine.kernels import decode_step, paged_decode
 from engine.kernels.packed_linear import pack_linears
 from engine.kv_cache.paged import SeqChunk
+from engine.loader import expert_placement
 from engine.loader.drafter import speculation
 from engine.loader.generation_config import generation_config_eos, generation_config_sampling
 from engine.loader.weights import load_transformer, smoothing_plan
@@ -89,9 +90,10 @@ def load_model(
         None if spec.calibration is None else calibration_files.load(folder, spec.calibration, cfg)
     )
     plan = smoothing_plan(cfg, spec, cal, alpha)
+    host = expert_placement.resolve(cfg, precision, torch_device, config or EngineConfig())
     model = load_transformer(
         folder, cfg, dtype, torch_device, quant=spec.kind_for if spec.quantized else None,
-        smoothing=plan, progress=progress,
+        smoothing=plan, progress=progress, host_experts=host,
     )  # fmt: skip
     if cal is not None:
         calibration_files.set_static_scales(model, cal, plan, spec.kind_for)

@@ -135,6 +135,7 @@ def load_transformer(
     smoothing: SmoothingPlan | None = None,
     shard: Shard | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    host_experts: tuple[int, ...] = (),
 ) -> Transformer:
     """Build the model from a checkpoint folder, one tensor at a time (``progress``: told
     ``("read", done, total)``, or ``"quantize"`` with ``quant``, as each tensor is in place).
@@ -153,7 +154,11 @@ def load_transformer(
     the model is built with the rank's head counts and channels, and each parameter, whole as
     the checkpoint gives it (fused, smoothed), is cut to the rank's rows or columns before it
     is quantized, so INT8's scales are the shard's own and INT4's groups lie within it.
+    ``host_experts``: the layers whose routed experts are loaded into host memory, in the
+    CPU's formats, and run there (``--cpu-experts``: :mod:`engine.loader.expert_placement`).
     """
+    layers = "|".join(map(str, host_experts)) or "-"
+    on_host = re.compile(rf"^layers\.({layers})\.mlp\.experts\.")
     with torch.device("meta"):
         model = Transformer(cfg if shard is None else shard.local)
         if shard is not None and shard.vocab is not None:  # the vocabulary's rows, split
@@ -207,10 +212,11 @@ def load_transformer(
         scaled_norm = ours == "norm.weight" and head_scale is not None
         smooth = smoothing is not None and smoothing.touches(ours)
         store = torch.float32 if kind is not None or is_head or scaled_norm or smooth else dtype
+        here = torch.device("cpu") if on_host.match(ours) else device
         if part is not None:
             sizes = _fused_sizes(ours, cfg)  # the whole model's: a shard is cut once complete
             shape = torch.Size([sum(sizes), *expected[ours][1:]])
-            fused = fusing.get(ours) or fusing.setdefault(ours, _Fused(sizes, shape, store, device))
+            fused = fusing.get(ours) or fusing.setdefault(ours, _Fused(sizes, shape, store, here))
             fused.put(part, tensor, hf_name)
             del tensor
             if not fused.complete:
@@ -218,7 +224,7 @@ def load_transformer(
             tensor = fusing.pop(ours).tensor
         else:
             # converted on the host, then moved: the device never holds a second copy
-            tensor = folded_norm(ours, tensor, cfg).to(dtype=store).to(device)
+            tensor = folded_norm(ours, tensor, cfg).to(dtype=store).to(here)
         if rotary is not None and ours.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
             tensor = permute_rotary_rows(tensor, cfg, rotary)  # a partly rotated head's order
         if is_head:
@@ -256,6 +262,9 @@ def load_transformer(
         )
     if head_kind is None and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
+    for layer in host_experts:
+        if device.type != "cpu":
+            model.layers[layer].mlp.expert_device = torch.device("cpu")  # type: ignore[union-attr]
     model.eval()
     return model
 

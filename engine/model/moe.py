@@ -42,6 +42,9 @@ class MoE(nn.Module):
         #: tokens routed to each expert since the instruments last took it (int64 ``[E]``;
         #: None before the first step)
         self.load: Tensor | None = None
+        #: where the routed experts live and run where it is not the rest's (``--cpu-experts``:
+        #: the CPU); None: beside the rest
+        self.expert_device: torch.device | None = None
         #: as :attr:`MLP.reduce` (tensor parallelism does not split experts yet: always None)
         self.reduce: Callable[[Tensor], Tensor] | None = None
 
@@ -62,15 +65,21 @@ class MoE(nn.Module):
         self.load = counts if self.load is None else self.load + counts
         rows = order // self.top_k  # each pair's token
         pair_weights = weights.flatten()[order, None]
-        out = torch.zeros_like(x)
+        there = self.expert_device
+        if there is not None:  # the experts run on the CPU: the routed rows go to them
+            x_in, rows, pair_weights = x.to(there), rows.to(there), pair_weights.to(there)
+        else:
+            x_in = x
+        out = torch.zeros_like(x_in)
         start = 0
         for expert, n in enumerate(counts.tolist()):
             if not n:
                 continue
             tokens = rows[start : start + n]
-            ran = self.experts[expert](x[tokens]) * pair_weights[start : start + n]
+            ran = self.experts[expert](x_in[tokens]) * pair_weights[start : start + n]
             out.index_add_(0, tokens, ran)
             start += n
+        out = out.to(x.device)
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
