@@ -143,6 +143,9 @@ def write_gguf(
         "mlp.gate_proj.weight": "ffn_gate.weight",
         "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
+        # Qwen3's (and Gemma 3's) q/k norms
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
         # Phi-3's, fused in the checkpoint and kept so by llama.cpp
         "self_attn.qkv_proj.weight": "attn_qkv.weight",
         "mlp.gate_up_proj.weight": "ffn_up.weight",
@@ -165,6 +168,8 @@ def write_gguf(
     state = hf_model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if getattr(cfg, "num_experts_per_tok", None):  # a mixture of experts
+        state = _moe_as_llama_cpp(writer, cfg, state, arch, layer)
     for hf_name, tensor in state.items():
         if hf_name in names:
             name = names[hf_name]
@@ -217,3 +222,44 @@ def _phi3_metadata(writer: Any, cfg: Any) -> None:
     for kind in ("long", "short"):
         factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
         writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+
+
+def _moe_as_llama_cpp(writer: Any, cfg: Any, state: dict, arch: str, layer: dict) -> dict:
+    """A mixture of experts as llama.cpp's converter writes it: its expert counts and sizes as
+    metadata, each layer's experts as one 3-D tensor a product (transformers holds gate and up
+    fused, ``[E, 2I, H]``), the router as ``ffn_gate_inp``, Qwen2-MoE's shared expert as
+    ``*_shexp`` and its gate as a vector; returns the state left to write as a dense model's."""
+    prefix = "llama" if arch == "llama" else arch
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    writer.add_uint32(f"{prefix}.expert_count", experts)
+    writer.add_uint32(f"{prefix}.expert_used_count", cfg.num_experts_per_tok)
+    if arch != "llama":
+        writer.add_uint32(f"{prefix}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_uint32(
+            f"{prefix}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size
+        )
+    layer |= {
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    }
+    rest = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            idx = name.split(".")[2]
+            gate, up = tensor.detach().float().chunk(2, dim=1)
+            writer.add_tensor(f"blk.{idx}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            writer.add_tensor(f"blk.{idx}.ffn_up_exps.weight", up.contiguous().numpy())
+        elif name.endswith("mlp.experts.down_proj"):
+            idx = name.split(".")[2]
+            writer.add_tensor(f"blk.{idx}.ffn_down_exps.weight", tensor.detach().float().numpy())
+        elif name.endswith("mlp.shared_expert_gate.weight"):
+            idx = name.split(".")[2]
+            writer.add_tensor(f"blk.{idx}.ffn_gate_inp_shexp.weight",
+                              tensor.detach().float().reshape(-1).numpy())  # fmt: skip
+        else:
+            rest[name] = tensor
+    return rest

@@ -138,3 +138,33 @@ def test_the_published_moe_configs_read_as_transformers_reads_them(name):
     assert ours.expert_intermediate_size == inner
     assert ours.normalize_expert_weights == getattr(theirs, "norm_topk_prob", True)
     assert ours.dense_layers == ()
+
+
+GGUF_ARCHS = [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")]
+
+
+@pytest.mark.parametrize(("arch", "gguf_arch"), GGUF_ARCHS)
+def test_a_mixture_of_experts_gguf_imports_to_transformers_logits(tmp_path, arch, gguf_arch):
+    """A GGUF as llama.cpp's converter lays a mixture of experts out (each layer's experts
+    as one 3-D tensor a product, the router as ffn_gate_inp, Qwen2-MoE's shared expert and
+    its gate vector; Mixtral as a llama with experts, its q/k rows permuted), imported into a
+    folder: the original's config and transformers' logits."""
+    from engine.store.gguf_import import import_gguf
+    from tests.conftest import build_tiny_hf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = build_tiny_hf(arch, tied=False, mlp_only_layers=[]) if arch == "qwen3_moe" else (
+        build_tiny_hf(arch, tied=False)
+    )  # fmt: skip
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    gguf = write_like_llama_cpp(hf, tmp_path / "moe.gguf", arch=gguf_arch)
+    folder = tmp_path / "imported"
+    import_gguf(gguf, folder, dtype="fp32")
+    imported = ModelConfig.from_file(folder / "config.json")
+    for field in ("model_type", "num_experts", "experts_per_token", "expert_intermediate_size",
+                  "normalize_expert_weights", "shared_expert_size", "head_dim"):  # fmt: skip
+        assert getattr(imported, field) == getattr(cfg, field), field
+    engine = load_model(folder, precision="fp32")
+    prompt = torch.randint(0, TINY["vocab_size"], (30,), generator=torch.Generator().manual_seed(3))
+    ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(30), 0)
+    assert (ours - hf_logits(hf, prompt)).abs().max().item() <= 1e-4

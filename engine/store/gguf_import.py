@@ -39,6 +39,7 @@ from engine.store.gguf_reader import (
     gguf_sampling,
     hf_config,
     hf_tensor_name,
+    model_arch,
     open_gguf,
     supported_architecture,
     unpermute_rotary,
@@ -89,7 +90,8 @@ def check_free_space(folder: Path, needed: int) -> None:
 
 def _output_bytes(reader: Any, dtype: torch.dtype) -> int:
     """Bytes of the tensors an import writes, in ``dtype`` (safetensors headers aside)."""
-    arch = str(gguf_metadata(reader).get("general.architecture", "llama"))
+    meta = gguf_metadata(reader)
+    arch = model_arch(meta, str(meta.get("general.architecture", "llama")))
     elements = sum(int(t.n_elements) for t in reader.tensors if hf_tensor_name(t.name, arch))
     return elements * dtype.itemsize
 
@@ -115,7 +117,7 @@ def import_gguf(
         raise ModelLoadError(f"{dest} already exists and is not empty; remove it or pick another")
     reader = open_gguf(src)
     meta = gguf_metadata(reader)
-    arch = supported_architecture(meta, src)
+    arch = model_arch(meta, supported_architecture(meta, src))
     _refuse_split(meta, src)
     types: dict[str, int] = {}
     for t in reader.tensors:
@@ -199,16 +201,22 @@ def _write_tensors(
         name = hf_tensor_name(t.name, arch)
         assert name is not None
         array = dequantize_tensor(t)
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+        permuted = arch in ("llama", "mixtral")  # llama.cpp's rotation on adjacent pairs
+        if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             array = unpermute_rotary(array, config["num_attention_heads"])
-        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             array = unpermute_rotary(array, config["num_key_value_heads"])
+        if t.name.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp's [H], HF's [1, H]
+            array = array.reshape(1, -1)
         if arch in NORM_SHIFT and t.name.endswith("norm.weight"):  # back to HF's ``w``
             array = array.astype(np.float32) - NORM_SHIFT[arch]
         if not array.flags.writeable:  # F32/F16 tensors come straight from the mmap
             array = array.copy()
         tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-        shard[name] = tensor
+        if "{e}" in name:  # one tensor per expert, as the checkpoint holds them
+            shard.update((name.format(e=e), part.clone()) for e, part in enumerate(tensor))
+        else:
+            shard[name] = tensor
         shard_bytes += tensor.numel() * tensor.element_size()
         if progress:
             progress("dequantize", i + 1, len(tensors))

@@ -19,12 +19,14 @@ import numpy as np
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model.config import ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma3", "qwen3moe", "qwen2moe")
 #: the transformers class each architecture's folder names
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM",
-               "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
-#: the ``model_type`` of each architecture where it is not llama.cpp's name
-MODEL_TYPES = {"gemma3": "gemma3_text"}
+               "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+               "qwen2moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}  # fmt: skip
+#: the ``model_type`` of each architecture where it is not llama.cpp's name (a ``llama`` GGUF
+#: with experts is a Mixtral)
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 #: Phi-3's tensors where llama.cpp keeps them fused as the checkpoint does (q/k/v; gate/up)
 _PHI3_TENSORS = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
@@ -38,8 +40,34 @@ _GEMMA3_TENSORS = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+#: a mixture of experts' tensors as llama.cpp keeps them: the router, each layer's experts as
+#: one 3-D tensor a product (``{e}``: one HF tensor per expert), Qwen2-MoE's shared expert
+_MOE_TENSORS = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+#: Mixtral's (a ``llama`` GGUF with experts) as its checkpoints name them
+_MIXTRAL_TENSORS = {
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight",
+}
 #: per architecture, its tensors' names beyond (or in place of) Llama's
-_ARCH_TENSORS = {"phi3": _PHI3_TENSORS, "gemma3": _GEMMA3_TENSORS}
+_QK_NORMS = {  # Qwen3's
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_ARCH_TENSORS = {"phi3": _PHI3_TENSORS, "gemma3": _GEMMA3_TENSORS, "mixtral": _MIXTRAL_TENSORS,
+                 "qwen3moe": {**_MOE_TENSORS, **_QK_NORMS}, "qwen2moe": _MOE_TENSORS}  # fmt: skip
+#: llama.cpp's choice of renormalising the chosen experts' weights, by architecture
+_NORM_EXPERT_WEIGHTS = {"qwen3moe": True, "qwen2moe": False, "mixtral": True}
 #: llama.cpp's converter stores Gemma's norm weights ``w`` of ``(1 + w)`` as ``1 + w``
 NORM_SHIFT = {"gemma3": 1.0}
 
@@ -153,11 +181,13 @@ def gguf_model_config(path: Path) -> ModelConfig:
 
 def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[str, Any]:
     def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
+        prefix = "llama" if arch == "mixtral" else arch
+        value = meta.get(f"{prefix}.{name}", default)
         if value is None:
-            raise UnsupportedModelError(f"the GGUF lacks the metadata key {arch}.{name}")
+            raise UnsupportedModelError(f"the GGUF lacks the metadata key {prefix}.{name}")
         return value
 
+    arch = model_arch(meta, arch)
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     names = {t.name for t in reader.tensors}
@@ -186,6 +216,20 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
         config.update(_phi3_config(meta, reader, names, config))
     if arch == "gemma3":
         config.update(_gemma3_config(meta, config))
+    if arch in _NORM_EXPERT_WEIGHTS:  # a mixture of experts
+        config.update({
+            "num_experts" if arch != "mixtral" else "num_local_experts": int(key("expert_count")),
+            "num_experts_per_tok": int(key("expert_used_count")),
+            "norm_topk_prob": bool(key("expert_weights_norm", _NORM_EXPERT_WEIGHTS[arch])),
+        })  # fmt: skip
+        if arch != "mixtral":
+            config["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+        if arch == "qwen2moe":
+            config["shared_expert_intermediate_size"] = int(
+                key("expert_shared_feed_forward_length")
+            )
+        if arch == "qwen3moe":
+            config["head_dim"] = int(key("attention.key_length", config["head_dim"]))
     if "rope_freqs.weight" in names:  # Llama 3's RoPE scaling, as llama.cpp keeps it
         divisors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = llama3_scaling(
@@ -373,9 +417,16 @@ def _llama3_divisors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np
     return (plain / scaled).double().numpy()
 
 
+def model_arch(meta: dict[str, Any], arch: str) -> str:
+    """The architecture a GGUF of llama.cpp's ``arch`` holds: ``mixtral`` for a ``llama``
+    with experts (its keys stay llama's), else ``arch``."""
+    return "mixtral" if arch == "llama" and meta.get("llama.expert_count") else arch
+
+
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor of ``arch`` (None: not a checkpoint tensor, such as
-    llama.cpp's RoPE tables, which the config carries instead)."""
+    llama.cpp's RoPE tables, which the config carries instead; ``{e}`` in it: one tensor per
+    expert of a 3-D tensor of experts, :func:`model_arch`'s ``mixtral`` for Mixtral's)."""
     if gguf_name in _TOP_TENSORS:
         return _TOP_TENSORS[gguf_name]
     parts = gguf_name.split(".", 2)
