@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from widgets.block_map import KVBlockMap
+from widgets.expert_map import ExpertHeatMap
 from widgets.plots import COLOURS, make_plot, pen
 
 REDRAW_MS = 250
@@ -68,6 +69,10 @@ class InstrumentFrame:
     spec_mean_acceptance_length: float | None = None
     spec_draft_s: float = 0.0
     spec_verify_s: float = 0.0
+    #: a mixture of experts: its layers of experts and the tokens routed to each expert of
+    #: each since the load (the heat map draws what changed between frames); () dense
+    expert_layers: tuple[int, ...] = ()
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +271,10 @@ class InstrumentsPanel(QWidget):
         self.tabs.addTab(tab, "Speculation")
         self._show_speculation(None)
 
+        # a mixture of experts' routing
+        self.expert_map = ExpertHeatMap()
+        self.tabs.addTab(self.expert_map, "Experts")
+
         export_png = QPushButton("Export PNG…")
         export_png.setToolTip("Save the plots of this tab as an image")
         export_png.clicked.connect(self._ask_png)
@@ -313,6 +322,7 @@ class InstrumentsPanel(QWidget):
         if frame.layer_attention_ms:
             self._layers = (frame.layer_attention_ms, frame.layer_mlp_ms)
         self._show_speculation(frame)
+        self.expert_map.set_load(frame.expert_layers, frame.expert_tokens)
         self.last_frame = frame
         self._dirty = True
 

@@ -55,4 +55,6 @@ def frame_of(s: MetricsSnapshot) -> InstrumentFrame:
         spec_mean_acceptance_length=s.spec_decode_mean_acceptance_length,
         spec_draft_s=s.spec_decode_draft_time_seconds,
         spec_verify_s=s.spec_decode_verify_time_seconds,
+        expert_layers=s.expert_layers,
+        expert_tokens=s.expert_tokens,
     )

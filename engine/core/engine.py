@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,12 +27,7 @@ from engine.core import step as stepping
 from engine.core.config import EngineConfig, kv_pool_blocks
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
 from engine.core.metrics import LayerTiming, MemoryByKind, MetricsSnapshot, RequestMetrics
-from engine.core.output import (
-    GenerationResult,
-    OutputProcessor,
-    TokenEvent,
-    request_metrics,
-)
+from engine.core.output import OutputProcessor, TokenEvent
 from engine.core.pool_profile import PoolSizing, profile_pool
 from engine.core.runner import ModelRunner
 from engine.core.sampling import SamplingParams, make_generator
@@ -52,12 +47,14 @@ from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
 from engine.model.inventory import weight_bytes
+from engine.model.moe import expert_load
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.quant.inventory import weight_report
 from engine.quant.spec import PrecisionSpec, dtype_name
 
 if TYPE_CHECKING:
+    from engine.core.generation import Generation
     from engine.speculative.config import SpeculativeConfig
     from engine.speculative.speculator import Speculator
 
@@ -547,6 +544,7 @@ class LLMEngine:
             recent_steps=tuple(self.collector.recent),
             total_preemptions=self.collector.total_preemptions,
             **(self.speculator.metrics() if self.speculator is not None else {}),
+            **expert_load(self.model),
             **summary,
         )
 
@@ -561,39 +559,6 @@ class LLMEngine:
         self, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int = 0
     ) -> Generation:
         """Start one request; iterate the result for its :class:`TokenEvent` as they come."""
+        from engine.core.generation import Generation
+
         return Generation(self, list(prompt_ids), params, priority)
-
-
-class Generation:
-    """One request driven to its end by stepping the engine; ``result`` fills in as it goes."""
-
-    def __init__(
-        self, engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, priority: int
-    ) -> None:
-        self.engine = engine
-        self.request_id = engine.add_request(prompt_ids, params, priority=priority)
-        self._seq = engine.sequence(self.request_id)
-        self.result = GenerationResult(prompt_ids=prompt_ids)
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        engine, result, seq = self.engine, self.result, self._seq
-        try:
-            while result.finish_reason is None:
-                events = engine.step()
-                if not events and engine.hold_s > 0:
-                    time.sleep(min(engine.hold_s, 0.01))
-                for event in events:
-                    if event.request_id != self.request_id:
-                        continue
-                    if event.token_id is not None:
-                        result.token_ids.append(event.token_id)
-                    result.text += event.text
-                    if event.finish_reason is not None:
-                        result.finish_reason = event.finish_reason
-                        timings = request_metrics(seq)
-                        result.ttft_s = timings.time_to_first_token_seconds
-                        result.tpot_s = timings.time_per_output_token_seconds
-                    yield event
-        finally:
-            if result.finish_reason is None:  # the caller stopped iterating (or Ctrl-C)
-                engine.cancel(self.request_id)

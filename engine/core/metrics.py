@@ -135,6 +135,10 @@ class MetricsSnapshot:
     spec_decode_last_draft_seconds: float = 0.0
     spec_decode_last_verify_seconds: float = 0.0
     spec_decode_draft_bytes: int = 0
+    #: a mixture of experts: its layers of experts and, per layer, the tokens routed to each
+    #: expert since the load (:func:`engine.model.moe.expert_load`); empty for a dense model
+    expert_layers: tuple[int, ...] = ()
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

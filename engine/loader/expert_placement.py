@@ -118,17 +118,13 @@ def place(cfg: ModelConfig, spec: PrecisionSpec, count: int, backends: Backends)
 
 
 def resolve(
-    cfg: ModelConfig, precision: str, device: torch.device, config: EngineConfig
+    cfg: ModelConfig, device: torch.device, config: EngineConfig, plan: Callable[[], MemoryPlan]
 ) -> tuple[int, ...]:
     """The layers whose experts a load keeps on the CPU: the count asked for, or ``auto``'s
-    from the memory plan of ``device``; none on a CPU, where both sides are the CPU (a count
-    is still checked against the model)."""
+    from the memory plan of the device (``plan()``); none on a CPU, where both sides are the
+    CPU (a count is still checked against the model)."""
     asked = config.cpu_experts
     if asked == AUTO:
-        if device.type == "cpu":
-            return ()
-        from engine.loader.memory_plan import plan_memory
-
-        return plan_memory(cfg, precision, str(device), config=config).cpu_expert_layers
+        return () if device.type == "cpu" else plan().cpu_expert_layers
     layers = host_layers(cfg, int(asked))
     return () if device.type == "cpu" else layers

@@ -27,6 +27,7 @@ from engine.kv_cache.paged import SeqChunk
 from engine.loader import expert_placement
 from engine.loader.drafter import speculation
 from engine.loader.generation_config import generation_config_eos, generation_config_sampling
+from engine.loader.memory_plan import plan_memory
 from engine.loader.weights import load_transformer, smoothing_plan
 from engine.model.config import ModelConfig
 from engine.model.inventory import linear_modules, parameter_count
@@ -90,7 +91,11 @@ def load_model(
         None if spec.calibration is None else calibration_files.load(folder, spec.calibration, cfg)
     )
     plan = smoothing_plan(cfg, spec, cal, alpha)
-    host = expert_placement.resolve(cfg, precision, torch_device, config or EngineConfig())
+    engine_config = config or EngineConfig()
+    host = expert_placement.resolve(
+        cfg, torch_device, engine_config,
+        lambda: plan_memory(cfg, precision, str(torch_device), config=engine_config),
+    )  # fmt: skip
     model = load_transformer(
         folder, cfg, dtype, torch_device, quant=spec.kind_for if spec.quantized else None,
         smoothing=plan, progress=progress, host_experts=host,

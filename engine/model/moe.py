@@ -10,13 +10,14 @@ expert that any token chose runs once on all of its tokens, and its weighted out
 back at their rows (no loop over tokens). Qwen2-MoE adds a shared expert on every token,
 gated by a sigmoid of its own linear.
 
-:attr:`MoE.load` counts, per expert, the tokens routed to it since the instruments last read
-it (the expert heat map).
+:attr:`MoE.load` counts, per expert, the tokens routed to it since the load; the
+instruments draw what changed between two snapshots (the expert heat map).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,8 @@ class MoE(nn.Module):
         size = cfg.shared_expert_size
         self.shared = MLP(cfg, size) if size else None
         self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if size else None
-        #: tokens routed to each expert since the instruments last took it (int64 ``[E]``;
-        #: None before the first step)
+        #: tokens routed to each expert since the load (int64 ``[E]``; None before the first
+        #: step): the instruments draw what changed between two reads
         self.load: Tensor | None = None
         #: where the routed experts live and run where it is not the rest's (``--cpu-experts``:
         #: the CPU); None: beside the rest
@@ -90,8 +91,18 @@ class MoE(nn.Module):
         experts = [p for e in self.experts for p in e.linears()]  # type: ignore[operator]
         return experts + (self.shared.linears() if self.shared is not None else [])
 
-    def take_load(self) -> Tensor:
-        """The tokens routed to each expert since the last call (on the CPU), and a fresh
-        count."""
-        load, self.load = self.load, None
-        return torch.zeros(self.num_experts, dtype=torch.long) if load is None else load.cpu()
+    def routed(self) -> tuple[int, ...]:
+        """The tokens routed to each expert since the load."""
+        return (0,) * self.num_experts if self.load is None else tuple(self.load.tolist())
+
+
+def expert_load(model: nn.Module) -> dict[str, Any]:
+    """A snapshot's expert fields (:class:`engine.core.metrics.MetricsSnapshot`): the layers
+    of experts and, for each, the tokens routed to each expert since the load; empty for a
+    dense model."""
+    decoders = cast(nn.ModuleList, model.layers)
+    layers = [(i, m.mlp) for i, m in enumerate(decoders) if isinstance(m.mlp, MoE)]
+    return {
+        "expert_layers": tuple(i for i, _ in layers),
+        "expert_tokens": tuple(moe.routed() for _, moe in layers),
+    }
