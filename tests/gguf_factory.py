@@ -169,7 +169,7 @@ def write_gguf(
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     if getattr(cfg, "num_experts_per_tok", None):  # a mixture of experts
-        state = _moe_as_llama_cpp(writer, cfg, state, arch, layer)
+        state = _moe_as_llama_cpp(writer, cfg, state, arch, layer, quant)
     for hf_name, tensor in state.items():
         if hf_name in names:
             name = names[hf_name]
@@ -224,7 +224,9 @@ def _phi3_metadata(writer: Any, cfg: Any) -> None:
         writer.add_tensor(f"rope_factors_{kind}.weight", factors)
 
 
-def _moe_as_llama_cpp(writer: Any, cfg: Any, state: dict, arch: str, layer: dict) -> dict:
+def _moe_as_llama_cpp(
+    writer: Any, cfg: Any, state: dict, arch: str, layer: dict, quant: str
+) -> dict:
     """A mixture of experts as llama.cpp's converter writes it: its expert counts and sizes as
     metadata, each layer's experts as one 3-D tensor a product (transformers holds gate and up
     fused, ``[E, 2I, H]``), the router as ``ffn_gate_inp``, Qwen2-MoE's shared expert as
@@ -246,16 +248,27 @@ def _moe_as_llama_cpp(writer: Any, cfg: Any, state: dict, arch: str, layer: dict
         "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
         "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
     }
+    import gguf
+
+    def matrix(name: str, data: np.ndarray) -> None:  # in the file's type, as its 2-D ones
+        if quant == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        elif quant == "F32":
+            writer.add_tensor(name, data)
+        else:
+            qtype = gguf.GGMLQuantizationType[quant]
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
     rest = {}
     for name, tensor in state.items():
         if name.endswith("mlp.experts.gate_up_proj"):
             idx = name.split(".")[2]
             gate, up = tensor.detach().float().chunk(2, dim=1)
-            writer.add_tensor(f"blk.{idx}.ffn_gate_exps.weight", gate.contiguous().numpy())
-            writer.add_tensor(f"blk.{idx}.ffn_up_exps.weight", up.contiguous().numpy())
+            matrix(f"blk.{idx}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            matrix(f"blk.{idx}.ffn_up_exps.weight", up.contiguous().numpy())
         elif name.endswith("mlp.experts.down_proj"):
             idx = name.split(".")[2]
-            writer.add_tensor(f"blk.{idx}.ffn_down_exps.weight", tensor.detach().float().numpy())
+            matrix(f"blk.{idx}.ffn_down_exps.weight", tensor.detach().float().numpy())
         elif name.endswith("mlp.shared_expert_gate.weight"):
             idx = name.split(".")[2]
             writer.add_tensor(f"blk.{idx}.ffn_gate_inp_shexp.weight",

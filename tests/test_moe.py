@@ -167,3 +167,58 @@ def test_a_mixture_of_experts_gguf_imports_to_transformers_logits(tmp_path, arch
     prompt = torch.randint(0, TINY["vocab_size"], (30,), generator=torch.Generator().manual_seed(3))
     ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(30), 0)
     assert (ours - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(("arch", "gguf_arch"), GGUF_ARCHS)
+def test_our_moe_gguf_is_laid_out_as_llama_cpps_converter_does(tiny_model_dir, tmp_path, arch,
+                                                                gguf_arch):  # fmt: skip
+    """The benchmark peer's GGUF (:mod:`engine.store.gguf_writer`) of a mixture of experts,
+    from the checkpoint's own per-expert tensors: the same tensors under the same names (the
+    experts stacked, the shared expert's gate a vector), the same expert metadata."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from engine.store.gguf_reader import gguf_metadata, open_gguf
+    from engine.store.gguf_writer import write_gguf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    folder, hf = tiny_model_dir(arch, False)
+    if arch == "qwen3_moe":  # llama.cpp gives every layer experts
+        from tests.conftest import build_tiny_hf, save_tiny
+
+        hf = build_tiny_hf(arch, tied=False, mlp_only_layers=[])
+        folder = save_tiny(hf, tmp_path / "hf")
+    cfg = ModelConfig.from_file(folder / "config.json")
+    saved = load_file(folder / "model.safetensors").items()
+    tokens = [f"t{i}" for i in range(cfg.vocab_size)]
+    ours = open_gguf(write_gguf(tmp_path / "ours.gguf", cfg, saved, name="t", tokens=tokens))
+    want = open_gguf(write_like_llama_cpp(hf, tmp_path / "want.gguf", arch=gguf_arch,
+                                          quant="F16"))  # fmt: skip
+    got = {t.name: t for t in ours.tensors}
+    assert set(got) == {t.name for t in want.tensors}
+    for tensor in want.tensors:
+        assert np.array_equal(got[tensor.name].data, tensor.data), tensor.name
+    keys = [k for k in gguf_metadata(want) if "expert" in k]
+    assert len(keys) >= 2 and all(gguf_metadata(ours)[k] == gguf_metadata(want)[k] for k in keys)
+
+
+def test_the_ab_comparison_of_a_mixture_of_experts_is_its_logits(tiny_model_dir):
+    """``eval compare`` and the A/B lab on fp32 against INT8 experts: each token's KL is the
+    one computed from the two engines' own logits."""
+    from engine.core.sampling import SamplingParams
+    from engine.evals.compare import compare_prompt
+    from engine.evals.sides import Side, prompt_ids_for
+    from tests.test_compare import direct_logprobs
+
+    folder, _ = tiny_model_dir("qwen3_moe", False)
+    a, b = load_model(folder, precision="fp32"), load_model(folder, precision="int8")
+    greedy = Side(SamplingParams(max_new_tokens=10))
+    report = compare_prompt(a, b, "t1 t7 t3 t9 t2", greedy, greedy, speculate=False)
+    prompt = prompt_ids_for(a, [{"role": "user", "content": "t1 t7 t3 t9 t2"}])
+    for key in ("a", "b"):
+        ids = report[key]["token_ids"]
+        la, lb = direct_logprobs(a, prompt, ids), direct_logprobs(b, prompt, ids)
+        kl = (la.exp() * (la - lb)).sum(-1)
+        assert torch.allclose(torch.tensor(report["columns"][key]["kl"], dtype=torch.float64),
+                              kl, atol=1e-5)  # fmt: skip
+    assert report["summary"]["kl_max"] > 0  # INT8 experts differ from fp32 ones

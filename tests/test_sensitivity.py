@@ -33,7 +33,8 @@ LINEARS = {"attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
 @pytest.fixture(scope="module")
 def scans(tiny_model_dir):
-    """One int4-g32 scan per tiny model (Llama tied; Qwen2 with q/k/v biases, untied)."""
+    """One int4-g32 scan per tiny model (Llama tied; Qwen2 with q/k/v biases, untied; a
+    Qwen3-MoE of two layers of experts around a dense one)."""
     cache: dict[str, Scan] = {}
 
     def get(arch: str) -> Scan:
@@ -75,18 +76,25 @@ def _full_forward_kl(model, blocks: list[tuple[int, str]], kind: QuantKind) -> f
     saved = []
     for layer, part in blocks:
         block = getattr(model.layers[layer], part)
-        for attr in LINEARS[part]:
-            linear = getattr(block, attr)
-            saved.append((block, attr, linear))
+        # a layer of experts: each expert's products, wherever they sit in the block
+        owners = [
+            (owner, attr)
+            for owner in block.modules()
+            for attr in LINEARS[part]
+            if type(getattr(owner, attr, None)) is nn.Linear
+        ]
+        for owner, attr in owners:
+            linear = getattr(owner, attr)
+            saved.append((owner, attr, linear))
             with torch.inference_mode():
-                setattr(block, attr, _Bf16In(quantized_linear(linear.weight, linear.bias, kind)))
+                setattr(owner, attr, _Bf16In(quantized_linear(linear.weight, linear.bias, kind)))
     ours = logp()
     for block, attr, linear in saved:
         setattr(block, attr, linear)
     return float((reference.exp() * (reference - ours)).sum(-1).mean())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
 def test_block_kls_equal_a_full_forward_with_that_block_quantized(tiny_model_dir, scans, arch):
     scan = scans(arch)
     _, cfg, model = _fp32_model(tiny_model_dir, arch)
@@ -104,7 +112,7 @@ def test_block_kls_equal_a_full_forward_with_that_block_quantized(tiny_model_dir
     assert scan.text_tokens == len(TEXT) and scan.low == "int4-g32" and scan.high == "int8"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
 def test_scan_sizes_are_the_loaded_sizes(tiny_model_dir, scans, arch):
     folder, _ = tiny_model_dir(arch, arch == "llama")
     scan = scans(arch)

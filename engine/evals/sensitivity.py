@@ -40,6 +40,7 @@ from engine.kv_cache.contiguous import ContiguousKVCache
 from engine.loader.weights import load_transformer
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
+from engine.model.moe import MoE
 from engine.model.transformer import Transformer
 from engine.quant.linear import quantized_linear
 from engine.quant.sizes import block_bytes, estimate_weight_bytes
@@ -229,7 +230,11 @@ def scan_model(
     compute = gpu.compute_dtype_for(gpu.capability(device))
     _check_text(cfg, text_ids)
     sizes = {
-        part: (block_bytes(cfg, part, low, compute), block_bytes(cfg, part, high, compute))
+        (layer, part): (
+            block_bytes(cfg, part, low, compute, layer=layer),
+            block_bytes(cfg, part, high, compute, layer=layer),
+        )
+        for layer in range(cfg.num_layers)
         for part in LAYER_PARTS
     }
     if any(big <= small for small, big in sizes.values()):
@@ -247,7 +252,7 @@ def scan_model(
         quantized[(layer, part)] = _quantize_block(model, layer, part, low, compute)
         with _swapped(model, {(layer, part): quantized[(layer, part)]}):
             kl = runner.kl_from(layer)
-        results.append(BlockSensitivity(layer, part, kl, *sizes[part]))
+        results.append(BlockSensitivity(layer, part, kl, *sizes[(layer, part)]))
         if progress is not None:
             progress(done, total)
     with _swapped(model, quantized):
@@ -317,8 +322,14 @@ def _quantize_block(
 ) -> dict[str, nn.Module]:
     block = getattr(model.layers[layer], part)
     modules: dict[str, nn.Module] = {}
-    for attr in BLOCK_LINEARS[part]:
-        linear = getattr(block, attr)
+    # a layer of experts: every expert's products (and a shared expert's), by their path
+    # within the block; the router stays in float, as a load keeps it
+    paths = BLOCK_LINEARS[part] if part == "attn" or not isinstance(block, MoE) else [
+        name for name, m in block.named_modules()
+        if type(m) is nn.Linear and name.rpartition(".")[2] in BLOCK_LINEARS["mlp"]
+    ]  # fmt: skip
+    for attr in paths:
+        linear = block.get_submodule(attr)
         if type(linear) is not nn.Linear:
             raise InvalidRequestError(
                 f"layers.{layer}.{part}.{attr} is a {type(linear).__name__}, not nn.Linear; "
@@ -341,9 +352,11 @@ def _swapped(
     try:
         for (layer, part), modules in swaps.items():
             block = getattr(model.layers[layer], part)
-            for attr, module in modules.items():
-                originals.append((block, attr, getattr(block, attr)))
-                setattr(block, attr, module)
+            for path, module in modules.items():  # an attribute, or a path into the block
+                within, _, attr = path.rpartition(".")
+                parent = block.get_submodule(within) if within else block
+                originals.append((parent, attr, getattr(parent, attr)))
+                setattr(parent, attr, module)
         yield
     finally:
         for block, attr, module in reversed(originals):

@@ -13,6 +13,7 @@ tokens as the model has (token ids go in and out; their text is the synthetic to
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,30 @@ _GEMMA3 = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
-_ARCH_NAMES = {"phi3": _PHI3, "gemma3": _GEMMA3}
-#: the architectures this writes, as llama.cpp names them, by our ``model_type``
-ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "gemma3_text": "gemma3"}
+#: a mixture of experts' router and Qwen2-MoE's shared expert; the routed experts go into one
+#: 3-D tensor a product and layer (:data:`_EXPERT`)
+_MOE = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3-MoE's
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
+_EXPERT_PRODUCTS = {
+    "gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+    "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps",
+}  # fmt: skip
+_ARCH_NAMES = {"phi3": _PHI3, "gemma3": _GEMMA3, "qwen3moe": _MOE, "qwen2moe": _MOE}
+#: the architectures this writes, as llama.cpp names them, by our ``model_type`` (Mixtral: a
+#: ``llama`` with experts)
+ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "gemma3_text": "gemma3",
+                 "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}  # fmt: skip
 
 #: llama.cpp's ``general.file_type`` for matrices in F16 (``LLAMA_FTYPE_MOSTLY_F16``)
 FILE_TYPE_F16 = 1
@@ -70,7 +92,7 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _TOP:
         return _TOP[hf_name]
     parts = hf_name.split(".", 3)
-    names = {**_LAYER, **_ARCH_NAMES.get(arch, {})}
+    names = {**_LAYER, **_ARCH_NAMES.get(arch, {}), **_MOE}
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in names:
         return f"blk.{parts[2]}.{names[parts[3]]}"
     raise ValueError(f"{hf_name}: no GGUF name for this tensor of a {arch} checkpoint")
@@ -149,9 +171,24 @@ def write_gguf(
         _phi3_extras(writer, cfg)
     if arch == "gemma3":
         _gemma3_extras(writer, cfg)
+    if cfg.num_experts:
+        _moe_extras(writer, cfg, arch)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, product) → expert → rows
     for hf_name, tensor in tensors:
         host = tensor.detach().cpu()
         array = (host.float() if host.dim() == 1 else host.half()).numpy()
+        expert = _EXPERT.match(hf_name)
+        if expert and expert.group(3) in _EXPERT_PRODUCTS:  # stacked once the layer's are in
+            layer, product = expert.group(1), _EXPERT_PRODUCTS[expert.group(3)]
+            held = experts.setdefault((layer, product), {})
+            held[int(expert.group(2))] = array
+            if len(held) == cfg.num_experts:
+                stacked = np.stack([held[e] for e in range(cfg.num_experts)])
+                writer.add_tensor(f"blk.{layer}.{product}.weight", stacked)
+                del experts[(layer, product)]
+            continue
+        if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp's is a vector, F32
+            array = host.float().reshape(-1).numpy()
         if arch in NORM_SHIFT and hf_name.endswith("norm.weight"):  # llama.cpp keeps 1 + w
             array = array + np.float32(NORM_SHIFT[arch])
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")) and arch == "llama":
@@ -159,11 +196,24 @@ def write_gguf(
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")) and arch == "llama":
             array = permute_rotary(array, cfg.num_kv_heads)
         writer.add_tensor(gguf_tensor_name(hf_name, arch), np.ascontiguousarray(array))
+    if experts:
+        raise ValueError(f"experts missing from {sorted(experts)[:2]}: every expert of a layer")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _moe_extras(writer: Any, cfg: ModelConfig, arch: str) -> None:
+    """A mixture of experts' counts and sizes as llama.cpp's converter writes them (a Mixtral's
+    under ``llama``; its experts as large as the config's intermediate size)."""
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.experts_per_token)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+    if cfg.shared_expert_size:
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_size)
 
 
 def _phi3_extras(writer: Any, cfg: ModelConfig) -> None:
