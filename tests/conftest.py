@@ -116,6 +116,11 @@ TINY_ARCH: dict[str, dict[str, object]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # every other layer local (window 8), attention and final logits soft-capped, attention
+    # scaled by 1/sqrt(8)
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 8,
+               "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     # mixtures of experts: 6 experts of 24 channels, 2 a token (Qwen3-MoE's renormalised, its
     # middle layer dense; Qwen2-MoE's not, with a shared expert; Mixtral's always)
     "qwen3_moe": {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2,
@@ -128,8 +133,8 @@ TINY_ARCH: dict[str, dict[str, object]] = {
 
 def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) -> torch.nn.Module:
     """A random transformers model of ``arch`` (``llama``, ``qwen2``, ``qwen3``, ``mistral``,
-    ``phi3``, ``gemma3_text``, or the mixtures of experts ``qwen3_moe``, ``qwen2_moe`` and
-    ``mixtral``) with GQA."""
+    ``phi3``, ``gemma3_text``, ``gemma2``, or the mixtures of experts ``qwen3_moe``,
+    ``qwen2_moe`` and ``mixtral``) with GQA."""
     import transformers
 
     classes = {
@@ -139,6 +144,7 @@ def build_tiny_hf(arch: str, *, tied: bool, seed: int = 0, **overrides: object) 
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
         "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM"),

@@ -23,9 +23,15 @@ STEPS = 32
 GEMMA = {"model_type": "gemma3_text", **TINY, **TINY_ARCH["gemma3_text"]}
 
 
+ARCHS = ["gemma3_text", "gemma2"]
+
+
 @pytest.mark.parametrize("tied", [True, False])
-def test_gemma3_gives_transformers_logits_and_greedy_ids(tiny_model_dir, tied):
-    folder, hf = tiny_model_dir("gemma3_text", tied)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemma_gives_transformers_logits_and_greedy_ids(tiny_model_dir, arch, tied):
+    """Gemma 3, and Gemma 2 with its attention scores soft-capped (at 2, hard enough that a
+    step that left the cap out would not agree)."""
+    folder, hf = tiny_model_dir(arch, tied)
     engine = load_model(folder, precision="fp32")
     assert engine.cfg.local_layers == (0, 2) and engine.cfg.local_window == 8
     prompt = tiny_prompt(hf)
@@ -40,10 +46,11 @@ def test_gemma3_gives_transformers_logits_and_greedy_ids(tiny_model_dir, tied):
     assert [e.token_id for e in engine.generate(prompt.tolist(), params)] == ref_ids
 
 
-def test_gemma3_through_the_scheduler_gives_each_steps_logits(tiny_model_dir):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemma_through_the_scheduler_gives_each_steps_logits(tiny_model_dir, arch):
     """The paged cache in blocks of 4, the window of 8 spanning blocks: each step's logits as
     transformers' with its own cache."""
-    folder, hf = tiny_model_dir("gemma3_text", True)
+    folder, hf = tiny_model_dir(arch, True)
     engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, num_blocks=48))
     prompt = tiny_prompt(hf)
     ref_ids, ref = hf_steps(hf, prompt, STEPS)
@@ -53,16 +60,20 @@ def test_gemma3_through_the_scheduler_gives_each_steps_logits(tiny_model_dir):
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "lookup-drafts"])
-def test_gemma3_in_a_ragged_batch_sharing_a_prefix_gives_each_prompts_own_ids(
-    tiny_model_dir, speculative
+@pytest.mark.parametrize(
+    ("arch", "speculative"),
+    [("gemma3_text", False), ("gemma3_text", True), ("gemma2", True)],
+    ids=["gemma3-plain", "gemma3-lookup-drafts", "gemma2-lookup-drafts"],
+)
+def test_gemma_in_a_ragged_batch_sharing_a_prefix_gives_each_prompts_own_ids(
+    tiny_model_dir, arch, speculative
 ):
     """Four prompts of 13 to 40 tokens on one 12-token prefix, arriving a step apart in
     chunks of at most 16 tokens, repetitive enough that lookup drafts get accepted: each
     one's ids are transformers' for it alone, and the shared prefix is read from the cache."""
     from engine.speculative.config import parse_speculative
 
-    folder, hf = tiny_model_dir("gemma3_text", False)
+    folder, hf = tiny_model_dir(arch, False)
     limits = SchedulerLimits(max_tokens_per_step=16)
     engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, limits=limits))
     if speculative:
@@ -104,9 +115,19 @@ def test_gemma3s_config_as_transformers_reads_it():
     assert (wide.local_window, wide.local_layers, wide.layer_windows) == (None, (0, 2), 1)
 
 
+def test_gemma2s_config_as_transformers_reads_it():
+    import transformers
+
+    raw = {"model_type": "gemma2", **TINY, **TINY_ARCH["gemma2"], "num_hidden_layers": 5}
+    ours, theirs = ModelConfig.from_dict(raw), transformers.Gemma2Config(**raw)
+    local = tuple(i for i, k in enumerate(theirs.layer_types) if k == "sliding_attention")
+    assert ours.local_layers == local == (0, 2, 4) and ours.local_window == 8
+    assert (ours.attn_softcap, ours.final_softcap) == (2.0, 3.0)
+    assert ours.local_rope_theta is None  # one RoPE for every layer
+    assert ours.query_scale == pytest.approx((16 / 8) ** 0.5) and not ours.qk_norm
+
+
 def test_what_gemma_runs_not_is_refused_by_name():
-    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
-        ModelConfig.from_dict({**GEMMA, "attn_logit_softcapping": 50.0})
     with pytest.raises(ModelLoadError, match="layer_types must name 3 layers"):
         ModelConfig.from_dict({**GEMMA, "layer_types": ["full_attention"]})
     with pytest.raises(UnsupportedModelError, match="hidden_activation 'silu'"):

@@ -30,6 +30,8 @@ from engine.model.attention import (
     AttentionBackend,
     AttentionContext,
     DecodeTables,
+    capped_attention,
+    capped_decode_attention,
     grouped_attention,
 )
 from engine.model.config import ModelConfig
@@ -96,6 +98,8 @@ class PagedBackend(AttentionBackend):
         torch path gathers (the C kernel reads the pool in place) the token's K and V."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         gathered = 0 if self.kernel(dtype) else 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+        if cfg.attn_softcap is not None:  # the textbook path (capped_decode_attention)
+            gathered = _capped_bytes(cfg, itemsize, 1)
         # a step keeps an additive mask per window its layers attend under (Gemma's two)
         masks = (cfg.layer_windows - 1) * itemsize
         return max_batch * (max(DECODE_ROWS_BYTES, gathered + itemsize + SLOT_BYTES) + masks)
@@ -107,6 +111,9 @@ class PagedBackend(AttentionBackend):
         boolean mask, its copy repeated over the query group, and SDPA's additive mask made of
         it in the compute dtype."""
         chunk = min(chunk, cfg.max_position_embeddings)
+        if cfg.attn_softcap is not None:  # the textbook path, a chunk's scores at once
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            return SLOT_BYTES + _capped_bytes(cfg, itemsize, max(1, chunk))
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         measured = chunk and self.measure and self.kernel(dtype)
         if measured and paged_decode.prefill_faster(dtype, *heads):
@@ -117,6 +124,15 @@ class PagedBackend(AttentionBackend):
         negated = int(negates_mask(self.device))
         # the boolean mask is kept a step for each window the layers attend under
         return SLOT_BYTES + row + chunk * (cfg.layer_windows + group * (1 + negated + itemsize))
+
+
+def _capped_bytes(cfg: ModelConfig, itemsize: int, queries: int) -> int:
+    """Per token of context, what soft-capped attention of ``queries`` queries holds at once:
+    the token's K and V gathered and repeated over the query heads; per query its scores,
+    their cap and fp32 softmax, and a mask per window the layers attend under."""
+    heads, kv = cfg.num_heads, cfg.num_kv_heads
+    per_query = heads * (2 * itemsize + 4) + cfg.layer_windows
+    return (2 * kv + 2 * heads) * cfg.head_dim * itemsize + queries * per_query
 
 
 class PagedContext(PoolContext):
@@ -157,6 +173,7 @@ class PagedContext(PoolContext):
         pool = cache.kv[0]
         self._kernel = (
             len(chunks) > self.num_decode
+            and cache.softcap is None  # the kernel does not cap scores
             and paged_decode.reads_pool(pool)
             and paged_decode.prefill_faster(pool.dtype, cache.heads, cache.kv_heads, pool.shape[2])
         )
@@ -241,7 +258,7 @@ class PagedContext(PoolContext):
         if self.decode_only:
             assert self.decode_slots is not None
             assert self.decode_lens is not None
-            if torch.compiler.is_compiling():  # one opaque op in a compiled decode step
+            if torch.compiler.is_compiling() and self.cache.softcap is None:  # one opaque op
                 return paged_decode_attention(
                     q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens,
                     self._masks[layer].decode_mask,
@@ -252,6 +269,9 @@ class PagedContext(PoolContext):
     def _attend_pool(self, q: Tensor, pool: Tensor, layer: int) -> Tensor:
         """The step's attention on the torch and C paths, its K/V already in ``pool``."""
         masks = self._masks[layer]
+        cap = self.cache.softcap
+        if cap is not None:
+            return self._capped(q, pool, masks, cap)
         if self.decode_only:
             assert self.decode_slots is not None
             assert self.decode_lens is not None
@@ -276,6 +296,24 @@ class PagedContext(PoolContext):
             rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
             out[offset : offset + length] = grouped_attention(
                 chunk, rows[:kv_heads], rows[kv_heads:], read, causal=read is None
+            )
+        return out
+
+    def _capped(self, q: Tensor, pool: Tensor, masks: _Masks, cap: float) -> Tensor:
+        """The step's attention with soft-capped scores (Gemma 2), on the torch path."""
+        tokens, heads, dim = q.shape
+        kv_heads = self.cache.kv_heads
+        out = q.new_empty(tokens, heads * dim)
+        if self.decode_slots is not None:
+            mask = masks.decode_mask if masks.mask_needed else None
+            out[: self.num_decode] = capped_decode_attention(
+                q[: self.num_decode], pool, self.decode_slots, mask, cap
+            )
+        for offset, length, read, slots in masks.prefill:
+            assert not isinstance(read, _Prefill)  # no kernel path under a cap
+            rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
+            out[offset : offset + length] = capped_attention(
+                q[offset : offset + length], rows[:kv_heads], rows[kv_heads:], read, cap
             )
         return out
 

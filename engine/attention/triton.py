@@ -39,6 +39,8 @@ class TritonBackend(AttentionBackend):
         where they can (what a plan checks, which sees no device)."""
         if cfg.layer_windows > 1:  # one window a step, for every layer
             return "our attention kernels take one window for every layer, not local layers"
+        if cfg.attn_softcap is not None:
+            return "our attention kernels do not soft-cap scores (Gemma 2)"
         return ""
 
     def refusal(self, cfg: Any, dtype: torch.dtype, device: torch.device) -> str:

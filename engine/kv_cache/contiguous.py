@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from engine.kernels import paged_decode
-from engine.model.attention import AttentionContext, sequence_attention
+from engine.model.attention import AttentionContext, capped_attention, sequence_attention
 from engine.model.config import ModelConfig
 
 
@@ -32,6 +32,7 @@ class ContiguousKVCache:
         shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.capacity = capacity
         self.sliding_window = cfg.sliding_window
+        self.softcap = cfg.attn_softcap
         #: each layer's window: the model's, or a local layer's own (Gemma's)
         self.layer_windows = [
             cfg.layer_window(i) or cfg.sliding_window for i in range(cfg.num_layers)
@@ -72,7 +73,18 @@ class _ContiguousContext(AttentionContext):
             v_buf[slot, :, start:end] = v[offset : offset + length].transpose(0, 1)
             keys, values = k_buf[slot, :, :end], v_buf[slot, :, :end]
             chunk = q[offset : offset + length]
-            if paged_decode.reads_pool(k_buf):
+            if self.cache.softcap is not None:  # scores soft-capped (Gemma 2)
+                visible = (
+                    torch.arange(end, device=q.device)[None, :]
+                    <= torch.arange(start, end, device=q.device)[:, None]
+                )
+                if window is not None:
+                    visible &= (
+                        torch.arange(end, device=q.device)[None, :]
+                        > torch.arange(start, end, device=q.device)[:, None] - window
+                    )
+                outputs.append(capped_attention(chunk, keys, values, visible, self.cache.softcap))
+            elif paged_decode.reads_pool(k_buf):
                 # The paged cache's prefill kernel, over this sequence's K/V laid out as a
                 # pool: the same arithmetic as the engine's own steps, so that scoring a text
                 # here and through the engine agree to the bit.

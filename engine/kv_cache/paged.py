@@ -60,6 +60,8 @@ class PagedKVCache:
         self.model_window = (
             None if cfg.sliding_window is None else CacheWindow(0, cfg.sliding_window)
         )
+        #: attention scores soft-capped (Gemma 2's ``attn_logit_softcapping``); None: not
+        self.softcap = cfg.attn_softcap
         #: each layer's own window, masked in its attention: the model's, or a local layer's
         #: (Gemma's sliding layers, whose keys stay held for its global ones)
         self.layer_windows: list[CacheWindow | None] = [

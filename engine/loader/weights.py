@@ -179,6 +179,7 @@ def load_transformer(
         read = source.get_tensor
     expected = _expected_parameters(model, cfg)
     rotary = rotary_permutation(cfg)
+    q_scaled = cfg.gemma and not cfg.qk_norm and cfg.query_scale != 1.0
     stage = "quantize" if quant else "read"
     fusing: dict[str, _Fused] = {}
     loaded: set[str] = set()
@@ -227,6 +228,10 @@ def load_transformer(
             tensor = folded_norm(ours, tensor, cfg).to(dtype=store).to(here)
         if rotary is not None and ours.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
             tensor = permute_rotary_rows(tensor, cfg, rotary)  # a partly rotated head's order
+        if q_scaled and ours.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+            # Gemma 2's query_pre_attn_scalar (no q norm to hold it): the q rows scaled
+            q = tensor[: cfg.q_size]
+            q.copy_((q.float() * cfg.query_scale).to(q.dtype))
         if is_head:
             assert head_kind is not None and head_scale is not None
             vocab = shard.vocab if shard is not None else None

@@ -184,3 +184,43 @@ def reference_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> 
     scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.einsum("hlt,htd->lhd", scores.softmax(dim=-1), v)
     return out.reshape(length, heads * dim).to(q.dtype)
+
+
+def capped_attention(
+    q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None, cap: float
+) -> Tensor:
+    """:func:`grouped_attention` with soft-capped scores (Gemma 2): ``cap · tanh(s / cap)``
+    of each score before the mask and the softmax, as transformers computes it (scores in
+    ``q``'s dtype, the softmax in fp32). ``visible: [L, T]`` (None: causal, ``T == L``).
+    SDPA has no soft-cap, so this is the textbook computation."""
+    length, heads, dim = q.shape
+    group = heads // keys.shape[0]
+    k = keys.repeat_interleave(group, dim=0)  # [H, T, D]
+    v = values.repeat_interleave(group, dim=0)
+    scores = torch.einsum("lhd,htd->hlt", q, k) * dim**-0.5
+    scores = torch.tanh(scores / cap) * cap
+    if visible is None:
+        visible = torch.ones(length, k.shape[1], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("hlt,htd->lhd", probs, v).reshape(length, heads * dim)
+
+
+def capped_decode_attention(
+    q: Tensor, pool: Tensor, slots: Tensor, mask: Tensor | None, cap: float
+) -> Tensor:
+    """One query per sequence (``q: [B, H, D]``) over the keys at its row of ``slots: [B, W]``
+    with soft-capped scores (:func:`capped_attention`); ``mask: [B, 1, 1, W]`` additive, or
+    None where every column is a key of the row's sequence."""
+    batch, heads, dim = q.shape
+    kv_heads = pool.shape[1] // 2
+    group = heads // kv_heads
+    rows = pool[slots]  # [B, W, 2·Hkv, D]
+    k = rows[:, :, :kv_heads].repeat_interleave(group, dim=2)  # [B, W, H, D]
+    v = rows[:, :, kv_heads:].repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,bwhd->bhw", q, k) * dim**-0.5
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores + mask.reshape(batch, 1, -1).to(scores.dtype)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("bhw,bwhd->bhd", probs, v).reshape(batch, heads * dim)

@@ -38,8 +38,10 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     # Phi-3 and Phi-4: q/k/v and gate/up fused in the checkpoint itself, LongRoPE on the long
     # context variants, a window on every layer where the config sets one
     "phi3": Architecture(window="every_layer"),
-    # Gemma 3's text model (the 1B checkpoint; the larger ones' language model is the same)
+    # Gemma 3's text model (the 1B checkpoint; the larger ones' language model is the same);
+    # Gemma 2: every other layer local, attention scores soft-capped, no q/k norms
     "gemma3_text": Architecture(qk_norm=True, window="local_layers", gemma=True),
+    "gemma2": Architecture(window="local_layers", gemma=True),
     # mixtures of experts: Qwen3's, Qwen2's (with a shared expert beside the routed ones),
     # Mixtral's
     "qwen3_moe": Architecture(qk_norm=True, window="opt_in", moe=True),
@@ -108,6 +110,9 @@ class ModelConfig:
     local_layers: tuple[int, ...] = ()
     #: the local layers' RoPE base (no scaling); None: they turn as the others do
     local_rope_theta: float | None = None
+    #: attention scores pass through ``cap · tanh(score / cap)`` before the softmax (Gemma 2);
+    #: None: as they are
+    attn_softcap: float | None = None
     #: a mixture of experts: how many experts a layer has (0: a dense MLP), how many each
     #: token is routed to, each expert's intermediate size, whether the chosen experts'
     #: weights are renormalised to sum to 1, the shared expert's intermediate size (Qwen2-MoE;
@@ -172,9 +177,9 @@ class ModelConfig:
             # transformers >= 5 keeps RoPE settings in `rope_parameters`; older configs use
             # top-level `rope_theta` and `rope_scaling`.
             rope = raw.get("rope_parameters") or {}
-            if arch_window(model_type) == "local_layers":  # per layer kind: the global ones'
+            if model_type == "gemma3_text":  # per layer kind: the global ones'
                 rope = rope.get("full_attention") or {}
-            if arch_window(model_type) == "local_layers":  # rope_parameters' own first
+            if model_type == "gemma3_text":  # rope_parameters' own first
                 theta = rope.get("rope_theta") or raw.get("rope_theta") or 1_000_000.0
             else:
                 theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -292,16 +297,12 @@ def arch_window(model_type: str) -> str:
 
 
 def _gemma(raw: dict[str, Any], head_dim: int, context: int) -> dict[str, Any]:
-    """Gemma 3's numbers, as Gemma3TextConfig reads them: its layer kinds (``layer_types``,
-    else every ``sliding_window_pattern``-th layer global), the local layers' window and RoPE
-    base (``rope_parameters.sliding_attention`` or ``rope_local_base_freq``), the attention's
-    ``query_pre_attn_scalar`` and the final soft-cap. Attention soft-capping (Gemma 2's) is
-    refused by name."""
-    if raw.get("attn_logit_softcapping") is not None:
-        raise UnsupportedModelError(
-            "attn_logit_softcapping (Gemma 2's attention soft-capping) is not run yet; Gemma 3 "
-            "checkpoints leave it unset"
-        )
+    """Gemma's numbers, as Gemma3TextConfig and Gemma2Config read them: its layer kinds
+    (``layer_types``, else every ``sliding_window_pattern``-th layer global, every other one
+    for Gemma 2), the local layers' window and (Gemma 3's) RoPE base
+    (``rope_parameters.sliding_attention`` or ``rope_local_base_freq``), the attention's
+    ``query_pre_attn_scalar`` and soft-cap, and the final soft-cap."""
+    gemma2 = str(raw.get("model_type")) == "gemma2"
     if raw.get("use_bidirectional_attention"):
         raise UnsupportedModelError("use_bidirectional_attention (an encoder) is not run")
     activation = str(raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh")
@@ -310,7 +311,7 @@ def _gemma(raw: dict[str, Any], head_dim: int, context: int) -> dict[str, Any]:
             f"hidden_activation {activation!r}: Gemma runs gelu_pytorch_tanh"
         )
     layers = int(raw["num_hidden_layers"])
-    pattern = int(raw.get("sliding_window_pattern", 6))
+    pattern = int(raw.get("sliding_window_pattern", 2 if gemma2 else 6))
     kinds = raw.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     ]
@@ -326,8 +327,13 @@ def _gemma(raw: dict[str, Any], head_dim: int, context: int) -> dict[str, Any]:
     rope = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
     if str(rope.get("rope_type", "default")) != "default":
         raise UnsupportedModelError("RoPE scaling on Gemma's local layers is not run")
-    theta = float(rope.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
+    theta = (
+        None
+        if gemma2
+        else float(rope.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
+    )
     softcap = raw.get("final_logit_softcapping")
+    attn_softcap = raw.get("attn_logit_softcapping")
     scalar = float(raw.get("query_pre_attn_scalar") or head_dim)
     return {
         "gemma": True,
@@ -338,6 +344,7 @@ def _gemma(raw: dict[str, Any], head_dim: int, context: int) -> dict[str, Any]:
         "local_window": window,
         "local_layers": local,
         "local_rope_theta": theta,
+        "attn_softcap": None if attn_softcap is None else float(attn_softcap),
     }
 
 
