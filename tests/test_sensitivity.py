@@ -63,14 +63,19 @@ class _Bf16In(nn.Module):
         return self.inner(x.bfloat16()).float()
 
 
+def _logp(model):
+    """Log-probs of TEXT by ``Transformer.forward``."""
+    cache = ContiguousKVCache(model.cfg, slots=1, capacity=len(TEXT), dtype=torch.float32)
+    ids = torch.tensor(TEXT)
+    logits = model(ids, torch.arange(len(TEXT)), cache.context([0], [0], [len(TEXT)]))
+    return F.log_softmax(logits, dim=-1)
+
+
 def _full_forward_kl(model, blocks: list[tuple[int, str]], kind: QuantKind) -> float:
     """KL(reference ‖ model with ``blocks`` quantized), both by ``Transformer.forward``."""
 
     def logp():
-        cache = ContiguousKVCache(model.cfg, slots=1, capacity=len(TEXT), dtype=torch.float32)
-        ids = torch.tensor(TEXT)
-        logits = model(ids, torch.arange(len(TEXT)), cache.context([0], [0], [len(TEXT)]))
-        return F.log_softmax(logits, dim=-1)
+        return _logp(model)
 
     reference = logp()
     saved = []
@@ -233,3 +238,42 @@ def test_a_bad_text_is_refused(tiny_model_dir):
         scan_sensitivity(folder, "int8", text_ids=[])
     with pytest.raises(InvalidRequestError, match=r"in \[0, 320\)"):
         scan_sensitivity(folder, "int8", text_ids=[1, 320])
+
+
+def test_each_expert_of_a_mixture_is_ranked_by_its_own_kl(tiny_model_dir):
+    """``experts=True``: every expert of every layer of experts quantized alone, its KL that
+    of a full forward with that expert alone quantized, its share that of the layer's routed
+    tokens in the reference pass; the costliest first; the model left as it came."""
+    from engine.model.moe import MoE
+
+    if not cpu_paths().int4_kernel.ok:
+        pytest.skip(f"no INT4 kernel here: {cpu_paths().int4_kernel.why}")
+    folder, _ = tiny_model_dir("qwen3_moe", False)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    model = load_transformer(folder, cfg, torch.float32, torch.device("cpu"))
+    scan = scan_model(model, QuantKind(4, 32), QuantKind(8), TEXT, experts=True)
+    assert len(scan.experts) == 2 * 6 and [e.kl for e in scan.experts] == sorted(
+        (e.kl for e in scan.experts), reverse=True
+    )
+    for layer in (0, 2):
+        shares = [e.share for e in scan.experts if e.layer == layer]
+        assert sum(shares) == pytest.approx(1.0)
+    top = scan.experts[0]
+    moe = model.layers[top.layer].mlp
+    assert isinstance(moe, MoE)
+    expert = moe.experts[top.expert]
+    reference = _logp(model)
+    saved = [(attr, getattr(expert, attr)) for attr in LINEARS["mlp"]]
+    with torch.inference_mode():
+        for attr, linear in saved:
+            low = quantized_linear(linear.weight, linear.bias, QuantKind(4, 32))
+            setattr(expert, attr, _Bf16In(low))
+    try:
+        ours = _logp(model)
+    finally:
+        for attr, linear in saved:
+            setattr(expert, attr, linear)
+    direct = float((reference.exp() * (reference - ours)).sum(-1).mean())
+    assert top.kl == pytest.approx(direct, rel=1e-5, abs=1e-8)
+    assert torch.equal(_logp(model), reference)  # left as it came
+    assert Scan.from_dict(scan.to_dict()).experts == scan.experts

@@ -171,6 +171,7 @@ def cmd_eval_scan(args: argparse.Namespace) -> int:
     scan = scan_sensitivity(
         folder, args.low, high=args.high, text_ids=ids, device=device,
         progress=lambda i, n: print(f"scanned {i}/{n}", file=sys.stderr),
+        experts=getattr(args, "experts", False),
     )  # fmt: skip
     out: dict[str, Any] = {"scan": scan.to_dict()}
     plan = plan_mixed(scan, budget) if budget is not None else None
@@ -199,6 +200,11 @@ def cmd_eval_scan(args: argparse.Namespace) -> int:
         print(f"{layer:5d} {kls.get('attn', 0.0):10.2e} {kls.get('mlp', 0.0):10.2e}")
     print(f"every block at {scan.low}: KL {scan.all_low_kl:.4f}; sizes "
           f"{scan.min_bytes * mib:.1f}–{scan.max_bytes * mib:.1f} MiB")  # fmt: skip
+    if scan.experts:
+        print(f"the costliest experts at {scan.low} (KL from their layer on; share of the "
+              "layer's routed tokens):")  # fmt: skip
+        for e in scan.experts[:10]:
+            print(f"  layer {e.layer:3d} expert {e.expert:4d}  KL {e.kl:.2e}  {e.share:6.1%}")
     if plan is not None:
         print(f"plan for {plan.budget_bytes * mib:.1f} MiB: {plan.spec}")
         print(f"  {plan.bytes * mib:.1f} MiB, {len(plan.upgraded)} blocks at {scan.high}, "

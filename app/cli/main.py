@@ -326,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure the plan's perplexity (and --budget-like's) with eval ppl's protocol",
     )
     ep.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of text for --ppl")
+    ep.add_argument(
+        "--experts",
+        action="store_true",
+        help="a mixture of experts: also rank each expert alone (one pass from its layer per "
+        "expert) with its share of the routed tokens",
+    )
     ep.add_argument("--device", default="auto", help=DEVICE_HELP)
     ep.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     tensor_parallel_arg(

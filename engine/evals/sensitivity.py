@@ -40,7 +40,7 @@ from engine.kv_cache.contiguous import ContiguousKVCache
 from engine.loader.weights import load_transformer
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
-from engine.model.moe import MoE
+from engine.model.moe import MoE, expert_load
 from engine.model.transformer import Transformer
 from engine.quant.linear import quantized_linear
 from engine.quant.sizes import block_bytes, estimate_weight_bytes
@@ -71,6 +71,17 @@ class BlockSensitivity:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertSensitivity:
+    """What quantizing one expert of a layer of experts to ``low`` alone costs (``kl``, as a
+    block's), and the share of that layer's routed tokens of the text it took."""
+
+    layer: int
+    expert: int
+    kl: float
+    share: float
+
+
+@dataclass(frozen=True, slots=True)
 class Scan:
     """A finished scan: one :class:`BlockSensitivity` per block, plus what stays fixed."""
 
@@ -81,6 +92,9 @@ class Scan:
     blocks: list[BlockSensitivity]
     all_low_kl: float  # every block at low at once (the starting point of a plan)
     fixed_bytes: int  # the embedding, the norms and the (bf16) LM head: no block's choice
+    #: a mixture of experts scanned expert by expert (:func:`scan_model`'s ``experts``), the
+    #: costliest first; () otherwise
+    experts: tuple[ExpertSensitivity, ...] = ()
 
     @property
     def min_bytes(self) -> int:
@@ -113,6 +127,10 @@ class Scan:
                 }
                 for b in self.blocks
             ],
+            "experts": [
+                {"layer": e.layer, "expert": e.expert, "kl": e.kl, "share": e.share}
+                for e in self.experts
+            ],
         }
 
     @classmethod
@@ -138,6 +156,12 @@ class Scan:
                 blocks,
                 float(data["all_low_kl"]),
                 int(data["fixed_bytes"]),
+                tuple(
+                    ExpertSensitivity(
+                        int(e["layer"]), int(e["expert"]), float(e["kl"]), float(e["share"])
+                    )
+                    for e in data.get("experts", ())
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequestError(
@@ -174,6 +198,7 @@ def scan_sensitivity(
     text_ids: Sequence[int],
     device: str = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    experts: bool = False,
 ) -> Scan:
     """Load the model at ``folder`` once in fp32 and :func:`scan_model` it.
 
@@ -190,7 +215,10 @@ def scan_sensitivity(
             parse_precision_spec(format_mixed_spec(kind, kind), torch_device)
     cfg = ModelConfig.from_file(folder / "config.json")
     model = load_transformer(folder, cfg, torch.float32, torch_device)
-    return scan_model(model, low_kind, high_kind, text_ids, name=folder.name, progress=progress)
+    return scan_model(
+        model, low_kind, high_kind, text_ids, name=folder.name, progress=progress,
+        experts=experts,
+    )  # fmt: skip
 
 
 def scan_formats(low: str, high: str | None) -> tuple[QuantKind, QuantKind | None]:
@@ -220,10 +248,13 @@ def scan_model(
     *,
     name: str = "model",
     progress: Callable[[int, int], None] | None = None,
+    experts: bool = False,
 ) -> Scan:
     """Scan an fp32 model built by :func:`~engine.loader.weights.load_transformer` without packing
     (its linears are plain ``nn.Linear``). Every block is restored before ``progress`` is
-    called and on any error, so the model leaves as it came, cancelled or not."""
+    called and on any error, so the model leaves as it came, cancelled or not. ``experts``:
+    a mixture of experts is also scanned expert by expert (:func:`_scan_experts`: one pass
+    from its layer per expert)."""
     cfg = model.cfg
     device = model.norm.weight.device
     # what a quantized model computes in on this device (bf16; fp16 below sm80)
@@ -243,7 +274,12 @@ def scan_model(
             "so keeping blocks at high buys nothing; choose a larger high (int8 or none)"
         )
     started = time.perf_counter()
+    before = expert_load(model)["expert_tokens"]
     runner = _Runner(model, text_ids)
+    routed = [
+        [now - was for now, was in zip(a, b, strict=True)]
+        for a, b in zip(expert_load(model)["expert_tokens"], before, strict=True)
+    ]
     blocks = [(layer, part) for layer in range(cfg.num_layers) for part in LAYER_PARTS]
     total = len(blocks) + 1
     quantized: dict[tuple[int, str], dict[str, nn.Module]] = {}
@@ -266,7 +302,36 @@ def scan_model(
         "sensitivity scan of %s at %s: %d blocks over %d tokens in %.1f s",
         name, low.name, len(results), len(text_ids), time.perf_counter() - started,
     )  # fmt: skip
-    return Scan(name, low.name, _name(high), len(text_ids), results, all_low_kl, fixed)
+    ranked = _scan_experts(model, runner, low, compute, routed) if experts else ()
+    return Scan(name, low.name, _name(high), len(text_ids), results, all_low_kl, fixed, ranked)
+
+
+def _scan_experts(
+    model: Transformer, runner: _Runner, low: QuantKind, compute: torch.dtype,
+    routed: list[list[int]],
+) -> tuple[ExpertSensitivity, ...]:  # fmt: skip
+    """Each expert of each layer of experts quantized to ``low`` alone, the rest in fp32: its
+    KL from its layer on, and its share of the layer's tokens in the reference pass
+    (``routed``, per layer of experts); the costliest first."""
+    found: list[ExpertSensitivity] = []
+    layers = [i for i, m in enumerate(model.layers) if isinstance(m.mlp, MoE)]
+    for layer, counts in zip(layers, routed, strict=True):
+        moe = model.layers[layer].mlp
+        assert isinstance(moe, MoE)
+        total = max(1, sum(counts))
+        for expert in range(moe.num_experts):
+            swap = {}
+            for attr in BLOCK_LINEARS["mlp"]:
+                linear = getattr(moe.experts[expert], attr)
+                with torch.inference_mode():
+                    swap[f"experts.{expert}.{attr}"] = CastActivations(
+                        quantized_linear(linear.weight.float(), linear.bias, low, compute),
+                        compute,
+                    )  # fmt: skip
+            with _swapped(model, {(layer, "mlp"): swap}):
+                kl = runner.kl_from(layer)
+            found.append(ExpertSensitivity(layer, expert, kl, counts[expert] / total))
+    return tuple(sorted(found, key=lambda e: -e.kl))
 
 
 def plan_mixed(scan: Scan, budget_bytes: int) -> Plan:
