@@ -109,3 +109,20 @@ def test_a_load_checks_its_count_and_experts_run_where_they_are_placed(tiny_mode
         moe.expert_device = torch.device("cpu")
     after = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0)
     assert torch.equal(before, after)
+
+
+def test_on_a_cpu_nothing_moves_and_the_plan_counts_every_expert():
+    """Host memory is a CPU's device: a plan for a CPU keeps every expert in its weights,
+    whatever --cpu-experts says, and still checks the count against the model."""
+    cfg = published("qwen3-30b-a3b")
+
+    def cpu(cpu_experts):
+        config = EngineConfig(cpu_experts=cpu_experts)
+        return plan_memory(cfg, "int4-g32", "cpu", memory=24 * GiB, config=config, name="m")
+
+    whole = cpu(0)
+    for asked in (12, "auto"):
+        placed = cpu(asked)
+        assert placed.cpu_expert_layers == () and placed.weights == whole.weights
+    with pytest.raises(InvalidRequestError, match="this model has 48 layers of experts"):
+        cpu(49)

@@ -75,6 +75,7 @@ def build_drafter(config: SpeculativeConfig, target: LLMEngine, load: Loader) ->
     draft = load(
         folder, precision=precision, device=str(target.device),
         config=EngineConfig(num_blocks=1, prefix_caching=False,
-                            decode_graph=target.config.decode_graph),
+                            decode_graph=target.config.decode_graph,
+                            cpu_experts=target.config.cpu_experts),
     )  # fmt: skip
     return ModelDrafter.from_engine(config.label, draft, target, config.draft_blocks)

@@ -3,7 +3,7 @@
 A mixture of experts holds most of its weights in experts of which a token uses a few: on a
 12 GiB card the attention, the router, a shared expert and the KV cache fit where all the
 experts do not. As llama.cpp's ``--n-cpu-moe`` does, the experts of the first ``N`` layers
-of experts stay in host memory (pinned where a GPU reads them) and run on the CPU kernels;
+of experts stay in host memory and run on the CPU kernels;
 everything else stays on the device. ``auto``: the fewest layers that let the plan fit
 (:func:`engine.loader.memory_plan.plan_memory` tries each count). On a CPU both sides are
 the CPU: the same code runs, and nothing moves.
@@ -107,10 +107,13 @@ class Placement:
     host_bytes: int = 0
 
 
-def place(cfg: ModelConfig, spec: PrecisionSpec, count: int, backends: Backends) -> Placement:
-    """The placement of ``count`` layers' experts on the CPU, for a device of ``backends``."""
+def place(
+    cfg: ModelConfig, spec: PrecisionSpec, count: int, backends: Backends, device: torch.device
+) -> Placement:
+    """The placement of ``count`` layers' experts on the CPU, for ``device`` of ``backends``;
+    none on a CPU, where host memory is the device's (the count is still checked)."""
     layers = host_layers(cfg, count)
-    if not layers:
+    if not layers or device.type == "cpu":
         return Placement()
     return Placement(
         layers, experts_bytes(cfg, spec, layers, backends), experts_bytes(cfg, spec, layers, CPU)

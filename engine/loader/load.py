@@ -31,6 +31,7 @@ from engine.loader.memory_plan import plan_memory
 from engine.loader.weights import load_transformer, smoothing_plan
 from engine.model.config import ModelConfig
 from engine.model.inventory import linear_modules, parameter_count
+from engine.model.moe import MoE
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.quant import calibration as calibration_files
@@ -168,6 +169,9 @@ def engine_for(
     engine.graph = engine.runner.settle_decode_graph(engine.config.decode_graph, engine.kv)
     engine.settle_cuda_graphs()
     engine.runner.executor.ran.clear()  # the load's timed steps are not the engine's
+    for module in model.modules():  # the warm-ups' routings are not the user's
+        if isinstance(module, MoE):
+            module.load = None
     return engine
 
 

@@ -359,7 +359,7 @@ def plan_memory(
         given, total, counted,
     )  # fmt: skip
     plan = target.plan(spec)
-    if config.cpu_experts == expert_placement.AUTO:
+    if config.cpu_experts == expert_placement.AUTO and torch_device.type != "cpu":
         plan = expert_placement.fewest(lambda n: replace(target, cpu_experts=n).plan(spec), cfg)
     if plan.fits:
         return plan
@@ -394,7 +394,7 @@ class _Target:
         cuda = self.device.type == "cuda"
         backends = Backends(triton=gemms, cuda=cuda and not gemms)
         weights = weight_bytes_by_kind(cfg, spec, packed=self.packed, backends=backends)
-        experts = expert_placement.place(cfg, spec, self.cpu_experts, backends)
+        experts = expert_placement.place(cfg, spec, self.cpu_experts, backends, self.device)
         weights["mlp"] -= experts.device_bytes
         per_token = kv_bytes_per_token(cfg, spec.compute)
         step = workspace_bytes(cfg, spec.compute, config)
@@ -428,6 +428,11 @@ class _Target:
         notes: tuple[str, ...] = ()
         if window:
             notes += (f"sliding window of {window} tokens: KV beyond it is released",)
+        if experts.layers:
+            notes += (
+                f"the experts of {len(experts.layers)} layers take {experts.host_bytes / GiB:.2f} "
+                "GiB of host memory, which the plan does not check against the machine's",
+            )
         if self.device.type == "cuda" and self.capability is None:
             notes += (
                 "compute capability unknown: planned for 8.0 or newer (bf16, INT4); for an "

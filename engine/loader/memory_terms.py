@@ -39,7 +39,7 @@ def workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, config: EngineConfig) 
     with the context a step reads are the plan's gather term, added at the pool's reach."""
     tokens = min(config.limits.max_tokens_per_step, cfg.max_position_embeddings)
     batch = config.limits.max_batch_size
-    widths = cfg.hidden_size * 3 + cfg.q_size * 2 + cfg.kv_size * 2 + cfg.intermediate_size * 3
+    widths = cfg.hidden_size * 3 + cfg.q_size * 2 + cfg.kv_size * 2 + _widest_mlp(cfg) * 3
     activations = tokens * widths * 4
     logits = batch * cfg.vocab_size * (4 * 2 + SAMPLER_BYTES_PER_LOGIT)
     return activations + logits
@@ -57,8 +57,8 @@ def load_overhead_bytes(cfg: ModelConfig, spec: PrecisionSpec, backends: Backend
     compute = torch.empty((), dtype=spec.compute).element_size()
     shapes = {
         "qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
-        "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
-        "down": (cfg.hidden_size, cfg.intermediate_size),
+        "gate_up": (2 * _widest_mlp(cfg), cfg.hidden_size),
+        "down": (cfg.hidden_size, _widest_mlp(cfg)),
         "o": (cfg.hidden_size, cfg.q_size),
     }
     layer_elems = max(shapes["qkv"][0] * shapes["qkv"][1], shapes["gate_up"][0] * cfg.hidden_size)
@@ -94,3 +94,8 @@ def rope_bytes(cfg: ModelConfig) -> int:
     tables = 2 if cfg.rope_scaling.kind == "longrope" else 1
     tables += bool(cfg.local_layers and cfg.local_rope_theta is not None)
     return tables * 2 * cfg.max_position_embeddings * cfg.head_dim * 4
+
+
+def _widest_mlp(cfg: ModelConfig) -> int:
+    """The widest MLP a layer runs: the dense one, an expert, or a shared expert."""
+    return max(cfg.intermediate_size, cfg.expert_intermediate_size, cfg.shared_expert_size)

@@ -78,7 +78,7 @@ class MoE(nn.Module):
                 continue
             tokens = rows[start : start + n]
             ran = self.experts[expert](x_in[tokens]) * pair_weights[start : start + n]
-            out.index_add_(0, tokens, ran)
+            out.index_add_(0, tokens, ran.to(out.dtype))  # a host INT4 expert's may be bf16
             start += n
         out = out.to(x.device)
         if self.shared is not None and self.shared_gate is not None:
