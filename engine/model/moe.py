@@ -61,9 +61,31 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         chosen, weights = self.route(x)
         flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)  # the (token, expert) pairs by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.load = counts if self.load is None else self.load + counts
+        out = (
+            self._one_token(x, flat, weights)
+            if x.shape[0] == 1
+            else self._grouped(x, flat, weights, counts)
+        )
+        if self.shared is not None and self.shared_gate is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+    def _one_token(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        """A decode row: its ``k`` experts run on it in ascending order (the grouped path's
+        order of the sums), without sorting or gathering rows."""
+        there = self.expert_device
+        x_in = x if there is None else x.to(there)
+        pairs = sorted(zip(chosen.tolist(), weights.flatten().to(x_in.device), strict=True))
+        out = torch.zeros_like(x_in)
+        for expert, weight in pairs:
+            out += (self.experts[expert](x_in) * weight).to(out.dtype)
+        return out.to(x.device)
+
+    def _grouped(self, x: Tensor, flat: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
+        """Every expert that a token chose, once over all of its tokens."""
+        order = torch.argsort(flat, stable=True)  # the (token, expert) pairs by expert
         rows = order // self.top_k  # each pair's token
         pair_weights = weights.flatten()[order, None]
         there = self.expert_device
@@ -80,10 +102,7 @@ class MoE(nn.Module):
             ran = self.experts[expert](x_in[tokens]) * pair_weights[start : start + n]
             out.index_add_(0, tokens, ran.to(out.dtype))  # a host INT4 expert's may be bf16
             start += n
-        out = out.to(x.device)
-        if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out
+        return out.to(x.device)
 
     def linears(self) -> list[nn.Module]:
         """Its products: each expert's, then the shared expert's (the router and the shared
