@@ -222,3 +222,20 @@ def test_the_ab_comparison_of_a_mixture_of_experts_is_its_logits(tiny_model_dir)
         assert torch.allclose(torch.tensor(report["columns"][key]["kl"], dtype=torch.float64),
                               kl, atol=1e-5)  # fmt: skip
     assert report["summary"]["kl_max"] > 0  # INT8 experts differ from fp32 ones
+
+
+def test_a_decode_step_reads_the_experts_a_token_chooses(tiny_model_dir):
+    """The bandwidth limit of a mixture of experts counts its *active* weights: everything a
+    step reads but the embedding, of the routed experts only the k of E a token chooses."""
+    from engine.quant.inventory import decode_read_bytes
+
+    folder, _ = tiny_model_dir("qwen3_moe", False)
+    engine = load_model(folder, precision="fp32", pack=False)  # plain parameters to count
+    params = dict(engine.model.named_parameters())
+
+    def nbytes(keep) -> int:
+        return sum(p.numel() * p.element_size() for n, p in params.items() if keep(n))
+
+    experts = nbytes(lambda n: ".experts." in n)
+    rest = nbytes(lambda n: ".experts." not in n and not n.startswith("embed."))
+    assert experts > 0 and decode_read_bytes(engine.model) == rest + experts * 2 // 6

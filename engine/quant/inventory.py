@@ -4,6 +4,7 @@ decode). Counted from the model's modules, whatever loaded them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -20,10 +21,22 @@ from engine.quant.w8a8 import W8A8Linear
 def decode_read_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step reads at least once: every linear (the LM head included,
     also where it shares the embedding's tensor) and every norm, but of the embedding only its
-    few rows. Memory bandwidth ÷ this is the speed limit of batch-1 decode."""
+    few rows; of a mixture of experts' routed experts, the share a token chooses (``k`` of
+    ``E``: its *active* parameters). Memory bandwidth ÷ this is the speed limit of batch-1
+    decode."""
+    from engine.model.moe import MoE
+
+    total = _read_bytes(model.modules())
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        experts = _read_bytes(moe.experts.modules())
+        total -= experts - experts * moe.top_k // moe.num_experts
+    return total
+
+
+def _read_bytes(modules: Iterable[nn.Module]) -> int:
     seen: set[int] = set()
     total = 0
-    for module in model.modules():
+    for module in modules:
         if isinstance(module, (nn.Embedding, QuantizedEmbedding)):
             continue
         nbytes = getattr(module, "nbytes", None)
