@@ -239,3 +239,24 @@ def test_a_decode_step_reads_the_experts_a_token_chooses(tiny_model_dir):
     experts = nbytes(lambda n: ".experts." in n)
     rest = nbytes(lambda n: ".experts." not in n and not n.startswith("embed."))
     assert experts > 0 and decode_read_bytes(engine.model) == rest + experts * 2 // 6
+
+
+def test_the_peers_decode_read_counts_its_active_experts(tmp_path):
+    """llama.cpp's row of a bench table divides by what its decode reads, counted as ours:
+    the GGUF's tensors but the untied embedding, of the expert tensors k of E."""
+    import numpy as np
+
+    from engine.bench.table import gguf_decode_bytes
+    from engine.store.gguf_reader import open_gguf
+    from tests.conftest import build_tiny_hf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = build_tiny_hf("qwen3_moe", tied=False, mlp_only_layers=[])
+    path = write_like_llama_cpp(hf, tmp_path / "moe.gguf", arch="qwen3moe")
+    sizes = {t.name: int(t.n_bytes) for t in open_gguf(path).tensors}
+    experts = sum(n for name, n in sizes.items() if "_exps" in name)
+    rest = sum(
+        n for name, n in sizes.items() if "_exps" not in name and name != "token_embd.weight"
+    )
+    assert experts > 0 and gguf_decode_bytes(path) == rest + experts * 2 // 6
+    assert np.isclose(sum(sizes.values()), path.stat().st_size, rtol=0.2)  # the file is them

@@ -60,15 +60,16 @@ class TableRow:
 
 def kernel_floor_ms(engine: LLMEngine, keys: int, repeats: int = 5) -> float:
     """Milliseconds of one batch-1 decode step's kernels with nothing between them: every
-    linear of the model (the LM head included) on one token, and one SDPA per layer over
+    linear of the model (the LM head included; of a mixture of experts, the ``k`` experts a
+    token chooses) on one token, and one SDPA per layer over
     ``keys`` cached keys, back to back; the best of ``repeats``. No engine built this way can
     decode faster with these kernels: the floor under the Python, dispatch and small ops."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    from engine.model.inventory import linear_modules
+    from engine.model.inventory import decode_linears
 
     model, cfg = engine.model, engine.cfg
-    linears = linear_modules(model)
+    linears = decode_linears(model)
     widths: list[int] = [getattr(m, "in_features") for m in linears]  # noqa: B009
     inputs = [torch.randn(1, width, dtype=engine.dtype) for width in widths]
     group = cfg.num_heads // cfg.num_kv_heads
@@ -192,6 +193,29 @@ def gguf_file_type(path: Path) -> str:
     return names[int(code)]
 
 
+def gguf_decode_bytes(path: Path) -> int:
+    """Bytes of a GGUF's tensors that a batch-1 decode step reads, as
+    :func:`engine.quant.inventory.decode_read_bytes` counts ours: every tensor once but the
+    embedding where the file has a head of its own (a token reads one row of it), and of a
+    mixture of experts' 3-D expert tensors (``*_exps``) the ``expert_used_count`` of
+    ``expert_count`` a token chooses."""
+    from engine.store.gguf_reader import gguf_metadata, open_gguf
+
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    arch = str(meta.get("general.architecture", ""))
+    count = int(meta.get(f"{arch}.expert_count") or 0)
+    used = int(meta.get(f"{arch}.expert_used_count") or 0)
+    names = {t.name for t in reader.tensors}
+    total = 0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        nbytes = int(t.n_bytes)
+        total += nbytes * used // count if count and "_exps" in t.name else nbytes
+    return total
+
+
 def _decode_tok_s(runs: list[RunTiming]) -> float:
     return statistics.median((r.new_tokens - r.batch) / r.decode_s for r in runs)
 
@@ -263,7 +287,7 @@ def run_table(
                 peer = LlamaCppPeer(llama_python, path, threads)
                 stack.callback(peer.close)
                 info = peer.info
-                size = float(path.stat().st_size)  # ≈ its weights, each read once per token
+                size = float(gguf_decode_bytes(path))  # its weights a token reads
                 runners.append(("llama.cpp", ftype, "llama.cpp", size, peer.run))
         assert prompt is not None
         timings: list[list[RunTiming]] = [[] for _ in runners]

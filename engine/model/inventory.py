@@ -42,3 +42,19 @@ def linear_modules(model: nn.Module) -> list[nn.Module]:
 def parameter_count(model: nn.Module) -> int:
     """Distinct parameters (tied weights once), before any packing."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def decode_linears(model: nn.Module) -> list[nn.Module]:
+    """The linears one token's decode step runs: :func:`linear_modules`, of a mixture of
+    experts' routed experts only as many as a token chooses (the first ``k`` of each layer,
+    alike in shape to any other ``k``)."""
+    from engine.model.moe import MoE
+
+    idle = {
+        id(m)
+        for moe in model.modules()
+        if isinstance(moe, MoE)
+        for expert in list(moe.experts)[moe.top_k :]
+        for m in expert.modules()
+    }
+    return [m for m in linear_modules(model) if id(m) not in idle]
