@@ -11,13 +11,12 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplingParams
-from engine.core.scheduler import SchedulerLimits
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.loader.load import load_model
 from engine.model.config import ModelConfig
 from tests.conftest import TINY, TINY_ARCH
 from tests.test_exactness_tiny import hf_greedy, hf_logits, tiny_prompt
-from tests.test_phi3 import engine_steps, hf_steps, ours_step_by_step, run_ragged
+from tests.test_phi3 import check_ragged_on_a_prefix, engine_steps, hf_steps, ours_step_by_step
 
 STEPS = 32
 GEMMA = {"model_type": "gemma3_text", **TINY, **TINY_ARCH["gemma3_text"]}
@@ -71,25 +70,8 @@ def test_gemma_in_a_ragged_batch_sharing_a_prefix_gives_each_prompts_own_ids(
     """Four prompts of 13 to 40 tokens on one 12-token prefix, arriving a step apart in
     chunks of at most 16 tokens, repetitive enough that lookup drafts get accepted: each
     one's ids are transformers' for it alone, and the shared prefix is read from the cache."""
-    from engine.speculative.config import parse_speculative
-
     folder, hf = tiny_model_dir(arch, False)
-    limits = SchedulerLimits(max_tokens_per_step=16)
-    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, limits=limits))
-    if speculative:
-        engine.set_speculation(parse_speculative("lookup", 3, adaptive=False))
-    gen = torch.Generator().manual_seed(7)
-    prefix = torch.randint(0, TINY["vocab_size"], (12,), generator=gen)
-    prompts = []
-    for n in (1, 9, 20, 28):
-        motif = torch.randint(0, TINY["vocab_size"], (3,), generator=gen)
-        prompts.append(torch.cat([prefix, motif.repeat(n // 3 + 1)[:n]]))
-    got = run_ragged(engine, [p.tolist() for p in prompts], 20)
-    for prompt, ids in zip(prompts, got, strict=True):
-        assert ids == hf_steps(hf, prompt, 20)[0]
-    assert engine.metrics().prefix_cache_hit_tokens >= 3 * 12 - 4  # whole blocks of it
-    if speculative:
-        assert engine.speculator.stats.num_accepted_tokens > 0
+    check_ragged_on_a_prefix(folder, hf, speculative=speculative, seed=7, steps=20)
 
 
 def test_gemma3s_config_as_transformers_reads_it():
@@ -112,7 +94,7 @@ def test_gemma3s_config_as_transformers_reads_it():
     assert ModelConfig.from_dict(raw).local_layers == (0, 1, 2, 3, 4, 6)
     # a window no shorter than the context: none, while the local layers keep their RoPE
     wide = ModelConfig.from_dict({**GEMMA, "sliding_window": 256})
-    assert (wide.local_window, wide.local_layers, wide.layer_windows) == (None, (0, 2), 1)
+    assert (wide.local_window, wide.local_layers, wide.window_count) == (None, (0, 2), 1)
 
 
 def test_gemma2s_config_as_transformers_reads_it():

@@ -10,8 +10,6 @@ import json
 import pytest
 import torch
 
-from engine.core.config import EngineConfig
-from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loader.load import load_model
 from engine.model.config import ModelConfig
@@ -20,7 +18,7 @@ from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
 from tests.conftest import TINY, TINY_ARCH
 from tests.test_exactness_tiny import hf_greedy, hf_logits, tiny_prompt
-from tests.test_phi3 import hf_steps, ours_step_by_step, run_ragged
+from tests.test_phi3 import check_ragged_on_a_prefix, ours_step_by_step
 
 STEPS = 24
 FAMILIES = [("qwen3_moe", False), ("qwen2_moe", True), ("mixtral", False)]
@@ -53,25 +51,8 @@ def test_experts_in_a_ragged_batch_sharing_a_prefix_give_each_prompts_own_ids(
     """Four prompts on one 12-token prefix, arriving a step apart in chunks of at most 16
     tokens, repetitive enough that drafts get accepted: the experts run grouped over rows of
     different sequences and steps, and each prompt's ids are transformers' for it alone."""
-    from engine.speculative.config import parse_speculative
-
     folder, hf = tiny_model_dir("qwen3_moe", False)
-    limits = SchedulerLimits(max_tokens_per_step=16)
-    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, limits=limits))
-    if speculative:
-        engine.set_speculation(parse_speculative("lookup", 3, adaptive=False))
-    gen = torch.Generator().manual_seed(9)
-    prefix = torch.randint(0, TINY["vocab_size"], (12,), generator=gen)
-    prompts = []
-    for n in (1, 9, 20, 28):
-        motif = torch.randint(0, TINY["vocab_size"], (3,), generator=gen)
-        prompts.append(torch.cat([prefix, motif.repeat(n // 3 + 1)[:n]]))
-    got = run_ragged(engine, [p.tolist() for p in prompts], 16)
-    for prompt, ids in zip(prompts, got, strict=True):
-        assert ids == hf_steps(hf, prompt, 16)[0]
-    assert engine.metrics().prefix_cache_hit_tokens >= 3 * 12 - 4
-    if speculative:
-        assert engine.speculator.stats.num_accepted_tokens > 0
+    check_ragged_on_a_prefix(folder, hf, speculative=speculative, seed=9, steps=16)
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4-g32", "mixed:attn=int8,mlp=int4-g32"])

@@ -160,6 +160,31 @@ def run_ragged(engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
     return out
 
 
+def check_ragged_on_a_prefix(folder, hf, *, speculative: bool, seed: int, steps: int) -> None:
+    """Four prompts on one 12-token prefix (then 1 to 28 tokens of a repeated motif), arriving
+    a step apart in chunks of at most 16 tokens through a cache of blocks of 4, lookup drafts
+    where ``speculative``: each prompt's ``steps`` greedy ids are transformers' for it alone,
+    the shared prefix is read from the cache, and drafts get accepted."""
+    from engine.speculative.config import parse_speculative
+
+    limits = SchedulerLimits(max_tokens_per_step=16)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, limits=limits))
+    if speculative:
+        engine.set_speculation(parse_speculative("lookup", 3, adaptive=False))
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, TINY["vocab_size"], (12,), generator=gen)
+    prompts = []
+    for n in (1, 9, 20, 28):
+        motif = torch.randint(0, TINY["vocab_size"], (3,), generator=gen)
+        prompts.append(torch.cat([prefix, motif.repeat(n // 3 + 1)[:n]]))
+    got = run_ragged(engine, [p.tolist() for p in prompts], steps)
+    for prompt, ids in zip(prompts, got, strict=True):
+        assert ids == hf_steps(hf, prompt, steps)[0]
+    assert engine.metrics().prefix_cache_hit_tokens >= 3 * 12 - 4  # whole blocks of it
+    if speculative:
+        assert engine.speculator.stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "lookup-drafts"])
 def test_longrope_in_a_ragged_batch_with_drafts_gives_each_prompts_own_ids(tmp_path, speculative):
     """Five prompts of 20 to 100 tokens arriving a step apart, crossing the pretraining

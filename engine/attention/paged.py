@@ -101,7 +101,7 @@ class PagedBackend(AttentionBackend):
         if cfg.attn_softcap is not None:  # the textbook path (capped_decode_attention)
             gathered = _capped_bytes(cfg, itemsize, 1)
         # a step keeps an additive mask per window its layers attend under (Gemma's two)
-        masks = (cfg.layer_windows - 1) * itemsize
+        masks = (cfg.window_count - 1) * itemsize
         return max_batch * (max(DECODE_ROWS_BYTES, gathered + itemsize + SLOT_BYTES) + masks)
 
     def prefill_bytes_per_token(self, cfg: ModelConfig, dtype: torch.dtype, chunk: int) -> int:
@@ -123,7 +123,7 @@ class PagedBackend(AttentionBackend):
         group = cfg.num_heads // cfg.num_kv_heads
         negated = int(negates_mask(self.device))
         # the boolean mask is kept a step for each window the layers attend under
-        return SLOT_BYTES + row + chunk * (cfg.layer_windows + group * (1 + negated + itemsize))
+        return SLOT_BYTES + row + chunk * (cfg.window_count + group * (1 + negated + itemsize))
 
 
 def _capped_bytes(cfg: ModelConfig, itemsize: int, queries: int) -> int:
@@ -131,7 +131,7 @@ def _capped_bytes(cfg: ModelConfig, itemsize: int, queries: int) -> int:
     the token's K and V gathered and repeated over the query heads; per query its scores,
     their cap and fp32 softmax, and a mask per window the layers attend under."""
     heads, kv = cfg.num_heads, cfg.num_kv_heads
-    per_query = heads * (2 * itemsize + 4) + cfg.layer_windows
+    per_query = heads * (2 * itemsize + 4) + cfg.window_count
     return (2 * kv + 2 * heads) * cfg.head_dim * itemsize + queries * per_query
 
 

@@ -37,7 +37,7 @@ class TritonBackend(AttentionBackend):
     def model_refusal(cfg: Any) -> str:
         """Why the kernels cannot attend for the model of ``cfg`` whatever the device: ""
         where they can (what a plan checks, which sees no device)."""
-        if cfg.layer_windows > 1:  # one window a step, for every layer
+        if cfg.window_count > 1:  # one window a step, for every layer
             return "our attention kernels take one window for every layer, not local layers"
         if cfg.attn_softcap is not None:
             return "our attention kernels do not soft-cap scores (Gemma 2)"

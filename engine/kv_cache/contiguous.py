@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from engine.kernels import paged_decode
+from engine.kv_cache.window import CacheWindow, _visible
 from engine.model.attention import AttentionContext, capped_attention, sequence_attention
 from engine.model.config import ModelConfig
 
@@ -74,15 +75,9 @@ class _ContiguousContext(AttentionContext):
             keys, values = k_buf[slot, :, :end], v_buf[slot, :, :end]
             chunk = q[offset : offset + length]
             if self.cache.softcap is not None:  # scores soft-capped (Gemma 2)
-                visible = (
-                    torch.arange(end, device=q.device)[None, :]
-                    <= torch.arange(start, end, device=q.device)[:, None]
-                )
-                if window is not None:
-                    visible &= (
-                        torch.arange(end, device=q.device)[None, :]
-                        > torch.arange(start, end, device=q.device)[:, None] - window
-                    )
+                limit = None if window is None else CacheWindow(0, window)
+                queries = torch.arange(start, end, device=q.device)
+                visible = _visible(None, limit, torch.arange(end, device=q.device), queries)
                 outputs.append(capped_attention(chunk, keys, values, visible, self.cache.softcap))
             elif paged_decode.reads_pool(k_buf):
                 # The paged cache's prefill kernel, over this sequence's K/V laid out as a

@@ -134,7 +134,7 @@ class ModelConfig:
         return self.local_window if layer in self.local_layers else None
 
     @property
-    def layer_windows(self) -> int:
+    def window_count(self) -> int:
         """How many windows the layers attend under (2 where local layers have their own)."""
         return 1 + (self.local_window is not None and bool(self.local_layers))
 
