@@ -155,3 +155,99 @@ def test_divisors_that_are_not_llama3s_scaling_are_refused_by_name():
     ):
         llama3_scaling(np.linspace(1, 5, 16), 10000.0, 32)
     assert llama3_scaling(np.ones(16), 10000.0, 32) is None  # no scaling at all
+
+
+def _streamed(path, cfg, state, quant):
+    """Our GGUF of ``state`` in ``quant``, its tensors streamed to the file (shapes first)."""
+    tokens = [f"t{i}" for i in range(cfg.vocab_size)]
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    return _tensors(write_gguf(path, cfg, iter(state.items()), name="t", tokens=tokens,
+                               ftype=quant, shapes=shapes))  # fmt: skip
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_1"])
+def test_a_quantized_gguf_streams_the_blocks_llama_cpps_converter_writes(tmp_path, quant):
+    # The peer's GGUF of a model too large for the disk in float16 is written already
+    # quantized, one tensor at a time: every matrix (the head too) in the file's type, the
+    # same blocks the gguf package gives the llama.cpp-like writer, norms in float32.
+    hf = build_tiny_hf("llama", tied=False, intermediate_size=128).half()
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    ours = _streamed(tmp_path / "ours.gguf", cfg, hf.state_dict(), quant)
+    want = _tensors(write_like_llama_cpp(hf.float(), tmp_path / "want.gguf", arch="llama",
+                                         quant=quant))  # fmt: skip
+    assert set(ours) == set(want)
+    for name, tensor in want.items():
+        assert ours[name].tensor_type == tensor.tensor_type, name
+        assert np.array_equal(ours[name].data, tensor.data), name
+    assert {t.tensor_type.name for t in ours.values() if len(t.shape) > 1} == {quant}
+    from engine.bench.table import gguf_file_type
+
+    assert gguf_file_type(tmp_path / "ours.gguf") == quant
+
+
+def test_rows_that_do_not_fill_whole_blocks_stay_float16(tmp_path):
+    # llama.cpp's quantizer keeps a matrix in F16 where its rows are not whole blocks (here
+    # the MLP's down projection, 112 wide): so does ours.
+    hf = build_tiny_hf("llama", tied=True).half()
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    ours = _streamed(tmp_path / "ours.gguf", cfg, state, "Q8_0")
+    kinds = {name: t.tensor_type.name for name, t in ours.items() if len(t.shape) > 1}
+    assert kinds["blk.0.ffn_down.weight"] == "F16" and kinds["blk.0.ffn_up.weight"] == "Q8_0"
+    assert kinds["token_embd.weight"] == "Q8_0"
+
+
+def test_a_mixture_of_experts_streams_its_experts_stacked_and_quantized(tmp_path):
+    from tests.conftest import save_tiny
+
+    hf = build_tiny_hf("qwen3_moe", tied=False, mlp_only_layers=[], moe_intermediate_size=32)
+    folder = save_tiny(hf.half(), tmp_path / "hf")
+    cfg = ModelConfig.from_file(folder / "config.json")
+    state = load_file(str(folder / "model.safetensors"))  # the checkpoint's per-expert names
+    ours = _streamed(tmp_path / "ours.gguf", cfg, state, "Q8_0")
+    want = _tensors(write_like_llama_cpp(hf.float(), tmp_path / "want.gguf", arch="qwen3moe",
+                                         quant="Q8_0"))  # fmt: skip
+    assert set(ours) == set(want)
+    for name, tensor in want.items():
+        assert np.array_equal(ours[name].data, tensor.data), name
+    assert ours["blk.0.ffn_up_exps.weight"].tensor_type.name == "Q8_0"
+
+
+def test_a_drawn_synthetic_model_loads_the_values_its_gguf_holds(tmp_path):
+    from engine.loader.load import load_model
+    from engine.loader.random_weights import DRAWN
+    from engine.store.synthetic_store import peer_ggufs, write_drawn_synthetic
+
+    raw = TINY_LLAMA3 | {"intermediate_size": 128}
+    drawn = write_drawn_synthetic(raw, tmp_path / "drawn", ("Q8_0",), seed=3)
+    files = write_synthetic(raw, tmp_path / "files", seed=3)
+    assert (drawn / DRAWN).is_file() and not list(drawn.glob("*.safetensors"))
+    assert peer_ggufs(drawn) == {"Q8_0": drawn / "model-q8_0.gguf"}
+    assert peer_ggufs(files) == {"F16": files / GGUF_NAME}
+    # the load draws the very values the float16 file holds
+    a, b = (load_model(f, precision="fp32").model.state_dict() for f in (drawn, files))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # and the Q8_0 GGUF holds their Q8_0 blocks
+    import gguf
+
+    state = load_file(str(files / "model.safetensors"))
+    tensor = _tensors(drawn / "model-q8_0.gguf")["blk.0.ffn_up.weight"]
+    want = gguf.quants.quantize(state["model.layers.0.mlp.up_proj.weight"].float().numpy(),
+                                gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    assert np.array_equal(tensor.data, want)
+    assert not list(drawn.glob(".*partial*"))
+
+
+def test_a_synthetic_model_of_fewer_layers_keeps_their_shapes():
+    from engine.errors import ModelLoadError
+    from engine.store.synthetic_store import with_layers
+
+    raw = published_config("gemma-3-4b")
+    cut = ModelConfig.from_dict(with_layers(raw, 6))
+    full = ModelConfig.from_dict(raw)
+    assert cut.num_layers == 6 and cut.hidden_size == full.hidden_size == 2560
+    assert cut.local_layers == full.local_layers[:5]  # every sixth layer is global
+    qwen = ModelConfig.from_dict(with_layers(published_config("qwen3-30b-a3b"), 12))
+    assert (qwen.num_layers, qwen.num_experts, qwen.expert_intermediate_size) == (12, 128, 768)
+    with pytest.raises(ModelLoadError, match="layers 1 to 48"):
+        with_layers(published_config("qwen3-30b-a3b"), 49)

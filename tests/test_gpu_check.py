@@ -21,7 +21,8 @@ from checks.gpu import common as gpu_check
 from checks.gpu import graphs
 from engine.errors import InvalidRequestError
 from engine.executor import inductor, table
-from engine.loader.synthetic import SyntheticCheckpoint, build_engine
+from engine.loader.random_weights import SyntheticCheckpoint
+from engine.loader.synthetic import build_engine
 from engine.model.config import ModelConfig
 from engine.quant.spec import parse_precision_spec
 

@@ -26,7 +26,7 @@ from engine.core.scheduler import SchedulerLimits
 from engine.kernels import triton_support
 from engine.loader import memory_plan, memory_terms
 from engine.loader.load import load_model
-from engine.loader.synthetic import SyntheticCheckpoint
+from engine.loader.random_weights import SyntheticCheckpoint
 from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
 from engine.quant.int4 import Int4Linear

@@ -154,17 +154,19 @@ def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -
     from engine.bench.speed import BenchConfig
     from engine.bench.table import run_table
     from engine.store.model_store import default_gguf_path, fetch_default_gguf
-    from engine.store.synthetic_store import gguf_path
+    from engine.store.synthetic_store import gguf_path, peer_ggufs
 
-    gguf = None
+    gguf, ready = None, {}
     if args.llama_cpp and args.model == "default":
         gguf = default_gguf_path() if default_gguf_path().is_file() else fetch_default_gguf()
     elif args.llama_cpp:
-        gguf = gguf_path(folder)
-        if gguf is None:
+        gguf, ready = gguf_path(folder), peer_ggufs(folder)
+        if gguf is None and not set(args.gguf_types) <= set(ready):
+            have = f"has GGUFs of {', '.join(ready)} only" if ready else "has none"
             raise InvalidRequestError(
-                f"--llama-cpp runs the model's GGUF, and {folder} has none; use --model default "
-                "or a synthetic model (`infersight models synth llama-3.2-1b` prints its folder)"
+                f"--llama-cpp runs the model's GGUF in {', '.join(args.gguf_types)}, and "
+                f"{folder} {have}; use --model default or a synthetic model (`infersight "
+                "models synth llama-3.2-1b` prints its folder; `--gguf-types` writes others)"
             )
     report = run_table(
         folder,
@@ -174,6 +176,7 @@ def _bench_table(args: argparse.Namespace, folder: Any, config: Any, say: Any) -
         llama_python=args.llama_cpp,
         gguf=gguf,
         gguf_types=tuple(args.gguf_types),
+        ready=ready,
         log=say,
         tensor_parallel=args.tensor_parallel,
     )

@@ -70,7 +70,9 @@ def cmd_models_token(args: argparse.Namespace) -> int:
 def cmd_models_synth(args: argparse.Namespace) -> int:
     from engine.store.synthetic_store import synthesize
 
-    print(synthesize(args.name, progress=progress_printer()))
+    gguf_types = tuple(args.gguf_types or ())
+    print(synthesize(args.name, layers=args.layers, gguf_types=gguf_types,
+                     progress=progress_printer()))  # fmt: skip
     return 0
 
 
@@ -220,4 +222,12 @@ def add_models_parser(sub: Any, device_help: str) -> None:
         "F16 GGUF of the same values: real-size benchmarks without a download",
     )
     mp.add_argument("name", help="a config in resources/configs, e.g. llama-3.2-1b")
+    mp.add_argument("--layers", type=int, metavar="N",
+                    help="the config's first N layers only (its layer shapes kept)")  # fmt: skip
+    mp.add_argument(
+        "--gguf-types", nargs="+", choices=("F16", "Q4_1", "Q8_0"), metavar="TYPE",
+        help="no float16 files: the weights are drawn at load, and llama.cpp's GGUFs are "
+        "written already quantized, one per TYPE (Q4_1, Q8_0, F16), for models whose "
+        "float16 does not fit the disk",
+    )  # fmt: skip
     mp.set_defaults(handler=cmd_models_synth)

@@ -41,7 +41,8 @@ from engine.bench.speed import HFRunner, bench_prompt, run_ours
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.loader.synthetic import SyntheticCheckpoint, build_engine, write_folder
+from engine.loader.random_weights import SyntheticCheckpoint
+from engine.loader.synthetic import build_engine, write_folder
 from engine.model.config import ModelConfig
 from engine.quant.inventory import decode_read_bytes
 from engine.quant.spec import parse_precision_spec

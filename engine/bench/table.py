@@ -229,13 +229,15 @@ def run_table(
     llama_python: str | None = None,
     gguf: Path | None = None,
     gguf_types: tuple[str, ...] = ("Q4_1",),
+    ready: dict[str, Path] | None = None,
     log: Callable[[str], None] = lambda _: None,
     tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """Batch-1 decode of each precision (as the load settled it: eager, in one C call, or
     compiled and eager where it compiled),
     llama.cpp on ``gguf`` in each of ``gguf_types`` if ``llama_python`` is given (the file as
-    it is for its own type, requantized by llama.cpp from it for the others), all in turn
+    it is for its own type, requantized by llama.cpp from it for the others; ``ready``: files
+    of a type written already, run as they are), all in turn
     within every repeat, with the memory read bandwidth measured before and after."""
     from engine.quant.inventory import decode_read_bytes
 
@@ -269,17 +271,22 @@ def run_table(
     info = None
     with contextlib.ExitStack() as stack:
         if llama_python is not None:
-            if gguf is None:
-                raise InfersightError("the llama.cpp comparison needs the model's GGUF file")
+            ready = ready or {}
+            if gguf is None and not set(gguf_types) <= set(ready):
+                raise InfersightError(
+                    f"the llama.cpp comparison in {', '.join(gguf_types)} needs the model's "
+                    f"GGUF file (this model has {', '.join(ready) or 'none'})"
+                )
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="infersight-")))
             threads = torch.get_num_threads()
-            shipped = gguf_file_type(gguf)
+            shipped = gguf_file_type(gguf) if gguf is not None else None
             for ftype in gguf_types:
-                path = gguf
-                if ftype != shipped:
-                    log(f"llama.cpp: requantizing {gguf.name} ({shipped}) to {ftype}")
+                path = ready.get(ftype) or gguf
+                assert path is not None
+                if ftype not in ready and ftype != shipped:
+                    log(f"llama.cpp: requantizing {path.name} ({shipped}) to {ftype}")
+                    quantizer = LlamaCppPeer(llama_python, path, threads)
                     path = tmp / f"{ftype}.gguf"
-                    quantizer = LlamaCppPeer(llama_python, gguf, threads)
                     try:
                         quantizer.quantize(path, ftype)
                     finally:

@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from engine.errors import ModelLoadError
+from engine.loader.random_weights import drawn_source
 from engine.model.config import ModelConfig
 from engine.model.transformer import (
     Transformer,
@@ -117,7 +118,7 @@ QuantPlan = Callable[[str], "QuantKind | None"]
 class TensorSource(Protocol):
     """Checkpoint tensors by HF name, as a safetensors file hands them out (``keys``,
     ``get_tensor``): what :func:`load_transformer` reads instead of a folder's files when it is
-    given one (:class:`engine.loader.synthetic.SyntheticCheckpoint`: random weights)."""
+    given one (:class:`engine.loader.random_weights.SyntheticCheckpoint`: random weights)."""
 
     def keys(self) -> Iterable[str]: ...
 
@@ -171,6 +172,8 @@ def load_transformer(
 
     tensors: Iterable[tuple[str, Tensor]]
     read: Callable[[str], Tensor]
+    if source is None:  # a folder that draws its weights, or one of files
+        source = drawn_source(folder, cfg)
     if source is None:
         files = checkpoint_files(folder)
         tensors, read = iter_checkpoint(files), functools.partial(_read_tensor, files)

@@ -82,9 +82,6 @@ _ARCH_NAMES = {"phi3": _PHI3, "gemma3": _GEMMA3, "qwen3moe": _MOE, "qwen2moe": _
 ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "gemma3_text": "gemma3",
                  "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}  # fmt: skip
 
-#: llama.cpp's ``general.file_type`` for matrices in F16 (``LLAMA_FTYPE_MOSTLY_F16``)
-FILE_TYPE_F16 = 1
-
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     """The GGUF name of an HF tensor of ``arch`` (``model.layers.3.mlp.up_proj.weight`` →
@@ -121,6 +118,10 @@ def rope_divisors(cfg: ModelConfig) -> np.ndarray | None:
     return (plain / rope_inverse_frequencies(cfg)).numpy().astype(np.float32)
 
 
+#: llama.cpp's ``general.file_type`` by the type of the file's matrices (``llama_ftype``)
+FILE_TYPES = {"F16": 1, "Q4_1": 3, "Q8_0": 7}
+
+
 def write_gguf(
     path: Path,
     cfg: ModelConfig,
@@ -128,21 +129,33 @@ def write_gguf(
     *,
     name: str,
     tokens: list[str],
+    ftype: str = "F16",
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> Path:
-    """Write ``tensors`` (HF names; matrices in float16, norms kept as float32, as llama.cpp's
-    converter does) of a Llama model of ``cfg`` to the GGUF ``path``, with ``tokens`` as its
-    vocabulary. A Phi-3 model keeps its fused tensors, its window and LongRoPE as llama.cpp's
-    converter writes them."""
+    """Write ``tensors`` (HF names) of a model of ``cfg`` to the GGUF ``path``, with ``tokens``
+    as its vocabulary: matrices in ``ftype`` (F16; or Q4_1 / Q8_0, quantized here by the
+    ``gguf`` package, every matrix the head included), norms and biases in float32, as
+    llama.cpp's converter does. A Phi-3 model keeps its fused tensors, its window and LongRoPE
+    as llama.cpp's converter writes them.
+
+    ``shapes``: every tensor's shape, by HF name, in the order ``tensors`` yields them; given,
+    the tensors stream to the file one at a time (a model larger than memory is written with
+    one layer's experts held at most); else ``tensors`` is read whole first."""
     import gguf
 
     if cfg.model_type not in ARCHITECTURES:
         raise ValueError(f"writing a GGUF of a {cfg.model_type!r} model is not supported")
+    if ftype not in FILE_TYPES:
+        raise ValueError(f"writing {ftype!r} matrices is not supported; one of {list(FILE_TYPES)}")
     arch = ARCHITECTURES[cfg.model_type]
     if len(tokens) != cfg.vocab_size:
         raise ValueError(f"{len(tokens)} tokens for a vocabulary of {cfg.vocab_size}")
+    if shapes is None:
+        held = [(n, t.detach().cpu()) for n, t in tensors]
+        shapes, tensors = {n: tuple(t.shape) for n, t in held}, held
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
-    writer.add_file_type(FILE_TYPE_F16)
+    writer.add_file_type(FILE_TYPES[ftype])
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_layers)
@@ -164,45 +177,125 @@ def write_gguf(
         writer.add_bos_token_id(cfg.bos_token_id)
     if cfg.eos_token_ids:
         writer.add_eos_token_id(cfg.eos_token_ids[0])
+    extras: list[tuple[str, np.ndarray]] = []  # float32 vectors that are not the checkpoint's
     divisors = rope_divisors(cfg)
     if divisors is not None:
-        writer.add_tensor("rope_freqs.weight", divisors)
+        extras.append(("rope_freqs.weight", divisors))
     if arch == "phi3":
-        _phi3_extras(writer, cfg)
+        extras += _phi3_extras(writer, cfg)
     if arch == "gemma3":
         _gemma3_extras(writer, cfg)
     if cfg.num_experts:
         _moe_extras(writer, cfg, arch)
+    for extra, values in extras:
+        _declare(writer, extra, values.shape, gguf.GGMLQuantizationType.F32)
+    for gguf_name, shape, kind in _layout(cfg, arch, shapes, ftype):
+        _declare(writer, gguf_name, shape, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, values in extras:
+        writer.write_tensor_data(values)
+    _write_data(writer, cfg, arch, tensors, ftype)
+    writer.close()
+    return path
+
+
+def _declare(writer: Any, name: str, shape: tuple[int, ...], kind: Any) -> None:
+    """A tensor's entry in the file's table, its data written later in the same order."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if kind in (GGMLQuantizationType.F16, GGMLQuantizationType.F32):
+        dtype = np.dtype(np.float16 if kind == GGMLQuantizationType.F16 else np.float32)
+        writer.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+        return
+    block, size = GGML_QUANT_SIZES[kind]
+    nbytes = int(np.prod(shape[:-1])) * shape[-1] // block * size
+    writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=kind)
+
+
+def _matrix_kind(shape: tuple[int, ...], ftype: str) -> Any:
+    """A matrix's type in the file: ``ftype``, or F16 where its rows do not fill whole blocks
+    (as llama.cpp's quantizer falls back)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = GGMLQuantizationType[ftype]
+    return kind if shape[-1] % GGML_QUANT_SIZES[kind][0] == 0 else GGMLQuantizationType.F16
+
+
+def _layout(
+    cfg: ModelConfig, arch: str, shapes: dict[str, tuple[int, ...]], ftype: str
+) -> list[tuple[str, tuple[int, ...], Any]]:
+    """Each tensor the file holds, in the order :func:`_write_data` writes them: GGUF name,
+    shape and type (a layer's routed experts as one 3-D tensor a product, where its last
+    expert arrives)."""
+    from gguf import GGMLQuantizationType
+
+    out: list[tuple[str, tuple[int, ...], Any]] = []
+    seen: dict[tuple[str, str], int] = {}
+    for hf_name, shape in shapes.items():
+        expert = _EXPERT.match(hf_name)
+        if expert and expert.group(3) in _EXPERT_PRODUCTS:
+            layer, product = expert.group(1), _EXPERT_PRODUCTS[expert.group(3)]
+            seen[(layer, product)] = seen.get((layer, product), 0) + 1
+            if seen[(layer, product)] == cfg.num_experts:
+                stacked = (cfg.num_experts, *shape)
+                out.append((f"blk.{layer}.{product}.weight", stacked, _matrix_kind(shape, ftype)))
+            continue
+        gguf_name = gguf_tensor_name(hf_name, arch)
+        if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp's is a vector, F32
+            out.append((gguf_name, (int(np.prod(shape)),), GGMLQuantizationType.F32))
+        elif len(shape) == 1:
+            out.append((gguf_name, shape, GGMLQuantizationType.F32))
+        else:
+            out.append((gguf_name, shape, _matrix_kind(shape, ftype)))
+    return out
+
+
+def _write_data(
+    writer: Any,
+    cfg: ModelConfig,
+    arch: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    ftype: str,
+) -> None:
+    """Each tensor's values, converted as llama.cpp's converter does and encoded in its type,
+    in :func:`_layout`'s order."""
+    from gguf import quants
+
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, product) → expert → rows
+
+    def encoded(array: np.ndarray) -> np.ndarray:
+        kind = _matrix_kind(array.shape, ftype)
+        if kind.name == "F16":
+            return array.astype(np.float16)
+        return quants.quantize(array.astype(np.float32), kind)
+
     for hf_name, tensor in tensors:
         host = tensor.detach().cpu()
-        array = (host.float() if host.dim() == 1 else host.half()).numpy()
+        array = host.float().numpy()
         expert = _EXPERT.match(hf_name)
         if expert and expert.group(3) in _EXPERT_PRODUCTS:  # stacked once the layer's are in
             layer, product = expert.group(1), _EXPERT_PRODUCTS[expert.group(3)]
             held = experts.setdefault((layer, product), {})
-            held[int(expert.group(2))] = array
+            held[int(expert.group(2))] = encoded(array)
             if len(held) == cfg.num_experts:
-                stacked = np.stack([held[e] for e in range(cfg.num_experts)])
-                writer.add_tensor(f"blk.{layer}.{product}.weight", stacked)
+                writer.write_tensor_data(np.stack([held[e] for e in range(cfg.num_experts)]))
                 del experts[(layer, product)]
             continue
         if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp's is a vector, F32
-            array = host.float().reshape(-1).numpy()
+            writer.write_tensor_data(np.ascontiguousarray(array.reshape(-1)))
+            continue
         if arch in NORM_SHIFT and hf_name.endswith("norm.weight"):  # llama.cpp keeps 1 + w
             array = array + np.float32(NORM_SHIFT[arch])
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")) and arch == "llama":
             array = permute_rotary(array, cfg.num_heads)
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")) and arch == "llama":
             array = permute_rotary(array, cfg.num_kv_heads)
-        writer.add_tensor(gguf_tensor_name(hf_name, arch), np.ascontiguousarray(array))
+        array = np.ascontiguousarray(array)
+        writer.write_tensor_data(array if array.ndim == 1 else encoded(array))
     if experts:
         raise ValueError(f"experts missing from {sorted(experts)[:2]}: every expert of a layer")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def _moe_extras(writer: Any, cfg: ModelConfig, arch: str) -> None:
@@ -216,7 +309,7 @@ def _moe_extras(writer: Any, cfg: ModelConfig, arch: str) -> None:
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_size)
 
 
-def _phi3_extras(writer: Any, cfg: ModelConfig) -> None:
+def _phi3_extras(writer: Any, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
     """Phi-3's window and LongRoPE as llama.cpp's converter writes them: the pretraining
     context and the attention factor as metadata, the short and long factors as the
     ``rope_factors_short`` / ``rope_factors_long`` tensors (its rotation is NEOX's, on the
@@ -225,12 +318,14 @@ def _phi3_extras(writer: Any, cfg: ModelConfig) -> None:
     if cfg.sliding_window:
         writer.add_uint32("phi3.attention.sliding_window", cfg.sliding_window)
     if rs.kind != "longrope":
-        return
+        return []
     writer.add_uint32("phi3.rope.scaling.original_context_length",
                       rs.original_max_position_embeddings)  # fmt: skip
     writer.add_float32("phi3.rope.scaling.attn_factor", rs.attention_factor)
-    for kind, factors in (("long", rs.long_factor), ("short", rs.short_factor)):
-        writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(factors, dtype=np.float32))
+    return [
+        (f"rope_factors_{kind}.weight", np.asarray(factors, dtype=np.float32))
+        for kind, factors in (("long", rs.long_factor), ("short", rs.short_factor))
+    ]
 
 
 def _gemma3_extras(writer: Any, cfg: ModelConfig) -> None:
