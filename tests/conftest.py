@@ -192,7 +192,7 @@ def tiny_model_dir(
     cache: dict[tuple[object, ...], tuple[Path, torch.nn.Module]] = {}
 
     def make(arch: str, tied: bool, **overrides: object) -> tuple[Path, torch.nn.Module]:
-        key = (arch, tied, *sorted(overrides.items()))
+        key = (arch, tied, repr(sorted(overrides.items())))
         if key not in cache:
             model = build_tiny_hf(arch, tied=tied, **overrides)
             folder = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}")

@@ -3,7 +3,8 @@
 Per step kind (prefill, decode): the attention backend and its kernel, the executors the load
 settled (in their one precedence order, :mod:`engine.executor.table`, each with the reason it
 was or was not settled), and how many steps each executor really ran; per layer: the kernel
-of each product. Every fallback is listed with its reason: an executor dropped mid-run, a
+of each product (a mixture of experts: whether a decode token's experts run in one C call, or
+why not). Every fallback is listed with its reason: an executor dropped mid-run, a
 kernel that failed its load-time check. Tests and ``make gpu-check`` assert on it, so a
 silent fallback fails them.
 """
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from engine.executor import table
 from engine.kernels import paged_decode
+from engine.model.moe import MoE
 from engine.model.transformer import DecoderLayer
 from engine.quant.inventory import linear_kernel
 
@@ -78,6 +80,9 @@ def paths(engine: LLMEngine) -> dict[str, Any]:
         entry: dict[str, Any] = {"layer": i}
         entry.update((name, linear_kernel(m)) for name, m in zip(PRODUCTS, linears, strict=True))
         entry["fused_layer"] = layer.fused is not None
+        if isinstance(layer.mlp, MoE):  # a decode token's experts: one call, or why not
+            kernel = layer.mlp.kernel is not None
+            entry["decode_experts"] = "one C call" if kernel else layer.mlp.kernel_refusal
         layers.append(entry)
     return {
         "attention": {

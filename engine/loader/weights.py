@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from engine.errors import ModelLoadError
 from engine.loader.random_weights import drawn_source
 from engine.model.config import ModelConfig
+from engine.model.moe import MoE
 from engine.model.transformer import (
     Transformer,
     VocabParallelEmbedding,
@@ -30,6 +31,7 @@ from engine.model.transformer import (
     rotary_permutation,
 )
 from engine.parallel.shard import Shard
+from engine.quant import experts
 from engine.quant.calibration import Calibration, SmoothingPlan
 from engine.quant.embedding import QuantizedEmbedding, head_channel_scale
 from engine.quant.int4 import Int4Linear
@@ -273,6 +275,9 @@ def load_transformer(
     for layer in host_experts:
         if device.type != "cpu":
             model.layers[layer].mlp.expert_device = torch.device("cpu")  # type: ignore[union-attr]
+    for mlp in (m.mlp for m in model.layers):
+        if isinstance(mlp, MoE) and quant is not None:  # a decode token's experts in one call
+            mlp.set_kernel(experts.plan(mlp, cfg.activation))
     model.eval()
     return model
 

@@ -48,6 +48,17 @@ class MoE(nn.Module):
         self.expert_device: torch.device | None = None
         #: as :attr:`MLP.reduce` (tensor parallelism does not split experts yet: always None)
         self.reduce: Callable[[Tensor], Tensor] | None = None
+        #: a decode token's routed experts in one call (:mod:`engine.kernels.experts`:
+        #: ``kernel(x, experts, weights)``), or None; :attr:`kernel_refusal` says why not
+        self.kernel: Callable[[Tensor, list[int], list[float]], Tensor] | None = None
+        self.kernel_refusal = "the experts are not quantized"
+
+    def set_kernel(self, kernel: Callable[[Tensor, list[int], list[float]], Tensor] | str) -> None:
+        """Run a decode token's experts in ``kernel``, or (a reason) as modules."""
+        if isinstance(kernel, str):
+            self.kernel, self.kernel_refusal = None, kernel
+        else:
+            self.kernel, self.kernel_refusal = kernel, ""
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Each token's ``k`` experts ``[T, k]`` (int64) and their weights ``[T, k]`` in
@@ -77,6 +88,10 @@ class MoE(nn.Module):
         order of the sums), without sorting or gathering rows."""
         there = self.expert_device
         x_in = x if there is None else x.to(there)
+        if self.kernel is not None:
+            routed = sorted(zip(chosen.tolist(), weights.flatten().tolist(), strict=True))
+            ids, shares = [e for e, _ in routed], [w for _, w in routed]
+            return self.kernel(x_in, ids, shares).to(x.device)
         pairs = sorted(zip(chosen.tolist(), weights.flatten().to(x_in.device), strict=True))
         out = torch.zeros_like(x_in)
         for expert, weight in pairs:

@@ -800,3 +800,5 @@ void infersight_scale_rows(const int32_t *acc, int64_t rows, int64_t n, const fl
         free(wide);
     }
 }
+
+#include "experts.h"
