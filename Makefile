@@ -188,6 +188,7 @@ $(GPU_IMAGE)/.stamp:
 	touch $@
 
 GPU_KERNEL_TESTS := tests/test_triton_decode.py tests/test_triton_prefill.py tests/test_triton_fused.py \
+                    tests/test_triton_grouped.py \
                     tests/test_triton_gemm.py tests/test_triton_check.py tests/test_triton_engine.py
 gpu-versions: $(GPU_IMAGE)/.stamp gpu-wheels
 	rm -rf build/gpu-versions && mkdir -p build/gpu-versions

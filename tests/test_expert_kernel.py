@@ -67,7 +67,7 @@ def test_the_kernel_is_the_expert_modules_products(tiny_model_dir, arch, precisi
         x = torch.randn(1, engine.model.cfg.hidden_size)
         ids = sorted(torch.randperm(moe.num_experts)[: moe.top_k].tolist())
         shares = torch.rand(len(ids)).tolist()
-        got = moe.kernel(x, ids, shares)
+        got = moe.kernel.run(x, ids, shares)
         want = _reference(moe, x, ids, shares, act)
         # fp32 throughout on both sides: they differ in the order of the sum over experts'
         # shares and in the activation's exp (libm's against torch's)
@@ -92,13 +92,13 @@ def test_a_decode_step_runs_the_kernel_and_agrees_with_the_modules(tiny_model_di
     why = verify.differs("the layer", with_kernel.float(), modules.float(), bound, "its modules")
     assert not why, why
     paths = engine.paths()["layers"]
-    assert {layer["decode_experts"] for layer in paths} == {"one C call"}
+    assert {layer["experts"] for layer in paths} == {"one C call"}
 
 
 def test_experts_on_torchs_kernels_are_refused_by_name(tiny_model_dir):
     engine = _load(tiny_model_dir, "qwen3_moe", "int4-g32", mode="torch",
                    moe_intermediate_size=64, mlp_only_layers=[])  # fmt: skip
-    reasons = {layer["decode_experts"] for layer in engine.paths()["layers"]}
+    reasons = {layer["experts"] for layer in engine.paths()["layers"]}
     assert reasons == {"torch's INT4 kernel runs the experts (ours measured slower for them)"}
     fp32 = _load(tiny_model_dir, "qwen3_moe", "fp32", moe_intermediate_size=64,
                  mlp_only_layers=[])  # fmt: skip

@@ -3,8 +3,8 @@
 Per step kind (prefill, decode): the attention backend and its kernel, the executors the load
 settled (in their one precedence order, :mod:`engine.executor.table`, each with the reason it
 was or was not settled), and how many steps each executor really ran; per layer: the kernel
-of each product (a mixture of experts: whether a decode token's experts run in one C call, or
-why not). Every fallback is listed with its reason: an executor dropped mid-run, a
+of each product (a mixture of experts: the kernel its routed experts run in, or why they run one
+module at a time). Every fallback is listed with its reason: an executor dropped mid-run, a
 kernel that failed its load-time check. Tests and ``make gpu-check`` assert on it, so a
 silent fallback fails them.
 """
@@ -80,9 +80,9 @@ def paths(engine: LLMEngine) -> dict[str, Any]:
         entry: dict[str, Any] = {"layer": i}
         entry.update((name, linear_kernel(m)) for name, m in zip(PRODUCTS, linears, strict=True))
         entry["fused_layer"] = layer.fused is not None
-        if isinstance(layer.mlp, MoE):  # a decode token's experts: one call, or why not
-            kernel = layer.mlp.kernel is not None
-            entry["decode_experts"] = "one C call" if kernel else layer.mlp.kernel_refusal
+        if isinstance(layer.mlp, MoE):  # the routed experts' own kernel, or why none
+            kernel = layer.mlp.kernel
+            entry["experts"] = kernel.name if kernel is not None else layer.mlp.kernel_refusal
         layers.append(entry)
     return {
         "attention": {

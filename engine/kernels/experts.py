@@ -37,7 +37,11 @@ class ExpertWeights:
 
 class ExpertsKernel:
     """The routed experts of one layer in one call a token: ``kind`` 4 (INT4, ``group``) or 8
-    (INT8), ``inner`` channels each, ``act`` their gate's activation."""
+    (INT8), ``inner`` channels each, ``act`` their gate's activation
+    (an :class:`engine.model.moe.ExpertKernel` of a decode token)."""
+
+    name = "one C call"
+    any_tokens = False
 
     def __init__(
         self, experts: list[ExpertWeights], *, kind: int, group: int, inner: int, act: str
@@ -49,7 +53,14 @@ class ExpertsKernel:
             for e in experts
         ]
 
-    def __call__(self, x: Tensor, chosen: list[int], weights: list[float]) -> Tensor:
+    def __call__(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        """``x [1, K]`` through its experts ``chosen [1, k]``, weighted by ``weights [1, k]``
+        and summed in ascending expert order (as the modules sum them): ``[1, K]`` in
+        ``x``'s dtype."""
+        routed = sorted(zip(chosen.flatten().tolist(), weights.flatten().tolist(), strict=True))
+        return self.run(x, [e for e, _ in routed], [w for _, w in routed])
+
+    def run(self, x: Tensor, chosen: list[int], weights: list[float]) -> Tensor:
         """``x [1, K]`` through the experts ``chosen`` (in the order to sum them), weighted by
         ``weights``: ``[1, K]`` in ``x``'s dtype."""
         lib = lowbit.library().lib

@@ -17,7 +17,7 @@ instruments draw what changed between two snapshots (the expert heat map).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,18 @@ from torch import Tensor, nn
 
 from engine.model.config import ModelConfig
 from engine.model.mlp import MLP
+
+
+class ExpertKernel(Protocol):
+    """The routed experts of a layer in a kernel of their own (:mod:`engine.quant.experts`):
+    ``kernel(x [T, K], chosen [T, k], weights [T, k]) → [T, K]``."""
+
+    #: what runs them, as the paths report names it
+    name: str
+    #: whether it takes any number of tokens (else a decode step's one)
+    any_tokens: bool
+
+    def __call__(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor: ...
 
 
 class MoE(nn.Module):
@@ -48,13 +60,13 @@ class MoE(nn.Module):
         self.expert_device: torch.device | None = None
         #: as :attr:`MLP.reduce` (tensor parallelism does not split experts yet: always None)
         self.reduce: Callable[[Tensor], Tensor] | None = None
-        #: a decode token's routed experts in one call (:mod:`engine.kernels.experts`:
-        #: ``kernel(x, experts, weights)``), or None; :attr:`kernel_refusal` says why not
-        self.kernel: Callable[[Tensor, list[int], list[float]], Tensor] | None = None
+        #: the routed experts in a kernel of their own (:mod:`engine.quant.experts`), or
+        #: None: one module at a time; :attr:`kernel_refusal` says why not
+        self.kernel: ExpertKernel | None = None
         self.kernel_refusal = "the experts are not quantized"
 
-    def set_kernel(self, kernel: Callable[[Tensor, list[int], list[float]], Tensor] | str) -> None:
-        """Run a decode token's experts in ``kernel``, or (a reason) as modules."""
+    def set_kernel(self, kernel: ExpertKernel | str) -> None:
+        """Run the routed experts in ``kernel``, or (a reason) one module at a time."""
         if isinstance(kernel, str):
             self.kernel, self.kernel_refusal = None, kernel
         else:
@@ -74,11 +86,15 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.load = counts if self.load is None else self.load + counts
-        out = (
-            self._one_token(x, flat, weights)
-            if x.shape[0] == 1
-            else self._grouped(x, flat, weights, counts)
-        )
+        kernel = self.kernel
+        if kernel is not None and (kernel.any_tokens or x.shape[0] == 1):
+            there = self.expert_device
+            x_in = x if there is None else x.to(there)
+            out = kernel(x_in, chosen, weights).to(x.device)
+        elif x.shape[0] == 1:
+            out = self._one_token(x, flat, weights)
+        else:
+            out = self._grouped(x, flat, weights, counts)
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
@@ -88,10 +104,6 @@ class MoE(nn.Module):
         order of the sums), without sorting or gathering rows."""
         there = self.expert_device
         x_in = x if there is None else x.to(there)
-        if self.kernel is not None:
-            routed = sorted(zip(chosen.tolist(), weights.flatten().tolist(), strict=True))
-            ids, shares = [e for e, _ in routed], [w for _, w in routed]
-            return self.kernel(x_in, ids, shares).to(x.device)
         pairs = sorted(zip(chosen.tolist(), weights.flatten().to(x_in.device), strict=True))
         out = torch.zeros_like(x_in)
         for expert, weight in pairs:

@@ -1,22 +1,36 @@
-"""Which layers of experts a decode step runs in one C call (:mod:`engine.kernels.experts`),
-and why the others do not: every routed expert's two products must be ours on the CPU, all
-INT4 of one group or all INT8, without padding or bias, as the load chose their kernels
-(:attr:`Int4Linear.lowbit`, :attr:`Int8Linear.lowbit_scales`: ours where they measured faster
-than torch's for the shape). The kernel then reads the very tensors those layers hold."""
+"""How a layer's routed experts run, where not one expert module at a time, and why not:
+
+* on the CPU, a decode token's experts in one C call (:mod:`engine.kernels.experts`): every
+  routed expert's two products must be ours, all INT4 of one group or all INT8, without
+  padding or bias, as the load chose their kernels (:attr:`Int4Linear.lowbit`,
+  :attr:`Int8Linear.lowbit_scales`: ours where they measured faster than torch's for the
+  shape). The kernel reads the very tensors those layers hold.
+* on CUDA, every token of a step in two grouped launches
+  (:mod:`engine.kernels.triton_kernels.grouped_gemm`): every expert's products on our Triton
+  INT4 kernels, one group, no bias, a GPU with tensor cores. Their weights are stacked into
+  one tensor per product (:func:`stack`), each expert module keeping views of it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from engine.kernels.experts import ACTIVATIONS, ExpertsKernel, ExpertWeights
+from engine.model.mlp import ACTIVATIONS as ACTS
 from engine.model.moe import MoE
 from engine.quant.int4 import Int4Linear
 from engine.quant.int8 import Int8Linear
 
 
-def plan(moe: MoE, activation: str) -> ExpertsKernel | str:
-    """The one-call kernel of ``moe``'s routed experts, or why it does not run them."""
+def plan(moe: MoE, activation: str) -> ExpertsKernel | GroupedExperts | str:
+    """The kernel of ``moe``'s routed experts, or why they run one module at a time."""
+    first = moe.experts[0].gate_up_proj
+    if isinstance(first, Int4Linear) and first.triton is not None:
+        return grouped(moe, activation)
     if activation not in ACTIVATIONS:
         return f"the kernel has no {activation} activation"
     products = [(e.gate_up_proj, e.down_proj) for e in moe.experts]
@@ -72,3 +86,63 @@ def _int8(products: list[tuple[Int8Linear, Int8Linear]], activation: str) -> Exp
     ]
     inner = products[0][1].in_features
     return ExpertsKernel(weights, kind=8, group=0, inner=inner, act=activation)
+
+
+class GroupedExperts:
+    """A layer's routed experts over a step's tokens in two grouped INT4 launches
+    (:func:`~engine.kernels.triton_kernels.grouped_gemm.int4_grouped`): the pairs laid out by
+    expert once, the gate_up products, the activation, the down products; each pair's output
+    weighted and its token's ``k`` summed in the order routing gave them."""
+
+    name = "grouped Triton GEMM"
+    any_tokens = True
+
+    def __init__(
+        self, products: list[tuple[Int4Linear, Int4Linear]], act: Callable[[Tensor], Tensor]
+    ) -> None:
+        self.num_experts = len(products)
+        self.inner = products[0][1].in_features
+        self.act, self.group = act, products[0][0].group
+        self.gate_up, self.gate_up_sz = stack([g for g, _ in products])
+        self.down, self.down_sz = stack([d for _, d in products])
+
+    def __call__(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        from engine.kernels.triton_kernels.grouped_gemm import Layout, int4_grouped
+
+        layout = Layout(chosen, self.num_experts)
+        h = int4_grouped(x, layout.rows, layout.tile_expert, self.gate_up, self.gate_up_sz,
+                         self.group)  # fmt: skip
+        h = self.act(h[:, : self.inner]) * h[:, self.inner :]
+        y = int4_grouped(h, layout.slots(), layout.tile_expert, self.down, self.down_sz,
+                         self.group)  # fmt: skip
+        pairs = y[layout.slot] * weights.flatten()[:, None].to(y.dtype)
+        return pairs.view(*chosen.shape, -1).sum(dim=1)
+
+
+def stack(layers: list[Int4Linear]) -> tuple[Tensor, Tensor]:
+    """The layers' packed weights and (s, z) as one tensor each, ``[E, …]``; each layer's
+    buffers become views of them (the separate tensors are freed)."""
+    weight = torch.stack([layer.weight for layer in layers])
+    sz = torch.stack([layer.scales_and_zeros for layer in layers])
+    for i, layer in enumerate(layers):
+        layer.weight, layer.scales_and_zeros = weight[i], sz[i]
+    return weight, sz
+
+
+def grouped(moe: MoE, activation: str) -> GroupedExperts | str:
+    """The grouped launches of ``moe``'s experts on our Triton INT4 kernels, or why not."""
+    from engine.kernels.triton_kernels.quant_gemm import tensor_cores
+
+    products = [(e.gate_up_proj, e.down_proj) for e in moe.experts]
+    layers = [p for pair in products for p in pair]
+    if not all(isinstance(p, Int4Linear) and p.triton is not None for p in layers):
+        return "the experts are not all INT4 on our Triton kernels"
+    int4 = cast(list[tuple[Int4Linear, Int4Linear]], products)
+    groups = {p.group for pair in int4 for p in pair}
+    if len(groups) != 1:
+        return f"the experts' groups differ ({sorted(groups)})"
+    if any(p.bias is not None for pair in int4 for p in pair):
+        return "the experts have a bias"
+    if not tensor_cores(int4[0][0].weight.device):
+        return "the grouped GEMM runs on tensor cores (sm_80 or newer)"
+    return GroupedExperts(int4, ACTS[activation])
