@@ -117,3 +117,20 @@ def test_a_mixture_of_experts_on_our_triton_kernels_runs_grouped(tiny_model_dir,
     why = verify.differs("the layer", grouped.float(), modules.float(), bound, "its modules")
     assert not why, why
     assert F.cosine_similarity(grouped.float().flatten(), modules.float().flatten(), dim=0) > 0.999
+
+
+def test_a_grouped_gemm_that_fails_its_check_is_refused_with_the_reason(monkeypatch):
+    from engine.kernels import triton_check
+
+    real = gg.int4_grouped
+
+    def swapped(x, rows, tile_expert, weight, sz, group):  # each tile on the wrong expert
+        return real(x, rows, tile_expert.roll(1), weight, sz, group)
+
+    monkeypatch.setattr(gg, "int4_grouped", swapped)
+    triton_check._grouped.cache_clear()
+    try:
+        why = triton_check.grouped(torch.device("cpu"), torch.bfloat16)
+    finally:
+        triton_check._grouped.cache_clear()
+    assert why.startswith("our grouped INT4 GEMM kernel differs from the torch path"), why

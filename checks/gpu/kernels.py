@@ -110,7 +110,9 @@ def check_triton_kernels(
         if not dry and gpu.runs_bf16(gpu.capability(device)):
             dtypes.append(torch.bfloat16)
         verdicts: dict[str, str] = {}
-        for cache in (triton_check._attention, triton_check._gemms, triton_check._fused):
+        caches = (triton_check._attention, triton_check._gemms, triton_check._fused,
+                  triton_check._grouped)  # fmt: skip
+        for cache in caches:
             cache.cache_clear()  # checked now, not remembered from an earlier load
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
@@ -123,6 +125,7 @@ def check_triton_kernels(
                     device, dtype, heads * head_dim, heads, kv_heads, head_dim
                 )
             verdicts[f"GEMMs {name}"] = triton_check.gemms(device, dtype)
+            verdicts[f"grouped GEMM {name}"] = triton_check.grouped(device, dtype)
         figures["load_checks"] = {k: v or "passed" for k, v in verdicts.items()}
         failed = {k: v for k, v in verdicts.items() if v}
         expect(not failed, f"our kernels failed their checks: {failed}")

@@ -56,6 +56,12 @@ def gemms(device: torch.device, dtype: torch.dtype) -> str:
     return _gemms(str(device), dtype)
 
 
+def grouped(device: torch.device, dtype: torch.dtype) -> str:
+    """Why our grouped INT4 GEMM of a mixture of experts must not run here ("" where it passes
+    its check)."""
+    return _guarded("grouped INT4 GEMM", functools.partial(_grouped, str(device), dtype))
+
+
 def _verdict(name: str, got: Tensor, want: Tensor, reduction: int) -> str:
     """``got`` against the torch path's ``want``, within the policy's bound for the kernel's
     dtype and the longest sum behind a result (:func:`engine.kernels.verify.tolerance`)."""
@@ -221,6 +227,34 @@ def _int4(dev: torch.device, dtype: torch.dtype) -> str:
         if why:
             return why
     return ""
+
+
+@functools.cache
+def _grouped(device: str, dtype: torch.dtype) -> str:
+    """Every (token, expert) pair of a routed step, tokens sharing experts and experts left
+    out, against each pair's own product (:func:`int4_reference`), K off the group."""
+    from engine.formats.int4 import pack_int4
+    from engine.kernels.triton_kernels.grouped_gemm import Layout, int4_grouped
+    from engine.kernels.triton_kernels.quant_gemm import int4_reference
+
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(4)
+    experts, group, n, k, kp, tokens = 6, 32, 80, 150, 160, 20
+    weight = pack_int4(torch.randint(0, 16, (experts * n, kp), generator=gen)).view(experts, n, -1)
+    shape = (experts, kp // group, n)
+    sz = torch.stack([torch.rand(shape, generator=gen) * 0.02,
+                      torch.randn(shape, generator=gen) * 0.01], dim=-1)  # fmt: skip
+    weight, sz = weight.to(dev).contiguous(), sz.to(dev, torch.bfloat16).contiguous()
+    x = torch.randn(tokens, k, generator=gen).to(dev, dtype)
+    chosen = torch.stack([torch.randperm(experts - 1, generator=gen)[:2] for _ in range(tokens)])
+    layout = Layout(chosen.to(dev), experts)
+    got = int4_grouped(x, layout.rows, layout.tile_expert, weight, sz, group)[layout.slot]
+    token = torch.arange(tokens).repeat_interleave(2)
+    want = torch.cat([
+        int4_reference(x[t : t + 1], weight[e], sz[e], group, None)
+        for t, e in zip(token.tolist(), chosen.flatten().tolist(), strict=True)
+    ])  # fmt: skip
+    return _verdict("grouped INT4 GEMM", got, want, k)
 
 
 @functools.cache

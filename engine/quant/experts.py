@@ -131,6 +131,7 @@ def stack(layers: list[Int4Linear]) -> tuple[Tensor, Tensor]:
 
 def grouped(moe: MoE, activation: str) -> GroupedExperts | str:
     """The grouped launches of ``moe``'s experts on our Triton INT4 kernels, or why not."""
+    from engine.kernels import triton_check
     from engine.kernels.triton_kernels.quant_gemm import tensor_cores
 
     products = [(e.gate_up_proj, e.down_proj) for e in moe.experts]
@@ -143,6 +144,9 @@ def grouped(moe: MoE, activation: str) -> GroupedExperts | str:
         return f"the experts' groups differ ({sorted(groups)})"
     if any(p.bias is not None for pair in int4 for p in pair):
         return "the experts have a bias"
-    if not tensor_cores(int4[0][0].weight.device):
+    device = int4[0][0].weight.device
+    if not tensor_cores(device):
         return "the grouped GEMM runs on tensor cores (sm_80 or newer)"
+    if failed := triton_check.grouped(device, int4[0][0].out_dtype):
+        return failed
     return GroupedExperts(int4, ACTS[activation])
