@@ -188,6 +188,8 @@ def write_gguf(
             block, nbytes = gguf.GGML_QUANT_SIZES[raw]
             fake = np.zeros((1, (data.size // block) * nbytes), dtype=np.uint8)
             writer.add_tensor(name, fake, raw_dtype=raw)
+        elif name.endswith("ffn_gate_inp.weight"):  # a router: F32, never quantized
+            writer.add_tensor(name, data)
         elif data.ndim == 2 and quant in K_QUANT_SCALE_OFFSETS:
             writer.add_tensor(name, random_k_quant_blocks(data.shape, quant), raw_dtype=qtype)
         elif data.ndim == 2 and quant not in ("F32", "F16"):

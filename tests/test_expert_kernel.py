@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import lowbit, verify
 from engine.loader.load import load_model
+from engine.model.mlp import ACTIVATIONS
 from engine.model.moe import MoE
+from engine.quant import experts
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +52,10 @@ def _product(layer, x):
 @pytest.mark.parametrize(
     ("arch", "precision", "act"),
     [
-        ("qwen3_moe", "int4-g32", F.silu),
-        ("qwen3_moe", "int8", F.silu),
-        ("mixtral", "int4-g32", F.silu),
+        ("qwen3_moe", "int4-g32", "silu"),
+        ("qwen3_moe", "int4-g32", "gelu_tanh"),  # no family pairs it with experts yet
+        ("qwen3_moe", "int8", "silu"),
+        ("mixtral", "int4-g32", "silu"),
     ],
 )
 def test_the_kernel_is_the_expert_modules_products(tiny_model_dir, arch, precision, act):
@@ -61,19 +63,37 @@ def test_the_kernel_is_the_expert_modules_products(tiny_model_dir, arch, precisi
         "intermediate_size": 64}  # fmt: skip
     engine = _load(tiny_model_dir, arch, precision, **overrides)
     moe = _moes(engine)[0]
-    assert moe.kernel is not None, moe.kernel_refusal
+    kernel = experts.plan(moe, act)
+    assert not isinstance(kernel, str), kernel
     torch.manual_seed(0)
     for _ in range(4):
         x = torch.randn(1, engine.model.cfg.hidden_size)
         ids = sorted(torch.randperm(moe.num_experts)[: moe.top_k].tolist())
-        shares = torch.rand(len(ids)).tolist()
-        got = moe.kernel.run(x, ids, shares)
-        want = _reference(moe, x, ids, shares, act)
+        shares = torch.rand(len(ids))
+        got = kernel(x, torch.tensor([ids]), shares[None])
+        want = _reference(moe, x, ids, shares.tolist(), ACTIVATIONS[act])
         # fp32 throughout on both sides: they differ in the order of the sum over experts'
         # shares and in the activation's exp (libm's against torch's)
         bound = verify.tolerance(torch.float32, moe.experts[0].intermediate_size)
         why = verify.differs("the experts kernel", got, want, bound)
         assert not why, why
+
+
+def test_a_row_is_the_same_alone_or_beside_others(tiny_model_dir):
+    # batch invariance: each expert runs once on the rows that chose it, and a row's products
+    # and its sum over experts do not depend on those rows
+    engine = _load(tiny_model_dir, "qwen3_moe", "int4-g32", moe_intermediate_size=64,
+                   mlp_only_layers=[])  # fmt: skip
+    moe = _moes(engine)[0]
+    torch.manual_seed(1)
+    x = torch.randn(7, engine.model.cfg.hidden_size, dtype=torch.bfloat16)
+    chosen, weights = moe.route(x)
+    together = moe.kernel(x, chosen, weights)
+    for r in range(7):
+        alone = moe.kernel(x[r : r + 1], chosen[r : r + 1], weights[r : r + 1])
+        assert torch.equal(alone, together[r : r + 1]), r
+    assert together.dtype == torch.bfloat16
+    assert moe.kernel(x.half(), chosen, weights).dtype == torch.float16
 
 
 def test_a_decode_step_runs_the_kernel_and_agrees_with_the_modules(tiny_model_dir):
@@ -103,3 +123,7 @@ def test_experts_on_torchs_kernels_are_refused_by_name(tiny_model_dir):
     fp32 = _load(tiny_model_dir, "qwen3_moe", "fp32", moe_intermediate_size=64,
                  mlp_only_layers=[])  # fmt: skip
     assert {m.kernel_refusal for m in _moes(fp32)} == {"the experts are not quantized"}
+    w8a8 = _load(tiny_model_dir, "qwen3_moe", "w8a8", moe_intermediate_size=64,
+                 mlp_only_layers=[])  # fmt: skip
+    assert {m.kernel_refusal for m in _moes(w8a8)} == {
+        "the experts are not all INT4 or all INT8 (weights only)"}  # fmt: skip

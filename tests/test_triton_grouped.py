@@ -56,9 +56,16 @@ def test_the_layout_gives_every_pair_a_slot_in_a_tile_of_its_expert():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("k", "group"), [(96, 32), (200, 64)])  # 200: weights padded to 256
-def test_each_slot_is_its_tokens_row_times_its_experts_weights(dtype, k, group):
-    e, n, tokens, top_k = 5, 70, 7, 2  # N off the 64-column block
+@pytest.mark.parametrize(
+    ("k", "group", "e", "tokens"),
+    [
+        (96, 32, 5, 7),
+        (200, 64, 5, 7),  # K = 200: weights padded to 256
+        (64, 32, 3, 40),  # 3 experts for 80 pairs: each expert's slots span tiles
+    ],
+)
+def test_each_slot_is_its_tokens_row_times_its_experts_weights(dtype, k, group, e, tokens):
+    n, top_k = 70, 2  # N off the 64-column block
     packed, sz, dense = _experts(e, n, k, group)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, k, generator=gen).to(dtype)
@@ -128,9 +135,9 @@ def test_a_grouped_gemm_that_fails_its_check_is_refused_with_the_reason(monkeypa
         return real(x, rows, tile_expert.roll(1), weight, sz, group)
 
     monkeypatch.setattr(gg, "int4_grouped", swapped)
-    triton_check._grouped.cache_clear()
+    triton_check._grouped_verdict.cache_clear()
     try:
         why = triton_check.grouped(torch.device("cpu"), torch.bfloat16)
     finally:
-        triton_check._grouped.cache_clear()
+        triton_check._grouped_verdict.cache_clear()
     assert why.startswith("our grouped INT4 GEMM kernel differs from the torch path"), why

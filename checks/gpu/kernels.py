@@ -111,7 +111,7 @@ def check_triton_kernels(
             dtypes.append(torch.bfloat16)
         verdicts: dict[str, str] = {}
         caches = (triton_check._attention, triton_check._gemms, triton_check._fused,
-                  triton_check._grouped)  # fmt: skip
+                  triton_check._grouped_verdict)  # fmt: skip
         for cache in caches:
             cache.cache_clear()  # checked now, not remembered from an earlier load
         for dtype in dtypes:

@@ -124,8 +124,8 @@ def load(path: Path) -> Library:
         lib.infersight_scale_rows.restype = None
         lib.infersight_scale_rows.argtypes = [p, i64, i64, p, p, p, p, p, i32, i32]
         lib.infersight_experts.restype = i32  # csrc/experts.h (engine/kernels/experts.py)
-        lib.infersight_experts.argtypes = [p, i32, i64, i64, i32, i64, i64, p, p, p, p, p, i32,
-                                           p, i32]  # fmt: skip
+        lib.infersight_experts.argtypes = [p, i32, i64, i64, i64, i32, i64, i64, p, p, i64, p,
+                                           p, p, p, i32, p, i32]  # fmt: skip
 
     return native.load(path, "infersight_lowbit_isa", declare)
 

@@ -33,8 +33,8 @@ class ExpertKernel(Protocol):
 
     #: what runs them, as the paths report names it
     name: str
-    #: whether it takes any number of tokens (else a decode step's one)
-    any_tokens: bool
+    #: the most tokens a step may have for it to run them (None: any)
+    max_tokens: int | None
 
     def __call__(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor: ...
 
@@ -84,10 +84,11 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         chosen, weights = self.route(x)
         flat = chosen.flatten()
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))  # no read back, as bincount's
         self.load = counts if self.load is None else self.load + counts
         kernel = self.kernel
-        if kernel is not None and (kernel.any_tokens or x.shape[0] == 1):
+        if kernel is not None and (kernel.max_tokens is None or x.shape[0] <= kernel.max_tokens):
             there = self.expert_device
             x_in = x if there is None else x.to(there)
             out = kernel(x_in, chosen, weights).to(x.device)

@@ -36,9 +36,9 @@ def plan(moe: MoE, activation: str) -> ExpertsKernel | GroupedExperts | str:
     products = [(e.gate_up_proj, e.down_proj) for e in moe.experts]
     if all(isinstance(p, Int4Linear) for pair in products for p in pair):
         return _int4(products, activation)  # type: ignore[arg-type]
-    if all(isinstance(p, Int8Linear) for pair in products for p in pair):
+    if all(type(p) is Int8Linear for pair in products for p in pair):  # not W8A8's
         return _int8(products, activation)  # type: ignore[arg-type]
-    return "the experts are not all INT4 or all INT8"
+    return "the experts are not all INT4 or all INT8 (weights only)"
 
 
 def _why_not(layer: nn.Module) -> str:
@@ -95,7 +95,7 @@ class GroupedExperts:
     weighted and its token's ``k`` summed in the order routing gave them."""
 
     name = "grouped Triton GEMM"
-    any_tokens = True
+    max_tokens: int | None = None
 
     def __init__(
         self, products: list[tuple[Int4Linear, Int4Linear]], act: Callable[[Tensor], Tensor]

@@ -72,6 +72,8 @@ _MOE = {
 _EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
 )
+#: a mixture of experts' router, which llama.cpp keeps in F32
+_ROUTER = re.compile(r"\.(?:mlp|block_sparse_moe)\.gate\.weight$")
 _EXPERT_PRODUCTS = {
     "gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
     "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps",
@@ -134,9 +136,9 @@ def write_gguf(
 ) -> Path:
     """Write ``tensors`` (HF names) of a model of ``cfg`` to the GGUF ``path``, with ``tokens``
     as its vocabulary: matrices in ``ftype`` (F16; or Q4_1 / Q8_0, quantized here by the
-    ``gguf`` package, every matrix the head included), norms and biases in float32, as
-    llama.cpp's converter does. A Phi-3 model keeps its fused tensors, its window and LongRoPE
-    as llama.cpp's converter writes them.
+    ``gguf`` package, every matrix the head included), norms, biases and a mixture's routers
+    in float32, as llama.cpp's converter does. A Phi-3 model keeps its fused tensors, its
+    window and LongRoPE as llama.cpp's converter writes them.
 
     ``shapes``: every tensor's shape, by HF name, in the order ``tensors`` yields them; given,
     the tensors stream to the file one at a time (a model larger than memory is written with
@@ -245,7 +247,7 @@ def _layout(
         gguf_name = gguf_tensor_name(hf_name, arch)
         if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp's is a vector, F32
             out.append((gguf_name, (int(np.prod(shape)),), GGMLQuantizationType.F32))
-        elif len(shape) == 1:
+        elif len(shape) == 1 or _ROUTER.search(hf_name):  # llama.cpp never quantizes a router
             out.append((gguf_name, shape, GGMLQuantizationType.F32))
         else:
             out.append((gguf_name, shape, _matrix_kind(shape, ftype)))
@@ -293,9 +295,13 @@ def _write_data(
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")) and arch == "llama":
             array = permute_rotary(array, cfg.num_kv_heads)
         array = np.ascontiguousarray(array)
-        writer.write_tensor_data(array if array.ndim == 1 else encoded(array))
+        vector = array.ndim == 1 or _ROUTER.search(hf_name)
+        writer.write_tensor_data(array if vector else encoded(array))
     if experts:
         raise ValueError(f"experts missing from {sorted(experts)[:2]}: every expert of a layer")
+    unwritten = [name for part in writer.tensors for name in part]
+    if unwritten:
+        raise ValueError(f"{len(unwritten)} tensor(s) declared but not given, {unwritten[0]} first")
 
 
 def _moe_extras(writer: Any, cfg: ModelConfig, arch: str) -> None:

@@ -148,6 +148,10 @@ def write_drawn_synthetic(
     if not (dest / DRAWN).is_file() and dest.exists():
         raise ModelLoadError(f"{dest} holds a synthetic model of float16 files; remove it first")
     elements = sum(math.prod(shape) for shape in source.shapes.values())
+    drawn = dest / DRAWN
+    if drawn.is_file() and json.loads(drawn.read_text()).get("seed") != seed:
+        for path in peer_ggufs(dest).values():  # another seed's values: written again
+            path.unlink()
     missing = [t for t in gguf_types if not (dest / _gguf_name(t)).is_file()]
     check_free_space(dest.parent, int(sum(elements * _BYTES_PER_VALUE[t] for t in missing)))
     dest.mkdir(parents=True, exist_ok=True)

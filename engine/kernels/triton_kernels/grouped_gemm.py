@@ -4,18 +4,18 @@ A step routes each of its T tokens to k of E experts. Run one expert at a time, 
 2·E' launches (E' the experts any token chose: every one of them in a prefill chunk) and as
 many Python round trips. Here the (token, expert) pairs are laid out once per layer, sorted
 by expert, each expert's pairs padded to whole tiles of :data:`BLOCK_M` slots
-(:func:`align`, vLLM's ``moe_align_block_size`` idea, done with torch operators and no host
-sync); then one launch multiplies every tile by its expert's weights (:func:`_int4_grouped`:
-a tile gathers its pairs' rows of ``x``, dequantizes its expert's INT4 tile in registers as
-:func:`~engine.kernels.triton_kernels.quant_gemm_kernels._int4_mm` does, and runs the
-tensor-core dot).
+(:class:`Layout`, vLLM's ``moe_align_block_size`` idea, done with torch operators and no
+read back to the host); then one launch multiplies every tile by its expert's weights
+(:func:`_int4_grouped`: a tile gathers its pairs' rows of ``x``, dequantizes its expert's
+INT4 tile in registers as :func:`~engine.kernels.triton_kernels.quant_gemm_kernels._int4_mm`
+does, and runs the tensor-core dot).
 
 The experts' weights are one tensor per product and layer, ``[E, N, Kp/2]`` in our INT4
 layout (:func:`engine.formats.int4.pack_int4`) with bf16 ``(s, z)`` ``[E, Kp/group, N, 2]``:
 each expert's module holds views of them (:func:`engine.quant.experts.stack`). The grid has a
-program for every tile the padded layout *might* need (``P + E·(BLOCK_M − 1)`` slots at
-most), so its size is known without reading the counts back; the tiles past the last expert's
-exit at once.
+program for every tile the padded layout *might* need (``P + min(E, P)·(BLOCK_M − 1)``
+slots at most), so its size is known without reading the counts back; the tiles past the
+last expert's exit at once.
 """
 
 from __future__ import annotations
@@ -88,11 +88,12 @@ class Layout:
     def __init__(self, chosen: Tensor, num_experts: int) -> None:
         flat = chosen.flatten()
         pairs, top_k = flat.numel(), chosen.shape[-1]
-        size = pairs + num_experts * (BLOCK_M - 1)
+        size = pairs + min(num_experts, pairs) * (BLOCK_M - 1)
         size = -(-size // BLOCK_M) * BLOCK_M
         order = torch.argsort(flat, stable=True)  # the pairs by expert
         by_expert = flat[order]
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))  # bincount would read its max back
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         starts = torch.cumsum(padded, 0) - padded  # each expert's first slot
         firsts = torch.cumsum(counts, 0) - counts  # its first pair in ``order``
