@@ -242,3 +242,28 @@ def test_our_gemma3_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path):
     odd = ModelConfig.from_dict(build_tiny_hf("gemma3_text", tied=True).config.to_dict())
     with pytest.raises(ValueError, match="layer pattern, local RoPE base and attention scale"):
         write_gguf(tmp_path / "odd.gguf", odd, [], name="t", tokens=tokens)
+
+
+def test_gemma3_on_our_triton_kernels_attends_each_layer_under_its_window(
+    tiny_model_dir, monkeypatch
+):
+    """Our Triton attention (the interpreter's, in fp32): the local layers under their window
+    of 8, the global ones over everything, in blocks of 4: each step's logits as
+    transformers'. A cache window without sinks narrows both; one with sinks is refused."""
+    from engine.errors import InvalidRequestError
+    from engine.kv_cache.window import CacheWindow
+    from tests.conftest import WIDE_HEADS
+
+    monkeypatch.setenv("INFERSIGHT_KERNELS", "triton")
+    folder, hf = tiny_model_dir("gemma3_text", True, **WIDE_HEADS)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, num_blocks=48))
+    assert engine.paths()["attention"]["backend"] == "triton"
+    prompt = tiny_prompt(hf)
+    ref_ids, ref = hf_steps(hf, prompt, STEPS)
+    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)
+    assert ids == ref_ids
+    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
+    assert (ours - ref).abs().max().item() <= 1e-4
+    with pytest.raises(InvalidRequestError, match="keep no sinks on a model with local layers"):
+        engine.set_window(CacheWindow(sink=2, window=16))
+    engine.set_window(CacheWindow(sink=0, window=16))  # narrows the global layers only

@@ -135,6 +135,8 @@ RAGGED = [1, 17, 300, 0]  # one token, part of a block, several blocks, a paddin
         (torch.float16, 2, 3, 64),
         (torch.bfloat16, 1, 8, 64),
         (torch.bfloat16, 2, 1, 128),
+        (torch.bfloat16, 2, 2, 256),  # Gemma 3's heads
+        (torch.float32, 1, 2, 256),
     ],
 )
 def test_ragged_batch_matches_the_torch_path(

@@ -146,9 +146,11 @@ def test_ragged_chunks_over_cached_prefixes_in_fp32(group: int) -> None:
         (torch.float16, 128, 1),
         (torch.bfloat16, 64, 3),
         (torch.bfloat16, 128, 8),
+        (torch.float16, 256, 2),  # Gemma 3's heads
+        (torch.bfloat16, 256, 2),
     ],
 )
-def test_half_precision_head_dims_64_and_128(dtype: torch.dtype, head_dim: int, group: int):
+def test_half_precision_head_dims_64_to_256(dtype: torch.dtype, head_dim: int, group: int):
     case = make_case(
         [(19, 7), (0, 70), (64, 1)], heads=group, kv_heads=1, head_dim=head_dim, dtype=dtype
     )
@@ -252,7 +254,7 @@ def test_rejects_what_it_cannot_run() -> None:
 
 def test_what_runs_on_which_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 from sm_80 on, fp16 everywhere, fp32 only under the interpreter; groups that fit
-    a tile; head dims up to 128."""
+    a tile; head dims up to 256."""
     monkeypatch.setattr(triton_support, "runs_on", lambda device: True)
     cuda = torch.device("cuda")
 
@@ -264,7 +266,9 @@ def test_what_runs_on_which_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert why(torch.bfloat16, (8, 6)) is None
     assert "8.0 or newer" in str(why(torch.bfloat16, (7, 5)))
     assert "torch path" in str(why(torch.float32, (8, 9)))
-    assert "head dim 256" in str(why(torch.float16, (8, 9), head_dim=256))
+    assert "head dim 512" in str(why(torch.float16, (8, 9), head_dim=512))
+    assert why(torch.float16, (7, 5), heads=4, head_dim=256) is None  # Gemma 3's, on Turing
+    assert "do not fit" in str(why(torch.float16, (8, 9), heads=2 * 33, head_dim=256))
     assert "do not fit" in str(why(torch.float16, (8, 9), heads=2 * 65))  # 64 rows at d128
     assert why(torch.float16, (8, 9), heads=2 * 64) is None
 

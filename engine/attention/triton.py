@@ -6,7 +6,9 @@ sequence's block table, so a step gathers nothing (no workspace per token of con
 inputs keep fixed shapes in a graph's static buffers (graph-safe). Where they run
 (:mod:`engine.kernels.triton_support`): a CUDA GPU with Triton, or this CPU under Triton's
 interpreter; for heads :data:`~engine.kernels.triton_support.HEAD_DIMS` wide; not fp32 on a
-GPU nor bf16 below sm80 (the prefill kernel's refusals).
+GPU nor bf16 below sm80 (the prefill kernel's refusals). A layer with a window of its own
+(Gemma's local layers) attends under it, narrowed further by the step's cache window
+(:func:`layer_span`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ class TritonBackend(AttentionBackend):
     def model_refusal(cfg: Any) -> str:
         """Why the kernels cannot attend for the model of ``cfg`` whatever the device: ""
         where they can (what a plan checks, which sees no device)."""
-        if cfg.window_count > 1:  # one window a step, for every layer
-            return "our attention kernels take one window for every layer, not local layers"
         if cfg.attn_softcap is not None:
             return "our attention kernels do not soft-cap scores (Gemma 2)"
         return ""
@@ -53,6 +53,18 @@ class TritonBackend(AttentionBackend):
 
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return prefill_attention.unsupported(dtype, *heads, device) or ""
+
+    def window_refusal(self, cfg: Any, window: Any) -> str:
+        """A cache window with sinks on a model whose layers have windows of their own
+        (Gemma's local layers): what a local layer then sees (the sinks still within its
+        window, then its recent keys) is no one span the kernels take."""
+        if window is not None and window.sink and cfg.window_count > 1:
+            return (
+                "our attention kernels keep no sinks on a model with local layers: use a "
+                "cache window without sinks (sink 0), or the torch kernels "
+                f"({triton_support.ENV}=torch)"
+            )
+        return ""
 
     def workspace_bytes_per_token(
         self, cfg: ModelConfig, dtype: torch.dtype, max_batch: int, chunk_tokens: int
@@ -77,10 +89,25 @@ class TritonContext(PoolContext):
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         pool = self.cache.kv[layer]
         pool.index_copy_(0, self.write_slots, kv)
-        return self.tables.attend(q, pool)
+        return self.tables.attend(q, pool, layer)
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
-        return self.tables.attend(q, self.cache.kv[layer])
+        return self.tables.attend(q, self.cache.kv[layer], layer)
+
+
+def layer_span(cache: PagedKVCache, layer: int, sink: int, window: int) -> tuple[int, int]:
+    """The ``(sink, window)`` the kernels take for ``layer`` under the step's cache window
+    ``(sink, window)`` (0: none): narrowed to the layer's own window where it has one (a
+    Gemma local layer's); sinks with one are refused before any step
+    (:meth:`TritonBackend.window_refusal`)."""
+    own = cache.layer_windows[layer]
+    if own is None or own.window == window:
+        return sink, window
+    if window == 0:
+        return 0, own.window
+    if sink:
+        raise ValueError("a cache window with sinks on a layer with a window of its own")
+    return 0, min(window, own.window)
 
 
 class BlockTables:
@@ -92,6 +119,7 @@ class BlockTables:
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk], num_decode: int) -> None:
         mgr, dev = cache.manager, cache.device
+        self.cache = cache
         self.block_size = cache.block_size
         windows = {c.window if c.window is not None else cache.model_window for c in chunks}
         if len(windows) > 1:
@@ -114,12 +142,14 @@ class BlockTables:
             self.first_positions = upload([c.start for c in prefill], dev, torch.int32)
         self.num_decode = num_decode
 
-    def attend(self, q: Tensor, pool: Tensor) -> Tensor:
-        """The step's attention output ``[T, H·D]`` (its K/V already in ``pool``)."""
+    def attend(self, q: Tensor, pool: Tensor, layer: int) -> Tensor:
+        """The step's attention output ``[T, H·D]`` in ``layer`` (its K/V already in
+        ``pool``)."""
         # imported where they run: Triton is not installed everywhere the engine is
         from engine.kernels.triton_kernels import decode_attention, prefill_attention
 
-        window = {"block_size": self.block_size, "sink": self.sink, "window": self.window}
+        sink, span = layer_span(self.cache, layer, self.sink, self.window)
+        window = {"block_size": self.block_size, "sink": sink, "window": span}
         n = self.num_decode
         decoded = prefilled = None
         if self.decode is not None:
@@ -161,7 +191,8 @@ class StaticContext(AttentionContext):
         from engine.kernels.triton_kernels import decode_attention
 
         pool = self.cache.kv[layer]
+        sink, window = layer_span(self.cache, layer, self.sink, self.window)
         return decode_attention.paged_decode_attention(
             q, pool, self.tables, self.lens,
-            block_size=self.cache.block_size, sink=self.sink, window=self.window,
+            block_size=self.cache.block_size, sink=sink, window=window,
         )  # fmt: skip

@@ -127,6 +127,8 @@ class LLMEngine:
         #: the window every sequence runs under: the user's within the model's own sliding
         #: window, or the model's where the user set none (:func:`effective_window`)
         self.window = effective_window(self.config.window, cfg.sliding_window)
+        if why := self.attention.window_refusal(cfg, self.window):
+            raise InvalidRequestError(why)
         self.kv.manager.set_window(self.window)
         self.collector = MetricsCollector(self.config.metrics_window_s)
         self.layer_timer = LayerTimer(model.layers, device)
@@ -413,6 +415,8 @@ class LLMEngine:
         for a model with a sliding window of its own, when it reaches beyond that window
         (``None`` then means the model's window)."""
         window = effective_window(window, self.cfg.sliding_window)
+        if why := self.attention.window_refusal(self.cfg, window):
+            raise InvalidRequestError(why)
         self._check_live_requests(self.kv.manager.capacity, self.scheduler.limits, window)
         self.window = window
         self.kv.manager.set_window(window)

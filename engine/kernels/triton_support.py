@@ -36,8 +36,8 @@ MODES = ("auto", "triton", "torch")
 #: Ampere (A100; RTX 30xx), Ada (RTX 40xx), Hopper (H100).
 TARGETS = (75, 80, 86, 89, 90)
 #: The head dimensions the attention kernels are built for (Llama-3's 128, SmolLM2's and
-#: Qwen2-0.5B's 64); a model with others runs the torch paths.
-HEAD_DIMS = (64, 128)
+#: Qwen2-0.5B's 64, Gemma 3's 256); a model with others runs the torch paths.
+HEAD_DIMS = (64, 128, 256)
 #: Shared memory one thread block may use on each, in bytes (the opt-in maximum; CUDA C
 #: Programming Guide, "Technical Specifications per Compute Capability").
 SHARED_MEMORY = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}

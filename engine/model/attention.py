@@ -97,6 +97,11 @@ class AttentionBackend(ABC):
         kernels per pool says which)."""
         return self.name
 
+    def window_refusal(self, cfg: Any, window: Any) -> str:
+        """Why this backend cannot run the model of ``cfg`` under the cache window ``window``
+        (a :class:`~engine.kv_cache.window.CacheWindow`, or None); "" where it can."""
+        return ""
+
 
 #: set once torch's fused CPU attention has refused this process (:func:`sdpa`)
 _FUSED_REFUSED = False

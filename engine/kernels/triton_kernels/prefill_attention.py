@@ -54,7 +54,10 @@ gathers the next K/V tile during this one's math). The same tiles serve every ar
 they need 25 KiB (head dim 64) and 41 KiB (128) of shared memory on sm_86/89, the 12 GB
 consumer cards this engine targets, and 64 KiB, Turing's whole, on sm_75, where only fp16
 runs (bf16 ``tl.dot`` needs sm_80; ptxas spills registers there for every tile tried, a plain
-contiguous flash-attention loop included, so Turing's tiles are for a GPU to tune). fp32 runs
+contiguous flash-attention loop included, so Turing's tiles are for a GPU to tune). Gemma 3's
+head dim 256 takes ``32 × 32`` tiles, 4 warps and one stage: 34 KiB on sm_80 to sm_90 and
+Turing's whole 64 KiB (``64 × 32`` with 8 warps needs 96 KiB there), unmeasured on a GPU
+yet. fp32 runs
 only under the interpreter, as the exact check: on a GPU it has no tensor-core path, and the
 torch path (SDPA) serves it. :func:`configs` lists each for the ahead-of-time build.
 """
@@ -73,11 +76,12 @@ from engine.kernels import triton_support
 from engine.kernels.triton_support import KernelConfig
 
 #: The widest head dimension the launcher's tiles are sized for.
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
 #: Head dimensions :func:`configs` builds ahead of time: those of the supported model families
-#: (Llama, Qwen, Mistral: 64 and 128). Any other up to 128 runs the tiles of the next power of
-#: two (at least 16) with its tail masked: no more shared memory than the one built.
-BUILT_HEAD_DIMS = (64, 128)
+#: (Llama, Qwen, Mistral: 64 and 128; Gemma 3: 256). Any other up to 256 runs the tiles of the
+#: next power of two (at least 16) with its tail masked: no more shared memory than the one
+#: built.
+BUILT_HEAD_DIMS = (64, 128, 256)
 #: "No window": a window wider than any position, so ``p > i - window`` always holds.
 _NO_WINDOW = 2**31 - 1
 
@@ -326,7 +330,8 @@ def _check(
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) by BLOCK_D (see the module docstring).
-_TILES = {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (64, 64, 8, 2)}
+_TILES = {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (64, 64, 8, 2),
+          256: (32, 32, 4, 1)}  # fmt: skip
 
 
 def _block_d(head_dim: int) -> int:
