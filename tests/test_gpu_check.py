@@ -65,7 +65,8 @@ def test_the_dry_run_passes_every_check_and_prints_the_json_it_writes(dry_run):
     # in the order of what they tell: the kernels, the 12 GB card's precision, the graphs
     assert names == ["bandwidth", "triton kernels", first, "triton and graphs",
                      "compiled decode", "transformers fp16", "out of memory", *rest,
-                     "app worker", "kernels at 0 rows", "tensor parallel"]  # fmt: skip
+                     "experts and Gemma 3", "app worker", "kernels at 0 rows",
+                     "tensor parallel"]  # fmt: skip
     precisions = [first, *rest]
     for check in data["checks"]:
         refused = check["name"] in precisions and not runs_on_cpu(check["name"][10:])
@@ -94,6 +95,11 @@ def test_the_dry_run_reports_every_figure(dry_run):
         assert "peak_bytes" not in f  # a CPU has no allocator peak to hold the plan to
         assert f["ran"]["kernels"] and f["ran"]["decode_step"].startswith("decode step")
         assert f["ran"]["quantized_off_triton"] == sum(f["ran"]["quantized_layers"].values())
+    families = checks["experts and Gemma 3"]  # the grouped GEMM; Gemma 3 on our attention
+    assert families["moe"]["grouped"]["experts"] == ["grouped Triton GEMM"]
+    assert families["moe"]["grouped_vs_modules"]["agree"]
+    assert families["gemma3"]["triton"]["attention"]["backend"] == "triton"
+    assert families["gemma3"]["triton_vs_torch"]["agree"]
     kernels = checks["triton kernels"]  # every load-time check, in the interpreter
     assert kernels["load_checks"] and set(kernels["load_checks"].values()) == {"passed"}
     assert {"attention float16 d128", "attention float16 d64", "GEMMs float16"} <= set(

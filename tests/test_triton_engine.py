@@ -121,7 +121,7 @@ def test_a_cache_window_with_sinks_through_the_kernels(tiny_model_dir, triton):
 
 def test_a_model_with_other_head_dims_is_refused_by_name(tiny_model_dir, triton):
     folder, _ = tiny_model_dir("llama", False)  # heads 8 wide
-    built = "attention kernels are built for heads 64 or 128 wide, not 8"
+    built = "attention kernels are built for heads 64, 128 or 256 wide, not 8"
     with pytest.raises(InfersightError, match=built):
         load_model(folder)
 

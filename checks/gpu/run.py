@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from checks.gpu import graphs, kernels, parallel, precision, serving
+from checks.gpu import families, graphs, kernels, parallel, precision, serving
 from checks.gpu.common import (
     BUDGET_S,
     CARD_BYTES,
@@ -112,6 +112,8 @@ def checks(
         body = partial(precision.check_precision, scale, device, p, state, on_card)
         out.append((f"precision {p}{' (12 GB card)' if on_card else ''}", 90, False, body))
     out += [
+        ("experts and Gemma 3", 120, False,
+         partial(families.check_families, scale, device, dry)),
         ("app worker", 90, False, partial(serving.check_worker, device)),
         ("kernels at 0 rows", 30, False, partial(kernels.check_empty_kernels, device)),
         ("tensor parallel", 120, False,

@@ -47,7 +47,7 @@ class TritonBackend(AttentionBackend):
         if self.model_refusal(cfg):
             return self.model_refusal(cfg)
         if cfg.head_dim not in triton_support.HEAD_DIMS:
-            built = " or ".join(map(str, triton_support.HEAD_DIMS))
+            built = triton_support.head_dims()
             return f"our attention kernels are built for heads {built} wide, not {cfg.head_dim}"
         from engine.kernels.triton_kernels import prefill_attention
 

@@ -273,13 +273,19 @@ def split_k(programs: int, units: int, sms: int, *, per_sm: int, min_units: int,
     return max(1, min(wanted, units // min_units, most))
 
 
+def head_dims() -> str:
+    """:data:`HEAD_DIMS` in words (``64, 128 or 256``)."""
+    *most, last = map(str, HEAD_DIMS)
+    return f"{', '.join(most)} or {last}" if most else last
+
+
 def attention_chosen(device: torch.device, head_dim: int) -> tuple[bool, str]:
     """:func:`chosen`, for the attention of a model with heads ``head_dim`` wide: our
     attention kernels are built for :data:`HEAD_DIMS` only."""
     ours, why = chosen(device)
     if not ours or head_dim in HEAD_DIMS:
         return ours, why
-    built = f"our attention kernels are built for heads {' or '.join(map(str, HEAD_DIMS))} wide"
+    built = f"our attention kernels are built for heads {head_dims()} wide"
     if requested() == "triton":
         raise InfersightError(f"{ENV}=triton, but {built}, not {head_dim}; unset it")
     return False, f"torch kernels ({built}, this model's are {head_dim})"

@@ -1,0 +1,98 @@
+"""The families issue 49 brought, on their fast paths: a mixture of experts' routed experts in
+the grouped INT4 GEMM (Qwen3-30B-A3B's shapes, two of its layers, at int4-g32+head) against
+the same engine with its experts one module at a time, and Gemma 3's local and global layers
+on our Triton attention (Gemma-3-4B's shapes, six of its layers: five local, one global)
+against torch's. Greedy ids compared with the tie rule; the paths report says what ran. The
+dry run takes tiny widths of both, our kernels in Triton's interpreter."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from checks.gpu.common import (
+    MiB,
+    Scale,
+    Skip,
+    decode_speed,
+    expect,
+    greedy,
+    kernels,
+    our_logprobs,
+    parting,
+    ran_paths,
+    release,
+)
+from engine.bench.speed import bench_prompt
+from engine.core.config import EngineConfig
+from engine.kernels import triton_support
+from engine.loader.synthetic import build_engine
+from engine.model.moe import MoE
+from engine.store.synthetic_store import published_config, with_layers
+
+#: tiny widths of both families for the dry run (heads 64 wide, as our kernels are built for)
+DRY_MOE = {"hidden_size": 128, "moe_intermediate_size": 64, "num_experts": 4,
+           "num_experts_per_tok": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "head_dim": 64,
+           "vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+DRY_GEMMA = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 512,
+             "sliding_window": 8}  # fmt: skip
+
+
+def check_families(scale: Scale, device: torch.device, dry: bool, figures: dict[str, Any]) -> None:
+    if dry and not triton_support.interpreting():
+        raise Skip("on a CPU our kernels run only in Triton's interpreter (TRITON_INTERPRET=1)")
+    ours = "triton" if dry else "auto"
+    # the interpreter runs a tile program in about a tenth of a second: a short prompt
+    prompt_len, tokens = (8, 4) if dry else (scale.short_prompt, scale.compare_tokens)
+    config = EngineConfig(kv_memory=(16 if dry else 512) * MiB, decode_graph="off")
+    moe = with_layers(published_config("qwen3-30b-a3b"), 2)
+    gemma = with_layers(published_config("gemma-3-4b"), 6)
+    if dry:
+        moe |= DRY_MOE
+        gemma = gemma | {"text_config": gemma["text_config"] | DRY_GEMMA}
+    with kernels(ours):
+        engine = build_engine(moe, "int4-g32+head", str(device), config=config)
+    prompt = bench_prompt(engine, prompt_len, seed=3)
+    layers = [m.mlp for m in engine.model.layers if isinstance(m.mlp, MoE)]
+    runs: dict[str, Any] = {}
+    for name in ("grouped", "modules"):
+        if name == "modules":
+            for layer in layers:
+                layer.set_kernel("turned off by the check")
+        runs[name] = {
+            "experts": sorted({row.get("experts", "") for row in engine.paths()["layers"]}),
+            "ids": greedy(engine, prompt, tokens),
+        }
+        if not dry:  # the interpreter's speed says nothing
+            runs[name]["decode_tok_s"] = decode_speed(engine, prompt, scale)
+    grouped_vs_modules = parting(runs["grouped"]["ids"], runs["modules"]["ids"],
+                                 partial(our_logprobs, engine, prompt))  # fmt: skip
+    del engine, layers
+    release(device)
+    figures["moe"] = {k: {f: v for f, v in r.items() if f != "ids"} for k, r in runs.items()}
+    figures["moe"]["grouped_vs_modules"] = grouped_vs_modules
+    expect(grouped_vs_modules["agree"], f"grouped experts part, not at a tie: {grouped_vs_modules}")
+    want = "grouped Triton GEMM" if device.type == "cuda" or dry else "one C call"
+    expect(runs["grouped"]["experts"] == [want], f"the experts ran {runs['grouped']['experts']}")
+    gemma_runs: dict[str, Any] = {}
+    engines = {}
+    for name, choice in (("triton", ours), ("torch", "torch")):
+        with kernels(choice):
+            engines[name] = build_engine(gemma, "bf16" if not dry else "fp32", str(device),
+                                         config=config)  # fmt: skip
+        prompt = bench_prompt(engines[name], prompt_len, seed=4)
+        gemma_runs[name] = {"ids": greedy(engines[name], prompt, tokens),
+                            "paths": ran_paths(engines[name])}  # fmt: skip
+    triton_vs_torch = parting(gemma_runs["triton"]["ids"], gemma_runs["torch"]["ids"],
+                              partial(our_logprobs, engines["torch"], prompt))  # fmt: skip
+    del engines
+    release(device)
+    figures["gemma3"] = {k: r["paths"] for k, r in gemma_runs.items()}
+    figures["gemma3"]["triton_vs_torch"] = triton_vs_torch
+    backend = gemma_runs["triton"]["paths"]["attention"]["backend"]
+    expect(backend == "triton", f"Gemma 3 attended on {backend}, not our Triton kernels")
+    expect(triton_vs_torch["agree"], f"Gemma 3 on Triton parts from torch: {triton_vs_torch}")
