@@ -263,7 +263,7 @@ def test_configs_cover_every_launch() -> None:
         for dim in dec.HEAD_DIMS:
             for kind in ("one_pass", "split", "combine"):
                 config = configs.pop(f"decode_attention_{kind}_{name}_d{dim}")
-                assert config.min_target == oldest
+                assert config.min_target == (oldest if dim <= 128 else 80)  # Ampere on
                 assert config.constants["HEAD_DIM"] == dim
                 assert config.constants["BLOCK_N"] == dec.block_n(dtype)
                 if kind != "combine":

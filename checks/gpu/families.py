@@ -3,7 +3,8 @@ the grouped INT4 GEMM (Qwen3-30B-A3B's shapes, two of its layers, at int4-g32+he
 the same engine with its experts one module at a time, and Gemma 3's local and global layers
 on our Triton attention (Gemma-3-4B's shapes, six of its layers: five local, one global)
 against torch's. Greedy ids compared with the tie rule; the paths report says what ran. The
-dry run takes tiny widths of both, our kernels in Triton's interpreter."""
+dry run takes tiny widths of both (one layer of experts; a local layer and a global one), our
+kernels in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -49,11 +50,12 @@ def check_families(scale: Scale, device: torch.device, dry: bool, figures: dict[
     # the interpreter runs a tile program in about a tenth of a second: a short prompt
     prompt_len, tokens = (8, 4) if dry else (scale.short_prompt, scale.compare_tokens)
     config = EngineConfig(kv_memory=(16 if dry else 512) * MiB, decode_graph="off")
-    moe = with_layers(published_config("qwen3-30b-a3b"), 2)
-    gemma = with_layers(published_config("gemma-3-4b"), 6)
-    if dry:
+    moe = with_layers(published_config("qwen3-30b-a3b"), 1 if dry else 2)
+    gemma = with_layers(published_config("gemma-3-4b"), 2 if dry else 6)
+    if dry:  # one layer of experts; a local layer and a global one
         moe |= DRY_MOE
-        gemma = gemma | {"text_config": gemma["text_config"] | DRY_GEMMA}
+        text = gemma["text_config"] | DRY_GEMMA
+        gemma |= {"text_config": text | {"layer_types": ["sliding_attention", "full_attention"]}}
     with kernels(ours):
         engine = build_engine(moe, "int4-g32+head", str(device), config=config)
     prompt = bench_prompt(engine, prompt_len, seed=3)

@@ -273,6 +273,18 @@ def split_k(programs: int, units: int, sms: int, *, per_sm: int, min_units: int,
     return max(1, min(wanted, units // min_units, most))
 
 
+#: The oldest architecture heads wider than 128 are built and run for: Turing computes in
+#: fp16 only, where Gemma 3's activations overflow, and its 64 KiB of shared memory leaves a
+#: 256-wide tile spilling (its compile alone takes half a minute)
+WIDE_HEADS_FROM = 80
+
+
+def head_target(head_dim: int, target: int) -> int:
+    """The oldest architecture a kernel for heads ``head_dim`` wide is built for, where its
+    dtype's is ``target``."""
+    return max(target, WIDE_HEADS_FROM) if head_dim > 128 else target
+
+
 def head_dims() -> str:
     """:data:`HEAD_DIMS` in words (``64, 128 or 256``)."""
     *most, last = map(str, HEAD_DIMS)

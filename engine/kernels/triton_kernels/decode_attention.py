@@ -356,11 +356,12 @@ def configs() -> list[KernelConfig]:
     ]  # fmt: skip
     out: list[KernelConfig] = []
     for dtype, (name, min_target) in GPU_DTYPES.items():
-        build = partial(
-            KernelConfig, num_warps=NUM_WARPS, num_stages=NUM_STAGES, min_target=min_target
-        )
         ty, tile = f"*{name}", block_n(dtype)
         for dim in HEAD_DIMS:
+            build = partial(
+                KernelConfig, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                min_target=triton_support.head_target(dim, min_target),
+            )  # fmt: skip
             for split in (False, True):
                 result = "*fp32" if split else ty
                 signature = {

@@ -55,9 +55,9 @@ they need 25 KiB (head dim 64) and 41 KiB (128) of shared memory on sm_86/89, th
 consumer cards this engine targets, and 64 KiB, Turing's whole, on sm_75, where only fp16
 runs (bf16 ``tl.dot`` needs sm_80; ptxas spills registers there for every tile tried, a plain
 contiguous flash-attention loop included, so Turing's tiles are for a GPU to tune). Gemma 3's
-head dim 256 takes ``32 × 32`` tiles, 4 warps and one stage: 34 KiB on sm_80 to sm_90 and
-Turing's whole 64 KiB (``64 × 32`` with 8 warps needs 96 KiB there), unmeasured on a GPU
-yet. fp32 runs
+head dim 256 takes ``32 × 32`` tiles, 4 warps and one stage: 34 KiB on sm_80 to sm_90,
+unmeasured on a GPU yet; it is built from sm_80 on (:data:`~engine.kernels.triton_support.
+WIDE_HEADS_FROM`). fp32 runs
 only under the interpreter, as the exact check: on a GPU it has no tensor-core path, and the
 torch path (SDPA) serves it. :func:`configs` lists each for the ahead-of-time build.
 """
@@ -284,6 +284,11 @@ def unsupported(
         )
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         return f"head dim {head_dim} is outside this kernel's 1 … {MAX_HEAD_DIM}"
+    if cap is not None and triton_support.head_target(head_dim, 0) > cap[0] * 10 + cap[1]:
+        return (
+            f"heads {head_dim} wide run our attention kernels from compute capability 8.0 "
+            "(below it they compute in fp16, where Gemma 3's activations overflow)"
+        )
     if kv_heads < 1 or heads % kv_heads:
         return f"{heads} query heads do not split evenly over {kv_heads} KV heads"
     if heads // kv_heads > _tiles(head_dim)[0]:
@@ -370,7 +375,8 @@ def configs() -> list[KernelConfig]:
             config = KernelConfig(
                 name=f"prefill_attention_{dtype}_d{head_dim}_m{block_m}_n{block_n}",
                 fn=_prefill_kernel, signature=signature, constants=constants,
-                num_warps=warps, num_stages=stages, min_target=min_target,
+                num_warps=warps, num_stages=stages,
+                min_target=triton_support.head_target(head_dim, min_target),
             )  # fmt: skip
             out.append(config)
     return out
