@@ -244,20 +244,26 @@ def test_our_gemma3_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path):
         write_gguf(tmp_path / "odd.gguf", odd, [], name="t", tokens=tokens)
 
 
-def test_gemma3_on_our_triton_kernels_attends_each_layer_under_its_window(
-    tiny_model_dir, monkeypatch
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemma_on_our_triton_kernels_attends_each_layer_under_its_window(
+    tiny_model_dir, monkeypatch, arch
 ):
     """Our Triton attention (the interpreter's, in fp32): the local layers under their window
-    of 8, the global ones over everything, in blocks of 4: each step's logits as
-    transformers'. A cache window without sinks narrows both; one with sinks is refused."""
+    of 8, the global ones over everything, in blocks of 4, Gemma 2's scores soft-capped (at 2)
+    in the kernels: each step's logits as transformers'. A cache window without sinks narrows
+    both; one with sinks is refused."""
     from engine.errors import InvalidRequestError
     from engine.kv_cache.window import CacheWindow
     from tests.conftest import WIDE_HEADS
 
     monkeypatch.setenv("INFERSIGHT_KERNELS", "triton")
-    folder, hf = tiny_model_dir("gemma3_text", True, **WIDE_HEADS)
+    folder, hf = tiny_model_dir(arch, True, **WIDE_HEADS)
     engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, num_blocks=48))
-    assert engine.paths()["attention"]["backend"] == "triton"
+    assert engine.paths()["attention"] == {
+        "backend": "triton",
+        "decode": "triton paged decode",
+        "prefill": "triton paged prefill",
+    }
     prompt = tiny_prompt(hf)
     ref_ids, ref = hf_steps(hf, prompt, STEPS)
     ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)

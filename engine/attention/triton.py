@@ -39,8 +39,6 @@ class TritonBackend(AttentionBackend):
     def model_refusal(cfg: Any) -> str:
         """Why the kernels cannot attend for the model of ``cfg`` whatever the device: ""
         where they can (what a plan checks, which sees no device)."""
-        if cfg.attn_softcap is not None:
-            return "our attention kernels do not soft-cap scores (Gemma 2)"
         return ""
 
     def refusal(self, cfg: Any, dtype: torch.dtype, device: torch.device) -> str:
@@ -149,7 +147,8 @@ class BlockTables:
         from engine.kernels.triton_kernels import decode_attention, prefill_attention
 
         sink, span = layer_span(self.cache, layer, self.sink, self.window)
-        window = {"block_size": self.block_size, "sink": sink, "window": span}
+        window: dict[str, Any] = {"block_size": self.block_size, "sink": sink, "window": span,
+                                  "softcap": self.cache.softcap}  # fmt: skip
         n = self.num_decode
         decoded = prefilled = None
         if self.decode is not None:
@@ -195,4 +194,5 @@ class StaticContext(AttentionContext):
         return decode_attention.paged_decode_attention(
             q, pool, self.tables, self.lens,
             block_size=self.cache.block_size, sink=sink, window=window,
+            softcap=self.cache.softcap,
         )  # fmt: skip

@@ -4,7 +4,8 @@ once.
 
 What it computes is :func:`engine.kernels.gather_attention.gather_attention` (its reference and
 the torch fallback): for sequence ``b`` with ``L = seq_lens[b]`` keys at positions ``0 … L-1``
-and its query at position ``L-1``, ``softmax(q·Kᵀ·scale)·V`` over the visible keys. Position
+and its query at position ``L-1``, ``softmax(q·Kᵀ·scale)·V`` over the visible keys (the
+scores soft-capped first where the model caps them: :mod:`.softcap`). Position
 ``p`` lives in pool slot ``block_tables[b, p // block_size] · block_size + p % block_size``; a
 negative table entry is a block the cache window gave back, whose positions are not attended.
 With ``window > 0``, key ``p`` is visible iff ``p < sink`` or ``p > L-1 - window``. A row with
@@ -64,6 +65,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels import triton_support
+from engine.kernels.triton_kernels.softcap import scores_base2
 from engine.kernels.triton_support import GPU_DTYPES, KernelConfig
 
 #: Head dimensions the kernels are built for (``HEAD_DIM`` is a compile-time constant).
@@ -111,6 +113,7 @@ def _share(n_vis, splits, BLOCK_N: tl.constexpr):
 def _attend(
     q_ptr, pool_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
     scale_log2,  # the softmax scale × log2(e): scores in base 2
+    cap_log2, cap_scale,  # a soft cap × log2(e) (0: none), and the scale over the cap
     block_size, sink, window, kv_heads, group, head_chunks, max_blocks, splits,
     stride_qb, stride_qh, stride_slot, stride_head, stride_tb,
     HEAD_DIM: tl.constexpr,
@@ -158,7 +161,8 @@ def _attend(
         # masked rows load as 0, not as whatever the pool holds: 0 × NaN would poison P·V
         rows_at = at[:, None] * stride_slot + dims[None, :]
         k = tl.load(k_base + rows_at, mask=live[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        dots = tl.dot(q, tl.trans(k), input_precision="ieee")
+        scores = scores_base2(dots, scale_log2, cap_log2, cap_scale)
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         # while every key so far is masked, m stays -inf: subtract 0 there, not -inf
@@ -238,13 +242,15 @@ def paged_decode_attention(
     window: int = 0,
     scale: float | None = None,
     splits: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Decode attention of ``q [B, H, D]`` over one layer's ``pool [slots, 2·Hkv, D]``, read
     through ``block_tables [B, M]`` (int32; negative: a released block) for ``seq_lens [B]``
     (int32; 0: a padding row, which gives zeros). ``window > 0`` hides the keys before the
     last ``window`` positions, except the first ``sink``. ``scale`` defaults to ``1/√D``;
-    ``splits`` (None: :func:`num_splits`'s choice) sets the split-K partitions. Returns
-    ``[B, H·D]`` in ``q``'s dtype."""
+    ``splits`` (None: :func:`num_splits`'s choice) sets the split-K partitions; ``softcap``
+    caps the scores at ``softcap · tanh(s / softcap)`` (Gemma 2). Returns ``[B, H·D]`` in
+    ``q``'s dtype."""
     _check(q, pool, block_tables, seq_lens, block_size, sink, window, splits)
     batch, heads, dim = q.shape
     kv_heads = pool.shape[1] // 2
@@ -264,8 +270,10 @@ def paged_decode_attention(
         splits = num_splits(batch, kv_heads * head_chunks, keys, sms)
     tile = block_n(q.dtype)
     grid = (batch, kv_heads * head_chunks, splits)
+    scale = dim**-0.5 if scale is None else scale
+    cap = (softcap * _LOG2E, scale / softcap) if softcap else (0.0, 0.0)
     args = (
-        (dim**-0.5 if scale is None else scale) * _LOG2E, block_size, sink, window, kv_heads,
+        scale * _LOG2E, *cap, block_size, sink, window, kv_heads,
         group, head_chunks, block_tables.shape[1], splits, q.stride(0), q.stride(1),
         pool.stride(0), pool.stride(1), block_tables.stride(0),
     )  # fmt: skip
@@ -367,6 +375,7 @@ def configs() -> list[KernelConfig]:
                 signature = {
                     "q_ptr": ty, "pool_ptr": ty, "tables_ptr": "*i32", "lens_ptr": "*i32",
                     "out_ptr": result, "lse_ptr": result, "scale_log2": "fp32",
+                    "cap_log2": "fp32", "cap_scale": "fp32",
                     **dict.fromkeys(ints, "i32"), "HEAD_DIM": "constexpr",
                     "BLOCK_N": "constexpr", "BLOCK_H": "constexpr", "SPLIT": "constexpr",
                 }  # fmt: skip

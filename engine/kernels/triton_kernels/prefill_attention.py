@@ -5,7 +5,8 @@ What it computes: for chunk ``s`` (queries ``q[q_starts[s] : q_starts[s+1]]`` at
 ``first_positions[s] …``), each query head ``h`` at position ``i`` attends to its KV head
 ``h // G`` (``G = H / Hkv``) over the key positions ``p`` of its sequence that are visible:
 ``p <= i``, ``p`` still held (its block-table entry ``>= 0``) and, under a cache window,
-``p < sink`` or ``p > i - window``. The output is ``softmax(q·kᵀ·scale)·v`` over those keys,
+``p < sink`` or ``p > i - window``. The output is ``softmax(q·kᵀ·scale)·v`` over those keys
+(the scores soft-capped first where the model caps them: :mod:`.softcap`),
 ``[T, H·D]`` in q's dtype: what :func:`engine.model.attention.grouped_attention` gives for the
 slots the chunk holds and :func:`engine.kv_cache.window._visible`'s mask (its reference; the
 torch path of :class:`engine.attention.paged.PagedContext` gathers those slots instead).
@@ -73,6 +74,7 @@ from torch import Tensor
 
 from engine.hardware import gpu
 from engine.kernels import triton_support
+from engine.kernels.triton_kernels.softcap import scores_base2
 from engine.kernels.triton_support import KernelConfig
 
 #: The widest head dimension the launcher's tiles are sized for.
@@ -89,7 +91,7 @@ _NO_WINDOW = 2**31 - 1
 @triton.jit
 def _attend_tile(
     acc, l_i, m_i, q, pool, table_row, start, key_end, q_pos,
-    k_head, v_head, block_size, sink, window, stride_slot, qk_scale,
+    k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2, cap_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     EDGE: tl.constexpr,
 ):  # fmt: skip
@@ -105,7 +107,8 @@ def _attend_tile(
     rows = pool + slot[:, None] * stride_slot + offs_d[None, :]
     kv_mask = held[:, None] & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(rows + k_head, mask=kv_mask, other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    dots = tl.dot(q, tl.trans(k), input_precision="ieee")
+    scores = scores_base2(dots, qk_scale, cap_log2, cap_scale)
     if EDGE:
         seen = (keys[None, :] <= q_pos[:, None]) & (
             (keys[None, :] < sink) | (keys[None, :] > q_pos[:, None] - window)
@@ -126,7 +129,7 @@ def _attend_tile(
 
 @triton.jit
 def _prefill_kernel(
-    q, pool, out, block_tables, q_starts, first_positions, scale,
+    q, pool, out, block_tables, q_starts, first_positions, scale, cap_log2, cap_scale,
     stride_qt, stride_qh, stride_slot, stride_head, stride_table, stride_ot,
     kv_heads, group, queries_per_tile, block_size, sink, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -179,26 +182,26 @@ def _prefill_kernel(
     for start in range(0, tl.minimum(sink, window_start), BLOCK_N):  # the sinks
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
-            k_head, v_head, block_size, sink, window, stride_slot, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
         )  # fmt: skip
     for start in range(window_start, tl.minimum(inner_start, hi), BLOCK_N):  # window edge
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
-            k_head, v_head, block_size, sink, window, stride_slot, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
         )  # fmt: skip
     for start in range(inner_start, inner_end, BLOCK_N):  # seen whole by every row
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
-            k_head, v_head, block_size, sink, window, stride_slot, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False,
+            k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
         )  # fmt: skip
     for start in range(inner_end, hi, BLOCK_N):  # the diagonal
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
-            k_head, v_head, block_size, sink, window, stride_slot, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
         )  # fmt: skip
 
     result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -222,6 +225,7 @@ def paged_prefill_attention(
     sink: int = 0,
     window: int = 0,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention of the chunks' queries ``q: [T, H, D]`` over their sequences' keys in
     ``pool: [slots, 2·Hkv, D]`` (the chunks' own K/V already written), read through
@@ -231,7 +235,8 @@ def paged_prefill_attention(
     chunk, and each table row must cover its sequence's last query position (neither is
     checked: that would cost a host sync). ``window`` 0 is plain causal attention; else key
     ``p`` is seen by query ``i`` iff ``p <= i`` and (``p < sink`` or ``p > i - window``).
-    ``scale`` defaults to ``1/sqrt(D)``. Returns ``[T, H·D]`` in q's dtype."""
+    ``scale`` defaults to ``1/sqrt(D)``; ``softcap`` caps the scores at
+    ``softcap · tanh(s / softcap)`` (Gemma 2). Returns ``[T, H·D]`` in q's dtype."""
     _check(q, pool, block_tables, q_starts, first_positions)
     if min(max_query_len, block_size - 1, sink, window) < 0:
         raise ValueError(
@@ -247,9 +252,10 @@ def paged_prefill_attention(
     block_m, block_n, warps, stages = _tiles(head_dim)
     queries_per_tile = block_m // group
     grid = (triton.cdiv(max_query_len, queries_per_tile), kv_heads, block_tables.shape[0])
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    cap = (softcap * 1.4426950408889634, scale / softcap) if softcap else (0.0, 0.0)
     _prefill_kernel[grid](
-        q, pool, out, block_tables, q_starts, first_positions,
-        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        q, pool, out, block_tables, q_starts, first_positions, scale, *cap,
         q.stride(0), q.stride(1), pool.stride(0), pool.stride(1), block_tables.stride(0),
         out.stride(0), kv_heads, group, queries_per_tile, block_size, sink,
         window or _NO_WINDOW,
@@ -359,7 +365,7 @@ def configs() -> list[KernelConfig]:
             signature = {
                 "q": f"*{dtype}", "pool": f"*{dtype}", "out": f"*{dtype}",
                 "block_tables": "*i32", "q_starts": "*i32", "first_positions": "*i32",
-                "scale": "fp32",
+                "scale": "fp32", "cap_log2": "fp32", "cap_scale": "fp32",
                 **dict.fromkeys(
                     ("stride_qt", "stride_qh", "stride_slot", "stride_head", "stride_table",
                      "stride_ot", "kv_heads", "group", "queries_per_tile", "block_size",
