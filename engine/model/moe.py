@@ -10,6 +10,11 @@ expert that any token chose runs once on all of its tokens, and its weighted out
 back at their rows (no loop over tokens). Qwen2-MoE adds a shared expert on every token,
 gated by a sigmoid of its own linear.
 
+Where the experts are quantized, a kernel of their own may run them instead of the modules
+(:attr:`MoE.kernel`, an :class:`ExpertKernel` chosen at load by :mod:`engine.quant.experts`:
+a decode batch's experts in one C call on a CPU, every step's in two grouped Triton launches
+on CUDA); :attr:`MoE.kernel_refusal` says why not where none does.
+
 :attr:`MoE.load` counts, per expert, the tokens routed to it since the load; the
 instruments draw what changed between two snapshots (the expert heat map).
 """
