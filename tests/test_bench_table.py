@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from engine.bench.report import format_table, peer_type
@@ -211,3 +212,18 @@ def test_a_c_step_row_takes_its_kernels_only_figure_from_its_own_clocks(tmp_path
     assert row["mode"] == "C step"
     assert row["kernels_tok_s"] > row["decode_tok_s"] > 0
     assert "C step" in format_table(report)
+
+
+def test_weight_bytes_on_a_device_leave_out_what_lies_elsewhere():
+    # a GPU model's experts kept on the CPU (--cpu-experts) are not the GPU's weights: the
+    # count on a device takes only its tensors (here one layer's MLP moved to the meta device)
+    from engine.model.config import ModelConfig
+    from engine.model.transformer import Transformer
+    from tests.conftest import TINY
+
+    model = Transformer(ModelConfig.from_dict({"model_type": "llama", **TINY}))
+    total = weight_bytes(model)
+    mlp = weight_bytes(model.layers[1].mlp)
+    model.layers[1].mlp.to("meta")
+    assert weight_bytes(model, torch.device("cpu")) == total - mlp > 0
+    assert weight_bytes(model) == total

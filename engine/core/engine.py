@@ -99,7 +99,8 @@ class LLMEngine:
         self.num_parameters = num_parameters
         self.precision = precision or PrecisionSpec(dtype_name(dtype), dtype)
         self.config = config or EngineConfig()
-        self.weights_bytes = weight_bytes(model)
+        #: bytes of the weights on the engine's device (a GPU's host experts are not)
+        self.weights_bytes = weight_bytes(model, device)
         #: weights by kind and the form/path each runs in (the load report, the app's model info)
         self.weight_groups = weight_report(model)
         #: why a GPU's pool has its size (the profiled warm-up's figures); None: the config

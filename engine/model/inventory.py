@@ -7,23 +7,30 @@ a form of its own says how many bytes it takes in an integer ``nbytes`` attribut
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 
-def weight_bytes(model: nn.Module) -> int:
+def weight_bytes(model: nn.Module, device: torch.device | None = None) -> int:
     """Bytes the model's weights occupy in memory, packed and quantized forms included
-    (each tensor once)."""
+    (each tensor once); with ``device``, only those on its kind of device (a GPU model's
+    experts kept on the CPU, ``--cpu-experts``, are not the GPU's)."""
     seen: set[int] = set()
     total = 0
+
+    def there(t: Tensor | None) -> bool:
+        return device is None or t is None or t.device.type == device.type
+
     for module in model.modules():
         tensors: list[Tensor] = list(module.parameters(recurse=False))
         nbytes = getattr(module, "nbytes", None)
         if isinstance(nbytes, int):  # PackedLinear, Int8Linear, Int4Linear
-            total += nbytes
+            weight = getattr(module, "weight", None)
+            total += nbytes if there(weight if isinstance(weight, Tensor) else None) else 0
             bias = getattr(module, "bias", None)
             tensors += [bias] if isinstance(bias, Tensor) else []
         for t in tensors:
-            if id(t) not in seen:
+            if id(t) not in seen and there(t):
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
     return total
