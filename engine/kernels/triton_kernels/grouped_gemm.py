@@ -6,9 +6,9 @@ many Python round trips. Here the (token, expert) pairs are laid out once per la
 by expert, each expert's pairs padded to whole tiles of :data:`BLOCK_M` slots
 (:class:`Layout`, vLLM's ``moe_align_block_size`` idea, done with torch operators and no
 read back to the host); then one launch multiplies every tile by its expert's weights
-(:func:`_int4_grouped`: a tile gathers its pairs' rows of ``x``, dequantizes its expert's
-INT4 tile in registers as :func:`~engine.kernels.triton_kernels.quant_gemm_kernels._int4_mm`
-does, and runs the tensor-core dot).
+(:func:`_int4_grouped`: a tile gathers its pairs' rows of ``x`` and steps through its
+expert's INT4 rows a chunk at a time, as the GEMMs' tiles do:
+:func:`~engine.kernels.triton_kernels.quant_gemm_kernels.int4_chunk_dot`).
 
 The experts' weights are one tensor per product and layer, ``[E, N, Kp/2]`` in our INT4
 layout (:func:`engine.formats.int4.pack_int4`) with bf16 ``(s, z)`` ``[E, Kp/group, N, 2]``:
@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.triton_kernels.quant_gemm import DTYPES, GROUPS
+from engine.kernels.triton_kernels.quant_gemm_kernels import int4_chunk_dot
 from engine.kernels.triton_kernels.rounding import round_to
 from engine.kernels.triton_support import KernelConfig
 
@@ -60,21 +61,11 @@ def _int4_grouped(
     w_rows = w_ptr + (e * N + offs_n[:, None].to(tl.int64)) * row_bytes
     sz_base = sz_ptr + e * groups * N * 2
     x_rows = x_ptr + tl.where(m_ok, rows, 0)[:, None].to(tl.int64) * stride_xm
-    byte = tl.arange(0, 16)
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, 2 * row_bytes, 32):
-        packed = tl.load(w_rows + k0 // 2 + byte[None, :], mask=n_ok[:, None], other=0)
-        sz = ((k0 // group).to(tl.int64) * N + offs_n) * 2
-        s = tl.load(sz_base + sz, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(sz_base + sz + 1, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        lo = round_to(((packed & 15).to(tl.float32) - 8.0) * s + z, dtype)
-        hi = round_to(((packed >> 4).to(tl.float32) - 8.0) * s + z, dtype)
-        col = k0 + byte[None, :]
-        x_lo = tl.load(x_rows + col, mask=m_ok[:, None] & (col < K), other=0.0)
-        x_hi = tl.load(x_rows + col + 16, mask=m_ok[:, None] & (col + 16 < K), other=0.0)
-        acc = tl.dot(x_lo, tl.trans(lo), acc)
-        acc = tl.dot(x_hi, tl.trans(hi), acc)
+    for k0 in range(0, 2 * row_bytes, 32):  # a chunk a step, as the GEMMs' tiles
+        acc = int4_chunk_dot(acc, w_rows, sz_base, x_rows, k0, group, N, K, offs_n, n_ok, m_ok,
+                             dtype)  # fmt: skip
     out = y_ptr + slots[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out, round_to(acc, y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -194,6 +194,26 @@ def _int4_gemv(
 
 
 @triton.jit
+def int4_chunk_dot(acc, w_rows, sz_ptr, x_rows, k0, group, N, K, offs_n, n_ok, m_ok, dtype):
+    """``acc`` plus the 32-column chunk at ``k0`` of ``x_rows`` times the packed INT4 rows
+    ``w_rows`` (their ``(s, z)`` at ``sz_ptr``, ``[Kp/group, N, 2]``): the chunk's two 16-column
+    halves (the low and the high nibbles) dequantized in fp32, rounded to ``dtype`` and
+    multiplied on tensor cores by the matching columns of ``x``."""
+    byte = tl.arange(0, 16)
+    packed = tl.load(w_rows + tl.multiple_of(k0 // 2, 16) + byte[None, :], mask=n_ok[:, None])
+    sz = ((k0 // group).to(tl.int64) * N + offs_n) * 2
+    s = tl.load(sz_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    z = tl.load(sz_ptr + sz + 1, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    lo = round_to(((packed & 15).to(tl.float32) - 8.0) * s + z, dtype)
+    hi = round_to(((packed >> 4).to(tl.float32) - 8.0) * s + z, dtype)
+    col = k0 + byte[None, :]
+    x_lo = tl.load(x_rows + col, mask=m_ok[:, None] & (col < K), other=0.0)
+    x_hi = tl.load(x_rows + col + 16, mask=m_ok[:, None] & (col + 16 < K), other=0.0)
+    acc = tl.dot(x_lo, tl.trans(lo), acc)
+    return tl.dot(x_hi, tl.trans(hi), acc)
+
+
+@triton.jit
 def _int4_mm(
     x_ptr, w_ptr, sz_ptr, bias_ptr, y_ptr, part_ptr,
     M, N, K, row_bytes, stride_xm, group, k_per_split, has_bias, direct,
@@ -213,23 +233,12 @@ def _int4_mm(
     n_ok = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * row_bytes
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    byte = tl.arange(0, 16)
     dtype = x_ptr.dtype.element_ty
     k_start = split * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, 2 * row_bytes)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        packed = tl.load(rows + tl.multiple_of(k0 // 2, 16) + byte[None, :], mask=n_ok[:, None])
-        sz = ((k0 // group).to(tl.int64) * N + offs_n) * 2
-        s = tl.load(sz_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(sz_ptr + sz + 1, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        lo = round_to(((packed & 15).to(tl.float32) - 8.0) * s + z, dtype)
-        hi = round_to(((packed >> 4).to(tl.float32) - 8.0) * s + z, dtype)
-        col = k0 + byte[None, :]
-        x_lo = tl.load(x_rows + col, mask=m_ok[:, None] & (col < K), other=0.0)
-        x_hi = tl.load(x_rows + col + 16, mask=m_ok[:, None] & (col + 16 < K), other=0.0)
-        acc = tl.dot(x_lo, tl.trans(lo), acc)
-        acc = tl.dot(x_hi, tl.trans(hi), acc)
+        acc = int4_chunk_dot(acc, rows, sz_ptr, x_rows, k0, group, N, K, offs_n, n_ok, m_ok, dtype)
     _finish(
         acc, offs_m, offs_n, M, N, bias_ptr, y_ptr, part_ptr, split, has_bias, direct, MAY_SPLIT
     )
