@@ -16,7 +16,7 @@ from engine.loader.load import load_model
 from engine.model.config import ModelConfig
 from tests.conftest import TINY, TINY_ARCH
 from tests.test_exactness_tiny import hf_greedy, hf_logits, tiny_prompt
-from tests.test_phi3 import check_ragged_on_a_prefix, engine_steps, hf_steps, ours_step_by_step
+from tests.test_phi3 import check_each_step, check_ragged_on_a_prefix, ours_step_by_step
 
 STEPS = 32
 GEMMA = {"model_type": "gemma3_text", **TINY, **TINY_ARCH["gemma3_text"]}
@@ -52,11 +52,7 @@ def test_gemma_through_the_scheduler_gives_each_steps_logits(tiny_model_dir, arc
     folder, hf = tiny_model_dir(arch, True)
     engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, num_blocks=48))
     prompt = tiny_prompt(hf)
-    ref_ids, ref = hf_steps(hf, prompt, STEPS)
-    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)
-    assert ids == ref_ids
-    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
-    assert (ours - ref).abs().max().item() <= 1e-4
+    check_each_step(engine, hf, prompt)
 
 
 @pytest.mark.parametrize(
@@ -265,11 +261,7 @@ def test_gemma_on_our_triton_kernels_attends_each_layer_under_its_window(
         "prefill": "triton paged prefill",
     }
     prompt = tiny_prompt(hf)
-    ref_ids, ref = hf_steps(hf, prompt, STEPS)
-    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)
-    assert ids == ref_ids
-    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
-    assert (ours - ref).abs().max().item() <= 1e-4
+    check_each_step(engine, hf, prompt)
     with pytest.raises(InvalidRequestError, match="keep no sinks on a model with local layers"):
         engine.set_window(CacheWindow(sink=2, window=16))
     engine.set_window(CacheWindow(sink=0, window=16))  # narrows the global layers only

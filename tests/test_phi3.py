@@ -107,13 +107,7 @@ def test_longrope_follows_transformers_across_the_pretraining_context(tmp_path, 
     assert rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
     gen = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(0, TINY["vocab_size"], (prompt_len,), generator=gen)
-    ref_ids, ref = hf_steps(hf, prompt, STEPS)
-    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)
-    assert ids == ref_ids
-    # each step's sampled row: a prompt's last chunk's, then one per decode step; the step
-    # that recomputed the sequence gives its last row's
-    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
-    assert (ours - ref).abs().max().item() <= 1e-4
+    check_each_step(engine, hf, prompt)
     recomputed = 1 if prompt_len < 64 else 0
     assert engine.metrics().total_preemptions == recomputed
 
@@ -158,6 +152,18 @@ def run_ragged(engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
             if event.token_id is not None:
                 out[ids[event.request_id]].append(event.token_id)
     return out
+
+
+def check_each_step(engine, hf, prompt: torch.Tensor, steps: int = STEPS) -> None:
+    """``prompt`` through the engine's scheduler for ``steps`` greedy steps: the ids
+    transformers' (with its own cache) gives, and each step's sampled logits row (a prompt's
+    last chunk's, then one per decode step; a step that recomputed the sequence gives its last
+    row's) within 1e-4 of transformers'."""
+    ref_ids, ref = hf_steps(hf, prompt, steps)
+    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], steps)
+    assert ids == ref_ids
+    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-steps:]
+    assert (ours - ref).abs().max().item() <= 1e-4
 
 
 def check_ragged_on_a_prefix(folder, hf, *, speculative: bool, seed: int, steps: int) -> None:
@@ -218,12 +224,7 @@ def test_phi3_under_its_sliding_window(tiny_model_dir):
     folder, hf = tiny_model_dir("phi3", False, sliding_window=8)
     engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, num_blocks=32))
     assert engine.cfg.sliding_window == 8
-    prompt = tiny_prompt(hf)
-    ref_ids, ref = hf_steps(hf, prompt, STEPS)
-    ((ids, rows),) = engine_steps(engine, [prompt.tolist()], STEPS)
-    assert ids == ref_ids
-    ours = torch.cat([r[-1:] for r in rows if r.shape[0]])[-STEPS:]
-    assert (ours - ref).abs().max().item() <= 1e-4
+    check_each_step(engine, hf, tiny_prompt(hf))
 
 
 def phi3_for_gguf(tmp_path, longrope: bool):
