@@ -13,7 +13,9 @@ def scores_base2(dots, scale_log2, cap_log2, cap_scale):
     ``cap_log2`` (the cap × log2(e)) is not 0, ``cap · tanh(dots × scale / cap) × log2(e)``
     (``cap_scale``: the scale over the cap), tanh written with ``exp2`` and saturating to ±1
     where ``exp`` overflows."""
-    if cap_log2 != 0.0:
+    if cap_log2 != 0.0:  # one exit: Triton 3.6 cannot lower a device function's early return
         e = tl.exp2(dots * (cap_scale * 2.8853900817779268))  # exp(2t), t = dots·scale/cap
-        return cap_log2 * (1.0 - 2.0 / (e + 1.0))
-    return dots * scale_log2
+        scores = cap_log2 * (1.0 - 2.0 / (e + 1.0))
+    else:
+        scores = dots * scale_log2
+    return scores
