@@ -235,14 +235,12 @@ class Scheduler:
                 continue  # a running sequence is computing its next block: share it instead
             cached = len(hit) * mgr.block_size
             need = min(seq.num_tokens - cached, budget)
-            if mgr.blocks_to_admit(hit, cached + need) > mgr.num_free:
-                break
-            # Admitted only if its whole prompt and first new token fit beside what runs, with
-            # a watermark for their growth (vLLM's rule): admitting on the first chunk alone
-            # let later chunks preempt the running sequences, which were then recomputed and
-            # preempted in turn (thrashing, seen in the tuner).
-            whole = mgr.blocks_to_admit(hit, seq.num_tokens + 1)
-            if self.running and whole + watermark > mgr.num_free:
+            # Admitted only if its first chunk fits, and its whole prompt and first new token
+            # beside what runs, with a watermark for their growth (vLLM's rule): admitting on
+            # the first chunk alone let later chunks preempt the running sequences, which were
+            # then recomputed and preempted in turn (thrashing, seen in the tuner).
+            reserve = watermark if self.running else None
+            if not mgr.admits(hit, cached + need, seq.num_tokens + 1, reserve):
                 break
             self.waiting.remove(seq)
             self.running.append(seq)

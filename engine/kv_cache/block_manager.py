@@ -183,19 +183,45 @@ class BlockManager:
         self._key_of.clear()
         self._block_of.clear()
 
-    def cached_prefix(self, seq_id: str, num_tokens: int, read: TokenReader) -> list[int]:
+    def cached_prefix(
+        self, seq_id: str, num_tokens: int, read: TokenReader, limit: int | None = None
+    ) -> list[int]:
         """The cached blocks holding the longest cached prefix of the ``num_tokens`` tokens of
         ``seq_id`` (``read(start, end)`` gives them), leaving at least the last token to
-        compute. Nothing is taken: :meth:`admit` does that."""
+        compute, at most ``limit`` blocks. Under a cache window, a prefix needs only the blocks
+        the window keeps at its end: those it leaves out may be gone (``RELEASED`` in the hit),
+        which is what lets a sliding layer's short-lived blocks be found again. Nothing is
+        taken: :meth:`admit` does that."""
         if not self.prefix_caching:
             return []
-        hit = []
-        for key in self._keys(seq_id, (num_tokens - 1) // self.block_size, read):
-            block = self._block_of.get(key)
-            if block is None:
+        most = (num_tokens - 1) // self.block_size
+        found = []
+        for key in self._keys(seq_id, most if limit is None else min(most, limit), read):
+            found.append(self._block_of.get(key, RELEASED))
+            if self.window is None and found[-1] == RELEASED:
                 break
-            hit.append(block)
-        return hit
+        blocks = self._longest_hit(found)
+        length = blocks * self.block_size
+        return [
+            RELEASED if self._outside_window(i, length) else b for i, b in enumerate(found[:blocks])
+        ]
+
+    def _longest_hit(self, found: list[int]) -> int:
+        """The most leading blocks of ``found`` (cached blocks, ``RELEASED`` where missing)
+        that make a hit: every block the window keeps at the hit's end is there (in one pass:
+        a hit of ``h`` blocks keeps its sink blocks and those from ``(h·bs − window) // bs``)."""
+        w, bs = self.window, self.block_size
+        runs, run = [], 0  # found blocks in a row, ending at each index
+        for b in found:
+            run = run + 1 if b != RELEASED else 0
+            runs.append(run)
+        lead = next((i for i, b in enumerate(found) if b == RELEASED), len(found))
+        sink_blocks = 0 if w is None else -(-w.sink // bs)
+        for h in range(len(found), 0, -1):
+            tail = 0 if w is None else max(0, (h * bs - w.window) // bs)
+            if lead >= min(sink_blocks, h) and runs[h - 1] >= h - tail:
+                return h
+        return 0
 
     def computing(self, seq_id: str, after: int, read: TokenReader, num_tokens: int) -> bool:
         """Whether the block of ``seq_id`` after its first ``after`` is being computed by a
@@ -276,6 +302,14 @@ class BlockManager:
         taken = sum(1 for b in kept if not self._refs[b])
         return self.blocks_for(new_length) - len(hit) + taken
 
+    def admits(self, hit: list[int], first: int, whole: int, reserve: int | None) -> bool:
+        """Whether a sequence with ``hit`` can be admitted: its ``first`` chunk's tokens fit
+        now and, with ``reserve`` blocks kept free for the running sequences' growth (None:
+        none runs), its ``whole`` length does (the scheduler's rule)."""
+        if self.blocks_to_admit(hit, first) > self.num_free:
+            return False
+        return reserve is None or self.blocks_to_admit(hit, whole) + reserve <= self.num_free
+
     def _outside_window(self, index: int, length: int, window: CacheWindow | None = None) -> bool:
         """Block ``index`` of a sequence of ``length`` tokens lies wholly after the sink and
         before the last ``window.window`` tokens of ``window`` (default: :attr:`window`)."""
@@ -325,10 +359,11 @@ class BlockManager:
         self.lengths[seq_id] = min(self.lengths[seq_id], length)
         return freed
 
-    def release_outside_window(self, seq_id: str, window: CacheWindow) -> int:
-        """Free the blocks of ``seq_id`` lying wholly after the sink and before the window."""
+    def release_outside_window(self, seq_id: str, window: CacheWindow | None) -> int:
+        """Free the blocks of ``seq_id`` lying wholly after the sink and before the window
+        (None: none is released)."""
         table = self.tables.get(seq_id)
-        if not table:
+        if not table or window is None:
             return 0
         length = self.lengths[seq_id]
         released = 0
