@@ -166,14 +166,17 @@ def check_each_step(engine, hf, prompt: torch.Tensor, steps: int = STEPS) -> Non
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
-def check_ragged_on_a_prefix(folder, hf, *, speculative: bool, seed: int, steps: int) -> None:
+def check_ragged_on_a_prefix(
+    folder, hf, *, speculative: bool, seed: int, steps: int, max_batch: int = 16
+):
     """Four prompts on one 12-token prefix (then 1 to 28 tokens of a repeated motif), arriving
     a step apart in chunks of at most 16 tokens through a cache of blocks of 4, lookup drafts
-    where ``speculative``: each prompt's ``steps`` greedy ids are transformers' for it alone,
-    the shared prefix is read from the cache, and drafts get accepted."""
+    where ``speculative``, at most ``max_batch`` at once: each prompt's ``steps`` greedy ids
+    are transformers' for it alone, the shared prefix is read from the cache, and drafts get
+    accepted. Returns the engine."""
     from engine.speculative.config import parse_speculative
 
-    limits = SchedulerLimits(max_tokens_per_step=16)
+    limits = SchedulerLimits(max_tokens_per_step=16, max_batch_size=max_batch)
     engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, limits=limits))
     if speculative:
         engine.set_speculation(parse_speculative("lookup", 3, adaptive=False))
@@ -189,6 +192,7 @@ def check_ragged_on_a_prefix(folder, hf, *, speculative: bool, seed: int, steps:
     assert engine.metrics().prefix_cache_hit_tokens >= 3 * 12 - 4  # whole blocks of it
     if speculative:
         assert engine.speculator.stats.num_accepted_tokens > 0
+    return engine
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "lookup-drafts"])

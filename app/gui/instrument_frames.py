@@ -15,7 +15,10 @@ def frame_of(s: MetricsSnapshot) -> InstrumentFrame:
         "weights": mem.weights_bytes * mib,
         "KV pool": mem.kv_pool_bytes * mib,
         # of the pool: blocks held by requests, and free blocks keeping a cached prefix
-        "KV in use": s.kv_blocks_used * s.kv_block_bytes * mib,
+        "KV in use": (
+            s.kv_blocks_used * s.kv_block_bytes + s.kv_local_blocks_used * s.kv_local_block_bytes
+        )
+        * mib,
         "KV cached (reusable)": s.kv_blocks_cached * s.kv_block_bytes * mib,
     }
     if mem.workspace_bytes is not None:

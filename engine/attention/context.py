@@ -4,8 +4,10 @@ their new K/V go, and how many decode chunks (one token each) lead the step."""
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from engine.hardware.transfer import upload
-from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.kv_cache.paged import KVGroup, PagedKVCache, SeqChunk
 from engine.model.attention import AttentionContext
 
 
@@ -15,11 +17,14 @@ class PoolContext(AttentionContext):
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
         self.cache = cache
         self.chunks = chunks
-        mgr = cache.manager
-        write: list[int] = []
-        for c in chunks:
-            write += mgr.slots(c.seq_id, c.start, c.start + c.length)
-        self.write_slots = upload(write, cache.device)
+        #: where each block group's layers store the step's new K/V
+        self.group_slots: dict[KVGroup, Tensor] = {}
+        for group in cache.groups:
+            write: list[int] = []
+            for c in chunks:
+                write += group.manager.slots(c.seq_id, c.start, c.start + c.length)
+            self.group_slots[group] = upload(write, cache.device)
+        self.write_slots = self.group_slots[cache.groups[0]]  # the full layers'
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].length == 1:
             num_decode += 1
@@ -27,3 +32,7 @@ class PoolContext(AttentionContext):
             raise ValueError("decode chunks must come first in a step")
         self.num_decode = num_decode
         self.decode_only = num_decode == len(chunks)
+
+    def slots_of(self, layer: int) -> Tensor:
+        """Where ``layer`` stores the step's new K/V (its block group's slots)."""
+        return self.group_slots[self.cache.layer_groups[layer]]

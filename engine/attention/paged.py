@@ -24,7 +24,7 @@ from engine.attention.context import PoolContext
 from engine.attention.ops import decode_attention, paged_decode_attention
 from engine.hardware.transfer import to_device, upload
 from engine.kernels import native, paged_decode
-from engine.kv_cache.paged import PagedKVCache, SeqChunk
+from engine.kv_cache.paged import KVGroup, PagedKVCache, SeqChunk
 from engine.kv_cache.window import CacheWindow, _one_window, _visible
 from engine.model.attention import (
     AttentionBackend,
@@ -149,27 +149,6 @@ class PagedContext(PoolContext):
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
         super().__init__(cache, chunks)
-        mgr, dev = cache.manager, cache.device
-        self.decode_slots: Tensor | None = None
-        self.decode_lens: Tensor | None = None  # real (unpadded) columns of each slot row
-        windows = list(dict.fromkeys(cache.layer_windows))
-        mask_rows: dict[CacheWindow | None, list[Tensor]] = {w: [] for w in windows}
-        self._lens: list[int] = []
-        if self.num_decode:
-            slot_rows = []
-            for c in chunks[: self.num_decode]:
-                positions, slots = mgr.held(c.seq_id, c.start + 1)
-                slot_rows.append(slots)
-                for w in windows:
-                    mask_rows[w].append(
-                        _visible(c.window, w, positions, torch.tensor([c.start]))[0]
-                    )
-            self._lens = [len(r) for r in slot_rows]
-            self.decode_slots = to_device(
-                pad_sequence(slot_rows, batch_first=True, padding_value=cache.pad_slot), dev
-            )
-            self.decode_lens = upload(self._lens, dev)
-        held = [mgr.held(c.seq_id, c.start + c.length) for c in chunks[self.num_decode :]]
         pool = cache.kv[0]
         self._kernel = (
             len(chunks) > self.num_decode
@@ -177,25 +156,53 @@ class PagedContext(PoolContext):
             and paged_decode.reads_pool(pool)
             and paged_decode.prefill_faster(pool.dtype, cache.heads, cache.kv_heads, pool.shape[2])
         )
-        built = {w: self._build(w, mask_rows[w], held) for w in windows}
+        # one set per block group and window the layers attend under (Gemma's two)
+        layers = list(zip(cache.layer_groups, cache.layer_windows, strict=True))
+        pairs = list(dict.fromkeys(layers))
+        groups = [g for g, _ in pairs]
+        #: the held positions and slots of the groups read under two windows, kept for the
+        #: second (only then: they are the decode rows' largest temporaries)
+        self._held: dict[tuple[KVGroup, str, int], tuple[Tensor, Tensor]] = {}
+        self._shared = {g for g in groups if groups.count(g) > 1}
+        built = {pair: self._build(*pair) for pair in pairs}
+        self._held.clear()
         #: each layer's masks (a list indexed by the layer: what a compiled step reads)
-        self._masks = [built[w] for w in cache.layer_windows]
-        first = self._masks[0]
-        # the first layer's, for what reads one set (the C decode step: the models it runs
-        # have one window)
+        self._masks = [built[pair] for pair in layers]
+        first = self._masks[cache.layer_groups.index(cache.groups[0])]
+        # the first full layer's, for what reads one set (the C decode step: the models it
+        # runs have one window and one block group)
+        self.decode_slots, self.decode_lens = first.decode_slots, first.decode_lens
         self.decode_mask, self.mask_needed, self.prefill = (
             first.decode_mask, first.mask_needed, first.prefill
         )  # fmt: skip
 
-    def _build(
-        self, model_window: CacheWindow | None, mask_rows: list[Tensor],
-        held: list[tuple[Tensor, Tensor]],
-    ) -> _Masks:  # fmt: skip
-        """The masks of the layers whose own window is ``model_window``, from the decode
-        rows' boolean masks under it and each prefill chunk's held positions and slots."""
+    def _held_of(self, group: KVGroup, seq_id: str, end: int) -> tuple[Tensor, Tensor]:
+        """``(positions, slots)`` of the held positions ``< end`` of ``seq_id`` in ``group``
+        (once per step for every window its layers attend under)."""
+        if group not in self._shared:
+            return group.manager.held(seq_id, end)
+        key = (group, seq_id, end)
+        if key not in self._held:
+            self._held[key] = group.manager.held(seq_id, end)
+        return self._held[key]
+
+    def _build(self, group: KVGroup, model_window: CacheWindow | None) -> _Masks:
+        """What the layers of ``group`` whose own window is ``model_window`` read: the decode
+        rows' slots and masks under it, and each prefill chunk's."""
         chunks, dev = self.chunks, self.cache.device
-        decode_mask, mask_needed = None, False
+        decode_slots = decode_lens = decode_mask = None
+        mask_needed = False
         if self.num_decode:
+            slot_rows, mask_rows = [], []
+            for c in chunks[: self.num_decode]:
+                positions, slots = self._held_of(group, c.seq_id, c.start + 1)
+                slot_rows.append(slots)
+                mask_rows.append(
+                    _visible(c.window, model_window, positions, torch.tensor([c.start]))[0]
+                )
+            lens = [len(r) for r in slot_rows]
+            padded = pad_sequence(slot_rows, batch_first=True, padding_value=group.pad_slot)
+            decode_slots, decode_lens = to_device(padded, dev), upload(lens, dev)
             mask = pad_sequence(mask_rows, batch_first=True, padding_value=False)
             # Additive (0 / -inf, what SDPA makes of a boolean mask in every call), built once
             # per step for every layer. Eager steps leave it out where every key is visible
@@ -208,12 +215,13 @@ class PagedContext(PoolContext):
             windowed = model_window is not None or any(
                 c.window is not None for c in chunks[: self.num_decode]
             )
-            mask_needed = windowed or min(self._lens) != max(self._lens)
+            mask_needed = windowed or min(lens) != max(lens)
         #: each prefill chunk: its query offset, and what the kernel or SDPA reads (None: a
         #: whole prompt, causal over its own keys)
         prefill: list[tuple[int, int, _Prefill | Tensor | None, Tensor]] = []
         offset = self.num_decode
-        for c, (positions, slots) in zip(chunks[self.num_decode :], held, strict=True):
+        for c in chunks[self.num_decode :]:
+            positions, slots = self._held_of(group, c.seq_id, c.start + c.length)
             one, window = _one_window(c.window, model_window)
             if self._kernel and one:
                 sink, width = (0, 0) if window is None else (window.sink, window.window)
@@ -226,7 +234,7 @@ class PagedContext(PoolContext):
                 read = to_device(_visible(c.window, model_window, positions, queries), dev)
             prefill.append((offset, c.length, read, to_device(slots, dev)))
             offset += c.length
-        return _Masks(decode_mask, mask_needed, prefill)
+        return _Masks(decode_slots, decode_lens, decode_mask, mask_needed, prefill)
 
     def decode_tables(self) -> DecodeTables | None:
         if not self.decode_only:
@@ -248,22 +256,22 @@ class PagedContext(PoolContext):
         one); None in a compiled step, which stores them through its attention op."""
         if torch.compiler.is_compiling():
             return None
-        return self.cache.kv[layer], self.write_slots
+        return self.cache.kv[layer], self.slots_of(layer)
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
         return self._attend_pool(q, self.cache.kv[layer], layer)
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
-        pool = self.cache.kv[layer]
+        pool, masks = self.cache.kv[layer], self._masks[layer]
         if self.decode_only:
-            assert self.decode_slots is not None
-            assert self.decode_lens is not None
+            assert masks.decode_slots is not None
+            assert masks.decode_lens is not None
             if torch.compiler.is_compiling() and self.cache.softcap is None:  # one opaque op
                 return paged_decode_attention(
-                    q, kv, pool, self.write_slots, self.decode_slots, self.decode_lens,
-                    self._masks[layer].decode_mask,
+                    q, kv, pool, self.slots_of(layer), masks.decode_slots, masks.decode_lens,
+                    masks.decode_mask,
                 )  # fmt: skip
-        pool.index_copy_(0, self.write_slots, kv)
+        pool.index_copy_(0, self.slots_of(layer), kv)
         return self._attend_pool(q, pool, layer)
 
     def _attend_pool(self, q: Tensor, pool: Tensor, layer: int) -> Tensor:
@@ -272,19 +280,18 @@ class PagedContext(PoolContext):
         cap = self.cache.softcap
         if cap is not None:
             return self._capped(q, pool, masks, cap)
+        mask = masks.decode_mask if masks.mask_needed else None
         if self.decode_only:
-            assert self.decode_slots is not None
-            assert self.decode_lens is not None
-            mask = masks.decode_mask if masks.mask_needed else None
-            return decode_attention(q, pool, self.decode_slots, self.decode_lens, mask)
+            assert masks.decode_slots is not None
+            assert masks.decode_lens is not None
+            return decode_attention(q, pool, masks.decode_slots, masks.decode_lens, mask)
         tokens, heads, dim = q.shape
         kv_heads = self.cache.kv_heads
         out = q.new_empty(tokens, heads * dim)
-        if self.decode_slots is not None:
-            assert self.decode_lens is not None
-            mask = masks.decode_mask if masks.mask_needed else None
+        if masks.decode_slots is not None:
+            assert masks.decode_lens is not None
             out[: self.num_decode] = decode_attention(
-                q[: self.num_decode], pool, self.decode_slots, self.decode_lens, mask
+                q[: self.num_decode], pool, masks.decode_slots, masks.decode_lens, mask
             )
         for offset, length, read, slots in masks.prefill:
             chunk = q[offset : offset + length]
@@ -304,10 +311,10 @@ class PagedContext(PoolContext):
         tokens, heads, dim = q.shape
         kv_heads = self.cache.kv_heads
         out = q.new_empty(tokens, heads * dim)
-        if self.decode_slots is not None:
+        if masks.decode_slots is not None:
             mask = masks.decode_mask if masks.mask_needed else None
             out[: self.num_decode] = capped_decode_attention(
-                q[: self.num_decode], pool, self.decode_slots, mask, cap
+                q[: self.num_decode], pool, masks.decode_slots, mask, cap
             )
         for offset, length, read, slots in masks.prefill:
             assert not isinstance(read, _Prefill)  # no kernel path under a cap
@@ -320,11 +327,14 @@ class PagedContext(PoolContext):
 
 @dataclass(frozen=True, slots=True)
 class _Masks:
-    """What a step's layers of one window read: the decode rows' additive mask
+    """What a step's layers of one block group and window read: the decode rows' slots
+    ``[B, W]`` (padded with the group's zero slot), their lengths and additive mask
     ``[B, 1, 1, W]`` (None without decode rows), whether an eager step needs it, and each
     prefill chunk's query offset, length, read (:class:`_Prefill`, a boolean mask, or None:
     causal over its own keys) and slots."""
 
+    decode_slots: Tensor | None
+    decode_lens: Tensor | None
     decode_mask: Tensor | None
     mask_needed: bool
     prefill: list[tuple[int, int, _Prefill | Tensor | None, Tensor]]

@@ -21,7 +21,7 @@ from torch import Tensor
 from engine.attention.context import PoolContext
 from engine.hardware.transfer import upload
 from engine.kernels import triton_support
-from engine.kv_cache.paged import PagedKVCache, SeqChunk, block_tables
+from engine.kv_cache.paged import KVGroup, PagedKVCache, SeqChunk, block_tables
 from engine.model.attention import AttentionBackend, AttentionContext
 from engine.model.config import ModelConfig
 
@@ -82,11 +82,11 @@ class TritonContext(PoolContext):
         self.tables = BlockTables(cache, chunks, self.num_decode)
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
-        return self.cache.kv[layer], self.write_slots
+        return self.cache.kv[layer], self.slots_of(layer)
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         pool = self.cache.kv[layer]
-        pool.index_copy_(0, self.write_slots, kv)
+        pool.index_copy_(0, self.slots_of(layer), kv)
         return self.tables.attend(q, pool, layer)
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
@@ -116,7 +116,7 @@ class BlockTables:
     step for every layer, sent up in queued copies."""
 
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk], num_decode: int) -> None:
-        mgr, dev = cache.manager, cache.device
+        dev = cache.device
         self.cache = cache
         self.block_size = cache.block_size
         windows = {c.window if c.window is not None else cache.model_window for c in chunks}
@@ -125,14 +125,18 @@ class BlockTables:
         (window,) = windows
         self.sink, self.window = (0, 0) if window is None else (window.sink, window.window)
         decode, prefill = chunks[:num_decode], chunks[num_decode:]
-        self.decode = self.decode_lens = None
+        groups = cache.groups
+        #: each block group's decode and prefill tables (the local layers' where kept apart)
+        self.decode: dict[KVGroup, Tensor] = {}
+        self.prefill: dict[KVGroup, Tensor] = {}
+        self.decode_lens = None
         if decode:
-            self.decode = block_tables(mgr, decode, dev)
+            self.decode = {g: block_tables(g.manager, decode, dev) for g in groups}
             self.decode_lens = upload([c.start + 1 for c in decode], dev, torch.int32)
-        self.prefill = self.q_starts = self.first_positions = None
+        self.q_starts = self.first_positions = None
         self.max_query_len = max((c.length for c in prefill), default=0)
         if prefill:
-            self.prefill = block_tables(mgr, prefill, dev)
+            self.prefill = {g: block_tables(g.manager, prefill, dev) for g in groups}
             starts = [0]
             for c in prefill:
                 starts.append(starts[-1] + c.length)
@@ -149,17 +153,17 @@ class BlockTables:
         sink, span = layer_span(self.cache, layer, self.sink, self.window)
         window: dict[str, Any] = {"block_size": self.block_size, "sink": sink, "window": span,
                                   "softcap": self.cache.softcap}  # fmt: skip
-        n = self.num_decode
+        n, group = self.num_decode, self.cache.layer_groups[layer]
         decoded = prefilled = None
-        if self.decode is not None:
+        if self.decode:
             assert self.decode_lens is not None
             decoded = decode_attention.paged_decode_attention(
-                q[:n], pool, self.decode, self.decode_lens, **window
+                q[:n], pool, self.decode[group], self.decode_lens, **window
             )
-        if self.prefill is not None:
+        if self.prefill:
             assert self.q_starts is not None and self.first_positions is not None
             prefilled = prefill_attention.paged_prefill_attention(
-                q[n:], pool, self.prefill, self.q_starts, self.first_positions,
+                q[n:], pool, self.prefill[group], self.q_starts, self.first_positions,
                 max_query_len=self.max_query_len, **window,
             )  # fmt: skip
         if prefilled is None:
@@ -169,21 +173,22 @@ class BlockTables:
 
 
 class StaticContext(AttentionContext):
-    """Attention of a static decode step: reads only the runner's buffers (for a bucket)."""
+    """Attention of a static decode step: reads only the runner's buffers (for a bucket):
+    each block group's write slots and block tables, and the rows' lengths."""
 
     def __init__(
-        self, kv: PagedKVCache, slots: Tensor, tables: Tensor, lens: Tensor,
-        window: tuple[int, int],
+        self, kv: PagedKVCache, slots: dict[KVGroup, Tensor], tables: dict[KVGroup, Tensor],
+        lens: Tensor, window: tuple[int, int],
     ) -> None:  # fmt: skip
         self.cache, self.slots, self.tables, self.lens = kv, slots, tables, lens
         self.sink, self.window = window
         self.decode_only = True
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
-        return self.cache.kv[layer], self.slots
+        return self.cache.kv[layer], self.slots[self.cache.layer_groups[layer]]
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
-        self.cache.kv[layer].index_copy_(0, self.slots, kv)
+        self.cache.kv[layer].index_copy_(0, self.slots[self.cache.layer_groups[layer]], kv)
         return self.attend_stored(layer, q)
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
@@ -192,7 +197,7 @@ class StaticContext(AttentionContext):
         pool = self.cache.kv[layer]
         sink, window = layer_span(self.cache, layer, self.sink, self.window)
         return decode_attention.paged_decode_attention(
-            q, pool, self.tables, self.lens,
+            q, pool, self.tables[self.cache.layer_groups[layer]], self.lens,
             block_size=self.cache.block_size, sink=sink, window=window,
             softcap=self.cache.softcap,
         )  # fmt: skip

@@ -11,6 +11,7 @@ from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
 from engine.executor import cuda_graphs, inductor
 from engine.hardware.memory import free_memory
+from engine.kv_cache.layered import local_pool_blocks
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow
 from engine.model.config import ModelConfig
@@ -99,11 +100,49 @@ def kv_pool_blocks(
 
 
 def blocks_for_budget(
-    cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, budget: float
-) -> int:
-    """The KV blocks ``budget`` bytes hold (fewer than one where it holds none), never more
-    than the running set can use at full context (``max_batch_size`` sequences of the
-    model's context length)."""
-    per_block = PagedKVCache.bytes_per_block(cfg, config.block_size, dtype)
-    useful = config.limits.max_batch_size * -(-cfg.max_position_embeddings // config.block_size)
-    return min(int(budget // per_block), useful)
+    cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, budget: float,
+    per_token: int = 0,
+) -> int:  # fmt: skip
+    """The KV blocks ``budget`` bytes hold (fewer than one where it holds none), with
+    ``per_token`` more bytes for each token the pool reaches up to the model's context (a
+    step's gather on the torch path), never more than the running set can use at full
+    context (``max_batch_size`` sequences of the model's context length). A model whose
+    local layers keep a pool of their own (:func:`local_blocks`) holds it in the same
+    budget."""
+    bs, context = config.block_size, cfg.max_position_embeddings
+    useful = config.limits.max_batch_size * -(-context // bs)
+
+    def cost(blocks: int) -> int:
+        return pool_bytes(cfg, config, dtype, blocks) + per_token * min(context, blocks * bs)
+
+    low, high = 0, useful  # the most blocks that fit: the cost grows with them
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if cost(mid) <= budget else (low, mid - 1)
+    return low
+
+
+def local_blocks(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -> int | None:
+    """The blocks of the local layers' own pool beside ``num_blocks`` for the full layers
+    (:mod:`engine.kv_cache.layered`; None: the model has no local layers)."""
+    if cfg.local_window is None or not cfg.local_layers:
+        return None
+    limits, local = config.limits, len(cfg.local_layers)
+    return local_pool_blocks(
+        cfg.local_window, config.block_size, num_blocks, max_batch=limits.max_batch_size,
+        step_tokens=limits.max_tokens_per_step, layers=(cfg.num_layers - local, local),
+    )  # fmt: skip
+
+
+def layer_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """A block's bytes over the full layers, and over the local layers (0 without)."""
+    local = len(cfg.local_layers) if cfg.local_window is not None else 0
+    per_layer = PagedKVCache.bytes_per_block(cfg, block_size, dtype, layers=1)
+    return per_layer * (cfg.num_layers - local), per_layer * local
+
+
+def pool_bytes(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, blocks: int) -> int:
+    """The bytes of a pool of ``blocks`` blocks for the full layers (and the local layers'
+    own pool beside it), pad slots left out."""
+    full, local = layer_block_bytes(cfg, config.block_size, dtype)
+    return full * blocks + local * (local_blocks(cfg, config, blocks) or blocks)

@@ -24,7 +24,13 @@ import torch
 from engine import attention
 from engine.core import kernel_choice, paths_report
 from engine.core import step as stepping
-from engine.core.config import EngineConfig, kv_pool_blocks
+from engine.core.config import (
+    EngineConfig,
+    kv_pool_blocks,
+    layer_block_bytes,
+    local_blocks,
+    pool_bytes,
+)
 from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
 from engine.core.metrics import LayerTiming, MemoryByKind, MetricsSnapshot, RequestMetrics
 from engine.core.output import OutputProcessor, TokenEvent
@@ -43,6 +49,7 @@ from engine.errors import (
 from engine.executor import cuda_graphs, inductor
 from engine.executor.step import LAYER_TIMINGS
 from engine.hardware.memory import free_memory
+from engine.kv_cache.layered import LayeredBlockManager
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
@@ -115,14 +122,16 @@ class LLMEngine:
         self.triton = self.attention.name == "triton"
         self.kernels += kernel_choice.layers(self.model, cfg, dtype, device, self.triton, failures)
         self.kernels += kernel_choice.gemms(self.model, device, dtype, failures)
+        blocks = self._pool_blocks()
         self.kv = PagedKVCache(
             cfg,
-            num_blocks=self._pool_blocks(),
+            num_blocks=blocks,
             block_size=self.config.block_size,
             dtype=dtype,
             device=device,
             prefix_caching=self.config.prefix_caching,
             attention=self.attention,
+            local_blocks=local_blocks(cfg, self.config, blocks),
         )
         self.scheduler = Scheduler(self.kv.manager, self.config.limits, model.rope.long_after)
         #: the window every sequence runs under: the user's within the model's own sliding
@@ -185,12 +194,12 @@ class LLMEngine:
         if sizing is not None:
             config = replace(config, num_blocks=self._check_blocks(sizing.blocks, sizing))
         blocks = kv_pool_blocks(self.cfg, config, self.dtype, self.device)
-        per_block = PagedKVCache.bytes_per_block(self.cfg, config.block_size, self.dtype)
-        grow = (blocks - self.kv.manager.num_blocks) * per_block
+        size = pool_bytes(self.cfg, config, self.dtype, blocks)
+        grow = size - self.kv.nbytes
         free = free_memory(self.device)
         if sizing is None and grow > 0.9 * free:  # a profiled pool fits by its measure
             raise OutOfMemoryError(
-                f"a KV pool of {blocks * per_block / 2**20:.0f} MiB needs "
+                f"a KV pool of {size / 2**20:.0f} MiB needs "
                 f"{grow / 2**20:.0f} MiB more than the current one and {self.device} has "
                 f"{free / 2**20:.0f} MiB free; choose at most "
                 f"{(self.kv.nbytes + 0.9 * free) / 2**20:.0f} MiB"
@@ -541,7 +550,7 @@ class LLMEngine:
             kv_block_cached=tuple(mgr.cached_blocks()),
             kv_blocks_cached=occ.cached_blocks,
             kv_blocks_shared=occ.shared_blocks,
-            kv_block_bytes=PagedKVCache.bytes_per_block(self.cfg, mgr.block_size, self.dtype),
+            **self._pool_figures(),
             prefix_caching=mgr.prefix_caching,
             prefix_cache_query_tokens=mgr.stats.query_tokens,
             prefix_cache_hit_tokens=mgr.stats.hit_tokens,
@@ -552,6 +561,18 @@ class LLMEngine:
             **expert_load(self.model),
             **summary,
         )
+
+    def _pool_figures(self) -> dict[str, Any]:
+        """A block's bytes, and the local layers' own pool where they have one."""
+        mgr, bs = self.kv.manager, self.kv.block_size
+        if not isinstance(mgr, LayeredBlockManager):
+            return {"kv_block_bytes": PagedKVCache.bytes_per_block(self.cfg, bs, self.dtype)}
+        full, local = layer_block_bytes(self.cfg, bs, self.dtype)
+        return {
+            "kv_block_bytes": full, "kv_local_block_bytes": local,
+            "kv_local_blocks_used": mgr.local.num_used,
+            "kv_local_blocks_total": mgr.local.num_blocks,
+        }  # fmt: skip
 
     def request_metrics(self, request_id: str) -> RequestMetrics | None:
         """The figures of a recently finished request (``None`` if unknown or still running)."""

@@ -108,7 +108,12 @@ class MetricsSnapshot:
     kv_block_cached: tuple[bool, ...] = ()  # held by none, keeping a reusable prefix
     kv_blocks_cached: int = 0
     kv_blocks_shared: int = 0
-    kv_block_bytes: int = 0  # K and V of one block, every layer
+    kv_block_bytes: int = 0  # K and V of one block, every layer (the full ones: below)
+    #: the local layers' own pool where they have one (Gemma's sliding layers: only their
+    #: windows), beside the full layers' blocks above: blocks held, blocks, and one's bytes
+    kv_local_blocks_used: int = 0
+    kv_local_blocks_total: int = 0
+    kv_local_block_bytes: int = 0
     prefix_caching: bool = False
     #: tokens of the requests admitted while prefix caching was on, and of those, the tokens
     #: found cached (vLLM's prefix_cache_queries / prefix_cache_hits)

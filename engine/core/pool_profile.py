@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.core.config import EngineConfig, blocks_for_budget
+from engine.core.config import EngineConfig, blocks_for_budget, pool_bytes
 from engine.core.sampling import SamplingParams, make_generator, sample
 from engine.errors import OutOfMemoryError
 from engine.hardware import memory as device_memory
@@ -83,9 +83,8 @@ class PoolSizing:
         """total × utilization − peak − non-torch: what the pool and the gather share."""
         return int(self.total * self.utilization) - self.peak - self.non_torch
 
-    @property
-    def pool_bytes(self) -> int:
-        return max(0, self.blocks) * self.block_bytes
+    #: the pool's bytes at ``blocks`` (with the local layers' own pool where it has one)
+    pool_bytes: int = 0
 
     @property
     def gather_tokens(self) -> int:
@@ -113,15 +112,6 @@ class PoolSizing:
             f"each): {self.summary()}; raise --gpu-memory-utilization, lower "
             "--max-tokens-per-step or the batch size, or choose a smaller precision"
         )
-
-
-def pool_budget(room: float, token_bytes: int, gather_per_token: int, context: int) -> float:
-    """The bytes of a pool's blocks that share ``room`` with the gather term: ``blocks +
-    gather × min(context, pool tokens) = room``, ``token_bytes`` a token."""
-    full = room - gather_per_token * context
-    if full >= token_bytes * context:  # a pool of at least one full context
-        return full
-    return room * token_bytes / (token_bytes + gather_per_token)
 
 
 def size_pool(
@@ -156,11 +146,11 @@ def size_pool(
         blocks=0,
         measured=measured,
     )
-    # the pool's tensors are its blocks and one zero pad slot
-    budget = pool_budget(
-        sizing.room - token_bytes, token_bytes, sizing.gather_per_token, sizing.context
+    # the pool's tensors are its blocks and one zero pad slot; the gather grows with its reach
+    blocks = blocks_for_budget(
+        cfg, config, dtype, sizing.room - token_bytes, sizing.gather_per_token
     )
-    return replace(sizing, blocks=blocks_for_budget(cfg, config, dtype, budget))
+    return replace(sizing, blocks=blocks, pool_bytes=pool_bytes(cfg, config, dtype, max(0, blocks)))
 
 
 def profile_pool(

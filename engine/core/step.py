@@ -138,9 +138,9 @@ def step(engine: LLMEngine) -> list[TokenEvent]:
                 spec.rollback(seq.request_id, seq.num_tokens - 1)
     if spec is not None and drafts:
         spec.step_done(time.perf_counter() - forward_started)
-    if engine.window is not None:
-        for seq in engine.scheduler.running:
-            mgr.release_outside_window(seq.request_id, engine.window)
+    # the blocks fallen out of the cache window, and out of the local layers' own windows
+    for seq in engine.scheduler.running:
+        mgr.release_outside_window(seq.request_id, engine.window)
     engine.collect_layer_timings()
 
     prompt_tokens = sum(

@@ -36,11 +36,11 @@ def score(
     token at each output position, teacher-forced on ``prompt_ids + output_ids``.
 
     It runs through the engine's own paged cache and attention, as generation does, with the
-    same cache window, in forwards of up to :data:`SCORE_CHUNK` tokens. ``decode_steps``
-    computes the outputs one token per forward after a prefill of the prompt (as generation
-    computed them): the two agree up to rounding, which is what the noise floor measures.
-    The engine must be idle and its pool must hold the whole sequence. ``check`` runs before
-    each forward; it may raise to cancel.
+    same cache window, in forwards of up to :data:`SCORE_CHUNK` tokens (and at most the
+    scheduler's tokens per step). ``decode_steps`` computes the outputs one token per forward
+    after a prefill of the prompt (as generation computed them): the two agree up to
+    rounding, which is what the noise floor measures. The engine must be idle and its pool
+    must hold the whole sequence. ``check`` runs before each forward; it may raise to cancel.
     """
     prompt, output = list(prompt_ids), list(output_ids)
     if not prompt:
@@ -51,17 +51,18 @@ def score(
     seq = prompt + output
     inputs = seq[:-1]  # the last token is a target only
     first_row = len(prompt) - 1  # the position that predicts the first output token
-    if decode_steps:
-        spans = [(0, len(prompt))] + [(p, p + 1) for p in range(len(prompt), len(inputs))]
-    else:
-        spans = [(p, min(p + SCORE_CHUNK, len(inputs))) for p in range(0, len(inputs), SCORE_CHUNK)]
+    # chunks of at most a step's tokens, as generation prefills (a local layers' own pool
+    # holds a window and a step's tokens, not the sequence)
+    chunk = min(SCORE_CHUNK, engine.scheduler.limits.max_tokens_per_step)
+    teacher = len(prompt) if decode_steps else len(inputs)
+    spans = [(p, min(p + chunk, teacher)) for p in range(0, teacher, chunk)]
+    spans += [(p, p + 1) for p in range(teacher, len(inputs))]  # decode_steps: one a forward
     manager = engine.kv.manager
-    if not manager.can_grow(SCORE_ID, len(inputs)):
+    if manager.blocks_for(len(inputs)) > manager.num_free:
         raise InvalidRequestError(
             f"scoring {len(inputs)} tokens needs {manager.blocks_for(len(inputs))} KV blocks "
             f"but {manager.num_free} are free; give the KV cache more memory"
         )
-    manager.grow(SCORE_ID, len(inputs))
     out: list[Tensor] = []
     device = engine.device
     try:
@@ -69,6 +70,15 @@ def score(
             rows = [r - start for r in range(max(start, first_row), end)]
             if check:
                 check()
+            # span by span, releasing what the windows leave behind (a local layer's own pool
+            # holds its window and a span, not the sequence)
+            manager.release_outside_window(SCORE_ID, window)
+            if not manager.can_grow(SCORE_ID, end):
+                raise InvalidRequestError(
+                    f"the KV pool has no room for a scoring span of {end - start} tokens; "
+                    "give the KV cache more memory"
+                )
+            manager.grow(SCORE_ID, end)
             ctx = engine.kv.context([SeqChunk(SCORE_ID, start, end - start, window)])
             logits = engine.runner.executor.forward(
                 torch.tensor(inputs[start:end], device=device),

@@ -125,8 +125,14 @@ class StaticDecode:
         width = -(-model.cfg.max_position_embeddings // kv.block_size)
         self.ids = torch.zeros(size, dtype=torch.long, device=dev)
         self.positions = torch.zeros(size, dtype=torch.long, device=dev)
-        self.slots = torch.full((size,), kv.pad_slot, dtype=torch.long, device=dev)
-        self.tables = torch.full((size, width), RELEASED, dtype=torch.int32, device=dev)
+        #: each block group's write slots and block tables (the local layers' where kept
+        #: apart: :mod:`engine.kv_cache.layered`)
+        self.slots = {
+            g: torch.full((size,), g.pad_slot, dtype=torch.long, device=dev) for g in kv.groups
+        }
+        self.tables = {
+            g: torch.full((size, width), RELEASED, dtype=torch.int32, device=dev) for g in kv.groups
+        }
         self.lens = torch.zeros(size, dtype=torch.int32, device=dev)
         self.rows = torch.arange(size, device=dev)
         #: bucket → (the graph, the logits it writes), once captured
@@ -174,27 +180,30 @@ class StaticDecode:
             self.graphs[size] = (graph, logits)
 
     def _forward(self, size: int) -> Tensor:
-        ctx = StaticContext(
-            self.kv, self.slots[:size], self.tables[:size], self.lens[:size], self.window
-        )
+        slots = {g: t[:size] for g, t in self.slots.items()}
+        tables = {g: t[:size] for g, t in self.tables.items()}
+        ctx = StaticContext(self.kv, slots, tables, self.lens[:size], self.window)
         return self.model(self.ids[:size], self.positions[:size], ctx, self.rows[:size])
 
     def _load(self, batch: Batch, size: int) -> None:
-        """The step's rows into the buffers, padding rows after them (length 0, the pad
-        slot); each sequence's block table into its row, as wide as the widest."""
-        mgr, dev = self.kv.manager, self.kv.device
+        """The step's rows into the buffers, padding rows after them (length 0, each group's
+        pad slot); each sequence's block tables into their rows, as wide as the widest."""
+        dev = self.kv.device
         n, pad = len(batch.ids), size - len(batch.ids)
-        slots = [mgr.slots(c.seq_id, c.start, c.start + 1)[0] for c in batch.chunks]
         lens = [c.start + 1 for c in batch.chunks]
-        zeros, pad_slots = [0] * pad, [self.kv.pad_slot] * pad
-        host = [*batch.ids, *zeros, *batch.positions, *zeros, *slots, *pad_slots, *lens, *zeros]
+        zeros = [0] * pad
+        host = [*batch.ids, *zeros, *batch.positions, *zeros, *lens, *zeros]
+        for g in self.kv.groups:
+            host += [g.manager.slots(c.seq_id, c.start, c.start + 1)[0] for c in batch.chunks]
+            host += [g.pad_slot] * pad
         packed = upload(host, dev)
         self.ids[:size].copy_(packed[:size], non_blocking=True)
         self.positions[:size].copy_(packed[size : 2 * size], non_blocking=True)
-        self.slots[:size].copy_(packed[2 * size : 3 * size], non_blocking=True)
-        self.lens[:size].copy_(packed[3 * size :], non_blocking=True)
-        tables = block_tables(mgr, batch.chunks, dev)
-        self.tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        self.lens[:size].copy_(packed[2 * size : 3 * size], non_blocking=True)
+        for i, g in enumerate(self.kv.groups, 3):
+            self.slots[g][:size].copy_(packed[i * size : (i + 1) * size], non_blocking=True)
+            tables = block_tables(g.manager, batch.chunks, dev)
+            self.tables[g][:n, : tables.shape[1]].copy_(tables, non_blocking=True)
 
 
 #: ``(sink, window)`` as the decode kernel takes them (``(0, 0)``: none)

@@ -17,9 +17,19 @@ from torch import Tensor
 
 from engine.hardware.transfer import upload
 from engine.kv_cache.block_manager import RELEASED, BlockManager
+from engine.kv_cache.layered import LayeredBlockManager
 from engine.kv_cache.window import CacheWindow
 from engine.model.attention import AttentionBackend, AttentionContext
 from engine.model.config import ModelConfig
+
+
+@dataclass(frozen=True, eq=False)
+class KVGroup:
+    """Layers whose blocks one manager shares out: its tables address their tensors, whose
+    last slot (``pad_slot``) stays zero and pads gathers."""
+
+    manager: BlockManager
+    pad_slot: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +48,9 @@ class PagedKVCache:
     Each layer's pool is one ``[num_blocks*block_size + 1, 2·kv_heads, head_dim]`` tensor: a
     slot holds the token's K heads, then its V heads, so that storing a step's K/V is one
     write and gathering a sequence's is one read. ``k[layer]`` and ``v[layer]`` are views of
-    the two halves. The extra last slot stays zero and pads gathers."""
+    the two halves. The extra last slot stays zero and pads gathers. With ``local_blocks``, a
+    model's local layers (Gemma's sliding ones) get a pool of that many blocks of their own,
+    shared out by the full layers' manager's partner (:mod:`engine.kv_cache.layered`)."""
 
     def __init__(
         self,
@@ -50,8 +62,16 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         prefix_caching: bool = True,
         attention: AttentionBackend,
+        local_blocks: int | None = None,
     ) -> None:
-        self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
+        window = cfg.local_window if cfg.local_layers else None
+        if window is None or local_blocks is None:
+            self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
+        else:
+            self.manager = LayeredBlockManager(
+                num_blocks, block_size, local_blocks=local_blocks, local_window=window,
+                prefix_caching=prefix_caching,
+            )  # fmt: skip
         #: what each step's attention runs on, and what builds its context
         #: (:mod:`engine.attention`: the engine's load chooses it)
         self.attention = attention
@@ -68,24 +88,43 @@ class PagedKVCache:
             self.model_window if w is None else CacheWindow(0, w)
             for w in map(cfg.layer_window, range(cfg.num_layers))
         ]
-        slots = num_blocks * block_size + 1
-        self.pad_slot = slots - 1
+        full = KVGroup(self.manager, num_blocks * block_size)
+        groups = [full]
+        if isinstance(self.manager, LayeredBlockManager):
+            groups.append(KVGroup(self.manager.local, self.manager.local.num_blocks * block_size))
+        #: each layer's blocks: the full layers', or a local layer's own where they are kept
+        #: apart (:mod:`engine.kv_cache.layered`)
+        self.layer_groups = [
+            groups[-1] if i in cfg.local_layers else full for i in range(cfg.num_layers)
+        ]
+        self.pad_slot = full.pad_slot
         self.heads = cfg.num_heads
         self.kv_heads = heads = cfg.num_kv_heads
-        shape = (slots, 2 * heads, cfg.head_dim)
         # Uninitialised: a slot is read only after it was written, except the pad slot, which
         # masked gathers read and which must hold zeros (0 × garbage may be NaN).
-        self.kv = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.kv = [
+            torch.empty((g.pad_slot + 1, 2 * heads, cfg.head_dim), dtype=dtype, device=device)
+            for g in self.layer_groups
+        ]
         for t in self.kv:
-            t[self.pad_slot].zero_()
+            t[-1].zero_()
         self.k = [t[:, :heads] for t in self.kv]
         self.v = [t[:, heads:] for t in self.kv]
         self.device = torch.device(device)
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers: int | None = None
+    ) -> int:
+        """A block's bytes over ``layers`` layers (default: every layer)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        layers = cfg.num_layers if layers is None else layers
+        return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @property
+    def groups(self) -> list[KVGroup]:
+        """The block groups: the full layers', then the local layers' where kept apart."""
+        return list(dict.fromkeys(self.layer_groups))
 
     @property
     def backend(self) -> str:

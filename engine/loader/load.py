@@ -198,7 +198,7 @@ def _time_step(engine: LLMEngine, threads: int) -> float:
     no room for it."""
     mgr, model = engine.kv.manager, engine.model
     rid, n = "\0threads", TIMED_CONTEXT
-    if mgr.num_free < mgr.blocks_for(n + TIMED_STEPS):
+    if not mgr.can_grow(rid, n + TIMED_STEPS):
         return float("inf")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention import planned as planned_attention
-from engine.core.config import kv_pool_blocks
+from engine.core.config import kv_pool_blocks, layer_block_bytes, local_blocks, pool_bytes
 from engine.core.pool_profile import PoolSizing, size_pool
 from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.hardware import gpu
@@ -60,7 +60,6 @@ from engine.hardware.memory import free_memory
 from engine.kernels import triton_support
 from engine.loader import expert_placement
 from engine.loader.memory_terms import (
-    kv_bytes_per_token,
     load_overhead_bytes,
     rope_bytes,
     workspace_bytes,
@@ -91,7 +90,7 @@ class MemoryPlan:
     device: str
     precision: str
     weights: dict[str, int]  # by kind: embedding, attention, mlp, norm, lm_head
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # a token of context (the full layers' where local ones have a pool)
     kv_pool_bytes: int  # the pool a load with this engine config allocates
     workspace_bytes: int
     runtime_bytes: int
@@ -120,6 +119,8 @@ class MemoryPlan:
     #: the layers whose experts stay in host memory (``--cpu-experts``), and their bytes
     cpu_expert_layers: tuple[int, ...] = ()
     host_expert_bytes: int = 0
+    #: of the pool, the bytes of the local layers' own (their windows: Gemma's sliding layers)
+    kv_local_bytes: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -159,15 +160,17 @@ class MemoryPlan:
     @property
     def max_context(self) -> int:
         """The longest context one sequence can reach here (capped at the model's own)."""
-        return min(self.max_position, self.kv_room_bytes // self.kv_bytes_per_token)
+        room = self.kv_room_bytes - self.kv_local_bytes
+        return min(self.max_position, max(0, room) // self.kv_bytes_per_token)
 
     def max_batch(self, context: int) -> int:
         """Sequences of ``context`` tokens whose KV fits beside everything else."""
-        return self.kv_room_bytes // (max(1, context) * self.kv_bytes_per_token)
+        room = self.kv_room_bytes - self.kv_local_bytes
+        return max(0, room) // (max(1, context) * self.kv_bytes_per_token)
 
     @property
     def pool_tokens(self) -> int:
-        return self.kv_pool_bytes // self.kv_bytes_per_token
+        return (self.kv_pool_bytes - self.kv_local_bytes) // self.kv_bytes_per_token
 
     @property
     def fits(self) -> bool:
@@ -241,6 +244,14 @@ class MemoryPlan:
             *([f"  rotary tables       {_mib(self.rope_bytes):>12}"] if self.rope_bytes else []),
             f"  KV cache per token  {self.kv_bytes_per_token / 1024:>9.1f} KiB "
             f"(pool {_mib(self.kv_pool_bytes)} = {_tokens(self.pool_tokens)})",
+            *(
+                [
+                    f"  local layers' KV    {_mib(self.kv_local_bytes):>12}  (their windows "
+                    "for the running set: a pool of their own, in the pool's figure)"
+                ]
+                if self.kv_local_bytes
+                else []
+            ),
             f"  workspace (est.)    {_mib(self.workspace_bytes):>12}",
             f"  runtime             {_mib(self.runtime_bytes):>12}",
             f"  load overhead       {_mib(self.load_overhead_bytes):>12}  (bound while loading)",
@@ -396,7 +407,7 @@ class _Target:
         weights = weight_bytes_by_kind(cfg, spec, packed=self.packed, backends=backends)
         experts = expert_placement.place(cfg, spec, self.cpu_experts, backends, self.device)
         weights["mlp"] -= experts.device_bytes
-        per_token = kv_bytes_per_token(cfg, spec.compute)
+        per_token, local_per_token = layer_block_bytes(cfg, 1, spec.compute)
         step = workspace_bytes(cfg, spec.compute, config)
         cuda = self.device.type == "cuda"
         rope = rope_bytes(cfg) if cuda else 0
@@ -444,7 +455,13 @@ class _Target:
             precision=spec.text,
             weights=weights,
             kv_bytes_per_token=per_token,
-            kv_pool_bytes=(blocks * config.block_size + 1) * per_token,  # + the zero pad slot
+            # + the zero pad slots
+            kv_pool_bytes=pool_bytes(cfg, config, spec.compute, blocks)
+            + per_token
+            + local_per_token,
+            kv_local_bytes=local_per_token
+            * config.block_size
+            * (local_blocks(cfg, config, blocks) or 0),
             workspace_bytes=step + gather * reach,
             runtime_bytes=self.runtime,
             load_overhead_bytes=load_overhead_bytes(cfg, spec, backends),

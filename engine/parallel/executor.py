@@ -28,7 +28,7 @@ import pickle
 import queue
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from engine.attention.paged import PagedBackend
 from engine.attention.triton import TritonBackend
 from engine.errors import InfersightError
 from engine.kv_cache.contiguous import ContiguousKVCache, _ContiguousContext
+from engine.kv_cache.layered import LayeredBlockManager
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig
@@ -116,6 +117,9 @@ class Paged:
     triton: bool
     chunks: tuple[SeqChunk, ...]
     tables: dict[str, list[int]]
+    #: the local layers' pool and tables, where they are kept apart (None: not)
+    local_blocks: int | None = None
+    local_tables: dict[str, list[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,12 @@ class Driver:
             self._caches[id(cache)] = cache
             chunks = tuple(ctx.chunks)
             tables = {c.seq_id: list(mgr.tables[c.seq_id]) for c in chunks}
-            return Paged(id(cache), mgr.num_blocks, cache.block_size, cache.triton, chunks, tables)
+            recipe = Paged(id(cache), mgr.num_blocks, cache.block_size, cache.triton, chunks,
+                           tables)  # fmt: skip
+            if isinstance(mgr, LayeredBlockManager):
+                local = {c.seq_id: list(mgr.local.tables[c.seq_id]) for c in chunks}
+                recipe = replace(recipe, local_blocks=mgr.local.num_blocks, local_tables=local)
+            return recipe
         if isinstance(ctx, _ContiguousContext):
             c = ctx.cache
             self._caches[id(c)] = c
@@ -323,8 +332,12 @@ def follow(
                     cfg, num_blocks=recipe.num_blocks, block_size=recipe.block_size,
                     dtype=dtype, device=device, prefix_caching=False,
                     attention=TritonBackend() if recipe.triton else PagedBackend(device),
+                    local_blocks=recipe.local_blocks,
                 )  # fmt: skip
             pool.manager.tables = recipe.tables
+            if isinstance(pool.manager, LayeredBlockManager):
+                assert recipe.local_tables is not None
+                pool.manager.local.tables = recipe.local_tables
             ctx = pool.context(list(recipe.chunks))
         else:
             cache = contiguous.get(recipe.cache)

@@ -44,7 +44,7 @@ def _time_forward(
     scratch sequence of ``kv``'s pool, for each length; None where the pool has no room."""
     mgr, rid, context = kv.manager, "\0spec-probe", 64
     longest = context + max(lengths)
-    if mgr.num_free < mgr.blocks_for(longest):
+    if not mgr.can_grow(rid, longest):
         return None
     device = kv.device
     times = {}
