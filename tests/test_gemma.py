@@ -12,6 +12,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplingParams
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.kernels import paged_decode
 from engine.loader.load import load_model
 from engine.model.config import ModelConfig
 from tests.conftest import TINY, TINY_ARCH
@@ -43,6 +44,24 @@ def test_gemma_gives_transformers_logits_and_greedy_ids(tiny_model_dir, arch, ti
     assert logits.abs().max().item() < 3.0  # soft-capped
     params = SamplingParams(max_new_tokens=STEPS, ignore_eos=True)
     assert [e.token_id for e in engine.generate(prompt.tolist(), params)] == ref_ids
+    if paged_decode.kernel().available:  # the C kernels attend, Gemma 2's capping as they go
+        attention = engine.paths()["attention"]
+        assert (attention["decode"], attention["prefill"]) == ("C paged decode", "C paged prefill")
+
+
+def test_gemma2_without_the_c_kernels_caps_in_the_textbook_computation(tiny_model_dir):
+    """The portable path (no C compiler, or ``INFERSIGHT_ATTENTION=gather``): SDPA has no
+    soft cap, so the scores are capped in the textbook computation, to the same logits."""
+    folder, hf = tiny_model_dir("gemma2", True)
+    engine = load_model(folder, precision="fp32")
+    prompt = tiny_prompt(hf)
+    ref_ids = hf_greedy(hf, prompt)
+    with paged_decode.portable():
+        assert engine.paths()["attention"]["decode"] == "gather + textbook attention (soft cap)"
+        logits, ids = ours_step_by_step(engine, prompt.tolist(), STEPS)
+    ref = hf_logits(hf, torch.cat([prompt, torch.tensor(ref_ids[:-1])]))[len(prompt) - 1 :]
+    assert ids == ref_ids
+    assert (logits - ref).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("arch", ARCHS)

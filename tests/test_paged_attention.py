@@ -203,14 +203,17 @@ def prefill_case(length: int, start: int, kv_heads: int, group: int, dim: int, d
     return q, pool, slots, positions
 
 
-def float64_attention(q, pool, slots, positions, start, sink, window):
-    """Textbook attention in float64: K/V repeated per query head, mask, softmax."""
+def float64_attention(q, pool, slots, positions, start, sink, window, cap: float = 0.0):
+    """Textbook attention in float64: K/V repeated per query head, scores soft-capped at
+    ``cap`` (0: not), mask, softmax."""
     length, heads, dim = q.shape
     kv_heads = pool.shape[1] // 2
     rows = pool.index_select(0, slots).double()
     k = rows[:, :kv_heads].repeat_interleave(heads // kv_heads, dim=1)  # [T, H, D]
     v = rows[:, kv_heads:].repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("lhd,thd->hlt", q.double(), k) / dim**0.5
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
     queries = torch.arange(start, start + length)[:, None]
     seen = positions[None, :] <= queries
     if window:
@@ -248,6 +251,37 @@ def test_the_prefill_kernel_matches_float64_attention(
     # fp32 arithmetic from the same inputs; a bf16 result is rounded once more at the end
     tol = 2e-6 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(got.double(), want.to(dtype).double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.no_engine_paths
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("length", "start", "kv_heads", "group", "dim", "sink", "window"),
+    [PREFILL_CASES[2], PREFILL_CASES[3], PREFILL_CASES[6]],
+)
+def test_soft_capped_scores_match_float64_attention(
+    built_at, length, start, kv_heads, group, dim, sink, window, dtype
+) -> None:
+    """Gemma 2's ``cap · tanh(s / cap)`` of each score before the mask, at a cap of 1.5 that
+    these scores (about N(0, 1)) reach: a prefill chunk, and the same keys as one decode row
+    per query (its last)."""
+    q, pool, slots, positions = prefill_case(length, start, kv_heads, group, dim, dtype, sink,
+                                             window, seed=4)  # fmt: skip
+    cap, tol = 1.5, 2e-6 if dtype == torch.float32 else 8e-3
+    got = paged_decode._call_prefill(built_at, q, pool, slots, positions, start, sink, window, cap)
+    want = float64_attention(q, pool, slots, positions, start, sink, window, cap)
+    torch.testing.assert_close(got.double(), want.to(dtype).double(), atol=tol, rtol=tol)
+    assert not torch.allclose(want, float64_attention(q, pool, slots, positions, start, sink,
+                                                      window), atol=1e-2)  # fmt: skip
+    last = q[-1:]  # the chunk's last query, as a decode step: every held key, one row
+    mask = torch.zeros(1, positions.numel())
+    if window:
+        query = start + length - 1
+        hidden = (positions <= query - window) & (positions >= sink)
+        mask[0, hidden] = float("-inf")
+    got = paged_decode._call(built_at, last, pool, slots[None], torch.tensor([slots.numel()]),
+                             mask, cap)  # fmt: skip
+    torch.testing.assert_close(got.double(), want[-1:].to(dtype).double(), atol=tol, rtol=tol)
 
 
 @pytest.mark.no_engine_paths

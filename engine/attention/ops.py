@@ -15,18 +15,23 @@ from torch import Tensor
 
 from engine.kernels import paged_decode
 from engine.kernels.gather_attention import gather_attention
+from engine.model.attention import capped_decode_attention
 
 
 def decode_attention(
-    q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None
-) -> Tensor:
+    q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None,
+    softcap: float | None = None,
+) -> Tensor:  # fmt: skip
     """One query per sequence (``q: [B, H, D]``) over the keys in the first ``lens[b]``
-    columns of its row of ``slots: [B, W]`` (``mask: [B, 1, 1, W]``, additive, or None).
-    Returns ``[B, H·D]``. On CPU the paged kernel reads K/V straight from the pool
-    (:mod:`engine.kernels.paged_decode`); elsewhere, or where it is not available, one padded
-    gather and one SDPA."""
+    columns of its row of ``slots: [B, W]`` (``mask: [B, 1, 1, W]``, additive, or None), its
+    scores soft-capped at ``softcap`` (Gemma 2's; None: not). Returns ``[B, H·D]``. On CPU the
+    paged kernel reads K/V straight from the pool (:mod:`engine.kernels.paged_decode`);
+    elsewhere, or where it is not available, one padded gather and one SDPA, or under a cap
+    (which SDPA has not) the textbook computation."""
     if paged_decode.usable(q, pool):
-        return paged_decode.paged_attention(q, pool, slots, lens, mask)
+        return paged_decode.paged_attention(q, pool, slots, lens, mask, softcap or 0.0)
+    if softcap is not None:
+        return capped_decode_attention(q, pool, slots, mask, softcap)
     return gather_attention(q, pool, slots, mask)
 
 

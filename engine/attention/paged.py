@@ -31,7 +31,6 @@ from engine.model.attention import (
     AttentionContext,
     DecodeTables,
     capped_attention,
-    capped_decode_attention,
     grouped_attention,
 )
 from engine.model.config import ModelConfig
@@ -97,8 +96,9 @@ class PagedBackend(AttentionBackend):
         and its attention: each row's slot (int64) and additive mask element, and where the
         torch path gathers (the C kernel reads the pool in place) the token's K and V."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        gathered = 0 if self.kernel(dtype) else 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-        if cfg.attn_softcap is not None:  # the textbook path (capped_decode_attention)
+        kernel = self.kernel(dtype)
+        gathered = 0 if kernel else 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+        if cfg.attn_softcap is not None and not kernel:  # the textbook path (it caps)
             gathered = _capped_bytes(cfg, itemsize, 1)
         # a step keeps an additive mask per window its layers attend under (Gemma's two)
         masks = (cfg.window_count - 1) * itemsize
@@ -106,15 +106,18 @@ class PagedBackend(AttentionBackend):
 
     def prefill_bytes_per_token(self, cfg: ModelConfig, dtype: torch.dtype, chunk: int) -> int:
         """A prefill chunk of ``chunk`` queries: its keys' slots and positions (int64); through
-        the paged C prefill kernel (where it measured faster) nothing more, as it masks as it
+        the paged C prefill kernel (where it measured faster, and always under a soft cap)
+        nothing more, as it masks as it
         goes; on the portable path the token's K and V gathered, and its mask column: the
         boolean mask, its copy repeated over the query group, and SDPA's additive mask made of
         it in the compute dtype."""
         chunk = min(chunk, cfg.max_position_embeddings)
-        if cfg.attn_softcap is not None:  # the textbook path, a chunk's scores at once
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.attn_softcap is not None:  # the C kernel (it caps), else the textbook path
+            if self.kernel(dtype):
+                return 2 * SLOT_BYTES
             itemsize = torch.empty((), dtype=dtype).element_size()
             return SLOT_BYTES + _capped_bytes(cfg, itemsize, max(1, chunk))
-        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         measured = chunk and self.measure and self.kernel(dtype)
         if measured and paged_decode.prefill_faster(dtype, *heads):
             return 2 * SLOT_BYTES
@@ -150,11 +153,13 @@ class PagedContext(PoolContext):
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
         super().__init__(cache, chunks)
         pool = cache.kv[0]
+        heads = (cache.heads, cache.kv_heads, pool.shape[2])
         self._kernel = (
             len(chunks) > self.num_decode
-            and cache.softcap is None  # the kernel does not cap scores
             and paged_decode.reads_pool(pool)
-            and paged_decode.prefill_faster(pool.dtype, cache.heads, cache.kv_heads, pool.shape[2])
+            # under a soft cap the kernel (which caps) beats the textbook path (which has no
+            # flash kernel): taken without timing
+            and (cache.softcap is not None or paged_decode.prefill_faster(pool.dtype, *heads))
         )
         # one set per block group and window the layers attend under (Gemma's two)
         layers = list(zip(cache.layer_groups, cache.layer_windows, strict=True))
@@ -275,53 +280,40 @@ class PagedContext(PoolContext):
         return self._attend_pool(q, pool, layer)
 
     def _attend_pool(self, q: Tensor, pool: Tensor, layer: int) -> Tensor:
-        """The step's attention on the torch and C paths, its K/V already in ``pool``."""
+        """The step's attention on the torch and C paths, its K/V already in ``pool``; scores
+        soft-capped where the model caps them (Gemma 2: in the C kernels, else the textbook
+        computation, as SDPA has no cap)."""
         masks = self._masks[layer]
         cap = self.cache.softcap
-        if cap is not None:
-            return self._capped(q, pool, masks, cap)
         mask = masks.decode_mask if masks.mask_needed else None
         if self.decode_only:
             assert masks.decode_slots is not None
             assert masks.decode_lens is not None
-            return decode_attention(q, pool, masks.decode_slots, masks.decode_lens, mask)
+            return decode_attention(q, pool, masks.decode_slots, masks.decode_lens, mask, cap)
         tokens, heads, dim = q.shape
         kv_heads = self.cache.kv_heads
         out = q.new_empty(tokens, heads * dim)
         if masks.decode_slots is not None:
             assert masks.decode_lens is not None
             out[: self.num_decode] = decode_attention(
-                q[: self.num_decode], pool, masks.decode_slots, masks.decode_lens, mask
+                q[: self.num_decode], pool, masks.decode_slots, masks.decode_lens, mask, cap
             )
         for offset, length, read, slots in masks.prefill:
             chunk = q[offset : offset + length]
             if isinstance(read, _Prefill):
                 out[offset : offset + length] = paged_decode.paged_prefill(
-                    chunk, pool, slots, read.positions, read.start, read.sink, read.window
-                )
+                    chunk, pool, slots, read.positions, read.start, read.sink, read.window,
+                    cap or 0.0,
+                )  # fmt: skip
                 continue
             rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
-            out[offset : offset + length] = grouped_attention(
-                chunk, rows[:kv_heads], rows[kv_heads:], read, causal=read is None
-            )
-        return out
-
-    def _capped(self, q: Tensor, pool: Tensor, masks: _Masks, cap: float) -> Tensor:
-        """The step's attention with soft-capped scores (Gemma 2), on the torch path."""
-        tokens, heads, dim = q.shape
-        kv_heads = self.cache.kv_heads
-        out = q.new_empty(tokens, heads * dim)
-        if masks.decode_slots is not None:
-            mask = masks.decode_mask if masks.mask_needed else None
-            out[: self.num_decode] = capped_decode_attention(
-                q[: self.num_decode], pool, masks.decode_slots, mask, cap
-            )
-        for offset, length, read, slots in masks.prefill:
-            assert not isinstance(read, _Prefill)  # no kernel path under a cap
-            rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
-            out[offset : offset + length] = capped_attention(
-                q[offset : offset + length], rows[:kv_heads], rows[kv_heads:], read, cap
-            )
+            keys, values = rows[:kv_heads], rows[kv_heads:]
+            if cap is not None:
+                out[offset : offset + length] = capped_attention(chunk, keys, values, read, cap)
+            else:
+                out[offset : offset + length] = grouped_attention(
+                    chunk, keys, values, read, causal=read is None
+                )
         return out
 
 

@@ -35,14 +35,17 @@ PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def attention_kernel(engine: LLMEngine, kind: str) -> str:
     """The kernel ``engine``'s steps of ``kind`` attend with: by its pool's backend; a CPU
-    prefill on the paged C kernel or SDPA, as measured (:func:`paged_decode.prefill_faster`)."""
-    backend = engine.kv.backend
+    prefill on the paged C kernel or SDPA, as measured (:func:`paged_decode.prefill_faster`);
+    soft-capped scores (Gemma 2) on the C kernels, which cap, else the textbook computation."""
+    backend, cfg = engine.kv.backend, engine.cfg
+    capped = cfg.attn_softcap is not None
     if (backend, kind) == ("c", "prefill"):
-        cfg = engine.cfg
-        faster = paged_decode.prefill_faster(
+        faster = capped or paged_decode.prefill_faster(
             engine.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         )
         return "C paged prefill" if faster else "SDPA"
+    if capped and backend == "torch":
+        return "gather + textbook attention (soft cap)"
     return ATTENTION_KERNELS[backend, kind]
 
 

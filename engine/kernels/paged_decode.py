@@ -102,12 +102,13 @@ def _load(path: Path) -> Kernel:
     fn = library.infersight_paged_decode
     fn.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
+    f32 = ctypes.c_float
+    fn.argtypes = [p, p, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, f32, f32,
                    ctypes.c_int]  # fmt: skip
     prefill = library.infersight_paged_prefill
     prefill.restype = ctypes.c_int
-    prefill.argtypes = [p, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64,
-                        ctypes.c_float, i64, i64, ctypes.c_int]  # fmt: skip
+    prefill.argtypes = [p, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, f32, f32,
+                        i64, i64, ctypes.c_int]  # fmt: skip
     return Kernel(fn, "paged kernels (K/V read through the block tables)", prefill)
 
 
@@ -144,6 +145,7 @@ def _check(k: Kernel) -> str:
     """One small call of each dtype against the portable path, within :func:`_tolerance`:
     '' if they agree."""
     from engine.kernels.gather_attention import gather_attention
+    from engine.model.attention import capped_decode_attention
 
     gen = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
@@ -155,21 +157,32 @@ def _check(k: Kernel) -> str:
         mask[1, 5:] = mask[2, 13:] = float("-inf")
         mask[0, 2:7] = float("-inf")
         q = torch.randn(3, 6, 32, generator=gen).to(dtype)
-        want = gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
-        got = _call(k, q, pool, slots, lens, mask)
-        why = verify.differs(f"{dtype} decode", got, want, _tolerance(dtype, 32, slots.shape[1]))
-        if why:
-            return why
+        tolerance = _tolerance(dtype, 32, slots.shape[1])
+        for cap in (0.0, CHECK_CAP):  # plain, and soft-capped scores (Gemma 2's)
+            if cap:
+                want = capped_decode_attention(
+                    q, pool, slots, mask[:, None, None, :].to(dtype), cap
+                )
+            else:
+                want = gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
+            got = _call(k, q, pool, slots, lens, mask, cap)
+            if why := verify.differs(f"{dtype} decode (cap {cap})", got, want, tolerance):
+                return why
         # a prefill chunk of 21 queries after 40 cached keys, under a window with a sink
         held = torch.cat([torch.arange(4), torch.arange(20, 61)])  # the window gave 4..19 back
         chunk = torch.randn(21, 6, 32, generator=gen).to(dtype)
         kept = slots.view(-1)[: held.numel()].contiguous()
-        want = prefill_reference(chunk, pool, kept, held, 40, 4, 24)
-        got = _call_prefill(k, chunk, pool, kept, held, 40, 4, 24)
-        why = verify.differs(f"{dtype} prefill", got, want, _tolerance(dtype, 32, held.numel()))
-        if why:
-            return why
+        tolerance = _tolerance(dtype, 32, held.numel())
+        for cap in (0.0, CHECK_CAP):
+            want = prefill_reference(chunk, pool, kept, held, 40, 4, 24, cap)
+            got = _call_prefill(k, chunk, pool, kept, held, 40, 4, 24, cap)
+            if why := verify.differs(f"{dtype} prefill (cap {cap})", got, want, tolerance):
+                return why
     return ""
+
+
+#: the soft cap the check runs at: low enough that the scores of its random data reach it
+CHECK_CAP = 1.5
 
 
 #: off inside :func:`portable`, for side-by-side measurements
@@ -206,23 +219,27 @@ def usable(q: Tensor, pool: Tensor) -> bool:
 
 
 def paged_attention(
-    q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None
-) -> Tensor:
+    q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None,
+    softcap: float = 0.0,
+) -> Tensor:  # fmt: skip
     """``q: [B, H, D]`` over the keys in the first ``lens[b]`` columns of ``slots[b]``
-    (``mask``: additive, ``[B, W]`` or ``[B, 1, 1, W]``, or None). Returns ``[B, H·D]`` in
-    ``q``'s dtype. Call where :func:`usable` said yes. An eager step calls the kernel directly
-    (the torch op's dispatch costs about what the call of a small step does), recorded under
-    the op's name while ``bench --profile`` runs; a compiled graph calls the op."""
-    if torch.compiler.is_compiling():
+    (``mask``: additive, ``[B, W]`` or ``[B, 1, 1, W]``, or None), each score soft-capped to
+    ``softcap·tanh(s / softcap)`` where ``softcap > 0``. Returns ``[B, H·D]`` in ``q``'s
+    dtype. Call where :func:`usable` said yes. An eager step calls the kernel directly (the
+    torch op's dispatch costs about what the call of a small step does), recorded under the
+    op's name while ``bench --profile`` runs; a compiled graph (no cap) calls the op."""
+    if torch.compiler.is_compiling() and not softcap:
         return torch.ops.infersight.paged_attention_kernel(q, pool, slots, lens, mask)
     return native.call(
-        "infersight::paged_attention_kernel", _call, kernel(), q, pool, slots, lens, mask
-    )
+        "infersight::paged_attention_kernel", _call, kernel(), q, pool, slots, lens, mask,
+        softcap,
+    )  # fmt: skip
 
 
 def _call(
-    k: Kernel, q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None
-) -> Tensor:
+    k: Kernel, q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None,
+    softcap: float = 0.0,
+) -> Tensor:  # fmt: skip
     assert k.fn is not None
     # raw pointers cross into C: the layouts it assumes are checked here
     if slots.dtype != torch.long or lens.dtype != torch.long or not pool.is_contiguous():
@@ -238,7 +255,7 @@ def _call(
     rc = k.fn(
         qf.data_ptr(), pool.data_ptr(), int(pool.dtype == torch.bfloat16), slots.data_ptr(),
         lens.data_ptr(), None if m is None else m.data_ptr(), out.data_ptr(), b,
-        slots.shape[1], heads, kv_heads, dim, dim**-0.5, torch.get_num_threads(),
+        slots.shape[1], heads, kv_heads, dim, dim**-0.5, softcap, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("the paged decode kernel ran out of memory for its scratch space")
@@ -249,14 +266,15 @@ def _call(
 # The prefill kernel as a torch op too, for the same reasons.
 _LIB.define(  # type: ignore[no-untyped-call]
     "paged_prefill_kernel(Tensor q, Tensor pool, Tensor slots, Tensor positions, int start, "
-    "int sink, int window) -> Tensor"
+    "int sink, int window, float softcap=0.) -> Tensor"
 )
 
 
 def _prefill_op(
-    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int, window: int
-) -> Tensor:
-    return _call_prefill(kernel(), q, pool, slots, positions, start, sink, window)
+    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int,
+    window: int, softcap: float = 0.0,
+) -> Tensor:  # fmt: skip
+    return _call_prefill(kernel(), q, pool, slots, positions, start, sink, window, softcap)
 
 
 _LIB.impl("paged_prefill_kernel", _prefill_op, "CPU")  # type: ignore[no-untyped-call]
@@ -264,8 +282,9 @@ _LIB.impl("paged_prefill_kernel", _prefill_op, "CPU")  # type: ignore[no-untyped
 
 @torch.library.register_fake("infersight::paged_prefill_kernel", lib=_LIB)  # type: ignore[untyped-decorator]
 def _(
-    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int, window: int
-) -> Tensor:
+    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int,
+    window: int, softcap: float = 0.0,
+) -> Tensor:  # fmt: skip
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -281,27 +300,31 @@ def reads_pool(pool: Tensor) -> bool:
 
 
 def paged_prefill(
-    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int, window: int
-) -> Tensor:
+    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int,
+    window: int, softcap: float = 0.0,
+) -> Tensor:  # fmt: skip
     """One sequence's chunk ``q: [L, H, D]`` at positions ``start …`` over the keys in
     ``slots`` (positions ``positions``, ascending); a key is seen by query ``p`` when its
-    position is ``<= p`` and, with ``window > 0``, ``> p - window`` or ``< sink``. Returns
-    ``[L, H·D]`` in ``q``'s dtype. Call where :func:`reads_pool` said yes."""
+    position is ``<= p`` and, with ``window > 0``, ``> p - window`` or ``< sink``; scores
+    soft-capped where ``softcap > 0``. Returns ``[L, H·D]`` in ``q``'s dtype. Call where
+    :func:`reads_pool` said yes."""
     if torch.compiler.is_compiling():
         return torch.ops.infersight.paged_prefill_kernel(
-            q, pool, slots, positions, start, sink, window
+            q, pool, slots, positions, start, sink, window, softcap
         )
     return native.call(
         "infersight::paged_prefill_kernel", _call_prefill, kernel(), q, pool, slots, positions,
-        start, sink, window,
+        start, sink, window, softcap,
     )  # fmt: skip
 
 
 def prefill_reference(
-    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int, window: int
-) -> Tensor:
-    """What :func:`paged_prefill` computes, the portable way: gather, mask, SDPA."""
-    from engine.model.attention import grouped_attention
+    q: Tensor, pool: Tensor, slots: Tensor, positions: Tensor, start: int, sink: int,
+    window: int, softcap: float = 0.0,
+) -> Tensor:  # fmt: skip
+    """What :func:`paged_prefill` computes, the portable way: gather, mask, SDPA (the
+    textbook computation where scores are soft-capped)."""
+    from engine.model.attention import capped_attention, grouped_attention
 
     kv_heads = pool.shape[1] // 2
     rows = pool.index_select(0, slots).transpose(0, 1)
@@ -309,6 +332,8 @@ def prefill_reference(
     mask = positions[None, :] <= queries[:, None]
     if window > 0:
         mask &= (positions[None, :] > queries[:, None] - window) | (positions[None, :] < sink)
+    if softcap:
+        return capped_attention(q, rows[:kv_heads], rows[kv_heads:], mask, softcap)
     return grouped_attention(q, rows[:kv_heads], rows[kv_heads:], mask)
 
 
@@ -321,6 +346,7 @@ def _call_prefill(
     start: int,
     sink: int,
     window: int,
+    softcap: float = 0.0,
 ) -> Tensor:
     assert k.prefill is not None
     if slots.dtype != torch.long or positions.dtype != torch.long or not pool.is_contiguous():
@@ -334,7 +360,7 @@ def _call_prefill(
     rc = k.prefill(
         qf.data_ptr(), pool.data_ptr(), formats, slots.data_ptr(),
         positions.data_ptr(), out.data_ptr(), length, slots.numel(), start, heads,
-        pool.shape[1] // 2, dim, dim**-0.5, sink, window, torch.get_num_threads(),
+        pool.shape[1] // 2, dim, dim**-0.5, softcap, sink, window, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("the paged prefill kernel ran out of memory for its copy of K/V")

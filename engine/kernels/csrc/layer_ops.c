@@ -206,7 +206,7 @@ typedef int (*int4_fn)(const void *x, int x_bf16, int64_t m, int64_t k, int64_t 
 typedef int (*attend_fn)(const float *q, const void *pool, int bf16, const int64_t *slots,
                          const int64_t *lens, const float *mask, float *out, int64_t B,
                          int64_t W, int64_t H, int64_t Hkv, int64_t D, float scale,
-                         int threads);
+                         float cap, int threads);
 
 /* one linear: which kernel, and its operands (engine/kernels/decode_step.py: Product) */
 enum { PRODUCT_GEMV = 0, PRODUCT_INT8 = 1, PRODUCT_INT4 = 2 };
@@ -361,7 +361,7 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
             for (int64_t i = 0; i < qd; i++) qf[b * qd + i] = at(qkv, bf16, b * width + i);
         SPENT(SPENT_OTHER);
         if ((rc = m->attend(qf, pools[l], bf16, slots, lens, mask, af, B, W, H, Hkv, D,
-                            m->scale, m->threads)))
+                            m->scale, 0.0f, m->threads))) /* the models it runs cap none */
             break;
         SPENT(SPENT_ATTENTION);
         const void *attended = af;

@@ -43,7 +43,8 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
  * (h1-h0) * (group*(TILE + 2 + D) + 2*TILE*D) floats. */
 static void attend_item(const float *q, const void *pool, int bf16, const int64_t *srow,
                         int64_t n, const float *mrow, float *out, int64_t Hkv, int64_t group,
-                        int64_t D, float scale, int64_t h0, int64_t h1, float *scratch) {
+                        int64_t D, float scale, float cap, int64_t h0, int64_t h1,
+                        float *scratch) {
     const int64_t heads = (h1 - h0) * group; /* query heads of this item */
     const int64_t row = 2 * Hkv * D;          /* elements per slot */
     float *s = scratch;                       /* [heads, TILE] scores, then probabilities */
@@ -85,7 +86,8 @@ static void attend_item(const float *q, const void *pool, int bf16, const int64_
             for (int64_t kh = 0; kh < h1 - h0; kh++)
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = kh * group + g;
-                    s[h * TILE + j] = dot_f32(qh + h * D, k + kh * D, D) * scale + add;
+                    const float x = dot_f32(qh + h * D, k + kh * D, D) * scale;
+                    s[h * TILE + j] = (cap > 0.0f ? cap * tanhf(x / cap) : x) + add;
                 }
         }
         for (int64_t h = 0; h < heads; h++) {
@@ -142,11 +144,13 @@ static void attend_item(const float *q, const void *pool, int bf16, const int64_
 
 /* q: [B, H, D] fp32; pool: [S, 2*Hkv, D] fp32 (bf16 = 0) or bf16 (bf16 = 1); slots: [B, W];
  * lens[b]: how many leading columns of row b are real (the rest is padding); mask: [B, W]
- * additive fp32 or NULL; out: [B, H, D] fp32. Returns 0, or -1 when out of memory. */
+ * additive fp32 or NULL; cap > 0: each score s is soft-capped to cap * tanh(s / cap) before
+ * the mask is added (Gemma 2's attn_logit_softcapping), 0: not; out: [B, H, D] fp32.
+ * Returns 0, or -1 when out of memory. */
 int infersight_paged_decode(const float *q, const void *pool, int bf16, const int64_t *slots,
                             const int64_t *lens, const float *mask, float *out, int64_t B,
                             int64_t W, int64_t H, int64_t Hkv, int64_t D, float scale,
-                            int threads) {
+                            float cap, int threads) {
     const int64_t group = H / Hkv;
     /* fewer sequences than threads: split each one's KV heads into `split` ranges */
     int64_t split = B >= threads ? 1 : (threads + B - 1) / B;
@@ -164,8 +168,8 @@ int infersight_paged_decode(const float *q, const void *pool, int bf16, const in
             const int64_t h1 = h0 + per < Hkv ? h0 + per : Hkv;
             if (buf == NULL || h0 >= h1) continue;
             attend_item(q + b * H * D, pool, bf16, slots + b * W, lens[b],
-                        mask ? mask + b * W : NULL, out + b * H * D, Hkv, group, D, scale, h0,
-                        h1, buf);
+                        mask ? mask + b * W : NULL, out + b * H * D, Hkv, group, D, scale, cap,
+                        h0, h1, buf);
         }
         free(buf);
     }
@@ -387,8 +391,8 @@ static void values_tile(const float *P, const float *V, int64_t tn, int64_t rows
  * QT*group*(2*D + KT + 3) floats. */
 static void prefill_item(const float *q, const float *kt, const float *vc, const int64_t *kpos,
                          int64_t T, int64_t start, int64_t i0, int64_t i1, int64_t kh,
-                         int64_t H, int64_t Hkv, int64_t D, float scale, int64_t sink,
-                         int64_t window, int dot, float *out, float *scratch) {
+                         int64_t H, int64_t Hkv, int64_t D, float scale, float cap,
+                         int64_t sink, int64_t window, int dot, float *out, float *scratch) {
     const int64_t group = H / Hkv, rows = (i1 - i0) * group, P = (D + 1) / 2;
     float *qs = scratch;        /* [rows][D] scaled queries */
     float *acc = qs + rows * D; /* [rows][D] */
@@ -443,6 +447,12 @@ static void prefill_item(const float *q, const float *kt, const float *vc, const
         else
 #endif
             SCORES[nv](qs, kt + tile * D * KT, rows, D, S, top_);
+        if (cap > 0.0f) /* soft-capped scores; the cap keeps their order, so each row's top */
+            for (int64_t r = 0; r < rows; r++) {
+                float *s = S + r * KT;
+                for (int64_t j = 0; j < width; j++) s[j] = cap * tanhf(s[j] / cap);
+                top_[r] = cap * tanhf(top_[r] / cap);
+            }
         /* Masked key by key only on an edge: a key after some query, or (windowed) one
          * out of some query's window that is not a sink. Elsewhere every computed score
          * counts, and the micro-kernel's maximum is the row's. */
@@ -540,15 +550,15 @@ static void copy_tile(const void *pool, int bf16, int dot, const int64_t *slots,
  * set when the pool holds bf16, bit 1 when q's values are bf16 too (a bf16 model's queries,
  * widened: Q.K may then run on bf16 dot products); slots[T] and kpos[T]: the sequence's
  * slots and their positions, ascending; a key is seen by query p when kpos <= p and
- * (window == 0, or kpos > p - window, or kpos < sink); out: [L, H, D] fp32. Returns 0, or
- * -1 when out of memory.
+ * (window == 0, or kpos > p - window, or kpos < sink); cap as for decode; out: [L, H, D]
+ * fp32. Returns 0, or -1 when out of memory.
  *
  * The keys and values are read from the pool once, into one fp32 copy of the call (K
  * transposed tile by tile), which every query tile then reads. */
 int infersight_paged_prefill(const float *q, const void *pool, int formats, const int64_t *slots,
                              const int64_t *kpos, float *out, int64_t L, int64_t T,
                              int64_t start, int64_t H, int64_t Hkv, int64_t D, float scale,
-                             int64_t sink, int64_t window, int threads) {
+                             float cap, int64_t sink, int64_t window, int threads) {
     const int64_t group = H / Hkv, tiles = (L + QT - 1) / QT, ktiles = (T + KT - 1) / KT;
     const int bf16 = formats & 1, dot = BF16_DOT && (formats & 3) == 3;
     const size_t per_head = (size_t)(ktiles * KT * D);
@@ -573,7 +583,7 @@ int infersight_paged_prefill(const float *q, const void *pool, int formats, cons
             const int64_t i0 = tile * QT, i1 = i0 + QT < L ? i0 + QT : L;
             if (buf == NULL) continue;
             prefill_item(q, kv + kh * per_head, kv + (Hkv + kh) * per_head, kpos, T, start, i0,
-                         i1, kh, H, Hkv, D, scale, sink, window, dot, out, buf);
+                         i1, kh, H, Hkv, D, scale, cap, sink, window, dot, out, buf);
         }
         free(buf);
     }
