@@ -87,28 +87,47 @@ def test_the_plan_command_says_where_the_experts_go():
     assert re.search(r"verdict\s+fits", out.stdout)
 
 
-def test_a_load_checks_its_count_and_experts_run_where_they_are_placed(tiny_model_dir):
+@pytest.mark.parametrize(
+    ("arch", "precision"),
+    [("qwen3_moe", "fp32"), ("qwen2_moe", "fp32"), ("qwen3_moe", "int4-g32")],
+)
+def test_a_load_checks_its_count_and_experts_run_where_they_are_placed(
+    tiny_model_dir, arch, precision
+):
     """On a CPU both sides are the CPU: a load keeps every expert where the rest is, after
-    checking the count against the model; experts marked as living on the CPU (as a GPU
-    load marks the layers it kept in host memory) give the same logits, their rows sent
-    there and back."""
+    checking the count against the model; experts marked as living in host memory (as a
+    GPU load marks the layers it kept there) give the same logits, each layer's rows, chosen
+    experts and weights crossing once (:mod:`engine.model.host_crossing`), the shared expert
+    (Qwen2-MoE's) run beside them, quantized experts on their own kernel (one C call a
+    decode row)."""
     import torch
 
     from engine.loader.load import load_model
     from engine.model.moe import MoE
 
-    folder, _ = tiny_model_dir("qwen3_moe", False)  # layers 0 and 2 of experts, 1 dense
-    with pytest.raises(InvalidRequestError, match="this model has 2 layers of experts"):
-        load_model(folder, precision="fp32", config=EngineConfig(cpu_experts=3))
-    engine = load_model(folder, precision="fp32", config=EngineConfig(cpu_experts=2))
-    ids = list(range(3, 30))
-    before = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0)
+    folder, _ = tiny_model_dir(arch, False)  # Qwen3-MoE: layers 0 and 2 of experts, 1 dense
+    count = len(expert_placement.expert_layers(ModelConfig.from_file(folder / "config.json")))
+    with pytest.raises(InvalidRequestError, match=f"this model has {count} layers of experts"):
+        load_model(folder, precision=precision, config=EngineConfig(cpu_experts=count + 1))
+    engine = load_model(folder, precision=precision, config=EngineConfig(cpu_experts=count))
     moes = [layer.mlp for layer in engine.model.layers if isinstance(layer.mlp, MoE)]
-    assert len(moes) == 2 and all(m.expert_device is None for m in moes)
+    assert len(moes) == count
+    assert all(m.expert_device is None and m.crossing is None for m in moes)
+    assert (moes[0].shared is not None) == (arch == "qwen2_moe")
+    ids = list(range(3, 30))
+    prompt_ids, decode = ids[:-1], ids[-1:]
+
+    def logits():
+        cache = engine.runner.new_cache(len(ids))
+        prompt = engine.runner.forward_logits(prompt_ids, cache, 0)
+        return prompt, engine.runner.forward_logits(decode, cache, len(prompt_ids))
+
+    before = logits()
     for moe in moes:
-        moe.expert_device = torch.device("cpu")
-    after = engine.runner.forward_logits(ids, engine.runner.new_cache(len(ids)), 0)
-    assert torch.equal(before, after)
+        moe.keep_on_host(torch.device("cpu"))
+    assert all(m.crossing is not None for m in moes)
+    after = logits()
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
 
 
 def test_on_a_cpu_nothing_moves_and_the_plan_counts_every_expert():

@@ -23,12 +23,8 @@ from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.loader.memory_plan import (
-    CUDA_RUNTIME_BYTES,
-    MemoryPlan,
-    kv_bytes_per_token,
-    plan_memory,
-)
+from engine.loader.memory_plan import CUDA_RUNTIME_BYTES, MemoryPlan, plan_memory
+from engine.loader.memory_terms import kv_bytes_per_token
 from engine.model.config import ModelConfig
 from engine.quant.spec import parse_precision_spec
 

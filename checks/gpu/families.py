@@ -1,13 +1,15 @@
 """The families issue 49 brought, on their fast paths: a mixture of experts' routed experts in
 the grouped INT4 GEMM (Qwen3-30B-A3B's shapes, two of its layers, at int4-g32+head) against
-the same engine with its experts one module at a time, and Gemma 3's local and global layers
-on our Triton attention (Gemma-3-4B's shapes, six of its layers: five local, one global)
-against torch's. Greedy ids compared with the tie rule; the paths report says what ran. The
-dry run takes tiny widths of both (one layer of experts; a local layer and a global one), our
-kernels in Triton's interpreter."""
+the same engine with its experts one module at a time and with them in host memory on the
+CPU kernels (``--cpu-experts``: the rows crossing once a layer), and Gemma 3's local and
+global layers on our Triton attention (Gemma-3-4B's shapes, six of its layers: five local,
+one global) against torch's. Greedy ids compared with the tie rule; the paths report says
+what ran. The dry run takes tiny widths of both (one layer of experts; a local layer and a
+global one), our kernels in Triton's interpreter."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -73,11 +75,37 @@ def check_families(scale: Scale, device: torch.device, dry: bool, figures: dict[
             runs[name]["decode_tok_s"] = decode_speed(engine, prompt, scale)
     grouped_vs_modules = parting(runs["grouped"]["ids"], runs["modules"]["ids"],
                                  partial(our_logprobs, engine, prompt))  # fmt: skip
+    # --cpu-experts: every layer's experts in host memory on the CPU kernels, each layer's rows
+    # crossing to them and back once (engine/model/host_crossing.py); on the dry run's CPU
+    # both sides are the CPU, the crossing marked as a GPU load marks it
+    count = len(layers)
+    if dry:
+        for layer in layers:
+            layer.keep_on_host(device)
+        host = engine
+    else:
+        host = None
     del engine, layers
+    release(device)
+    if host is None:
+        with kernels(ours):
+            host = build_engine(moe, "int4-g32+head", str(device),
+                                config=replace(config, cpu_experts=count))  # fmt: skip
+    runs["host"] = {
+        "experts": sorted({row.get("experts", "") for row in host.paths()["layers"]}),
+        "ids": greedy(host, prompt, tokens),
+    }
+    if not dry:
+        runs["host"]["decode_tok_s"] = decode_speed(host, prompt, scale)
+    host_vs_grouped = parting(runs["host"]["ids"], runs["grouped"]["ids"],
+                              partial(our_logprobs, host, prompt))  # fmt: skip
+    del host
     release(device)
     figures["moe"] = {k: {f: v for f, v in r.items() if f != "ids"} for k, r in runs.items()}
     figures["moe"]["grouped_vs_modules"] = grouped_vs_modules
+    figures["moe"]["host_vs_grouped"] = host_vs_grouped
     expect(grouped_vs_modules["agree"], f"grouped experts part, not at a tie: {grouped_vs_modules}")
+    expect(host_vs_grouped["agree"], f"experts on the host part, not at a tie: {host_vs_grouped}")
     want = "grouped Triton GEMM" if device.type == "cuda" or dry else "one C call"
     expect(runs["grouped"]["experts"] == [want], f"the experts ran {runs['grouped']['experts']}")
     gemma_runs: dict[str, Any] = {}

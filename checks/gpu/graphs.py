@@ -45,9 +45,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.executor import inductor
 from engine.kernels import triton_support
-from engine.loader.memory_plan import (
-    kv_bytes_per_token,
-)
+from engine.loader.memory_terms import kv_bytes_per_token
 from engine.loader.synthetic import build_engine
 from engine.model.config import ModelConfig
 

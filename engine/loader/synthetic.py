@@ -25,7 +25,9 @@ from tokenizers import models, pre_tokenizers
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.loader import expert_placement
 from engine.loader.load import engine_for
+from engine.loader.memory_plan import plan_memory
 from engine.loader.random_weights import SyntheticCheckpoint, write_drawn
 from engine.loader.weights import load_transformer
 from engine.model.config import ModelConfig
@@ -74,7 +76,14 @@ def build_engine(
     spec.check_layers(cfg.num_layers)
     source = SyntheticCheckpoint(cfg, seed=seed, device=torch_device)
     quant = spec.kind_for if spec.quantized else None
-    model = load_transformer(Path(name), cfg, spec.compute, torch_device, quant, source=source)
+    engine_config = config or EngineConfig()
+    host = expert_placement.resolve(  # --cpu-experts, as a load of a folder places them
+        cfg, torch_device, engine_config,
+        lambda: plan_memory(cfg, precision, device, config=engine_config),
+    )  # fmt: skip
+    model = load_transformer(
+        Path(name), cfg, spec.compute, torch_device, quant, source=source, host_experts=host
+    )
     tokenizer = synthetic_tokenizer(cfg.vocab_size)
     return engine_for(
         model, tokenizer, cfg, spec, torch_device,

@@ -273,8 +273,9 @@ def load_transformer(
     if head_kind is None and cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     for layer in host_experts:
-        if device.type != "cpu":
-            model.layers[layer].mlp.expert_device = torch.device("cpu")  # type: ignore[union-attr]
+        moe = model.layers[layer].mlp
+        if device.type != "cpu" and isinstance(moe, MoE):
+            moe.keep_on_host(device)
     for mlp in (m.mlp for m in model.layers):
         if isinstance(mlp, MoE) and quant is not None:  # a decode token's experts in one call
             mlp.set_kernel(experts.plan(mlp, cfg.activation))

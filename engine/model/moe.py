@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.config import ModelConfig
+from engine.model.host_crossing import HostCrossing
 from engine.model.mlp import MLP
 
 
@@ -61,14 +62,22 @@ class MoE(nn.Module):
         #: step): the instruments draw what changed between two reads
         self.load: Tensor | None = None
         #: where the routed experts live and run where it is not the rest's (``--cpu-experts``:
-        #: the CPU); None: beside the rest
+        #: the CPU); None: beside the rest. :meth:`keep_on_host` sets it.
         self.expert_device: torch.device | None = None
+        #: the rows' way to those experts and back (:mod:`engine.model.host_crossing`)
+        self.crossing: HostCrossing | None = None
         #: as :attr:`MLP.reduce` (tensor parallelism does not split experts yet: always None)
         self.reduce: Callable[[Tensor], Tensor] | None = None
         #: the routed experts in a kernel of their own (:mod:`engine.quant.experts`), or
         #: None: one module at a time; :attr:`kernel_refusal` says why not
         self.kernel: ExpertKernel | None = None
         self.kernel_refusal = "the experts are not quantized"
+
+    def keep_on_host(self, device: torch.device) -> None:
+        """The routed experts live and run in host memory, beside a model on ``device``: each
+        step's rows cross to them and back (:class:`HostCrossing`)."""
+        self.expert_device = torch.device("cpu")
+        self.crossing = HostCrossing(device)
 
     def set_kernel(self, kernel: ExpertKernel | str) -> None:
         """Run the routed experts in ``kernel``, or (a reason) one module at a time."""
@@ -92,50 +101,57 @@ class MoE(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
         counts.index_add_(0, flat, torch.ones_like(flat))  # no read back, as bincount's
         self.load = counts if self.load is None else self.load + counts
+        crossing = self.crossing
+        if crossing is None:
+            out = self._routed(x, chosen, weights, counts)
+            shared = self._shared(x)
+        else:  # the experts in host memory: the rows cross once, the shared expert meanwhile
+            host = crossing.down(x, chosen, weights, counts)
+            shared = self._shared(x)  # queued on the GPU after the copies: it runs meanwhile
+            crossing.wait()
+            out = crossing.up(self._routed(*host))
+        return out if shared is None else out + shared
+
+    def _shared(self, x: Tensor) -> Tensor | None:
+        """Qwen2-MoE's shared expert on every token, gated by a sigmoid (None: none)."""
+        if self.shared is None or self.shared_gate is None:
+            return None
+        return torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+
+    def _routed(self, x: Tensor, chosen: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
+        """The routed experts' weighted sum, on the device where ``x`` and the experts are:
+        their kernel, or one module at a time."""
         kernel = self.kernel
         if kernel is not None and (kernel.max_tokens is None or x.shape[0] <= kernel.max_tokens):
-            there = self.expert_device
-            x_in = x if there is None else x.to(there)
-            out = kernel(x_in, chosen, weights).to(x.device)
-        elif x.shape[0] == 1:
-            out = self._one_token(x, flat, weights)
-        else:
-            out = self._grouped(x, flat, weights, counts)
-        if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out
+            return kernel(x, chosen, weights)
+        if x.shape[0] == 1:
+            return self._one_token(x, chosen.flatten(), weights)
+        return self._grouped(x, chosen.flatten(), weights, counts)
 
     def _one_token(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
         """A decode row: its ``k`` experts run on it in ascending order (the grouped path's
         order of the sums), without sorting or gathering rows."""
-        there = self.expert_device
-        x_in = x if there is None else x.to(there)
-        pairs = sorted(zip(chosen.tolist(), weights.flatten().to(x_in.device), strict=True))
-        out = torch.zeros_like(x_in)
+        pairs = sorted(zip(chosen.tolist(), weights.flatten(), strict=True))
+        out = torch.zeros_like(x)
         for expert, weight in pairs:
-            out += (self.experts[expert](x_in) * weight).to(out.dtype)
-        return out.to(x.device)
+            out += (self.experts[expert](x) * weight).to(out.dtype)
+        return out
 
     def _grouped(self, x: Tensor, flat: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
         """Every expert that a token chose, once over all of its tokens."""
         order = torch.argsort(flat, stable=True)  # the (token, expert) pairs by expert
         rows = order // self.top_k  # each pair's token
         pair_weights = weights.flatten()[order, None]
-        there = self.expert_device
-        if there is not None:  # the experts run on the CPU: the routed rows go to them
-            x_in, rows, pair_weights = x.to(there), rows.to(there), pair_weights.to(there)
-        else:
-            x_in = x
-        out = torch.zeros_like(x_in)
+        out = torch.zeros_like(x)
         start = 0
         for expert, n in enumerate(counts.tolist()):
             if not n:
                 continue
             tokens = rows[start : start + n]
-            ran = self.experts[expert](x_in[tokens]) * pair_weights[start : start + n]
+            ran = self.experts[expert](x[tokens]) * pair_weights[start : start + n]
             out.index_add_(0, tokens, ran.to(out.dtype))  # a host INT4 expert's may be bf16
             start += n
-        return out.to(x.device)
+        return out
 
     def linears(self) -> list[nn.Module]:
         """Its products: each expert's, then the shared expert's (the router and the shared
