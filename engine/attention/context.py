@@ -33,6 +33,14 @@ class PoolContext(AttentionContext):
         self.num_decode = num_decode
         self.decode_only = num_decode == len(chunks)
 
+    def lanes(self) -> tuple[AttentionContext, AttentionContext, int] | None:
+        """A decode step of two or more rows as two: its first half's chunks and the rest's,
+        each a context of this backend's."""
+        if not self.decode_only or len(self.chunks) < 2:
+            return None
+        n = len(self.chunks) // 2
+        return self.cache.context(self.chunks[:n]), self.cache.context(self.chunks[n:]), n
+
     def slots_of(self, layer: int) -> Tensor:
         """Where ``layer`` stores the step's new K/V (its block group's slots)."""
         return self.group_slots[self.cache.layer_groups[layer]]

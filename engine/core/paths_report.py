@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from engine.executor import table
 from engine.kernels import paged_decode
+from engine.model import lanes
 from engine.model.moe import MoE
 from engine.model.transformer import DecoderLayer
 from engine.quant.inventory import linear_kernel
@@ -86,6 +87,8 @@ def paths(engine: LLMEngine) -> dict[str, Any]:
         if isinstance(layer.mlp, MoE):  # the routed experts' own kernel, or why none
             kernel = layer.mlp.kernel
             entry["experts"] = kernel.name if kernel is not None else layer.mlp.kernel_refusal
+            if layer.mlp.crossing is not None:
+                entry["experts"] += " (in host memory)"
         layers.append(entry)
     return {
         "attention": {
@@ -99,4 +102,5 @@ def paths(engine: LLMEngine) -> dict[str, Any]:
         "layers": layers,
         "lm_head": linear_kernel(model.lm_head),
         "fallbacks": [*engine.kernel_failures, *executor.fallbacks],
+        **({"two_lane_decode_steps": model.laned_steps} if lanes.applies(model) else {}),
     }

@@ -62,6 +62,12 @@ class AttentionContext(ABC):
         paged C kernel reads; None otherwise."""
         return None
 
+    def lanes(self) -> tuple[AttentionContext, AttentionContext, int] | None:
+        """The step as two micro-batches (:mod:`engine.model.lanes`): a context for its first
+        ``n`` rows, one for the rest, and ``n``; None where it does not split (a step that
+        is not two or more decode rows)."""
+        return None
+
 
 class AttentionBackend(ABC):
     """What a step's attention runs on (the backends: :mod:`engine.attention`): it builds a

@@ -32,49 +32,53 @@ from torch import Tensor
 
 
 class HostCrossing:
-    """One layer's crossings to the host and back (the module's docstring)."""
+    """One layer's crossings to the host and back (the module's docstring). Each ``lane`` (a
+    micro-batch of the step: :mod:`engine.model.lanes`) has buffers and events of its own,
+    so two can be in flight at once."""
 
     def __init__(self, device: torch.device) -> None:
         #: the model's device (the GPU's), where the rows come from and go back to
         self.device = device
         self._pinned = device.type == "cuda"
-        self._buffers: dict[str, Tensor] = {}
-        self._copied: torch.cuda.Event | None = None
-        self._returned: torch.cuda.Event | None = None
+        self._buffers: dict[tuple[str, int], Tensor] = {}
+        self._copied: dict[int, torch.cuda.Event] = {}
+        self._returned: dict[int, torch.cuda.Event] = {}
 
-    def down(self, *tensors: Tensor) -> list[Tensor]:
-        """``tensors`` on the host: copies queued into this layer's pinned buffers (wait with
+    def down(self, *tensors: Tensor, lane: int = 0) -> list[Tensor]:
+        """``tensors`` on the host: copies queued into the lane's pinned buffers (wait with
         :meth:`wait` before reading them), or the tensors themselves on a CPU."""
         if not self._pinned:
             return [t.to("cpu") for t in tensors]
         out = [
-            self._buffer(f"down{i}", t).copy_(t, non_blocking=True) for i, t in enumerate(tensors)
+            self._buffer(f"down{i}", lane, t).copy_(t, non_blocking=True)
+            for i, t in enumerate(tensors)
         ]
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._copied.record()
+        self._copied[lane] = event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
         return out
 
-    def wait(self) -> None:
-        """Until the rows sent :meth:`down` are on the host (not until the GPU is idle)."""
-        if self._copied is not None:
-            self._copied.synchronize()
+    def wait(self, lane: int = 0) -> None:
+        """Until the lane's rows sent :meth:`down` are on the host (not until the GPU is
+        idle)."""
+        if lane in self._copied:
+            self._copied[lane].synchronize()
 
-    def up(self, y: Tensor) -> Tensor:
+    def up(self, y: Tensor, lane: int = 0) -> Tensor:
         """The host's result ``y`` on the model's device, its copy queued."""
         if not self._pinned:
             return y.to(self.device)
-        if self._returned is not None:  # the buffer's last upload has left it
-            self._returned.synchronize()
-        staged = self._buffer("up", y).copy_(y)
+        if lane in self._returned:  # the buffer's last upload has left it
+            self._returned[lane].synchronize()
+        staged = self._buffer("up", lane, y).copy_(y)
         out = staged.to(self.device, non_blocking=True)
-        self._returned = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._returned.record()
+        self._returned[lane] = event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
         return out
 
-    def _buffer(self, name: str, like: Tensor) -> Tensor:
+    def _buffer(self, name: str, lane: int, like: Tensor) -> Tensor:
         """A pinned buffer shaped as ``like``, grown (never shrunk) as steps need."""
-        held = self._buffers.get(name)
+        held = self._buffers.get((name, lane))
         if held is None or held.dtype != like.dtype or held.numel() < like.numel():
             held = torch.empty(like.numel(), dtype=like.dtype, pin_memory=True)
-            self._buffers[name] = held
+            self._buffers[name, lane] = held
         return held[: like.numel()].view(like.shape)

@@ -22,6 +22,7 @@ instruments draw what changed between two snapshots (the expert heat map).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -43,6 +44,17 @@ class ExpertKernel(Protocol):
     max_tokens: int | None
 
     def __call__(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HostExperts:
+    """Rows on their way to a layer's experts in host memory (:meth:`MoE.begin`): the rows,
+    chosen experts, weights and per-expert counts on the host (their copies queued), the
+    shared expert's output on the model's device (None: none), and the lane."""
+
+    host: list[Tensor]
+    shared: Tensor | None
+    lane: int
 
 
 class MoE(nn.Module):
@@ -101,16 +113,39 @@ class MoE(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
         counts.index_add_(0, flat, torch.ones_like(flat))  # no read back, as bincount's
         self.load = counts if self.load is None else self.load + counts
-        crossing = self.crossing
-        if crossing is None:
-            out = self._routed(x, chosen, weights, counts)
-            shared = self._shared(x)
-        else:  # the experts in host memory: the rows cross once, the shared expert meanwhile
-            host = crossing.down(x, chosen, weights, counts)
-            shared = self._shared(x)  # queued on the GPU after the copies: it runs meanwhile
-            crossing.wait()
-            out = crossing.up(self._routed(*host))
+        if self.crossing is not None:  # the experts in host memory
+            return self.finish(self._begin(x, chosen, weights, counts, 0))
+        out = self._routed(x, chosen, weights, counts)
+        shared = self._shared(x)
         return out if shared is None else out + shared
+
+    def begin(self, x: Tensor, lane: int = 0) -> HostExperts:
+        """A step's rows on their way to the experts in host memory (:meth:`keep_on_host`):
+        routed, their crossing queued, the shared expert queued on the GPU. :meth:`finish`
+        waits for them and runs the experts; in between, the GPU may be given more work
+        (another lane's attention: :mod:`engine.model.lanes`)."""
+        chosen, weights = self.route(x)
+        flat = chosen.flatten()
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        self.load = counts if self.load is None else self.load + counts
+        return self._begin(x, chosen, weights, counts, lane)
+
+    def _begin(
+        self, x: Tensor, chosen: Tensor, weights: Tensor, counts: Tensor, lane: int
+    ) -> HostExperts:
+        assert self.crossing is not None
+        host = self.crossing.down(x, chosen, weights, counts, lane=lane)
+        # queued on the GPU after the copies: it runs while the host runs the routed experts
+        return HostExperts(host, self._shared(x), lane)
+
+    def finish(self, pending: HostExperts) -> Tensor:
+        """The experts' sum of :meth:`begin`'s rows, on the model's device (its upload
+        queued), with the shared expert's."""
+        assert self.crossing is not None
+        self.crossing.wait(pending.lane)
+        out = self.crossing.up(self._routed(*pending.host), pending.lane)
+        return out if pending.shared is None else out + pending.shared
 
     def _shared(self, x: Tensor) -> Tensor | None:
         """Qwen2-MoE's shared expert on every token, gated by a sigmoid (None: none)."""

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.model import lanes
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig, RopeScaling
 from engine.model.mlp import MLP
@@ -327,15 +328,27 @@ class DecoderLayer(nn.Module):
             out = self.fused(self, x, cos, sin, ctx)
             if out is not None:
                 return out
+        h, x = self.attend(x, cos, sin, ctx)
+        return self.add_mlp(x, self.mlp(h))
+
+    def attend(
+        self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext
+    ) -> tuple[Tensor, Tensor]:
+        """The layer up to its MLP: the MLP's input, and the residual stream after the
+        attention."""
         ops, eps = self.ops, self.input_norm.eps
         attended = self.attn(ops.rms_norm(x, self.input_norm.weight, eps), cos, sin, ctx)
         if self.attn_out_norm is not None:
             attended = ops.rms_norm(attended, self.attn_out_norm.weight, eps)
         # the residual add and the norm after it, one pass where ours run
-        h, x = ops.add_rms_norm(attended, x, self.post_attn_norm.weight, self.post_attn_norm.eps)
-        out = self.mlp(h)
+        return self.ops.add_rms_norm(
+            attended, x, self.post_attn_norm.weight, self.post_attn_norm.eps
+        )
+
+    def add_mlp(self, x: Tensor, out: Tensor) -> Tensor:
+        """The residual stream ``x`` plus the MLP's output ``out`` (normed first in Gemma)."""
         if self.mlp_out_norm is not None:
-            out = ops.rms_norm(out, self.mlp_out_norm.weight, eps)
+            out = self.ops.rms_norm(out, self.mlp_out_norm.weight, self.input_norm.eps)
         return x + out
 
 
@@ -366,6 +379,8 @@ class Transformer(nn.Module):
         self.executor: object | None = None
         #: the layers' fused operations (:meth:`set_ops`)
         self.ops = TORCH_OPS
+        #: decode steps run in two lanes (experts in host memory: :mod:`engine.model.lanes`)
+        self.laned_steps = 0
         #: under tensor parallelism on the driving rank, what tells the other ranks about each
         #: forward before it runs (its inputs and attention context:
         #: :class:`engine.parallel.executor.Driver`); None on one device and on the others
@@ -446,7 +461,12 @@ class Transformer(nn.Module):
         logits_indices: Tensor | None = None,
     ) -> Tensor:
         """Everything after the embedding, one operator at a time (what the decode graph
-        compiles)."""
+        compiles); a decode step of a model whose experts live in host memory in two lanes
+        (:mod:`engine.model.lanes`)."""
+        if lanes.applies(self):
+            laned = lanes.body(self, x, positions, ctx)
+            if laned is not None:
+                return self.head(laned, logits_indices)
         for layer, (cos, sin) in zip(self.layers, self.angles(positions, x.dtype), strict=True):
             x = layer(x, cos, sin, ctx)
         return self.head(x, logits_indices)
