@@ -98,6 +98,9 @@ def test_the_dry_run_reports_every_figure(dry_run):
     families = checks["experts and Gemma 3"]  # the grouped GEMM; Gemma 3 on our attention
     assert families["moe"]["grouped"]["experts"] == ["grouped Triton GEMM"]
     assert families["moe"]["grouped_vs_modules"]["agree"]
+    # experts in host memory (the dry run's CPU marks them so): the same tokens
+    assert families["moe"]["host"]["experts"] == ["grouped Triton GEMM (in host memory)"]
+    assert families["moe"]["host_vs_grouped"]["agree"]
     assert families["gemma3"]["triton"]["attention"]["backend"] == "triton"
     assert families["gemma3"]["triton_vs_torch"]["agree"]
     kernels = checks["triton kernels"]  # every load-time check, in the interpreter

@@ -9,6 +9,7 @@ global one), our kernels in Triton's interpreter."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -30,8 +31,11 @@ from checks.gpu.common import (
 )
 from engine.bench.speed import bench_prompt
 from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
+from engine.core.sampling import SamplingParams
 from engine.kernels import triton_support
 from engine.loader.synthetic import build_engine
+from engine.model import lanes
 from engine.model.moe import MoE
 from engine.store.synthetic_store import published_config, with_layers
 
@@ -43,6 +47,23 @@ DRY_MOE = {"hidden_size": 128, "moe_intermediate_size": 64, "num_experts": 4,
 DRY_GEMMA = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
              "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 512,
              "sliding_window": 8}  # fmt: skip
+
+
+def batch_speed(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> float:
+    """Generated tokens a second of ``prompts`` decoded together, ``tokens`` each (after one
+    warm-up run), prefill included."""
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+
+    def run() -> float:
+        for p in prompts:
+            engine.add_request(p, params)
+        started, made = time.perf_counter(), 0
+        while engine.has_work():
+            made += sum(e.token_id is not None for e in engine.step())
+        return made / (time.perf_counter() - started)
+
+    run()
+    return run()
 
 
 def check_families(scale: Scale, device: torch.device, dry: bool, figures: dict[str, Any]) -> None:
@@ -97,6 +118,12 @@ def check_families(scale: Scale, device: torch.device, dry: bool, figures: dict[
     }
     if not dry:
         runs["host"]["decode_tok_s"] = decode_speed(host, prompt, scale)
+        # a batch of eight: each decode step in two lanes (the GPU attends for one while the
+        # CPU runs the other's experts: engine/model/lanes.py), then in one
+        batch = [bench_prompt(host, prompt_len, seed=10 + i) for i in range(8)]
+        runs["host"]["batch8_tok_s"] = batch_speed(host, batch, tokens)
+        with lanes.one_lane():
+            runs["host"]["batch8_one_lane_tok_s"] = batch_speed(host, batch, tokens)
     host_vs_grouped = parting(runs["host"]["ids"], runs["grouped"]["ids"],
                               partial(our_logprobs, host, prompt))  # fmt: skip
     del host

@@ -24,6 +24,8 @@ by its row count.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -46,9 +48,24 @@ def decoder_layers(model: Transformer) -> list[DecoderLayer]:
     return cast("list[DecoderLayer]", list(model.layers))
 
 
+_ONE_LANE = [False]
+
+
+@contextmanager
+def one_lane() -> Iterator[None]:
+    """Every step in one lane inside this block (the GPU check's side-by-side measure)."""
+    _ONE_LANE[0] = True
+    try:
+        yield
+    finally:
+        _ONE_LANE[0] = False
+
+
 def applies(model: Transformer) -> bool:
     """Whether ``model``'s decode steps may run in two lanes: a layer's experts are in host
-    memory, and no layer runs fused."""
+    memory, and no layer runs fused (and not inside :func:`one_lane`)."""
+    if _ONE_LANE[0]:
+        return False
     layers = decoder_layers(model)
     return any(hosted(layer) for layer in layers) and all(layer.fused is None for layer in layers)
 
