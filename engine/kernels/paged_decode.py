@@ -166,7 +166,8 @@ def _check(k: Kernel) -> str:
             else:
                 want = gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
             got = _call(k, q, pool, slots, lens, mask, cap)
-            if why := verify.differs(f"{dtype} decode (cap {cap})", got, want, tolerance):
+            what = f"{dtype} {'soft-capped ' if cap else ''}decode"
+            if why := verify.differs(what, got, want, tolerance):
                 return why
         # a prefill chunk of 21 queries after 40 cached keys, under a window with a sink
         held = torch.cat([torch.arange(4), torch.arange(20, 61)])  # the window gave 4..19 back
@@ -176,7 +177,8 @@ def _check(k: Kernel) -> str:
         for cap in (0.0, CHECK_CAP):
             want = prefill_reference(chunk, pool, kept, held, 40, 4, 24, cap)
             got = _call_prefill(k, chunk, pool, kept, held, 40, 4, 24, cap)
-            if why := verify.differs(f"{dtype} prefill (cap {cap})", got, want, tolerance):
+            what = f"{dtype} {'soft-capped ' if cap else ''}prefill"
+            if why := verify.differs(what, got, want, tolerance):
                 return why
     return ""
 
