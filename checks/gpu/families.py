@@ -84,6 +84,7 @@ def check_families(scale: Scale, device: torch.device, dry: bool, figures: dict[
     prompt = bench_prompt(engine, prompt_len, seed=3)
     layers = [m.mlp for m in engine.model.layers if isinstance(m.mlp, MoE)]
     runs: dict[str, Any] = {}
+    grouped = [layer.kernel for layer in layers]
     for name in ("grouped", "modules"):
         if name == "modules":
             for layer in layers:
@@ -101,7 +102,8 @@ def check_families(scale: Scale, device: torch.device, dry: bool, figures: dict[
     # both sides are the CPU, the crossing marked as a GPU load marks it
     count = len(layers)
     if dry:
-        for layer in layers:
+        for layer, kernel in zip(layers, grouped, strict=True):
+            layer.set_kernel(kernel or "none was planned")
             layer.keep_on_host(device)
         host = engine
     else:
