@@ -37,6 +37,7 @@ def held_apart(engine) -> LayeredBlockManager:
     mgr = engine.kv.manager
     assert isinstance(mgr, LayeredBlockManager)
     assert mgr.local.num_blocks < mgr.num_blocks
+    assert [g.manager for g in engine.kv.groups] == [mgr, mgr.local]  # the full layers' first
     for layer, kv in enumerate(engine.kv.kv):
         local = layer in engine.cfg.local_layers
         blocks = mgr.local.num_blocks if local else mgr.num_blocks
@@ -89,6 +90,42 @@ def test_scoring_runs_span_by_span_through_the_local_pool(tiny_model_dir):
     assert mgr.local.num_blocks * mgr.block_size < len(ids)
 
 
+def test_a_sequence_computes_in_chunks_the_local_pool_holds(tiny_model_dir):
+    """The local pool is sized at load (two sequences' windows of 8 and a step of 16, in
+    blocks of 4: 14 blocks). A step's budget raised on the live engine past it cuts each
+    sequence's chunk to what it holds beside the window (36 tokens), to the same tokens; a
+    cache window whose sinks leave it no room is refused by name. A new window forgets the
+    local layers' cached blocks with the full layers' (their K/V depend on the layers
+    below)."""
+    from engine.errors import InvalidRequestError
+
+    folder, hf = tiny_model_dir("gemma3_text", False)
+    limits = SchedulerLimits(max_batch_size=2, max_tokens_per_step=16)
+    engine = load_model(folder, precision="fp32", config=EngineConfig(block_size=4, limits=limits))
+    mgr = engine.kv.manager
+    assert mgr.local.num_blocks == 14 and mgr.chunk_limit() == (14 - 2 - 3) * 4
+    engine.update_limits(max_tokens_per_step=128)
+    prompt = torch.randint(
+        0, hf.config.vocab_size, (80,), generator=torch.Generator().manual_seed(5)
+    )
+    chunks = []
+    real = engine.scheduler.schedule
+
+    def spy(now):
+        out = real(now)
+        chunks.extend(c.length for c in out.chunks)
+        return out
+
+    engine.scheduler.schedule = spy
+    assert run_ragged(engine, [prompt.tolist()], 6) == [hf_steps(hf, prompt, 6)[0]]
+    assert chunks[:3] == [36, 36, 8]  # the prompt's 80 tokens, then one a step
+    with pytest.raises(InvalidRequestError, match="too few for one sequence's window and sinks"):
+        engine.set_window(CacheWindow(sink=40, window=4))  # 10 sink blocks: 2 + 3 + 10 > 14
+    assert mgr.local.num_cached > 0
+    engine.set_window(CacheWindow(sink=0, window=16))
+    assert mgr.local.num_cached == 0 and mgr.num_cached == 0
+
+
 def _longest_by_definition(found: list[int], window: CacheWindow | None, bs: int) -> int:
     """The most leading blocks of ``found`` whose every block is cached or left out by the
     window at the hit's end."""
@@ -128,11 +165,15 @@ def test_the_pool_holds_context_not_windows_on_a_12_gib_card(monkeypatch):
     one_table = plan.kv_room_bytes // PagedKVCache.bytes_per_block(cfg, 1, torch.bfloat16)
     # the full layers (8 of 48) get at least half the room: three times the context
     assert plan.max_context >= 3 * one_table
-    assert plan.kv_local_bytes <= plan.kv_pool_bytes - plan.kv_local_bytes
     blocks = plan.pool_tokens // config.block_size
     local = local_blocks(cfg, config, blocks)
     assert local is not None and local < blocks
-    per_token = plan.kv_bytes_per_token
+    per_token, local_per_token = plan.kv_bytes_per_token, plan.kv_bytes_per_token * 40 // 8
+    # each pool its blocks and a zero pad slot; the local one no more bytes than the full one
+    # (rounded up to a whole block)
+    assert plan.kv_local_bytes == local_per_token * (local * config.block_size + 1)
+    assert plan.kv_pool_bytes == plan.kv_local_bytes + per_token * (blocks * config.block_size + 1)
+    assert 0 <= (local - blocks * per_token / local_per_token) < 1
     assert plan.kv_pool_bytes == pool_bytes(cfg, config, torch.bfloat16, blocks) + per_token * (
         1 + 40 / 8
-    )  # the zero pad slots: one per layer
+    )

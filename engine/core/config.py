@@ -11,7 +11,7 @@ from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
 from engine.executor import cuda_graphs, inductor
 from engine.hardware.memory import free_memory
-from engine.kv_cache.layered import local_pool_blocks
+from engine.kv_cache.layered import local_pool_blocks, local_window_under
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow
 from engine.model.config import ModelConfig
@@ -128,9 +128,11 @@ def local_blocks(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -> int
     if cfg.local_window is None or not cfg.local_layers:
         return None
     limits, local = config.limits, len(cfg.local_layers)
+    kept = local_window_under(config.window, cfg.local_window)
     return local_pool_blocks(
-        cfg.local_window, config.block_size, num_blocks, max_batch=limits.max_batch_size,
+        kept.window, config.block_size, num_blocks, max_batch=limits.max_batch_size,
         step_tokens=limits.max_tokens_per_step, layers=(cfg.num_layers - local, local),
+        sink=kept.sink,
     )  # fmt: skip
 
 

@@ -406,7 +406,11 @@ class LLMEngine:
         self, blocks: int, limits: SchedulerLimits, window: CacheWindow | None
     ) -> None:
         """Refuse a KV cap, limits or window under which a request already queued or running
-        could no longer fit on its own (it would wait, or preempt itself, for ever)."""
+        could no longer fit on its own (it would wait, or preempt itself, for ever), or one
+        sequence no longer in the local layers' own pool."""
+        mgr = self.kv.manager
+        if isinstance(mgr, LayeredBlockManager) and (why := mgr.one_sequence_refusal(window)):
+            raise InvalidRequestError(why)
         need = max(
             (self.kv.manager.blocks_for(
                 self._kv_tokens(len(s.prompt_ids) + s.max_new_tokens, limits, window))

@@ -151,6 +151,9 @@ class Scheduler:
                 return out
 
         budget = limits.max_tokens_per_step
+        # what one sequence may compute in a step besides the budget (a pool of the local
+        # layers' own holds its window and one chunk: engine/kv_cache/layered.py)
+        chunk = self.manager.chunk_limit() or budget
         # Decoding sequences first (one token each), so a long prefill never delays them;
         # the last of the queue (lowest priority, prefilling) is the first to be preempted.
         ordered = self._order(self.running, now)
@@ -164,7 +167,7 @@ class Scheduler:
             if self._rope_switch(seq):  # recomputed whole on the long factors
                 self._preempt(seq, out)
                 continue
-            need = min(seq.num_tokens - seq.num_computed, budget)
+            need = min(seq.num_tokens - seq.num_computed, budget, chunk)
             if need <= 0:
                 continue
             while not self.manager.can_grow(seq.request_id, seq.num_computed + need):
@@ -234,7 +237,7 @@ class Scheduler:
             if not scored and mgr.computing(rid, len(hit), read, seq.num_tokens):
                 continue  # a running sequence is computing its next block: share it instead
             cached = len(hit) * mgr.block_size
-            need = min(seq.num_tokens - cached, budget)
+            need = min(seq.num_tokens - cached, budget, mgr.chunk_limit() or budget)
             # Admitted only if its first chunk fits, and its whole prompt and first new token
             # beside what runs, with a watermark for their growth (vLLM's rule): admitting on
             # the first chunk alone let later chunks preempt the running sequences, which were

@@ -150,6 +150,12 @@ class BlockManager:
         have = len(self.tables.get(seq_id, ()))
         return max(0, self.blocks_for(new_length) - have)
 
+    def chunk_limit(self) -> int | None:
+        """The most tokens one sequence may compute in a step where a pool of the manager's
+        bounds it (:class:`~engine.kv_cache.layered.LayeredBlockManager`'s local layers');
+        None: only the step's budget does."""
+        return None
+
     def can_grow(self, seq_id: str, new_length: int) -> bool:
         return self.blocks_needed(seq_id, new_length) <= self.num_free
 
@@ -165,6 +171,11 @@ class BlockManager:
             return
         self._context = encoded
         self._root = _root_key(encoded)
+        self.forget_keys()
+
+    def forget_keys(self) -> None:
+        """Forget every cached block, and never share the blocks the running sequences
+        compute from now on: their earlier tokens were computed under what changed."""
         self.clear_cache()
         self._chains.clear()
         self._unkeyable = set(self.tables)

@@ -37,7 +37,7 @@ class LayeredHit(list[int]):
 
 def local_pool_blocks(
     window: int, block_size: int, num_blocks: int, *, max_batch: int, step_tokens: int,
-    layers: tuple[int, int],
+    layers: tuple[int, int], sink: int = 0,
 ) -> int:  # fmt: skip
     """Blocks the local layers' pool gets beside ``num_blocks`` for the full layers
     (``layers``: how many full and local layers there are): as many bytes as the full layers'
@@ -47,8 +47,8 @@ def local_pool_blocks(
     once; never more than the full layers' blocks (a local block holds a token that a full
     block holds too). Each sequence holds its window's blocks, one more where the window
     straddles a boundary, the block being written and one where the step's tokens straddle
-    another."""
-    per_seq = -(-window // block_size) + 3
+    another, and the blocks of ``sink`` tokens a cache window keeps within it)."""
+    per_seq = -(-window // block_size) + 3 + -(-sink // block_size)
     step = -(-step_tokens // block_size)
     full, local = layers
     same_bytes = -(-num_blocks * full // local)
@@ -79,20 +79,40 @@ class LayeredBlockManager(BlockManager):
 
     # -- settings ----------------------------------------------------------------------------
     def set_window(self, window: CacheWindow | None) -> None:
+        """The cache window of both groups (the local layers' within their own). A local
+        block's K/V depend on the full layers below it too: where the full layers' window
+        changes, the local layers' keys go with theirs."""
+        before = self.window
         super().set_window(window)
         self.local.set_window(local_window_under(window, self.local_window))
+        if window != before:
+            self.local.forget_keys()
 
-    def set_prefix_caching(self, on: bool) -> None:
-        super().set_prefix_caching(on)
-        self.local.set_prefix_caching(on)
+    def chunk_limit(self) -> int:
+        """The most tokens one sequence may compute in a step: what the local layers' pool
+        holds beside its window (with its sinks), so that a sequence alone always
+        progresses, however the step's budget is raised on a live engine (the pool was
+        sized at load)."""
+        assert self.local.window is not None
+        return self._beside(self.local.window)
 
-    def clear_cache(self) -> None:
-        super().clear_cache()
-        self.local.clear_cache()
+    def _beside(self, kept: CacheWindow) -> int:
+        """Tokens of a chunk the local pool holds beside one sequence's window ``kept``: its
+        window's blocks, one where the window straddles a boundary, the block being written,
+        one where the chunk straddles another, and the sinks' blocks."""
+        rest = self.blocks_for(kept.window) + 3 + self.blocks_for(kept.sink)
+        return (self.local.num_blocks - rest) * self.block_size
 
-    def set_salt(self, seq_id: str, salt: bytes) -> None:
-        super().set_salt(seq_id, salt)
-        self.local.set_salt(seq_id, salt)
+    def one_sequence_refusal(self, window: CacheWindow | None) -> str:
+        """Why the local layers' pool could not hold one sequence under the cache ``window``
+        (its sinks too many blocks for the pool sized at load); "" where it can."""
+        if self._beside(local_window_under(window, self.local_window)) >= 1:
+            return ""
+        return (
+            f"the local layers' KV pool holds {self.local.num_blocks} blocks, too few for one "
+            "sequence's window and sinks under this cache window: choose fewer sinks, or "
+            "resize the pool (its local layers get their share when it is made)"
+        )
 
     # -- prefix cache ------------------------------------------------------------------------
     def cached_prefix(
@@ -118,8 +138,10 @@ class LayeredBlockManager(BlockManager):
 
     def admits(self, hit: list[int], first: int, whole: int, reserve: int | None) -> bool:
         """Where the full layers admit it and the local layers hold its first chunk: they
-        never hold more of a sequence than its window and a chunk, which their pool has
-        room for beside every running sequence (:func:`local_pool_blocks`)."""
+        never hold more of a sequence than its window and a chunk, which their pool always
+        holds for one sequence (:meth:`chunk_limit`); where it is smaller than the running
+        set's windows, a sequence that cannot grow there is preempted as in the full
+        layers' pool."""
         return super().admits(hit, first, whole, reserve) and self.local.admits(
             _local(hit), first, first, None
         )

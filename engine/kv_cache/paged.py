@@ -92,6 +92,8 @@ class PagedKVCache:
         groups = [full]
         if isinstance(self.manager, LayeredBlockManager):
             groups.append(KVGroup(self.manager.local, self.manager.local.num_blocks * block_size))
+        #: the block groups: the full layers', then the local layers' where kept apart
+        self.groups = groups
         #: each layer's blocks: the full layers', or a local layer's own where they are kept
         #: apart (:mod:`engine.kv_cache.layered`)
         self.layer_groups = [
@@ -120,11 +122,6 @@ class PagedKVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         layers = cfg.num_layers if layers is None else layers
         return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-    @property
-    def groups(self) -> list[KVGroup]:
-        """The block groups: the full layers', then the local layers' where kept apart."""
-        return list(dict.fromkeys(self.layer_groups))
 
     @property
     def backend(self) -> str:

@@ -459,9 +459,9 @@ class _Target:
             kv_pool_bytes=pool_bytes(cfg, config, spec.compute, blocks)
             + per_token
             + local_per_token,
+            # the local layers' blocks and their zero pad slot
             kv_local_bytes=local_per_token
-            * config.block_size
-            * (local_blocks(cfg, config, blocks) or 0),
+            * (config.block_size * (local_blocks(cfg, config, blocks) or 0) + 1),
             workspace_bytes=step + gather * reach,
             runtime_bytes=self.runtime,
             load_overhead_bytes=load_overhead_bytes(cfg, spec, backends),

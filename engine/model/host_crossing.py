@@ -40,6 +40,8 @@ class HostCrossing:
         #: the model's device (the GPU's), where the rows come from and go back to
         self.device = device
         self._pinned = device.type == "cuda"
+        # (each event is recorded on the model's device's stream, which need not be the
+        # current device's: an engine on cuda:1)
         self._buffers: dict[tuple[str, int], Tensor] = {}
         self._copied: dict[int, torch.cuda.Event] = {}
         self._returned: dict[int, torch.cuda.Event] = {}
@@ -54,7 +56,7 @@ class HostCrossing:
             for i, t in enumerate(tensors)
         ]
         self._copied[lane] = event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return out
 
     def wait(self, lane: int = 0) -> None:
@@ -72,7 +74,7 @@ class HostCrossing:
         staged = self._buffer("up", lane, y).copy_(y)
         out = staged.to(self.device, non_blocking=True)
         self._returned[lane] = event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return out
 
     def _buffer(self, name: str, lane: int, like: Tensor) -> Tensor:
