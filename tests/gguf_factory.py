@@ -152,7 +152,7 @@ def write_gguf(
     }
     if arch == "phi3":
         _phi3_metadata(writer, cfg)
-    if arch == "gemma3":  # its norms, as llama.cpp's converter names them
+    if arch in ("gemma2", "gemma3"):  # its norms, as llama.cpp's converter names them
         layer |= {
             "self_attn.q_norm.weight": "attn_q_norm.weight",
             "self_attn.k_norm.weight": "attn_k_norm.weight",
@@ -161,6 +161,10 @@ def write_gguf(
             "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
         }
         writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters' soft caps
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma3":
         scaling = cfg.rope_parameters["full_attention"]
         if scaling.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -177,7 +181,7 @@ def write_gguf(
             _, _, idx, rest = hf_name.split(".", 3)
             name = f"blk.{idx}.{layer[rest]}"
         data = tensor.detach().float().numpy()
-        if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma's 1 + w, stored so
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # 1 + w, stored so
             data = data + np.float32(1.0)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
             data = permute_rotary(data, cfg.num_attention_heads)

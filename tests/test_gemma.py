@@ -259,6 +259,66 @@ def test_our_gemma3_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path):
         write_gguf(tmp_path / "odd.gguf", odd, [], name="t", tokens=tokens)
 
 
+def gemma2_as_llama_cpp_has_it():
+    """A tiny Gemma 2 as llama.cpp reads every Gemma 2 but the 27B: the even layers local,
+    the attention over the head's width; scores soft-capped at 2, logits at 3."""
+    from tests.conftest import build_tiny_hf
+
+    return build_tiny_hf("gemma2", tied=True, num_hidden_layers=4, query_pre_attn_scalar=16)
+
+
+def test_a_gemma2_gguf_imports_to_transformers_logits(tmp_path):
+    """A Gemma 2 GGUF as llama.cpp's converter lays it out (its norms stored as 1 + w, the
+    window and both soft caps as metadata), imported into a folder: the original's config
+    and transformers' logits."""
+    from engine.store.gguf_import import import_gguf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = gemma2_as_llama_cpp_has_it()
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    assert cfg.local_layers == (0, 2) and cfg.attn_softcap == 2.0
+    gguf = write_like_llama_cpp(hf, tmp_path / "gemma2.gguf", arch="gemma2")
+    folder = tmp_path / "imported"
+    import_gguf(gguf, folder, dtype="fp32")
+    imported = ModelConfig.from_file(folder / "config.json")
+    for field in ("local_layers", "local_window", "rope_theta", "query_scale", "head_dim",
+                  "embed_scale", "attn_softcap", "final_softcap", "gemma"):  # fmt: skip
+        assert getattr(imported, field) == getattr(cfg, field), field
+    engine = load_model(folder, precision="fp32")
+    prompt = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(4))
+    ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(40), 0)
+    assert (ours - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
+
+
+def test_our_gemma2_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path):
+    """The benchmark peer's GGUF of a Gemma 2: the same tensors under the same names, norms as
+    1 + w, and the same Gemma 2 metadata; a Gemma 2 whose attention llama.cpp would scale
+    otherwise is refused."""
+    import numpy as np
+
+    from engine.store.gguf_reader import gguf_metadata, open_gguf
+    from engine.store.gguf_writer import write_gguf
+    from tests.conftest import build_tiny_hf
+    from tests.gguf_factory import write_gguf as write_like_llama_cpp
+
+    hf = gemma2_as_llama_cpp_has_it()
+    cfg = ModelConfig.from_dict(hf.config.to_dict())
+    tokens = [f"t{i}" for i in range(cfg.vocab_size)]
+    saved = [(n, t) for n, t in hf.state_dict().items() if n != "lm_head.weight"]  # tied
+    ours = open_gguf(write_gguf(tmp_path / "ours.gguf", cfg, saved, name="t", tokens=tokens))
+    want = open_gguf(write_like_llama_cpp(hf, tmp_path / "want.gguf", arch="gemma2", quant="F16"))
+    got = {t.name: t for t in ours.tensors}
+    assert set(got) == {t.name for t in want.tensors}
+    for tensor in want.tensors:
+        assert np.array_equal(got[tensor.name].data, tensor.data), tensor.name
+    keys = ("gemma2.attention.sliding_window", "gemma2.attn_logit_softcapping",
+            "gemma2.final_logit_softcapping")  # fmt: skip
+    assert all(gguf_metadata(ours)[k] == pytest.approx(gguf_metadata(want)[k]) for k in keys)
+    odd = ModelConfig.from_dict(build_tiny_hf("gemma2", tied=True).config.to_dict())
+    with pytest.raises(ValueError, match="Gemma 2 holds its own layer pattern and attention"):
+        write_gguf(tmp_path / "odd.gguf", odd, [], name="t", tokens=tokens)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gemma_on_our_triton_kernels_attends_each_layer_under_its_window(
     tiny_model_dir, monkeypatch, arch

@@ -19,10 +19,11 @@ import numpy as np
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model.config import ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma3", "qwen3moe", "qwen2moe")
+SUPPORTED_ARCHS = ("llama", "qwen2", "phi3", "gemma2", "gemma3", "qwen3moe", "qwen2moe")
 #: the transformers class each architecture's folder names
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM",
-               "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+               "qwen3moe": "Qwen3MoeForCausalLM",
                "qwen2moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}  # fmt: skip
 #: the ``model_type`` of each architecture where it is not llama.cpp's name (a ``llama`` GGUF
 #: with experts is a Mixtral)
@@ -64,12 +65,17 @@ _QK_NORMS = {  # Qwen3's
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_ARCH_TENSORS = {"phi3": _PHI3_TENSORS, "gemma3": _GEMMA3_TENSORS, "mixtral": _MIXTRAL_TENSORS,
+#: Gemma 2's: Gemma 3's four norms of a layer, no q/k norms
+_GEMMA2_TENSORS = {
+    k: v for k, v in _GEMMA3_TENSORS.items() if "_q_norm" not in k and "_k_norm" not in k
+}
+_ARCH_TENSORS = {"phi3": _PHI3_TENSORS, "gemma2": _GEMMA2_TENSORS, "gemma3": _GEMMA3_TENSORS,
+                 "mixtral": _MIXTRAL_TENSORS,
                  "qwen3moe": {**_MOE_TENSORS, **_QK_NORMS}, "qwen2moe": _MOE_TENSORS}  # fmt: skip
 #: llama.cpp's choice of renormalising the chosen experts' weights, by architecture
 _NORM_EXPERT_WEIGHTS = {"qwen3moe": True, "qwen2moe": False, "mixtral": True}
 #: llama.cpp's converter stores Gemma's norm weights ``w`` of ``(1 + w)`` as ``1 + w``
-NORM_SHIFT = {"gemma3": 1.0}
+NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 
 _TOP_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -216,6 +222,8 @@ def hf_config(meta: dict[str, Any], arch: str, reader: Any, dtype: str) -> dict[
         config.update(_phi3_config(meta, reader, names, config))
     if arch == "gemma3":
         config.update(_gemma3_config(meta, config))
+    if arch == "gemma2":
+        config.update(_gemma2_config(meta, config))
     if arch in _NORM_EXPERT_WEIGHTS:  # a mixture of experts
         config.update({
             "num_experts" if arch != "mixtral" else "num_local_experts": int(key("expert_count")),
@@ -320,6 +328,34 @@ def _gemma3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, An
     if softcap:
         out["final_logit_softcapping"] = float(softcap)
     return out
+
+
+#: llama.cpp's Gemma 2: every other layer local (the even ones), scores soft-capped at 50 and
+#: logits at 30 where the file does not say
+GEMMA2_PATTERN = 2
+GEMMA2_SOFTCAPS = (50.0, 30.0)
+
+
+def _gemma2_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's numbers as llama.cpp reads them: the head's width (``key_length``), the
+    local layers' window, every :data:`GEMMA2_PATTERN`-nd layer global, the attention
+    scores' and the logits' soft caps, and the attention's scale as llama.cpp derives it:
+    over the hidden size per head for the 46-layer 27B, over the head's width otherwise."""
+    head = int(meta.get("gemma2.attention.key_length") or config["head_dim"])
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    attention, final = GEMMA2_SOFTCAPS
+    return {
+        "head_dim": head,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(meta.get("gemma2.attention.sliding_window") or 4096),
+        "layer_types": [
+            "sliding_attention" if (i + 1) % GEMMA2_PATTERN else "full_attention"
+            for i in range(layers)
+        ],
+        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == 46 else head,
+        "attn_logit_softcapping": float(meta.get("gemma2.attn_logit_softcapping") or attention),
+        "final_logit_softcapping": float(meta.get("gemma2.final_logit_softcapping") or final),
+    }
 
 
 def unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:

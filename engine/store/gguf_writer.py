@@ -22,7 +22,12 @@ import numpy as np
 import torch
 
 from engine.model.config import ModelConfig
-from engine.store.gguf_reader import GEMMA3_LOCAL_BASE, GEMMA3_PATTERN, NORM_SHIFT
+from engine.store.gguf_reader import (
+    GEMMA2_PATTERN,
+    GEMMA3_LOCAL_BASE,
+    GEMMA3_PATTERN,
+    NORM_SHIFT,
+)
 
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -78,10 +83,11 @@ _EXPERT_PRODUCTS = {
     "gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
     "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps",
 }  # fmt: skip
-_ARCH_NAMES = {"phi3": _PHI3, "gemma3": _GEMMA3, "qwen3moe": _MOE, "qwen2moe": _MOE}
+_ARCH_NAMES = {"phi3": _PHI3, "gemma2": _GEMMA3, "gemma3": _GEMMA3, "qwen3moe": _MOE,
+               "qwen2moe": _MOE}  # fmt: skip
 #: the architectures this writes, as llama.cpp names them, by our ``model_type`` (Mixtral: a
 #: ``llama`` with experts)
-ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "gemma3_text": "gemma3",
+ARCHITECTURES = {"llama": "llama", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
                  "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}  # fmt: skip
 
 
@@ -187,6 +193,8 @@ def write_gguf(
         extras += _phi3_extras(writer, cfg)
     if arch == "gemma3":
         _gemma3_extras(writer, cfg)
+    if arch == "gemma2":
+        _gemma2_extras(writer, cfg)
     if cfg.num_experts:
         _moe_extras(writer, cfg, arch)
     for extra, values in extras:
@@ -332,6 +340,27 @@ def _phi3_extras(writer: Any, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
         (f"rope_factors_{kind}.weight", np.asarray(factors, dtype=np.float32))
         for kind, factors in (("long", rs.long_factor), ("short", rs.short_factor))
     ]
+
+
+def _gemma2_extras(writer: Any, cfg: ModelConfig) -> None:
+    """Gemma 2's window and soft caps as llama.cpp's converter writes them; its layer pattern
+    and the attention's scale llama.cpp fixes (:func:`engine.store.gguf_reader._gemma2_config`),
+    which this model must have."""
+    expected = tuple(i for i in range(cfg.num_layers) if (i + 1) % GEMMA2_PATTERN)
+    head = cfg.hidden_size // cfg.num_heads if cfg.num_layers == 46 else cfg.head_dim
+    if (
+        cfg.local_layers != expected
+        or abs(cfg.query_scale - (cfg.head_dim / head) ** 0.5) > 1e-12
+        or cfg.attn_softcap is None
+        or cfg.final_softcap is None
+    ):
+        raise ValueError("llama.cpp's GGUF of a Gemma 2 holds its own layer pattern and "
+                         "attention scale, and soft-caps scores and logits; this model's "
+                         "differ")  # fmt: skip
+    if cfg.local_window is not None:
+        writer.add_sliding_window(cfg.local_window)
+    writer.add_attn_logit_softcapping(cfg.attn_softcap)
+    writer.add_final_logit_softcapping(cfg.final_softcap)
 
 
 def _gemma3_extras(writer: Any, cfg: ModelConfig) -> None:
