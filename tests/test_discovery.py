@@ -140,7 +140,7 @@ def test_lm_studio_skips_split_parts_vision_projectors_unreadable_and_unsupporte
     for name in ("mmproj-tiny-f16.gguf", "tiny-00001-of-00002.gguf", "tiny-00002-of-00002.gguf"):
         shutil.copy(gguf, lms / name)
     (lms / "truncated.gguf").write_bytes(gguf.read_bytes()[:100])
-    write_gguf(hf, lms / "gemma.gguf", arch="gemma2", quant="F16")  # not one we import
+    write_gguf(hf, lms / "neox.gguf", arch="gptneox", quant="F16")  # not one we import
 
     found = discover_models()
     assert [(m.name, m.path.name) for m in found] == [("tiny", "tiny-00001-of-00002.gguf")]
