@@ -207,22 +207,18 @@ def gemma3_as_llama_cpp_has_it(**overrides):
     )  # fmt: skip
 
 
-def test_a_gemma3_gguf_imports_to_transformers_logits(tmp_path):
-    """A Gemma 3 GGUF as llama.cpp's converter lays it out (its norms stored as 1 + w, its
-    q/k norms, no row permuted, the window and the linear RoPE scaling as metadata),
-    imported into a folder: the original's config and transformers' logits."""
+def check_gguf_import(hf, arch: str, tmp_path, fields: tuple[str, ...]) -> None:
+    """``hf`` written as llama.cpp's converter writes an ``arch`` GGUF, imported into a
+    folder: the original config's ``fields`` and transformers' logits (within 1e-4)."""
     from engine.store.gguf_import import import_gguf
     from tests.gguf_factory import write_gguf as write_like_llama_cpp
 
-    hf = gemma3_as_llama_cpp_has_it()
     cfg = ModelConfig.from_dict(hf.config.to_dict())
-    assert cfg.local_layers == (0, 1, 2, 3, 4, 6)
-    gguf = write_like_llama_cpp(hf, tmp_path / "gemma.gguf", arch="gemma3")
+    gguf = write_like_llama_cpp(hf, tmp_path / f"{arch}.gguf", arch=arch)
     folder = tmp_path / "imported"
     import_gguf(gguf, folder, dtype="fp32")
     imported = ModelConfig.from_file(folder / "config.json")
-    for field in ("local_layers", "local_window", "local_rope_theta", "rope_theta",
-                  "rope_scaling", "query_scale", "head_dim", "embed_scale"):  # fmt: skip
+    for field in fields:
         assert getattr(imported, field) == getattr(cfg, field), field
     engine = load_model(folder, precision="fp32")
     prompt = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(4))
@@ -230,33 +226,59 @@ def test_a_gemma3_gguf_imports_to_transformers_logits(tmp_path):
     assert (ours - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
 
 
-def test_our_gemma3_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path):
-    """The benchmark peer's GGUF (:mod:`engine.store.gguf_writer`) of a Gemma 3: the same
-    tensors under the same names, norms as 1 + w, and the same Gemma 3 metadata; a Gemma 3
-    whose layers llama.cpp could not read as it wrote them is refused."""
+def check_gguf_layout(hf, arch: str, tmp_path, keys: tuple[str, ...]) -> dict:
+    """Our writer's GGUF of ``hf`` against llama.cpp's converter's: the same tensors under the
+    same names, bit for bit, and the same metadata ``keys``; returns ours' metadata."""
     import numpy as np
 
     from engine.store.gguf_reader import gguf_metadata, open_gguf
     from engine.store.gguf_writer import write_gguf
-    from tests.conftest import build_tiny_hf
     from tests.gguf_factory import write_gguf as write_like_llama_cpp
 
-    hf = gemma3_as_llama_cpp_has_it()
     cfg = ModelConfig.from_dict(hf.config.to_dict())
     tokens = [f"t{i}" for i in range(cfg.vocab_size)]
     saved = [(n, t) for n, t in hf.state_dict().items() if n != "lm_head.weight"]  # tied
     ours = open_gguf(write_gguf(tmp_path / "ours.gguf", cfg, saved, name="t", tokens=tokens))
-    want = open_gguf(write_like_llama_cpp(hf, tmp_path / "want.gguf", arch="gemma3", quant="F16"))
+    want = open_gguf(write_like_llama_cpp(hf, tmp_path / "want.gguf", arch=arch, quant="F16"))
     got = {t.name: t for t in ours.tensors}
     assert set(got) == {t.name for t in want.tensors}
     for tensor in want.tensors:
         assert np.array_equal(got[tensor.name].data, tensor.data), tensor.name
-    keys = ("gemma3.attention.sliding_window", "gemma3.rope.freq_base")
     assert all(gguf_metadata(ours)[k] == pytest.approx(gguf_metadata(want)[k]) for k in keys)
-    assert gguf_metadata(ours)["gemma3.rope.scaling.factor"] == 4.0
+    return gguf_metadata(ours)
+
+
+def refused_gguf(tmp_path, cfg: ModelConfig) -> None:
+    """Our writer refuses ``cfg`` (raises; the caller says with what)."""
+    from engine.store.gguf_writer import write_gguf
+
+    tokens = [f"t{i}" for i in range(cfg.vocab_size)]
+    write_gguf(tmp_path / "odd.gguf", cfg, [], name="t", tokens=tokens)
+
+
+def test_a_gemma3_gguf_imports_to_transformers_logits(tmp_path):
+    """A Gemma 3 GGUF as llama.cpp's converter lays it out (its norms stored as 1 + w, its
+    q/k norms, no row permuted, the window and the linear RoPE scaling as metadata),
+    imported into a folder: the original's config and transformers' logits."""
+    hf = gemma3_as_llama_cpp_has_it()
+    assert ModelConfig.from_dict(hf.config.to_dict()).local_layers == (0, 1, 2, 3, 4, 6)
+    check_gguf_import(hf, "gemma3", tmp_path, ("local_layers", "local_window",
+                      "local_rope_theta", "rope_theta", "rope_scaling", "query_scale",
+                      "head_dim", "embed_scale"))  # fmt: skip
+
+
+def test_our_gemma3_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path):
+    """The benchmark peer's GGUF (:mod:`engine.store.gguf_writer`) of a Gemma 3: the same
+    tensors under the same names, norms as 1 + w, and the same Gemma 3 metadata; a Gemma 3
+    whose layers llama.cpp could not read as it wrote them is refused."""
+    from tests.conftest import build_tiny_hf
+
+    keys = ("gemma3.attention.sliding_window", "gemma3.rope.freq_base")
+    meta = check_gguf_layout(gemma3_as_llama_cpp_has_it(), "gemma3", tmp_path, keys)
+    assert meta["gemma3.rope.scaling.factor"] == 4.0
     odd = ModelConfig.from_dict(build_tiny_hf("gemma3_text", tied=True).config.to_dict())
     with pytest.raises(ValueError, match="layer pattern, local RoPE base and attention scale"):
-        write_gguf(tmp_path / "odd.gguf", odd, [], name="t", tokens=tokens)
+        refused_gguf(tmp_path, odd)
 
 
 def gemma2_as_llama_cpp_has_it():
@@ -271,52 +293,26 @@ def test_a_gemma2_gguf_imports_to_transformers_logits(tmp_path):
     """A Gemma 2 GGUF as llama.cpp's converter lays it out (its norms stored as 1 + w, the
     window and both soft caps as metadata), imported into a folder: the original's config
     and transformers' logits."""
-    from engine.store.gguf_import import import_gguf
-    from tests.gguf_factory import write_gguf as write_like_llama_cpp
-
     hf = gemma2_as_llama_cpp_has_it()
     cfg = ModelConfig.from_dict(hf.config.to_dict())
     assert cfg.local_layers == (0, 2) and cfg.attn_softcap == 2.0
-    gguf = write_like_llama_cpp(hf, tmp_path / "gemma2.gguf", arch="gemma2")
-    folder = tmp_path / "imported"
-    import_gguf(gguf, folder, dtype="fp32")
-    imported = ModelConfig.from_file(folder / "config.json")
-    for field in ("local_layers", "local_window", "rope_theta", "query_scale", "head_dim",
-                  "embed_scale", "attn_softcap", "final_softcap", "gemma"):  # fmt: skip
-        assert getattr(imported, field) == getattr(cfg, field), field
-    engine = load_model(folder, precision="fp32")
-    prompt = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(4))
-    ours = engine.runner.forward_logits(prompt.tolist(), engine.runner.new_cache(40), 0)
-    assert (ours - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
+    check_gguf_import(hf, "gemma2", tmp_path, ("local_layers", "local_window", "rope_theta",
+                      "query_scale", "head_dim", "embed_scale", "attn_softcap",
+                      "final_softcap", "gemma"))  # fmt: skip
 
 
 def test_our_gemma2_gguf_is_laid_out_as_llama_cpps_converter_does(tmp_path):
     """The benchmark peer's GGUF of a Gemma 2: the same tensors under the same names, norms as
     1 + w, and the same Gemma 2 metadata; a Gemma 2 whose attention llama.cpp would scale
     otherwise is refused."""
-    import numpy as np
-
-    from engine.store.gguf_reader import gguf_metadata, open_gguf
-    from engine.store.gguf_writer import write_gguf
     from tests.conftest import build_tiny_hf
-    from tests.gguf_factory import write_gguf as write_like_llama_cpp
 
-    hf = gemma2_as_llama_cpp_has_it()
-    cfg = ModelConfig.from_dict(hf.config.to_dict())
-    tokens = [f"t{i}" for i in range(cfg.vocab_size)]
-    saved = [(n, t) for n, t in hf.state_dict().items() if n != "lm_head.weight"]  # tied
-    ours = open_gguf(write_gguf(tmp_path / "ours.gguf", cfg, saved, name="t", tokens=tokens))
-    want = open_gguf(write_like_llama_cpp(hf, tmp_path / "want.gguf", arch="gemma2", quant="F16"))
-    got = {t.name: t for t in ours.tensors}
-    assert set(got) == {t.name for t in want.tensors}
-    for tensor in want.tensors:
-        assert np.array_equal(got[tensor.name].data, tensor.data), tensor.name
     keys = ("gemma2.attention.sliding_window", "gemma2.attn_logit_softcapping",
             "gemma2.final_logit_softcapping")  # fmt: skip
-    assert all(gguf_metadata(ours)[k] == pytest.approx(gguf_metadata(want)[k]) for k in keys)
+    check_gguf_layout(gemma2_as_llama_cpp_has_it(), "gemma2", tmp_path, keys)
     odd = ModelConfig.from_dict(build_tiny_hf("gemma2", tied=True).config.to_dict())
     with pytest.raises(ValueError, match="Gemma 2 holds its own layer pattern and attention"):
-        write_gguf(tmp_path / "odd.gguf", odd, [], name="t", tokens=tokens)
+        refused_gguf(tmp_path, odd)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -64,7 +64,7 @@ def one_lane() -> Iterator[None]:
 def applies(model: Transformer) -> bool:
     """Whether ``model``'s decode steps may run in two lanes: a layer's experts are in host
     memory, and no layer runs fused (and not inside :func:`one_lane`)."""
-    if _ONE_LANE[0]:
+    if _ONE_LANE[0] or not model.cfg.num_experts:  # (every step asks: a dense model at once)
         return False
     layers = decoder_layers(model)
     return any(hosted(layer) for layer in layers) and all(layer.fused is None for layer in layers)

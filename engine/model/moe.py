@@ -108,34 +108,30 @@ class MoE(nn.Module):
         return chosen, weights.to(x.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.crossing is not None:  # the experts in host memory
+            return self.finish(self.begin(x))
+        chosen, weights, counts = self._route_and_count(x)
+        out = self._routed(x, chosen, weights, counts)
+        shared = self._shared(x)
+        return out if shared is None else out + shared
+
+    def _route_and_count(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Each token's experts and weights (:meth:`route`), and the tokens each expert got,
+        added to :attr:`load`."""
         chosen, weights = self.route(x)
         flat = chosen.flatten()
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
         counts.index_add_(0, flat, torch.ones_like(flat))  # no read back, as bincount's
         self.load = counts if self.load is None else self.load + counts
-        if self.crossing is not None:  # the experts in host memory
-            return self.finish(self._begin(x, chosen, weights, counts, 0))
-        out = self._routed(x, chosen, weights, counts)
-        shared = self._shared(x)
-        return out if shared is None else out + shared
+        return chosen, weights, counts
 
     def begin(self, x: Tensor, lane: int = 0) -> HostExperts:
         """A step's rows on their way to the experts in host memory (:meth:`keep_on_host`):
         routed, their crossing queued, the shared expert queued on the GPU. :meth:`finish`
         waits for them and runs the experts; in between, the GPU may be given more work
         (another lane's attention: :mod:`engine.model.lanes`)."""
-        chosen, weights = self.route(x)
-        flat = chosen.flatten()
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
-        self.load = counts if self.load is None else self.load + counts
-        return self._begin(x, chosen, weights, counts, lane)
-
-    def _begin(
-        self, x: Tensor, chosen: Tensor, weights: Tensor, counts: Tensor, lane: int
-    ) -> HostExperts:
         assert self.crossing is not None
-        host = self.crossing.down(x, chosen, weights, counts, lane=lane)
+        host = self.crossing.down(x, *self._route_and_count(x), lane=lane)
         # queued on the GPU after the copies: it runs while the host runs the routed experts
         return HostExperts(host, self._shared(x), lane)
 

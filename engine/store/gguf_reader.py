@@ -302,25 +302,33 @@ GEMMA3_PATTERN = 6
 GEMMA3_LOCAL_BASE = 10000.0
 
 
-def _gemma3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's numbers as llama.cpp reads them: the head's width (``key_length``), the
-    local layers' window, every :data:`GEMMA3_PATTERN`-th layer global and the local ones
-    turning by :data:`GEMMA3_LOCAL_BASE` (``rope.freq_base_swa`` where the file says), the
-    global ones' linear RoPE scaling, and the attention's scale as llama.cpp derives it:
-    over the hidden size per head for the 62-layer 27B, over the head's width otherwise."""
-    head = int(meta.get("gemma3.attention.key_length") or config["head_dim"])
+def _gemma_layers(
+    meta: dict[str, Any], config: dict[str, Any], arch: str, pattern: int, big: int
+) -> dict[str, Any]:
+    """What every Gemma GGUF says or llama.cpp fixes alike: the head's width
+    (``key_length``), GeGLU's tanh GELU, the local layers' window, every ``pattern``-th layer
+    global, and the attention's scale as llama.cpp derives it: over the hidden size per
+    head for the ``big``-layer 27B, over the head's width otherwise."""
+    head = int(meta.get(f"{arch}.attention.key_length") or config["head_dim"])
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-    out: dict[str, Any] = {
+    return {
         "head_dim": head,
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": int(meta.get("gemma3.attention.sliding_window") or 4096),
+        "sliding_window": int(meta.get(f"{arch}.attention.sliding_window") or 4096),
         "layer_types": [
-            "sliding_attention" if (i + 1) % GEMMA3_PATTERN else "full_attention"
-            for i in range(layers)
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
         ],
-        "rope_local_base_freq": float(meta.get("gemma3.rope.freq_base_swa") or GEMMA3_LOCAL_BASE),
-        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 else head,
+        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == big else head,
     }
+
+
+def _gemma3_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's numbers as llama.cpp reads them (:func:`_gemma_layers`, every
+    :data:`GEMMA3_PATTERN`-th layer global, the 27B of 62 layers), the local ones turning by
+    :data:`GEMMA3_LOCAL_BASE` (``rope.freq_base_swa`` where the file says), and the global
+    ones' linear RoPE scaling."""
+    out = _gemma_layers(meta, config, "gemma3", GEMMA3_PATTERN, big=62)
+    out["rope_local_base_freq"] = float(meta.get("gemma3.rope.freq_base_swa") or GEMMA3_LOCAL_BASE)
     if str(meta.get("gemma3.rope.scaling.type", "")) == "linear":
         out["rope_scaling"] = {"rope_type": "linear",
                                "factor": float(meta["gemma3.rope.scaling.factor"])}  # fmt: skip
@@ -337,22 +345,11 @@ GEMMA2_SOFTCAPS = (50.0, 30.0)
 
 
 def _gemma2_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2's numbers as llama.cpp reads them: the head's width (``key_length``), the
-    local layers' window, every :data:`GEMMA2_PATTERN`-nd layer global, the attention
-    scores' and the logits' soft caps, and the attention's scale as llama.cpp derives it:
-    over the hidden size per head for the 46-layer 27B, over the head's width otherwise."""
-    head = int(meta.get("gemma2.attention.key_length") or config["head_dim"])
-    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    """Gemma 2's numbers as llama.cpp reads them (:func:`_gemma_layers`, every
+    :data:`GEMMA2_PATTERN`-nd layer global, the 27B of 46 layers), and the attention scores'
+    and the logits' soft caps."""
     attention, final = GEMMA2_SOFTCAPS
-    return {
-        "head_dim": head,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": int(meta.get("gemma2.attention.sliding_window") or 4096),
-        "layer_types": [
-            "sliding_attention" if (i + 1) % GEMMA2_PATTERN else "full_attention"
-            for i in range(layers)
-        ],
-        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == 46 else head,
+    return _gemma_layers(meta, config, "gemma2", GEMMA2_PATTERN, big=46) | {
         "attn_logit_softcapping": float(meta.get("gemma2.attn_logit_softcapping") or attention),
         "final_logit_softcapping": float(meta.get("gemma2.final_logit_softcapping") or final),
     }
