@@ -293,8 +293,7 @@ def test_paged_attention_equals_reference(seed, window, sliding):
         k = torch.randn(total, 2, 16, generator=gen)
         v = torch.randn(total, 2, 16, generator=gen)
         slots = torch.tensor(mgr.slots(f"s{i}", 0, history[i]), dtype=torch.long)
-        cache.k[0][slots] = k[: history[i]]
-        cache.v[0][slots] = v[: history[i]]
+        cache.kv[0][slots] = torch.cat((k[: history[i]], v[: history[i]]), dim=1)
         full_k.append(k)
         full_v.append(v)
 

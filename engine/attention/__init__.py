@@ -25,6 +25,7 @@ import torch
 from engine.attention.paged import PagedBackend
 from engine.attention.triton import TritonBackend
 from engine.errors import InfersightError
+from engine.formats.kv import KVFormat
 from engine.kernels import triton_check, triton_support
 from engine.model.attention import AttentionBackend
 from engine.model.config import ModelConfig
@@ -33,17 +34,19 @@ __all__ = ["AttentionBackend", "PagedBackend", "TritonBackend", "choose", "plann
 
 
 def choose(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, failures: list[str]
-) -> tuple[AttentionBackend, str]:
-    """The backend a load attends with for this model, dtype and device, and why (a line of
-    the load report): our Triton kernels where :func:`triton_support.attention_chosen` picks
-    them, they take the model's heads and dtype, and both pass their check against the torch
-    path (:mod:`engine.kernels.triton_check`; a failure appended to ``failures``); else the
-    paged torch/C backend."""
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, failures: list[str],
+    kv: KVFormat | None = None,
+) -> tuple[AttentionBackend, str]:  # fmt: skip
+    """The backend a load attends with for this model, dtype, device and pool format ``kv``
+    (None: the compute dtype's), and why (a line of the load report): our Triton kernels
+    where :func:`triton_support.attention_chosen` picks them, they take the model's heads,
+    dtype and pool, and both pass their check against the torch path
+    (:mod:`engine.kernels.triton_check`; a failure appended to ``failures``); else the paged
+    torch/C backend."""
     ours, why = triton_support.attention_chosen(device, cfg.head_dim)
     if not ours:
         return PagedBackend(device), why
-    refused = TritonBackend().refusal(cfg, dtype, device)
+    refused = TritonBackend().refusal(cfg, dtype, device) or TritonBackend.pool_refusal(kv)
     if refused:
         return PagedBackend(device), f"torch attention ({refused})"
     failed = triton_check.attention(device, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)

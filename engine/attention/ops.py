@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from engine.formats import kv as kv_format
 from engine.kernels import paged_decode
 from engine.kernels.gather_attention import gather_attention
 from engine.model.attention import capped_decode_attention
@@ -55,7 +56,7 @@ def store_and_attend(
     mask: Tensor | None,
 ) -> Tensor:
     """Store ``kv`` at ``write_slots`` of ``pool``, then :func:`decode_attention`."""
-    pool.index_copy_(0, write_slots, kv)
+    kv_format.store(pool, write_slots, kv)
     return decode_attention(q, pool, slots, lens, mask)
 
 

@@ -22,6 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.attention.context import PoolContext
 from engine.attention.ops import decode_attention, paged_decode_attention
+from engine.formats import kv as kv_format
 from engine.hardware.transfer import to_device, upload
 from engine.kernels import native, paged_decode
 from engine.kv_cache.paged import KVGroup, PagedKVCache, SeqChunk
@@ -153,13 +154,13 @@ class PagedContext(PoolContext):
     def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
         super().__init__(cache, chunks)
         pool = cache.kv[0]
-        heads = (cache.heads, cache.kv_heads, pool.shape[2])
+        heads = (cache.heads, cache.kv_heads, cache.head_dim)
         self._kernel = (
             len(chunks) > self.num_decode
             and paged_decode.reads_pool(pool)
             # under a soft cap the kernel (which caps) beats the textbook path (which has no
             # flash kernel): taken without timing
-            and (cache.softcap is not None or paged_decode.prefill_faster(pool.dtype, *heads))
+            and (cache.softcap is not None or paged_decode.prefill_faster(cache.dtype, *heads))
         )
         # one set per block group and window the layers attend under (Gemma's two)
         layers = list(zip(cache.layer_groups, cache.layer_windows, strict=True))
@@ -214,7 +215,7 @@ class PagedContext(PoolContext):
             # by construction (rows of one length, no window: a decode query sees every key
             # its sequence holds), decided from lengths alone, as a GPU step must not read
             # a tensor back; a compiled step always passes it, so that one graph serves both.
-            additive = torch.zeros(mask.shape, dtype=self.cache.kv[0].dtype)
+            additive = torch.zeros(mask.shape, dtype=self.cache.dtype)
             additive.masked_fill_(~mask, float("-inf"))
             decode_mask = to_device(additive[:, None, None, :], dev)
             windowed = model_window is not None or any(
@@ -276,7 +277,7 @@ class PagedContext(PoolContext):
                     q, kv, pool, self.slots_of(layer), masks.decode_slots, masks.decode_lens,
                     masks.decode_mask,
                 )  # fmt: skip
-        pool.index_copy_(0, self.slots_of(layer), kv)
+        kv_format.store(pool, self.slots_of(layer), kv)
         return self._attend_pool(q, pool, layer)
 
     def _attend_pool(self, q: Tensor, pool: Tensor, layer: int) -> Tensor:
@@ -306,7 +307,7 @@ class PagedContext(PoolContext):
                     cap or 0.0,
                 )  # fmt: skip
                 continue
-            rows = pool.index_select(0, slots).transpose(0, 1)  # [2·Hkv, T, D]
+            rows = kv_format.gather(pool, slots, q.dtype).transpose(0, 1)  # [2·Hkv, T, D]
             keys, values = rows[:kv_heads], rows[kv_heads:]
             if cap is not None:
                 out[offset : offset + length] = capped_attention(chunk, keys, values, read, cap)

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 
 from engine.attention.context import PoolContext
+from engine.formats import kv as kv_format
+from engine.formats.kv import KVFormat
 from engine.hardware.transfer import upload
 from engine.kernels import triton_support
 from engine.kv_cache.paged import KVGroup, PagedKVCache, SeqChunk, block_tables
@@ -51,6 +53,13 @@ class TritonBackend(AttentionBackend):
 
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return prefill_attention.unsupported(dtype, *heads, device) or ""
+
+    @staticmethod
+    def pool_refusal(kv: KVFormat | None) -> str:
+        """Why the kernels cannot read a pool of format ``kv`` (None: the compute dtype's)."""
+        if kv is not None and kv.quantized:
+            return f"our Triton kernels read no {kv.name} KV cache yet"
+        return ""
 
     def window_refusal(self, cfg: Any, window: Any) -> str:
         """A cache window with sinks on a model whose layers have windows of their own
@@ -86,7 +95,7 @@ class TritonContext(PoolContext):
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         pool = self.cache.kv[layer]
-        pool.index_copy_(0, self.slots_of(layer), kv)
+        kv_format.store(pool, self.slots_of(layer), kv)
         return self.tables.attend(q, pool, layer)
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:
@@ -188,7 +197,7 @@ class StaticContext(AttentionContext):
         return self.cache.kv[layer], self.slots[self.cache.layer_groups[layer]]
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
-        self.cache.kv[layer].index_copy_(0, self.slots[self.cache.layer_groups[layer]], kv)
+        kv_format.store(self.cache.kv[layer], self.slots[self.cache.layer_groups[layer]], kv)
         return self.attend_stored(layer, q)
 
     def attend_stored(self, layer: int, q: Tensor) -> Tensor:

@@ -62,7 +62,7 @@ class DecodeStep:
         self.c_model = Model(
             gemv_fn, int8_fn, int4_fn, address(kernel.fn), cfg.hidden_size, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cfg.head_dim**-0.5, int(dtype == torch.bfloat16), 1,
+            cfg.head_dim**-0.5, int(dtype == torch.bfloat16), 1, 0,
         )  # fmt: skip
         #: each KV cache's pools as the C call takes them (an array of pointers, or None
         #: where the step cannot read them), by the cache: engines that share this model
@@ -88,9 +88,9 @@ class DecodeStep:
         if SWITCH.off or x.dtype != self.dtype or rows > gemv.MAX_ROWS or not x.is_contiguous():
             return None
         try:
-            pools = self._pools[tables.owner]
+            pools, kv_fmt = self._pools[tables.owner]
         except KeyError:
-            pools = self._pools[tables.owner] = self._pool_pointers(tables.pools)
+            pools, kv_fmt = self._pools[tables.owner] = self._pool_pointers(tables.pools)
         if pools is None:
             return None
         picked = logits_indices
@@ -108,6 +108,7 @@ class DecodeStep:
             return None
         cos, sin = model.rope.angles(positions, x.dtype)
         self.c_model.threads = lowbit.threads()
+        self.c_model.kv_fmt = kv_fmt  # this cache's (engines sharing the model may differ)
         mask = tables.mask
         rc = native.call(
             "infersight::decode_step", self.fn, ctypes.byref(self.c_model), self.layers,
@@ -159,14 +160,18 @@ class DecodeStep:
             if self.steps:
                 per_step += [1e3 * self.spent[0] / self.steps, 1e3 * self.spent[1] / self.steps]
 
-    def _pool_pointers(self, pools: list[Tensor]) -> Any:
-        """``pools`` as an array of pointers; None where they are not what the step reads
-        (one per layer, contiguous CPU tensors of the activations' dtype)."""
+    def _pool_pointers(self, pools: list[Tensor]) -> tuple[Any, int]:
+        """``pools`` as an array of pointers and their format's code for the C kernels
+        (``csrc/kv_rows.h``); None where they are not what the step reads (one per layer,
+        contiguous CPU tensors of the activations' dtype, or int8 rows)."""
         if len(pools) != len(self.layers) or any(
-            t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu" for t in pools
-        ):
-            return None
-        return (ctypes.c_void_p * len(pools))(*(t.data_ptr() for t in pools))
+            t.dtype not in (self.dtype, torch.int8) or t.dtype != pools[0].dtype
+            or not t.is_contiguous() or t.device.type != "cpu"
+            for t in pools
+        ):  # fmt: skip
+            return None, 0
+        pointers = (ctypes.c_void_p * len(pools))(*(t.data_ptr() for t in pools))
+        return pointers, paged_decode.pool_format(pools[0])
 
 
 def _declare(lib: Any) -> None:

@@ -81,7 +81,7 @@ class Model(ctypes.Structure):
         ("attend", ctypes.c_void_p), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
         ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("bf16", ctypes.c_int32), ("threads", ctypes.c_int32),
+        ("bf16", ctypes.c_int32), ("threads", ctypes.c_int32), ("kv_fmt", ctypes.c_int32),
     ]  # fmt: skip
 
 

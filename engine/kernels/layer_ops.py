@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InfersightError
+from engine.formats import kv as kv_format
 from engine.kernels import lowbit, lowbit_rows, native, verify
 from engine.model import transformer
 from engine.model.transformer import LayerOps
@@ -143,12 +144,13 @@ class CNorms:
         """:func:`engine.model.transformer.rope_store` in one C call."""
         tokens = qkv.shape[0]
         dtype = qkv.dtype
+        int8 = pool.dtype == torch.int8  # rows quantized as they are written (csrc/kv_rows.h)
         ours = (
             dtype in (torch.float32, torch.bfloat16)
-            and cos.dtype == sin.dtype == pool.dtype == dtype
+            and cos.dtype == sin.dtype == dtype and pool.dtype in (dtype, torch.int8)
             and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
             and pool.is_contiguous() and pool.dim() == 3
-            and pool.shape[1:] == (2 * num_kv_heads, head_dim)
+            and pool.shape[1:] == (2 * num_kv_heads, head_dim + 4 * int8)
             and write_slots.dtype == torch.int64
             and write_slots.is_contiguous() and write_slots.numel() == tokens
             and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
@@ -163,8 +165,9 @@ class CNorms:
             )  # fmt: skip
         native.call(
             "infersight::rope_store", self.lib.infersight_rope_store,
-            qkv.data_ptr(), int(dtype == torch.bfloat16), tokens, num_heads, num_kv_heads,
-            head_dim, cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), write_slots.data_ptr(),
+            qkv.data_ptr(), int(dtype == torch.bfloat16) | int8 << 1, tokens, num_heads,
+            num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), pool.data_ptr(),
+            write_slots.data_ptr(),
             _threads(tokens),
         )  # fmt: skip
         return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
@@ -345,7 +348,8 @@ def check(lib: native.Library) -> str:
 
 
 def _check_rope_store(ops: LayerOps) -> str:
-    """RoPE + the K/V write against the torch code, bit for bit, fp32 and bf16, GQA."""
+    """RoPE + the K/V write against the torch code, bit for bit, fp32 and bf16, GQA, into a
+    float pool and into int8 rows (quantized as written)."""
     assert ops.rope_store is not None
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, tokens = 4, 2, 16, 3
@@ -354,15 +358,18 @@ def _check_rope_store(ops: LayerOps) -> str:
         qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         slots = torch.tensor([5, 0, 2])
-        results = []
-        for fn in (ops.rope_store, transformer.rope_store):
-            pool = torch.zeros(6, 2 * kv_heads, dim, dtype=dtype)
-            q = fn(qkv.clone(), cos, sin, pool, slots, num_heads=heads, num_kv_heads=kv_heads,
-                   head_dim=dim)  # fmt: skip
-            results.append((q, pool))
-        (q, pool), (want_q, want_pool) = results
-        if not (torch.equal(q, want_q) and torch.equal(pool, want_pool)):
-            return f"RoPE + the K/V write in {dtype} differ from torch's"
+        for fmt in (kv_format.float_format(dtype), kv_format.INT8):
+            results = []
+            for fn in (ops.rope_store, transformer.rope_store):
+                pool = (
+                    fmt.empty(6, kv_heads, dim, "cpu").view(torch.uint8).zero_().view(fmt.storage)
+                )
+                q = fn(qkv.clone(), cos, sin, pool, slots, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=dim)  # fmt: skip
+                results.append((q, pool))
+            (q, pool), (want_q, want_pool) = results
+            if not (torch.equal(q, want_q) and torch.equal(pool, want_pool)):
+                return f"RoPE + the K/V write in {dtype} into a {fmt.name} pool differ from torch's"
     return ""
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from engine.errors import InfersightError
+from engine.formats import kv as kv_format
 from engine.hardware import isolated
 from engine.kernels import lowbit, native, verify
 
@@ -42,7 +43,10 @@ log = logging.getLogger(__name__)
 SOURCE = native.CSRC / "paged_decode.c"
 ENV = "INFERSIGHT_ATTENTION"
 MODES = ("auto", "paged", "gather")
+#: the compute dtypes the kernels take
 DTYPES = (torch.float32, torch.bfloat16)
+#: the pools they read (:mod:`engine.formats.kv`): a float pool of those dtypes, or int8 rows
+POOL_DTYPES = (*DTYPES, torch.int8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +152,16 @@ def _check(k: Kernel) -> str:
     from engine.model.attention import capped_decode_attention
 
     gen = torch.Generator().manual_seed(0)
-    for dtype in DTYPES:
+    # each compute dtype's float pool, and int8 rows read by fp32 queries
+    for dtype, quantized in (
+        (torch.float32, False),
+        (torch.bfloat16, False),
+        (torch.float32, True),
+    ):
         pool = torch.randn(70, 6, 32, generator=gen).to(dtype)
+        if quantized:  # int8 rows (a zero pad slot, as a pool has)
+            pool = kv_format.quantize(pool, kv_format.INT8)
+            pool[-1].view(torch.uint8).zero_()
         slots = torch.randint(0, 69, (3, 21), generator=gen)
         lens = torch.tensor([21, 5, 13])
         slots[1, 5:] = slots[2, 13:] = 69
@@ -166,7 +178,7 @@ def _check(k: Kernel) -> str:
             else:
                 want = gather_attention(q, pool, slots, mask[:, None, None, :].to(dtype))
             got = _call(k, q, pool, slots, lens, mask, cap)
-            what = f"{dtype} {'soft-capped ' if cap else ''}decode"
+            what = f"{_name(pool)} {'soft-capped ' if cap else ''}decode"
             if why := verify.differs(what, got, want, tolerance):
                 return why
         # a prefill chunk of 21 queries after 40 cached keys, under a window with a sink
@@ -177,7 +189,7 @@ def _check(k: Kernel) -> str:
         for cap in (0.0, CHECK_CAP):
             want = prefill_reference(chunk, pool, kept, held, 40, 4, 24, cap)
             got = _call_prefill(k, chunk, pool, kept, held, 40, 4, 24, cap)
-            what = f"{dtype} {'soft-capped ' if cap else ''}prefill"
+            what = f"{_name(pool)} {'soft-capped ' if cap else ''}prefill"
             if why := verify.differs(what, got, want, tolerance):
                 return why
     return ""
@@ -185,6 +197,11 @@ def _check(k: Kernel) -> str:
 
 #: the soft cap the check runs at: low enough that the scores of its random data reach it
 CHECK_CAP = 1.5
+
+
+def _name(pool: Tensor) -> str:
+    """A pool's format as the check's messages name it."""
+    return kv_format.of_pool(pool).name
 
 
 #: off inside :func:`portable`, for side-by-side measurements
@@ -216,8 +233,17 @@ def _(q: Tensor, pool: Tensor, slots: Tensor, lens: Tensor, mask: Tensor | None)
 
 def usable(q: Tensor, pool: Tensor) -> bool:
     return (
-        not _SWITCH.off and q.device.type == "cpu" and pool.dtype in DTYPES and kernel().available
+        not _SWITCH.off
+        and q.device.type == "cpu"
+        and pool.dtype in POOL_DTYPES
+        and kernel().available
     )
+
+
+def pool_format(pool: Tensor) -> int:
+    """The code of ``pool``'s format for the C kernels (``csrc/kv_rows.h``: fp32 0, bf16 1,
+    int8 rows 2)."""
+    return {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}[pool.dtype]
 
 
 def paged_attention(
@@ -255,7 +281,7 @@ def _call(
     lens = lens if lens.is_contiguous() else lens.contiguous()
     m = None if mask is None else mask.reshape(b, -1).float().contiguous()
     rc = k.fn(
-        qf.data_ptr(), pool.data_ptr(), int(pool.dtype == torch.bfloat16), slots.data_ptr(),
+        qf.data_ptr(), pool.data_ptr(), pool_format(pool), slots.data_ptr(),
         lens.data_ptr(), None if m is None else m.data_ptr(), out.data_ptr(), b,
         slots.shape[1], heads, kv_heads, dim, dim**-0.5, softcap, torch.get_num_threads(),
     )  # fmt: skip
@@ -296,7 +322,7 @@ def reads_pool(pool: Tensor) -> bool:
     return (
         not _SWITCH.off
         and pool.device.type == "cpu"
-        and pool.dtype in DTYPES
+        and pool.dtype in POOL_DTYPES
         and kernel().available
     )
 
@@ -329,7 +355,7 @@ def prefill_reference(
     from engine.model.attention import capped_attention, grouped_attention
 
     kv_heads = pool.shape[1] // 2
-    rows = pool.index_select(0, slots).transpose(0, 1)
+    rows = kv_format.gather(pool, slots, q.dtype).transpose(0, 1)
     queries = torch.arange(start, start + q.shape[0])
     mask = positions[None, :] <= queries[:, None]
     if window > 0:
@@ -357,8 +383,13 @@ def _call_prefill(
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     slots, positions = slots.contiguous(), positions.contiguous()
-    # bit 0: a bf16 pool; bit 1: queries of bf16 values too, so Q.K may take bf16 dot products
-    formats = int(pool.dtype == torch.bfloat16) | int(q.dtype == torch.bfloat16) << 1
+    # bit 0: a bf16 pool; bit 1: queries of bf16 values too, so Q.K may take bf16 dot
+    # products; bit 2: an int8 pool (rows dequantized as each tile is copied)
+    formats = (
+        int(pool.dtype == torch.bfloat16)
+        | int(q.dtype == torch.bfloat16) << 1
+        | int(pool.dtype == torch.int8) << 2
+    )
     rc = k.prefill(
         qf.data_ptr(), pool.data_ptr(), formats, slots.data_ptr(),
         positions.data_ptr(), out.data_ptr(), length, slots.numel(), start, heads,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.formats import kv as kv_format
+from engine.formats.kv import KVFormat
 from engine.kernels import paged_decode
 from engine.kv_cache.window import CacheWindow, _visible
 from engine.model.attention import AttentionContext, capped_attention, sequence_attention
@@ -17,7 +19,9 @@ from engine.model.config import ModelConfig
 class ContiguousKVCache:
     """One contiguous ``[kv_heads, capacity, head_dim]`` buffer per slot and layer: the
     simplest cache, for tests and single-sequence scoring. It keeps every token; attention
-    honours the model's sliding window."""
+    honours the model's sliding window. With a quantized ``kv_format`` it holds what a pool of
+    that format would hand back (each row quantized and dequantized as it is stored), so that
+    scoring measures the format's cost."""
 
     def __init__(
         self,
@@ -27,6 +31,7 @@ class ContiguousKVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kv_format: KVFormat | None = None,
     ) -> None:
         if slots <= 0 or capacity <= 0:
             raise ValueError("a KV cache needs at least one slot and a positive capacity")
@@ -38,6 +43,9 @@ class ContiguousKVCache:
         self.layer_windows = [
             cfg.layer_window(i) or cfg.sliding_window for i in range(cfg.num_layers)
         ]
+        #: a quantized pool's format whose round trip K/V take as they are stored (they read
+        #: back as the paged pool would hand them back); None: kept as computed
+        self.quantized = kv_format if kv_format is not None and kv_format.quantized else None
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
@@ -64,6 +72,8 @@ class _ContiguousContext(AttentionContext):
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
         k_buf, v_buf = self.cache.k[layer], self.cache.v[layer]
+        if self.cache.quantized is not None:
+            kv = kv_format.dequantize(kv_format.quantize(kv, self.cache.quantized), kv.dtype)
         k, v = kv.chunk(2, dim=1)
         window = self.cache.layer_windows[layer]
         outputs = []

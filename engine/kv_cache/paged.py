@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.formats.kv import KVFormat, float_format
 from engine.hardware.transfer import upload
 from engine.kv_cache.block_manager import RELEASED, BlockManager
 from engine.kv_cache.layered import LayeredBlockManager
@@ -47,8 +48,10 @@ class PagedKVCache:
 
     Each layer's pool is one ``[num_blocks*block_size + 1, 2·kv_heads, head_dim]`` tensor: a
     slot holds the token's K heads, then its V heads, so that storing a step's K/V is one
-    write and gathering a sequence's is one read. ``k[layer]`` and ``v[layer]`` are views of
-    the two halves. The extra last slot stays zero and pads gathers. With ``local_blocks``, a
+    write and gathering a sequence's is one read; in ``kv_format`` (:mod:`engine.formats.kv`:
+    the compute dtype by default, or int8 / fp8 rows each followed by its scale, written
+    through :func:`~engine.formats.kv.store`). The extra last slot stays zero and pads
+    gathers. With ``local_blocks``, a
     model's local layers (Gemma's sliding ones) get a pool of that many blocks of their own,
     shared out by the full layers' manager's partner (:mod:`engine.kv_cache.layered`)."""
 
@@ -63,6 +66,7 @@ class PagedKVCache:
         prefix_caching: bool = True,
         attention: AttentionBackend,
         local_blocks: int | None = None,
+        kv_format: KVFormat | None = None,
     ) -> None:
         window = cfg.local_window if cfg.local_layers else None
         if window is None or local_blocks is None:
@@ -102,26 +106,28 @@ class PagedKVCache:
         self.pad_slot = full.pad_slot
         self.heads = cfg.num_heads
         self.kv_heads = heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        #: the dtype the model computes in (what attention returns)
+        self.dtype = dtype
+        #: what a slot holds (:mod:`engine.formats.kv`): the compute dtype's floats by default
+        self.format = kv_format or float_format(dtype)
         # Uninitialised: a slot is read only after it was written, except the pad slot, which
         # masked gathers read and which must hold zeros (0 × garbage may be NaN).
         self.kv = [
-            torch.empty((g.pad_slot + 1, 2 * heads, cfg.head_dim), dtype=dtype, device=device)
+            self.format.empty(g.pad_slot + 1, heads, cfg.head_dim, device)
             for g in self.layer_groups
         ]
-        for t in self.kv:
-            t[-1].zero_()
-        self.k = [t[:, :heads] for t in self.kv]
-        self.v = [t[:, heads:] for t in self.kv]
         self.device = torch.device(device)
 
     @staticmethod
     def bytes_per_block(
-        cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers: int | None = None
+        cfg: ModelConfig, block_size: int, kv: torch.dtype | KVFormat, layers: int | None = None
     ) -> int:
-        """A block's bytes over ``layers`` layers (default: every layer)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        """A block's bytes over ``layers`` layers (default: every layer) in a pool of format
+        ``kv`` (a dtype: its float pool)."""
+        fmt = kv if isinstance(kv, KVFormat) else float_format(kv)
         layers = cfg.num_layers if layers is None else layers
-        return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return 2 * layers * block_size * cfg.num_kv_heads * fmt.bytes_per_head(cfg.head_dim)
 
     @property
     def backend(self) -> str:

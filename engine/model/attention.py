@@ -22,6 +22,8 @@ import torch.nn.attention
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.formats import kv as kv_format
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeTables:
@@ -226,7 +228,7 @@ def capped_decode_attention(
     batch, heads, dim = q.shape
     kv_heads = pool.shape[1] // 2
     group = heads // kv_heads
-    rows = pool[slots]  # [B, W, 2·Hkv, D]
+    rows = kv_format.gather(pool, slots, q.dtype)  # [B, W, 2·Hkv, D]
     k = rows[:, :, :kv_heads].repeat_interleave(group, dim=2)  # [B, W, H, D]
     v = rows[:, :, kv_heads:].repeat_interleave(group, dim=2)
     scores = torch.einsum("bhd,bwhd->bhw", q, k) * dim**-0.5

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.formats import kv as kv_format
 from engine.model import lanes
 from engine.model.attention import AttentionContext
 from engine.model.config import ModelConfig, RopeScaling
@@ -45,14 +46,15 @@ def rope_store(
     num_heads: int, num_kv_heads: int, head_dim: int,
 ) -> Tensor:  # fmt: skip
     """RoPE on the q and k heads of a fused ``qkv: [T, (H + 2·Hkv)·D]`` and the K/V write into
-    ``pool: [slots, 2·Hkv, D]`` at ``write_slots``, in torch (the reference of the fused
+    ``pool: [slots, 2·Hkv, D]`` at ``write_slots`` (quantized as it goes in where the pool is,
+    :mod:`engine.formats.kv`), in torch (the reference of the fused
     kernels, :class:`LayerOps`): the rotated q heads as a ``[T, H, D]`` view of ``qkv``."""
     tokens = qkv.shape[0]
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(
         tokens, num_heads + num_kv_heads, head_dim
     )
     rotate_(qk, cos, sin)
-    pool.index_copy_(0, write_slots, qkv[:, num_heads * head_dim :].view(tokens, -1, head_dim))
+    kv_format.store(pool, write_slots, qkv[:, num_heads * head_dim :].view(tokens, -1, head_dim))
     return qk[:, :num_heads]
 
 

@@ -21,6 +21,7 @@
 #include <time.h>
 
 #include "bf16.h"
+#include "kv_rows.h"
 #include "quant8.h"
 #include "vec8.h"
 
@@ -114,7 +115,9 @@ void infersight_add_rms_norm(const void *x, const void *residual, const void *w,
  * so a head x rotates to x * cos + roll(x, D/2) * sin, each product and the sum rounded to the
  * dtype as torch's three operators round them (never contracted into a fused multiply-add).
  * Where the torch code runs two operators per layer for the rotation and one for the write,
- * plus their dispatch, this is one pass over the step's q, k and v. */
+ * plus their dispatch, this is one pass over the step's q, k and v. formats: bit 0 set where
+ * the activations are bf16, bit 1 where the pool holds int8 rows (kv_rows.h: each k head,
+ * once rotated, and each v head quantized as it is written). */
 __attribute__((optimize("fp-contract=off")))
 static inline float rotated(const void *x, int bf16, const void *cos, const void *sin,
                             int64_t i, int64_t partner, int64_t angle) {
@@ -135,22 +138,33 @@ static inline void put(void *v, int bf16, int64_t i, float value) {
 }
 
 __attribute__((optimize("fp-contract=off")))
-void infersight_rope_store(void *qkv, int bf16, int64_t tokens, int64_t heads, int64_t kv_heads,
-                           int64_t dim, const void *cos, const void *sin, void *pool,
-                           const int64_t *slots, int threads) {
+void infersight_rope_store(void *qkv, int formats, int64_t tokens, int64_t heads,
+                           int64_t kv_heads, int64_t dim, const void *cos, const void *sin,
+                           void *pool, const int64_t *slots, int threads) {
+    const int bf16 = formats & 1, int8 = formats & 2;
     const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
-    const int64_t pool_row = 2 * kv_heads * dim;
     const size_t size = bf16 ? 2 : 4;
+    const size_t head_bytes = int8 ? (size_t)kv_head_bytes(KV_INT8, dim) : (size_t)dim * size;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         float head[512]; /* one head's rotated values: a q head is read whole before it is written */
+        float wide[512]; /* int8: a v head widened */
         char *row = (char *)qkv + (size_t)(t * width) * size;
-        char *dst = (char *)pool + (size_t)(slots[t] * pool_row) * size;
+        char *dst = (char *)pool + (size_t)slots[t] * 2 * (size_t)kv_heads * head_bytes;
         const void *c = (const char *)cos + (size_t)(t * dim) * size;
         const void *s = (const char *)sin + (size_t)(t * dim) * size;
         for (int64_t h = 0; h < heads + kv_heads; h++) {
             const void *x = row + (size_t)(h * dim) * size;
-            void *out = h < heads ? (void *)x : (void *)(dst + (size_t)((h - heads) * dim) * size);
+            char *slot_head = dst + (size_t)(h - heads) * head_bytes;
+            void *out = h < heads ? (void *)x : (void *)slot_head;
+            if (h >= heads && int8) { /* rotated in the activations' dtype, then quantized */
+                for (int64_t i = 0; i < dim; i++) {
+                    const int64_t partner = i < half ? i + half : i - half;
+                    head[i] = rotated(x, bf16, c, s, i, partner, i);
+                }
+                int8_quantize_row(head, dim, slot_head);
+                continue;
+            }
             if (!bf16) { /* the same products and sums in two runs the compiler vectorizes */
                 const float *xf = x, *cf = c, *sf = s;
                 for (int64_t i = 0; i < half; i++) head[i] = xf[i] * cf[i] + xf[i + half] * sf[i];
@@ -177,7 +191,14 @@ void infersight_rope_store(void *qkv, int bf16, int64_t tokens, int64_t heads, i
             for (int64_t i = 0; i < dim; i++) put(out, bf16, i, head[i]);
         }
         const char *v = row + (size_t)((heads + kv_heads) * dim) * size;
-        memcpy(dst + (size_t)(kv_heads * dim) * size, v, (size_t)(kv_heads * dim) * size);
+        if (!int8) {
+            memcpy(dst + (size_t)kv_heads * head_bytes, v, (size_t)(kv_heads * dim) * size);
+            continue;
+        }
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t i = 0; i < dim; i++) wide[i] = at(v, bf16, h * dim + i);
+            int8_quantize_row(wide, dim, dst + (size_t)(kv_heads + h) * head_bytes);
+        }
     }
 }
 
@@ -203,7 +224,7 @@ typedef int (*int8_fn)(const void *x, int x_bf16, int64_t m, int64_t k, const vo
 typedef int (*int4_fn)(const void *x, int x_bf16, int64_t m, int64_t k, int64_t group,
                        const void *w, const void *sz, int64_t n, void *y, int y_bf16,
                        int threads);
-typedef int (*attend_fn)(const float *q, const void *pool, int bf16, const int64_t *slots,
+typedef int (*attend_fn)(const float *q, const void *pool, int fmt, const int64_t *slots,
                          const int64_t *lens, const float *mask, float *out, int64_t B,
                          int64_t W, int64_t H, int64_t Hkv, int64_t D, float scale,
                          float cap, int threads);
@@ -232,6 +253,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     int32_t bf16, threads;
+    int32_t kv_fmt; /* the pools' format (kv_rows.h: KV_FP32, KV_BF16, KV_INT8) */
 } model_t;
 
 /* seconds spent, by kind, where the caller asked (bench --profile) */
@@ -356,11 +378,12 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         double lt = layer_spent ? now() : 0.0;
         if ((rc = product(m, &L->qkv, h, B, qkv))) break;
         SPENT(SPENT_PRODUCTS);
-        infersight_rope_store(qkv, bf16, B, H, Hkv, D, cos, sin, pools[l], write_slots, 1);
+        infersight_rope_store(qkv, bf16 | (m->kv_fmt == KV_INT8) << 1, B, H, Hkv, D, cos, sin,
+                              pools[l], write_slots, 1);
         for (int64_t b = 0; b < B; b++)
             for (int64_t i = 0; i < qd; i++) qf[b * qd + i] = at(qkv, bf16, b * width + i);
         SPENT(SPENT_OTHER);
-        if ((rc = m->attend(qf, pools[l], bf16, slots, lens, mask, af, B, W, H, Hkv, D,
+        if ((rc = m->attend(qf, pools[l], m->kv_fmt, slots, lens, mask, af, B, W, H, Hkv, D,
                             m->scale, 0.0f, m->threads))) /* the models it runs cap none */
             break;
         SPENT(SPENT_ATTENTION);
