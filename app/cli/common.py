@@ -69,6 +69,7 @@ def engine_config(
         cuda_graphs=getattr(args, "cuda_graphs", None),
         prefix_caching=args.prefix_caching,
         cpu_experts=expert_placement.parse(getattr(args, "cpu_experts", None)),
+        kv_dtype=getattr(args, "kv_dtype", "auto"),
     )
 
 
@@ -136,7 +137,10 @@ def load_engine(
 
     set_threads(args.threads)
     if config is None:
-        config = engine_config(args) if hasattr(args, "block_size") else EngineConfig()
+        config = (
+            engine_config(args) if hasattr(args, "block_size")
+            else EngineConfig(kv_dtype=getattr(args, "kv_dtype", "auto"))
+        )  # fmt: skip
     speculation = speculative_config(args)  # bad options fail before the load
     spec = LoadSpec(args.model, precision or args.precision, args.device,
                     tensor_parallel=getattr(args, "tensor_parallel", 1))  # fmt: skip

@@ -46,7 +46,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(result), indent=2))
     else:
         print(
-            f"{engine.name} {result.precision}: perplexity {result.perplexity:.3f} over "
+            f"{engine.name} {result.precision}, KV {result.kv_dtype}: perplexity "
+            f"{result.perplexity:.3f} over "
             f"{result.scored} tokens of {result.text} (context {result.context}, "
             f"stride {result.stride})"
         )
@@ -83,14 +84,26 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
     from engine.core.config import EngineConfig
 
     tokens = max(len(p.encode()) for p in prompts) + 256 + args.new_tokens
-    pool = EngineConfig(num_blocks=-(-tokens // 16) + 2)
+    blocks = -(-tokens // 16) + 2
+    pool_a = EngineConfig(num_blocks=blocks, kv_dtype=args.a_kv_dtype)
+    pool_b = EngineConfig(num_blocks=blocks, kv_dtype=args.b_kv_dtype)
     from engine.kernels import lowbit
 
     with lowbit.choosing(args.a_lowbit):
-        a = load_engine(args, args.a, pool)
-    with lowbit.choosing(args.b_lowbit):
-        b = load_engine(argparse.Namespace(**{**vars(args), "model": args.b_model or args.model}),
-                        args.b, pool)  # fmt: skip
+        a = load_engine(args, args.a, pool_a)
+    same = (args.b_model or args.model, args.b, args.b_lowbit) == (
+        args.model,
+        args.a,
+        args.a_lowbit,
+    )
+    if same:  # the same weights, another KV cache: B shares A's model
+        b = a.sibling(pool_b)
+    else:
+        with lowbit.choosing(args.b_lowbit):
+            b = load_engine(
+                argparse.Namespace(**{**vars(args), "model": args.b_model or args.model}),
+                args.b, pool_b,
+            )  # fmt: skip
     reports = []
     for i, prompt in enumerate(prompts):
         report = compare_prompt(
@@ -106,8 +119,9 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
         return 0
     kernels = {side: f" (low-bit kernels: {mode})" if mode else ""
                for side, mode in (("a", args.a_lowbit), ("b", args.b_lowbit))}  # fmt: skip
-    print(f"A = {reports[0]['a']['precision']}{kernels['a']}, "
-          f"B = {reports[0]['b']['precision']}{kernels['b']}, "
+    kv = {side: f" KV {reports[0][side]['kv_dtype']}" for side in ("a", "b")}
+    print(f"A = {reports[0]['a']['precision']}{kv['a']}{kernels['a']}, "
+          f"B = {reports[0]['b']['precision']}{kv['b']}{kernels['b']}, "
           f"{args.new_tokens} tokens a prompt; figures on A's output, KL in nats")  # fmt: skip
     print(f"{'KL mean':>9} {'KL p99':>9} {'noise':>9} {'top-1':>6} {'1st diff':>8}  prompt")
     for r in reports:

@@ -25,6 +25,7 @@ from app.cli.options import (
     THREADS_HELP,
     UTILIZATION_HELP,
     engine_args,
+    kv_dtype_arg,
     model_args,
     sampling_args,
     serve_args,
@@ -266,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--max-tokens", type=int, default=4096)
     ep.add_argument("--context", type=int, default=512)
     ep.add_argument("--stride", type=int, default=256)
+    kv_dtype_arg(ep)
     ep.add_argument("--json", action="store_true")
     ep.set_defaults(handler=cmd_eval_ppl)
     ep = esub.add_parser(
@@ -276,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--b-model", help="B's model, if not A's (it must share A's tokenizer)")
     ep.add_argument("--a", default="fp32", help="reference precision")
     ep.add_argument("--b", required=True, help="precision to judge, e.g. int4-g32")
+    for side in ("a", "b"):
+        ep.add_argument(
+            f"--{side}-kv-dtype", default="auto", metavar="DTYPE",
+            help=f"{side.upper()}'s KV cache: auto, fp16, bf16, int8 or fp8 (--b int8 --b-kv-dtype "
+            "... judges weights and cache together; the same precision on both sides, "
+            "the cache alone, on one copy of the weights)",
+        )  # fmt: skip
     for side in ("a", "b"):
         ep.add_argument(
             f"--{side}-lowbit", choices=("auto", "ours", "torch"), default=None,

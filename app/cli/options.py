@@ -21,6 +21,11 @@ UTILIZATION_HELP = (
     "in all (weights, a step's peak measured in a warm-up, the KV pool), in (0, 1] "
     "(default 0.9)"
 )
+KV_DTYPE_HELP = (
+    "what the KV cache holds: auto (the model's compute dtype), fp16 or bf16 (that float, "
+    "named), int8 (each token's K and V rows with a scale of their own: about half a 16-bit "
+    "cache's bytes, twice the context), fp8 (e4m3, GPUs with native FP8: sm_89+); default auto"
+)
 THREADS_HELP = (
     "CPU threads (default: $INFERSIGHT_THREADS, else the fastest count for the model, timed "
     "once per machine)"
@@ -56,8 +61,14 @@ def tensor_parallel_arg(p: argparse.ArgumentParser, help: str) -> None:
     )  # fmt: skip
 
 
+def kv_dtype_arg(p: Any) -> None:
+    """``--kv-dtype`` (:mod:`engine.kv_cache.dtypes` checks the name)."""
+    p.add_argument("--kv-dtype", default="auto", metavar="DTYPE", help=KV_DTYPE_HELP)
+
+
 def engine_args(p: argparse.ArgumentParser, *, limits: bool = True) -> None:
     g = p.add_argument_group("KV cache and scheduling")
+    kv_dtype_arg(g)
     g.add_argument(
         "--kv-memory",
         type=float,

@@ -10,7 +10,9 @@ import torch
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
 from engine.executor import cuda_graphs, inductor
+from engine.formats.kv import KVFormat
 from engine.hardware.memory import free_memory
+from engine.kv_cache import dtypes as kv_dtypes
 from engine.kv_cache.layered import local_pool_blocks, local_window_under
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow
@@ -46,8 +48,16 @@ class EngineConfig:
     #: layers of a mixture of experts whose experts stay on the CPU, or ``auto``
     #: (:mod:`engine.loader.expert_placement`)
     cpu_experts: int | str = 0
+    #: what the KV pool holds (:mod:`engine.kv_cache.dtypes`: ``auto``, the compute dtype;
+    #: ``int8`` / ``fp8``, quantized rows at about half a 16-bit pool's bytes)
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in kv_dtypes.CHOICES:
+            raise InvalidRequestError(
+                f"unknown KV cache dtype {self.kv_dtype!r}: choose one of "
+                f"{', '.join(kv_dtypes.CHOICES)}"
+            )
         if self.cpu_experts != "auto" and (
             not isinstance(self.cpu_experts, int) or self.cpu_experts < 0
         ):
@@ -136,15 +146,25 @@ def local_blocks(cfg: ModelConfig, config: EngineConfig, num_blocks: int) -> int
     )  # fmt: skip
 
 
-def layer_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
-    """A block's bytes over the full layers, and over the local layers (0 without)."""
+def layer_block_bytes(
+    cfg: ModelConfig, block_size: int, kv: torch.dtype | KVFormat
+) -> tuple[int, int]:
+    """A block's bytes over the full layers, and over the local layers (0 without), in a
+    pool of format ``kv`` (a dtype: its float pool)."""
     local = len(cfg.local_layers) if cfg.local_window is not None else 0
-    per_layer = PagedKVCache.bytes_per_block(cfg, block_size, dtype, layers=1)
+    per_layer = PagedKVCache.bytes_per_block(cfg, block_size, kv, layers=1)
     return per_layer * (cfg.num_layers - local), per_layer * local
+
+
+def kv_format(config: EngineConfig, dtype: torch.dtype) -> KVFormat:
+    """The pool's format under ``config`` for a model computing in ``dtype``
+    (:func:`engine.kv_cache.dtypes.planned`: refused where it names another float)."""
+    return kv_dtypes.planned(config.kv_dtype, dtype)
 
 
 def pool_bytes(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, blocks: int) -> int:
     """The bytes of a pool of ``blocks`` blocks for the full layers (and the local layers'
-    own pool beside it), pad slots left out."""
-    full, local = layer_block_bytes(cfg, config.block_size, dtype)
+    own pool beside it), pad slots left out, in the format ``config`` gives a model
+    computing in ``dtype``."""
+    full, local = layer_block_bytes(cfg, config.block_size, kv_format(config, dtype))
     return full * blocks + local * (local_blocks(cfg, config, blocks) or blocks)

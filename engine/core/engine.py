@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,12 +25,12 @@ from engine.core import kernel_choice, paths_report
 from engine.core import step as stepping
 from engine.core.config import (
     EngineConfig,
+    kv_format,
     kv_pool_blocks,
-    layer_block_bytes,
     local_blocks,
     pool_bytes,
 )
-from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind
+from engine.core.instruments import LayerTimer, MetricsCollector, memory_by_kind, snapshot
 from engine.core.metrics import LayerTiming, MemoryByKind, MetricsSnapshot, RequestMetrics
 from engine.core.output import OutputProcessor, TokenEvent
 from engine.core.pool_profile import PoolSizing, profile_pool
@@ -49,12 +48,12 @@ from engine.errors import (
 from engine.executor import cuda_graphs, inductor
 from engine.executor.step import LAYER_TIMINGS
 from engine.hardware.memory import free_memory
+from engine.kv_cache import dtypes as kv_dtypes
 from engine.kv_cache.layered import LayeredBlockManager
 from engine.kv_cache.paged import PagedKVCache
 from engine.kv_cache.window import CacheWindow, effective_window
 from engine.model.config import ModelConfig
 from engine.model.inventory import weight_bytes
-from engine.model.moe import expert_load
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.quant.inventory import weight_report
@@ -118,7 +117,13 @@ class LLMEngine:
         self.kernel_failures: list[str] = []
         #: what attention runs on, and why (a line of the load report)
         failures = self.kernel_failures
-        self.attention, self.kernels = attention.choose(cfg, dtype, device, failures)
+        #: what the KV pool holds (:mod:`engine.kv_cache.dtypes`)
+        self.kv_format = kv_format(self.config, dtype)
+        if why := kv_dtypes.refusal(self.kv_format, cfg.head_dim, device):
+            raise InvalidRequestError(why)
+        self.attention, self.kernels = attention.choose(
+            cfg, dtype, device, failures, self.kv_format
+        )
         self.triton = self.attention.name == "triton"
         self.kernels += kernel_choice.layers(self.model, cfg, dtype, device, self.triton, failures)
         self.kernels += kernel_choice.gemms(self.model, device, dtype, failures)
@@ -132,6 +137,7 @@ class LLMEngine:
             prefix_caching=self.config.prefix_caching,
             attention=self.attention,
             local_blocks=local_blocks(cfg, self.config, blocks),
+            kv_format=self.kv_format,
         )
         self.scheduler = Scheduler(self.kv.manager, self.config.limits, model.rope.long_after)
         #: the window every sequence runs under: the user's within the model's own sliding
@@ -169,11 +175,13 @@ class LLMEngine:
         self.parallel: Any = None
 
     def with_pool(
-        self, *, kv_memory: float | None = None, num_blocks: int | None = None
-    ) -> LLMEngine:
+        self, *, kv_memory: float | None = None, num_blocks: int | None = None,
+        kv_dtype: str | None = None,
+    ) -> LLMEngine:  # fmt: skip
         """The same model, tokenizer and settings behind a new KV pool (``kv_memory`` bytes or
         ``num_blocks`` blocks; neither: a GPU's is profiled again, :mod:`engine.core.pool_profile`,
-        with this pool left out): resizing the pool never loads the weights again. Refused
+        with this pool left out; ``kv_dtype``: its format, None: this one's): resizing the
+        pool or changing what it holds never loads the weights again. Refused
         while this engine has requests (they live in its pool) or when the new pool would not
         fit in the memory free now plus this engine's pool."""
         from dataclasses import replace
@@ -183,7 +191,10 @@ class LLMEngine:
                 "the KV pool can change only when no request is running; wait for the "
                 "replies to finish or stop them"
             )
-        config = replace(self.config, kv_memory=kv_memory, num_blocks=num_blocks)
+        config = replace(
+            self.config, kv_memory=kv_memory, num_blocks=num_blocks,
+            kv_dtype=self.config.kv_dtype if kv_dtype is None else kv_dtype,
+        )  # fmt: skip
         if self.device.type == "cuda":  # what the allocator caches counts as free here
             torch.cuda.empty_cache()
         # a GPU's default pool is profiled now, this pool left out (the new one replaces it)
@@ -263,7 +274,7 @@ class LLMEngine:
             return blocks
         if sizing is not None:
             raise InvalidRequestError(sizing.refusal())
-        per_block = PagedKVCache.bytes_per_block(self.cfg, self.config.block_size, self.dtype)
+        per_block = PagedKVCache.bytes_per_block(self.cfg, self.config.block_size, self.kv_format)
         raise InvalidRequestError(
             f"the KV budget holds no block ({per_block / 2**20:.2f} MiB each); "
             "give --kv-memory more"
@@ -532,51 +543,8 @@ class LLMEngine:
         return dataclasses.replace(memory, rank_bytes=self.parallel.memory(self.device))
 
     def metrics(self) -> MetricsSnapshot:
-        now = time.perf_counter()
-        mgr = self.kv.manager
-        occ = mgr.occupancy()
-        summary = self.collector.summary(now)
-        return MetricsSnapshot(
-            time=now,
-            window_s=self.collector.window_s,
-            num_requests_running=len(self.scheduler.running),
-            num_requests_waiting=len(self.scheduler.waiting),
-            kv_cache_usage_perc=occ.usage,
-            kv_blocks_used=occ.used_blocks,
-            kv_blocks_total=occ.total_blocks,
-            kv_tokens_stored=occ.tokens_stored,
-            kv_waste_slots=occ.waste_slots,
-            memory=self.memory(),
-            layer_timings=self.layer_timings,
-            total_prompt_tokens=self.collector.total_prompt_tokens,
-            total_generated_tokens=self.collector.total_generated_tokens,
-            kv_block_owners=tuple(mgr.owners()),
-            kv_block_cached=tuple(mgr.cached_blocks()),
-            kv_blocks_cached=occ.cached_blocks,
-            kv_blocks_shared=occ.shared_blocks,
-            **self._pool_figures(),
-            prefix_caching=mgr.prefix_caching,
-            prefix_cache_query_tokens=mgr.stats.query_tokens,
-            prefix_cache_hit_tokens=mgr.stats.hit_tokens,
-            limits={**asdict(self.scheduler.limits), "kv_blocks": mgr.capacity},
-            recent_steps=tuple(self.collector.recent),
-            total_preemptions=self.collector.total_preemptions,
-            **(self.speculator.metrics() if self.speculator is not None else {}),
-            **expert_load(self.model),
-            **summary,
-        )
-
-    def _pool_figures(self) -> dict[str, Any]:
-        """A block's bytes, and the local layers' own pool where they have one."""
-        mgr, bs = self.kv.manager, self.kv.block_size
-        if not isinstance(mgr, LayeredBlockManager):
-            return {"kv_block_bytes": PagedKVCache.bytes_per_block(self.cfg, bs, self.dtype)}
-        full, local = layer_block_bytes(self.cfg, bs, self.dtype)
-        return {
-            "kv_block_bytes": full, "kv_local_block_bytes": local,
-            "kv_local_blocks_used": mgr.local.num_used,
-            "kv_local_blocks_total": mgr.local.num_blocks,
-        }  # fmt: skip
+        """The engine's figures now (:func:`engine.core.instruments.snapshot`)."""
+        return snapshot(self)
 
     def request_metrics(self, request_id: str) -> RequestMetrics | None:
         """The figures of a recently finished request (``None`` if unknown or still running)."""

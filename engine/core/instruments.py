@@ -10,19 +10,24 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 
+from engine.core.config import layer_block_bytes
 from engine.core.metrics import (
     LATENCY_METRICS,
     LayerTiming,
     MemoryByKind,
+    MetricsSnapshot,
     RequestMetrics,
     StepRecord,
 )
 from engine.hardware.nvml import device_memory
+from engine.kv_cache.layered import LayeredBlockManager
+from engine.model.moe import expert_load
 
 log = logging.getLogger(__name__)
 
@@ -211,3 +216,57 @@ def memory_by_kind(weights_bytes: int, kv_pool_bytes: int, device: torch.device)
         nvml_used_bytes=gpu.used_bytes if gpu is not None else None,
         nvml_total_bytes=gpu.total_bytes if gpu is not None else None,
     )
+
+
+def snapshot(engine: Any) -> MetricsSnapshot:
+    """An engine's (:class:`~engine.core.engine.LLMEngine`) figures now: its queues, its KV
+    pool block by block (bytes by the pool's real format), memory by kind, the collector's
+    window, speculation's and the experts' figures."""
+    now = time.perf_counter()
+    mgr = engine.kv.manager
+    occ = mgr.occupancy()
+    summary = engine.collector.summary(now)
+    return MetricsSnapshot(
+        time=now,
+        window_s=engine.collector.window_s,
+        num_requests_running=len(engine.scheduler.running),
+        num_requests_waiting=len(engine.scheduler.waiting),
+        kv_cache_usage_perc=occ.usage,
+        kv_blocks_used=occ.used_blocks,
+        kv_blocks_total=occ.total_blocks,
+        kv_tokens_stored=occ.tokens_stored,
+        kv_waste_slots=occ.waste_slots,
+        memory=engine.memory(),
+        layer_timings=engine.layer_timings,
+        total_prompt_tokens=engine.collector.total_prompt_tokens,
+        total_generated_tokens=engine.collector.total_generated_tokens,
+        kv_block_owners=tuple(mgr.owners()),
+        kv_block_cached=tuple(mgr.cached_blocks()),
+        kv_blocks_cached=occ.cached_blocks,
+        kv_blocks_shared=occ.shared_blocks,
+        **_pool_figures(engine),
+        prefix_caching=mgr.prefix_caching,
+        prefix_cache_query_tokens=mgr.stats.query_tokens,
+        prefix_cache_hit_tokens=mgr.stats.hit_tokens,
+        limits={**asdict(engine.scheduler.limits), "kv_blocks": mgr.capacity},
+        recent_steps=tuple(engine.collector.recent),
+        total_preemptions=engine.collector.total_preemptions,
+        **(engine.speculator.metrics() if engine.speculator is not None else {}),
+        **expert_load(engine.model),
+        **summary,
+    )
+
+
+def _pool_figures(engine: Any) -> dict[str, Any]:
+    """The pool's format, a block's bytes in it, and the local layers' own pool where they
+    have one."""
+    mgr, bs, fmt = engine.kv.manager, engine.kv.block_size, engine.kv.format
+    full, local = layer_block_bytes(engine.cfg, bs, fmt)
+    if not isinstance(mgr, LayeredBlockManager):
+        full += local
+        return {"kv_block_bytes": full, "kv_dtype": fmt.name}
+    return {
+        "kv_block_bytes": full, "kv_local_block_bytes": local, "kv_dtype": fmt.name,
+        "kv_local_blocks_used": mgr.local.num_used,
+        "kv_local_blocks_total": mgr.local.num_blocks,
+    }  # fmt: skip

@@ -109,6 +109,9 @@ class MetricsSnapshot:
     kv_blocks_cached: int = 0
     kv_blocks_shared: int = 0
     kv_block_bytes: int = 0  # K and V of one block, every layer (the full ones: below)
+    #: what the pool holds (:mod:`engine.formats.kv`: fp32, bf16, fp16, int8, fp8): the
+    #: bytes above are its
+    kv_dtype: str = ""
     #: the local layers' own pool where they have one (Gemma's sliding layers: only their
     #: windows), beside the full layers' blocks above: blocks held, blocks, and one's bytes
     kv_local_blocks_used: int = 0

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.core.config import EngineConfig, blocks_for_budget, pool_bytes
+from engine.core.config import EngineConfig, blocks_for_budget, kv_format, pool_bytes
 from engine.core.sampling import SamplingParams, make_generator, sample
 from engine.errors import OutOfMemoryError
 from engine.hardware import memory as device_memory
@@ -130,7 +130,7 @@ def size_pool(
     context. The load passes the warm-up's measured peak, the memory plan its weights plus
     its workspace estimate. ``attention``: the backend the engine attends with, whose workspace
     per token of context is the gather term (none through our Triton kernels)."""
-    block_bytes = PagedKVCache.bytes_per_block(cfg, config.block_size, dtype)
+    block_bytes = PagedKVCache.bytes_per_block(cfg, config.block_size, kv_format(config, dtype))
     token_bytes = block_bytes // config.block_size
     sizing = PoolSizing(
         total=total,
@@ -215,6 +215,7 @@ def warm_up(
     scratch = PagedKVCache(
         cfg, num_blocks=-(-chunk // config.block_size), block_size=config.block_size,
         dtype=dtype, device=device, prefix_caching=False, attention=attention,
+        kv_format=kv_format(config, dtype),
     )  # fmt: skip
     scratch.manager.grow(SCRATCH_ID, chunk)
     logits = model(

@@ -16,6 +16,7 @@ import torch
 from engine.core.scheduler import ScheduledChunk
 from engine.executor import inductor
 from engine.executor import step as step_executor
+from engine.formats.kv import KVFormat
 from engine.hardware.transfer import upload
 from engine.kv_cache.contiguous import ContiguousKVCache
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
@@ -189,7 +190,10 @@ class ModelRunner:
         ctx = cache.context([0], [start], [len(ids)])
         return self.model(ids, positions, ctx)
 
-    def new_cache(self, capacity: int) -> ContiguousKVCache:
+    def new_cache(self, capacity: int, kv_format: KVFormat | None = None) -> ContiguousKVCache:
+        """A one-sequence contiguous cache of ``capacity`` tokens whose K/V read back as a
+        pool of ``kv_format`` holds them (None: the compute dtype's)."""
         return ContiguousKVCache(
-            self.cfg, slots=1, capacity=capacity, dtype=self.dtype, device=self.device
-        )
+            self.cfg, slots=1, capacity=capacity, dtype=self.dtype, device=self.device,
+            kv_format=kv_format,
+        )  # fmt: skip

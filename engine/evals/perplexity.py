@@ -69,6 +69,8 @@ class PerplexityResult:
     stride: int
     nll: float
     perplexity: float
+    #: what the KV cache held (:mod:`engine.formats.kv`)
+    kv_dtype: str = ""
 
 
 def perplexity(
@@ -91,7 +93,8 @@ def perplexity(
     while done < len(ids):
         end = min(begin + context, len(ids))
         window = ids[begin:end]
-        logits = engine.runner.forward_logits(window, engine.runner.new_cache(len(window)), 0)
+        cache = engine.runner.new_cache(len(window), engine.kv.format)  # as the pool holds K/V
+        logits = engine.runner.forward_logits(window, cache, 0)
         # The first position not scored yet; a window's own first token has no history.
         first = max(done - begin, 1)
         targets = torch.tensor(window[first:], device=logits.device)
@@ -102,5 +105,6 @@ def perplexity(
         begin += stride
     nll = total / scored
     return PerplexityResult(
-        engine.precision.text, text_name, len(ids), scored, context, stride, nll, math.exp(nll)
-    )
+        engine.precision.text, text_name, len(ids), scored, context, stride, nll,
+        math.exp(nll), engine.kv.format.name,
+    )  # fmt: skip

@@ -55,6 +55,8 @@ class SideRun:
     tokens_per_s: float | None
     weights_bytes: int
     kv_bytes: int
+    #: what the side's KV pool holds (:mod:`engine.formats.kv`)
+    kv_dtype: str = ""
 
     @classmethod
     def of(
@@ -80,6 +82,7 @@ class SideRun:
             tokens_per_s=tokens_per_s,
             weights_bytes=engine.weights_bytes,
             kv_bytes=engine.kv.nbytes,
+            kv_dtype=engine.kv.format.name,
         )
 
 
