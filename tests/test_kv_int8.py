@@ -7,6 +7,7 @@ rollback, a cache window) while giving what its own scoring cache computes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,12 @@ from engine.core.sampling import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.errors import InvalidRequestError
 from engine.formats import kv as kv_format
-from engine.kernels import decode_step, layer_ops, lowbit, native, paged_decode
+from engine.kernels import decode_step, layer_ops, lowbit, native, paged_decode, triton_support
 from engine.kv_cache import dtypes
 from engine.kv_cache.window import CacheWindow
 from engine.loader.load import load_model
 from engine.model import transformer
+from tests.conftest import WIDE_HEADS
 from tests.probed import built_levels
 from tests.test_decode_step import PROMPTS, WIDE, _counting, _generate, _ours
 from tests.test_paged_attention import (
@@ -30,6 +32,8 @@ from tests.test_paged_attention import (
     float64_attention,
     prefill_case,
 )
+from tests.test_triton_engine import generate as triton_generate
+from tests.test_triton_engine import spy_kernels
 
 INT8 = kv_format.INT8
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -75,10 +79,11 @@ def test_the_kv_dtype_names_and_their_refusals() -> None:
         dtypes.planned("bf16", torch.float32)
     with pytest.raises(InvalidRequestError, match="choose one of"):
         EngineConfig(kv_dtype="int4")
-    cpu = torch.device("cpu")
-    assert "sm_89" in dtypes.refusal(kv_format.FP8, 64, cpu)
-    assert "multiple of 4" in dtypes.refusal(INT8, 18, cpu)
-    assert dtypes.refusal(INT8, 64, cpu) == ""
+    assert "sm_89" in dtypes.refusal(kv_format.FP8, 64, "cpu")
+    assert "sm_86" in dtypes.refusal(kv_format.FP8, 64, "cuda", (8, 6))
+    assert dtypes.refusal(kv_format.FP8, 128, "cuda", (9, 0)) == ""
+    assert "multiple of 4" in dtypes.refusal(INT8, 18, "cpu")
+    assert dtypes.refusal(INT8, 64, "cpu") == ""
 
 
 # -- the C kernels over int8 rows, at every level this machine builds for ---------------------
@@ -311,3 +316,26 @@ def test_the_c_decode_step_over_int8_rows_gives_the_eager_steps_tokens(
                     got.setdefault(event.request_id, []).append(event.token_id)
     assert [got[rid] for owner, rid in rids if owner is engine] == ours
     assert [got[rid] for owner, rid in rids if owner is float_kv] == want_float
+
+
+@pytest.mark.skipif(not triton_support.installed(), reason="Triton not installed")
+def test_our_triton_kernels_and_static_steps_read_int8_rows_as_the_c_paths_do(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """Through our Triton kernels (Triton's interpreter here) and the static decode steps a
+    GPU replays as CUDA graphs, an int8 pool gives the torch and C paths' tokens: prefill and
+    decode read the rows through the block tables, in place."""
+    folder, _ = tiny_model_dir("llama", False, **WIDE_HEADS)
+    config = EngineConfig(block_size=4, num_blocks=96, kv_dtype="int8")
+    batch = [[5, 17, 33, 8], [9, 9, 41, 2, 77, 3, 12], [100, 4, 4]]
+    want = triton_generate(load_model(folder, config=config), batch)
+    monkeypatch.setenv("INFERSIGHT_KERNELS", "triton")
+    calls = spy_kernels(monkeypatch)
+    engine = load_model(folder, config=config)
+    assert engine.triton and engine.kv.kv[0].dtype == torch.int8, engine.kernels
+    assert triton_generate(engine, batch) == want
+    assert calls["decode"] and calls["prefill"]
+    static = engine.sibling(replace(config, cuda_graphs="on"))
+    static.settle_cuda_graphs()
+    assert static.runner.static is not None, static.graphs
+    assert triton_generate(static, batch) == want

@@ -8,12 +8,13 @@ a kernel that reads or counts any of them gives NaN, not a small error."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 from torch import Tensor
 
+from engine.formats import kv as kv_format
 from engine.kernels import triton_support
 from engine.kernels.gather_attention import gather_attention
 from engine.kv_cache.block_manager import RELEASED
@@ -107,16 +108,18 @@ def reference(
     return want
 
 
-def assert_close(got: Tensor, case: Case) -> None:
+def assert_close(got: Tensor, case: Case, values: Tensor | None = None) -> None:
     """fp32 to 1e-5. fp16/bf16: the kernel rounds twice to the dtype, the probabilities
     before P·V and the output, each within one unit roundoff of max |V| (an output is an
-    average of V rows): 2 u · max |V|."""
+    average of V rows): 2 u · max |V| (``values``: the pool's values where it holds int8
+    rows)."""
     assert got.dtype == case.q.dtype and got.shape == case.want.shape
     assert not got.isnan().any()
+    pool = case.pool if values is None else values
     if case.q.dtype == torch.float32:
         tol = 1e-5
     else:
-        tol = 2 * ROUNDOFF[case.q.dtype] * case.pool.double().nan_to_num(0.0).abs().max().item()
+        tol = 2 * ROUNDOFF[case.q.dtype] * pool.double().nan_to_num(0.0).abs().max().item()
     err = (got.double() - case.want).abs().max().item()
     assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
 
@@ -180,6 +183,32 @@ def test_window_with_sinks_and_released_blocks(sink: int, window: int, dtype: to
     assert (case.tables[3] == RELEASED).sum() > 0  # the long one lost blocks to the window
     assert_close(case.run(), case)
     assert_close(case.run(splits=1), case)
+
+
+def int8_case(case: Case) -> tuple[Case, Tensor]:
+    """``case`` over int8 rows of its pool (engine/formats/kv.py; a hidden slot's NaN values
+    give it a NaN scale), its reference over those rows dequantized, and those values."""
+    rows = kv_format.quantize(case.pool, kv_format.INT8)
+    values = kv_format.dequantize(rows)
+    want = reference(case.q, values, case.tables, case.lens.tolist(), case.sink, case.window)
+    return replace(case, pool=rows, want=want), values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int8_rows_match_the_torch_path_over_them_dequantized(dtype: torch.dtype) -> None:
+    """Ragged rows with a padding row, and a window with sinks and released blocks, in one
+    pass and split: the kernel over int8 rows (each row's values widened, its products
+    scaled by the row's scale) gives float64 attention over the rows dequantized."""
+    cases = [
+        make_case(RAGGED, kv_heads=2, group=4, dim=64, dtype=dtype, seed=7),
+        make_case([1, 17, 300, 1000, 0], kv_heads=1, group=4, dim=128, dtype=dtype, sink=4,
+                  window=100, seed=8),
+    ]  # fmt: skip
+    for plain in cases:
+        case, values = int8_case(plain)
+        assert case.pool.dtype == torch.int8
+        for splits in (1, 4):
+            assert_close(case.run(splits=splits), case, values)
 
 
 def test_released_blocks_are_not_attended_without_a_window() -> None:
@@ -259,14 +288,18 @@ def test_configs_cover_every_launch() -> None:
     """One configuration per dtype a GPU attends in, head dim and kind, with the tile the
     launcher picks; none for fp32, which attends through torch on a GPU."""
     configs = {c.name: c for c in dec.configs()}
+    kinds = ("one_pass", "split", "combine", "one_pass_int8kv", "split_int8kv")
     for name, dtype, oldest in (("fp16", torch.float16, 75), ("bf16", torch.bfloat16, 80)):
         for dim in dec.HEAD_DIMS:
-            for kind in ("one_pass", "split", "combine"):
+            for kind in kinds:
                 config = configs.pop(f"decode_attention_{kind}_{name}_d{dim}")
                 assert config.min_target == (oldest if dim <= 128 else 80)  # Ampere on
                 assert config.constants["HEAD_DIM"] == dim
                 assert config.constants["BLOCK_N"] == dec.block_n(dtype)
                 if kind != "combine":
-                    assert config.constants["SPLIT"] == (kind == "split")
+                    assert config.constants["SPLIT"] == kind.startswith("split")
+                    int8 = kind.endswith("int8kv")
+                    assert config.constants["KV_INT8"] == int8
                     assert config.signature["q_ptr"] == f"*{name}"
+                    assert config.signature["pool_ptr"] == ("*i8" if int8 else f"*{name}")
     assert not configs

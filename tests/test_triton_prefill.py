@@ -11,13 +11,14 @@ interpreter's bf16 casts truncate (2⁻⁷ each, where a GPU rounds to nearest).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
+from engine.formats import kv as kv_format
 from engine.kernels import triton_support
 from engine.kv_cache.window import CacheWindow
 from engine.model.attention import grouped_attention
@@ -104,7 +105,7 @@ def reference(case: Case, sink: int = 0, window: int = 0) -> Tensor:
         if not keep.any():
             continue
         positions, slots = positions[keep], (blocks * BLOCK + positions % BLOCK)[keep]
-        rows = case.pool[slots].float().transpose(0, 1)
+        rows = kv_format.gather(case.pool, slots, torch.float32).transpose(0, 1)
         queries = torch.arange(first, first + length)
         if window:
             mask = CacheWindow(sink, window).visible(positions, queries)
@@ -120,10 +121,13 @@ def reference(case: Case, sink: int = 0, window: int = 0) -> Tensor:
     return out
 
 
-def assert_matches(case: Case, out: Tensor, ref: Tensor) -> None:
+def assert_matches(case: Case, out: Tensor, ref: Tensor, values: Tensor | None = None) -> None:
+    """Within :data:`ERROR` of the largest value held (``values``: the pool's where it holds
+    int8 rows)."""
     assert out.dtype == case.q.dtype and out.shape == ref.shape
     assert torch.isfinite(out).all()
-    held = case.pool[~case.pool.isnan().any(2).any(1)]
+    pool = case.pool if values is None else values
+    held = pool[~pool.isnan().any(2).any(1)]
     bound = ERROR[case.q.dtype] * float(held.float().abs().max())
     err = float((out.float() - ref).abs().max())
     assert err <= bound, f"max error {err:.3g} over the {bound:.3g} that {case.q.dtype} allows"
@@ -155,6 +159,23 @@ def test_half_precision_head_dims_64_to_256(dtype: torch.dtype, head_dim: int, g
         [(19, 7), (0, 70), (64, 1)], heads=group, kv_heads=1, head_dim=head_dim, dtype=dtype
     )
     assert_matches(case, case.run(), reference(case))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "window"),
+    [(torch.float32, 64, 0), (torch.float16, 128, 0), (torch.bfloat16, 64, 24)],
+)
+def test_int8_rows_match_the_reference_over_them_dequantized(dtype, head_dim, window) -> None:
+    """Ragged chunks over cached prefixes (one a window with a sink): the kernel over int8
+    rows gives attention over the rows dequantized (the reference reads them so)."""
+    case = make_case(
+        [(37, 1), (0, 7), (48, 64), (150, 33)], heads=8, kv_heads=2, head_dim=head_dim,
+        dtype=dtype, seed=9,
+    )  # fmt: skip
+    case = replace(case, pool=kv_format.quantize(case.pool, kv_format.INT8))
+    values = kv_format.dequantize(case.pool)
+    sink = 4 if window else 0
+    assert_matches(case, case.run(sink=sink, window=window), reference(case, sink, window), values)
 
 
 def test_a_1k_token_chunk_after_a_prefix_in_fp16() -> None:
@@ -280,15 +301,18 @@ def test_every_tile_the_launcher_picks_is_built_ahead_of_time() -> None:
     configs = kernel.configs()
     assert len({c.name for c in configs}) == len(configs)
     built = {
-        (c.signature["q"], c.constants["HEAD_DIM"], c.constants["BLOCK_M"],
-         c.constants["BLOCK_N"], c.num_warps, c.num_stages, c.min_target)
+        (c.signature["q"], c.signature["pool"], c.constants["KV_INT8"], c.constants["HEAD_DIM"],
+         c.constants["BLOCK_M"], c.constants["BLOCK_N"], c.num_warps, c.num_stages,
+         c.min_target)
         for c in configs
     }  # fmt: skip
     want = {
-        (f"*{name}", d, *kernel._tiles(d), triton_support.head_target(d, target))
+        (f"*{name}", "*i8" if int8 else f"*{name}", int8, d, *kernel._tiles(d),
+         triton_support.head_target(d, target))
         for name, target in (("fp16", 75), ("bf16", 80))
         for d in kernel.BUILT_HEAD_DIMS
-    }
+        for int8 in (False, True)
+    }  # fmt: skip
     assert {t for *_, d, _, _, _, _, t in built if d == 256} == {80}  # no Turing build
     assert built == want
 

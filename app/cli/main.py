@@ -423,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help=UTILIZATION_HELP)
     p.add_argument("--cpu-experts", default="0", metavar="N|auto", help=CPU_EXPERTS_HELP)
+    kv_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
     p.set_defaults(handler=cmd_plan)
 

@@ -142,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg, name = local, f"{name}, one rank of {world}"
     config = EngineConfig(
         kv_memory=args.kv_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        cpu_experts=expert_placement.parse(args.cpu_experts),
+        cpu_experts=expert_placement.parse(args.cpu_experts), kv_dtype=args.kv_dtype,
     )  # fmt: skip
     texts = [t.strip() for t in (args.precision or ",".join(PLAN_PRECISIONS)).split(",")]
     plans: list[MemoryPlan] = []

@@ -56,8 +56,9 @@ class TritonBackend(AttentionBackend):
 
     @staticmethod
     def pool_refusal(kv: KVFormat | None) -> str:
-        """Why the kernels cannot read a pool of format ``kv`` (None: the compute dtype's)."""
-        if kv is not None and kv.quantized:
+        """Why the kernels cannot read a pool of format ``kv`` (None: the compute dtype's):
+        they read float pools and int8 rows."""
+        if kv is not None and kv.quantized and kv.storage != torch.int8:
             return f"our Triton kernels read no {kv.name} KV cache yet"
         return ""
 
@@ -91,6 +92,8 @@ class TritonContext(PoolContext):
         self.tables = BlockTables(cache, chunks, self.num_decode)
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        if self.cache.format.quantized:  # the fused write stores floats: attend() quantizes
+            return None
         return self.cache.kv[layer], self.slots_of(layer)
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
@@ -194,6 +197,8 @@ class StaticContext(AttentionContext):
         self.decode_only = True
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        if self.cache.format.quantized:  # as TritonContext's
+            return None
         return self.cache.kv[layer], self.slots[self.cache.layer_groups[layer]]
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:

@@ -119,7 +119,7 @@ class LLMEngine:
         failures = self.kernel_failures
         #: what the KV pool holds (:mod:`engine.kv_cache.dtypes`)
         self.kv_format = kv_format(self.config, dtype)
-        if why := kv_dtypes.refusal(self.kv_format, cfg.head_dim, device):
+        if why := kv_dtypes.device_refusal(self.kv_format, cfg.head_dim, device):
             raise InvalidRequestError(why)
         self.attention, self.kernels = attention.choose(
             cfg, dtype, device, failures, self.kv_format

@@ -121,4 +121,6 @@ def gather(pool: Tensor, index: Tensor, dtype: torch.dtype) -> Tensor:
     """The rows of ``pool`` at ``index`` (a slot index of any shape), as values in ``dtype``:
     only the gathered rows are dequantized, never the pool."""
     rows = pool[index]
-    return dequantize(rows, dtype) if quantized(pool) else rows
+    if quantized(pool):
+        return dequantize(rows, dtype)
+    return rows if rows.dtype == dtype else rows.to(dtype)

@@ -43,9 +43,12 @@ def planned(kv_dtype: str, compute: torch.dtype) -> KVFormat:
     return own
 
 
-def refusal(fmt: KVFormat, head_dim: int, device: torch.device) -> str:
-    """Why a pool of ``fmt`` cannot serve heads ``head_dim`` wide on ``device``; "" where it
-    can."""
+def refusal(
+    fmt: KVFormat, head_dim: int, device: str, capability: tuple[int, int] | None = None
+) -> str:
+    """Why a pool of ``fmt`` cannot serve heads ``head_dim`` wide on a ``device`` of that
+    kind (``cpu``, ``cuda``) and CUDA ``capability`` (None: not known, planned as 8.0); ""
+    where it can."""
     if fmt.quantized and head_dim % SCALE_BYTES:
         return (
             f"a quantized KV cache keeps each row's fp32 scale after its values, aligned: head "
@@ -53,15 +56,23 @@ def refusal(fmt: KVFormat, head_dim: int, device: torch.device) -> str:
         )
     if fmt is not FP8:
         return ""
-    if device.type != "cuda":
+    if device != "cuda":
         return (
             "an FP8 (e4m3) KV cache needs a GPU with native FP8 (sm_89 or later: Ada, Hopper); "
-            f"this device is a {device.type.upper()}: use --kv-dtype int8 (the same bytes)"
+            f"this device is a {device.upper()}: use --kv-dtype int8 (the same bytes)"
         )
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability or (8, 0)
     if (major, minor) < FP8_CAPABILITY:
         return (
             f"an FP8 (e4m3) KV cache needs native FP8 (sm_89 or later); this GPU is "
             f"sm_{major}{minor}: use --kv-dtype int8 (the same bytes)"
         )
     return ""
+
+
+def device_refusal(fmt: KVFormat, head_dim: int, device: torch.device) -> str:
+    """:func:`refusal` for ``device`` as it is (a GPU asked its capability)."""
+    capability = None
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+    return refusal(fmt, head_dim, device.type, capability)

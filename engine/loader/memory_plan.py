@@ -51,13 +51,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention import planned as planned_attention
-from engine.core.config import kv_pool_blocks, layer_block_bytes, local_blocks, pool_bytes
+from engine.attention.triton import TritonBackend
+from engine.core.config import (
+    kv_format,
+    kv_pool_blocks,
+    layer_block_bytes,
+    local_blocks,
+    pool_bytes,
+)
 from engine.core.pool_profile import PoolSizing, size_pool
 from engine.errors import InvalidRequestError, OutOfMemoryError
 from engine.hardware import gpu
 from engine.hardware import memory as device_memory
 from engine.hardware.memory import free_memory
 from engine.kernels import triton_support
+from engine.kv_cache import dtypes as kv_dtypes
 from engine.loader import expert_placement
 from engine.loader.memory_terms import (
     load_overhead_bytes,
@@ -121,6 +129,10 @@ class MemoryPlan:
     host_expert_bytes: int = 0
     #: of the pool, the bytes of the local layers' own (their windows: Gemma's sliding layers)
     kv_local_bytes: int = 0
+    #: what the KV cache holds (:mod:`engine.kv_cache.dtypes`), and the longest context at
+    #: each KV dtype the device takes, side by side (``(name, tokens)``)
+    kv_dtype: str = ""
+    kv_contexts: tuple[tuple[str, int], ...] = ()
 
     @property
     def weight_bytes(self) -> int:
@@ -216,8 +228,9 @@ class MemoryPlan:
             f"{_gib(self.peak_bytes)} of {_gib(self.budget_bytes)}; {verdict}"
         )
         if self.max_context > 0:
-            ctx = self.max_context
-            line += f", context up to {_tokens(ctx)}"
+            others = [f"{n} KV {_tokens(t)}" for n, t in self.kv_contexts if n != self.kv_dtype]
+            line += f", context up to {_tokens(self.max_context)}"
+            line += f" ({', '.join(others)})" if others else ""
         if self.cpu_expert_layers:
             line += (
                 f"; experts of {len(self.cpu_expert_layers)} layers on the CPU "
@@ -258,7 +271,7 @@ class MemoryPlan:
             f"  peak                {_mib(self.peak_bytes):>12}",
             f"  budget              {_mib(self.budget_bytes):>12}  ({self.budget_source})",
             f"  longest context     {_tokens(self.max_context):>12}"
-            f"  (model's own: {_tokens(self.max_position)})",
+            f"  (model's own: {_tokens(self.max_position)}; KV cache {self.kv_dtype})",
         ]
         if self.utilization < 1:  # a GPU: the running engine leaves a margin
             rows.insert(
@@ -266,6 +279,9 @@ class MemoryPlan:
                 f"  usable running      {_mib(self.usable_bytes):>12}  "
                 f"({self.utilization:.0%} of it: --gpu-memory-utilization)",
             )
+        if len(self.kv_contexts) > 1:
+            shown = " · ".join(f"{name} {_tokens(n)}" for name, n in self.kv_contexts)
+            rows.append(f"  context by KV dtype {shown}  (--kv-dtype)")
         batches = [c for c in (2048, 8192, 32768) if c <= self.max_position]
         if batches:
             shown = ", ".join(f"{self.max_batch(c)} × {_tokens(c)}" for c in batches)
@@ -399,22 +415,28 @@ class _Target:
     def parse(self, text: str) -> PrecisionSpec:
         return parse_precision_spec(text, self.probe, capability=self.given)
 
-    def plan(self, spec: PrecisionSpec) -> MemoryPlan:
+    def plan(self, spec: PrecisionSpec, *, alternatives: bool = True) -> MemoryPlan:
+        """The plan at ``spec``; with ``alternatives``, the context each other KV dtype this
+        device takes would give, side by side (each planned in full: the attention a load
+        would run for it, and its workspace)."""
         cfg, config = self.cfg, self.config
+        fmt = kv_format(config, spec.compute)
+        if why := kv_dtypes.refusal(fmt, cfg.head_dim, self.device.type, self.capability):
+            raise InvalidRequestError(why)
         gemms = triton_support.planned(self.device.type, self.capability)
         cuda = self.device.type == "cuda"
         backends = Backends(triton=gemms, cuda=cuda and not gemms)
         weights = weight_bytes_by_kind(cfg, spec, packed=self.packed, backends=backends)
         experts = expert_placement.place(cfg, spec, self.cpu_experts, backends, self.device)
         weights["mlp"] -= experts.device_bytes
-        per_token, local_per_token = layer_block_bytes(cfg, 1, spec.compute)
+        per_token, local_per_token = layer_block_bytes(cfg, 1, fmt)
         step = workspace_bytes(cfg, spec.compute, config)
         cuda = self.device.type == "cuda"
         rope = rope_bytes(cfg) if cuda else 0
         # our Triton kernels, where the load would run them: attention, quantized GEMMs
         attention = triton_support.planned(
             self.device.type, self.capability, head_dim=cfg.head_dim, dtype=spec.compute
-        )
+        ) and not TritonBackend.pool_refusal(fmt)
         backend = planned_attention(self.device, attention, cfg)
         given = config.num_blocks is not None or config.kv_memory is not None
         sizing = None
@@ -449,10 +471,21 @@ class _Target:
                 "compute capability unknown: planned for 8.0 or newer (bf16, INT4); for an "
                 "older GPU pass --capability (7.5 for an RTX 20xx)",
             )
+        contexts: tuple[tuple[str, int], ...] = ()
+        if alternatives:
+            contexts = tuple(
+                (kv_format(c, spec.compute).name, replace(self, config=c).plan(spec,
+                 alternatives=False).max_context)
+                for c in (replace(config, kv_dtype=n) for n in ("auto", "int8", "fp8"))
+                if not kv_dtypes.refusal(kv_format(c, spec.compute), cfg.head_dim,
+                                         self.device.type, self.capability)
+            )  # fmt: skip
         return MemoryPlan(
             model=self.name,
             device=str(self.device),
             precision=spec.text,
+            kv_dtype=fmt.name,
+            kv_contexts=contexts,
             weights=weights,
             kv_bytes_per_token=per_token,
             # + the zero pad slots

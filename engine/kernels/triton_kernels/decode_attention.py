@@ -58,13 +58,16 @@ configuration needs under 26 KiB of shared memory, within Turing's 64 KiB.
 from __future__ import annotations
 
 from functools import partial
+from itertools import product
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.formats import kv as kv_format
 from engine.kernels import triton_support
+from engine.kernels.triton_kernels.kv_rows import row_scales
 from engine.kernels.triton_kernels.softcap import scores_base2
 from engine.kernels.triton_support import GPU_DTYPES, KernelConfig
 
@@ -120,11 +123,13 @@ def _attend(
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLIT: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):  # fmt: skip
     """One KV head of one sequence, for its group's query heads (``BLOCK_H`` rows), over one
     partition of the visible keys (all of them unless ``SPLIT``). Writes each head's output
     to ``out [B, H, D]``, or with ``SPLIT`` its normalised partial output and base-2
-    log-sum-exp to ``out [B, H, splits, D]`` and ``lse [B, H, splits]``."""
+    log-sum-exp to ``out [B, H, splits, D]`` and ``lse [B, H, splits]``. ``KV_INT8``: the
+    pool holds int8 rows, each followed by its scale (:mod:`.kv_rows`)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // head_chunks
     split = tl.program_id(2)
@@ -160,8 +165,13 @@ def _attend(
         at = block.to(tl.int64) * block_size + pos % block_size
         # masked rows load as 0, not as whatever the pool holds: 0 × NaN would poison P·V
         rows_at = at[:, None] * stride_slot + dims[None, :]
-        k = tl.load(k_base + rows_at, mask=live[:, None], other=0.0)
-        dots = tl.dot(q, tl.trans(k), input_precision="ieee")
+        k = tl.load(k_base + rows_at, mask=live[:, None], other=0)
+        if KV_INT8:  # the int8 keys widened, each key's products by its row's scale
+            k_scale = row_scales(k_base + at * stride_slot, HEAD_DIM, live)
+            dots = tl.dot(q, tl.trans(k.to(tl.float32).to(q.dtype)), input_precision="ieee")
+            dots = dots * k_scale[None, :]
+        else:
+            dots = tl.dot(q, tl.trans(k), input_precision="ieee")
         scores = scores_base2(dots, scale_log2, cap_log2, cap_scale)
         scores = tl.where(live[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -170,8 +180,17 @@ def _attend(
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + rows_at, mask=live[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        v = tl.load(v_base + rows_at, mask=live[:, None], other=0)
+        if KV_INT8:  # each probability times its value row's scale, then the int8 values
+            v_scale = row_scales(v_base + at * stride_slot, HEAD_DIM, live)
+            pv = tl.dot(
+                (p * v_scale[None, :]).to(q.dtype),
+                v.to(tl.float32).to(q.dtype),
+                input_precision="ieee",
+            )
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     some = total > 0  # else no key was seen (a padding row, an all-masked partition)
@@ -244,7 +263,8 @@ def paged_decode_attention(
     splits: int | None = None,
     softcap: float | None = None,
 ) -> Tensor:
-    """Decode attention of ``q [B, H, D]`` over one layer's ``pool [slots, 2·Hkv, D]``, read
+    """Decode attention of ``q [B, H, D]`` over one layer's ``pool [slots, 2·Hkv, D]`` (or
+    int8 rows ``[slots, 2·Hkv, D + 4]``, each followed by its scale: :mod:`.kv_rows`), read
     through ``block_tables [B, M]`` (int32; negative: a released block) for ``seq_lens [B]``
     (int32; 0: a padding row, which gives zeros). ``window > 0`` hides the keys before the
     last ``window`` positions, except the first ``sink``. ``scale`` defaults to ``1/√D``;
@@ -278,15 +298,18 @@ def paged_decode_attention(
         pool.stride(0), pool.stride(1), block_tables.stride(0),
     )  # fmt: skip
     meta = {"HEAD_DIM": dim, "BLOCK_N": tile, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    int8 = pool.dtype == torch.int8
     if splits == 1:
         _attend[grid](
-            q, pool, block_tables, seq_lens, out, out, *args, BLOCK_H=BLOCK_H, SPLIT=False, **meta
+            q, pool, block_tables, seq_lens, out, out, *args, BLOCK_H=BLOCK_H, SPLIT=False,
+            KV_INT8=int8, **meta,
         )  # fmt: skip
         return out
     part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     _attend[grid](
-        q, pool, block_tables, seq_lens, part, lse, *args, BLOCK_H=BLOCK_H, SPLIT=True, **meta
+        q, pool, block_tables, seq_lens, part, lse, *args, BLOCK_H=BLOCK_H, SPLIT=True,
+        KV_INT8=int8, **meta,
     )  # fmt: skip
     _combine[(batch, heads)](part, lse, seq_lens, out, sink, window, splits, heads, **meta)
     return out
@@ -310,15 +333,16 @@ def _check(
             f"{list(block_tables.shape)} and {list(seq_lens.shape)}"
         )
     batch, heads, dim = q.shape
-    if q.dtype not in _TYPES or pool.dtype != q.dtype:
+    if q.dtype not in _TYPES or pool.dtype not in (q.dtype, torch.int8):
         raise ValueError(
-            f"paged decode attention runs fp32, fp16 or bf16, with q in the pool's dtype; got "
-            f"q {q.dtype} and pool {pool.dtype}"
+            f"paged decode attention runs fp32, fp16 or bf16, with q in the pool's dtype or "
+            f"over int8 rows; got q {q.dtype} and pool {pool.dtype}"
         )
-    if dim not in HEAD_DIMS or pool.shape[2] != dim:
+    if dim not in HEAD_DIMS or kv_format.head_dim(pool) != dim:
         raise ValueError(
             f"paged decode attention is built for head dims {HEAD_DIMS}, not q's {dim} and the "
-            f"pool's {pool.shape[2]}: run such a model on the torch path (gather_attention)"
+            f"pool's {kv_format.head_dim(pool)}: run such a model on the torch path "
+            "(gather_attention)"
         )
     kv_heads = pool.shape[1] // 2
     if pool.shape[1] % 2 or kv_heads == 0 or heads % kv_heads:
@@ -356,8 +380,8 @@ def _check(
 def configs() -> list[KernelConfig]:
     """Every configuration :func:`paged_decode_attention` launches on a GPU: for each of
     :data:`~engine.kernels.triton_support.GPU_DTYPES` from its oldest architecture on, and
-    each head dim, :func:`_attend` in one pass and split, and :func:`_combine` (fp32 runs only
-    under the interpreter)."""
+    each head dim, :func:`_attend` in one pass and split, over a float pool and over int8
+    rows, and :func:`_combine` (fp32 runs only under the interpreter)."""
     ints = [
         "block_size", "sink", "window", "kv_heads", "group", "head_chunks", "max_blocks",
         "splits", "stride_qb", "stride_qh", "stride_slot", "stride_head", "stride_tb",
@@ -370,17 +394,19 @@ def configs() -> list[KernelConfig]:
                 KernelConfig, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                 min_target=triton_support.head_target(dim, min_target),
             )  # fmt: skip
-            for split in (False, True):
+            for split, int8 in product((False, True), (False, True)):
                 result = "*fp32" if split else ty
                 signature = {
-                    "q_ptr": ty, "pool_ptr": ty, "tables_ptr": "*i32", "lens_ptr": "*i32",
-                    "out_ptr": result, "lse_ptr": result, "scale_log2": "fp32",
-                    "cap_log2": "fp32", "cap_scale": "fp32",
+                    "q_ptr": ty, "pool_ptr": "*i8" if int8 else ty, "tables_ptr": "*i32",
+                    "lens_ptr": "*i32", "out_ptr": result, "lse_ptr": result,
+                    "scale_log2": "fp32", "cap_log2": "fp32", "cap_scale": "fp32",
                     **dict.fromkeys(ints, "i32"), "HEAD_DIM": "constexpr",
                     "BLOCK_N": "constexpr", "BLOCK_H": "constexpr", "SPLIT": "constexpr",
+                    "KV_INT8": "constexpr",
                 }  # fmt: skip
-                constants = {"HEAD_DIM": dim, "BLOCK_N": tile, "BLOCK_H": BLOCK_H, "SPLIT": split}
-                kind = "split" if split else "one_pass"
+                constants = {"HEAD_DIM": dim, "BLOCK_N": tile, "BLOCK_H": BLOCK_H,
+                             "SPLIT": split, "KV_INT8": int8}  # fmt: skip
+                kind = ("split" if split else "one_pass") + ("_int8kv" if int8 else "")
                 name_of = f"decode_attention_{kind}_{name}_d{dim}"
                 out.append(build(name_of, _attend, signature, constants))
             signature = {

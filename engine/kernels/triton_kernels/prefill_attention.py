@@ -66,14 +66,17 @@ torch path (SDPA) serves it. :func:`configs` lists each for the ahead-of-time bu
 from __future__ import annotations
 
 import math
+from itertools import product
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.formats import kv as kv_format
 from engine.hardware import gpu
 from engine.kernels import triton_support
+from engine.kernels.triton_kernels.kv_rows import row_scales
 from engine.kernels.triton_kernels.softcap import scores_base2
 from engine.kernels.triton_support import KernelConfig
 
@@ -93,11 +96,12 @@ def _attend_tile(
     acc, l_i, m_i, q, pool, table_row, start, key_end, q_pos,
     k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2, cap_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    EDGE: tl.constexpr,
+    EDGE: tl.constexpr, KV_INT8: tl.constexpr,
 ):  # fmt: skip
     """One key tile ``start … start+BLOCK_N-1`` of the online softmax: gather K and V
     through the block table, score, mask, rescale. ``EDGE``: apply the causal and window
-    mask (else only keys past ``key_end`` or in released blocks are masked)."""
+    mask (else only keys past ``key_end`` or in released blocks are masked). ``KV_INT8``: the
+    pool holds int8 rows, each followed by its scale (:mod:`.kv_rows`)."""
     keys = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     in_range = keys < key_end
@@ -106,8 +110,13 @@ def _attend_tile(
     slot = block.to(tl.int64) * block_size + keys % block_size
     rows = pool + slot[:, None] * stride_slot + offs_d[None, :]
     kv_mask = held[:, None] & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(rows + k_head, mask=kv_mask, other=0.0)
-    dots = tl.dot(q, tl.trans(k), input_precision="ieee")
+    k = tl.load(rows + k_head, mask=kv_mask, other=0)
+    if KV_INT8:  # the int8 keys widened, each key's products by its row's scale
+        starts = pool + slot * stride_slot
+        dots = tl.dot(q, tl.trans(k.to(tl.float32).to(q.dtype)), input_precision="ieee")
+        dots = dots * row_scales(starts + k_head, HEAD_DIM, held)[None, :]
+    else:
+        dots = tl.dot(q, tl.trans(k), input_precision="ieee")
     scores = scores_base2(dots, qk_scale, cap_log2, cap_scale)
     if EDGE:
         seen = (keys[None, :] <= q_pos[:, None]) & (
@@ -122,8 +131,13 @@ def _attend_tile(
     p = tl.math.exp2(scores - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(rows + v_head, mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    v = tl.load(rows + v_head, mask=kv_mask, other=0)
+    if KV_INT8:  # each probability times its value row's scale, then the int8 values
+        weights = (p * row_scales(starts + v_head, HEAD_DIM, held)[None, :]).to(q.dtype)
+        pv = tl.dot(weights, v.to(tl.float32).to(q.dtype), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + pv
     return acc, l_i, m_new
 
 
@@ -133,7 +147,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_slot, stride_head, stride_table, stride_ot,
     kv_heads, group, queries_per_tile, block_size, sink, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_INT8: tl.constexpr,
 ):  # fmt: skip
     """One query tile of one chunk and one KV head (the module docstring's grid)."""
     seq = tl.program_id(2)
@@ -183,25 +197,25 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
             k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
-            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_INT8,
         )  # fmt: skip
     for start in range(window_start, tl.minimum(inner_start, hi), BLOCK_N):  # window edge
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
             k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
-            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_INT8,
         )  # fmt: skip
     for start in range(inner_start, inner_end, BLOCK_N):  # seen whole by every row
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
             k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
-            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, KV_INT8,
         )  # fmt: skip
     for start in range(inner_end, hi, BLOCK_N):  # the diagonal
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
             k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
-            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_INT8,
         )  # fmt: skip
 
     result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -260,7 +274,7 @@ def paged_prefill_attention(
         out.stride(0), kv_heads, group, queries_per_tile, block_size, sink,
         window or _NO_WINDOW,
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=stages,
+        KV_INT8=pool.dtype == torch.int8, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -309,13 +323,19 @@ def _check(
     q: Tensor, pool: Tensor, block_tables: Tensor, q_starts: Tensor, first_positions: Tensor
 ) -> None:
     """Validate what the host knows without a sync: shapes, dtypes, devices, strides."""
-    if q.dim() != 3 or pool.dim() != 3 or pool.shape[2] != q.shape[2] or pool.shape[1] % 2:
+    if (
+        q.dim() != 3 or pool.dim() != 3 or pool.shape[1] % 2
+        or kv_format.head_dim(pool) != q.shape[2]
+    ):  # fmt: skip
         raise ValueError(
-            f"q must be [T, H, D] and pool [slots, 2·Hkv, D], not {tuple(q.shape)} and "
-            f"{tuple(pool.shape)}"
+            f"q must be [T, H, D] and pool [slots, 2·Hkv, D] (or int8 rows [slots, 2·Hkv, "
+            f"D + 4]), not {tuple(q.shape)} and {tuple(pool.shape)}"
         )
-    if pool.dtype != q.dtype:
-        raise ValueError(f"q and pool must share one dtype, not {q.dtype} and {pool.dtype}")
+    if pool.dtype not in (q.dtype, torch.int8):
+        raise ValueError(
+            f"q and pool must share one dtype (or the pool hold int8 rows), not {q.dtype} and "
+            f"{pool.dtype}"
+        )
     why = unsupported(q.dtype, q.shape[1], pool.shape[1] // 2, q.shape[2], q.device)
     if why is not None:
         raise ValueError(f"{why}; attend with the torch path (grouped_attention) instead")
@@ -357,13 +377,14 @@ def _tiles(head_dim: int) -> tuple[int, int, int, int]:
 
 def configs() -> list[KernelConfig]:
     """Every tile configuration the launcher picks on a GPU, for the ahead-of-time build: fp16
-    (sm_75 on) and bf16 (sm_80 on), for each head dimension of :data:`BUILT_HEAD_DIMS`."""
+    (sm_75 on) and bf16 (sm_80 on), for each head dimension of :data:`BUILT_HEAD_DIMS`, over a
+    float pool and over int8 rows."""
     out = []
-    for dtype, min_target in (("fp16", 75), ("bf16", 80)):
+    for (dtype, min_target), int8 in product((("fp16", 75), ("bf16", 80)), (False, True)):
         for head_dim in BUILT_HEAD_DIMS:
             block_m, block_n, warps, stages = _tiles(head_dim)
             signature = {
-                "q": f"*{dtype}", "pool": f"*{dtype}", "out": f"*{dtype}",
+                "q": f"*{dtype}", "pool": "*i8" if int8 else f"*{dtype}", "out": f"*{dtype}",
                 "block_tables": "*i32", "q_starts": "*i32", "first_positions": "*i32",
                 "scale": "fp32", "cap_log2": "fp32", "cap_scale": "fp32",
                 **dict.fromkeys(
@@ -372,14 +393,17 @@ def configs() -> list[KernelConfig]:
                      "sink", "window"),
                     "i32",
                 ),
-                **dict.fromkeys(("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N"), "constexpr"),
+                **dict.fromkeys(
+                    ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "KV_INT8"), "constexpr"
+                ),
             }  # fmt: skip
             constants = {
                 "HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "BLOCK_M": block_m,
-                "BLOCK_N": block_n,
+                "BLOCK_N": block_n, "KV_INT8": int8,
             }  # fmt: skip
+            kv = "_int8kv" if int8 else ""
             config = KernelConfig(
-                name=f"prefill_attention_{dtype}_d{head_dim}_m{block_m}_n{block_n}",
+                name=f"prefill_attention_{dtype}{kv}_d{head_dim}_m{block_m}_n{block_n}",
                 fn=_prefill_kernel, signature=signature, constants=constants,
                 num_warps=warps, num_stages=stages,
                 min_target=triton_support.head_target(head_dim, min_target),
