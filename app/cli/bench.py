@@ -108,6 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine_config=config,
         log=say,
         tensor_parallel=args.tensor_parallel,
+        kv_dtypes=args.kv_dtypes,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         "kernel and with gather + SDPA, taking turns on the same requests (--repeats times)",
     )
     p.add_argument(
+        "--kv-dtypes", nargs="+", metavar="DTYPE", default=None,
+        help="single workload: the same weights behind a KV cache of each dtype, in turn "
+        "within each repeat (e.g. auto int8 at --prompt-len 4096: what int8 KV buys decode)",
+    )  # fmt: skip
+    p.add_argument(
         "--prefill-table",
         nargs="+",
         metavar="PRECISION",

@@ -37,6 +37,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{report['cached_prompt_tokens']} of their prompt tokens cached"
             + _copies_note(batch, report["prefix_cache"] != "off")
         )
+    first = report["results"][0]["engine"].removeprefix("infersight, ")
+    for kv, ratio in report.get("kv_ratios", {}).items():
+        lines.append(
+            f"KV {kv} / {first}: decode {ratio['decode']:.2f}x, prefill {ratio['prefill']:.2f}x "
+            "(the same weights, in turn within each repeat)"
+        )
     if "ratio_decode" in report:
         lines.append(
             f"infersight / transformers: decode {report['ratio_decode']:.2f}x, "

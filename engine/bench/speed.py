@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -201,29 +201,45 @@ def run_bench(
     engine_config: Any = None,
     log: Callable[[str], None] = lambda _: None,
     tensor_parallel: int = 1,
+    kv_dtypes: list[str] | None = None,
 ) -> dict[str, Any]:
+    """The single workload: one prompt's prefill and decode, medians over ``cfg.repeats``
+    runs; with ``compare_hf``, transformers' ``generate`` in turn with ours; with ``kv_dtypes``
+    (``--kv-dtypes auto int8``), the same weights behind a KV cache of each dtype, in turn
+    within each repeat (the ratios: each against the first)."""
     torch_device = torch.device(device)
     if compare_hf and cfg.batch != 1:
         raise InfersightError("--compare-hf times transformers at --batch 1 only")
+    if kv_dtypes and engine_config is not None:
+        engine_config = replace(engine_config, kv_dtype=kv_dtypes[0])
     engine = load_model(folder, precision=precision, device=device, config=engine_config,
                         tensor_parallel=tensor_parallel)  # fmt: skip
+    engines = [engine] + [
+        engine.sibling(replace(engine.config, kv_dtype=name)) for name in (kv_dtypes or [])[1:]
+    ]
     prompt = bench_prompt(engine, cfg.prompt_len, cfg.seed)
     hf = HFRunner(folder, precision, torch_device) if compare_hf else None
 
-    ours: list[RunTiming] = []
+    ours: list[list[RunTiming]] = [[] for _ in engines]
     theirs: list[RunTiming] = []
-    run_ours(engine, prompt, min(8, cfg.new_tokens), cfg.batch)  # warm-up
+    for e in engines:
+        run_ours(e, prompt, min(8, cfg.new_tokens), cfg.batch)  # warm-up
     if hf is not None:
         hf.run(prompt, min(8, cfg.new_tokens))
     for i in range(cfg.repeats):
-        log(f"repeat {i + 1}/{cfg.repeats}: infersight")
-        ours.append(run_ours(engine, prompt, cfg.new_tokens, cfg.batch))
+        for e, runs in zip(engines, ours, strict=True):
+            log(f"repeat {i + 1}/{cfg.repeats}: infersight, KV {e.kv.format.name}")
+            runs.append(run_ours(e, prompt, cfg.new_tokens, cfg.batch))
         if hf is not None:
             log(f"repeat {i + 1}/{cfg.repeats}: transformers")
             theirs.append(hf.run(prompt, cfg.new_tokens))
 
     peak = _peak_mem_mib(torch_device)
-    results = [BenchResult.from_runs("infersight", cfg, ours, peak)]
+    name = "infersight" if len(engines) == 1 else "infersight, KV {}"
+    results = [
+        BenchResult.from_runs(name.format(e.kv.format.name), cfg, runs, peak)
+        for e, runs in zip(engines, ours, strict=True)
+    ]
     if hf is not None:
         results.append(BenchResult.from_runs("transformers", cfg, theirs, peak))
     report: dict[str, Any] = {
@@ -237,10 +253,18 @@ def run_bench(
         "weights_vs_fp16": weight_bytes(engine.model) / (2 * engine.num_parameters),
         "prefix_cache": prefix_cache_state(engine),
         # of the timed requests' prompts over the measured runs, found cached: 0 (run_ours)
-        "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in ours),
+        "cached_prompt_tokens": sum(r.cached_prompt_tokens for runs in ours for r in runs),
         "results": [asdict(r) for r in results],
     }
-    if hf is not None:
-        report["ratio_decode"] = results[0].decode_tok_s / results[1].decode_tok_s
-        report["ratio_prefill"] = results[0].prefill_tok_s / results[1].prefill_tok_s
+    if len(engines) > 1:  # each KV cache's decode and prefill against the first's
+        report["kv_ratios"] = {
+            e.kv.format.name: {
+                "decode": r.decode_tok_s / results[0].decode_tok_s,
+                "prefill": r.prefill_tok_s / results[0].prefill_tok_s,
+            }
+            for e, r in zip(engines[1:], results[1 : len(engines)], strict=True)
+        }
+    if hf is not None:  # transformers' figures are the last row
+        report["ratio_decode"] = results[0].decode_tok_s / results[-1].decode_tok_s
+        report["ratio_prefill"] = results[0].prefill_tok_s / results[-1].prefill_tok_s
     return report

@@ -77,11 +77,19 @@ static inline v8 min8(v8 a, v8 b) {
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline v8 load8_bf16(const uint16_t *p) { /* one zero extension and one shift */
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#else
 static inline v8 load8_bf16(const uint16_t *p) {
     v8h h;
     memcpy(&h, p, sizeof h);
     return floats8((v8i)(__builtin_convertvector(h, v8u32) << 16));
 }
+#endif
 
 /* n bf16 values widened to fp32 (exactly) */
 static inline void bf16_row(const uint16_t *src, int64_t n, float *dst) {
