@@ -460,6 +460,7 @@ def test_run_requested_carries_the_form(view: ABView, qtbot: Any) -> None:
     view.forms["b"].temperature.setValue(0.7)
     view.forms["b"].window_on.setChecked(True)
     view.forms["b"].lowbit.setCurrentIndex(view.forms["b"].lowbit.findData("ours"))
+    view.forms["b"].kv_dtype.setCurrentIndex(view.forms["b"].kv_dtype.findData("int8"))
     view.seed.setValue(42)
     view.continue_conversation.setChecked(True)
     with qtbot.assertNotEmitted(view.run_requested):  # no prompt
@@ -472,9 +473,9 @@ def test_run_requested_carries_the_form(view: ABView, qtbot: Any) -> None:
     assert run.args == [
         {
             "a": {"model": "/models/smollm2-135m", "precision": "fp32", "lowbit": None,
-                  "temperature": 0.0, "window": None},
+                  "kv_dtype": "auto", "temperature": 0.0, "window": None},
             "b": {"model": "/models/qwen", "precision": "int8", "lowbit": "ours",
-                  "temperature": 0.7, "window": [4, 256]},
+                  "kv_dtype": "int8", "temperature": 0.7, "window": [4, 256]},
             "seed": 42,
             "max_new_tokens": 64,
             "prompt": "Why is the sky blue?",

@@ -137,6 +137,33 @@ def test_the_same_weights_on_torchs_kernels_and_ours_side_by_side(qtbot, tiny_mo
     assert "our low-bit kernels" in lab.view.columns["b"].header.text()
 
 
+def test_an_int8_kv_cache_against_the_float_one_on_the_same_weights(qtbot, tiny):
+    """B at A's precision with an int8 KV cache: one copy of the weights behind two pools,
+    B's figures what the engine's own comparison of the two caches gives, its header and
+    stats naming its cache."""
+    from engine.core.config import EngineConfig
+
+    lab = Lab(qtbot)
+    try:
+        request = form(str(tiny), "fp32", "fp32", TINY_PROMPT, 12)
+        request["b"]["kv_dtype"] = "int8"
+        report = lab.run(request)
+        (engine,) = lab.controller.worker._engines.values()  # the weights loaded once
+        assert "KV int8" in lab.view.columns["b"].header.text()
+    finally:
+        lab.close()
+    assert engine.config.kv_dtype == "auto"
+    assert (report["a"]["kv_dtype"], report["b"]["kv_dtype"]) == ("fp32", "int8")
+    a = load_model(tiny, precision="fp32", config=EngineConfig(num_blocks=64))
+    b = a.sibling(EngineConfig(num_blocks=64, kv_dtype="int8"))
+    greedy = Side(SamplingParams(max_new_tokens=12, seed=0))
+    direct = compare_prompt(a, b, TINY_PROMPT, greedy, greedy)
+    for key in ("a", "b"):
+        assert report[key]["token_ids"] == direct[key]["token_ids"]
+        assert report["columns"][key]["kl"] == pytest.approx(direct["columns"][key]["kl"], abs=1e-9)
+    assert 0 < report["summary"]["kl_mean"] < 0.05
+
+
 def test_when_a_and_b_do_not_fit_they_run_one_after_the_other(qtbot, tiny):
     together = Lab(qtbot)
     # 200 kB free: room for the score tables (2 × 6 × 10 tokens × 320 × 4 bytes = 154 kB), not

@@ -203,12 +203,15 @@ LOWBIT_CHOICES = (
 )
 
 
+#: The KV caches a side may hold, as (label, ``--kv-dtype``)
+KV_DTYPES = [("model's float dtype", "auto"), ("int8", "int8"), ("fp8 (sm_89+)", "fp8")]
+
 #: How a column's header names the kernels its side ran on
 LOWBIT_TITLES = {"ours": "our low-bit kernels", "torch": "torch's low-bit kernels"}
 
 
 class SideForm(QGroupBox):
-    """Model, precision, temperature and cache window of one side."""
+    """Model, precision, KV cache, temperature and cache window of one side."""
 
     def __init__(self, title: str) -> None:
         super().__init__(title)
@@ -266,8 +269,18 @@ class SideForm(QGroupBox):
             "of 32, torch's keep them in float. The same precision on both sides, one with "
             "each, shows what quantizing the activations costs"
         )
+        self.kv_dtype = QComboBox()
+        for label, value in KV_DTYPES:
+            self.kv_dtype.addItem(label, value)
+        self.kv_dtype.setToolTip(
+            "What the side's KV cache holds: the model's float dtype, or int8 (each token's K "
+            "and V rows with a scale of their own: half a 16-bit cache's bytes). The same "
+            "precision on both sides with two caches shows what the cache alone costs, on one "
+            "copy of the weights"
+        )
         form.addRow("Model", self.model)
         form.addRow("Precision", self.precision)
+        form.addRow("KV cache", self.kv_dtype)
         form.addRow("CPU kernels", self.lowbit)
         form.addRow("Temperature", self.temperature)
         form.addRow(self.window_on, window_row)  # the switch as the row's label: compact
@@ -303,6 +316,7 @@ class SideForm(QGroupBox):
             "model": self.model_path(),
             "precision": self.precision.currentText().strip(),
             "lowbit": self.lowbit.currentData(),
+            "kv_dtype": self.kv_dtype.currentData(),
             "temperature": self.temperature.value(),
             "window": window,
         }

@@ -408,9 +408,12 @@ class ABView(QWidget):
         token by token and coloured, the summary and the plot filled in."""
         self._report = report
         models = {report[s].get("model") for s in SIDES}
+        caches = {report[s].get("kv_dtype") for s in SIDES}  # named where they differ
         for side in SIDES:
             info = report[side]
             parts = [side.upper(), info.get("precision", "?"), info.get("device", "?")]
+            if len(caches) > 1:
+                parts.append(f"KV {info.get('kv_dtype') or '?'}")
             if info.get("lowbit") in LOWBIT_TITLES:
                 parts.append(LOWBIT_TITLES[info["lowbit"]])
             if len(models) > 1:

@@ -239,10 +239,12 @@ def _lab_side(form: dict[str, Any]) -> LabSide:
         temperature=float(form.get("temperature") or 0.0),
         window=None if not window else (int(window[0]), int(window[1])),
         lowbit=form.get("lowbit") or None,
+        kv_dtype=str(form.get("kv_dtype") or "auto"),
     )
 
 
 def _title(name: str, side: LabSide) -> str:
     model = "default" if side.model == "default" else Path(side.model).name
     kernels = f" · {LOWBIT_TITLES[side.lowbit]}" if side.lowbit in LOWBIT_TITLES else ""
-    return f"{name} · {model} · {side.precision}{kernels}"
+    kv = "" if side.kv_dtype == "auto" else f" · KV {side.kv_dtype}"
+    return f"{name} · {model} · {side.precision}{kv}{kernels}"

@@ -72,6 +72,9 @@ class LabSide:
     #: INT4/INT8 CPU kernels: "ours" (int8 activations), "torch" (float ones), None: as
     #: INFERSIGHT_LOWBIT says (:func:`engine.kernels.lowbit.choosing`)
     lowbit: str | None = None
+    #: what its KV cache holds (:mod:`engine.kv_cache.dtypes`); not part of :attr:`key`: two
+    #: sides that differ only there share one copy of the weights
+    kv_dtype: str = "auto"
 
     @property
     def key(self) -> SideKey:
@@ -228,12 +231,12 @@ class LabWorker(QObject):
             # made current before the load, so its copies and the steps share one stream
             self._cuda_streams.use(side.key[2])
             spec = LoadSpec(side.model, side.precision, side.device)
-            config = EngineConfig(num_blocks=blocks)
+            config = EngineConfig(num_blocks=blocks, kv_dtype=side.kv_dtype)
             with lowbit.choosing(side.lowbit):
                 engine = self._loader(spec, self._progress, config=config)
             self._engines[side.key] = engine
-        elif engine.kv.manager.num_blocks < blocks:
-            engine = self._engines[side.key] = _with_pool(engine, blocks)
+        elif engine.kv.manager.num_blocks < blocks or engine.config.kv_dtype != side.kv_dtype:
+            engine = self._engines[side.key] = _with_pool(engine, blocks, side.kv_dtype)
         return engine
 
     def _keep_only(self, keys: set[SideKey]) -> None:
@@ -247,6 +250,7 @@ class LabWorker(QObject):
         What loading adds: each side's weights (:func:`engine.quant.sizes.estimate_weight_bytes`,
         exact) and KV pool, for a side not loaded yet, plus the comparison's score tables
         (six ``[new tokens, vocab]`` fp32 tables, in host memory)."""
+        from engine.kv_cache import dtypes as kv_dtypes
         from engine.kv_cache.paged import PagedKVCache
         from engine.model.config import ModelConfig
         from engine.quant.sizes import estimate_weight_bytes
@@ -261,7 +265,8 @@ class LabWorker(QObject):
             vocab = max(vocab, cfg.vocab_size)
             device = resolve_device(side.device)
             spec = parse_precision_spec(side.precision, device)
-            pool = _pool_blocks(tokens) * PagedKVCache.bytes_per_block(cfg, 16, spec.compute)
+            kv = kv_dtypes.planned(side.kv_dtype, spec.compute)
+            pool = _pool_blocks(tokens) * PagedKVCache.bytes_per_block(cfg, 16, kv)
             if side.key in self._engines or (name == "B" and job.b.key == job.a.key):
                 need[name] = pool  # loaded already, or B shares A's weights: a pool at most
                 continue
@@ -326,7 +331,11 @@ class LabWorker(QObject):
             a = self._engine(job.a, tokens)
             # the same model and precision on both sides: B shares A's weights, not its pool
             same = job.b.key == job.a.key
-            b = _with_pool(a, _pool_blocks(tokens)) if same else self._engine(job.b, tokens)
+            b = (
+                _with_pool(a, _pool_blocks(tokens), job.b.kv_dtype)
+                if same
+                else self._engine(job.b, tokens)
+            )
             prompt_ids = shared_prompt_ids(a, b, job.messages)
             runs = self._generate({"a": a, "b": b}, prompt_ids, params, windows)
             run_a, run_b = runs["a"], runs["b"]
@@ -467,7 +476,8 @@ class LabWorker(QObject):
 
 def _side_name(side: LabSide) -> str:
     name = "the default model" if side.model == "default" else Path(side.model).name
-    return f"{name} ({side.precision})"
+    kv = "" if side.kv_dtype == "auto" else f", KV {side.kv_dtype}"
+    return f"{name} ({side.precision}{kv})"
 
 
 def side_stats_text(run: SideRun) -> str:
@@ -479,7 +489,7 @@ def side_stats_text(run: SideRun) -> str:
         parts.append(f"{run.tokens_per_s:.1f} tok/s")
     parts.append(f"{len(run.token_ids)} tokens")
     parts.append(f"weights {run.weights_bytes / 2**20:.0f} MiB")
-    parts.append(f"KV {run.kv_bytes / 2**20:.0f} MiB")
+    parts.append(f"KV {run.kv_dtype} {run.kv_bytes / 2**20:.0f} MiB".replace("  ", " "))
     return " · ".join(parts)
 
 
@@ -487,16 +497,17 @@ def _pool_blocks(tokens: int, block_size: int = 16) -> int:
     return -(-max(tokens, POOL_MIN_TOKENS) // block_size) + 2
 
 
-def _with_pool(engine: LLMEngine, blocks: int) -> LLMEngine:
+def _with_pool(engine: LLMEngine, blocks: int, kv_dtype: str = "auto") -> LLMEngine:
     """The same model and tokenizer behind a new engine whose KV pool has ``blocks`` blocks
-    (the weights are shared, not loaded again)."""
+    of ``kv_dtype`` (the weights are shared, not loaded again)."""
     from engine.core.config import EngineConfig
     from engine.core.engine import LLMEngine
 
     new = LLMEngine(
         engine.model, engine.tokenizer, engine.cfg, eos_token_ids=sorted(engine.eos_token_ids),
         dtype=engine.dtype, device=engine.device, name=engine.name,
-        num_parameters=engine.num_parameters, config=EngineConfig(num_blocks=blocks),
+        num_parameters=engine.num_parameters,
+        config=EngineConfig(num_blocks=blocks, kv_dtype=kv_dtype),
         precision=engine.precision,
     )  # fmt: skip
     new.default_sampling = dict(getattr(engine, "default_sampling", {}))
