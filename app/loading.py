@@ -41,6 +41,8 @@ class LoadSpec:
     kv_memory_mib: float | None = 512.0
     #: processes the model is split over (tensor parallelism, :mod:`engine.loader.parallel`)
     tensor_parallel: int = 1
+    #: what the KV cache holds (``--kv-dtype``: :mod:`engine.kv_cache.dtypes`)
+    kv_dtype: str = "auto"
 
 
 #: the KV pool of a load on a CPU that leaves its size to the load
@@ -106,7 +108,7 @@ def engine_config(spec: LoadSpec) -> EngineConfig:
     mib = spec.kv_memory_mib
     if mib is None and not resolve_device(spec.device).startswith("cuda"):
         mib = CPU_POOL_MIB
-    return EngineConfig(kv_memory=None if mib is None else mib * 2**20)
+    return EngineConfig(kv_memory=None if mib is None else mib * 2**20, kv_dtype=spec.kv_dtype)
 
 
 def plan_load(

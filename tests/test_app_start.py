@@ -362,3 +362,28 @@ def test_start_screenshots(qtbot, tmp_path, tiny_model_dir, default_model):
         wide.grab().save(str(out / "side-by-side.png"))
     finally:
         wide.shutdown()
+
+
+def test_an_int8_kv_cache_chosen_in_the_controls_keeps_the_weights(window, qtbot):
+    """The KV dtype beside the cache window: choosing int8 gives the model a pool of int8 rows
+    once no reply runs, on the same weights (no reload); the metrics count its bytes, replies
+    go on, and the choice is what settings.ini keeps for the next start."""
+    model = window.worker.engine.model
+    float_block = window.worker.engine.metrics().kv_block_bytes
+    combo = window.controls.kv_dtype_combo
+    combo.setCurrentIndex(combo.findData("int8"))
+    combo.activated.emit(combo.currentIndex())
+    engine = lambda: window.worker.engine  # noqa: E731
+
+    def swapped() -> bool:  # read from this thread while the worker swaps pools: None between
+        kv = getattr(engine(), "kv", None)
+        return kv is not None and kv.format.name == "int8"
+
+    qtbot.waitUntil(swapped, timeout=LONG_WAIT_MS)
+    assert engine().model is model  # the weights were not loaded again
+    snapshot = engine().metrics()
+    assert snapshot.kv_dtype == "int8" and snapshot.kv_block_bytes < float_block / 3
+    window.controls.max_new_tokens.set_value(4)
+    send(qtbot, window, "Hello there.")
+    assert window.chat.last.view.text.strip()
+    assert window.controls.state()["kv_dtype"] == "int8"

@@ -175,10 +175,11 @@ class TuneStatus:
 
 @dataclass(frozen=True, slots=True)
 class Resize:
-    """A KV pool of ``kv_memory_mib`` for the current model: the same weights behind a new
-    pool (no reload), once the replies in progress have finished."""
+    """A KV pool of ``kv_memory_mib`` holding ``kv_dtype`` for the current model: the same
+    weights behind a new pool (no reload), once the replies in progress have finished."""
 
     kv_memory_mib: float
+    kv_dtype: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

@@ -200,6 +200,7 @@ class MainWindow(ChatWindow):
         )
         controls.reload_requested.connect(lambda: self.load(self._spec()))
         controls.kv_pool_requested.connect(self._on_kv_pool)
+        controls.kv_dtype_requested.connect(self._on_kv_dtype)
         controls.limits_changed.connect(lambda limits: self.worker.post(Configure(limits=limits)))
         controls.window_changed.connect(self._on_window)
         controls.serve_toggled.connect(self._on_serve)
@@ -267,6 +268,7 @@ class MainWindow(ChatWindow):
             device or self._device(),
             self._kv_memory_mib(device or self._device()),
             tensor_parallel=tensor_parallel,
+            kv_dtype=self.controls.kv_dtype(),
         )
 
     def _kv_memory_mib(self, device: str) -> float | None:
@@ -328,7 +330,14 @@ class MainWindow(ChatWindow):
         self.settings.setValue("kv_pool_chosen", True)  # the user's size from now on
         if self.model is None:  # nothing to resize: the next load takes the new size
             return
-        self.worker.post(Resize(mib))
+        self.worker.post(Resize(mib, self.controls.kv_dtype()))
+
+    def _on_kv_dtype(self, name: str) -> None:
+        """A new pool of what the control says, for the current model (the weights stay); the
+        next load takes it too."""
+        if self.model is None:
+            return
+        self.worker.post(Resize(self.controls.kv_memory_mib(), name))
 
     def _on_worker_error(self, text: str) -> None:
         self.chat.show_notice(text)
@@ -445,8 +454,9 @@ class MainWindow(ChatWindow):
             if device not in available_devices():
                 device = "auto"
         return LoadSpec(
-            model, precision, device, self._kv_memory_mib(device), tensor_parallel=tensor_parallel
-        )
+            model, precision, device, self._kv_memory_mib(device), tensor_parallel=tensor_parallel,
+            kv_dtype=self.controls.kv_dtype(),
+        )  # fmt: skip
 
     def _on_serve(self, on: bool) -> None:
         """Serve this engine on localhost (OpenAI-compatible), or stop serving."""

@@ -77,7 +77,8 @@ class EngineWorker(WorkerLoop):
         self._planner = planner
         self._spec: LoadSpec | None = None  # what the current engine was loaded from
         self._unloaded_for: LoadSpec | None = None  # the spec of a model unloaded for a load
-        self._resize_to: float | None = None  # a KV pool (MiB) waiting for the replies to end
+        #: a KV pool (MiB, dtype) waiting for the replies to end
+        self._resize_to: tuple[float, str] | None = None
         self._loading: LoadSpec | None = None
         self._load_thread: threading.Thread | None = None
         self._load_cancel = threading.Event()
@@ -89,7 +90,7 @@ class EngineWorker(WorkerLoop):
         elif isinstance(command, Speculate):
             self._speculate(command)
         elif isinstance(command, Resize):
-            self._resize_to = command.kv_memory_mib
+            self._resize_to = (command.kv_memory_mib, command.kv_dtype)
             self._maybe_resize()
         elif isinstance(command, _Loaded):
             self._spec = command.spec
@@ -271,15 +272,16 @@ class EngineWorker(WorkerLoop):
     def _maybe_resize(self) -> None:
         """Give the current model a KV pool of the size asked for, once it has no replies in
         progress: the same weights behind a new pool; nothing is loaded again."""
-        engine, mib = self.engine, self._resize_to
+        engine, asked = self.engine, self._resize_to
         busy = self._tune is not None or self._retiring  # a tune owns the engine until it ends
-        if engine is None or mib is None or engine.has_work() or busy:
+        if engine is None or asked is None or engine.has_work() or busy:
             return
+        mib, kv_dtype = asked
         self._resize_to = None
         self.recovery.release()  # room for the new pool beside the old one
         self._free_memory()
         try:
-            resized = engine.with_pool(kv_memory=mib * 2**20)
+            resized = engine.with_pool(kv_memory=mib * 2**20, kv_dtype=kv_dtype)
         except InfersightError as exc:
             self.error.emit(f"{exc}; the KV pool stays as it was")
             return
@@ -287,8 +289,10 @@ class EngineWorker(WorkerLoop):
             log.exception("resizing the KV pool failed")
             self.error.emit(f"could not resize the KV pool ({exc}); it stays as it was")
             return
-        self._spec = _with_pool_size(self._spec, pool_mib(resized, mib))
-        spec = self._spec or LoadSpec(engine.name, engine.precision.text, str(engine.device), mib)
+        self._spec = _with_pool_size(self._spec, pool_mib(resized, mib), kv_dtype)
+        spec = self._spec or LoadSpec(
+            engine.name, engine.precision.text, str(engine.device), mib, kv_dtype=kv_dtype
+        )
         del engine
         self.engine = None
         self._free_memory()
@@ -298,8 +302,9 @@ class EngineWorker(WorkerLoop):
             held = resized.weights_bytes + resized.kv.nbytes
             self.planned.emit(self._planner(spec, reclaimable=held))
         self.notice.emit(
-            f"KV pool resized to {resized.kv.nbytes / 2**20:.0f} MiB "
-            f"({resized.kv.manager.num_blocks} blocks); the weights were not reloaded"
+            f"KV pool of {resized.kv.format.name} now {resized.kv.nbytes / 2**20:.0f} MiB "
+            f"({resized.kv.manager.num_blocks} blocks of {resized.kv.block_size} tokens); the "
+            "weights were not reloaded"
         )
 
     def _swap_in(
@@ -374,8 +379,8 @@ def _start_speculation(engine: LLMEngine, text: str, k: int) -> str:
     return ""
 
 
-def _with_pool_size(spec: LoadSpec | None, mib: float) -> LoadSpec | None:
-    return None if spec is None else dataclasses.replace(spec, kv_memory_mib=mib)
+def _with_pool_size(spec: LoadSpec | None, mib: float, kv_dtype: str) -> LoadSpec | None:
+    return None if spec is None else dataclasses.replace(spec, kv_memory_mib=mib, kv_dtype=kv_dtype)
 
 
 def pool_mib(engine: LLMEngine, asked: float | None) -> float:
