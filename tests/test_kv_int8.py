@@ -339,3 +339,26 @@ def test_our_triton_kernels_and_static_steps_read_int8_rows_as_the_c_paths_do(
     static.settle_cuda_graphs()
     assert static.runner.static is not None, static.graphs
     assert triton_generate(static, batch) == want
+
+
+def test_two_ranks_hold_their_heads_int8_rows_as_one_process_holds_them(tiny_model_dir) -> None:
+    """Tensor parallelism: each rank's pool (and scoring cache) holds its own KV heads as int8
+    rows, each scaled alone, so two ranks give one process's greedy tokens and, through the
+    scoring cache, its logits: within 1e-4 (the order of the all-reduce's sums) but where
+    that order moves a K or V value across a rounding boundary of its row, one int8 step
+    (1/127 of the row's largest) apart, which a logit feels in its fourth decimal."""
+    folder, _ = tiny_model_dir("llama", False)
+    config = EngineConfig(num_blocks=64, kv_dtype="int8")
+    one = load_model(folder, config=config)
+    two = load_model(folder, config=config, tensor_parallel=2)
+    try:
+        prompt = [(7 * i + 3) % 300 for i in range(40)]
+        want = one.runner.forward_logits(prompt, one.runner.new_cache(40, one.kv.format), 0)
+        got = two.runner.forward_logits(prompt, two.runner.new_cache(40, two.kv.format), 0)
+        close = (got - want).abs() <= 1e-4
+        assert close.float().mean() > 0.9  # most logits: the sums' order alone
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+        assert alone(two, prompt) == alone(one, prompt)
+        assert two.kv.kv[0].dtype == torch.int8
+    finally:
+        two.parallel.close()

@@ -67,6 +67,14 @@ _QUANTIZED = {f.storage: f for f in (INT8, FP8)}
 QUANTIZED = tuple(_QUANTIZED.values())
 
 
+def named(name: str) -> KVFormat:
+    """The format called ``name`` (:attr:`KVFormat.name`)."""
+    for fmt in QUANTIZED:
+        if fmt.name == name:
+            return fmt
+    return KVFormat(name, _FLOATS[name])
+
+
 def float_format(dtype: torch.dtype) -> KVFormat:
     """The float pool of the compute dtype ``dtype``."""
     name = next(n for n, d in _FLOATS.items() if d == dtype)

@@ -39,6 +39,7 @@ from engine.attention.context import PoolContext
 from engine.attention.paged import PagedBackend
 from engine.attention.triton import TritonBackend
 from engine.errors import InfersightError
+from engine.formats import kv as kv_format
 from engine.kv_cache.contiguous import ContiguousKVCache, _ContiguousContext
 from engine.kv_cache.layered import LayeredBlockManager
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
@@ -120,6 +121,8 @@ class Paged:
     #: the local layers' pool and tables, where they are kept apart (None: not)
     local_blocks: int | None = None
     local_tables: dict[str, list[int]] | None = None
+    #: what the pool holds (:func:`engine.formats.kv.named`): each rank its own heads' rows
+    kv_format: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +135,8 @@ class Contiguous:
     slots: list[int]
     starts: list[int]
     lengths: list[int]
+    #: the quantized format whose round trip K/V take (:class:`ContiguousKVCache`); "": none
+    kv_format: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +177,7 @@ class Driver:
             chunks = tuple(ctx.chunks)
             tables = {c.seq_id: list(mgr.tables[c.seq_id]) for c in chunks}
             recipe = Paged(id(cache), mgr.num_blocks, cache.block_size, cache.triton, chunks,
-                           tables)  # fmt: skip
+                           tables, kv_format=cache.format.name)  # fmt: skip
             if isinstance(mgr, LayeredBlockManager):
                 local = {c.seq_id: list(mgr.local.tables[c.seq_id]) for c in chunks}
                 recipe = replace(recipe, local_blocks=mgr.local.num_blocks, local_tables=local)
@@ -180,8 +185,9 @@ class Driver:
         if isinstance(ctx, _ContiguousContext):
             c = ctx.cache
             self._caches[id(c)] = c
+            quantized = "" if c.quantized is None else c.quantized.name
             return Contiguous(id(c), c.k[0].shape[0], c.capacity, list(ctx.slots),
-                              list(ctx.starts), list(ctx.lengths))  # fmt: skip
+                              list(ctx.starts), list(ctx.lengths), quantized)  # fmt: skip
         raise InfersightError(f"tensor parallelism does not run a {type(ctx).__name__}")
 
     def announce(
@@ -333,6 +339,7 @@ def follow(
                     dtype=dtype, device=device, prefix_caching=False,
                     attention=TritonBackend() if recipe.triton else PagedBackend(device),
                     local_blocks=recipe.local_blocks,
+                    kv_format=kv_format.named(recipe.kv_format) if recipe.kv_format else None,
                 )  # fmt: skip
             pool.manager.tables = recipe.tables
             if isinstance(pool.manager, LayeredBlockManager):
@@ -345,6 +352,7 @@ def follow(
                 cache = contiguous[recipe.cache] = ContiguousKVCache(
                     cfg, slots=recipe.slots_total, capacity=recipe.capacity, dtype=dtype,
                     device=device,
+                    kv_format=kv_format.named(recipe.kv_format) if recipe.kv_format else None,
                 )  # fmt: skip
             ctx = cache.context(recipe.slots, recipe.starts, recipe.lengths)
         # the logits' rows where the head is split (its all-gather needs every rank), else none
