@@ -91,11 +91,8 @@ def cmd_eval_compare(args: argparse.Namespace) -> int:
 
     with lowbit.choosing(args.a_lowbit):
         a = load_engine(args, args.a, pool_a)
-    same = (args.b_model or args.model, args.b, args.b_lowbit) == (
-        args.model,
-        args.a,
-        args.a_lowbit,
-    )
+    b_side = (args.b_model or args.model, args.b, args.b_lowbit)
+    same = b_side == (args.model, args.a, args.a_lowbit) and args.a_kv_dtype != args.b_kv_dtype
     if same:  # the same weights, another KV cache: B shares A's model
         b = a.sibling(pool_b)
     else:
