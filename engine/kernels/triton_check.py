@@ -18,6 +18,7 @@ import logging
 import torch
 from torch import Tensor
 
+from engine.formats import kv as kv_format
 from engine.kernels import triton_support, verify
 
 log = logging.getLogger(__name__)
@@ -80,12 +81,15 @@ def _guarded(name: str, check: functools.partial[str]) -> str:
 
 @functools.cache
 def _attention(device: str, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str:
+    """Decode and prefill, over a float pool and over int8 rows (what ``--kv-dtype int8``
+    reads)."""
     for name, check in (("decode attention", _decode), ("prefill attention", _prefill)):
-        why = _guarded(
-            name, functools.partial(check, torch.device(device), dtype, head_dim, heads, kv_heads)
-        )
-        if why:
-            return why
+        for int8 in (False, True):
+            shape = (torch.device(device), dtype, head_dim, heads, kv_heads, int8)
+            why = _guarded(f"{name}{' over int8 KV' if int8 else ''}",
+                           functools.partial(check, *shape))  # fmt: skip
+            if why:
+                return why
     return ""
 
 
@@ -105,8 +109,11 @@ def _pool(
     head_dim: int,
     blocks: int,
     gen: torch.Generator,
+    int8: bool = False,
 ) -> Tensor:
-    return torch.randn(blocks * BLOCK + 1, 2 * kv_heads, head_dim, generator=gen).to(dev, dtype)
+    """A pool of random K/V in ``dtype``, or as int8 rows (:mod:`engine.formats.kv`)."""
+    pool = torch.randn(blocks * BLOCK + 1, 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    return (kv_format.quantize(pool, kv_format.INT8) if int8 else pool).to(dev)
 
 
 def _tables(lengths: list[int], blocks: int, gen: torch.Generator) -> list[list[int]]:
@@ -129,7 +136,7 @@ def _padded(tables: list[list[int]], dev: torch.device) -> Tensor:
 def _keys(pool: Tensor, table: list[int], n: int, kv_heads: int) -> tuple[Tensor, Tensor]:
     """Positions ``0 .. n-1`` of a sequence, as ``[Hkv, n, D]`` keys and values."""
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
-    rows = pool[slots.to(pool.device)].float().transpose(0, 1)
+    rows = kv_format.gather(pool, slots.to(pool.device), torch.float32).transpose(0, 1)
     return rows[:kv_heads], rows[kv_heads:]
 
 
@@ -146,12 +153,14 @@ def _reference(q: Tensor, keys: Tensor, values: Tensor, first: int) -> Tensor:
     return torch.einsum("hlt,htd->lhd", scores.softmax(-1), v).reshape(length, heads * dim)
 
 
-def _decode(dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str:
+def _decode(
+    dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, int8: bool
+) -> str:
     from engine.kernels.triton_kernels.decode_attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(0)
     lengths, blocks = [1, 20, 37], 8
-    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen)
+    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen, int8)
     tables = _tables(lengths, blocks, gen)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dev, dtype)
     lens = torch.tensor(lengths, dtype=torch.int32).to(dev)
@@ -171,13 +180,13 @@ def _decode(dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv
 
 
 def _prefill(
-    dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+    dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, int8: bool
 ) -> str:
     from engine.kernels.triton_kernels.prefill_attention import paged_prefill_attention
 
     gen = torch.Generator().manual_seed(1)
     firsts, chunks, blocks = [0, 21], [9, 14], 8  # a fresh prompt, and an extend of a prefix
-    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen)
+    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen, int8)
     tables = _tables([f + c for f, c in zip(firsts, chunks, strict=True)], blocks, gen)
     q = torch.randn(sum(chunks), heads, head_dim, generator=gen).to(dev, dtype)
     starts = torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32).to(dev)
