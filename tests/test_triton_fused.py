@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from engine.formats import kv as kv_format
 from engine.kernels.triton_kernels import fused
 from engine.model import transformer
 from engine.model.attention import AttentionContext
@@ -87,7 +88,7 @@ class _Capture(AttentionContext):
         self.q: Tensor | None = None
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
-        self.pool.index_copy_(0, self.write_slots, kv)
+        kv_format.store(self.pool, self.write_slots, kv)  # quantized where the pool is int8
         self.q = q.clone()
         return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
 
@@ -119,18 +120,22 @@ ROPE_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float-pool", "int8-rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "qk_norm"), ROPE_SHAPES)
-def test_rope_store_equals_the_model(dtype, heads, kv_heads, head_dim, qk_norm):
+def test_rope_store_equals_the_model(dtype, heads, kv_heads, head_dim, qk_norm, int8):
     """Bit for bit, in every dtype: q as ``Attention.forward`` hands it to attention, and the
-    pool after the paged cache's ``index_copy_``, at positions up to 4k and slots in no
-    order. The pool's other slots and ``qkv``'s k and v columns are left as they were."""
+    pool after the paged cache's write (``kv.store``: a copy, or into int8 rows each value
+    quantized, each row's scale after it), at positions up to 4k and slots in no order. The
+    pool's other slots and ``qkv``'s k and v columns are left as they were."""
     cfg, attn = _attention(heads, kv_heads, head_dim, qk_norm, dtype)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(4, cfg.hidden_size, generator=gen).to(dtype)
     cos, sin = transformer.RotaryEmbedding(cfg).angles(torch.tensor([4095, 0, 2047, 1]), dtype)
     write_slots = torch.tensor([37, 2, 90, 91])
     pool = torch.randn(96, 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    if int8:
+        pool = kv_format.quantize(pool, kv_format.INT8)
     expected = _Capture(pool.clone(), write_slots)
     attn(x, cos, sin, expected)
 
@@ -203,18 +208,21 @@ def test_the_launchers_pick_exactly_the_configurations_the_build_compiles(monkey
         for head_dim in range(2, 257, 2):
             qkv = torch.empty(1, 3 * head_dim, dtype=dtype)
             angle = torch.empty(1, 1, head_dim, dtype=dtype)
-            pool = torch.empty(2, 2, head_dim, dtype=dtype)
-            fused.rope_store(
-                qkv, angle, angle, pool, torch.tensor([1]),
-                num_heads=1, num_kv_heads=1, head_dim=head_dim,
-            )  # fmt: skip
+            pools = [torch.empty(2, 2, head_dim, dtype=dtype)]
+            if head_dim % 4 == 0:  # int8 rows (--kv-dtype int8): their scale aligned after them
+                pools.append(kv_format.INT8.empty(2, 1, head_dim, "cpu"))
+            for pool in pools:
+                fused.rope_store(
+                    qkv.zero_(), angle.zero_(), angle, pool, torch.tensor([1]),
+                    num_heads=1, num_kv_heads=1, head_dim=head_dim,
+                )  # fmt: skip
     launched = {
         (kernel, "*" + fused.DTYPES[kw["args"][0].dtype],
          tuple(sorted((k, v) for k, v in kw.items() if k.isupper())),
          kw["num_warps"], kw["num_stages"], kw.get("enable_fp_fusion", True))
         for kernel, kw in launches
     }  # fmt: skip
-    assert len(launches) == 3 * (2 * len(hiddens) + 128)
+    assert len(launches) == 3 * (2 * len(hiddens) + 128 + 64)
     on_gpus = {launch for launch in launched if launch[1] != "*fp32"}
     assert on_gpus == built
     fp32 = launched - on_gpus

@@ -92,8 +92,6 @@ class TritonContext(PoolContext):
         self.tables = BlockTables(cache, chunks, self.num_decode)
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
-        if self.cache.format.quantized:  # the fused write stores floats: attend() quantizes
-            return None
         return self.cache.kv[layer], self.slots_of(layer)
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
@@ -197,8 +195,6 @@ class StaticContext(AttentionContext):
         self.decode_only = True
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
-        if self.cache.format.quantized:  # as TritonContext's
-            return None
         return self.cache.kv[layer], self.slots[self.cache.layer_groups[layer]]
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:

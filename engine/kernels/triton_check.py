@@ -315,7 +315,7 @@ def _rope(
     cos, sin = angles.cos().to(dev, dtype), angles.sin().to(dev, dtype)
     write = torch.randperm(slots, generator=gen)[:tokens].to(dev)
     pool = torch.zeros(slots, 2 * kv_heads, head_dim, dtype=dtype, device=dev)
-    ours = qkv.clone()
+    ours, source = qkv.clone(), qkv.clone()  # qkv is rotated in place below
     q = fused.rope_store(ours, cos, sin, pool, write, num_heads=heads, num_kv_heads=kv_heads,
                          head_dim=head_dim)  # fmt: skip
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
@@ -323,6 +323,23 @@ def _rope(
     want_pool = torch.zeros_like(pool)
     want_pool.index_copy_(0, write, qkv[:, heads * head_dim :].view(tokens, 2 * kv_heads, head_dim))
     # x·cos + partner·sin: two terms
-    return _verdict("fused RoPE", q, qk[:, :heads], 2) or _verdict(
+    why = _verdict("fused RoPE", q, qk[:, :heads], 2) or _verdict(
         "fused K/V write", pool, want_pool, 2
     )
+    if why or head_dim % 4:
+        return why
+    # into int8 rows (--kv-dtype int8): torch's quantization of the rows it rotated, within
+    # one step of a row's scale (the rotation itself may differ in its last bit, above)
+    rows = kv_format.INT8.empty(slots, kv_heads, head_dim, dev)
+    fused.rope_store(source, cos, sin, rows, write, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
+    want = kv_format.quantize(want_pool[write], kv_format.INT8)
+    step = want[..., head_dim:].contiguous().view(torch.float32) * 1.01
+    off = (kv_format.dequantize(rows[write]) - kv_format.dequantize(want)).abs()
+    if off.gt(step).any():
+        return (
+            f"our fused K/V write into int8 rows is {float(off.max()):.3g} from torch's "
+            "quantization of the same rows, more than a step; start again with "
+            f"{triton_support.ENV}=torch"
+        )
+    return ""

@@ -50,11 +50,14 @@ of two, 32 to 128: head dims up to 256) for RoPE: 33 builds for each architectur
 
 from __future__ import annotations
 
+from itertools import product
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels.triton_kernels.kv_rows import quantize_rows
 from engine.kernels.triton_kernels.rounding import round_to
 from engine.kernels.triton_support import GPU_DTYPES, KernelConfig
 
@@ -138,9 +141,11 @@ def _rope_store_kernel(
     head_dim,
     HALF_BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     """``HEADS`` heads of one token: q heads rotated in place in ``qkv``, k heads rotated and
-    v heads copied into the token's pool slot."""
+    v heads copied into the token's pool slot; with ``KV_INT8``, each as an int8 row and its
+    scale (:func:`.kv_rows.quantize_rows`)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     half = head_dim // 2
@@ -170,10 +175,18 @@ def _rope_store_kernel(
     tl.store(src + half, out_second, mask=inside & is_q)
     slot = tl.load(slots_ptr + token)
     # the pool's heads are qkv's k heads then its v heads: pool head = qkv head − H
-    dst = pool_ptr + slot * pool_slot_stride + (heads - num_heads)[:, None] * pool_head_stride
-    dst += cols[None, :]
-    tl.store(dst, out_first, mask=inside & ~is_q)
-    tl.store(dst + half, out_second, mask=inside & ~is_q)
+    row = pool_ptr + slot * pool_slot_stride + (heads - num_heads) * pool_head_stride
+    dst = row[:, None] + cols[None, :]
+    if KV_INT8:  # the row's values and its scale, as engine.formats.kv.quantize writes them
+        first_q, second_q, scale = quantize_rows(out_first, out_second, inside)
+        tl.store(dst, first_q, mask=inside & ~is_q)
+        tl.store(dst + half, second_q, mask=inside & ~is_q)
+        kv_head = (heads >= num_heads) & (heads < num_heads + 2 * num_kv_heads)
+        at = (row + head_dim).to(tl.pointer_type(tl.float32), bitcast=True)
+        tl.store(at, scale, mask=kv_head)
+    else:
+        tl.store(dst, out_first, mask=inside & ~is_q)
+        tl.store(dst + half, out_second, mask=inside & ~is_q)
 
 
 def _norm_block(hidden: int) -> int:
@@ -307,17 +320,21 @@ def rope_store(
                 f"{qkv.device}, got {tuple(table.shape)} {table.dtype} on {table.device}"
             )
         angles.append(table.reshape(tokens, head_dim))  # a view of the model's tables
+    int8 = pool.dtype == torch.int8  # rows of D values and their scale (engine/formats/kv.py)
+    width = head_dim + 4 if int8 else head_dim
     if (
         pool.dim() != 3
-        or pool.shape[1:] != (2 * num_kv_heads, head_dim)
-        or pool.dtype != qkv.dtype
+        or pool.shape[1:] != (2 * num_kv_heads, width)
+        or pool.dtype not in (qkv.dtype, torch.int8)
+        or (int8 and head_dim % 4)
         or pool.device != qkv.device
         or pool.stride(2) != 1
     ):
         raise ValueError(
             f"pool must be [slots, 2·Hkv, D] = [slots, {2 * num_kv_heads}, {head_dim}] of "
-            f"{qkv.dtype} on {qkv.device} with contiguous heads, got {tuple(pool.shape)} "
-            f"{pool.dtype} on {pool.device}"
+            f"{qkv.dtype} (or int8 rows, [slots, 2·Hkv, D + 4], D a multiple of 4) on "
+            f"{qkv.device} with contiguous heads, got {tuple(pool.shape)} {pool.dtype} on "
+            f"{pool.device}"
         )
     if write_slots.shape != (tokens,) or write_slots.dtype != torch.int64:
         raise ValueError(
@@ -335,8 +352,8 @@ def rope_store(
         qkv, angles[0], angles[1], pool, write_slots.contiguous(),
         qkv.stride(0), angles[0].stride(0), angles[1].stride(0), pool.stride(0), pool.stride(1),
         num_heads, num_kv_heads, head_dim,
-        HALF_BLOCK=half_block, HEADS=per_program, num_warps=ROPE_WARPS, num_stages=1,
-        enable_fp_fusion=False,
+        HALF_BLOCK=half_block, HEADS=per_program, KV_INT8=int8, num_warps=ROPE_WARPS,
+        num_stages=1, enable_fp_fusion=False,
     )  # fmt: skip
     return q
 
@@ -377,16 +394,17 @@ def configs() -> list[KernelConfig]:
                         min_target=min_target,
                     )
                 )
-        for half_block in ROPE_HALF_BLOCKS:
+        for half_block, int8 in product(ROPE_HALF_BLOCKS, (False, True)):
+            kv = ",KV_INT8" if int8 else ""
             out.append(
                 KernelConfig(
-                    name=f"fused.rope_store[{dtype},HALF_BLOCK={half_block}]",
+                    name=f"fused.rope_store[{dtype},HALF_BLOCK={half_block}{kv}]",
                     fn=_rope_store_kernel,
                     signature={
                         "qkv_ptr": pointer,
                         "cos_ptr": pointer,
                         "sin_ptr": pointer,
-                        "pool_ptr": pointer,
+                        "pool_ptr": "*i8" if int8 else pointer,
                         "slots_ptr": "*i64",
                         "qkv_row_stride": "i32",
                         "cos_row_stride": "i32",
@@ -398,8 +416,13 @@ def configs() -> list[KernelConfig]:
                         "head_dim": "i32",
                         "HALF_BLOCK": "constexpr",
                         "HEADS": "constexpr",
+                        "KV_INT8": "constexpr",
                     },
-                    constants={"HALF_BLOCK": half_block, "HEADS": _rope_heads(half_block)},
+                    constants={
+                        "HALF_BLOCK": half_block,
+                        "HEADS": _rope_heads(half_block),
+                        "KV_INT8": int8,
+                    },
                     num_warps=ROPE_WARPS,
                     num_stages=1,
                     min_target=min_target,

@@ -16,3 +16,28 @@ def row_scales(rows, HEAD_DIM: tl.constexpr, mask):
     ``rows`` (pointers into an int8 pool); 0 where ``mask`` is False."""
     at = (rows + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True)
     return tl.load(at, mask=mask, other=0.0)
+
+
+@triton.jit
+def _round_even(x):
+    """fp32 ``x`` (|x| < 2**22) rounded to the nearest integer, ties to even: adding and
+    taking away 1.5·2**23 leaves the float's rounding of the sum (the conversion to an
+    integer truncates, here and in Triton's interpreter alike)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def quantize_rows(first, second, inside):
+    """Rows given as their two halves ``[R, HALF]`` (any float dtype; lanes outside
+    ``inside`` ignored) as int8 values and each row's fp32 scale, as
+    :func:`engine.formats.kv.quantize` makes them: ``scale = max|x| / 127``, each value
+    ``x / scale`` rounded to nearest even (correctly rounded divisions: Triton's ``/`` is
+    approximate)."""
+    x1 = tl.where(inside, first.to(tl.float32), 0.0)
+    x2 = tl.where(inside, second.to(tl.float32), 0.0)
+    amax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+    scale = tl.math.div_rn(amax, 127.0)
+    by = tl.where(scale > 0, scale, 1.0)[:, None]
+    q1 = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(x1, by)), -127.0), 127.0)
+    q2 = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(x2, by)), -127.0), 127.0)
+    return q1.to(tl.int8), q2.to(tl.int8), scale
