@@ -387,3 +387,16 @@ def test_an_int8_kv_cache_chosen_in_the_controls_keeps_the_weights(window, qtbot
     send(qtbot, window, "Hello there.")
     assert window.chat.last.view.text.strip()
     assert window.controls.state()["kv_dtype"] == "int8"
+
+
+def test_a_kv_dtype_this_device_refuses_is_named_and_the_control_goes_back(window, qtbot):
+    """fp8 on a CPU: refused with the reason, the pool and the weights as they were, and the
+    control back on what the pool holds (so settings.ini never keeps a refused choice)."""
+    engine = window.worker.engine
+    combo = window.controls.kv_dtype_combo
+    combo.setCurrentIndex(combo.findData("fp8"))
+    combo.activated.emit(combo.currentIndex())
+    qtbot.waitUntil(lambda: window.controls.kv_dtype() == "auto", timeout=LONG_WAIT_MS)
+    assert window.worker.engine is engine
+    assert "sm_89" in window.chat.notice.text()
+    assert window.controls.state()["kv_dtype"] == "auto"

@@ -257,11 +257,13 @@ def test_speculative_rollback_over_int8_rows_keeps_greedy_output(tiny) -> None:
     engine = load_model(tiny, config=EngineConfig(num_blocks=64, kv_dtype="int8"))
     batch = [p + p[:6] + p for p in prompts(3, seed=4)]  # repeats: prompt lookup drafts
     want = [alone(engine, p) for p in batch]
-    fast = engine.sibling(EngineConfig(num_blocks=64, kv_dtype="int8"))
-    fast.set_speculation(parse_speculative("lookup", 4, adaptive=False))
-    assert [alone(fast, p) for p in batch] == want
-    stats = fast.speculator.stats
-    assert stats.num_draft_tokens > stats.num_accepted_tokens, "no draft was rolled back"
+    for drafter in ("lookup", "self:int8"):  # the draft model's own pool: int8 rows too
+        fast = engine.sibling(EngineConfig(num_blocks=64, kv_dtype="int8"))
+        fast.set_speculation(parse_speculative(drafter, 4, adaptive=False))
+        assert [alone(fast, p) for p in batch] == want, drafter
+        stats = fast.speculator.stats
+        assert stats.num_draft_tokens > stats.num_accepted_tokens, "no draft was rolled back"
+    assert fast.speculator.drafter.kv.format.name == "int8"
 
 
 def test_a_cache_window_over_int8_rows_gives_each_request_its_tokens_alone(tiny) -> None:
@@ -362,3 +364,38 @@ def test_two_ranks_hold_their_heads_int8_rows_as_one_process_holds_them(tiny_mod
         assert two.kv.kv[0].dtype == torch.int8
     finally:
         two.parallel.close()
+
+
+def test_fp8_rows_hold_e4m3_values_and_the_torch_path_reads_them() -> None:
+    """FP8 rows (a GPU's, sm_89+; their arithmetic is torch's anywhere): each value within
+    e4m3's half step of its row's scale; the torch path's decode attention over them is
+    the attention over the rows dequantized; no fused write is handed an fp8 pool (they write
+    floats and int8 rows), so the step quantizes as it stores."""
+    from engine.attention.paged import PagedBackend
+    from engine.kv_cache.paged import PagedKVCache, SeqChunk
+    from engine.model.config import ModelConfig
+
+    fp8 = kv_format.FP8
+    x = torch.randn(40, 4, 32, generator=torch.Generator().manual_seed(12)) * 3
+    rows = kv_format.quantize(x, fp8)
+    assert rows.dtype == torch.float8_e4m3fn and rows.shape == (40, 4, 36)
+    scale = rows[..., 32:].contiguous().view(torch.float32)
+    back = kv_format.dequantize(rows)
+    assert (back - x).abs().le(x.abs() * 2**-4 + scale * 2**-9).all()  # 3 mantissa bits
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=16, hidden_size=64, intermediate_size=16, num_layers=1,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False, attention_bias=False,
+    )  # fmt: skip
+    cache = PagedKVCache(cfg, num_blocks=8, block_size=4, attention=PagedBackend(), kv_format=fp8)
+    cache.manager.grow("s", 9)
+    ctx = cache.context([SeqChunk("s", 0, 9)])
+    assert ctx.kv_target(0) is None
+    q, kv = torch.randn(9, 4, 32), torch.randn(9, 4, 32)
+    out = ctx.attend(0, q, kv)
+    stored = kv_format.gather(cache.kv[0], torch.tensor(cache.manager.slots("s", 0, 9)),
+                              torch.float32)  # fmt: skip
+    torch.testing.assert_close(stored, kv_format.dequantize(kv_format.quantize(kv, fp8)))
+    want = float64_attention(q.double(), stored.double(), torch.arange(9), torch.arange(9), 0,
+                             0, 0)  # fmt: skip
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)

@@ -182,6 +182,7 @@ class MainWindow(ChatWindow):
         w.unloaded.connect(self._on_unloaded)
         w.planned.connect(self._on_planned)
         w.speculation_applied.connect(self._on_speculation)
+        w.kv_dtype_applied.connect(self._on_kv_dtype_applied)
         chat.send_requested.connect(self.send)
         chat.stop_requested.connect(self.stop)
         chat.regenerate_requested.connect(self.regenerate)
@@ -331,6 +332,10 @@ class MainWindow(ChatWindow):
         if self.model is None:  # nothing to resize: the next load takes the new size
             return
         self.worker.post(Resize(mib, self.controls.kv_dtype()))
+
+    def _on_kv_dtype_applied(self, name: str) -> None:
+        """What the pool holds after a change asked for: a refused one goes back."""
+        self.controls.set_kv_dtype(name)
 
     def _on_kv_dtype(self, name: str) -> None:
         """A new pool of what the control says, for the current model (the weights stay); the

@@ -70,6 +70,9 @@ class EngineWorker(WorkerLoop):
     #: the speculation in force after a Speculate or a new engine: its text ("" off), k, and
     #: why the change asked for failed ("" when it did not)
     speculation_applied = Signal(str, int, str)
+    #: what the engine's KV pool holds after a Resize (``--kv-dtype``'s name), whether or
+    #: not the change asked for went through
+    kv_dtype_applied = Signal(str)
 
     def __init__(self, loader: Loader = load_engine, planner: Planner = plan_load) -> None:
         super().__init__()
@@ -284,11 +287,14 @@ class EngineWorker(WorkerLoop):
             resized = engine.with_pool(kv_memory=mib * 2**20, kv_dtype=kv_dtype)
         except InfersightError as exc:
             self.error.emit(f"{exc}; the KV pool stays as it was")
+            self.kv_dtype_applied.emit(engine.config.kv_dtype)
             return
         except Exception as exc:  # torch out of memory, say: the engine keeps its pool
             log.exception("resizing the KV pool failed")
             self.error.emit(f"could not resize the KV pool ({exc}); it stays as it was")
+            self.kv_dtype_applied.emit(engine.config.kv_dtype)
             return
+        self.kv_dtype_applied.emit(resized.config.kv_dtype)
         self._spec = _with_pool_size(self._spec, pool_mib(resized, mib), kv_dtype)
         spec = self._spec or LoadSpec(
             engine.name, engine.precision.text, str(engine.device), mib, kv_dtype=kv_dtype

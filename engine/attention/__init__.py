@@ -45,24 +45,28 @@ def choose(
     torch/C backend."""
     ours, why = triton_support.attention_chosen(device, cfg.head_dim)
     if not ours:
-        return PagedBackend(device), why
+        return PagedBackend(device, kv=kv), why
     refused = TritonBackend().refusal(cfg, dtype, device) or TritonBackend.pool_refusal(kv)
     if refused:
-        return PagedBackend(device), f"torch attention ({refused})"
-    failed = triton_check.attention(device, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+        return PagedBackend(device, kv=kv), f"torch attention ({refused})"
+    heads = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+    failed = triton_check.attention(device, dtype, *heads, int8=kv is not None and kv.quantized)
     if not failed:
         return TritonBackend(), why
     if triton_support.requested() == "triton":
         raise InfersightError(f"{triton_support.ENV}=triton, but {failed}")
     failures.append(failed)
-    return PagedBackend(device), f"torch attention ({failed})"
+    return PagedBackend(device, kv=kv), f"torch attention ({failed})"
 
 
-def planned(device: torch.device, triton: bool, cfg: Any = None) -> AttentionBackend:
+def planned(
+    device: torch.device, triton: bool, cfg: Any = None, kv: KVFormat | None = None
+) -> AttentionBackend:
     """The backend a load on ``device`` would choose, as the plan knows it (``triton``: our
     kernels would attend, :func:`triton_support.planned`, unless they refuse the model of
-    ``cfg``), without building or checking anything (on this machine either: a plan neither
-    builds the C kernel nor times a path)."""
-    if triton and (cfg is None or not TritonBackend.model_refusal(cfg)):
+    ``cfg`` or a pool of format ``kv``), without building or checking anything (on this
+    machine either: a plan neither builds the C kernel nor times a path)."""
+    ours = cfg is None or not TritonBackend.model_refusal(cfg)
+    if triton and ours and not TritonBackend.pool_refusal(kv):
         return TritonBackend()
-    return PagedBackend(device, measure=False)
+    return PagedBackend(device, measure=False, kv=kv)

@@ -23,6 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 from engine.attention.context import PoolContext
 from engine.attention.ops import decode_attention, paged_decode_attention
 from engine.formats import kv as kv_format
+from engine.formats.kv import KVFormat
 from engine.hardware.transfer import to_device, upload
 from engine.kernels import native, paged_decode
 from engine.kv_cache.paged import KVGroup, PagedKVCache, SeqChunk
@@ -36,6 +37,8 @@ from engine.model.attention import (
 )
 from engine.model.config import ModelConfig
 
+#: the pools the fused RoPE + K/V writes (C, Triton) store into
+FUSED_WRITES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 #: a slot's or a position's index (int64)
 SLOT_BYTES = 8
 #: what building a decode step's context holds at once per token of a row (its slot and
@@ -58,11 +61,21 @@ class PagedBackend(AttentionBackend):
     name = "torch"
     graph_safe = False
 
-    def __init__(self, device: torch.device | str = "cpu", *, measure: bool = True) -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", *, measure: bool = True,
+        kv: KVFormat | None = None,
+    ) -> None:  # fmt: skip
         self.device = torch.device(device)
         #: whether its terms may build the C kernel and time the prefill paths (a load's);
         #: a plan's (False) assumes the portable prefill, and the kernel where a C compiler is
         self.measure = measure
+        #: the pool's format (None: the compute dtype's), whose rows a gather holds
+        self.kv = kv
+
+    def _row(self, cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """The bytes one head's row holds once gathered (:func:`kv_format.gathered_bytes`)."""
+        fmt = self.kv or kv_format.float_format(dtype)
+        return kv_format.gathered_bytes(fmt, cfg.head_dim, dtype)
 
     def context(self, cache: Any, chunks: list[Any]) -> AttentionContext:
         return PagedContext(cache, chunks)
@@ -98,9 +111,9 @@ class PagedBackend(AttentionBackend):
         torch path gathers (the C kernel reads the pool in place) the token's K and V."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         kernel = self.kernel(dtype)
-        gathered = 0 if kernel else 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+        gathered = 0 if kernel else 2 * cfg.num_kv_heads * self._row(cfg, dtype)
         if cfg.attn_softcap is not None and not kernel:  # the textbook path (it caps)
-            gathered = _capped_bytes(cfg, itemsize, 1)
+            gathered = _capped_bytes(cfg, itemsize, 1, self._row(cfg, dtype))
         # a step keeps an additive mask per window its layers attend under (Gemma's two)
         masks = (cfg.window_count - 1) * itemsize
         return max_batch * (max(DECODE_ROWS_BYTES, gathered + itemsize + SLOT_BYTES) + masks)
@@ -118,25 +131,26 @@ class PagedBackend(AttentionBackend):
             if self.kernel(dtype):
                 return 2 * SLOT_BYTES
             itemsize = torch.empty((), dtype=dtype).element_size()
-            return SLOT_BYTES + _capped_bytes(cfg, itemsize, max(1, chunk))
+            return SLOT_BYTES + _capped_bytes(cfg, itemsize, max(1, chunk), self._row(cfg, dtype))
         measured = chunk and self.measure and self.kernel(dtype)
         if measured and paged_decode.prefill_faster(dtype, *heads):
             return 2 * SLOT_BYTES
         itemsize = torch.empty((), dtype=dtype).element_size()
-        row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+        row = 2 * cfg.num_kv_heads * self._row(cfg, dtype)
         group = cfg.num_heads // cfg.num_kv_heads
         negated = int(negates_mask(self.device))
         # the boolean mask is kept a step for each window the layers attend under
         return SLOT_BYTES + row + chunk * (cfg.window_count + group * (1 + negated + itemsize))
 
 
-def _capped_bytes(cfg: ModelConfig, itemsize: int, queries: int) -> int:
+def _capped_bytes(cfg: ModelConfig, itemsize: int, queries: int, row: int) -> int:
     """Per token of context, what soft-capped attention of ``queries`` queries holds at once:
-    the token's K and V gathered and repeated over the query heads; per query its scores,
-    their cap and fp32 softmax, and a mask per window the layers attend under."""
+    the token's K and V gathered (``row`` bytes a head) and repeated over the query heads;
+    per query its scores, their cap and fp32 softmax, and a mask per window the layers
+    attend under."""
     heads, kv = cfg.num_heads, cfg.num_kv_heads
     per_query = heads * (2 * itemsize + 4) + cfg.window_count
-    return (2 * kv + 2 * heads) * cfg.head_dim * itemsize + queries * per_query
+    return 2 * kv * row + 2 * heads * cfg.head_dim * itemsize + queries * per_query
 
 
 class PagedContext(PoolContext):
@@ -259,8 +273,10 @@ class PagedContext(PoolContext):
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """The pool and slots where a fused RoPE + K/V write stores this step's K/V (our C
-        one); None in a compiled step, which stores them through its attention op."""
-        if torch.compiler.is_compiling():
+        one, or on a GPU our Triton one where an engine sharing the model set it); None in a
+        compiled step, which stores them through its attention op, and for a pool the fused
+        writes do not take (fp8 rows: they write floats and int8 rows)."""
+        if torch.compiler.is_compiling() or self.cache.format.storage not in FUSED_WRITES:
             return None
         return self.cache.kv[layer], self.slots_of(layer)
 

@@ -124,6 +124,17 @@ def run_ours(engine: LLMEngine, prompt: list[int], new_tokens: int, batch: int =
     return RunTiming(first - started, end - first, produced, batch, cached)
 
 
+def _kv_sibling(engine: LLMEngine, kv_dtype: str) -> LLMEngine:
+    """The same weights behind a pool of ``kv_dtype`` of ``engine``'s bytes (not one profiled
+    beside it), its decode steps set up as ``engine``'s were (CUDA graphs captured where they
+    are on)."""
+    config = replace(engine.config, kv_dtype=kv_dtype, kv_memory=float(engine.kv.nbytes),
+                     num_blocks=None)  # fmt: skip
+    sibling = engine.sibling(config)
+    sibling.settle_cuda_graphs()
+    return sibling
+
+
 def prefix_cache_state(engine: LLMEngine) -> str:
     """How :func:`run_ours` leaves prefix caching, for a report."""
     return "on, emptied before each run" if engine.kv.manager.prefix_caching else "off"
@@ -214,9 +225,7 @@ def run_bench(
         engine_config = replace(engine_config, kv_dtype=kv_dtypes[0])
     engine = load_model(folder, precision=precision, device=device, config=engine_config,
                         tensor_parallel=tensor_parallel)  # fmt: skip
-    engines = [engine] + [
-        engine.sibling(replace(engine.config, kv_dtype=name)) for name in (kv_dtypes or [])[1:]
-    ]
+    engines = [engine] + [_kv_sibling(engine, name) for name in (kv_dtypes or [])[1:]]
     prompt = bench_prompt(engine, cfg.prompt_len, cfg.seed)
     hf = HFRunner(folder, precision, torch_device) if compare_hf else None
 

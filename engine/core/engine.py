@@ -125,7 +125,9 @@ class LLMEngine:
             cfg, dtype, device, failures, self.kv_format
         )
         self.triton = self.attention.name == "triton"
-        self.kernels += kernel_choice.layers(self.model, cfg, dtype, device, self.triton, failures)
+        self.kernels += kernel_choice.layers(
+            self.model, cfg, dtype, device, self.triton, failures, self.kv_format
+        )
         self.kernels += kernel_choice.gemms(self.model, device, dtype, failures)
         blocks = self._pool_blocks()
         self.kv = PagedKVCache(
@@ -195,12 +197,18 @@ class LLMEngine:
             self.config, kv_memory=kv_memory, num_blocks=num_blocks,
             kv_dtype=self.config.kv_dtype if kv_dtype is None else kv_dtype,
         )  # fmt: skip
+        fmt = kv_format(config, self.dtype)
+        if why := kv_dtypes.device_refusal(fmt, self.cfg.head_dim, self.device):
+            raise InvalidRequestError(why)
+        backend = self.attention  # the new pool's, which its warm-up attends with
+        if fmt != self.kv_format:
+            backend = attention.choose(self.cfg, self.dtype, self.device, [], fmt)[0]
         if self.device.type == "cuda":  # what the allocator caches counts as free here
             torch.cuda.empty_cache()
         # a GPU's default pool is profiled now, this pool left out (the new one replaces it)
         sizing = profile_pool(
             self.model, self.cfg, config, self.dtype, self.device, held=self.kv.nbytes,
-            attention=self.attention,
+            attention=backend,
         )  # fmt: skip
         if sizing is not None:
             config = replace(config, num_blocks=self._check_blocks(sizing.blocks, sizing))

@@ -10,6 +10,7 @@ from torch import nn
 from engine.attention.paged import PagedBackend
 from engine.executor import c_step, c_step_check, table
 from engine.executor import step as step_executor
+from engine.formats.kv import KVFormat
 from engine.kernels import layer_ops, paged_decode, triton_check, triton_support
 from engine.model.config import ModelConfig
 from engine.model.transformer import TORCH_OPS, Transformer
@@ -39,6 +40,7 @@ def layers(
     device: torch.device,
     triton: bool,
     failures: list[str],
+    kv: KVFormat | None = None,
 ) -> str:
     """The layers' own kernels, set on ``model``, and the load report's lines for them
     (``"; …"``): where our Triton attention runs, its fused norms and RoPE + K/V write if
@@ -48,10 +50,12 @@ def layers(
     kernel of ours and the step passed its check."""
     if triton:
         failed = triton_check.fused(
-            device, dtype, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
+            device, dtype, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            int8=kv is not None and kv.quantized,
+        )  # fmt: skip
         if failed:
             failures.append(failed)
+            model.set_ops(TORCH_OPS)  # not an engine's sharing the model that passed
             return f"; norms and RoPE in torch ({failed})"
         fused_ops = layer_ops.triton_ops()
         model.set_ops(fused_ops)

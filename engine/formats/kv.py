@@ -114,21 +114,33 @@ def dequantize(rows: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     ``value · scale`` in fp32, then cast)."""
     dim = rows.shape[-1] - SCALE_BYTES
     scales = rows[..., dim:].contiguous().view(torch.float32)
-    out = rows[..., :dim].float() * scales
+    out = rows[..., :dim].float().mul_(scales)  # one fp32 copy, scaled in place
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def gathered_bytes(fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> int:
+    """The bytes :func:`gather` holds at once for one head's row into ``dtype``: the row,
+    and where it is quantized its fp32 values and their cast."""
+    if not fmt.quantized:
+        return head_dim * dtype.itemsize
+    cast = 0 if dtype == torch.float32 else head_dim * dtype.itemsize
+    return fmt.bytes_per_head(head_dim) + 4 * head_dim + cast
 
 
 def store(pool: Tensor, slots: Tensor, kv: Tensor) -> None:
     """Write this step's ``kv: [T, 2·Hkv, D]`` at ``slots`` of ``pool``, quantized as it goes
     in where the pool is."""
     fmt = _QUANTIZED.get(pool.dtype)
-    pool.index_copy_(0, slots, kv if fmt is None else quantize(kv, fmt))
+    if fmt is None:
+        pool.index_copy_(0, slots, kv)
+    else:  # as bytes: torch copies no fp8 by index on every device
+        pool.view(torch.uint8).index_copy_(0, slots, quantize(kv, fmt).view(torch.uint8))
 
 
 def gather(pool: Tensor, index: Tensor, dtype: torch.dtype) -> Tensor:
     """The rows of ``pool`` at ``index`` (a slot index of any shape), as values in ``dtype``:
     only the gathered rows are dequantized, never the pool."""
+    if quantized(pool):  # as bytes, as store writes them
+        return dequantize(pool.view(torch.uint8)[index].view(pool.dtype), dtype)
     rows = pool[index]
-    if quantized(pool):
-        return dequantize(rows, dtype)
     return rows if rows.dtype == dtype else rows.to(dtype)

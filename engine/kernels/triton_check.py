@@ -39,17 +39,22 @@ BLOCK = 16
 
 
 def attention(
-    device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
-) -> str:
-    """Why our attention kernels must not run here ("" where both pass their check)."""
-    return _attention(str(device), dtype, head_dim, heads, kv_heads)
+    device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int,
+    *, int8: bool = False,
+) -> str:  # fmt: skip
+    """Why our attention kernels must not run here ("" where both pass their check): over a
+    float pool, and with ``int8`` over int8 rows too (a failure there leaves float pools'
+    attention to our kernels)."""
+    return _attention(str(device), dtype, head_dim, heads, kv_heads, int8)
 
 
 def fused(
-    device: torch.device, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int
-) -> str:
-    """Why our fused norm and RoPE kernels must not run here ("" where they pass)."""
-    return _fused(str(device), dtype, hidden, heads, kv_heads, head_dim)
+    device: torch.device, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int,
+    head_dim: int, *, int8: bool = False,
+) -> str:  # fmt: skip
+    """Why our fused norm and RoPE kernels must not run here ("" where they pass): the
+    K/V write into a float pool, and with ``int8`` into int8 rows too."""
+    return _fused(str(device), dtype, hidden, heads, kv_heads, head_dim, int8)
 
 
 def gemms(device: torch.device, dtype: torch.dtype) -> str:
@@ -80,13 +85,15 @@ def _guarded(name: str, check: functools.partial[str]) -> str:
 
 
 @functools.cache
-def _attention(device: str, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str:
-    """Decode and prefill, over a float pool and over int8 rows (what ``--kv-dtype int8``
-    reads)."""
+def _attention(
+    device: str, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, int8: bool
+) -> str:
+    """Decode and prefill, over a float pool and with ``int8`` over int8 rows (what
+    ``--kv-dtype int8`` reads)."""
     for name, check in (("decode attention", _decode), ("prefill attention", _prefill)):
-        for int8 in (False, True):
-            shape = (torch.device(device), dtype, head_dim, heads, kv_heads, int8)
-            why = _guarded(f"{name}{' over int8 KV' if int8 else ''}",
+        for rows8 in (False, True)[: 1 + int8]:
+            shape = (torch.device(device), dtype, head_dim, heads, kv_heads, rows8)
+            why = _guarded(f"{name}{' over int8 KV' if rows8 else ''}",
                            functools.partial(check, *shape))  # fmt: skip
             if why:
                 return why
@@ -273,19 +280,20 @@ def _grouped(device: str, dtype: torch.dtype) -> str:
 
 @functools.cache
 def _fused(
-    device: str, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int
-) -> str:
+    device: str, dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int,
+    int8: bool,
+) -> str:  # fmt: skip
     dev = torch.device(device)
     for name, check in (("fused norm", _norms), ("fused RoPE", _rope)):
         why = _guarded(
-            name, functools.partial(check, dev, dtype, hidden, heads, kv_heads, head_dim)
+            name, functools.partial(check, dev, dtype, hidden, heads, kv_heads, head_dim, int8)
         )
         if why:
             return why
     return ""
 
 
-def _norms(dev: torch.device, dtype: torch.dtype, hidden: int, *_: int) -> str:
+def _norms(dev: torch.device, dtype: torch.dtype, hidden: int, *_: int | bool) -> str:
     from engine.kernels.triton_kernels import fused
     from engine.model.transformer import add_rms_norm, rms_norm
 
@@ -303,8 +311,9 @@ def _norms(dev: torch.device, dtype: torch.dtype, hidden: int, *_: int) -> str:
 
 
 def _rope(
-    dev: torch.device, dtype: torch.dtype, _hidden: int, heads: int, kv_heads: int, head_dim: int
-) -> str:
+    dev: torch.device, dtype: torch.dtype, _hidden: int, heads: int, kv_heads: int,
+    head_dim: int, int8: bool,
+) -> str:  # fmt: skip
     from engine.kernels.triton_kernels import fused
     from engine.model.transformer import rotate_
 
@@ -326,7 +335,7 @@ def _rope(
     why = _verdict("fused RoPE", q, qk[:, :heads], 2) or _verdict(
         "fused K/V write", pool, want_pool, 2
     )
-    if why or head_dim % 4:
+    if why or not int8:
         return why
     # into int8 rows (--kv-dtype int8): torch's quantization of the rows it rotated, within
     # one step of a row's scale (the rotation itself may differ in its last bit, above)

@@ -61,7 +61,13 @@ def refusal(
             "an FP8 (e4m3) KV cache needs a GPU with native FP8 (sm_89 or later: Ada, Hopper); "
             f"this device is a {device.upper()}: use --kv-dtype int8 (the same bytes)"
         )
-    major, minor = capability or (8, 0)
+    if capability is None:
+        return (
+            "an FP8 (e4m3) KV cache needs native FP8 (sm_89 or later), and this GPU's compute "
+            "capability is not known: plan with --capability 8.9 (or 9.0), or use --kv-dtype "
+            "int8 (the same bytes)"
+        )
+    major, minor = capability
     if (major, minor) < FP8_CAPABILITY:
         return (
             f"an FP8 (e4m3) KV cache needs native FP8 (sm_89 or later); this GPU is "

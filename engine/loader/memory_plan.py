@@ -437,7 +437,7 @@ class _Target:
         attention = triton_support.planned(
             self.device.type, self.capability, head_dim=cfg.head_dim, dtype=spec.compute
         ) and not TritonBackend.pool_refusal(fmt)
-        backend = planned_attention(self.device, attention, cfg)
+        backend = planned_attention(self.device, attention, cfg, fmt)
         given = config.num_blocks is not None or config.kv_memory is not None
         sizing = None
         if cuda and not given:  # as a load sizes it, its peak estimated

@@ -15,6 +15,7 @@ from engine.attention.paged import PagedBackend
 from engine.core.sampling import race
 from engine.errors import InvalidRequestError
 from engine.executor import step as step_executor
+from engine.formats.kv import SCALE_BYTES, KVFormat
 from engine.hardware.transfer import fetch, upload
 from engine.kv_cache.paged import PagedKVCache, SeqChunk
 from engine.kv_cache.window import CacheWindow
@@ -148,6 +149,7 @@ class ModelDrafter(Drafter):
         block_size: int,
         weights_bytes: int = 0,
         keep: object = None,
+        kv_format: KVFormat | None = None,
     ) -> None:
         self.name = name
         self.model = model
@@ -155,7 +157,8 @@ class ModelDrafter(Drafter):
         self.vocab_size = vocab_size
         self.kv = PagedKVCache(
             model.cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
-            device=device, prefix_caching=False, attention=PagedBackend(device),
+            device=device, prefix_caching=False, attention=PagedBackend(device, kv=kv_format),
+            kv_format=kv_format,
         )  # fmt: skip
         self.weights_bytes = weights_bytes
         self.kv_bytes = self.kv.nbytes
@@ -173,8 +176,11 @@ class ModelDrafter(Drafter):
         target's blocks, at least one full context and at most the target's size: a self-draft
         would otherwise double the KV memory, and only the few sequences that speculate at
         once (``max_verify_tokens`` bounds them) hold draft blocks; the least recently drafted
-        give theirs up when it is full."""
+        give theirs up when it is full. The pool holds the target's quantized rows where the
+        target's does and the draft model's heads take them (a float pool otherwise)."""
         _check_pair(draft, target)
+        fmt = target.kv.format
+        kv = fmt if fmt.quantized and draft.cfg.head_dim % SCALE_BYTES == 0 else None
         mgr = target.kv.manager
         if num_blocks is None:
             context = mgr.blocks_for(target.context_length + MAX_DRAFT_K + 1)
@@ -182,7 +188,7 @@ class ModelDrafter(Drafter):
         return cls(
             name, draft.model, vocab_size=target.cfg.vocab_size, dtype=draft.dtype,
             device=draft.device, num_blocks=num_blocks, block_size=target.kv.block_size,
-            weights_bytes=draft.weights_bytes, keep=draft,
+            weights_bytes=draft.weights_bytes, keep=draft, kv_format=kv,
         )  # fmt: skip
 
     def propose(

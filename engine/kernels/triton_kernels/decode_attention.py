@@ -67,7 +67,7 @@ from torch import Tensor
 
 from engine.formats import kv as kv_format
 from engine.kernels import triton_support
-from engine.kernels.triton_kernels.kv_rows import row_scales
+from engine.kernels.triton_kernels.kv_rows import row_scales, scaled_values
 from engine.kernels.triton_kernels.softcap import scores_base2
 from engine.kernels.triton_support import GPU_DTYPES, KernelConfig
 
@@ -183,11 +183,7 @@ def _attend(
         v = tl.load(v_base + rows_at, mask=live[:, None], other=0)
         if KV_INT8:  # each probability times its value row's scale, then the int8 values
             v_scale = row_scales(v_base + at * stride_slot, HEAD_DIM, live)
-            pv = tl.dot(
-                (p * v_scale[None, :]).to(q.dtype),
-                v.to(tl.float32).to(q.dtype),
-                input_precision="ieee",
-            )
+            pv = scaled_values(p, v, v_scale, q.dtype)
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         acc = acc * alpha[:, None] + pv

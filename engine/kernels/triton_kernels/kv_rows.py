@@ -19,6 +19,20 @@ def row_scales(rows, HEAD_DIM: tl.constexpr, mask):
 
 
 @triton.jit
+def scaled_values(p, v, scales, dtype: tl.constexpr):
+    """``p · (v · scales)`` of a tile: probabilities ``p [M, N]`` over int8 value rows
+    ``v [N, D]`` with their scales ``[N]``, in fp32. Each probability is weighted by its row's
+    scale over the tile's largest (so the weights stay in [0, 1], as plain probabilities do,
+    and fp16 keeps them out of its subnormals), the product taken in ``dtype`` on the tensor
+    cores, then times that largest scale."""
+    top = tl.max(scales, 0)
+    top = tl.where(top > 0, top, 1.0)
+    weights = (p * tl.math.div_rn(scales, top)[None, :]).to(dtype)
+    values = v.to(tl.float32).to(dtype)
+    return tl.dot(weights, values, input_precision="ieee") * top
+
+
+@triton.jit
 def _round_even(x):
     """fp32 ``x`` (|x| < 2**22) rounded to the nearest integer, ties to even: adding and
     taking away 1.5·2**23 leaves the float's rounding of the sum (the conversion to an

@@ -76,7 +76,7 @@ from torch import Tensor
 from engine.formats import kv as kv_format
 from engine.hardware import gpu
 from engine.kernels import triton_support
-from engine.kernels.triton_kernels.kv_rows import row_scales
+from engine.kernels.triton_kernels.kv_rows import row_scales, scaled_values
 from engine.kernels.triton_kernels.softcap import scores_base2
 from engine.kernels.triton_support import KernelConfig
 
@@ -133,8 +133,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(rows + v_head, mask=kv_mask, other=0)
     if KV_INT8:  # each probability times its value row's scale, then the int8 values
-        weights = (p * row_scales(starts + v_head, HEAD_DIM, held)[None, :]).to(q.dtype)
-        pv = tl.dot(weights, v.to(tl.float32).to(q.dtype), input_precision="ieee")
+        pv = scaled_values(p, v, row_scales(starts + v_head, HEAD_DIM, held), q.dtype)
     else:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     acc = acc * alpha[:, None] + pv
