@@ -185,28 +185,33 @@ def test_window_with_sinks_and_released_blocks(sink: int, window: int, dtype: to
     assert_close(case.run(splits=1), case)
 
 
-def int8_case(case: Case) -> tuple[Case, Tensor]:
-    """``case`` over int8 rows of its pool (engine/formats/kv.py; a hidden slot's NaN values
-    give it a NaN scale), its reference over those rows dequantized, and those values."""
-    rows = kv_format.quantize(case.pool, kv_format.INT8)
+def quantized_case(case: Case, name: str) -> tuple[Case, Tensor]:
+    """``case`` over ``name`` rows of its pool (engine/formats/kv.py: int8 or fp8; a hidden
+    slot's NaN values give it a NaN scale), its reference over those rows dequantized, and
+    those values."""
+    rows = kv_format.quantize(case.pool, kv_format.named(name))
     values = kv_format.dequantize(rows)
     want = reference(case.q, values, case.tables, case.lens.tolist(), case.sink, case.window)
     return replace(case, pool=rows, want=want), values
 
 
+@pytest.mark.parametrize("rows", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_int8_rows_match_the_torch_path_over_them_dequantized(dtype: torch.dtype) -> None:
+def test_quantized_rows_match_the_torch_path_over_them_dequantized(
+    dtype: torch.dtype, rows: str
+) -> None:
     """Ragged rows with a padding row, and a window with sinks and released blocks, in one
-    pass and split: the kernel over int8 rows (each row's values widened, its products
-    scaled by the row's scale) gives float64 attention over the rows dequantized."""
+    pass and split: the kernel over int8 or fp8 rows (fp8 read as bytes: each row's values
+    widened, its products scaled by the row's scale) gives float64 attention over the rows
+    dequantized."""
     cases = [
         make_case(RAGGED, kv_heads=2, group=4, dim=64, dtype=dtype, seed=7),
         make_case([1, 17, 300, 1000, 0], kv_heads=1, group=4, dim=128, dtype=dtype, sink=4,
                   window=100, seed=8),
     ]  # fmt: skip
     for plain in cases:
-        case, values = int8_case(plain)
-        assert case.pool.dtype == torch.int8
+        case, values = quantized_case(plain, rows)
+        assert case.pool.dtype == kv_format.named(rows).storage
         for splits in (1, 4):
             assert_close(case.run(splits=splits), case, values)
 
@@ -288,7 +293,8 @@ def test_configs_cover_every_launch() -> None:
     """One configuration per dtype a GPU attends in, head dim and kind, with the tile the
     launcher picks; none for fp32, which attends through torch on a GPU."""
     configs = {c.name: c for c in dec.configs()}
-    kinds = ("one_pass", "split", "combine", "one_pass_int8kv", "split_int8kv")
+    rows = {"": "", "_int8kv": "*i8", "_fp8kv": "*u8"}
+    kinds = ("combine", *(k + r for k in ("one_pass", "split") for r in rows))
     for name, dtype, oldest in (("fp16", torch.float16, 75), ("bf16", torch.bfloat16, 80)):
         for dim in dec.HEAD_DIMS:
             for kind in kinds:
@@ -298,8 +304,8 @@ def test_configs_cover_every_launch() -> None:
                 assert config.constants["BLOCK_N"] == dec.block_n(dtype)
                 if kind != "combine":
                     assert config.constants["SPLIT"] == kind.startswith("split")
-                    int8 = kind.endswith("int8kv")
-                    assert config.constants["KV_INT8"] == int8
+                    suffix = kind.removeprefix("split").removeprefix("one_pass")
+                    assert config.constants["KV_ROWS"] == list(rows).index(suffix)
                     assert config.signature["q_ptr"] == f"*{name}"
-                    assert config.signature["pool_ptr"] == ("*i8" if int8 else f"*{name}")
+                    assert config.signature["pool_ptr"] == (rows[suffix] or f"*{name}")
     assert not configs

@@ -161,18 +161,22 @@ def test_half_precision_head_dims_64_to_256(dtype: torch.dtype, head_dim: int, g
     assert_matches(case, case.run(), reference(case))
 
 
+@pytest.mark.parametrize("rows", ["int8", "fp8"])
 @pytest.mark.parametrize(
     ("dtype", "head_dim", "window"),
     [(torch.float32, 64, 0), (torch.float16, 128, 0), (torch.bfloat16, 64, 24)],
 )
-def test_int8_rows_match_the_reference_over_them_dequantized(dtype, head_dim, window) -> None:
+def test_quantized_rows_match_the_reference_over_them_dequantized(
+    dtype, head_dim, window, rows
+) -> None:
     """Ragged chunks over cached prefixes (one a window with a sink): the kernel over int8
-    rows gives attention over the rows dequantized (the reference reads them so)."""
+    or fp8 rows (fp8 read as bytes) gives attention over the rows dequantized (the reference
+    reads them so)."""
     case = make_case(
         [(37, 1), (0, 7), (48, 64), (150, 33)], heads=8, kv_heads=2, head_dim=head_dim,
         dtype=dtype, seed=9,
     )  # fmt: skip
-    case = replace(case, pool=kv_format.quantize(case.pool, kv_format.INT8))
+    case = replace(case, pool=kv_format.quantize(case.pool, kv_format.named(rows)))
     values = kv_format.dequantize(case.pool)
     sink = 4 if window else 0
     assert_matches(case, case.run(sink=sink, window=window), reference(case, sink, window), values)
@@ -301,17 +305,18 @@ def test_every_tile_the_launcher_picks_is_built_ahead_of_time() -> None:
     configs = kernel.configs()
     assert len({c.name for c in configs}) == len(configs)
     built = {
-        (c.signature["q"], c.signature["pool"], c.constants["KV_INT8"], c.constants["HEAD_DIM"],
+        (c.signature["q"], c.signature["pool"], c.constants["KV_ROWS"], c.constants["HEAD_DIM"],
          c.constants["BLOCK_M"], c.constants["BLOCK_N"], c.num_warps, c.num_stages,
          c.min_target)
         for c in configs
     }  # fmt: skip
+    pools = {0: None, 1: "*i8", 2: "*u8"}  # KV_ROWS: floats, int8 rows, fp8 rows as bytes
     want = {
-        (f"*{name}", "*i8" if int8 else f"*{name}", int8, d, *kernel._tiles(d),
+        (f"*{name}", pools[rows] or f"*{name}", rows, d, *kernel._tiles(d),
          triton_support.head_target(d, target))
         for name, target in (("fp16", 75), ("bf16", 80))
         for d in kernel.BUILT_HEAD_DIMS
-        for int8 in (False, True)
+        for rows in pools
     }  # fmt: skip
     assert {t for *_, d, _, _, _, _, t in built if d == 256} == {80}  # no Turing build
     assert built == want

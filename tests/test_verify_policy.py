@@ -224,7 +224,7 @@ def test_a_broken_gemv_paged_kernel_or_norm_fails_its_check(monkeypatch, broken)
     kernel = paged_decode.kernel()
     if kernel.available:
         _patched(monkeypatch, paged_decode, "_call", broken)
-        assert "float32 decode differs" in paged_decode._check(kernel)
+        assert "fp32 decode differs" in paged_decode._check(kernel)
     _patched(monkeypatch, layer_ops.CNorms, "rms_norm", broken)
     assert "RMSNorm of torch.float32 differs" in layer_ops.check(layer_ops.build())
 

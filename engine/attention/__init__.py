@@ -50,7 +50,8 @@ def choose(
     if refused:
         return PagedBackend(device, kv=kv), f"torch attention ({refused})"
     heads = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
-    failed = triton_check.attention(device, dtype, *heads, int8=kv is not None and kv.quantized)
+    rows = kv.name if kv is not None and kv.quantized else ""
+    failed = triton_check.attention(device, dtype, *heads, rows=rows)
     if not failed:
         return TritonBackend(), why
     if triton_support.requested() == "triton":

@@ -4,11 +4,16 @@ their new K/V go, and how many decode chunks (one token each) lead the step."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from engine.hardware.transfer import upload
 from engine.kv_cache.paged import KVGroup, PagedKVCache, SeqChunk
 from engine.model.attention import AttentionContext
+
+#: the pools the fused RoPE + K/V writes (C, Triton) store into: floats and int8 rows (an fp8
+#: pool's rows are quantized in the step's own store)
+FUSED_WRITES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 
 
 class PoolContext(AttentionContext):

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from engine.attention.context import PoolContext
+from engine.attention.context import FUSED_WRITES, PoolContext
 from engine.attention.ops import decode_attention, paged_decode_attention
 from engine.formats import kv as kv_format
 from engine.formats.kv import KVFormat
@@ -37,8 +37,6 @@ from engine.model.attention import (
 )
 from engine.model.config import ModelConfig
 
-#: the pools the fused RoPE + K/V writes (C, Triton) store into
-FUSED_WRITES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 #: a slot's or a position's index (int64)
 SLOT_BYTES = 8
 #: what building a decode step's context holds at once per token of a row (its slot and

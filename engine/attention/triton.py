@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.attention.context import PoolContext
+from engine.attention.context import FUSED_WRITES, PoolContext
 from engine.formats import kv as kv_format
 from engine.formats.kv import KVFormat
 from engine.hardware.transfer import upload
@@ -57,9 +57,8 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def pool_refusal(kv: KVFormat | None) -> str:
         """Why the kernels cannot read a pool of format ``kv`` (None: the compute dtype's):
-        they read float pools and int8 rows."""
-        if kv is not None and kv.quantized and kv.storage != torch.int8:
-            return f"our Triton kernels read no {kv.name} KV cache yet"
+        "" for every format (float pools, int8 and fp8 rows:
+        :mod:`engine.kernels.triton_kernels.kv_rows`)."""
         return ""
 
     def window_refusal(self, cfg: Any, window: Any) -> str:
@@ -92,6 +91,8 @@ class TritonContext(PoolContext):
         self.tables = BlockTables(cache, chunks, self.num_decode)
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        if self.cache.format.storage not in FUSED_WRITES:  # fp8: the step's store quantizes
+            return None
         return self.cache.kv[layer], self.slots_of(layer)
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:
@@ -195,6 +196,8 @@ class StaticContext(AttentionContext):
         self.decode_only = True
 
     def kv_target(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        if self.cache.format.storage not in FUSED_WRITES:  # as TritonContext's
+            return None
         return self.cache.kv[layer], self.slots[self.cache.layer_groups[layer]]
 
     def attend(self, layer: int, q: Tensor, kv: Tensor) -> Tensor:

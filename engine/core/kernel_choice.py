@@ -51,7 +51,7 @@ def layers(
     if triton:
         failed = triton_check.fused(
             device, dtype, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            int8=kv is not None and kv.quantized,
+            int8=kv is not None and kv.storage == torch.int8,  # fp8: the step's store
         )  # fmt: skip
         if failed:
             failures.append(failed)

@@ -142,5 +142,5 @@ def gather(pool: Tensor, index: Tensor, dtype: torch.dtype) -> Tensor:
     only the gathered rows are dequantized, never the pool."""
     if quantized(pool):  # as bytes, as store writes them
         return dequantize(pool.view(torch.uint8)[index].view(pool.dtype), dtype)
-    rows = pool[index]
+    rows = pool.index_select(0, index) if index.dim() == 1 else pool[index]
     return rows if rows.dtype == dtype else rows.to(dtype)

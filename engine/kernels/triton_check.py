@@ -40,12 +40,12 @@ BLOCK = 16
 
 def attention(
     device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int,
-    *, int8: bool = False,
+    *, rows: str = "",
 ) -> str:  # fmt: skip
     """Why our attention kernels must not run here ("" where both pass their check): over a
-    float pool, and with ``int8`` over int8 rows too (a failure there leaves float pools'
-    attention to our kernels)."""
-    return _attention(str(device), dtype, head_dim, heads, kv_heads, int8)
+    float pool, and with ``rows`` (a quantized format's name: ``int8``, ``fp8``) over such
+    rows too (a failure there leaves float pools' attention to our kernels)."""
+    return _attention(str(device), dtype, head_dim, heads, kv_heads, rows)
 
 
 def fused(
@@ -86,14 +86,13 @@ def _guarded(name: str, check: functools.partial[str]) -> str:
 
 @functools.cache
 def _attention(
-    device: str, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, int8: bool
+    device: str, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, rows: str
 ) -> str:
-    """Decode and prefill, over a float pool and with ``int8`` over int8 rows (what
-    ``--kv-dtype int8`` reads)."""
+    """Decode and prefill, over a float pool and over ``rows`` (what ``--kv-dtype`` names)."""
     for name, check in (("decode attention", _decode), ("prefill attention", _prefill)):
-        for rows8 in (False, True)[: 1 + int8]:
-            shape = (torch.device(device), dtype, head_dim, heads, kv_heads, rows8)
-            why = _guarded(f"{name}{' over int8 KV' if rows8 else ''}",
+        for fmt in ("", rows) if rows else ("",):
+            shape = (torch.device(device), dtype, head_dim, heads, kv_heads, fmt)
+            why = _guarded(f"{name}{f' over {fmt} KV' if fmt else ''}",
                            functools.partial(check, *shape))  # fmt: skip
             if why:
                 return why
@@ -116,11 +115,11 @@ def _pool(
     head_dim: int,
     blocks: int,
     gen: torch.Generator,
-    int8: bool = False,
+    rows: str = "",
 ) -> Tensor:
-    """A pool of random K/V in ``dtype``, or as int8 rows (:mod:`engine.formats.kv`)."""
+    """A pool of random K/V in ``dtype``, or as ``rows`` (:func:`engine.formats.kv.named`)."""
     pool = torch.randn(blocks * BLOCK + 1, 2 * kv_heads, head_dim, generator=gen).to(dtype)
-    return (kv_format.quantize(pool, kv_format.INT8) if int8 else pool).to(dev)
+    return (kv_format.quantize(pool, kv_format.named(rows)) if rows else pool).to(dev)
 
 
 def _tables(lengths: list[int], blocks: int, gen: torch.Generator) -> list[list[int]]:
@@ -161,13 +160,13 @@ def _reference(q: Tensor, keys: Tensor, values: Tensor, first: int) -> Tensor:
 
 
 def _decode(
-    dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, int8: bool
+    dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, rows: str
 ) -> str:
     from engine.kernels.triton_kernels.decode_attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(0)
     lengths, blocks = [1, 20, 37], 8
-    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen, int8)
+    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen, rows)
     tables = _tables(lengths, blocks, gen)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dev, dtype)
     lens = torch.tensor(lengths, dtype=torch.int32).to(dev)
@@ -187,13 +186,13 @@ def _decode(
 
 
 def _prefill(
-    dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, int8: bool
+    dev: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, rows: str
 ) -> str:
     from engine.kernels.triton_kernels.prefill_attention import paged_prefill_attention
 
     gen = torch.Generator().manual_seed(1)
     firsts, chunks, blocks = [0, 21], [9, 14], 8  # a fresh prompt, and an extend of a prefix
-    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen, int8)
+    pool = _pool(dev, dtype, kv_heads, head_dim, blocks, gen, rows)
     tables = _tables([f + c for f, c in zip(firsts, chunks, strict=True)], blocks, gen)
     q = torch.randn(sum(chunks), heads, head_dim, generator=gen).to(dev, dtype)
     starts = torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32).to(dev)

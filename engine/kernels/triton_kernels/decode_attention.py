@@ -67,7 +67,16 @@ from torch import Tensor
 
 from engine.formats import kv as kv_format
 from engine.kernels import triton_support
-from engine.kernels.triton_kernels.kv_rows import row_scales, scaled_values
+from engine.kernels.triton_kernels.kv_rows import (
+    FP8_ROWS,
+    ROW_NAMES,
+    ROW_POINTERS,
+    ROWS,
+    row_scales,
+    rows_of,
+    scaled_values,
+    widen,
+)
 from engine.kernels.triton_kernels.softcap import scores_base2
 from engine.kernels.triton_support import GPU_DTYPES, KernelConfig
 
@@ -123,13 +132,14 @@ def _attend(
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLIT: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    KV_ROWS: tl.constexpr,
 ):  # fmt: skip
     """One KV head of one sequence, for its group's query heads (``BLOCK_H`` rows), over one
     partition of the visible keys (all of them unless ``SPLIT``). Writes each head's output
     to ``out [B, H, D]``, or with ``SPLIT`` its normalised partial output and base-2
-    log-sum-exp to ``out [B, H, splits, D]`` and ``lse [B, H, splits]``. ``KV_INT8``: the
-    pool holds int8 rows, each followed by its scale (:mod:`.kv_rows`)."""
+    log-sum-exp to ``out [B, H, splits, D]`` and ``lse [B, H, splits]``. ``KV_ROWS``: the
+    pool's rows (:mod:`.kv_rows`: floats, or int8 / fp8 values each row followed by its
+    scale, read as bytes)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // head_chunks
     split = tl.program_id(2)
@@ -166,9 +176,9 @@ def _attend(
         # masked rows load as 0, not as whatever the pool holds: 0 × NaN would poison P·V
         rows_at = at[:, None] * stride_slot + dims[None, :]
         k = tl.load(k_base + rows_at, mask=live[:, None], other=0)
-        if KV_INT8:  # the int8 keys widened, each key's products by its row's scale
-            k_scale = row_scales(k_base + at * stride_slot, HEAD_DIM, live)
-            dots = tl.dot(q, tl.trans(k.to(tl.float32).to(q.dtype)), input_precision="ieee")
+        if KV_ROWS:  # the quantized keys widened, each key's products by its row's scale
+            k_scale = row_scales(k_base + at * stride_slot, HEAD_DIM, live, KV_ROWS)
+            dots = tl.dot(q, tl.trans(widen(k, KV_ROWS, q.dtype)), input_precision="ieee")
             dots = dots * k_scale[None, :]
         else:
             dots = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -181,9 +191,9 @@ def _attend(
         p = tl.exp2(scores - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + rows_at, mask=live[:, None], other=0)
-        if KV_INT8:  # each probability times its value row's scale, then the int8 values
-            v_scale = row_scales(v_base + at * stride_slot, HEAD_DIM, live)
-            pv = scaled_values(p, v, v_scale, q.dtype)
+        if KV_ROWS:  # each probability weighted by its value row's scale, then the values
+            v_scale = row_scales(v_base + at * stride_slot, HEAD_DIM, live, KV_ROWS)
+            pv = scaled_values(p, v, v_scale, q.dtype, KV_ROWS)
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         acc = acc * alpha[:, None] + pv
@@ -260,7 +270,7 @@ def paged_decode_attention(
     softcap: float | None = None,
 ) -> Tensor:
     """Decode attention of ``q [B, H, D]`` over one layer's ``pool [slots, 2·Hkv, D]`` (or
-    int8 rows ``[slots, 2·Hkv, D + 4]``, each followed by its scale: :mod:`.kv_rows`), read
+    int8 / fp8 rows ``[slots, 2·Hkv, D + 4]``, each followed by its scale: :mod:`.kv_rows`), read
     through ``block_tables [B, M]`` (int32; negative: a released block) for ``seq_lens [B]``
     (int32; 0: a padding row, which gives zeros). ``window > 0`` hides the keys before the
     last ``window`` positions, except the first ``sink``. ``scale`` defaults to ``1/√D``;
@@ -294,18 +304,20 @@ def paged_decode_attention(
         pool.stride(0), pool.stride(1), block_tables.stride(0),
     )  # fmt: skip
     meta = {"HEAD_DIM": dim, "BLOCK_N": tile, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
-    int8 = pool.dtype == torch.int8
+    rows = rows_of(pool.dtype)
+    if rows == FP8_ROWS:
+        pool = pool.view(torch.uint8)  # read as bytes (no fp8 type before sm_89)
     if splits == 1:
         _attend[grid](
             q, pool, block_tables, seq_lens, out, out, *args, BLOCK_H=BLOCK_H, SPLIT=False,
-            KV_INT8=int8, **meta,
+            KV_ROWS=rows, **meta,
         )  # fmt: skip
         return out
     part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     _attend[grid](
         q, pool, block_tables, seq_lens, part, lse, *args, BLOCK_H=BLOCK_H, SPLIT=True,
-        KV_INT8=int8, **meta,
+        KV_ROWS=rows, **meta,
     )  # fmt: skip
     _combine[(batch, heads)](part, lse, seq_lens, out, sink, window, splits, heads, **meta)
     return out
@@ -329,10 +341,10 @@ def _check(
             f"{list(block_tables.shape)} and {list(seq_lens.shape)}"
         )
     batch, heads, dim = q.shape
-    if q.dtype not in _TYPES or pool.dtype not in (q.dtype, torch.int8):
+    if q.dtype not in _TYPES or pool.dtype not in (q.dtype, torch.int8, torch.float8_e4m3fn):
         raise ValueError(
             f"paged decode attention runs fp32, fp16 or bf16, with q in the pool's dtype or "
-            f"over int8 rows; got q {q.dtype} and pool {pool.dtype}"
+            f"over int8 or fp8 rows; got q {q.dtype} and pool {pool.dtype}"
         )
     if dim not in HEAD_DIMS or kv_format.head_dim(pool) != dim:
         raise ValueError(
@@ -390,19 +402,19 @@ def configs() -> list[KernelConfig]:
                 KernelConfig, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                 min_target=triton_support.head_target(dim, min_target),
             )  # fmt: skip
-            for split, int8 in product((False, True), (False, True)):
+            for split, rows in product((False, True), ROWS):
                 result = "*fp32" if split else ty
                 signature = {
-                    "q_ptr": ty, "pool_ptr": "*i8" if int8 else ty, "tables_ptr": "*i32",
+                    "q_ptr": ty, "pool_ptr": ROW_POINTERS.get(rows, ty), "tables_ptr": "*i32",
                     "lens_ptr": "*i32", "out_ptr": result, "lse_ptr": result,
                     "scale_log2": "fp32", "cap_log2": "fp32", "cap_scale": "fp32",
                     **dict.fromkeys(ints, "i32"), "HEAD_DIM": "constexpr",
                     "BLOCK_N": "constexpr", "BLOCK_H": "constexpr", "SPLIT": "constexpr",
-                    "KV_INT8": "constexpr",
+                    "KV_ROWS": "constexpr",
                 }  # fmt: skip
                 constants = {"HEAD_DIM": dim, "BLOCK_N": tile, "BLOCK_H": BLOCK_H,
-                             "SPLIT": split, "KV_INT8": int8}  # fmt: skip
-                kind = ("split" if split else "one_pass") + ("_int8kv" if int8 else "")
+                             "SPLIT": split, "KV_ROWS": rows}  # fmt: skip
+                kind = ("split" if split else "one_pass") + ROW_NAMES[rows]
                 name_of = f"decode_attention_{kind}_{name}_d{dim}"
                 out.append(build(name_of, _attend, signature, constants))
             signature = {

@@ -76,7 +76,16 @@ from torch import Tensor
 from engine.formats import kv as kv_format
 from engine.hardware import gpu
 from engine.kernels import triton_support
-from engine.kernels.triton_kernels.kv_rows import row_scales, scaled_values
+from engine.kernels.triton_kernels.kv_rows import (
+    FP8_ROWS,
+    ROW_NAMES,
+    ROW_POINTERS,
+    ROWS,
+    row_scales,
+    rows_of,
+    scaled_values,
+    widen,
+)
 from engine.kernels.triton_kernels.softcap import scores_base2
 from engine.kernels.triton_support import KernelConfig
 
@@ -96,12 +105,13 @@ def _attend_tile(
     acc, l_i, m_i, q, pool, table_row, start, key_end, q_pos,
     k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2, cap_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    EDGE: tl.constexpr, KV_INT8: tl.constexpr,
+    EDGE: tl.constexpr, KV_ROWS: tl.constexpr,
 ):  # fmt: skip
     """One key tile ``start … start+BLOCK_N-1`` of the online softmax: gather K and V
     through the block table, score, mask, rescale. ``EDGE``: apply the causal and window
-    mask (else only keys past ``key_end`` or in released blocks are masked). ``KV_INT8``: the
-    pool holds int8 rows, each followed by its scale (:mod:`.kv_rows`)."""
+    mask (else only keys past ``key_end`` or in released blocks are masked). ``KV_ROWS``: the
+    pool's rows (:mod:`.kv_rows`: floats, or int8 / fp8 values each row followed by its
+    scale, read as bytes)."""
     keys = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     in_range = keys < key_end
@@ -111,10 +121,10 @@ def _attend_tile(
     rows = pool + slot[:, None] * stride_slot + offs_d[None, :]
     kv_mask = held[:, None] & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(rows + k_head, mask=kv_mask, other=0)
-    if KV_INT8:  # the int8 keys widened, each key's products by its row's scale
+    if KV_ROWS:  # the quantized keys widened, each key's products by its row's scale
         starts = pool + slot * stride_slot
-        dots = tl.dot(q, tl.trans(k.to(tl.float32).to(q.dtype)), input_precision="ieee")
-        dots = dots * row_scales(starts + k_head, HEAD_DIM, held)[None, :]
+        dots = tl.dot(q, tl.trans(widen(k, KV_ROWS, q.dtype)), input_precision="ieee")
+        dots = dots * row_scales(starts + k_head, HEAD_DIM, held, KV_ROWS)[None, :]
     else:
         dots = tl.dot(q, tl.trans(k), input_precision="ieee")
     scores = scores_base2(dots, qk_scale, cap_log2, cap_scale)
@@ -132,8 +142,9 @@ def _attend_tile(
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(rows + v_head, mask=kv_mask, other=0)
-    if KV_INT8:  # each probability times its value row's scale, then the int8 values
-        pv = scaled_values(p, v, row_scales(starts + v_head, HEAD_DIM, held), q.dtype)
+    if KV_ROWS:  # each probability weighted by its value row's scale, then the values
+        v_scale = row_scales(starts + v_head, HEAD_DIM, held, KV_ROWS)
+        pv = scaled_values(p, v, v_scale, q.dtype, KV_ROWS)
     else:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     acc = acc * alpha[:, None] + pv
@@ -146,7 +157,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_slot, stride_head, stride_table, stride_ot,
     kv_heads, group, queries_per_tile, block_size, sink, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, KV_INT8: tl.constexpr,
+    BLOCK_N: tl.constexpr, KV_ROWS: tl.constexpr,
 ):  # fmt: skip
     """One query tile of one chunk and one KV head (the module docstring's grid)."""
     seq = tl.program_id(2)
@@ -196,25 +207,25 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
             k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
-            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_INT8,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_ROWS,
         )  # fmt: skip
     for start in range(window_start, tl.minimum(inner_start, hi), BLOCK_N):  # window edge
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
             k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
-            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_INT8,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_ROWS,
         )  # fmt: skip
     for start in range(inner_start, inner_end, BLOCK_N):  # seen whole by every row
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
             k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
-            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, KV_INT8,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, KV_ROWS,
         )  # fmt: skip
     for start in range(inner_end, hi, BLOCK_N):  # the diagonal
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q_tile_values, pool, table_row, start, hi, q_pos,
             k_head, v_head, block_size, sink, window, stride_slot, qk_scale, cap_log2,
-            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_INT8,
+            cap_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, KV_ROWS,
         )  # fmt: skip
 
     result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -264,6 +275,9 @@ def paged_prefill_attention(
         return out
     block_m, block_n, warps, stages = _tiles(head_dim)
     queries_per_tile = block_m // group
+    rows = rows_of(pool.dtype)
+    if rows == FP8_ROWS:
+        pool = pool.view(torch.uint8)  # read as bytes (no fp8 type before sm_89)
     grid = (triton.cdiv(max_query_len, queries_per_tile), kv_heads, block_tables.shape[0])
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     cap = (softcap * 1.4426950408889634, scale / softcap) if softcap else (0.0, 0.0)
@@ -273,7 +287,7 @@ def paged_prefill_attention(
         out.stride(0), kv_heads, group, queries_per_tile, block_size, sink,
         window or _NO_WINDOW,
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        KV_INT8=pool.dtype == torch.int8, num_warps=warps, num_stages=stages,
+        KV_ROWS=rows, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -330,10 +344,10 @@ def _check(
             f"q must be [T, H, D] and pool [slots, 2·Hkv, D] (or int8 rows [slots, 2·Hkv, "
             f"D + 4]), not {tuple(q.shape)} and {tuple(pool.shape)}"
         )
-    if pool.dtype not in (q.dtype, torch.int8):
+    if pool.dtype not in (q.dtype, torch.int8, torch.float8_e4m3fn):
         raise ValueError(
-            f"q and pool must share one dtype (or the pool hold int8 rows), not {q.dtype} and "
-            f"{pool.dtype}"
+            f"q and pool must share one dtype (or the pool hold int8 or fp8 rows), not "
+            f"{q.dtype} and {pool.dtype}"
         )
     why = unsupported(q.dtype, q.shape[1], pool.shape[1] // 2, q.shape[2], q.device)
     if why is not None:
@@ -377,13 +391,13 @@ def _tiles(head_dim: int) -> tuple[int, int, int, int]:
 def configs() -> list[KernelConfig]:
     """Every tile configuration the launcher picks on a GPU, for the ahead-of-time build: fp16
     (sm_75 on) and bf16 (sm_80 on), for each head dimension of :data:`BUILT_HEAD_DIMS`, over a
-    float pool and over int8 rows."""
+    float pool and over int8 and fp8 rows."""
     out = []
-    for (dtype, min_target), int8 in product((("fp16", 75), ("bf16", 80)), (False, True)):
+    for (dtype, min_target), rows in product((("fp16", 75), ("bf16", 80)), ROWS):
         for head_dim in BUILT_HEAD_DIMS:
             block_m, block_n, warps, stages = _tiles(head_dim)
             signature = {
-                "q": f"*{dtype}", "pool": "*i8" if int8 else f"*{dtype}", "out": f"*{dtype}",
+                "q": f"*{dtype}", "pool": ROW_POINTERS.get(rows, f"*{dtype}"), "out": f"*{dtype}",
                 "block_tables": "*i32", "q_starts": "*i32", "first_positions": "*i32",
                 "scale": "fp32", "cap_log2": "fp32", "cap_scale": "fp32",
                 **dict.fromkeys(
@@ -393,14 +407,14 @@ def configs() -> list[KernelConfig]:
                     "i32",
                 ),
                 **dict.fromkeys(
-                    ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "KV_INT8"), "constexpr"
+                    ("HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "KV_ROWS"), "constexpr"
                 ),
             }  # fmt: skip
             constants = {
                 "HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "BLOCK_M": block_m,
-                "BLOCK_N": block_n, "KV_INT8": int8,
+                "BLOCK_N": block_n, "KV_ROWS": rows,
             }  # fmt: skip
-            kv = "_int8kv" if int8 else ""
+            kv = ROW_NAMES[rows]
             config = KernelConfig(
                 name=f"prefill_attention_{dtype}{kv}_d{head_dim}_m{block_m}_n{block_n}",
                 fn=_prefill_kernel, signature=signature, constants=constants,
