@@ -59,7 +59,7 @@ chat: $(VENV)/.stamp-run
 # priority while the default model is pulled and the tests run, filling the cores they leave
 # idle; its verdict is awaited before the timing tests, which run alone. Our Triton kernels
 # are built for sm_75…sm_90 in the background too, at the same priority
-# (engine/kernels/triton_aot.py: about 170 builds, seconds each); its failures and total
+# (engine/kernels/triton_aot.py: about 240 builds, seconds each); its failures and total
 # print at the end.
 test: $(VENV)/.stamp-dev
 	$(BIN)/ruff check .

@@ -313,12 +313,13 @@ def test_every_tile_the_launcher_picks_is_built_ahead_of_time() -> None:
     pools = {0: None, 1: "*i8", 2: "*u8"}  # KV_ROWS: floats, int8 rows, fp8 rows as bytes
     want = {
         (f"*{name}", pools[rows] or f"*{name}", rows, d, *kernel._tiles(d),
-         triton_support.head_target(d, target))
+         89 if rows == 2 else triton_support.head_target(d, target))  # fp8 from sm_89
         for name, target in (("fp16", 75), ("bf16", 80))
         for d in kernel.BUILT_HEAD_DIMS
         for rows in pools
     }  # fmt: skip
-    assert {t for *_, d, _, _, _, _, t in built if d == 256} == {80}  # no Turing build
+    # no Turing build of head dim 256 (an fp8 cache's: sm_89 on)
+    assert {t for _, _, rows, d, *_, t in built if d == 256 and rows != 2} == {80}
     assert built == want
 
 

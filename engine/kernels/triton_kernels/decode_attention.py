@@ -71,6 +71,7 @@ from engine.kernels.triton_kernels.kv_rows import (
     FP8_ROWS,
     ROW_NAMES,
     ROW_POINTERS,
+    ROW_TARGETS,
     ROWS,
     row_scales,
     rows_of,
@@ -416,7 +417,8 @@ def configs() -> list[KernelConfig]:
                              "SPLIT": split, "KV_ROWS": rows}  # fmt: skip
                 kind = ("split" if split else "one_pass") + ROW_NAMES[rows]
                 name_of = f"decode_attention_{kind}_{name}_d{dim}"
-                out.append(build(name_of, _attend, signature, constants))
+                oldest = max(triton_support.head_target(dim, min_target), ROW_TARGETS[rows])
+                out.append(build(name_of, _attend, signature, constants, min_target=oldest))
             signature = {
                 "part_ptr": "*fp32", "lse_ptr": "*fp32", "lens_ptr": "*i32", "out_ptr": ty,
                 **dict.fromkeys(("sink", "window", "splits", "heads"), "i32"),

@@ -80,6 +80,7 @@ from engine.kernels.triton_kernels.kv_rows import (
     FP8_ROWS,
     ROW_NAMES,
     ROW_POINTERS,
+    ROW_TARGETS,
     ROWS,
     row_scales,
     rows_of,
@@ -415,11 +416,12 @@ def configs() -> list[KernelConfig]:
                 "BLOCK_N": block_n, "KV_ROWS": rows,
             }  # fmt: skip
             kv = ROW_NAMES[rows]
+            oldest = max(triton_support.head_target(head_dim, min_target), ROW_TARGETS[rows])
             config = KernelConfig(
                 name=f"prefill_attention_{dtype}{kv}_d{head_dim}_m{block_m}_n{block_n}",
                 fn=_prefill_kernel, signature=signature, constants=constants,
                 num_warps=warps, num_stages=stages,
-                min_target=triton_support.head_target(head_dim, min_target),
+                min_target=oldest,
             )  # fmt: skip
             out.append(config)
     return out
