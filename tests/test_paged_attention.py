@@ -385,7 +385,9 @@ def test_prefill_chunks_take_the_path_measured_faster(
     folder, _ = tiny_model_dir("llama", False)
     engine = load_model(folder)
     cfg = engine.cfg
-    assert timings == [(torch.float32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)]
+    # a verdict against ours is timed twice (engine/hardware/verdicts.py)
+    shape = (torch.float32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    assert timings == [shape] * (1 if ours else 2)
     assert ("the paged kernel (measured faster" if ours else "gather + SDPA (measured") in (
         engine.kernels
     )
@@ -397,8 +399,8 @@ def test_prefill_chunks_take_the_path_measured_faster(
     got = [e.token_id for e in engine.generate(prompt, params)]
     assert bool(calls) == ours
     paged_decode._measured_faster.cache_clear()
-    load_model(folder)  # the verdict is kept in kernels.json: no second timing
-    assert len(timings) == 1
+    load_model(folder)  # the verdict is kept in kernels.json: no more timing
+    assert len(timings) == (1 if ours else 2)
     engine.clear_prefix_cache()
     with paged_decode.portable():
         assert [e.token_id for e in engine.generate(prompt, params)] == got

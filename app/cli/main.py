@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from app.cli.bench import cmd_bench, cmd_tune
 from app.cli.common import configure_cuda_allocator
 from app.cli.eval import cmd_calibrate, cmd_eval_compare, cmd_eval_ppl, cmd_eval_scan
+from app.cli.kernels import add_kernels_parser
 from app.cli.models import PLAN_PRECISIONS, add_models_parser, cmd_import_gguf, cmd_plan
 from app.cli.options import (
     CPU_EXPERTS_HELP,
@@ -387,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_calibrate)
 
     add_models_parser(sub, DEVICE_HELP)
+    add_kernels_parser(sub)
 
     p = sub.add_parser(
         "plan",

@@ -31,6 +31,7 @@ import torch
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import InfersightError
+from engine.hardware import verdicts
 from engine.loader.load import load_model
 from engine.model.inventory import weight_bytes
 from engine.quant.spec import parse_precision_spec
@@ -263,6 +264,8 @@ def run_bench(
         "prefix_cache": prefix_cache_state(engine),
         # of the timed requests' prompts over the measured runs, found cached: 0 (run_ours)
         "cached_prompt_tokens": sum(r.cached_prompt_tokens for runs in ours for r in runs),
+        # the kernel verdicts the runs took (`infersight kernels` lists them)
+        "kernel_verdicts": verdicts.this_machine(),
         "results": [asdict(r) for r in results],
     }
     if len(engines) > 1:  # each KV cache's decode and prefill against the first's

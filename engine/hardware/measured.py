@@ -60,6 +60,25 @@ def write(name: str, entries: dict[str, dict[str, Any]]) -> None:
         log.warning("could not keep the measurements in %s: %s", target, exc)
 
 
+def forget(name: str, prefix: str) -> int:
+    """Drop the file's entries whose key starts with ``prefix`` (this machine's: its builds
+    and thread counts); returns how many figures went with them."""
+    kept = read(name)
+    gone = {k: v for k, v in kept.items() if k.startswith(prefix)}
+    if not gone:
+        return 0
+    target = path(name)
+    rest = {k: v for k, v in kept.items() if k not in gone}
+    try:
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rest, indent=1, sort_keys=True), encoding="utf-8")
+        tmp.replace(target)
+    except OSError as exc:
+        log.warning("could not forget the measurements in %s: %s", target, exc)
+        return 0
+    return sum(len(v) for v in gone.values())
+
+
 @functools.cache
 def machine_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
