@@ -262,6 +262,10 @@ def test_a_client_that_disconnects_cancels_its_request(server):
         ("Write a very long poem about the wind.", False, False),  # waiting for a whole answer
     ]
     for content, stream, read in cases:
+        # each alone: "the engine has it" below then means this one, and the last one runs
+        # (its tokens come faster than the server's checks' tenth of a second) when its client
+        # goes, rather than wait behind the long prompt's prefill
+        wait_idle(server)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": 400,
                 "stream": stream}  # fmt: skip
