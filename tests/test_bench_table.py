@@ -13,7 +13,13 @@ from torch import nn
 
 from engine.bench.report import format_table, peer_type
 from engine.bench.speed import BenchConfig
-from engine.bench.table import LlamaCppPeer, gguf_file_type, measure_read_bandwidth, run_table
+from engine.bench.table import (
+    LlamaCppPeer,
+    gguf_file_type,
+    gguf_head_type,
+    measure_read_bandwidth,
+    run_table,
+)
 from engine.errors import InfersightError
 from engine.loader.load import load_model
 from engine.model.inventory import weight_bytes
@@ -131,7 +137,10 @@ def test_table_rows_are_each_precision_against_its_limit_and_llama_cpp(fake_pyth
     assert 0.5 * gguf.stat().st_size / 2**20 < read < gguf.stat().st_size / 2**20
     assert rows[2]["read_mib"] == pytest.approx(read) == rows[3]["read_mib"]
     assert rows[0]["read_mib"] > rows[1]["read_mib"]  # int8 reads fewer bytes
+    # which head each side reads: ours in the compute dtype (no +head), the peer's its file's
+    assert [r["head"] for r in rows] == ["fp32", "bf16", *[gguf_head_type(gguf)] * 2]
     text = format_table(report)
+    assert " head " in text.splitlines()[2]
     assert "FAKE = 1" in text and "vs llama.cpp Q4_1" not in text
     ours = {line.split()[1]: line for line in text.splitlines() if line.startswith("infersight")}
     assert ours["fp32"].split()[-1] == "-"  # fp32's peer (F32) did not run

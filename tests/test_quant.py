@@ -84,6 +84,11 @@ def test_int4_kernel_equals_dequantized_matmul_including_padded_k(n, k, m, group
             "mixed:attn=int8,mlp=int4-g32", {"attn": "int8", "mlp": "int4-g32"}, marks=needs_int4
         ),
         ("mixed:attn=none,mlp=int8,head=int8", {"mlp": "int8", "head": "int8"}),
+        pytest.param(  # llama.cpp Q4_1's own head: INT8 beside the INT4 body
+            "int4-g32+head8",
+            {"attn": "int4-g32", "mlp": "int4-g32", "head": "int8"},
+            marks=needs_int4,
+        ),
     ],
 )
 def test_precision_specs(text, parts):

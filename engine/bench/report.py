@@ -150,13 +150,14 @@ def format_table(report: dict[str, Any]) -> str:
     peers = {r["precision"]: r for r in report["rows"] if r["engine"] == "llama.cpp"}
     q4 = peers.get("Q4_1")
     matched = any(peer_type(r["precision"]) in peers for r in report["rows"])
-    cols = ["engine", "precision", "mode", "read MiB", "decode tok/s", "limit tok/s",
+    cols = ["engine", "precision", "mode", "head", "read MiB", "decode tok/s", "limit tok/s",
             "of limit", "kernels-only tok/s"] + (["vs llama.cpp Q4_1"] if q4 else [])  # fmt: skip
     cols += ["vs llama.cpp, same bits"] if matched else []
     rows = []
     for r in report["rows"]:
         floor = r.get("kernels_tok_s")
-        row = [r["engine"], r["precision"], r["mode"], f"{r['read_mib']:.0f}",
+        row = [r["engine"], r["precision"], r["mode"], r.get("head") or "-",
+               f"{r['read_mib']:.0f}",
                f"{r['decode_tok_s']:.1f}", f"{r['limit_tok_s']:.0f}",
                f"{r['fraction']:.2f}", "-" if floor is None else f"{floor:.1f}"]  # fmt: skip
         if q4:

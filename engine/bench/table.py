@@ -56,6 +56,9 @@ class TableRow:
     limit_tok_s: float  # bandwidth / read bytes
     fraction: float  # of the limit
     kernels_tok_s: float | None = None  # the step's matmuls and attention alone
+    #: the format the LM head is read in (a side's head can differ from its body: llama.cpp's
+    #: Q4_1 files keep a Q8_0 head, which ``int4-g32+head8`` matches)
+    head: str = ""
 
 
 def kernel_floor_ms(engine: LLMEngine, keys: int, repeats: int = 5) -> float:
@@ -216,6 +219,23 @@ def gguf_decode_bytes(path: Path) -> int:
     return total
 
 
+def gguf_head_type(path: Path) -> str:
+    """The type a GGUF's LM head is stored in: its ``output.weight``'s, else (a tied head)
+    the embedding's."""
+    from engine.store.gguf_reader import open_gguf
+
+    types = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
+    return types.get("output.weight") or types.get("token_embd.weight", "?")
+
+
+def head_format(engine: LLMEngine) -> str:
+    """The format our LM head is read in: the spec's head part, else the compute dtype."""
+    from engine.quant.spec import dtype_name
+
+    kind = engine.precision.parts.get("head")
+    return kind.name if kind is not None else dtype_name(engine.dtype)
+
+
 def _decode_tok_s(runs: list[RunTiming]) -> float:
     return statistics.median((r.new_tokens - r.batch) / r.decode_s for r in runs)
 
@@ -243,6 +263,7 @@ def run_table(
 
     bandwidth = [measure_read_bandwidth()]
     runners: list[tuple[str, str, str, float, Callable[[list[int], int], RunTiming]]] = []
+    heads: list[str] = []  # each runner's LM head format
     prompt: list[int] | None = None
     floors: dict[str, float] = {}
     #: each run's ms per step in products and attention, by the C step's clocks
@@ -268,6 +289,7 @@ def run_table(
         for mode in modes:
             run = _mode_runner(engine, mode, clocked.get(precision))
             runners.append(("infersight", precision, mode, read, run))
+            heads.append(head_format(engine))
     info = None
     with contextlib.ExitStack() as stack:
         if llama_python is not None:
@@ -296,6 +318,7 @@ def run_table(
                 info = peer.info
                 size = float(gguf_decode_bytes(path))  # its weights a token reads
                 runners.append(("llama.cpp", ftype, "llama.cpp", size, peer.run))
+                heads.append(gguf_head_type(path))
         assert prompt is not None
         timings: list[list[RunTiming]] = [[] for _ in runners]
         for _, _, _, _, run in runners:  # warm-up
@@ -307,14 +330,14 @@ def run_table(
     bandwidth.append(measure_read_bandwidth())
     best = max(bandwidth)
     rows = []
-    for (name, precision, mode, read, _), runs in zip(runners, timings, strict=True):
+    for (name, precision, mode, read, _), runs, head in zip(runners, timings, heads, strict=True):
         tok_s = _decode_tok_s(runs)
         limit = best / read
         floor = floors.get(precision) if name == "infersight" else None
         if name == "infersight" and clocked.get(precision):
             floor = 1e3 / statistics.median(clocked[precision])
         rows.append(
-            TableRow(name, precision, mode, read / 2**20, tok_s, limit, tok_s / limit, floor)
+            TableRow(name, precision, mode, read / 2**20, tok_s, limit, tok_s / limit, floor, head)
         )
     return {
         "model": str(folder),

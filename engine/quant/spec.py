@@ -1,19 +1,20 @@
 """The precision spec: which format each linear of a model is stored in.
 
 A precision is a spec string: ``fp32``, ``bf16``, ``fp16``, ``int8``, ``int4-g64``,
-``int8+head``, ``w8a8`` (INT8 activations too, in prefill chunks and batches), ``w8a8-sq``
-(the same, smoothed with the model's calibration of its own text: ``infersight calibrate``;
-``w8a8-sq@random`` takes the calibration named ``random`` instead; ``w8a8-static`` and
-``w8a8-sq-static`` quantize activations with one scale per linear from the calibration), or
-``mixed:attn=int8,mlp=int4-g32[,head=int8]``. A mixed spec may follow the
-part defaults with per-layer overrides, ``attn.N=<q>`` or ``mlp.N-M=<q>`` (layers N to M,
-inclusive), which beat the default for those blocks; ``none`` keeps a block in the compute
-dtype: ``mixed:attn=int4-g128,mlp=int4-g128,attn.0-2=int8,mlp.7=none``. That is what the
-sensitivity planner (:mod:`engine.evals.sensitivity`) writes, via :func:`format_mixed_spec`.
-Embeddings and norms stay in the compute dtype; the LM head is quantized only when the spec
-names it. Quantized models compute in bf16 (torch's INT4 kernels take bf16 activations only),
-except on a CUDA GPU older than compute capability 8.0, where bf16 is emulated: there they
-compute in fp16, bf16 is refused, and INT4 runs only through our Triton kernels (the policy is
+``int8+head``, ``int4-g32+head8`` (the LM head in INT8 beside an INT4 body: what llama.cpp's
+Q4_1 files keep, a Q8_0 head), ``w8a8`` (INT8 activations too, in prefill chunks and batches),
+``w8a8-sq`` (the same, smoothed with the model's calibration of its own text: ``infersight
+calibrate``; ``w8a8-sq@random`` takes the calibration named ``random`` instead; ``w8a8-static``
+and ``w8a8-sq-static`` quantize activations with one scale per linear from the calibration), or
+``mixed:attn=int8,mlp=int4-g32[,head=int8]``. A mixed spec may follow the part defaults with
+per-layer overrides, ``attn.N=<q>`` or ``mlp.N-M=<q>`` (layers N to M, inclusive), which beat
+the default for those blocks; ``none`` keeps a block in the compute dtype:
+``mixed:attn=int4-g128,mlp=int4-g128,attn.0-2=int8,mlp.7=none``. That is what the sensitivity
+planner (:mod:`engine.evals.sensitivity`) writes, via :func:`format_mixed_spec`. Embeddings and
+norms stay in the compute dtype; the LM head is quantized only when the spec names it.
+Quantized models compute in bf16 (torch's INT4 kernels take bf16 activations only), except on a
+CUDA GPU older than compute capability 8.0, where bf16 is emulated: there they compute in fp16,
+bf16 is refused, and INT4 runs only through our Triton kernels (the policy is
 :mod:`engine.hardware.gpu`'s).
 """
 
@@ -45,7 +46,8 @@ LAYER_PARTS = ("attn", "mlp")  # the parts every decoder layer has, so overrides
 SPEC_HELP = (
     "fp32, bf16, fp16, int8, int4-g32, int4-g64, int4-g128, w8a8, w8a8-sq, w8a8-static, "
     "w8a8-sq-static (@name: another calibration than the model's own text; add +head to "
-    "quantize the LM head too), or mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of "
+    "quantize the LM head too, +head8 to quantize it to int8), or "
+    "mixed:attn=<q>,mlp=<q>[,head=<q>] with <q> one of "
     "int8, int4-gN, w8a8…, none, "
     "optionally followed by per-layer overrides such as attn.3=<q> or mlp.0-5=<q>"
 )
@@ -272,11 +274,14 @@ def parse_precision_spec(
         return PrecisionSpec(text, FLOAT_DTYPES[text])
     parts: dict[str, QuantKind] = {}
     layers: dict[tuple[str, int], QuantKind | None] = {}
-    base, plus_head = (text[: -len("+head")], True) if text.endswith("+head") else (text, False)
-    if plus_head and not base.startswith("mixed:"):
+    head_suffix = next((s for s in ("+head8", "+head") if text.endswith(s)), "")
+    base = text[: len(text) - len(head_suffix)]
+    if head_suffix and not base.startswith("mixed:"):
         kind = _quant_kind(base, text)
         assert kind is not None
-        parts = {"attn": kind, "mlp": kind, "head": kind}
+        head = _quant_kind("int8", text) if head_suffix == "+head8" else kind
+        assert head is not None
+        parts = {"attn": kind, "mlp": kind, "head": head}
     elif text.startswith("mixed:"):
         parts, layers = _parse_mixed(text)
     else:
