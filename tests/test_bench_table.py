@@ -16,7 +16,6 @@ from engine.bench.speed import BenchConfig
 from engine.bench.table import (
     LlamaCppPeer,
     gguf_file_type,
-    gguf_head_type,
     measure_read_bandwidth,
     run_table,
 )
@@ -138,7 +137,8 @@ def test_table_rows_are_each_precision_against_its_limit_and_llama_cpp(fake_pyth
     assert rows[2]["read_mib"] == pytest.approx(read) == rows[3]["read_mib"]
     assert rows[0]["read_mib"] > rows[1]["read_mib"]  # int8 reads fewer bytes
     # which head each side reads: ours in the compute dtype (no +head), the peer's its file's
-    assert [r["head"] for r in rows] == ["fp32", "bf16", *[gguf_head_type(gguf)] * 2]
+    # (the peer's F16 file, and the fake peer's requantization: a copy of its tensors)
+    assert [r["head"] for r in rows] == ["fp32", "bf16", "F16", "F16"]
     text = format_table(report)
     assert " head " in text.splitlines()[2]
     assert "FAKE = 1" in text and "vs llama.cpp Q4_1" not in text

@@ -120,10 +120,10 @@ def marker_format() -> QTextCharFormat:
 
 def quant_format(precision: str) -> str | None:
     """The weight format a layer scan quantizes blocks to, from a precision: ``int4-g32+head``
-    → ``int4-g32``, ``int8`` → ``int8``, ``w8a8`` → ``w8a8``; ``None`` for one that is not a
-    single format a block can take alone (``fp32``, ``bf16``, a mixed spec, ``w8a8-sq``,
-    whose smoothing is folded across blocks)."""
-    match = re.fullmatch(r"(int8|int4-g\d+|w8a8)(\+head)?", precision.strip())
+    (or ``+head8``) → ``int4-g32``, ``int8`` → ``int8``, ``w8a8`` → ``w8a8``; ``None`` for one
+    that is not a single format a block can take alone (``fp32``, ``bf16``, a mixed spec,
+    ``w8a8-sq``, whose smoothing is folded across blocks)."""
+    match = re.fullmatch(r"(int8|int4-g\d+|w8a8)(\+head8?)?", precision.strip())
     return match.group(1) if match else None
 
 

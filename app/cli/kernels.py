@@ -40,6 +40,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         return 0
     if not mine:
         print("no kernel verdicts kept for this machine yet: a load times what it needs")
+    print("each shape's best timings, and the path they give at no slack (a load may allow ours "
+          "more: 1.25x torch's where the C decode step would run it)")  # fmt: skip
     for build, shapes in sorted(mine.items()):
         print(build)
         for shape, figures in sorted(shapes.items()):

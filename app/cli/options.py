@@ -42,7 +42,8 @@ def model_args(p: argparse.ArgumentParser, *, precision: bool = True) -> None:
         p.add_argument(
             "--precision",
             default="fp32",
-            help="fp32, bf16, fp16, int8, int4-g32|g64|g128 (+head), w8a8 (INT8 activations "
+            help="fp32, bf16, fp16, int8, int4-g32|g64|g128 (+head, or +head8: an INT8 head), "
+            "w8a8 (INT8 activations "
             "too), w8a8-sq[@calibration] (smoothed: see calibrate), or mixed:attn=int8,"
             "mlp=int4-g32 with per-layer overrides such as mlp.0-2=int8 (see eval scan)",
         )

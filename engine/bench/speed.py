@@ -264,7 +264,7 @@ def run_bench(
         "prefix_cache": prefix_cache_state(engine),
         # of the timed requests' prompts over the measured runs, found cached: 0 (run_ours)
         "cached_prompt_tokens": sum(r.cached_prompt_tokens for runs in ours for r in runs),
-        # the kernel verdicts the runs took (`infersight kernels` lists them)
+        # the kernel verdicts kept on this machine, every build (`infersight kernels`)
         "kernel_verdicts": verdicts.this_machine(),
         "results": [asdict(r) for r in results],
     }

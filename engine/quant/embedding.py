@@ -40,7 +40,8 @@ class QuantizedEmbedding(nn.Module):
         if why:
             raise InvalidRequestError(
                 f"{why} rows from, so a tied INT4 head cannot serve the embedding; use "
-                "int8+head, or INT4 without +head"
+                "int4-gN+head8 (an INT8 head beside the INT4 body), int8+head, or INT4 "
+                "without +head"
             )
 
     def forward(self, ids: Tensor) -> Tensor:
