@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import time
@@ -200,11 +201,13 @@ def test_sigkill_mid_reply_keeps_the_periodic_saves_marked_interrupted(
     print(f"saves of {[len(t) for _, t in saves]} chars, {[round(g, 2) for g in gaps]} s apart")
     assert all(b[1].startswith(a[1]) for a, b in itertools.pairwise(saves))
     # Seen by polling from outside, a save's time is late by up to a poll and whatever delays
-    # this process, so one gap may look shorter than it was; their mean over four gaps hardly.
-    # Saving on every token would show gaps of a poll (50 ms) or a token.
-    mean = (saves[-1][0] - saves[0][0]) / len(gaps)
-    assert mean > 0.8 * SAVE_INTERVAL_S, "saved once a second, not on every token"
-    assert min(gaps) > 0.4 * SAVE_INTERVAL_S, "saved once a second, not on every token"
+    # this process, and on a loaded machine (make test builds our Triton kernels beside these
+    # tests) the app's timer may fire late, the next one on time: one gap may look short (one
+    # seen at 0.05 s between gaps of 1.0), their median hardly. Saving on every token would
+    # show every gap a poll (50 ms) or a token.
+    assert statistics.median(gaps) > 0.8 * SAVE_INTERVAL_S, "saved once a second, not per token"
+    short = [g for g in gaps if g < 0.4 * SAVE_INTERVAL_S]
+    assert len(short) <= 1, "saved once a second, not on every token"
     messages = stored(data)
     assert [(role, status) for role, _, status in messages] == [
         ("user", "done"),
