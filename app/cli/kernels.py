@@ -23,18 +23,13 @@ def add_kernels_parser(sub: Any) -> None:
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
-    from engine.hardware import measured, verdicts
+    from engine.hardware import verdicts
 
     if args.retime:
         gone = verdicts.forget_this_machine()
         print(f"forgot {gone} kernel verdicts of this machine; the next load times them again")
         return 0
-    machine = measured.machine_key() + " | "
-    mine = {
-        build.removeprefix(machine): shapes
-        for build, shapes in measured.read(measured.KERNELS_FILE).items()
-        if build.startswith(machine)
-    }
+    mine = verdicts.kept_here()
     if args.json:
         print(json.dumps(mine, indent=1, sort_keys=True))
         return 0

@@ -148,14 +148,26 @@ def read_timing(raw: Any) -> Timing | None:
         return None
 
 
+def _machine_prefix() -> str:
+    """What every entry of this machine's starts with (:meth:`Key.entry`)."""
+    return measured.machine_key() + " | "
+
+
+def kept_here() -> dict[str, dict[str, Any]]:
+    """This machine's entries, each build (and thread count) to its shapes' figures."""
+    prefix = _machine_prefix()
+    return {
+        build.removeprefix(prefix): shapes
+        for build, shapes in measured.read(measured.KERNELS_FILE).items()
+        if build.startswith(prefix)
+    }
+
+
 def this_machine() -> dict[str, int]:
     """How this machine's kept verdicts fall (at no slack): shapes on ours, on torch's, and
     within their noise (ours): what a benchmark ran under."""
-    machine = measured.machine_key() + " | "
     counts = {"ours": 0, "torch": 0, "within_noise": 0}
-    for build, shapes in measured.read(measured.KERNELS_FILE).items():
-        if not build.startswith(machine):
-            continue
+    for shapes in kept_here().values():
         for t in filter(None, map(read_timing, shapes.values())):
             counts["ours" if t.ours else "torch"] += 1
             counts["within_noise"] += int(t.ours and t.ours_ms >= t.torch_ms)
@@ -166,4 +178,4 @@ def forget_this_machine() -> int:
     """Forget every verdict kept for this machine (each build and thread count): the next
     load times them again. Returns how many shapes were forgotten."""
     with LOCK:
-        return measured.forget(measured.KERNELS_FILE, measured.machine_key() + " | ")
+        return measured.forget(measured.KERNELS_FILE, _machine_prefix())

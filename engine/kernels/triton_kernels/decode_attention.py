@@ -68,7 +68,6 @@ from torch import Tensor
 from engine.formats import kv as kv_format
 from engine.kernels import triton_support
 from engine.kernels.triton_kernels.kv_rows import (
-    FP8_ROWS,
     ROW_NAMES,
     ROW_POINTERS,
     ROW_TARGETS,
@@ -305,9 +304,7 @@ def paged_decode_attention(
         pool.stride(0), pool.stride(1), block_tables.stride(0),
     )  # fmt: skip
     meta = {"HEAD_DIM": dim, "BLOCK_N": tile, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
-    rows = rows_of(pool.dtype)
-    if rows == FP8_ROWS:
-        pool = pool.view(torch.uint8)  # read as bytes (no fp8 type before sm_89)
+    pool, rows = rows_of(pool)
     if splits == 1:
         _attend[grid](
             q, pool, block_tables, seq_lens, out, out, *args, BLOCK_H=BLOCK_H, SPLIT=False,

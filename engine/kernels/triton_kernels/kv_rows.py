@@ -25,9 +25,11 @@ ROW_NAMES = {FLOAT_ROWS: "", INT8_ROWS: "_int8kv", FP8_ROWS: "_fp8kv"}
 ROW_TARGETS = {FLOAT_ROWS: 0, INT8_ROWS: 0, FP8_ROWS: 89}
 
 
-def rows_of(dtype: torch.dtype) -> int:
-    """``KV_ROWS`` for a pool of ``dtype``."""
-    return {torch.int8: INT8_ROWS, torch.float8_e4m3fn: FP8_ROWS}.get(dtype, FLOAT_ROWS)
+def rows_of(pool: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``pool`` as the kernels take it (an fp8 pool as its bytes: no fp8 type before
+    sm_89), and its ``KV_ROWS``."""
+    rows = {torch.int8: INT8_ROWS, torch.float8_e4m3fn: FP8_ROWS}.get(pool.dtype, FLOAT_ROWS)
+    return (pool.view(torch.uint8) if rows == FP8_ROWS else pool), rows
 
 
 @triton.jit

@@ -77,7 +77,6 @@ from engine.formats import kv as kv_format
 from engine.hardware import gpu
 from engine.kernels import triton_support
 from engine.kernels.triton_kernels.kv_rows import (
-    FP8_ROWS,
     ROW_NAMES,
     ROW_POINTERS,
     ROW_TARGETS,
@@ -276,9 +275,7 @@ def paged_prefill_attention(
         return out
     block_m, block_n, warps, stages = _tiles(head_dim)
     queries_per_tile = block_m // group
-    rows = rows_of(pool.dtype)
-    if rows == FP8_ROWS:
-        pool = pool.view(torch.uint8)  # read as bytes (no fp8 type before sm_89)
+    pool, rows = rows_of(pool)
     grid = (triton.cdiv(max_query_len, queries_per_tile), kv_heads, block_tables.shape[0])
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     cap = (softcap * 1.4426950408889634, scale / softcap) if softcap else (0.0, 0.0)
