@@ -43,7 +43,7 @@ PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 # imports would cost it about 7 s).
 TIMING_FILES  = $(shell grep -l -E '(mark\.timing|pytestmark.*timing)' tests/test_*.py)
 
-.PHONY: run chat test bench bench-peers bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak screenshots \
+.PHONY: run chat test bench bench-peers bench-peers-avx2 bench-peers-tables bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak screenshots \
         package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
@@ -110,20 +110,37 @@ bench: $(VENV)/.stamp-dev
 # - a synthetic Llama-3.2-1B (Meta's config, random float16 weights written once as our folder
 #   and, with the same values, as an F16 GGUF that llama.cpp requantizes itself):
 #   engine/store/synthetic_store.py. About 5 GB in the user cache.
-# llama-cpp-python is built from source for this CPU into $(PEERS) (several minutes, once);
-# it never enters $(VENV). DECODE_GRAPH=on adds compiled rows (minutes of compiling per
-# precision).
+# llama-cpp-python is built from source for this CPU into $(PEERS) (several minutes, once;
+# without llava/mtmd, which the bench never loads); it never enters $(VENV). DECODE_GRAPH=on
+# adds compiled rows (minutes of compiling per precision). BENCH_THREADS=1 pins both sides to
+# one thread (else each side's own choice).
+#
+# `make bench-peers-avx2` measures the AVX2 machine kind on any machine: a second peer built
+# with GGML_NATIVE off (AVX2, FMA, F16C; no AVX-512, no AVX-VNNI) in $(PEERS_AVX2), and our
+# kernels and torch's forced to AVX2 (INFERSIGHT_CPU_CAPABILITY, ATEN_CPU_CAPABILITY).
 PEERS        ?= .peers/venv
+PEERS_AVX2   ?= .peers/venv-avx2
 PEER_SPEC    ?= llama-cpp-python==0.3.36
+PEER_CMAKE   ?= -DLLAVA_BUILD=OFF
 DECODE_GRAPH ?= auto
+BENCH_THREADS ?=
+BENCH_PEERS  = $(if $(BENCH_THREADS),INFERSIGHT_THREADS=$(BENCH_THREADS) )$(BIN)/infersight bench \
+	  $(if $(BENCH_THREADS),--threads $(BENCH_THREADS) )--decode-graph $(DECODE_GRAPH)
 bench-peers: $(VENV)/.stamp-dev $(PEERS)/.stamp
+	$(MAKE) --no-print-directory bench-peers-tables PEER=$(PEERS)
+
+bench-peers-avx2: $(VENV)/.stamp-dev $(PEERS_AVX2)/.stamp
+	INFERSIGHT_CPU_CAPABILITY=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+	  $(MAKE) --no-print-directory bench-peers-tables PEER=$(PEERS_AVX2)
+
+bench-peers-tables:
 	$(BIN)/infersight models pull
-	$(BIN)/infersight bench --model default --table fp32 int8+head int4-g32+head \
-	  --decode-graph $(DECODE_GRAPH) --llama-cpp $(PEERS)/bin/python --gguf-types Q4_1 Q8_0 F32
+	$(BENCH_PEERS) --model default --table fp32 int8+head int4-g32+head int4-g32+head8 \
+	  --llama-cpp $(PEER)/bin/python --gguf-types Q4_1 Q8_0 F32
 	$(BIN)/infersight models synth llama-3.2-1b
-	$(BIN)/infersight bench --model "$$($(BIN)/infersight models synth llama-3.2-1b)" \
-	  --table fp32 bf16 int8+head int4-g32+head --decode-graph $(DECODE_GRAPH) \
-	  --llama-cpp $(PEERS)/bin/python --gguf-types Q4_1 Q8_0 F16
+	$(BENCH_PEERS) --model "$$($(BIN)/infersight models synth llama-3.2-1b)" \
+	  --table bf16 int8+head int4-g32+head int4-g32+head8 \
+	  --llama-cpp $(PEER)/bin/python --gguf-types Q4_1 Q8_0 F16
 
 # GuideLLM (its own venv, a client only) against `infersight serve` at each precision: both
 # routes, synchronous and concurrent (4 and 16 streams), 256 prompt / 64 output tokens with
@@ -147,7 +164,14 @@ $(GUIDELLM)/.stamp:
 
 $(PEERS)/.stamp:
 	$(PYTHON) -m venv $(PEERS)
-	$(PEERS)/bin/python -m pip --disable-pip-version-check -q install "$(PEER_SPEC)"
+	CMAKE_ARGS="$(PEER_CMAKE)" $(PEERS)/bin/python -m pip --disable-pip-version-check -q \
+	  install --no-cache-dir "$(PEER_SPEC)"
+	touch $@
+
+$(PEERS_AVX2)/.stamp:
+	$(PYTHON) -m venv $(PEERS_AVX2)
+	CMAKE_ARGS="$(PEER_CMAKE) -DGGML_NATIVE=OFF" $(PEERS_AVX2)/bin/python -m pip \
+	  --disable-pip-version-check -q install --no-cache-dir "$(PEER_SPEC)"
 	touch $@
 
 # -- the lent GPU machine (docs/gpu-check.md) ---------------------------------------------------
