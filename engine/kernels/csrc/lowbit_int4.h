@@ -159,54 +159,70 @@ static inline void int4_rows_g32(const int8_t *qx, const float *dx, const float 
 }
 #define HAVE_G32 1
 #elif ISA_AVX_VNNI || ISA_AVX2
-/* up to 8 values from p (the rest zero) */
-static inline __m256 load8_ps(const float *p, int left) {
-    if (left >= 8) return _mm256_loadu_ps(p);
-    float tmp[8] = {0};
-    memcpy(tmp, p, (size_t)left * sizeof *tmp);
-    return _mm256_loadu_ps(tmp);
-}
-
+/* Blocks are taken in pairs: the second's product is scaled into the first's (a multiply and
+ * an FMA) and the pair added to the row's sum, so that a row's chain of dependent additions
+ * is one addition per pair instead of an FMA per block. On one row of x (a decode step) that
+ * chain was the limit: the default model's 576-wide rows (18 blocks) streamed at 9.6 GB/s on
+ * the EPYC forced to AVX2, 20 GB/s now (with the unpacking in three instructions and a group's
+ * last, partial, eight loaded under a mask instead of copied). The pairs are the same whatever
+ * the tile's row count, so a row's sum is too. */
 static inline void int4_rows_g32(const int8_t *qx, const float *dx, const float *cg, int64_t k,
                                  const uint8_t *w, const uint16_t *sz, int64_t n, int64_t n_out,
                                  float *y, int64_t m0, int mt) {
     const int64_t nb = k / QK;
     const uint8_t *wr = w + n * (k / 2);
     const uint32_t *szr = (const uint32_t *)(sz + n * nb * 2); /* (s, z): s in the low half */
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 acc[MT], zacc[MT], coef[MT];
     for (int i = 0; i < mt; i++) acc[i] = zacc[i] = _mm256_setzero_ps();
+/* block b0 + j's product for row i, scaled by its coefficient */
+#define G32_DOT(wb, j, i)                                                                     \
+    _mm256_cvtepi32_ps(dot_us(wb, _mm256_loadu_si256(                                        \
+        (const __m256i *)(qx + ((m0 + (i)) * nb + b0 + (j)) * QK))))
+#define G32_COEF(j, i) _mm256_permutevar8x32_ps(coef[i], _mm256_set1_epi32(j))
+#define G32_PAIR(j)                                                                           \
+    do {                                                                                      \
+        if (!((j) & 3)) ahead(wr + (b0 + (j)) * (QK / 2));                                    \
+        const __m256i w0 = unpack4(wr + (b0 + (j)) * (QK / 2));                               \
+        const __m256i w1 = unpack4(wr + (b0 + (j) + 1) * (QK / 2));                           \
+        for (int i = 0; i < mt; i++) {                                                        \
+            const __m256 p1 = _mm256_mul_ps(G32_DOT(w1, (j) + 1, i), G32_COEF((j) + 1, i));   \
+            acc[i] = _mm256_add_ps(acc[i],                                                    \
+                                   _mm256_fmadd_ps(G32_DOT(w0, j, i), G32_COEF(j, i), p1));   \
+        }                                                                                     \
+    } while (0)
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int left = nb - b0 < 8 ? (int)(nb - b0) : 8;
         ahead(szr + b0);
-        __m256i pairs;
-        if (left == 8) {
-            pairs = _mm256_loadu_si256((const __m256i *)(szr + b0));
-        } else {
-            uint32_t tmp[8] = {0};
-            memcpy(tmp, szr + b0, (size_t)left * sizeof *tmp);
-            pairs = _mm256_loadu_si256((const __m256i *)tmp);
-        }
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), iota);
+        const __m256i pairs = _mm256_maskload_epi32((const int *)(szr + b0), mask);
         const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
         const __m256 z = _mm256_castsi256_ps(
             _mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
         const __m256 zm = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z); /* z - 8 s */
         for (int i = 0; i < mt; i++) {
             const int64_t r = (m0 + i) * nb + b0;
-            coef[i] = _mm256_mul_ps(s, load8_ps(dx + r, left));
-            zacc[i] = _mm256_fmadd_ps(zm, load8_ps(cg + r, left), zacc[i]);
+            coef[i] = _mm256_mul_ps(s, _mm256_maskload_ps(dx + r, mask));
+            zacc[i] = _mm256_fmadd_ps(zm, _mm256_maskload_ps(cg + r, mask), zacc[i]);
         }
-        for (int j = 0; j < left; j++) {
-            if (!(j & 3)) ahead(wr + (b0 + j) * (QK / 2));
-            const __m256i wb = unpack4(wr + (b0 + j) * (QK / 2));
-            const __m256i lanes = _mm256_set1_epi32(j);
-            for (int i = 0; i < mt; i++) {
-                const int64_t r = (m0 + i) * nb + b0 + j;
-                const __m256i xb = _mm256_loadu_si256((const __m256i *)(qx + r * QK));
-                const __m256 dot = _mm256_cvtepi32_ps(dot_us(wb, xb));
-                acc[i] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(coef[i], lanes), acc[i]);
+        if (left == 8) { /* literal offsets, unrolled */
+            G32_PAIR(0);
+            G32_PAIR(2);
+            G32_PAIR(4);
+            G32_PAIR(6);
+        } else {
+            int j = 0;
+            for (; j + 2 <= left; j += 2) G32_PAIR(j);
+            if (j < left) { /* an odd last block */
+                const __m256i w0 = unpack4(wr + (b0 + j) * (QK / 2));
+                for (int i = 0; i < mt; i++)
+                    acc[i] = _mm256_fmadd_ps(G32_DOT(w0, j, i), G32_COEF(j, i), acc[i]);
             }
         }
     }
+#undef G32_PAIR
+#undef G32_COEF
+#undef G32_DOT
     for (int i = 0; i < mt; i++) y[(m0 + i) * n_out + n] = hsum8(acc[i]) + hsum8(zacc[i]);
 }
 #define HAVE_G32 1
