@@ -4,17 +4,22 @@
  *
  * These serve the step shapes that read every weight once and do little with it: a decode
  * step (M = 1) and a verification or a small batch (M up to 16). There a product is bound by
- * memory, and what matters is streaming the weights at the bandwidth the CPU has: each output
- * row's weights are read once, converted to fp32 in registers and multiplied into fp32
- * accumulators (one per output row and x row), four output rows at a time so that each load
- * of x serves four of them. Nothing is approximated beyond the order of the sums: the
- * activations stay float (unlike csrc/lowbit.c, which quantizes them).
+ * memory, and what matters is streaming the weights at the bandwidth the CPU has. Each thread
+ * takes one contiguous run of output rows and reads it front to back, one weight row at a
+ * time: a single sequential stream, which the hardware prefetchers follow best (four rows
+ * read side by side, four short streams each a few KiB long, streamed the default model's
+ * fp32 layers at 28-30 GB/s on one core of the EPYC where one stream reaches 35-37, and no
+ * software prefetch distance made up the difference). Each weight is converted to fp32 in
+ * registers and multiplied into fp32 accumulators: NACC partial sums per product, over
+ * interleaved vectors, so that the additions of a row form independent chains. Nothing is
+ * approximated beyond the order of the sums: the activations stay float (unlike
+ * csrc/lowbit.c, which quantizes them).
  *
  * x and y are fp32 or bf16 (y rounded to nearest even, as torch rounds); bf16 x is widened
  * into scratch space once per call, except where bf16 weights meet bf16 x on a CPU with
- * AVX512-BF16, which multiplies the pairs as they are (tile_dpbf16). Rows of x are taken up to four at a time; each output is
- * computed in the same order whatever M is, so a row's result does not depend on its
- * neighbours.
+ * AVX512-BF16, which multiplies the pairs as they are (`vdpbf16ps`). A weight row meets up to
+ * MT rows of x at once (read once for them); each product is summed in the same order
+ * whatever M is, so a row's result does not depend on its neighbours.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,8 +31,12 @@
 #include <immintrin.h>
 #endif
 
-#define NT 4 /* output rows per tile */
-#define MT 4 /* rows of x per tile */
+#define NACC 4 /* partial sums per product */
+#if defined(__AVX512F__)
+#define MT 4 /* rows of x per weight row: their NACC sums each fit the 32 vector registers */
+#else
+#define MT 2 /* in 16 registers */
+#endif
 
 enum { W_INT8 = 0, W_BF16 = 1, W_FP32 = 2 };
 
@@ -41,6 +50,7 @@ enum { W_INT8 = 0, W_BF16 = 1, W_FP32 = 2 };
 typedef __m512 vf;
 #define VZERO() _mm512_setzero_ps()
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
 #define VLOADX(p) _mm512_loadu_ps(p)
 static inline vf load_w(const void *w, int type, int64_t i) {
     if (type == W_INT8) {
@@ -60,6 +70,7 @@ static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 typedef __m256 vf;
 #define VZERO() _mm256_setzero_ps()
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
 #define VLOADX(p) _mm256_loadu_ps(p)
 static inline vf load_w(const void *w, int type, int64_t i) {
     if (type == W_INT8) {
@@ -84,6 +95,7 @@ static inline float vsum(vf v) {
 typedef float vf __attribute__((vector_size(32)));
 #define VZERO() ((vf){0})
 #define VFMA(a, b, c) ((a) * (b) + (c))
+#define VADD(a, b) ((a) + (b))
 static inline vf VLOADX(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
@@ -113,79 +125,43 @@ static inline float w_at(const void *w, int type, int64_t i) {
 
 static inline size_t w_size(int type) { return type == W_INT8 ? 1 : type == W_BF16 ? 2 : 4; }
 
-/* Output rows n0 .. n0 + nt - 1 for rows m0 .. m0 + mt - 1 of x (fp32). The vector part
- * covers K rounded down to the vector width; the rest is added in scalar, in order. */
-static inline void tile(const float *x, int64_t k, const void *w, int type, const float *ws,
-                        int64_t n0, int nt, int64_t m0, int mt, float *out) {
-    const size_t row_bytes = (size_t)k * w_size(type);
-    const void *wr[NT];
-    for (int j = 0; j < nt; j++) wr[j] = (const char *)w + (size_t)(n0 + j) * row_bytes;
-    vf acc[MT][NT];
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < nt; j++) acc[i][j] = VZERO();
-    const int64_t kv = k / VW * VW;
-    const size_t ws_bytes = w_size(type);
-    for (int64_t c = 0; c < kv; c += VW) {
-        /* The next tile's rows follow this tile's in memory: fetch them while this one
-         * computes, a cache line per row per 64 bytes read. Rows of a few KiB end before the
-         * hardware prefetcher has caught up with four streams (Llama-3.2-1B's int8 rows read at
-         * half the bandwidth without this). A prefetch past the matrix never faults. */
-        if ((c * ws_bytes) % 64 == 0)
-            for (int j = 0; j < nt; j++)
-                __builtin_prefetch((const char *)wr[j] + NT * row_bytes + c * ws_bytes, 0, 1);
-        vf wv[NT];
-        for (int j = 0; j < nt; j++) wv[j] = load_w(wr[j], type, c);
-        for (int i = 0; i < mt; i++) {
-            const vf xv = VLOADX(x + (m0 + i) * k + c);
-            for (int j = 0; j < nt; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < mt; i++) {
-        for (int j = 0; j < nt; j++) {
-            float s = vsum(acc[i][j]);
-            for (int64_t c = kv; c < k; c++) s += x[(m0 + i) * k + c] * w_at(wr[j], type, c);
-            out[i * NT + j] = ws ? s * ws[n0 + j] : s;
-        }
-    }
+static inline void store(void *y, int y_bf16, int64_t at, float v) {
+    if (y_bf16)
+        ((uint16_t *)y)[at] = f32_to_bf16(v);
+    else
+        ((float *)y)[at] = v;
 }
 
-/* One row of x (a decode step) over NT output rows, `type` a literal where it is called (each
- * caller is a function of its own, below, so the compiler specializes the loads). Each
- * iteration reads one 64-byte line of every weight row and fetches the same line of the next
- * tile's rows into L1: a row of a few KiB ends before the hardware prefetchers have caught up
- * with its stream, and a fetch one tile ahead (a few KiB) covers the memory's latency.
- * Against the general tile above (a prefetch into L2 and the type tested in the loop), this
- * streamed the default model's fp32 rows (576 wide) at 38 GB/s on one core of the EPYC
- * instead of 23: oneDNN's packed layout reads 37 (docs/cpu-kernels.md). */
-static inline __attribute__((always_inline)) void tile1(const float *x, int64_t k,
-                                                         const void *w, int type,
-                                                         const float *ws, int64_t n0,
-                                                         float *out) {
-    const size_t esz = w_size(type);
-    const size_t row_bytes = (size_t)k * esz;
-    const char *wr[NT];
-    for (int j = 0; j < NT; j++) wr[j] = (const char *)w + (size_t)(n0 + j) * row_bytes;
-    vf acc[NT];
-    for (int j = 0; j < NT; j++) acc[j] = VZERO();
-    const int64_t line = 64 / (int64_t)esz; /* weights per line: a multiple of VW */
-    const int64_t kl = k / line * line, kv = k / VW * VW;
+/* Weight row n times rows m0 .. m0 + mt - 1 of x (fp32) into y: NACC vectors of K at a time,
+ * the j-th into partial sum j; then whole vectors into sum 0; the sums added pairwise, across
+ * lanes, and the rest of K in scalar, in order. `type` and `mt` are literals where it is
+ * called (below), so that the compiler specializes the loads and unrolls the rows. */
+static inline __attribute__((always_inline)) void row(const float *x, int64_t k,
+                                                       const void *w, int type,
+                                                       const float *ws, int64_t n,
+                                                       int64_t n_out, int64_t m0, int mt,
+                                                       void *y, int y_bf16) {
+    const void *wr = (const char *)w + (size_t)n * (size_t)k * w_size(type);
+    vf acc[MT][NACC];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < NACC; j++) acc[i][j] = VZERO();
+    const int64_t kq = k / (NACC * VW) * (NACC * VW), kv = k / VW * VW;
     int64_t c = 0;
-    for (; c < kl; c += line) {
-        for (int j = 0; j < NT; j++)
-            __builtin_prefetch(wr[j] + NT * row_bytes + (size_t)c * esz, 0, 3);
-        for (int64_t u = c; u < c + line; u += VW) {
-            const vf xv = VLOADX(x + u);
-            for (int j = 0; j < NT; j++) acc[j] = VFMA(xv, load_w(wr[j], type, u), acc[j]);
+    for (; c < kq; c += NACC * VW) {
+        for (int j = 0; j < NACC; j++) {
+            const vf wv = load_w(wr, type, c + j * VW);
+            for (int i = 0; i < mt; i++)
+                acc[i][j] = VFMA(VLOADX(x + (m0 + i) * k + c + j * VW), wv, acc[i][j]);
         }
     }
     for (; c < kv; c += VW) {
-        const vf xv = VLOADX(x + c);
-        for (int j = 0; j < NT; j++) acc[j] = VFMA(xv, load_w(wr[j], type, c), acc[j]);
+        const vf wv = load_w(wr, type, c);
+        for (int i = 0; i < mt; i++) acc[i][0] = VFMA(VLOADX(x + (m0 + i) * k + c), wv, acc[i][0]);
     }
-    for (int j = 0; j < NT; j++) {
-        float s = vsum(acc[j]);
-        for (int64_t r = kv; r < k; r++) s += x[r] * w_at(wr[j], type, r);
-        out[j] = ws ? s * ws[n0 + j] : s;
+    for (int i = 0; i < mt; i++) {
+        float s = vsum(VADD(VADD(acc[i][0], acc[i][1]), VADD(acc[i][2], acc[i][3])));
+        for (int64_t r = kv; r < k; r++) s += x[(m0 + i) * k + r] * w_at(wr, type, r);
+        store(y, y_bf16, (m0 + i) * n_out + n, ws ? s * ws[n] : s);
     }
 }
 
@@ -193,153 +169,122 @@ static inline __attribute__((always_inline)) void tile1(const float *x, int64_t 
 #define HAVE_DPBF16 1
 /* bf16 weights times bf16 activations where the CPU has AVX512-BF16 (Zen 4, Cooper Lake and
  * later Xeons): `vdpbf16ps` multiplies 32 pairs at once and adds them into 16 fp32 sums. A
- * product of two bf16 values is exact in fp32, so this computes what `tile` computes from the
+ * product of two bf16 values is exact in fp32, so this computes what `row` computes from the
  * widened operands, in another order (each lane adds its pair's odd product, then its even
  * one) and with denormal operands and results read as zero, as the instruction does whatever
  * the FPU's control register says; a third of the instructions per weight, where the
  * widening otherwise costs more than the bandwidth leaves time for. */
-static inline void tile_dpbf16(const uint16_t *x, int64_t k, const uint16_t *w, int64_t n0,
-                               int nt, int64_t m0, int mt, float *out) {
-    const uint16_t *wr[NT];
-    for (int j = 0; j < nt; j++) wr[j] = w + (size_t)(n0 + j) * (size_t)k;
-    __m512 acc[MT][NT];
+static inline __attribute__((always_inline)) void row_dpbf16(const uint16_t *x, int64_t k,
+                                                              const uint16_t *w, int64_t n,
+                                                              int64_t n_out, int64_t m0,
+                                                              int mt, void *y, int y_bf16) {
+    const uint16_t *wr = w + (size_t)n * (size_t)k;
+    __m512 acc[MT][NACC];
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < nt; j++) acc[i][j] = _mm512_setzero_ps();
-    const int64_t kv = k / 32 * 32;
-    for (int64_t c = 0; c < kv; c += 32) {
-        for (int j = 0; j < nt; j++)
-            __builtin_prefetch((const char *)(wr[j] + NT * (size_t)k + c), 0, 3);
-        __m512bh wv[NT];
-        for (int j = 0; j < nt; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + c);
+        for (int j = 0; j < NACC; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t kq = k / (NACC * 32) * (NACC * 32), kv = k / 32 * 32;
+    int64_t c = 0;
+    for (; c < kq; c += NACC * 32) {
+        for (int j = 0; j < NACC; j++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + c + j * 32);
+            for (int i = 0; i < mt; i++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * k + c + j * 32);
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv);
+            }
+        }
+    }
+    for (; c < kv; c += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + c);
         for (int i = 0; i < mt; i++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * k + c);
-            for (int j = 0; j < nt; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, wv);
         }
     }
     for (int i = 0; i < mt; i++) {
-        for (int j = 0; j < nt; j++) {
-            float s = _mm512_reduce_add_ps(acc[i][j]);
-            for (int64_t c = kv; c < k; c++)
-                s += bf16_to_f32(x[(m0 + i) * k + c]) * bf16_to_f32(wr[j][c]);
-            out[i * NT + j] = s;
-        }
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]),
+                                                     _mm512_add_ps(acc[i][2], acc[i][3])));
+        for (int64_t r = kv; r < k; r++)
+            s += bf16_to_f32(x[(m0 + i) * k + r]) * bf16_to_f32(wr[r]);
+        store(y, y_bf16, (m0 + i) * n_out + n, s);
     }
 }
+#define DP_ROW(mt) row_dpbf16((const uint16_t *)x, k, (const uint16_t *)w, n, n_out, m0, mt, y, y_bf16)
 #endif
 
-static inline void store(void *y, int y_bf16, int64_t at, const float *v, int count) {
-    for (int j = 0; j < count; j++) {
-        if (y_bf16)
-            ((uint16_t *)y)[at + j] = f32_to_bf16(v[j]);
-        else
-            ((float *)y)[at + j] = v[j];
-    }
-}
-
-/* One row of x over the whole tiles [t0, t1): a function per weight type (and for bf16 pairs),
- * each a loop of its own that the compiler specializes; inlined into one loop that chose
- * among them per tile, the same code streamed fp32 rows at two thirds of the speed. */
-#define SPAN1(name, TYPE)                                                                       \
-    static __attribute__((noinline)) void name(const void *x, int64_t k, const void *w,        \
-                                               const float *ws, int64_t t0, int64_t t1,       \
-                                               void *y, int y_bf16) {                         \
-        for (int64_t t = t0; t < t1; t++) {                                                     \
-            float out[NT];                                                                      \
-            tile1((const float *)x, k, w, TYPE, ws, t * NT, out);                               \
-            store(y, y_bf16, t * NT, out, NT);                                                  \
+/* Output rows [n0, n1) for every row of x: functions of their own per weight type (and for
+ * bf16 pairs) and for one row of x (a decode step) or several, each a loop that the compiler
+ * specializes (with the row counts in one function, it merged them into one loop that tested
+ * the count at every vector: 10% slower on one row). Rows of x go in tiles of MT, a literal
+ * in each call, so that the tile unrolls. */
+#define SPAN(name, ROW)                                                                         \
+    static __attribute__((noinline)) void name##_1(const void *x, int64_t m, int64_t k,       \
+                                                   const void *w, const float *ws, int64_t n0, \
+                                                   int64_t n1, int64_t n_out, void *y,        \
+                                                   int y_bf16) {                              \
+        (void)ws, (void)m;                                                                      \
+        const int64_t m0 = 0;                                                                   \
+        for (int64_t n = n0; n < n1; n++) ROW(1);                                               \
+    }                                                                                           \
+    static __attribute__((noinline)) void name(const void *x, int64_t m, int64_t k,           \
+                                               const void *w, const float *ws, int64_t n0,    \
+                                               int64_t n1, int64_t n_out, void *y,            \
+                                               int y_bf16) {                                  \
+        (void)ws;                                                                               \
+        for (int64_t n = n0; n < n1; n++) {                                                     \
+            for (int64_t m0 = 0; m0 < m; m0 += MT) {                                            \
+                if (m - m0 >= MT)                                                               \
+                    ROW(MT);                                                                    \
+                else                                                                            \
+                    ROW((int)(m - m0));                                                         \
+            }                                                                                   \
         }                                                                                       \
     }
-SPAN1(span_int8, W_INT8)
-SPAN1(span_bf16, W_BF16)
-SPAN1(span_fp32, W_FP32)
-
+#define INT8_ROW(mt) row((const float *)x, k, w, W_INT8, ws, n, n_out, m0, mt, y, y_bf16)
+#define BF16_ROW(mt) row((const float *)x, k, w, W_BF16, NULL, n, n_out, m0, mt, y, y_bf16)
+#define FP32_ROW(mt) row((const float *)x, k, w, W_FP32, NULL, n, n_out, m0, mt, y, y_bf16)
+SPAN(span_int8, INT8_ROW)
+SPAN(span_bf16, BF16_ROW)
+SPAN(span_fp32, FP32_ROW)
 #if HAVE_DPBF16
-static __attribute__((noinline)) void span_dpbf16(const void *x, int64_t k, const void *w,
-                                                   const float *ws, int64_t t0, int64_t t1,
-                                                   void *y, int y_bf16) {
-    (void)ws;
-    for (int64_t t = t0; t < t1; t++) {
-        float out[NT];
-        tile_dpbf16((const uint16_t *)x, k, (const uint16_t *)w, t * NT, NT, 0, 1, out);
-        store(y, y_bf16, t * NT, out, NT);
-    }
-}
+SPAN(span_dpbf16, DP_ROW)
 #endif
 
-typedef void (*span_fn)(const void *, int64_t, const void *, const float *, int64_t, int64_t,
-                        void *, int);
+typedef void (*span_fn)(const void *, int64_t, int64_t, const void *, const float *, int64_t,
+                        int64_t, int64_t, void *, int);
 
 /* y [M, N] = (x [M, K] · Wᵀ) (· scales, for int8 weights). x_bf16 / y_bf16: x and y are bf16
  * (else fp32). Returns 0, or -1 where the scratch space for a bf16 x could not be had. */
 int infersight_gemv(const void *x, int x_bf16, int64_t m, int64_t k, const void *w, int type,
                     const float *scales, int64_t n_out, void *y, int y_bf16, int threads) {
     float *wide = NULL;
-    const float *xf = (const float *)x;
+    const void *xs = x;
 #if HAVE_DPBF16
     const int dp = x_bf16 && type == W_BF16;
-#define SPAN_DP span_dpbf16
 #else
-#define SPAN_DP span_bf16
     const int dp = 0;
 #endif
     if (x_bf16 && !dp) {
         wide = malloc((size_t)(m * k) * sizeof *wide);
         if (!wide) return -1;
         for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_to_f32(((const uint16_t *)x)[i]);
-        xf = wide;
+        xs = wide;
     }
+    const int one = m == 1;
+    span_fn span = type == W_INT8   ? (one ? span_int8_1 : span_int8)
+                   : type == W_BF16 ? (one ? span_bf16_1 : span_bf16)
+                                    : (one ? span_fp32_1 : span_fp32);
+#if HAVE_DPBF16
+    if (dp) span = one ? span_dpbf16_1 : span_dpbf16;
+#endif
     const float *ws = type == W_INT8 ? scales : NULL;
-    if (m == 1) {
-        /* a decode step: each thread one contiguous run of whole tiles, the last rows after */
-        const span_fn span = dp ? SPAN_DP : type == W_INT8 ? span_int8
-                             : type == W_BF16            ? span_bf16
-                                                         : span_fp32;
-        const void *xs = dp ? x : (const void *)xf;
-        const int64_t whole = n_out / NT;
-        const int parts = threads < 1 ? 1 : whole < threads ? (int)(whole ? whole : 1) : threads;
-        (void)parts;
+    /* each thread one contiguous run of output rows: one stream, front to back */
+    const int parts = threads < 1 ? 1 : n_out < threads ? (int)(n_out ? n_out : 1) : threads;
+    if (parts == 1) { /* no parallel region to enter */
+        span(xs, m, k, w, ws, 0, n_out, n_out, y, y_bf16);
+    } else {
 #pragma omp parallel for schedule(static) num_threads(parts)
         for (int p = 0; p < parts; p++)
-            span(xs, k, w, ws, whole * p / parts, whole * (p + 1) / parts, y, y_bf16);
-        if (n_out > whole * NT) {
-            float out[NT] = {0};
-            const int nt = (int)(n_out - whole * NT);
-#if HAVE_DPBF16
-            if (dp)
-                tile_dpbf16(x, k, w, whole * NT, nt, 0, 1, out);
-            else
-#endif
-                tile(xf, k, w, type, ws, whole * NT, nt, 0, 1, out);
-            store(y, y_bf16, whole * NT, out, nt);
-        }
-        free(wide);
-        return 0;
-    }
-    const int64_t tiles = (n_out + NT - 1) / NT;
-    (void)threads;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NT;
-        const int nt = n_out - n0 < NT ? (int)(n_out - n0) : NT;
-        for (int64_t m0 = 0; m0 < m; m0 += MT) {
-            const int mt = m - m0 < MT ? (int)(m - m0) : MT;
-            float out[MT * NT];
-            /* literal tile sizes where they are full, so the compiler unrolls them */
-#if HAVE_DPBF16
-            if (dp && nt == NT && mt == 1)
-                tile_dpbf16(x, k, w, n0, NT, m0, 1, out);
-            else if (dp)
-                tile_dpbf16(x, k, w, n0, nt, m0, mt, out);
-            else
-#endif
-            if (nt == NT && mt == 1)
-                tile(xf, k, w, type, ws, n0, NT, m0, 1, out);
-            else if (nt == NT && mt == MT)
-                tile(xf, k, w, type, ws, n0, NT, m0, MT, out);
-            else
-                tile(xf, k, w, type, ws, n0, nt, m0, mt, out);
-            for (int i = 0; i < mt; i++) store(y, y_bf16, (m0 + i) * n_out + n0, out + i * NT, nt);
-        }
+            span(xs, m, k, w, ws, n_out * p / parts, n_out * (p + 1) / parts, n_out, y, y_bf16);
     }
     free(wide);
     return 0;
