@@ -36,7 +36,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if not mine:
         print("no kernel verdicts kept for this machine yet: a load times what it needs")
     print("each shape's best timings, and the path they give at no slack (a load may allow ours "
-          "more: 1.25x torch's where the C decode step would run it)")  # fmt: skip
+          "more where the C decode step would run it: 1.25x torch's time, not counting what a "
+          "call from Python costs ours)")  # fmt: skip
     for build, shapes in sorted(mine.items()):
         print(build)
         for shape, figures in sorted(shapes.items()):
@@ -51,6 +52,7 @@ def _verdict(figures: dict[str, Any]) -> str:
     timing = read_timing(figures)
     if timing is None:
         return "unreadable (timed again by the next load)"
+    call = f" ({timing.call_ms:.3f} of it a call)" if timing.call_ms else ""
     noise = f", noise {timing.noise:.0%}" if timing.noise else ""
     path = "ours" if timing.ours else "torch's"
-    return f"ours {timing.ours_ms:.3f} ms, torch's {timing.torch_ms:.3f} ms{noise}: {path}"
+    return f"ours {timing.ours_ms:.3f} ms{call}, torch's {timing.torch_ms:.3f} ms{noise}: {path}"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from engine.hardware import verdicts
 from engine.kernels import gemv, layer_ops, lowbit, native, paged_decode
 
 if TYPE_CHECKING:
@@ -47,13 +48,17 @@ DTYPES = (torch.float32, torch.bfloat16)
 SLACK = 1.25
 
 
-def slack() -> float:
-    """:data:`SLACK` where the C decode step can run on this machine (its library and the
-    paged attention kernel built and passed their checks), else 1: the factor a layer's
-    kernel choice gives ours over torch's (:func:`engine.kernels.lowbit.chosen`)."""
+def slack() -> verdicts.Allowance:
+    """What a layer's kernel choice allows ours over torch's
+    (:func:`engine.kernels.lowbit.chosen`): where the C decode step can run on this machine
+    (its library and the paged attention kernel built and passed their checks), up to
+    :data:`SLACK` × torch's time, not counting what a call from Python costs ours (the step
+    calls it from C); else ours must be faster, calls and all."""
     if lowbit.requested() == "torch":
-        return 1.0
-    return SLACK if layer_ops.library().available and paged_decode.kernel().available else 1.0
+        return verdicts.Allowance()
+    if layer_ops.library().available and paged_decode.kernel().available:
+        return verdicts.Allowance(SLACK, in_c=True)
+    return verdicts.Allowance()
 
 
 class Product(ctypes.Structure):

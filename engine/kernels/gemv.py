@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.hardware.verdicts import Allowance
 from engine.kernels import lowbit, lowbit_timing, native, verify
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def _compare(name: str, got: Tensor, want: Tensor, k: int) -> str:
 
 def chosen(
     fmt: str, out_features: int, in_features: int, timer: Callable[[], lowbit.Timing] | None,
-    slack: float = 1.0,
+    slack: float | Allowance = 1.0,
 ) -> bool:  # fmt: skip
     """Whether a CPU layer of this format (``int8 bfloat16``: weights and activations) and
     shape takes our kernel for its small step shapes: the library builds and passed its check,

@@ -40,6 +40,7 @@ from torch import Tensor
 from engine.errors import InfersightError
 from engine.formats.int4 import pack_int4
 from engine.hardware import measured, verdicts
+from engine.hardware.verdicts import Allowance
 from engine.hardware.verdicts import Timing as Timing  # the verdicts' figures, as ours time them
 from engine.kernels import native, verify
 
@@ -321,11 +322,14 @@ def shape_key(fmt: str, out_features: int, in_features: int) -> str:
 def time_kernels(
     ours: Callable[[Tensor, int], object], theirs: Callable[[Tensor, int], object],
     copies: int, in_features: int, dtype: torch.dtype,
+    call: Callable[[], object] | None = None,
 ) -> Timing:  # fmt: skip
     """Time one-row products over ``copies`` distinct weights of one shape (``fn(x, i)``
     multiplies by copy ``i``), so that every call reads its weights from memory as decode
     does, from activations in the model's ``dtype`` (each path's conversions are its cost):
-    the best of three, interleaved so that a noisy moment hurts both."""
+    the best of three, interleaved so that a noisy moment hurts both. ``call``: ours on the
+    smallest problem, timed beside them as the cost of a call from Python
+    (:attr:`Timing.call_ms`)."""
     x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
 
     def every_copy(fn: Callable[[Tensor, int], object]) -> Callable[[], None]:
@@ -335,13 +339,16 @@ def time_kernels(
 
         return run
 
-    ours_ms, torch_ms = measured.best_of_three([every_copy(ours), every_copy(theirs)], copies)
-    return Timing(ours_ms=ours_ms, torch_ms=torch_ms)
+    runs = [every_copy(ours), every_copy(theirs)]
+    if call is not None:
+        runs.append(every_copy(lambda _x, _i: call()))
+    ours_ms, torch_ms, *call_ms = measured.best_of_three(runs, copies)
+    return Timing(ours_ms=ours_ms, torch_ms=torch_ms, call_ms=min(call_ms, default=0.0))
 
 
 def chosen(
     fmt: str, out_features: int, in_features: int, timer: Callable[[], Timing] | None,
-    slack: float = 1.0,
+    slack: float | Allowance = 1.0,
 ) -> bool:  # fmt: skip
     """Whether a CPU layer of this format (``int4-g32 bfloat16``: the weights' format and the
     activations' dtype) and shape runs our kernels: the library builds and
@@ -358,7 +365,7 @@ def chosen(
 
 def decided(
     built: Callable[[], Library], name: str, key: str, timer: Callable[[], Timing] | None,
-    slack: float = 1.0,
+    slack: float | Allowance = 1.0,
 ) -> bool:  # fmt: skip
     """Whether our kernel ``built()`` runs the layer shape ``key`` in ``INFERSIGHT_LOWBIT``'s
     mode (``auto`` or ``ours``; callers answer ``torch`` themselves): it builds and passed its
@@ -379,7 +386,9 @@ def decided(
     return faster(f"{build} {found.isa}", key, timer, slack)
 
 
-def faster(ours: str, key: str, timer: Callable[[], Timing], slack: float = 1.0) -> bool:
+def faster(
+    ours: str, key: str, timer: Callable[[], Timing], slack: float | Allowance = 1.0
+) -> bool:
     """Whether ``ours`` (a build of our kernel, or a path of ours through torch's operators,
     with what makes it that version) measured faster than torch's kernel for the layer shape
     ``key`` (or within ``slack`` × its time): timed once by ``timer`` and kept in

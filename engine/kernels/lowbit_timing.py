@@ -18,6 +18,9 @@ from engine.kernels.lowbit import (
     time_kernels,
 )
 
+#: the smallest problem a kernel's call is timed on (its cost from Python: Timing.call_ms)
+TINY_ROWS, TINY_K = 16, 128
+
 
 def copies_for(bytes_per_copy: int) -> int:
     """How many distinct weights of this size a timing streams through (:data:`STREAM_BYTES`)."""
@@ -44,7 +47,10 @@ def time_int8(
     def theirs(x: Tensor, i: int) -> object:
         return torch._weight_int8pack_mm(x, weights[i][0], weights[i][1])
 
-    return time_kernels(ours, theirs, copies, in_features, dtype)
+    tiny_w, tiny_s = quantize_int8(torch.randn(TINY_ROWS, TINY_K, generator=gen), dtype)
+    tiny_x, tiny_scales = torch.randn(1, TINY_K, generator=gen).to(dtype), tiny_s.float()
+    return time_kernels(ours, theirs, copies, in_features, dtype,
+                        call=lambda: kernel(tiny_x, tiny_w, tiny_scales, dtype))  # fmt: skip
 
 
 def time_int4(
@@ -74,4 +80,8 @@ def time_int4(
         )
         return y.to(dtype)
 
-    return time_kernels(ours, theirs, copies, in_features, dtype)
+    q, scale, zero = quantize_int4(torch.randn(TINY_ROWS, group, generator=gen), group)
+    tiny = (pack_int4(q), torch.stack([scale, zero], dim=2).contiguous())
+    tiny_x = torch.randn(1, group, generator=gen).to(dtype)
+    return time_kernels(ours, theirs, copies, in_features, dtype,
+                        call=lambda: int4_linear(tiny_x, *tiny, group, dtype))  # fmt: skip

@@ -210,8 +210,24 @@ def time_gemv(dtype: torch.dtype, out_features: int, in_features: int) -> Timing
                 torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
         runs.append(packed_run)
-    ours_ms, *theirs = measured.best_of_three(runs, len(weights))
-    return Timing(ours_ms=ours_ms, torch_ms=min(theirs))
+    tiny_w, tiny_x = _tiny(dtype)
+
+    def calls() -> None:  # ours on the smallest problem: what a call from Python costs
+        for _ in weights:
+            gemv.product(lib, tiny_x, tiny_w, None, dtype)
+
+    ours_ms, call_ms, *theirs = measured.best_of_three([runs[0], calls, *runs[1:]], len(weights))
+    return Timing(ours_ms=ours_ms, torch_ms=min(theirs), call_ms=call_ms)
+
+
+def _tiny(dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A weight and a row of activations of :mod:`engine.kernels.lowbit_timing`'s smallest
+    problem."""
+    from engine.kernels.lowbit_timing import TINY_K, TINY_ROWS
+
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(TINY_ROWS, TINY_K, generator=gen).to(dtype),
+            torch.randn(1, TINY_K, generator=gen).to(dtype))  # fmt: skip
 
 
 def takes_gemv(dtype: torch.dtype, out_features: int, in_features: int) -> bool:
