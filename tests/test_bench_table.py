@@ -146,6 +146,23 @@ def test_table_rows_are_each_precision_against_its_limit_and_llama_cpp(fake_pyth
     assert ours["fp32"].split()[-1] == "-"  # fp32's peer (F32) did not run
     ratio = rows[1]["decode_tok_s"] / rows[3]["decode_tok_s"]
     assert ours["int8"].split()[-2:] == [f"{ratio:.2f}x", "Q8_0"]
+    # an eager row of ours says why its steps were not one C call; the verdicts it ran under
+    for r in rows:
+        assert bool(r["why"]) == (r["engine"] == "infersight" and r["mode"] == "eager")
+        assert (f"{r['precision']} ran eager: {r['why']}" in text) == bool(r["why"])
+    assert set(report["kernel_verdicts"]) == {"ours", "within_noise", "torch"}
+
+
+def test_the_table_says_why_a_row_of_ours_ran_eager():
+    row = {"engine": "infersight", "precision": "int8+head", "mode": "eager", "read_mib": 129.0,
+           "decode_tok_s": 137.1, "limit_tok_s": 347.0, "fraction": 0.4, "head": "int8",
+           "why": "decode steps eager (layer 0's o_proj runs torch's kernel)"}  # fmt: skip
+    report = {"model": "m", "cpu": "AVX512", "threads": 2, "new_tokens": 128, "repeats": 3,
+              "bandwidth_gb_s": [47.1, 46.0], "rows": [row],
+              "kernel_verdicts": {"ours": 40, "within_noise": 3, "torch": 2}}  # fmt: skip
+    text = format_table(report)
+    assert "int8+head ran eager: decode steps eager (layer 0's o_proj runs torch's kernel)" in text
+    assert "40 shapes ours (3 within the noise of two timings), 2 torch's" in text
 
 
 def test_each_precision_is_compared_with_llama_cpps_type_of_the_same_bits():

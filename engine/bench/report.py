@@ -37,13 +37,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{report['cached_prompt_tokens']} of their prompt tokens cached"
             + _copies_note(batch, report["prefix_cache"] != "off")
         )
-    v = report.get("kernel_verdicts")
-    if v and any(v.values()):
-        lines.append(
-            f"kernel verdicts kept on this machine (every build, at no slack): {v['ours']} "
-            f"shapes ours ({v['within_noise']} within the noise of two timings), {v['torch']} "
-            "torch's (`infersight kernels` lists them; --retime times them again)"
-        )
+    lines += _verdicts_line(report)
     first = report["results"][0]["engine"].removeprefix("infersight, ")
     for kv, ratio in report.get("kv_ratios", {}).items():
         lines.append(
@@ -56,6 +50,18 @@ def format_report(report: dict[str, Any]) -> str:
             f"prefill {report['ratio_prefill']:.2f}x"
         )
     return "\n".join(lines)
+
+
+def _verdicts_line(report: dict[str, Any]) -> list[str]:
+    """What the run's kernel choices stood on: this machine's kept verdicts, counted."""
+    v = report.get("kernel_verdicts")
+    if not v or not any(v.values()):
+        return []
+    return [
+        f"kernel verdicts kept on this machine (every build, at no slack): {v['ours']} "
+        f"shapes ours ({v['within_noise']} within the noise of two timings), {v['torch']} "
+        "torch's (`infersight kernels` lists them; --retime times them again)"
+    ]
 
 
 def _copies_note(batch: int, caching: bool) -> str:
@@ -175,6 +181,10 @@ def format_table(report: dict[str, Any]) -> str:
         "between them (the floor under Python, dispatch and small ops); for a C step, its "
         "products and attention as its own clocks timed them in the runs"
     )
+    for r in report["rows"]:
+        if r.get("why"):
+            lines.append(f"{r['precision']} ran eager: {r['why']}")
+    lines += _verdicts_line(report)
     if report.get("llama_cpp_system_info"):
         lines.append(f"llama.cpp: {report['llama_cpp_system_info']}")
     return "\n".join(lines)

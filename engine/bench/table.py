@@ -20,6 +20,7 @@ import torch
 from engine.bench.speed import BenchConfig, RunTiming, bench_prompt, prefix_cache_state, run_ours
 from engine.core.engine import LLMEngine
 from engine.errors import InfersightError
+from engine.hardware import verdicts
 from engine.loader.load import load_model
 
 
@@ -59,6 +60,8 @@ class TableRow:
     #: the format the LM head is read in (a side's head can differ from its body: llama.cpp's
     #: Q4_1 files keep a Q8_0 head, which ``int4-g32+head8`` matches)
     head: str = ""
+    #: why an eager row of ours did not run its decode steps in one C call
+    why: str = ""
 
 
 def kernel_floor_ms(engine: LLMEngine, keys: int, repeats: int = 5) -> float:
@@ -264,6 +267,7 @@ def run_table(
     bandwidth = [measure_read_bandwidth()]
     runners: list[tuple[str, str, str, float, Callable[[list[int], int], RunTiming]]] = []
     heads: list[str] = []  # each runner's LM head format
+    whys: list[str] = []  # each eager runner's reason
     prompt: list[int] | None = None
     floors: dict[str, float] = {}
     #: each run's ms per step in products and attention, by the C step's clocks
@@ -290,6 +294,7 @@ def run_table(
             run = _mode_runner(engine, mode, clocked.get(precision))
             runners.append(("infersight", precision, mode, read, run))
             heads.append(head_format(engine))
+            whys.append(engine.runner.executor.c_step_why if mode == "eager" else "")
     info = None
     with contextlib.ExitStack() as stack:
         if llama_python is not None:
@@ -319,6 +324,7 @@ def run_table(
                 size = float(gguf_decode_bytes(path))  # its weights a token reads
                 runners.append(("llama.cpp", ftype, "llama.cpp", size, peer.run))
                 heads.append(gguf_head_type(path))
+                whys.append("")
         assert prompt is not None
         timings: list[list[RunTiming]] = [[] for _ in runners]
         for _, _, _, _, run in runners:  # warm-up
@@ -330,14 +336,17 @@ def run_table(
     bandwidth.append(measure_read_bandwidth())
     best = max(bandwidth)
     rows = []
-    for (name, precision, mode, read, _), runs, head in zip(runners, timings, heads, strict=True):
+    for (name, precision, mode, read, _), runs, head, why in zip(
+        runners, timings, heads, whys, strict=True
+    ):
         tok_s = _decode_tok_s(runs)
         limit = best / read
         floor = floors.get(precision) if name == "infersight" else None
         if name == "infersight" and clocked.get(precision):
             floor = 1e3 / statistics.median(clocked[precision])
+        fraction = tok_s / limit
         rows.append(
-            TableRow(name, precision, mode, read / 2**20, tok_s, limit, tok_s / limit, floor, head)
+            TableRow(name, precision, mode, read / 2**20, tok_s, limit, fraction, floor, head, why)
         )
     return {
         "model": str(folder),
@@ -349,6 +358,7 @@ def run_table(
         "prefix_cache": cache,  # ours (llama.cpp is reset before each run)
         "llama_cpp_system_info": info,
         "rows": [asdict(r) for r in rows],
+        "kernel_verdicts": verdicts.this_machine(),
     }
 
 
