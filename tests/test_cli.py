@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -433,3 +434,44 @@ def test_the_replicas_take_the_serve_commands_own_options_and_defaults():
     parsed = vars(build_parser().parse_args(["serve"]))
     assert parsed.pop("handler").__name__ == "cmd_serve"
     assert serve_defaults() == parsed
+
+
+# -- torch's CPU allocator ----------------------------------------------------------------------
+
+
+def test_the_cpu_allocator_is_asked_for_huge_pages_unless_the_user_set_it() -> None:
+    from app.cli.common import THP_ENV, configure_cpu_allocator
+
+    absent: dict[str, str] = {}
+    assert configure_cpu_allocator(absent, "linux") == "1" and absent == {THP_ENV: "1"}
+    theirs = {THP_ENV: "0"}
+    assert configure_cpu_allocator(theirs, "linux") == "0" and theirs == {THP_ENV: "0"}
+    elsewhere: dict[str, str] = {}
+    assert configure_cpu_allocator(elsewhere, "darwin") is None and not elsewhere
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+    reason="no transparent huge pages on this machine",
+)
+def test_torch_given_the_setting_backs_a_large_tensor_with_huge_pages() -> None:
+    """The setting does what it is for, in a torch of its own (read as torch loads): a 64 MiB
+    tensor lies in huge pages, and (where the kernel gives them only when asked) without it
+    in fewer."""
+    from app.cli.common import THP_ENV, configure_cpu_allocator
+
+    probe = ("import torch; x = torch.ones(64 << 20, dtype=torch.uint8); "
+             "print(next(l.split()[1] for l in open('/proc/self/smaps_rollup') "
+             "if l.startswith('AnonHugePages')))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != THP_ENV}
+    without = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+    configure_cpu_allocator(env, sys.platform)
+    given = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    assert int(given.stdout) >= 32 << 10  # kB
+    if "[madvise]" in THP.read_text():
+        assert int(without.stdout) < int(given.stdout)

@@ -41,6 +41,27 @@ def configure_cuda_allocator(
     return environ.get("PYTORCH_CUDA_ALLOC_CONF")
 
 
+#: set as torch loads (its CPU allocator reads it once), it gives every host allocation of
+#: 2 MiB and more transparent huge pages (madvise): a decode step streams each weight once,
+#: and in 2 MiB pages the default model's 121 fp32 products read 4% faster on the 2-core
+#: EPYC (36.9 against 35.6 GB/s, three runs each way), with fewer TLB misses; the KV pool too
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+
+
+def configure_cpu_allocator(
+    environ: MutableMapping[str, str] | None = None, platform: str | None = None
+) -> str | None:
+    """Ask torch's CPU allocator for huge pages (:data:`THP_ENV`) unless the user set it
+    themselves. Must run before torch is imported; it imports nothing. Linux only (where the
+    kernel's transparent huge pages are "never", the allocator's advice is ignored). Returns
+    the setting in force."""
+    environ = os.environ if environ is None else environ
+    platform = sys.platform if platform is None else platform
+    if THP_ENV not in environ and platform.startswith("linux"):
+        environ[THP_ENV] = "1"
+    return environ.get(THP_ENV)
+
+
 def engine_config(
     args: argparse.Namespace, max_batch_size: int = 16, max_tokens_per_step: int | None = None
 ) -> Any:

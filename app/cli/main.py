@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from app.cli.bench import cmd_bench, cmd_tune
-from app.cli.common import configure_cuda_allocator
+from app.cli.common import configure_cpu_allocator, configure_cuda_allocator
 from app.cli.eval import cmd_calibrate, cmd_eval_compare, cmd_eval_ppl, cmd_eval_scan
 from app.cli.kernels import add_kernels_parser
 from app.cli.models import PLAN_PRECISIONS, add_models_parser, cmd_import_gguf, cmd_plan
@@ -42,6 +42,7 @@ log = logging.getLogger("infersight")
 
 def main(argv: Sequence[str] | None = None) -> int:
     configure_cuda_allocator()  # before anything initialises CUDA
+    configure_cpu_allocator()  # before anything imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
