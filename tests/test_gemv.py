@@ -73,14 +73,31 @@ def test_each_product_matches_float64(lib, m, k, n):
             )
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib):
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, x_dtype):
+    """One row of x (a decode step's own loop) against 2…16 (weight rows side by side), from
+    fp32 and bf16 activations (bf16 weights: the bf16 pairs' path where the CPU has it)."""
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(16, 300, generator=gen)
+    x = torch.randn(16, 300, generator=gen).to(x_dtype)
     for weight, scales, _ in _weights(37, 300, gen):
         alone = torch.cat([gemv.product(lib, x[i : i + 1], weight, scales, torch.float32)
                            for i in range(16)])  # fmt: skip
         for m in (2, 3, 5, 16):
             assert torch.equal(gemv.product(lib, x[:m], weight, scales, torch.float32), alone[:m])
+
+
+def test_more_threads_than_output_rows_and_no_rows(lib, monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 64, generator=gen)
+    for weight, scales, dense in _weights(3, 64, gen):
+        monkeypatch.setattr(lowbit, "threads", lambda: 1)
+        one = gemv.product(lib, x, weight, scales, torch.float32)
+        monkeypatch.setattr(lowbit, "threads", lambda: 8)
+        assert torch.equal(gemv.product(lib, x, weight, scales, torch.float32), one)
+        torch.testing.assert_close(one.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
+        empty = gemv.product(lib, x, weight[:0], None if scales is None else scales[:0],
+                             torch.float32)  # fmt: skip
+        assert empty.shape == (3, 0)
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
