@@ -122,6 +122,8 @@ PEERS        ?= .peers/venv
 PEERS_AVX2   ?= .peers/venv-avx2
 PEER_SPEC    ?= llama-cpp-python==0.3.36
 PEER_CMAKE   ?= -DLLAVA_BUILD=OFF
+PEER_AVX2    ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
 DECODE_GRAPH ?= auto
 BENCH_THREADS ?=
 BENCH_PEERS  = $(if $(BENCH_THREADS),INFERSIGHT_THREADS=$(BENCH_THREADS) )$(BIN)/infersight bench \
@@ -133,7 +135,9 @@ bench-peers-avx2: $(VENV)/.stamp-dev $(PEERS_AVX2)/.stamp
 	INFERSIGHT_CPU_CAPABILITY=AVX2 ATEN_CPU_CAPABILITY=avx2 \
 	  $(MAKE) --no-print-directory bench-peers-tables PEER=$(PEERS_AVX2)
 
+# (the 1B table leaves out fp32: llama.cpp's peer reads the synthetic model as F16)
 bench-peers-tables:
+	$(if $(PEER),,$(error bench-peers-tables needs PEER=<a peer venv>: run make bench-peers))
 	$(BIN)/infersight models pull
 	$(BENCH_PEERS) --model default --table fp32 int8+head int4-g32+head int4-g32+head8 \
 	  --llama-cpp $(PEER)/bin/python --gguf-types Q4_1 Q8_0 F32
@@ -170,7 +174,7 @@ $(PEERS)/.stamp:
 
 $(PEERS_AVX2)/.stamp:
 	$(PYTHON) -m venv $(PEERS_AVX2)
-	CMAKE_ARGS="$(PEER_CMAKE) -DGGML_NATIVE=OFF" $(PEERS_AVX2)/bin/python -m pip \
+	CMAKE_ARGS="$(PEER_CMAKE) $(PEER_AVX2)" $(PEERS_AVX2)/bin/python -m pip \
 	  --disable-pip-version-check -q install --no-cache-dir "$(PEER_SPEC)"
 	touch $@
 

@@ -457,21 +457,26 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
     reason="no transparent huge pages on this machine",
 )
-def test_torch_given_the_setting_backs_a_large_tensor_with_huge_pages() -> None:
-    """The setting does what it is for, in a torch of its own (read as torch loads): a 64 MiB
-    tensor lies in huge pages, and (where the kernel gives them only when asked) without it
-    in fewer."""
+def test_torch_given_the_setting_asks_for_huge_pages_for_a_large_tensor() -> None:
+    """The setting does what it is for, in a torch of its own (read as torch loads): the
+    mapping that holds a 64 MiB tensor is advised for huge pages (its "hg" flag, whether or not
+    the kernel has free 2 MiB pages to give just then), and without the setting it is not."""
     from app.cli.common import THP_ENV, configure_cpu_allocator
 
-    probe = ("import torch; x = torch.ones(64 << 20, dtype=torch.uint8); "
-             "print(next(l.split()[1] for l in open('/proc/self/smaps_rollup') "
-             "if l.startswith('AnonHugePages')))")  # fmt: skip
+    probe = (
+        "import torch\n"
+        "x = torch.ones(64 << 20, dtype=torch.uint8); at = x.data_ptr(); inside = False\n"
+        "for line in open('/proc/self/smaps'):\n"
+        "    head = line.split()[0]\n"
+        "    if '-' in head and not head.endswith(':'):\n"
+        "        lo, hi = (int(v, 16) for v in head.split('-')); inside = lo <= at < hi\n"
+        "    elif inside and head == 'VmFlags:':\n"
+        "        print('hg' in line.split()[1:])\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != THP_ENV}
     without = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                              text=True, check=True)  # fmt: skip
     configure_cpu_allocator(env, sys.platform)
     given = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                            text=True, check=True)  # fmt: skip
-    assert int(given.stdout) >= 32 << 10  # kB
-    if "[madvise]" in THP.read_text():
-        assert int(without.stdout) < int(given.stdout)
+    assert given.stdout.split() == ["True"] and without.stdout.split() == ["False"]

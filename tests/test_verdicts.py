@@ -241,7 +241,12 @@ def test_a_layer_the_c_step_would_run_is_judged_without_what_our_call_costs(home
 
 
 def test_our_timers_time_a_call_on_the_smallest_problem_beside_the_shape(home):
-    from engine.kernels import lowbit_timing
+    """The timer's call figure is filled in (0 where a timer times none: a verdict the C step
+    would judge without it is timed again)."""
+    from engine.kernels import lowbit_timing, native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler: our kernels do not build here")
 
     timing = lowbit_timing.time_int8(48, 256, torch.float32)
     assert timing.call_ms > 0 and timing.ours_ms > 0 and timing.torch_ms > 0

@@ -294,7 +294,8 @@ def run_table(
             run = _mode_runner(engine, mode, clocked.get(precision))
             runners.append(("infersight", precision, mode, read, run))
             heads.append(head_format(engine))
-            whys.append(engine.runner.executor.c_step_why if mode == "eager" else "")
+            # why the engine's own mode is eager (not a compiled engine's side-by-side row)
+            whys.append(engine.runner.executor.c_step_why if modes == ["eager"] else "")
     info = None
     with contextlib.ExitStack() as stack:
         if llama_python is not None:

@@ -13,9 +13,11 @@ memory plan asks it beside a decoding model).
 
 Where the C decode step would run the layer, our kernel is judged without what a call of it
 from Python costs (the timing's ``call_ms``: ours on the smallest problem, timed beside it):
-the step calls it from C. On a 576×576 INT8 product at 2 threads that cost was 4.2 µs of
-ours' 9.1, torch's whole call 7.8: judged with it, the one shape went to torch's kernel and
-sent every decode step of the model back to the eager code (:class:`Allowance`).
+the step calls it from C. On a 576×576 INT8 product at 2 threads ours timed 0.010 ms, 4.2 µs
+of it the call, against torch's 0.007 ms: judged with the call, the one shape went to torch's
+kernel and sent every decode step of the model back to the eager code (:class:`Allowance`).
+The smallest problem's call still holds the kernel's own fixed work (a parallel region where
+there are threads, a µs or so), which the step pays too: within the allowance's margin.
 
 A noisy moment must not fix a choice for good: a first timing that goes against ours is
 timed again at once (each timer's own rounds are interleaved already), each side's best of
@@ -146,7 +148,7 @@ def timing(
         kept = read_timing(raw)
         in_c = isinstance(slack, Allowance) and slack.in_c
         if kept is not None and (
-            kept.ours_within(slack) or ("noise" in raw and (not in_c or "call_ms" in raw))
+            kept.ours_within(slack) or ("noise" in raw and (not in_c or kept.call_ms > 0))
         ):
             return kept
         # a verdict against ours is timed twice (one kept by a version that timed it once,

@@ -18,7 +18,8 @@ from engine.kernels.lowbit import (
     time_kernels,
 )
 
-#: the smallest problem a kernel's call is timed on (its cost from Python: Timing.call_ms)
+#: the smallest problem a kernel's call is timed on (its cost from Python: Timing.call_ms):
+#: output rows, and inputs (an INT4 kernel's: one group)
 TINY_ROWS, TINY_K = 16, 128
 
 
