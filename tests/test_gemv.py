@@ -54,7 +54,7 @@ def _weights(n: int, k: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 1536), (2, 40, 7), (3, 129, 33),
-                                           (5, 8, 4), (16, 200, 17)])  # fmt: skip
+                                           (5, 8, 4), (16, 200, 17), (1, 4100, 9)])  # fmt: skip
 def test_each_product_matches_float64(lib, m, k, n):
     """M = 1…16, K and N not multiples of any vector width or tile, every weight type, from
     fp32 and bf16 activations; a bf16 output is the fp32 one rounded as torch rounds."""
@@ -74,12 +74,14 @@ def test_each_product_matches_float64(lib, m, k, n):
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, x_dtype):
+@pytest.mark.parametrize("k", [300, 4100])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(lib, x_dtype, k):
     """One row of x (a decode step's own loop) against 2…16 (weight rows side by side), from
-    fp32 and bf16 activations (bf16 weights: the bf16 pairs' path where the CPU has it)."""
+    fp32 and bf16 activations (bf16 weights: the bf16 pairs' path where the CPU has it; a bf16
+    row of 4100 inputs alone is widened as it is read, several into scratch space)."""
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(16, 300, generator=gen).to(x_dtype)
-    for weight, scales, _ in _weights(37, 300, gen):
+    x = torch.randn(16, k, generator=gen).to(x_dtype)
+    for weight, scales, _ in _weights(37, k, gen):
         alone = torch.cat([gemv.product(lib, x[i : i + 1], weight, scales, torch.float32)
                            for i in range(16)])  # fmt: skip
         for m in (2, 3, 5, 16):

@@ -16,7 +16,8 @@
  * csrc/lowbit.c, which quantizes them).
  *
  * x and y are fp32 or bf16 (y rounded to nearest even, as torch rounds); bf16 x is widened
- * into scratch space once per call, except where bf16 weights meet bf16 x on a CPU with
+ * to fp32 (into scratch space, or as it is read for long rows: WIDEN_MAX), except where bf16
+ * weights meet bf16 x on a CPU with
  * AVX512-BF16, which multiplies the pairs as they are (`vdpbf16ps`). Several rows of x take
  * NT weight rows side by side; each product is summed in the same order whatever M is, so a
  * row's result does not depend on its neighbours.
@@ -51,7 +52,6 @@ typedef __m512 vf;
 #define VZERO() _mm512_setzero_ps()
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
-#define VLOADX(p) _mm512_loadu_ps(p)
 static inline vf load_w(const void *w, int type, int64_t i) {
     if (type == W_INT8) {
         const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)w + i));
@@ -71,7 +71,6 @@ typedef __m256 vf;
 #define VZERO() _mm256_setzero_ps()
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm256_add_ps(a, b)
-#define VLOADX(p) _mm256_loadu_ps(p)
 static inline vf load_w(const void *w, int type, int64_t i) {
     if (type == W_INT8) {
         const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + i));
@@ -96,11 +95,6 @@ typedef float vf __attribute__((vector_size(32)));
 #define VZERO() ((vf){0})
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define VADD(a, b) ((a) + (b))
-static inline vf VLOADX(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 static inline vf load_w(const void *w, int type, int64_t i) {
     vf v;
     for (int j = 0; j < VW; j++) {
@@ -142,12 +136,14 @@ static inline void store(void *y, int y_bf16, int64_t at, float v) {
         ((float *)y)[at] = v;
 }
 
-/* Weight rows n .. n + nt - 1 times row i of x (fp32) into y: NACC vectors of K at a time,
+/* Weight rows n .. n + nt - 1 times row i of x (`xtype`: W_FP32, or W_BF16 widened as it is
+ * read: exact, so the same sums; a bf16 row of x stays half the size in L1, where a widened
+ * copy of Llama-3.2-1B's 8192 inputs took 32 KiB, beside the weights) into y: NACC vectors of K at a time,
  * the j-th into partial sum j; then whole vectors into sum 0; the sums added pairwise, across
  * lanes, and the rest of K in scalar, in order: the same order whatever nt, so a product's
  * sum does not depend on the rows beside it. `type` and `nt` are literals where it is called
  * (below), so that the compiler specializes the loads and unrolls the rows. */
-static inline __attribute__((always_inline)) void row(const float *x, int64_t k,
+static inline __attribute__((always_inline)) void row(const void *x, int xtype, int64_t k,
                                                        const void *w, int type,
                                                        const float *ws, int64_t n, int nt,
                                                        int64_t n_out, int64_t i, void *y,
@@ -155,7 +151,7 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t k,
     const size_t esz = w_size(type), rb = (size_t)k * esz;
     const char *wr[NT];
     for (int t = 0; t < nt; t++) wr[t] = (const char *)w + (size_t)(n + t) * rb;
-    const float *xr = x + i * k;
+    const char *xr = (const char *)x + (size_t)i * (size_t)k * w_size(xtype);
     vf acc[NT][NACC];
     for (int t = 0; t < nt; t++)
         for (int j = 0; j < NACC; j++) acc[t][j] = VZERO();
@@ -164,18 +160,18 @@ static inline __attribute__((always_inline)) void row(const float *x, int64_t k,
     for (; c < kq; c += NACC * VW) {
         for (int t = 0; t < nt; t++) ahead(wr[t] + c * (int64_t)esz, NACC * VW * esz);
         for (int j = 0; j < NACC; j++) {
-            const vf xv = VLOADX(xr + c + j * VW);
+            const vf xv = load_w(xr, xtype, c + j * VW);
             for (int t = 0; t < nt; t++)
                 acc[t][j] = VFMA(xv, load_w(wr[t], type, c + j * VW), acc[t][j]);
         }
     }
     for (; c < kv; c += VW) {
-        const vf xv = VLOADX(xr + c);
+        const vf xv = load_w(xr, xtype, c);
         for (int t = 0; t < nt; t++) acc[t][0] = VFMA(xv, load_w(wr[t], type, c), acc[t][0]);
     }
     for (int t = 0; t < nt; t++) {
         float s = vsum(VADD(VADD(acc[t][0], acc[t][1]), VADD(acc[t][2], acc[t][3])));
-        for (int64_t r = kv; r < k; r++) s += xr[r] * w_at(wr[t], type, r);
+        for (int64_t r = kv; r < k; r++) s += w_at(xr, xtype, r) * w_at(wr[t], type, r);
         store(y, y_bf16, i * n_out + n + t, ws ? s * ws[n + t] : s);
     }
 }
@@ -253,12 +249,18 @@ static inline __attribute__((always_inline)) void row_dpbf16(const uint16_t *x, 
         for (; n < n1; n++)                                                                     \
             for (int64_t i = 0; i < m; i++) ROW(1);                                             \
     }
-#define INT8_ROW(nt) row((const float *)x, k, w, W_INT8, ws, n, nt, n_out, i, y, y_bf16)
-#define BF16_ROW(nt) row((const float *)x, k, w, W_BF16, NULL, n, nt, n_out, i, y, y_bf16)
-#define FP32_ROW(nt) row((const float *)x, k, w, W_FP32, NULL, n, nt, n_out, i, y, y_bf16)
+#define INT8_ROW(nt) row(x, W_FP32, k, w, W_INT8, ws, n, nt, n_out, i, y, y_bf16)
+#define BF16_ROW(nt) row(x, W_FP32, k, w, W_BF16, NULL, n, nt, n_out, i, y, y_bf16)
+#define FP32_ROW(nt) row(x, W_FP32, k, w, W_FP32, NULL, n, nt, n_out, i, y, y_bf16)
+#define INT8_ROW_H(nt) row(x, W_BF16, k, w, W_INT8, ws, n, nt, n_out, i, y, y_bf16)
+#define BF16_ROW_H(nt) row(x, W_BF16, k, w, W_BF16, NULL, n, nt, n_out, i, y, y_bf16)
+#define FP32_ROW_H(nt) row(x, W_BF16, k, w, W_FP32, NULL, n, nt, n_out, i, y, y_bf16)
 SPAN(span_int8, INT8_ROW)
 SPAN(span_bf16, BF16_ROW)
 SPAN(span_fp32, FP32_ROW)
+SPAN(span_int8_h, INT8_ROW_H) /* bf16 rows of x */
+SPAN(span_bf16_h, BF16_ROW_H)
+SPAN(span_fp32_h, FP32_ROW_H)
 #if HAVE_DPBF16
 SPAN(span_dpbf16, DP_ROW)
 #endif
@@ -266,27 +268,41 @@ SPAN(span_dpbf16, DP_ROW)
 typedef void (*span_fn)(const void *, int64_t, int64_t, const void *, const float *, int64_t,
                         int64_t, int64_t, void *, int);
 
+/* One bf16 row of x is widened into scratch space once per call up to this many fp32 bytes
+ * (it stays in L1 beside the weights streaming past: Llama-3.2-1B's 2048 inputs read 7-10%
+ * faster so, on the EPYC forced to AVX2), and widened as it is read above (its 8192 inputs:
+ * 0.81-0.86x the time of a 32 KiB widened copy). Several rows of x are widened into scratch
+ * (each load of x serves NT weight rows there: four rows of 8192 read as bf16 took 1.11x). */
+#define WIDEN_MAX (16 << 10)
+
 /* y [M, N] = (x [M, K] · Wᵀ) (· scales, for int8 weights). x_bf16 / y_bf16: x and y are bf16
- * (else fp32). Returns 0, or -1 where the scratch space for a bf16 x could not be had. */
+ * (else fp32). Returns 0, or -1 where the scratch space for a widened x could not be had. */
 int infersight_gemv(const void *x, int x_bf16, int64_t m, int64_t k, const void *w, int type,
                     const float *scales, int64_t n_out, void *y, int y_bf16, int threads) {
-    float *wide = NULL;
     const void *xs = x;
+    float *wide = NULL;
 #if HAVE_DPBF16
     const int dp = x_bf16 && type == W_BF16;
 #else
     const int dp = 0;
 #endif
-    if (x_bf16 && !dp) {
+    if (x_bf16 && !dp && (m > 1 || k * (int64_t)sizeof(float) <= WIDEN_MAX)) {
         wide = malloc((size_t)(m * k) * sizeof *wide);
         if (!wide) return -1;
         for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_to_f32(((const uint16_t *)x)[i]);
         xs = wide;
+        x_bf16 = 0;
     }
     const int one = m == 1;
-    span_fn span = type == W_INT8   ? (one ? span_int8_1 : span_int8)
-                   : type == W_BF16 ? (one ? span_bf16_1 : span_bf16)
-                                    : (one ? span_fp32_1 : span_fp32);
+    span_fn span;
+    if (x_bf16)
+        span = type == W_INT8   ? (one ? span_int8_h_1 : span_int8_h)
+               : type == W_BF16 ? (one ? span_bf16_h_1 : span_bf16_h)
+                                : (one ? span_fp32_h_1 : span_fp32_h);
+    else
+        span = type == W_INT8   ? (one ? span_int8_1 : span_int8)
+               : type == W_BF16 ? (one ? span_bf16_1 : span_bf16)
+                                : (one ? span_fp32_1 : span_fp32);
 #if HAVE_DPBF16
     if (dp) span = one ? span_dpbf16_1 : span_dpbf16;
 #endif
