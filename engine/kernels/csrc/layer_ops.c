@@ -327,6 +327,33 @@ static void widen_in_place(float *v, int64_t n) {
     }
 }
 
+/* dst [n] (fp32) = src [n] (fp32, or bf16 where `bf16`), eight at a time */
+static void widen_run(const void *src, int bf16, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(dst + i, at8(src, bf16, i));
+    for (; i < n; i++) dst[i] = at(src, bf16, i);
+}
+
+/* dst [n] (bf16) = src [n] (fp32) rounded as torch rounds, eight at a time */
+static void narrow_run(const float *src, int64_t n, uint16_t *dst) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8_bf16(dst + i, load8(src + i));
+    for (; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
+/* x [n] = a [n] + b [n] in the activations' dtype (an fp32 sum, rounded where bf16) */
+static void add_run(const void *a, const void *b, int bf16, int64_t n, void *x) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 v = at8(a, bf16, i) + at8(b, bf16, i);
+        if (bf16)
+            store8_bf16((uint16_t *)x + i, v);
+        else
+            store8((float *)x + i, v);
+    }
+    for (; i < n; i++) put(x, bf16, i, at(a, bf16, i) + at(b, bf16, i));
+}
+
 /* The decoder layers of a decode step: x [B, hidden] (one token of each of B sequences, in
  * the activations' dtype) goes through every layer in place. cos, sin [B, D]: the step's
  * angles (as for infersight_rope_store); write_slots [B]: where each token's K/V go; slots
@@ -381,7 +408,7 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         infersight_rope_store(qkv, bf16 | (m->kv_fmt == KV_INT8) << 1, B, H, Hkv, D, cos, sin,
                               pools[l], write_slots, 1);
         for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < qd; i++) qf[b * qd + i] = at(qkv, bf16, b * width + i);
+            widen_run((const char *)qkv + es * (size_t)(b * width), bf16, qd, qf + b * qd);
         SPENT(SPENT_OTHER);
         if ((rc = m->attend(qf, pools[l], m->kv_fmt, slots, lens, mask, af, B, W, H, Hkv, D,
                             m->scale, 0.0f, m->threads))) /* the models it runs cap none */
@@ -389,7 +416,7 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         SPENT(SPENT_ATTENTION);
         const void *attended = af;
         if (bf16) {
-            for (int64_t i = 0; i < B * qd; i++) put(a, 1, i, af[i]);
+            narrow_run(af, B * qd, (uint16_t *)a);
             attended = a;
         }
         SPENT(SPENT_OTHER);
@@ -406,7 +433,7 @@ int infersight_decode_step(const model_t *m, const layer_t *layers, int64_t n_la
         if ((rc = product(m, &L->down, act, B, o))) break;
         SPENT(SPENT_PRODUCTS);
         if (layer_spent) layer_spent[2 * l + 1] += now() - lt;
-        for (int64_t i = 0; i < B * hidden; i++) put(x, bf16, i, at(sum, bf16, i) + at(o, bf16, i));
+        add_run(sum, o, bf16, B * hidden, x);
         SPENT(SPENT_OTHER);
     }
     if (rc == 0 && head != NULL && n_rows > 0) {
