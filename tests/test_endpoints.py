@@ -1,0 +1,218 @@
+"""OpenAI-compatible servers as models (app/endpoints): the client against ``infersight serve``
+in a child process (tests/served.py), with the openai SDK as the oracle of what the server
+said, and against a server written here that fails as servers fail users: a key refused, a
+rate limit with Retry-After, a stream dropped mid-reply, nothing sent before the timeout, an
+event that is not JSON, nobody listening."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from app.endpoints import keys
+from app.endpoints.client import Endpoint, EndpointError, Streamed, models, stream_chat, with_model
+from tests.served import KEY
+
+HELLO = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_the_served_models_and_a_streamed_greedy_reply_are_what_the_sdk_gets(server, client):
+    endpoint = with_model(Endpoint(server, api_key=KEY))
+    assert endpoint.model in models(endpoint) and endpoint.model
+    reply = Streamed(0.0)
+    chunks = list(stream_chat(endpoint, HELLO, max_tokens=12, top_logprobs=3, reply=reply))
+    oracle = client.chat.completions.create(
+        model=endpoint.model, messages=HELLO, max_tokens=12, temperature=0.0
+    )
+    assert reply.text == oracle.choices[0].message.content and reply.text
+    assert reply.tokens == oracle.usage.completion_tokens == 12
+    assert reply.finish_reason == "length"
+    # every token scored, with up to three alternatives, its own among them where it ranks
+    scored = [t for c in chunks for t in c.tokens]
+    assert len(scored) == 12 and "".join(t.token for t in scored) == reply.text
+    for t in scored:
+        assert t.logprob <= 0 and 1 <= len(t.top) <= 3
+        assert t.top == tuple(sorted(t.top, key=lambda a: -a[1]))
+        assert t.logprob >= t.top[-1][1] - 1e-6  # greedy: never below the k-th alternative
+    # the client's clock: the first token after sending, the rest after it, in order
+    assert all(a.at <= b.at for a, b in itertools.pairwise(chunks))
+    assert reply.ttft_s is not None and reply.ttft_s > 0
+    assert reply.tpot_s is not None and reply.tpot_s > 0
+
+
+def test_a_stop_closes_the_stream_and_the_server_serves_on(server):
+    endpoint = with_model(Endpoint(server, api_key=KEY))
+    stream = stream_chat(endpoint, HELLO, max_tokens=200)
+    first = next(stream)
+    stream.close()  # the user pressed stop
+    assert first.text
+    again = Streamed(0.0)
+    list(stream_chat(endpoint, HELLO, max_tokens=3, reply=again))
+    assert again.tokens == 3
+
+
+def test_a_wrong_key_and_a_model_gone_are_one_line_each(server):
+    with pytest.raises(EndpointError, match="refused the API key") as refused:
+        models(Endpoint(server, api_key="not-the-key"))
+    assert refused.value.kind == "auth"
+    gone = Endpoint(server, model="no-such-model", api_key=KEY)
+    with pytest.raises(EndpointError, match="no no-such-model model") as missing:
+        list(stream_chat(gone, HELLO, max_tokens=2))
+    assert missing.value.kind == "model" and "\n" not in str(missing.value)
+
+
+# -- a server that fails as servers do -----------------------------------------------------------
+
+RIGHT = "right-key"
+
+
+class Misbehaving(BaseHTTPRequestHandler):
+    """By the model asked for: ``drop`` streams two chunks and hangs up, ``busy`` answers 429
+    with Retry-After, ``slow`` sends nothing for two seconds, ``garbage`` streams an event
+    that is not JSON, anything else one chunk and the end."""
+
+    def log_message(self, *args: object) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:
+        if not self._authorized():
+            return
+        self._json(200, {"data": [{"id": m} for m in ("drop", "busy", "slow", "garbage")]})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(length))
+        if not self._authorized():
+            return
+        model = body.get("model")
+        if model == "busy":
+            self.send_response(429)
+            self.send_header("Retry-After", "3")
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": {"message": "slow down"}}).encode())
+            return
+        if model == "slow":
+            time.sleep(2.0)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if model == "garbage":
+            self.wfile.write(b"data: this is not json\n\n")
+            return
+        for word in ("Red", " green") if model == "drop" else ("Blue",):
+            event = {"choices": [{"index": 0, "delta": {"content": word}}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+        if model != "drop":  # the dropped stream ends without its [DONE]
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    def _authorized(self) -> bool:
+        if self.headers.get("Authorization") == f"Bearer {RIGHT}":
+            return True
+        self._json(401, {"error": {"message": "invalid api key"}})
+        return False
+
+    def _json(self, status: int, payload: object) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class Quiet(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that timed out and hung up: the slow reply's broken pipe
+
+
+@pytest.fixture(scope="module")
+def misbehaving() -> Iterator[str]:
+    httpd = Quiet(("127.0.0.1", 0), Misbehaving)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def _chat(base: str, model: str, **kw: object) -> Streamed:
+    reply = Streamed(0.0)
+    endpoint = Endpoint(base, model=model, api_key=RIGHT, **kw)  # type: ignore[arg-type]
+    for _ in stream_chat(endpoint, HELLO, max_tokens=4, reply=reply):
+        pass
+    return reply
+
+
+def test_the_models_a_server_lists_and_a_reply_that_ends(misbehaving):
+    assert models(Endpoint(misbehaving + "/v1/", api_key=RIGHT)) == [
+        "drop", "busy", "slow", "garbage"]  # fmt: skip
+    assert with_model(Endpoint(misbehaving, api_key=RIGHT)).model == "drop"
+    assert _chat(misbehaving, "fine").text == "Blue"
+
+
+def test_a_dropped_stream_keeps_what_came(misbehaving):
+    reply = Streamed(0.0)
+    with pytest.raises(EndpointError, match="ended the stream after 2 chunks") as dropped:
+        for _ in stream_chat(Endpoint(misbehaving, model="drop", api_key=RIGHT), HELLO,
+                             max_tokens=4, reply=reply):  # fmt: skip
+            pass
+    assert dropped.value.kind == "dropped" and reply.text == "Red green"
+
+
+def test_a_rate_limit_says_how_long_to_wait(misbehaving):
+    with pytest.raises(EndpointError, match=r"limiting requests \(HTTP 429: slow down\); "
+                       "retry after 3 s") as limited:  # fmt: skip
+        _chat(misbehaving, "busy")
+    assert limited.value.kind == "rate_limited" and limited.value.retry_after == 3
+
+
+def test_nothing_before_the_timeout_and_an_event_that_is_not_json(misbehaving):
+    with pytest.raises(EndpointError, match=r"sent nothing for 0\.5 s") as stalled:
+        _chat(misbehaving, "slow", read_s=0.5)
+    assert stalled.value.kind == "timeout"
+    with pytest.raises(EndpointError, match="not JSON") as garbage:
+        _chat(misbehaving, "garbage")
+    assert garbage.value.kind == "protocol"
+
+
+def test_a_wrong_key_and_nobody_listening(misbehaving):
+    with pytest.raises(EndpointError, match=r"refused the API key \(HTTP 401: invalid api key\)"):
+        models(Endpoint(misbehaving, api_key="wrong"))
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(EndpointError, match="is unreachable") as nobody:
+        models(Endpoint(f"http://127.0.0.1:{port}", connect_s=2))
+    assert nobody.value.kind == "unreachable"
+
+
+def test_keys_live_in_the_keyring_per_server_and_the_environment_overrides(monkeypatch):
+    import keyring
+
+    from tests.test_hub import MemoryKeyring
+
+    monkeypatch.delenv(keys.ENV, raising=False)
+    previous = keyring.get_keyring()
+    keyring.set_keyring(MemoryKeyring())
+    try:
+        keys.save_key("http://gpu-box:8000/v1/", "sk-1")
+        assert keys.key("http://gpu-box:8000") == "sk-1"  # one entry per server
+        assert keys.key("http://other:8000") is None
+        monkeypatch.setenv(keys.ENV, "from-env")
+        assert keys.key("http://other:8000") == "from-env"
+        monkeypatch.delenv(keys.ENV)
+        keys.save_key("http://gpu-box:8000", None)
+        assert keys.key("http://gpu-box:8000/v1") is None
+        keys.save_key("http://gpu-box:8000", None)  # forgetting twice is no error
+    finally:
+        keyring.set_keyring(previous)
