@@ -15,11 +15,17 @@ Two ways to make load, as in GuideLLM and ``vllm bench serve``:
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from engine.errors import InvalidRequestError
+from engine.errors import InfersightError, InvalidRequestError
 
 if TYPE_CHECKING:
     from engine.core.metrics import RequestMetrics
@@ -193,3 +199,78 @@ class LoadResult:
             else:
                 out[key] = value
         return out
+
+
+# -- the requests, as text (the engine's generator tokenizes them; a remote server does) ------
+
+PROMPT_SET = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "chat.json"
+
+
+@cache
+def prompt_set(path: Path = PROMPT_SET) -> dict[str, list[str]]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InfersightError(f"cannot read the tuner's prompt set {path}: {exc}") from exc
+    keys = ("questions", "answers", "documents", "document_questions")
+    if not all(isinstance(raw.get(k), list) and raw[k] for k in keys):
+        raise InfersightError(f"{path} needs non-empty lists {', '.join(keys)}")
+    return {k: [str(x) for x in raw[k]] for k in keys}
+
+
+def draw_request(
+    rng: random.Random, mix: PromptMix, texts: dict[str, list[str]],
+    count: Callable[[str], int], room: int,
+) -> tuple[str, list[dict[str, str]], int]:  # fmt: skip
+    """The next request ``mix`` describes, drawn from ``rng``: its kind (question, document,
+    conversation), its chat messages, and its output length (at most half of ``room``
+    tokens, what the prompt and the reply may take; ``count``: a text's tokens)."""
+    out = round(math.exp(rng.gauss(math.log(mix.output_median), mix.output_sigma)))
+    out = max(1, min(max(mix.output_min, min(mix.output_max, out)), room // 2))
+    draw = rng.random()
+    if draw < mix.documents:
+        content = rng.choice(texts["documents"]) + "\n\n" + rng.choice(texts["document_questions"])
+        return "document", [{"role": "user", "content": content}], out
+    if draw < mix.documents + mix.conversations:
+        target = min(rng.randint(*mix.conversation_tokens), room - out)
+        return "conversation", _conversation(rng, texts, count, target), out
+    return "question", [{"role": "user", "content": rng.choice(texts["questions"])}], out
+
+
+def _conversation(
+    rng: random.Random, texts: dict[str, list[str]], count: Callable[[str], int], target: int
+) -> list[dict[str, str]]:
+    """Turns of questions and answers until the templated conversation reaches ``target``
+    tokens (estimated from each turn's own length), ending on a user's question."""
+    messages: list[dict[str, str]] = []
+    tokens = 0
+    while True:
+        question = rng.choice(texts["questions"] + texts["documents"])
+        messages.append({"role": "user", "content": question})
+        tokens += count(question) + 5
+        if tokens >= target:
+            return messages
+        answer = rng.choice(texts["answers"])
+        messages.append({"role": "assistant", "content": answer})
+        tokens += count(answer) + 5
+
+
+def stats_ms(values: list[float]) -> dict[str, float]:
+    """Mean, median, p95 and p99 of ``values`` (seconds) in milliseconds (NaN: none)."""
+    if not values:
+        return {"mean": math.nan, "median": math.nan, "p95": math.nan, "p99": math.nan}
+    ordered = sorted(values)
+    return {
+        "mean": statistics.fmean(ordered) * 1e3,
+        "median": statistics.median(ordered) * 1e3,
+        "p95": _quantile(ordered, 0.95) * 1e3,
+        "p99": _quantile(ordered, 0.99) * 1e3,
+    }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, what vLLM reports)."""
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

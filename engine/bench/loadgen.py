@@ -17,25 +17,25 @@ every request it sent, which hands their blocks back at once.
 
 from __future__ import annotations
 
-import json
-import math
 import random
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from typing import Any, Protocol
 
-from engine.bench.load_spec import SLO, LoadResult, LoadSpec
+from engine.bench.load_spec import (
+    SLO,
+    LoadResult,
+    LoadSpec,
+    draw_request,
+    prompt_set,
+    stats_ms,
+)
 from engine.core.engine import LLMEngine
 from engine.core.metrics import RequestMetrics
 from engine.core.output import TokenEvent
 from engine.core.sampling import SamplingParams
 from engine.errors import EngineBusyError, InfersightError
-
-PROMPT_SET = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "chat.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,65 +48,22 @@ class LoadRequest:
 # -- the prompts ----------------------------------------------------------------------------
 
 
-@cache
-def prompt_set(path: Path = PROMPT_SET) -> dict[str, list[str]]:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InfersightError(f"cannot read the tuner's prompt set {path}: {exc}") from exc
-    keys = ("questions", "answers", "documents", "document_questions")
-    if not all(isinstance(raw.get(k), list) and raw[k] for k in keys):
-        raise InfersightError(f"{path} needs non-empty lists {', '.join(keys)}")
-    return {k: [str(x) for x in raw[k]] for k in keys}
-
-
 def request_stream(engine: LLMEngine, spec: LoadSpec) -> Iterator[LoadRequest]:
     """The seeded, endless sequence of requests ``spec`` sends to ``engine``: every request
     fits the model's context and the KV pool's usable blocks."""
     rng = random.Random(spec.seed)
     texts = prompt_set()
-    mix = spec.mix
     mgr = engine.kv.manager
-    mu = math.log(mix.output_median)
+
+    def count(text: str) -> int:
+        return len(engine.tokenizer.encode(text))
+
     while True:
         # the room as it is now: the KV cap can change while the load runs
         room = min(engine.context_length, mgr.capacity * mgr.block_size) - 1
-        out = round(math.exp(rng.gauss(mu, mix.output_sigma)))
-        out = max(1, min(max(mix.output_min, min(mix.output_max, out)), room // 2))
-        draw = rng.random()
-        if draw < mix.documents:
-            kind = "document"
-            content = (
-                rng.choice(texts["documents"]) + "\n\n" + rng.choice(texts["document_questions"])
-            )
-            messages = [{"role": "user", "content": content}]
-        elif draw < mix.documents + mix.conversations:
-            kind = "conversation"
-            target = rng.randint(*mix.conversation_tokens)
-            messages = _conversation(engine, rng, texts, min(target, room - out))
-        else:
-            kind = "question"
-            messages = [{"role": "user", "content": rng.choice(texts["questions"])}]
+        kind, messages, out = draw_request(rng, spec.mix, texts, count, room)
         ids = engine.chat_prompt_ids(messages)[: room - out]
         yield LoadRequest(ids, out, kind)
-
-
-def _conversation(
-    engine: LLMEngine, rng: random.Random, texts: dict[str, list[str]], target: int
-) -> list[dict[str, str]]:
-    """Turns of questions and answers until the templated conversation reaches ``target``
-    tokens (estimated from each turn's own length), ending on a user's question."""
-    messages: list[dict[str, str]] = []
-    tokens = 0
-    while True:
-        question = rng.choice(texts["questions"] + texts["documents"])
-        messages.append({"role": "user", "content": question})
-        tokens += len(engine.tokenizer.encode(question)) + 5
-        if tokens >= target:
-            return messages
-        answer = rng.choice(texts["answers"])
-        messages.append({"role": "assistant", "content": answer})
-        tokens += len(engine.tokenizer.encode(answer)) + 5
 
 
 # -- the generator --------------------------------------------------------------------------
@@ -309,34 +266,14 @@ class LoadGenerator:
             total_output_tokens=output_tokens, request_throughput=len(done) / duration,
             output_throughput=output_tokens / duration,
             total_token_throughput=(input_tokens + output_tokens) / duration,
-            ttft_ms=_stats_ms(ttft), tpot_ms=_stats_ms(tpot), itl_ms=_stats_ms(itl),
-            e2el_ms=_stats_ms(e2e), queue_ms=_stats_ms(queue),
+            ttft_ms=stats_ms(ttft), tpot_ms=stats_ms(tpot), itl_ms=stats_ms(itl),
+            e2el_ms=stats_ms(e2e), queue_ms=stats_ms(queue),
             preemptions=sum(m.preemptions for m in done),
             mean_batch_size=batched / steps if steps else 0.0,
             mean_tokens_per_request=(input_tokens + output_tokens) / len(done) if done else 0.0,
             slo=self.slo.describe() if self.slo else "", request_goodput=good,
             slo_attainment=attained, stopped=self.stopped, refused=self.refused,
         )  # fmt: skip
-
-
-def _stats_ms(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": math.nan, "median": math.nan, "p95": math.nan, "p99": math.nan}
-    ordered = sorted(values)
-    return {
-        "mean": statistics.fmean(ordered) * 1e3,
-        "median": statistics.median(ordered) * 1e3,
-        "p95": _quantile(ordered, 0.95) * 1e3,
-        "p99": _quantile(ordered, 0.99) * 1e3,
-    }
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default, what vLLM reports)."""
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def drive(
