@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import random
 import socket
 import threading
 import time
@@ -18,6 +20,8 @@ import pytest
 
 from app.endpoints import keys
 from app.endpoints.client import Endpoint, EndpointError, Streamed, models, stream_chat, with_model
+from app.endpoints.load import ROOM, run_load
+from engine.bench.load_spec import SLO, LoadSpec, PromptMix, draw_request, prompt_set
 from tests.served import KEY
 
 HELLO = [{"role": "user", "content": "Name three colours."}]
@@ -216,3 +220,49 @@ def test_keys_live_in_the_keyring_per_server_and_the_environment_overrides(monke
         keys.save_key("http://gpu-box:8000", None)  # forgetting twice is no error
     finally:
         keyring.set_keyring(previous)
+
+
+# -- the tuner's load against a server ------------------------------------------------------------
+
+SHORT = PromptMix(documents=0.0, conversations=0.0, output_median=6, output_min=3, output_max=9)
+
+
+def _drawn_outputs(spec: LoadSpec) -> list[int]:
+    """The output lengths ``spec``'s requests draw: the same draws the run makes."""
+    rng, texts = random.Random(spec.seed), prompt_set()
+    count = spec.requests or 0
+    return [draw_request(rng, spec.mix, texts, lambda t: max(1, len(t) // 4), ROOM)[2]
+            for _ in range(count)]  # fmt: skip
+
+
+def test_a_closed_loop_against_the_server_runs_every_request_to_its_length(server):
+    endpoint = with_model(Endpoint(server, api_key=KEY))
+    spec = LoadSpec(mode="closed", users=2, requests=5, seed=3, mix=SHORT)
+    run = run_load(endpoint, spec, SLO(ttft_s=60.0, tpot_s=60.0))
+    r = run.result
+    assert (r.completed, r.failed, not run.failures) == (5, 0, True)
+    assert r.total_output_tokens == sum(_drawn_outputs(spec))  # ignore_eos: every token
+    assert r.total_input_tokens > 0 and r.request_throughput > 0
+    assert 0 < r.ttft_ms["median"] <= r.e2el_ms["median"] and r.tpot_ms["median"] > 0
+    assert r.slo_attainment == 1.0 and r.load == "2 users"
+    assert math.isnan(r.queue_ms["median"])  # what only the server's engine sees
+
+
+def test_an_open_loop_spaces_its_arrivals(server):
+    endpoint = with_model(Endpoint(server, api_key=KEY))
+    spec = LoadSpec(mode="constant", rate=10.0, requests=3, seed=1, mix=SHORT)
+    run = run_load(endpoint, spec)
+    assert run.result.completed == 3 and run.result.duration >= 2 / 10
+
+
+def test_a_failing_server_marks_the_run_with_how_it_failed(misbehaving):
+    spec = LoadSpec(mode="closed", users=2, requests=4, seed=0, mix=SHORT)
+    busy = run_load(Endpoint(misbehaving, model="busy", api_key=RIGHT), spec)
+    assert busy.result.completed == 0 and busy.failures == {"rate_limited": 4}
+    assert busy.result.refused == 4 and "retry after 3 s" in busy.first_failure["rate_limited"]
+    stop = threading.Event()
+    stop.set()  # a stop before anything is sent: nothing is
+    assert run_load(Endpoint(misbehaving, model="busy", api_key=RIGHT), spec,
+                    stop=stop).result.stopped  # fmt: skip
+    dropped = run_load(Endpoint(misbehaving, model="drop", api_key=RIGHT), spec)
+    assert dropped.failures == {"dropped": 4} and dropped.result.failed == 4

@@ -1,0 +1,170 @@
+"""The batching tuner's load against an OpenAI-compatible server: the requests a
+:class:`~engine.bench.load_spec.LoadSpec` describes (closed loop: ``users`` each sending the
+next as the last ends; open loop: arrivals at ``rate``), drawn as text from the tuner's prompt
+set (the server tokenizes them), streamed, and timed by the client's clock. The figures are a
+:class:`~engine.bench.load_spec.LoadResult`, as an engine's run gives them, less what only the
+engine can see (its queue, batch sizes and preemptions: NaN and 0 here); a failed request is
+counted by how it failed, with the server's first line of each kind.
+
+Requests run to their drawn length (``ignore_eos``, the benchmark convention, which vLLM,
+llama.cpp's server and ours take; ``ignore_eos=False`` leaves it out for a server that refuses
+fields it does not know).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+from app.endpoints.client import Endpoint, EndpointError, Streamed, stream_chat
+from engine.bench.load_spec import SLO, LoadResult, LoadSpec, draw_request, prompt_set, stats_ms
+
+if TYPE_CHECKING:
+    from engine.core.metrics import RequestMetrics
+
+#: a remote server's context is not known here: requests are drawn as if it were this large
+ROOM = 1 << 20
+#: the longest a closed-loop user waits on a rate limit before its next request
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(slots=True)
+class Record:
+    """One request's outcome: its times (seconds), its tokens, or how it failed."""
+
+    kind: str
+    e2e_s: float
+    input_tokens: int = 0
+    output_tokens: int = 0
+    time_to_first_token_seconds: float | None = None
+    time_per_output_token_seconds: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    failure: str | None = None  # an EndpointError's kind
+    retry_after: float | None = None  # a rate limit's wait, as the server asked
+
+
+@dataclass(slots=True)
+class EndpointRun:
+    """A run's figures, its requests, and its failures by kind (with each kind's first
+    message, as the tuner marks where the server failed)."""
+
+    result: LoadResult
+    records: list[Record]
+    failures: Counter[str]
+    first_failure: dict[str, str]
+
+
+def run_load(
+    endpoint: Endpoint, spec: LoadSpec, slo: SLO | None = None, *,
+    stop: threading.Event | None = None, ignore_eos: bool = True,
+) -> EndpointRun:  # fmt: skip
+    """Send ``spec``'s load to ``endpoint`` until its requests are sent (or its duration is
+    over, or ``stop`` is set), wait for the ones in flight, and give the figures."""
+    stop = stop or threading.Event()
+    rng = random.Random(spec.seed)
+    texts = prompt_set()
+    lock = threading.Lock()
+    records: list[Record] = []
+    messages: dict[str, str] = {}
+    sent = [0]
+    started = time.perf_counter()
+    deadline = None if spec.duration_s is None else started + spec.duration_s
+
+    def next_request() -> tuple[str, list[dict[str, str]], int] | None:
+        with lock:
+            over = spec.requests is not None and sent[0] >= spec.requests
+            if stop.is_set() or over or (deadline is not None and time.perf_counter() > deadline):
+                return None
+            sent[0] += 1
+            return draw_request(rng, spec.mix, texts, lambda t: max(1, len(t) // 4), ROOM)
+
+    def send(kind: str, chat: list[dict[str, str]], out: int) -> Record:
+        reply = Streamed(time.perf_counter())
+        extra = {"ignore_eos": True} if ignore_eos else None
+        try:
+            for _ in stream_chat(endpoint, chat, max_tokens=out, extra=extra, reply=reply):
+                pass
+        except EndpointError as exc:
+            with lock:
+                messages.setdefault(exc.kind, str(exc))
+            return Record(kind, time.perf_counter() - reply.started, failure=exc.kind,
+                          retry_after=exc.retry_after)  # fmt: skip
+        timed = [c.at for c in reply.chunks if c.text]
+        usage = reply.usage or {}
+        return Record(
+            kind, time.perf_counter() - reply.started,
+            input_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=reply.tokens,
+            time_to_first_token_seconds=reply.ttft_s, time_per_output_token_seconds=reply.tpot_s,
+            itl_s=[b - a for a, b in itertools.pairwise(timed)],
+        )  # fmt: skip
+
+    def keep(record: Record) -> None:
+        with lock:
+            records.append(record)
+
+    if spec.mode == "closed":
+
+        def user() -> None:
+            while (request := next_request()) is not None:
+                record = send(*request)
+                keep(record)
+                if record.failure == "rate_limited":  # wait as the server asked
+                    stop.wait(min(record.retry_after or 1.0, MAX_BACKOFF_S))
+
+        threads = [threading.Thread(target=user, daemon=True) for _ in range(spec.users)]
+        for t in threads:
+            t.start()
+    else:
+        threads = []
+        gaps = random.Random(spec.seed + 1)
+        due = started
+        while (request := next_request()) is not None:
+            if stop.wait(max(0.0, due - time.perf_counter())):
+                break
+            t = threading.Thread(target=lambda r=request: keep(send(*r)), daemon=True)
+            t.start()
+            threads.append(t)
+            mean = 1.0 / spec.rate
+            shape = spec.burstiness
+            due += mean if spec.mode == "constant" else gaps.gammavariate(shape, mean / shape)
+    for t in threads:
+        t.join()
+    ended = time.perf_counter()
+    return _run(endpoint, spec, slo, records, messages, ended - started, stop.is_set())
+
+
+def _run(
+    endpoint: Endpoint, spec: LoadSpec, slo: SLO | None, records: list[Record],
+    messages: dict[str, str], duration: float, stopped: bool,
+) -> EndpointRun:  # fmt: skip
+    done = [r for r in records if r.failure is None]
+    failures = Counter(r.failure for r in records if r.failure is not None)
+    duration = max(duration, 1e-9)
+    ttft = [r.time_to_first_token_seconds for r in done if r.time_to_first_token_seconds]
+    tpot = [r.time_per_output_token_seconds for r in done if r.time_per_output_token_seconds]
+    inputs = sum(r.input_tokens for r in done)
+    outputs = sum(r.output_tokens for r in done)
+    good = attained = None
+    if slo is not None:
+        met = sum(1 for r in done if slo.met_by(cast("RequestMetrics", r)))  # the same fields
+        good, attained = met / duration, (met / len(done) if done else 0.0)
+    result = LoadResult(
+        setting={"endpoint": endpoint.name}, load=spec.describe(), completed=len(done),
+        failed=sum(failures.values()), duration=duration, total_input_tokens=inputs,
+        total_output_tokens=outputs, request_throughput=len(done) / duration,
+        output_throughput=outputs / duration, total_token_throughput=(inputs + outputs) / duration,
+        ttft_ms=stats_ms(ttft), tpot_ms=stats_ms(tpot),
+        itl_ms=stats_ms([g for r in done for g in r.itl_s]),
+        e2el_ms=stats_ms([r.e2e_s for r in done]), queue_ms=stats_ms([]), preemptions=0,
+        mean_batch_size=math.nan,
+        mean_tokens_per_request=(inputs + outputs) / len(done) if done else 0.0,
+        slo=slo.describe() if slo else "", request_goodput=good, slo_attainment=attained,
+        stopped=stopped, refused=failures.get("rate_limited", 0),
+    )  # fmt: skip
+    return EndpointRun(result, records, Counter(failures), dict(messages))
