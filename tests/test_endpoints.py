@@ -266,3 +266,30 @@ def test_a_failing_server_marks_the_run_with_how_it_failed(misbehaving):
                     stop=stop).result.stopped  # fmt: skip
     dropped = run_load(Endpoint(misbehaving, model="drop", api_key=RIGHT), spec)
     assert dropped.failures == {"dropped": 4} and dropped.result.failed == 4
+
+
+def test_tune_endpoint_sweeps_a_server_headless(server, monkeypatch, capsys):
+    from app.cli.main import main
+
+    monkeypatch.setenv(keys.ENV, KEY)
+    args = ["tune", "--endpoint", server, "--users", "1", "2", "--requests", "2",
+            "--output-median", "4", "--output-max", "6", "--documents", "0",
+            "--conversations", "0", "--slo", "ttft=60s,tpot=60s", "--json"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["endpoint"].endswith(server) and report["failures"] == {}
+    points = report["points"]
+    assert [p["load"] for p in points] == ["1 users", "2 users"]
+    assert all(p["completed"] == 2 and p["failed"] == 0 for p in points)
+    assert report["best_for_slo"] in ("1 users", "2 users")
+
+
+def test_tune_endpoint_says_in_one_line_that_nobody_listens(capsys):
+    from app.cli.main import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["tune", "--endpoint", f"http://127.0.0.1:{port}", "--requests", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is unreachable" in err[0] and "Traceback" not in err[0]

@@ -302,8 +302,9 @@ def _profile_attention_paths(args: argparse.Namespace, engine: Any, prompt: Any,
     return 0
 
 
-def tune_settings(args: argparse.Namespace) -> tuple[list[Any], Any]:
-    """``tune``'s grid and SLO from its arguments, every value checked before a load."""
+def tune_settings(args: argparse.Namespace, limits: bool = True) -> tuple[list[Any], Any]:
+    """``tune``'s grid and SLO from its arguments, every value checked before a load
+    (``limits=False``: the loads alone, for a remote server whose limits are its own)."""
     from engine.bench.load_spec import SLO, LoadSpec, PromptMix
     from engine.bench.sweep_analysis import grid
 
@@ -331,12 +332,16 @@ def tune_settings(args: argparse.Namespace) -> tuple[list[Any], Any]:
     settings = grid(
         base, max_batch_size=args.max_batch_size, max_tokens_per_step=args.max_tokens_per_step,
         max_wait_ms=args.max_wait_ms, kv_blocks=args.kv_blocks or (), loads=loads,
-    )  # fmt: skip
+    ) if limits else grid(base, loads=loads)  # fmt: skip
     slo = SLO.parse(args.slo) if args.slo else None
     return settings, slo
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.endpoint:
+        from app.cli.tune_endpoint import tune_endpoint
+
+        return tune_endpoint(args, *tune_settings(args, limits=False))
     import torch
 
     from app.loading import resolve_device, resolve_model_folder

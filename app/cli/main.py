@@ -245,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--documents", type=float, default=0.25, help="share of document prompts")
     g.add_argument("--conversations", type=float, default=0.15, help="share of long conversations")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--endpoint", metavar="URL", default=None,
+        help="load an OpenAI-compatible server at URL instead of a local model (vLLM, "
+        "llama.cpp's server, Ollama, infersight serve …): its key from the keyring or "
+        "$INFERSIGHT_ENDPOINT_KEY; the limits do not apply",
+    )  # fmt: skip
+    g.add_argument(
+        "--endpoint-model", metavar="ID", default="",
+        help="the model to ask the endpoint for (default: the first it lists)",
+    )  # fmt: skip
     g = p.add_argument_group("limits (each a list: the sweep runs every combination)")
     g.add_argument("--max-batch-size", type=int, nargs="+", default=[16])
     g.add_argument("--max-tokens-per-step", type=int, nargs="+", default=[512])

@@ -1,0 +1,53 @@
+"""``infersight tune --endpoint URL``: the batching tuner's load, sweep and reading of it
+(Pareto front, best load for the SLO, knee, capacity) against an OpenAI-compatible server
+instead of a local engine (:mod:`app.endpoints.load`); the limits are the server's own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> int:
+    from app.endpoints import keys
+    from app.endpoints.client import Endpoint, with_model
+    from app.endpoints.load import run_load
+    from engine.bench.sweep_analysis import SweepPoint, format_points, sweep_report
+
+    endpoint = with_model(
+        Endpoint(args.endpoint, model=args.endpoint_model, api_key=keys.key(args.endpoint))
+    )
+    points: list[SweepPoint] = []
+    failures: dict[str, dict[str, Any]] = {}
+    try:
+        for i, setting in enumerate(settings):
+            run = run_load(endpoint, setting.load, slo)
+            points.append(SweepPoint(setting, run.result))
+            r = run.result
+            line = f"{r.output_throughput:.1f} out tok/s, p95 TTFT {r.ttft_ms['p95']:.0f} ms"
+            if run.failures:  # the run marked where the server failed
+                failed = ", ".join(f"{n} {k}" for k, n in sorted(run.failures.items()))
+                line += f"; failed: {failed} ({next(iter(run.first_failure.values()))})"
+                failures[setting.label()] = {"counts": dict(run.failures),
+                                             "first": run.first_failure}  # fmt: skip
+            print(f"[{i + 1}/{len(settings)}] {setting.label()}: {line}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("stopped: the loads measured so far follow", file=sys.stderr)
+    report = sweep_report(points, slo, target_rate=args.capacity,
+                          peak_factor=args.peak_factor, headroom=args.headroom)  # fmt: skip
+    report = {"endpoint": endpoint.name, "failures": failures, **report}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{endpoint.name} · the server's own limits")
+    print(format_points(points, slo))
+    print("Pareto front (output tok/s vs p95 TTFT): " + ", ".join(report["pareto_ttft"]))
+    if slo is not None:
+        print(f"best for {slo.describe()} at p95: {report['best_for_slo'] or 'none meets it'}")
+    for name, k in report["knees"].items():
+        print(f"knee of {name}: {k['label']} ({k['request_throughput']:.2f} req/s)")
+        if "capacity" in k:
+            print("  " + k["capacity"]["text"])
+    return 0
