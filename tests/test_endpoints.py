@@ -111,6 +111,17 @@ class Misbehaving(BaseHTTPRequestHandler):
         if model == "garbage":
             self.wfile.write(b"data: this is not json\n\n")
             return
+        if model == "shape":
+            self.wfile.write(b'data: {"choices": {"index": 0}}\n\n')
+            return
+        if model == "long":  # a word every half second for ten seconds
+            for _ in range(20):
+                event = {"choices": [{"index": 0, "delta": {"content": "la "}}]}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.5)
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
         for word in ("Red", " green") if model == "drop" else ("Blue",):
             event = {"choices": [{"index": 0, "delta": {"content": word}}]}
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
@@ -250,9 +261,11 @@ def test_a_closed_loop_against_the_server_runs_every_request_to_its_length(serve
 
 def test_an_open_loop_spaces_its_arrivals(server):
     endpoint = with_model(Endpoint(server, api_key=KEY))
-    spec = LoadSpec(mode="constant", rate=10.0, requests=3, seed=1, mix=SHORT)
+    spec = LoadSpec(mode="constant", rate=5.0, requests=3, seed=1, mix=SHORT)
     run = run_load(endpoint, spec)
-    assert run.result.completed == 3 and run.result.duration >= 2 / 10
+    assert run.result.completed == 3
+    sent = sorted(r.sent for r in run.records)
+    assert all(b - a >= 0.2 - 0.02 for a, b in itertools.pairwise(sent))  # 1/5 s apart
 
 
 def test_a_failing_server_marks_the_run_with_how_it_failed(misbehaving):
@@ -266,6 +279,22 @@ def test_a_failing_server_marks_the_run_with_how_it_failed(misbehaving):
                     stop=stop).result.stopped  # fmt: skip
     dropped = run_load(Endpoint(misbehaving, model="drop", api_key=RIGHT), spec)
     assert dropped.failures == {"dropped": 4} and dropped.result.failed == 4
+    shaped = run_load(Endpoint(misbehaving, model="shape", api_key=RIGHT), spec)
+    assert shaped.failures == {"protocol": 4}  # a chunk of another shape: no thread lost
+    # a key refused heals with no wait: the run ends at the first failures
+    refused = run_load(Endpoint(misbehaving, model="fine", api_key="wrong"), spec)
+    assert refused.result.stopped and set(refused.failures) == {"auth"}
+    assert refused.result.failed <= spec.users < spec.requests
+
+
+def test_a_stop_ends_the_requests_in_flight(misbehaving):
+    spec = LoadSpec(mode="closed", users=2, requests=2, seed=0, mix=SHORT)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    began = time.perf_counter()
+    run = run_load(Endpoint(misbehaving, model="long", api_key=RIGHT), spec, stop=stop)
+    assert time.perf_counter() - began < 3.0  # the replies take 10 s each
+    assert run.result.stopped and run.result.completed == 2  # ended where they were
 
 
 def test_tune_endpoint_sweeps_a_server_headless(server, monkeypatch, capsys):
@@ -284,9 +313,10 @@ def test_tune_endpoint_sweeps_a_server_headless(server, monkeypatch, capsys):
     assert report["best_for_slo"] in ("1 users", "2 users")
 
 
-def test_tune_endpoint_says_in_one_line_that_nobody_listens(capsys):
+def test_tune_endpoint_says_in_one_line_that_nobody_listens(capsys, monkeypatch):
     from app.cli.main import main
 
+    monkeypatch.setenv(keys.ENV, "any")  # not the machine's keyring
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

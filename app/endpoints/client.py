@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -123,7 +123,7 @@ def models(endpoint: Endpoint) -> list[str]:
     with _client(endpoint) as client:
         try:
             response = client.get(endpoint.api + "/models", headers=_headers(endpoint))
-        except httpx2.HTTPError as exc:
+        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
             raise _transport(endpoint, exc, 0) from exc
         _check(endpoint, response)
         try:
@@ -150,7 +150,7 @@ def stream_chat(
     endpoint: Endpoint, messages: Sequence[dict[str, Any]], *, max_tokens: int,
     temperature: float = 0.0, seed: int | None = None, top_logprobs: int | None = None,
     extra: dict[str, Any] | None = None, reply: Streamed | None = None,
-) -> Iterator[Chunk]:  # fmt: skip
+) -> Generator[Chunk, None, None]:  # fmt: skip
     """Stream one chat completion: yields each chunk with text as it arrives; ``reply`` (made
     here where not given) collects them, the finish reason and the usage. Leaving the loop
     early (a stop) closes the connection, which a server takes as a cancel. ``top_logprobs``:
@@ -187,7 +187,7 @@ def stream_chat(
                     if chunk is not None:
                         reply.chunks.append(chunk)
                         yield chunk
-        except httpx2.HTTPError as exc:
+        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
             raise _transport(endpoint, exc, len(reply.chunks)) from exc
     if not done:
         raise EndpointError(
@@ -210,22 +210,28 @@ def _chunk(endpoint: Endpoint, data: str, reply: Streamed) -> Chunk | None:
     if isinstance(event, dict) and "error" in event:  # an error inside the stream
         raise EndpointError("server", f"{_where(endpoint)} failed mid-reply: "
                             f"{_message(event)}")  # fmt: skip
-    if isinstance(event, dict) and isinstance(event.get("usage"), dict):
-        reply.usage = event["usage"]
-    choices = event.get("choices") if isinstance(event, dict) else None
-    if not choices:
-        return None
-    choice = choices[0]
-    if choice.get("finish_reason"):
-        reply.finish_reason = choice["finish_reason"]
-    text = (choice.get("delta") or {}).get("content") or ""
-    scored = ((choice.get("logprobs") or {}).get("content")) or []
-    tokens = tuple(
-        TokenLogprob(str(t.get("token", "")), float(t.get("logprob", 0.0)),
-                     tuple((str(a.get("token", "")), float(a.get("logprob", 0.0)))
-                           for a in t.get("top_logprobs") or ()))
-        for t in scored
-    )  # fmt: skip
+    try:
+        if isinstance(event, dict) and isinstance(event.get("usage"), dict):
+            reply.usage = event["usage"]
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if not choices:
+            return None
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            reply.finish_reason = choice["finish_reason"]
+        text = (choice.get("delta") or {}).get("content") or ""
+        scored = ((choice.get("logprobs") or {}).get("content")) or []
+        tokens = tuple(
+            TokenLogprob(str(t.get("token", "")), float(t.get("logprob", 0.0)),
+                         tuple((str(a.get("token", "")), float(a.get("logprob", 0.0)))
+                               for a in t.get("top_logprobs") or ()))
+            for t in scored
+        )  # fmt: skip
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:
+        raise EndpointError(
+            "protocol", f"{_where(endpoint)} sent a stream event of another shape than a chat "
+            f"completion chunk ({data[:60]!r}): is it an OpenAI-compatible server?",
+        ) from exc  # fmt: skip
     if not text and not tokens:
         return None
     return Chunk(text, at, tokens)
@@ -284,7 +290,10 @@ def _check(endpoint: Endpoint, response: httpx2.Response) -> None:
                             f"{after}", retry_after=wait)  # fmt: skip
     if status < 500:
         raise EndpointError("refused", f"{where} refused the request (HTTP {status}: {said})")
-    raise EndpointError("server", f"{where} failed (HTTP {status}: {said})")
+    wait = _retry_after(response.headers.get("retry-after"))  # an overloaded server's 503
+    after = f"; retry after {wait:g} s" if wait is not None else ""
+    raise EndpointError("server", f"{where} failed (HTTP {status}: {said}){after}",
+                        retry_after=wait)  # fmt: skip
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -302,14 +311,20 @@ def _retry_after(value: str | None) -> float | None:
             return None
 
 
-def _transport(endpoint: Endpoint, exc: httpx2.HTTPError, chunks: int) -> EndpointError:
+def _transport(
+    endpoint: Endpoint, exc: httpx2.HTTPError | httpx2.InvalidURL, chunks: int
+) -> EndpointError:
     """What a failure below HTTP means to the user."""
     where = _where(endpoint)
+    if isinstance(exc, httpx2.UnsupportedProtocol | httpx2.InvalidURL):
+        return EndpointError("unreachable", f"{endpoint.base_url!r} is no URL a server can be "
+                             "reached at: give it with http:// or https://")  # fmt: skip
     if isinstance(exc, httpx2.ConnectTimeout | httpx2.ConnectError):
         return EndpointError("unreachable", f"{where} is unreachable ({exc}): is the server "
                              "running, and is the URL right?")  # fmt: skip
-    if isinstance(exc, httpx2.TimeoutException) and chunks == 0:
-        return EndpointError("timeout", f"{where} sent nothing for {endpoint.read_s:g} s: the "
+    if isinstance(exc, httpx2.ReadTimeout):
+        what = "nothing" if chunks == 0 else f"nothing more after {chunks} chunks"
+        return EndpointError("timeout", f"{where} sent {what} for {endpoint.read_s:g} s: the "
                              "server is busy or stalled")  # fmt: skip
     if isinstance(exc, httpx2.TransportError):
         return EndpointError("dropped", f"{where} broke the connection after {chunks} chunks "

@@ -32,6 +32,15 @@ if TYPE_CHECKING:
 ROOM = 1 << 20
 #: the longest a closed-loop user waits on a rate limit before its next request
 MAX_BACKOFF_S = 30.0
+#: how long a closed-loop user waits after a failure the server gave no wait for
+BACKOFF_S = 0.5
+#: failures that no wait heals: the run ends at the first
+FATAL = frozenset({"unreachable", "auth", "model"})
+
+
+def tokens_of(text: str) -> int:
+    """A text's tokens, estimated (a remote server tokenizes; about four characters each)."""
+    return max(1, len(text) // 4)
 
 
 @dataclass(slots=True)
@@ -40,6 +49,7 @@ class Record:
 
     kind: str
     e2e_s: float
+    sent: float = 0.0  # time.perf_counter() when it was sent
     input_tokens: int = 0
     output_tokens: int = 0
     time_to_first_token_seconds: float | None = None
@@ -82,27 +92,43 @@ def run_load(
             if stop.is_set() or over or (deadline is not None and time.perf_counter() > deadline):
                 return None
             sent[0] += 1
-            return draw_request(rng, spec.mix, texts, lambda t: max(1, len(t) // 4), ROOM)
+            return draw_request(rng, spec.mix, texts, tokens_of, ROOM)
 
     def send(kind: str, chat: list[dict[str, str]], out: int) -> Record:
         reply = Streamed(time.perf_counter())
         extra = {"ignore_eos": True} if ignore_eos else None
         try:
-            for _ in stream_chat(endpoint, chat, max_tokens=out, extra=extra, reply=reply):
-                pass
+            stream = stream_chat(endpoint, chat, max_tokens=out, extra=extra, reply=reply)
+            for _ in stream:
+                if stop.is_set():  # a stop ends the requests in flight too
+                    stream.close()
+                    break
         except EndpointError as exc:
-            with lock:
-                messages.setdefault(exc.kind, str(exc))
-            return Record(kind, time.perf_counter() - reply.started, failure=exc.kind,
-                          retry_after=exc.retry_after)  # fmt: skip
+            return failed(kind, reply, exc.kind, str(exc), exc.retry_after)
+        except Exception as exc:  # a user thread must end in a record
+            return failed(kind, reply, "protocol", f"{endpoint.name}: {exc!r}", None)
         timed = [c.at for c in reply.chunks if c.text]
         usage = reply.usage or {}
+        # the server's count; without one, the drawn length where the reply ran to it (a
+        # server may stream several tokens a chunk), else the chunks'
+        tokens = reply.tokens
+        if not isinstance(usage.get("completion_tokens"), int) and reply.finish_reason == "length":
+            tokens = out
+        tpot = (timed[-1] - timed[0]) / (tokens - 1) if len(timed) > 1 and tokens > 1 else None
         return Record(
-            kind, time.perf_counter() - reply.started,
-            input_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=reply.tokens,
-            time_to_first_token_seconds=reply.ttft_s, time_per_output_token_seconds=reply.tpot_s,
+            kind, time.perf_counter() - reply.started, reply.started,
+            input_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=tokens,
+            time_to_first_token_seconds=reply.ttft_s, time_per_output_token_seconds=tpot,
             itl_s=[b - a for a, b in itertools.pairwise(timed)],
         )  # fmt: skip
+
+    def failed(kind: str, reply: Streamed, how: str, message: str, wait: float | None) -> Record:
+        with lock:
+            messages.setdefault(how, message)
+        if how in FATAL:  # no wait heals it: the run ends
+            stop.set()
+        return Record(kind, time.perf_counter() - reply.started, reply.started, failure=how,
+                      retry_after=wait)  # fmt: skip
 
     def keep(record: Record) -> None:
         with lock:
@@ -114,8 +140,9 @@ def run_load(
             while (request := next_request()) is not None:
                 record = send(*request)
                 keep(record)
-                if record.failure == "rate_limited":  # wait as the server asked
-                    stop.wait(min(record.retry_after or 1.0, MAX_BACKOFF_S))
+                if record.failure is not None:  # wait as the server asked, or a little
+                    wait = BACKOFF_S if record.retry_after is None else record.retry_after
+                    stop.wait(min(wait, MAX_BACKOFF_S))
 
         threads = [threading.Thread(target=user, daemon=True) for _ in range(spec.users)]
         for t in threads:
@@ -127,16 +154,23 @@ def run_load(
         while (request := next_request()) is not None:
             if stop.wait(max(0.0, due - time.perf_counter())):
                 break
+            if deadline is not None and due > deadline:  # due after the run's end
+                break
             t = threading.Thread(target=lambda r=request: keep(send(*r)), daemon=True)
             t.start()
             threads.append(t)
             mean = 1.0 / spec.rate
             shape = spec.burstiness
             due += mean if spec.mode == "constant" else gaps.gammavariate(shape, mean / shape)
-    for t in threads:
-        t.join()
+    stopped = True
+    try:
+        for t in threads:
+            t.join()
+        stopped = stop.is_set()  # a stop, or a failure no wait heals, ended it early
+    finally:  # an interrupt (Ctrl-C) stops the users and the streams in flight too
+        stop.set()
     ended = time.perf_counter()
-    return _run(endpoint, spec, slo, records, messages, ended - started, stop.is_set())
+    return _run(endpoint, spec, slo, records, messages, ended - started, stopped)
 
 
 def _run(
