@@ -214,7 +214,7 @@ def test_a_wrong_key_and_nobody_listening(misbehaving):
 def test_keys_live_in_the_keyring_per_server_and_the_environment_overrides(monkeypatch):
     import keyring
 
-    from tests.test_hub import MemoryKeyring
+    from tests.memory_keyring import MemoryKeyring
 
     monkeypatch.delenv(keys.ENV, raising=False)
     previous = keyring.get_keyring()

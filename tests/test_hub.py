@@ -12,32 +12,13 @@ from pathlib import Path
 
 import keyring
 import pytest
-from keyring.backend import KeyringBackend
 
 from engine.core.sampling import SamplingParams
 from engine.errors import CancelledError, InvalidRequestError, ModelPullError
 from engine.loader.load import load_model
 from engine.store import hub
 from tests import hub_server
-
-
-class MemoryKeyring(KeyringBackend):
-    priority = 1  # type: ignore[assignment]
-
-    def __init__(self) -> None:
-        self.kept: dict[tuple[str, str], str] = {}
-
-    def get_password(self, service: str, username: str) -> str | None:
-        return self.kept.get((service, username))
-
-    def set_password(self, service: str, username: str, password: str) -> None:
-        self.kept[(service, username)] = password
-
-    def delete_password(self, service: str, username: str) -> None:
-        from keyring.errors import PasswordDeleteError
-
-        if self.kept.pop((service, username), None) is None:
-            raise PasswordDeleteError("none")
+from tests.memory_keyring import MemoryKeyring
 
 
 @pytest.fixture
