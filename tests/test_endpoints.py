@@ -96,6 +96,10 @@ class Misbehaving(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         model = body.get("model")
+        if model == "strict" and "ignore_eos" in body:  # as OpenAI's own API refuses it
+            message = "Unrecognized request argument supplied: ignore_eos"
+            self._json(400, {"error": {"message": message, "param": "ignore_eos"}})
+            return
         if model == "busy":
             self.send_response(429)
             self.send_header("Retry-After", "3")
@@ -323,3 +327,19 @@ def test_tune_endpoint_says_in_one_line_that_nobody_listens(capsys, monkeypatch)
     assert main(["tune", "--endpoint", f"http://127.0.0.1:{port}", "--requests", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is unreachable" in err[0] and "Traceback" not in err[0]
+
+
+def test_a_server_that_refuses_ignore_eos_is_loaded_without_it(misbehaving, monkeypatch, capsys):
+    from app.cli.main import main
+
+    spec = LoadSpec(mode="closed", users=1, requests=2, seed=0, mix=SHORT)
+    strict = Endpoint(misbehaving, model="strict", api_key=RIGHT)
+    refused = run_load(strict, spec)
+    assert refused.failures == {"refused": 2} and "ignore_eos" in refused.first_failure["refused"]
+    assert run_load(strict, spec, ignore_eos=False).result.completed == 2
+    monkeypatch.setenv(keys.ENV, RIGHT)
+    args = ["tune", "--endpoint", misbehaving, "--endpoint-model", "strict", "--endpoint-eos",
+            "--requests", "2", "--users", "1", "--json"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["failures"] == {} and report["points"][0]["completed"] == 2

@@ -255,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint-model", metavar="ID", default="",
         help="the model to ask the endpoint for (default: the first it lists)",
     )  # fmt: skip
+    g.add_argument(
+        "--endpoint-eos", action="store_true",
+        help="let the endpoint's replies end at their end token: send no ignore_eos (for a "
+        "server that refuses fields it does not know; the drawn lengths are then upper bounds)",
+    )  # fmt: skip
     g = p.add_argument_group("limits (each a list: the sweep runs every combination)")
     g.add_argument("--max-batch-size", type=int, nargs="+", default=[16])
     g.add_argument("--max-tokens-per-step", type=int, nargs="+", default=[512])

@@ -23,7 +23,7 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
     failures: dict[str, dict[str, Any]] = {}
     try:
         for i, setting in enumerate(settings):
-            run = run_load(endpoint, setting.load, slo)
+            run = run_load(endpoint, setting.load, slo, ignore_eos=not args.endpoint_eos)
             points.append(SweepPoint(setting, run.result))
             r = run.result
             line = f"{r.output_throughput:.1f} out tok/s, p95 TTFT {r.ttft_ms['p95']:.0f} ms"

@@ -36,6 +36,12 @@ class EndpointError(InfersightError):
         self.retry_after = retry_after
 
 
+def server_url(base_url: str) -> str:
+    """A server's URL as given with or without a trailing slash or ``/v1``: without them (what
+    names the server: its key in the keyring, the app's lists)."""
+    return base_url.strip().rstrip("/").removesuffix("/v1")
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """A server's base URL (with or without ``/v1``), the model to ask for ("": the first its
@@ -51,13 +57,12 @@ class Endpoint:
     @property
     def api(self) -> str:
         """The base URL of its ``/v1`` routes."""
-        url = self.base_url.strip().rstrip("/")
-        return url if url.endswith("/v1") else url + "/v1"
+        return server_url(self.base_url) + "/v1"
 
     @property
     def name(self) -> str:
         """How the app names it: the model at the server."""
-        return f"{self.model or '?'} @ {self.api.removesuffix('/v1')}"
+        return f"{self.model or '?'} @ {server_url(self.base_url)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +252,7 @@ def _headers(endpoint: Endpoint) -> dict[str, str]:
 
 
 def _where(endpoint: Endpoint) -> str:
-    return endpoint.api.removesuffix("/v1")
+    return server_url(endpoint.base_url)
 
 
 def _message(body: Any) -> str:

@@ -45,6 +45,7 @@ def save_key(base_url: str, value: str | None) -> None:
 
 
 def _user(base_url: str) -> str:
-    """One entry per server: the base URL without a trailing slash or ``/v1``."""
-    url = base_url.strip().rstrip("/")
-    return url.removesuffix("/v1")
+    """One entry per server (:func:`app.endpoints.client.server_url`)."""
+    from app.endpoints.client import server_url
+
+    return server_url(base_url)
