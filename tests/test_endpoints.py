@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -343,3 +344,42 @@ def test_a_server_that_refuses_ignore_eos_is_loaded_without_it(misbehaving, monk
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["failures"] == {} and report["points"][0]["completed"] == 2
+
+
+class KeepAlive(BaseHTTPRequestHandler):
+    """A server that keeps its connections alive (HTTP/1.1) and notes each request's client
+    port: how many connections a load opened."""
+
+    protocol_version = "HTTP/1.1"
+    ports: ClassVar[list[int]] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        KeepAlive.ports.append(self.client_address[1])
+        event = {"choices": [{"index": 0, "delta": {"content": "Blue"}}]}
+        body = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_load_shares_its_connections_between_a_users_requests():
+    """One client per run: a closed loop's user sends its requests on one kept-alive
+    connection, so that a TTFT holds no connection's setup after the first."""
+    httpd = Quiet(("127.0.0.1", 0), KeepAlive)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        KeepAlive.ports = []
+        run = run_load(Endpoint(base, model="m"), LoadSpec(users=1, requests=4, mix=SHORT))
+        assert run.result.completed == 4 and len(set(KeepAlive.ports)) == 1
+        KeepAlive.ports = []
+        run = run_load(Endpoint(base, model="m"), LoadSpec(users=2, requests=6, mix=SHORT))
+        assert run.result.completed == 6 and len(set(KeepAlive.ports)) <= 2
+    finally:
+        httpd.shutdown()

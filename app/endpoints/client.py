@@ -11,6 +11,7 @@ the caller (the chat keeps its conversation, the tuner marks its run) decides.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Generator, Sequence
@@ -155,11 +156,14 @@ def stream_chat(
     endpoint: Endpoint, messages: Sequence[dict[str, Any]], *, max_tokens: int,
     temperature: float = 0.0, seed: int | None = None, top_logprobs: int | None = None,
     extra: dict[str, Any] | None = None, reply: Streamed | None = None,
+    session: httpx2.Client | None = None,
 ) -> Generator[Chunk, None, None]:  # fmt: skip
     """Stream one chat completion: yields each chunk with text as it arrives; ``reply`` (made
     here where not given) collects them, the finish reason and the usage. Leaving the loop
     early (a stop) closes the connection, which a server takes as a cancel. ``top_logprobs``:
-    ask for each token's log-probability and that many alternatives. Raises
+    ask for each token's log-probability and that many alternatives. ``session``: a client
+    of :func:`session` whose connections requests share (else one of its own, opened and
+    closed here: its connection's setup falls inside the TTFT). Raises
     :class:`EndpointError`."""
     body: dict[str, Any] = {
         "model": endpoint.model, "messages": list(messages), "max_tokens": max_tokens,
@@ -172,9 +176,9 @@ def stream_chat(
         body["logprobs"], body["top_logprobs"] = True, top_logprobs
     body.update(extra or {})
     reply = reply if reply is not None else Streamed(time.perf_counter())
-    reply.started = time.perf_counter()
     done = False
-    with _client(endpoint) as client:
+    with contextlib.nullcontext(session) if session is not None else _client(endpoint) as client:
+        reply.started = time.perf_counter()
         try:
             with client.stream("POST", endpoint.api + "/chat/completions", json=body,
                                headers=_headers(endpoint)) as response:  # fmt: skip
@@ -182,12 +186,15 @@ def stream_chat(
                     response.read()
                     _check(endpoint, response)
                 for line in response.iter_lines():
-                    if not line.startswith("data:"):
-                        continue  # blank lines between events, comments, other fields
+                    if done or not line.startswith("data:"):
+                        # blank lines between events, comments, other fields; after the
+                        # end, the rest of the body read out, so that a kept-alive
+                        # connection serves the next request
+                        continue
                     data = line.removeprefix("data:").strip()
                     if data == "[DONE]":
                         done = True
-                        break
+                        continue
                     chunk = _chunk(endpoint, data, reply)
                     if chunk is not None:
                         reply.chunks.append(chunk)
@@ -242,9 +249,17 @@ def _chunk(endpoint: Endpoint, data: str, reply: Streamed) -> Chunk | None:
     return Chunk(text, at, tokens)
 
 
-def _client(endpoint: Endpoint) -> httpx2.Client:
+def session(endpoint: Endpoint, connections: int) -> httpx2.Client:
+    """A client whose connections a run's requests share (up to ``connections`` open at
+    once, kept alive between requests): a load's TTFT without a connection's setup in each.
+    Close it (``with``) when the run ends."""
+    return _client(endpoint, connections)
+
+
+def _client(endpoint: Endpoint, connections: int = 1) -> httpx2.Client:
     timeout = httpx2.Timeout(endpoint.read_s, connect=endpoint.connect_s)
-    return httpx2.Client(timeout=timeout, follow_redirects=True)
+    limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx2.Client(timeout=timeout, follow_redirects=True, limits=limits)
 
 
 def _headers(endpoint: Endpoint) -> dict[str, str]:

@@ -22,7 +22,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from app.endpoints.client import Endpoint, EndpointError, Streamed, stream_chat
+import httpx2
+
+from app.endpoints.client import Endpoint, EndpointError, Streamed, session, stream_chat
 from engine.bench.load_spec import SLO, LoadResult, LoadSpec, draw_request, prompt_set, stats_ms
 
 if TYPE_CHECKING:
@@ -77,6 +79,15 @@ def run_load(
     """Send ``spec``'s load to ``endpoint`` until its requests are sent (or its duration is
     over, or ``stop`` is set), wait for the ones in flight, and give the figures."""
     stop = stop or threading.Event()
+    # one client for the run, its connections kept alive between a user's requests
+    with session(endpoint, spec.users if spec.mode == "closed" else 256) as client:
+        return _load(endpoint, spec, slo, stop, ignore_eos, client)
+
+
+def _load(
+    endpoint: Endpoint, spec: LoadSpec, slo: SLO | None, stop: threading.Event,
+    ignore_eos: bool, client: httpx2.Client,
+) -> EndpointRun:  # fmt: skip
     rng = random.Random(spec.seed)
     texts = prompt_set()
     lock = threading.Lock()
@@ -98,7 +109,8 @@ def run_load(
         reply = Streamed(time.perf_counter())
         extra = {"ignore_eos": True} if ignore_eos else None
         try:
-            stream = stream_chat(endpoint, chat, max_tokens=out, extra=extra, reply=reply)
+            stream = stream_chat(endpoint, chat, max_tokens=out, extra=extra, reply=reply,
+                                 session=client)  # fmt: skip
             for _ in stream:
                 if stop.is_set():  # a stop ends the requests in flight too
                     stream.close()
