@@ -346,7 +346,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from app.loading import resolve_device, resolve_model_folder
     from engine.bench.loadgen import drive
-    from engine.bench.sweep_analysis import format_points, sweep_report
+    from engine.bench.sweep_analysis import format_reading, sweep_report
     from engine.bench.tuning import Sweep
     from engine.quant.spec import parse_precision_spec
 
@@ -394,17 +394,5 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 0
     print(f"{engine.name} · {args.precision} · {where} · KV pool {engine.kv.manager.num_blocks} "
           f"blocks × {engine.kv.block_size}")  # fmt: skip
-    print(format_points(sweep.points, slo))
-    print("Pareto front (output tok/s vs p95 TTFT): " + ", ".join(report["pareto_ttft"]))
-    if slo is not None:
-        print(f"best for {slo.describe()} at p95: {report['best_for_slo'] or 'none meets it'}")
-    for name, k in report["knees"].items():
-        print(f"knee of {name}: {k['label']} ({k['request_throughput']:.2f} req/s)")
-        if "capacity" in k:
-            print("  " + k["capacity"]["text"])
-            print(f"  as Ray Serve replicas: {k['capacity']['machines']} of at most "
-                  f"{k['concurrency']} requests in progress each (--json writes the config "
-                  "`infersight serve --ray --config FILE` takes)")  # fmt: skip
-    if args.capacity is not None and not report["knees"]:
-        print("no knee: sweep at least three loads of one setting, up to where latency grows")
+    print(format_reading(sweep.points, report, slo, args.capacity, replicas=True))
     return 0

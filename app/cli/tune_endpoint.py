@@ -14,7 +14,7 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
     from app.endpoints import keys
     from app.endpoints.client import Endpoint, with_model
     from app.endpoints.load import run_load
-    from engine.bench.sweep_analysis import SweepPoint, format_points, sweep_report
+    from engine.bench.sweep_analysis import SweepPoint, format_reading, sweep_report
 
     endpoint = with_model(
         Endpoint(args.endpoint, model=args.endpoint_model, api_key=keys.key(args.endpoint))
@@ -42,12 +42,5 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
         print(json.dumps(report, indent=2))
         return 0
     print(f"{endpoint.name} · the server's own limits")
-    print(format_points(points, slo))
-    print("Pareto front (output tok/s vs p95 TTFT): " + ", ".join(report["pareto_ttft"]))
-    if slo is not None:
-        print(f"best for {slo.describe()} at p95: {report['best_for_slo'] or 'none meets it'}")
-    for name, k in report["knees"].items():
-        print(f"knee of {name}: {k['label']} ({k['request_throughput']:.2f} req/s)")
-        if "capacity" in k:
-            print("  " + k["capacity"]["text"])
+    print(format_reading(points, report, slo, args.capacity, replicas=False))
     return 0

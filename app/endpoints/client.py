@@ -338,7 +338,8 @@ def _transport(
     where = _where(endpoint)
     if isinstance(exc, httpx2.UnsupportedProtocol | httpx2.InvalidURL):
         return EndpointError("unreachable", f"{endpoint.base_url!r} is no URL a server can be "
-                             "reached at: give it with http:// or https://")  # fmt: skip
+                             f"reached at ({exc}): give it as http://host:port or "
+                             "https://host")  # fmt: skip
     if isinstance(exc, httpx2.ConnectTimeout | httpx2.ConnectError):
         return EndpointError("unreachable", f"{where} is unreachable ({exc}): is the server "
                              "running, and is the URL right?")  # fmt: skip

@@ -282,6 +282,34 @@ def format_points(points: Sequence[SweepPoint], slo: SLO | None = None) -> str:
     return "\n".join(text_table(cols, rows))
 
 
+def format_reading(
+    points: Sequence[SweepPoint], report: dict[str, Any], slo: SLO | None,
+    capacity: float | None, *, replicas: bool,
+) -> str:  # fmt: skip
+    """A sweep's table and its reading (``infersight tune``, of a local engine or an
+    endpoint): the Pareto front, the best setting for the SLO, each knee and its capacity
+    (``replicas``: as Ray Serve replicas of ours)."""
+    lines = [
+        format_points(points, slo),
+        "Pareto front (output tok/s vs p95 TTFT): " + ", ".join(report["pareto_ttft"]),
+    ]
+    if slo is not None:
+        lines.append(f"best for {slo.describe()} at p95: "
+                     f"{report['best_for_slo'] or 'none meets it'}")  # fmt: skip
+    for name, k in report["knees"].items():
+        lines.append(f"knee of {name}: {k['label']} ({k['request_throughput']:.2f} req/s)")
+        if "capacity" in k:
+            lines.append("  " + k["capacity"]["text"])
+            if replicas:
+                lines.append(f"  as Ray Serve replicas: {k['capacity']['machines']} of at most "
+                             f"{k['concurrency']} requests in progress each (--json writes the "
+                             "config `infersight serve --ray --config FILE` takes)")  # fmt: skip
+    if capacity is not None and not report["knees"]:
+        lines.append("no knee: sweep at least three loads of one setting, up to where latency "
+                     "grows")  # fmt: skip
+    return "\n".join(lines)
+
+
 def sweep_report(
     points: Sequence[SweepPoint],
     slo: SLO | None,
