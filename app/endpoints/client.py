@@ -165,22 +165,48 @@ def stream_chat(
     of :func:`session` whose connections requests share (else one of its own, opened and
     closed here: its connection's setup falls inside the TTFT). Raises
     :class:`EndpointError`."""
-    body: dict[str, Any] = {
-        "model": endpoint.model, "messages": list(messages), "max_tokens": max_tokens,
-        "temperature": temperature, "stream": True,
-        "stream_options": {"include_usage": True},
-    }  # fmt: skip
-    if seed is not None:
-        body["seed"] = seed
+    body: dict[str, Any] = {"model": endpoint.model, "messages": list(messages)}
     if top_logprobs is not None:
         body["logprobs"], body["top_logprobs"] = True, top_logprobs
+    return _stream(endpoint, "/chat/completions", body, max_tokens, temperature, seed, extra,
+                   reply, session)  # fmt: skip
+
+
+def stream_completion(
+    endpoint: Endpoint, prompt: str | Sequence[int], *, max_tokens: int,
+    temperature: float = 0.0, seed: int | None = None, logprobs: int | None = None,
+    extra: dict[str, Any] | None = None, reply: Streamed | None = None,
+    session: httpx2.Client | None = None,
+) -> Generator[Chunk, None, None]:  # fmt: skip
+    """Stream one (legacy) completion of ``prompt``, a text or token ids (vLLM, llama.cpp's
+    server and ours take ids: the prompt exactly as the caller tokenized it), as
+    :func:`stream_chat` does a chat's; ``logprobs``: each token's log-probability and that
+    many alternatives."""
+    body: dict[str, Any] = {
+        "model": endpoint.model, "prompt": prompt if isinstance(prompt, str) else list(prompt)
+    }  # fmt: skip
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    return _stream(endpoint, "/completions", body, max_tokens, temperature, seed, extra, reply,
+                   session)  # fmt: skip
+
+
+def _stream(
+    endpoint: Endpoint, route: str, body: dict[str, Any], max_tokens: int, temperature: float,
+    seed: int | None, extra: dict[str, Any] | None, reply: Streamed | None,
+    session: httpx2.Client | None,
+) -> Generator[Chunk, None, None]:  # fmt: skip
+    body = {**body, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    if seed is not None:
+        body["seed"] = seed
     body.update(extra or {})
     reply = reply if reply is not None else Streamed(time.perf_counter())
     done = False
     with contextlib.nullcontext(session) if session is not None else _client(endpoint) as client:
         reply.started = time.perf_counter()
         try:
-            with client.stream("POST", endpoint.api + "/chat/completions", json=body,
+            with client.stream("POST", endpoint.api + route, json=body,
                                headers=_headers(endpoint)) as response:  # fmt: skip
                 if response.status_code >= 400:
                     response.read()
@@ -209,8 +235,26 @@ def stream_chat(
         )  # fmt: skip
 
 
+def post(endpoint: Endpoint, route: str, body: dict[str, Any]) -> Any:
+    """One request whose answer is JSON (``route`` under the server's URL, e.g.
+    ``/v1/completions`` or vLLM's ``/tokenize``): the answer, or :class:`EndpointError`."""
+    with _client(endpoint) as client:
+        try:
+            response = client.post(server_url(endpoint.base_url) + route, json=body,
+                                   headers=_headers(endpoint))  # fmt: skip
+        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
+            raise _transport(endpoint, exc, 0) from exc
+        _check(endpoint, response)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise EndpointError("protocol", f"{_where(endpoint)} answered {route} with no "
+                                "JSON: is it an OpenAI-compatible server?") from exc  # fmt: skip
+
+
 def _chunk(endpoint: Endpoint, data: str, reply: Streamed) -> Chunk | None:
-    """One ``data:`` event's chunk (None: one without text, e.g. the usage at the end)."""
+    """One ``data:`` event's chunk, a chat's or a completion's (None: one without text, e.g.
+    the usage at the end)."""
     at = time.perf_counter()
     try:
         event = json.loads(data)
@@ -231,22 +275,40 @@ def _chunk(endpoint: Endpoint, data: str, reply: Streamed) -> Chunk | None:
         choice = choices[0]
         if choice.get("finish_reason"):
             reply.finish_reason = choice["finish_reason"]
-        text = (choice.get("delta") or {}).get("content") or ""
-        scored = ((choice.get("logprobs") or {}).get("content")) or []
-        tokens = tuple(
-            TokenLogprob(str(t.get("token", "")), float(t.get("logprob", 0.0)),
-                         tuple((str(a.get("token", "")), float(a.get("logprob", 0.0)))
-                               for a in t.get("top_logprobs") or ()))
-            for t in scored
-        )  # fmt: skip
+        if "text" in choice:  # a completion's
+            text = choice.get("text") or ""
+            tokens = completion_logprobs(choice.get("logprobs"))
+        else:
+            text = (choice.get("delta") or {}).get("content") or ""
+            scored = ((choice.get("logprobs") or {}).get("content")) or []
+            tokens = tuple(
+                TokenLogprob(str(t.get("token", "")), float(t.get("logprob", 0.0)),
+                             tuple((str(a.get("token", "")), float(a.get("logprob", 0.0)))
+                                   for a in t.get("top_logprobs") or ()))
+                for t in scored
+            )  # fmt: skip
     except (AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:
         raise EndpointError(
-            "protocol", f"{_where(endpoint)} sent a stream event of another shape than a chat "
+            "protocol", f"{_where(endpoint)} sent a stream event of another shape than a "
             f"completion chunk ({data[:60]!r}): is it an OpenAI-compatible server?",
         ) from exc  # fmt: skip
     if not text and not tokens:
         return None
     return Chunk(text, at, tokens)
+
+
+def completion_logprobs(given: Any) -> tuple[TokenLogprob, ...]:
+    """A completion's ``logprobs`` object (parallel lists) as one entry per token; an echoed
+    prompt's first token, which has no log-probability, reads as ``nan``."""
+    if not given:
+        return ()
+    tops = given.get("top_logprobs") or [None] * len(given["tokens"])
+    return tuple(
+        TokenLogprob(str(token), float("nan") if lp is None else float(lp),
+                     tuple(sorted(((str(t), float(v)) for t, v in (top or {}).items()),
+                                  key=lambda tv: -tv[1])))
+        for token, lp, top in zip(given["tokens"], given["token_logprobs"], tops, strict=True)
+    )  # fmt: skip
 
 
 def session(endpoint: Endpoint, connections: int) -> httpx2.Client:

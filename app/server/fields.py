@@ -60,7 +60,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1,),
     "truncate_prompt_tokens": (),
     "spaces_between_special_tokens": (True,),
-    "return_tokens_as_token_ids": (False,),
     "add_special_tokens": (),
     "chat_template": (),
     "chat_template_kwargs": ({},),

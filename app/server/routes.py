@@ -472,7 +472,8 @@ class Server:
         run = Run(self, events, choices)
         token_text = None if logprobs is None else self._token_text
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        reply = Reply(base, self.name, chat, prompt_tokens, int(time.time()), token_text, tools)
+        reply = Reply(base, self.name, chat, prompt_tokens, int(time.time()), token_text, tools,
+                      body.return_tokens_as_token_ids)  # fmt: skip
         if body.stream:
             return StreamingResponse(
                 run.stream(reply, body.stream_options, request), media_type="text/event-stream",

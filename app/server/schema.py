@@ -79,6 +79,9 @@ class RequestBody(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: vLLM's: each token in ``logprobs`` named ``token_id:<id>`` instead of its text, which
+    #: tells two tokens of one text apart (the A/B lab's comparison with a server needs ids)
+    return_tokens_as_token_ids: bool = False
     #: structured outputs: the reply held to JSON, or to a JSON schema (engine.core.structured)
     response_format: ResponseFormat | None = None
 
@@ -222,6 +225,8 @@ class Reply:
     token_text: Callable[[int], str] | None = None
     #: a chat request's tools: its replies are read back as calls where they are
     tools: ToolPlan | None = None
+    #: ``return_tokens_as_token_ids``: tokens named ``token_id:<id>`` in ``logprobs``
+    token_ids: bool = False
 
     def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """A chat reply's message and finish reason: its tool calls where it made them."""
@@ -269,9 +274,10 @@ class Reply:
         """OpenAI's ``logprobs`` object for these tokens: chat's ``content`` list, or the
         completions' parallel lists (``text_offset`` counted from ``offset``; an echoed
         prompt's first token has null ones, as vLLM and OpenAI's legacy API give it)."""
-        name = self.token_text
-        if name is None or not scored:
+        text_of = self.token_text
+        if text_of is None or not scored:
             return None
+        name = (lambda t: f"token_id:{t}") if self.token_ids else text_of
         if self.chat:
 
             def entry(tid: int, lp: float) -> dict[str, Any]:
@@ -282,13 +288,12 @@ class Reply:
                 {**entry(tid, lp or 0.0), "top_logprobs": [entry(t, v) for t, v in top]}
                 for tid, lp, top in scored
             ]}  # fmt: skip
-        tokens = [name(tid) for tid, _, _ in scored]
         offsets = []
-        for text in tokens:
+        for tid, _, _ in scored:
             offsets.append(offset)
-            offset += len(text)
+            offset += len(text_of(tid))
         return {
-            "tokens": tokens,
+            "tokens": [name(tid) for tid, _, _ in scored],
             "token_logprobs": [lp for _, lp, _ in scored],
             "top_logprobs": [
                 None if lp is None else {name(t): v for t, v in top} for _, lp, top in scored

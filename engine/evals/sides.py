@@ -11,7 +11,9 @@ from typing import Any
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import InvalidRequestError
+from engine.evals.known import RemoteModel
 from engine.kv_cache.window import CacheWindow
+from engine.model.tokenizer import Tokenizer
 
 
 def prompt_ids_for(engine: LLMEngine, messages: list[dict[str, str]]) -> list[int]:
@@ -38,6 +40,50 @@ def check_same_tokenizer(vocab_a: int, ids_a: list[int], vocab_b: int, ids_b: li
             "or the prompt tokenizes differently); compare two precisions of one model, or "
             "models of one family with the same vocabulary"
         )
+
+
+#: text tokenized on both sides of a comparison with a server, besides the prompt: digits,
+#: accents, CJK and an emoji, which two tokenizers split differently where they differ
+TOKENIZER_PROBE = " 12345 naïve café — 東京 🙂 def f(x):\n\treturn x"
+
+
+def remote_prompt_ids(
+    sides: dict[str, LLMEngine | RemoteModel], messages: list[dict[str, str]]
+) -> tuple[list[int] | None, Tokenizer | None, str]:
+    """For a comparison with a server: the prompt's ids (the local side's chat template),
+    the tokenizer that reads both answers, and what the check found. The ids are None where
+    a server tokenizes the prompt's text and the probe otherwise than the local side (the
+    answers are then compared as text). A server without a tokenizer route is taken to match,
+    and said so."""
+    local = [s for s in sides.values() if isinstance(s, LLMEngine)]
+    if not local:
+        raise InvalidRequestError(
+            "comparing two servers token by token needs a local model with their tokenizer "
+            "on one side; put the local model on A or B"
+        )
+    engine = local[0]
+    text = "\n".join(m["content"] for m in messages) + TOKENIZER_PROBE
+    mine = engine.tokenizer.encode(text)
+    said = []
+    for name, side in sides.items():
+        if isinstance(side, LLMEngine):
+            continue
+        theirs = side.prompt_ids(text)
+        if theirs is None:
+            said.append(f"{name.upper()}'s server has no /tokenize: its tokenizer is taken to "
+                        "be the local one's")  # fmt: skip
+        elif theirs != mine:
+            return (
+                None,
+                None,
+                (
+                    f"{name.upper()}'s server tokenizes the prompt otherwise than the local model "
+                    f"({len(theirs)} tokens against {len(mine)})"
+                ),
+            )
+        else:
+            said.append(f"{name.upper()}'s server tokenizes the prompt as the local model does")
+    return prompt_ids_for(engine, messages), engine.tokenizer, "; ".join(said)
 
 
 @dataclass(frozen=True, slots=True)
