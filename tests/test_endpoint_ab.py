@@ -29,7 +29,7 @@ from engine.evals.scoring import score
 from engine.evals.sides import Side, prompt_ids_for
 from engine.hardware.cpu_paths import cpu_paths
 from engine.loader.load import load_model
-from tests.served import KEY
+from tests.served import KEY, request
 
 PROMPT = "Name three colours."
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -199,3 +199,24 @@ def test_a_local_model_of_another_tokenizer_is_compared_as_text_and_says_so(serv
     at = got["divergence"]["char_index"]
     assert a[:at] == b[:at] and (at == min(len(a), len(b)) or a[at] != b[at])
     assert not math.isnan(got["b"]["ttft_s"])
+
+
+def test_serve_names_tokens_by_id_where_asked_as_vllm_does(server, client):
+    """vLLM's ``return_tokens_as_token_ids``, through the openai SDK: the same tokens, each
+    named ``token_id:<id>``, the text and its offsets unchanged."""
+    model = client.models.list().data[0].id
+    asked = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0,
+             "logprobs": 3}  # fmt: skip
+    plain = client.completions.create(**asked).choices[0]
+    by_id = client.completions.create(
+        **asked, extra_body={"return_tokens_as_token_ids": True}
+    ).choices[0]
+    assert by_id.text == plain.text
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.logprobs.tokens]
+    status, _, body = request(server, "POST", "/detokenize", {"tokens": ids})
+    assert status == 200
+    assert "".join(plain.logprobs.tokens) == json.loads(body)["prompt"] == plain.text
+    assert by_id.logprobs.text_offset == plain.logprobs.text_offset
+    assert by_id.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    for top in by_id.logprobs.top_logprobs:
+        assert len(top) == 3 and all(t.startswith("token_id:") for t in top)

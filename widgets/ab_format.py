@@ -144,8 +144,11 @@ def _side_stats(side: dict[str, Any]) -> str:
         parts.append(f"TTFT {1000 * side['ttft_s']:.0f} ms")
     if side.get("tokens_per_s") is not None:
         parts.append(f"{side['tokens_per_s']:.1f} tok/s")
-    parts.append(f"weights {format_mib(side.get('weights_bytes'))}")
-    parts.append(f"KV {format_mib(side.get('kv_bytes'))}")
+    if side.get("remote"):  # what a client sees of a server: its clock, not its memory
+        parts.append("client clock; weights and KV not seen from here")
+    else:
+        parts.append(f"weights {format_mib(side.get('weights_bytes'))}")
+        parts.append(f"KV {format_mib(side.get('kv_bytes'))}")
     if side.get("finish_reason"):
         parts.append(f"finish: {side['finish_reason']}")
     return " · ".join(parts)
@@ -257,22 +260,32 @@ def speculation_tip(spec: dict[str, Any]) -> str:
 
 
 def summary_line(summary: dict[str, Any], divergence: dict[str, Any] | None = None) -> str:
-    """The comparison in one line (KL in nats)."""
+    """The comparison in one line (KL in nats; "≥" where a server's top-k bounds it)."""
     spec = summary.get("speculative")
     spec = spec if isinstance(spec, dict) else {}
+    if summary.get("text_only"):
+        at = (divergence or {}).get("char_index")
+        where = "the same text" if at is None else f"they part at character {at}"
+        return f"compared as text (the tokenizers differ): {where}"
     measured = measured_text(spec)
     noise = summary.get("noise_kl_mean")
+    bound = "≥ " if "outside_a_mean" in summary else ""  # a server's: a lower bound
+    sampled = format_pct(spec.get("sampling_acceptance"))
+    if spec.get("sampling_acceptance_high") is not None:
+        sampled += f"–{format_pct(spec['sampling_acceptance_high'])}"
     parts = [
-        f"{summary.get('tokens', 0)} tokens: mean KLD {format_kl(summary.get('kl_mean'))} nats",
-        f"p99 KLD {format_kl(summary.get('kl_p99'))}",
+        f"{summary.get('tokens', 0)} tokens: mean KLD {bound}"
+        f"{format_kl(summary.get('kl_mean'))} nats",
+        f"p99 KLD {bound}{format_kl(summary.get('kl_p99'))}",
         f"RMS Δp {format_pct(summary.get('rms_dp'))}",
         f"top-1 agreement {format_pct(summary.get('top1_agreement'))}",
         f"flips (answers differ): {'yes' if summary.get('flips') else 'no'}",
         f"noise floor (A vs A′) {format_kl(noise) if noise is not None else 'n/a'}",
         f"B drafting for A would be accepted {format_pct(spec.get('greedy_acceptance'))} "
-        f"(greedy) / {format_pct(spec.get('sampling_acceptance'))} (sampling)"
-        + (f", {measured}" if measured else ""),
+        f"(greedy) / {sampled} (sampling)" + (f", {measured}" if measured else ""),
     ]
+    if bound:
+        parts.append(f"A's probability outside the top-k {format_pct(summary['outside_a_mean'])}")
     if divergence is not None and divergence.get("index") is not None:
         parts.append(f"first divergence at token {divergence['index']}")
     return " · ".join(parts)
@@ -290,6 +303,15 @@ def token_tooltip(report: dict[str, Any], column: str, index: int) -> str:
         f"p_A {format_pct(_at(figures.get('p_a'), index))} · "
         f"p_B {format_pct(_at(figures.get('p_b'), index))}",
     ]
+    k = (report.get("bounds") or {}).get("k")
+    if k:  # a server's side: the KL over its top-k, each token's rank within them
+        lines[1] = lines[1].replace("KL(A‖B) ", "KL(A‖B) ≥ ", 1)
+        ranks = []
+        for name in ("a", "b"):
+            rank = _at(figures.get(f"rank_{name}"), index)
+            ranks.append(f"rank in {name.upper()} " + (f"{rank}" if rank else f"beyond {k}"))
+        outside = _at(figures.get("outside_a"), index)
+        lines.append(" · ".join(ranks) + f" · A's probability outside {format_pct(outside)}")
     noise = _at(figures.get("noise_kl"), index)
     if noise is not None:
         lines.append(f"noise floor (A vs A′) {format_kl(noise)} nats")

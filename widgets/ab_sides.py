@@ -223,7 +223,12 @@ class SideForm(QGroupBox):
             QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon
         )
         self.model.setMinimumContentsLength(10)
-        self.model.setToolTip("A model folder (pick one, or type a path)")
+        self.model.setToolTip(
+            "A model folder (pick one, or type a path), or an OpenAI-compatible server: its "
+            "URL, then a space and a model id (none: the first it lists), e.g. "
+            "http://127.0.0.1:8000 Qwen/Qwen2.5-0.5B-Instruct. Its API key is the one kept "
+            "for that server in the keyring"
+        )
         self.precision = QComboBox()
         self.precision.setEditable(True)
         self.precision.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
@@ -284,6 +289,20 @@ class SideForm(QGroupBox):
         form.addRow("CPU kernels", self.lowbit)
         form.addRow("Temperature", self.temperature)
         form.addRow(self.window_on, window_row)  # the switch as the row's label: compact
+        # a server answers as it was started: these are its own, not the lab's to choose
+        self.model.currentTextChanged.connect(self._on_model_text)
+
+    def endpoint(self) -> tuple[str, str] | None:
+        """The server's URL and model id where the side names one (None: a local model)."""
+        url, _, model = self.model_path().partition(" ")
+        return (url, model.strip()) if url.startswith(("http://", "https://")) else None
+
+    def _on_model_text(self, _text: str) -> None:
+        local = self.endpoint() is None
+        for widget in (self.precision, self.kv_dtype, self.lowbit, self.window_on):
+            widget.setEnabled(local)
+        for spin in (self.sinks, self.recent):
+            spin.setEnabled(local and self.window_on.isChecked())
 
     def model_path(self) -> str:
         """The chosen item's path, or the text typed in the box."""
@@ -312,6 +331,11 @@ class SideForm(QGroupBox):
 
     def values(self) -> dict[str, Any]:
         window = [self.sinks.value(), self.recent.value()] if self.window_on.isChecked() else None
+        endpoint = self.endpoint()
+        if endpoint is not None:
+            url, model = endpoint
+            return {"model": "", "endpoint": url, "endpoint_model": model,
+                    "temperature": self.temperature.value()}  # fmt: skip
         return {
             "model": self.model_path(),
             "precision": self.precision.currentText().strip(),

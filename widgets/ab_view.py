@@ -343,9 +343,8 @@ class ABView(QWidget):
         if not request["prompt"].strip() and not request["continue_conversation"]:
             self.set_notice("Type a prompt for A and B first.", "warning")
             return
-        missing = [
-            s.upper() for s in SIDES if not request[s]["model"] or not request[s]["precision"]
-        ]
+        missing = [s.upper() for s in SIDES if not request[s].get("endpoint") and (
+            not request[s]["model"] or not request[s]["precision"])]  # fmt: skip
         if missing:
             self.set_notice(
                 f"Choose a model and a precision for {' and '.join(missing)}.", "warning"
@@ -412,11 +411,13 @@ class ABView(QWidget):
         for side in SIDES:
             info = report[side]
             parts = [side.upper(), info.get("precision", "?"), info.get("device", "?")]
-            if len(caches) > 1:
+            if len(caches) > 1 and not info.get("remote"):
                 parts.append(f"KV {info.get('kv_dtype') or '?'}")
             if info.get("lowbit") in LOWBIT_TITLES:
                 parts.append(LOWBIT_TITLES[info["lowbit"]])
-            if len(models) > 1:
+            if info.get("remote"):  # "model @ server"
+                parts.append(str(info.get("model", "")))
+            elif len(models) > 1:
                 parts.append(Path(str(info.get("model", ""))).name)
             self.columns[side].header.setText(" · ".join(parts))
             self.columns[side].header.setToolTip(str(info.get("model", "")))
@@ -430,6 +431,11 @@ class ABView(QWidget):
         )
         self._draw_kl()
         message = (report.get("memory") or {}).get("message")
+        bounds = report.get("bounds") or {}
+        said = [str(t) for t in (bounds.get("text"), bounds.get("tokenizer")) if t]
+        said += [str(n) for n in bounds.get("notes") or ()]
+        if said:  # a server on a side: what is exact, what bounded, how the check went
+            message = " ".join(f"{t.rstrip('.')}." for t in said)
         if message:
             self.set_notice(message, "info")
         self.set_busy(self._busy)

@@ -240,10 +240,14 @@ def _lab_side(form: dict[str, Any]) -> LabSide:
         window=None if not window else (int(window[0]), int(window[1])),
         lowbit=form.get("lowbit") or None,
         kv_dtype=str(form.get("kv_dtype") or "auto"),
+        endpoint=str(form.get("endpoint") or ""),
+        endpoint_model=str(form.get("endpoint_model") or ""),
     )
 
 
 def _title(name: str, side: LabSide) -> str:
+    if side.endpoint:
+        return f"{name} · {side.endpoint_model or 'the first model'} @ {side.endpoint} · server"
     model = "default" if side.model == "default" else Path(side.model).name
     kernels = f" · {LOWBIT_TITLES[side.lowbit]}" if side.lowbit in LOWBIT_TITLES else ""
     kv = "" if side.kv_dtype == "auto" else f" · KV {side.kv_dtype}"

@@ -75,6 +75,10 @@ class LabSide:
     #: what its KV cache holds (:mod:`engine.kv_cache.dtypes`); not part of :attr:`key`: two
     #: sides that differ only there share one copy of the weights
     kv_dtype: str = "auto"
+    #: an OpenAI-compatible server's URL instead of a local model (its key: the keyring's),
+    #: and the model id to ask it for ("": the first it lists)
+    endpoint: str = ""
+    endpoint_model: str = ""
 
     @property
     def key(self) -> SideKey:
@@ -133,6 +137,7 @@ class _Streams:
 
     pending: list[tuple[str, str]] = field(default_factory=list)
     flushed: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class LabWorker(QObject):
@@ -303,6 +308,9 @@ class LabWorker(QObject):
 
     # -- an A/B ------------------------------------------------------------------------------
     def _run_ab(self, job: ABRequest) -> None:
+        if job.a.endpoint or job.b.endpoint:
+            self._run_remote_ab(job)
+            return
         from engine.core.sampling import SamplingParams
         from engine.evals.acceptance import measure_speculation
         from engine.evals.compare import build_report
@@ -382,6 +390,57 @@ class LabWorker(QObject):
         self.status.emit("done")
         self.report_ready.emit(report)
 
+    def _run_remote_ab(self, job: ABRequest) -> None:
+        """An A/B with a server on a side or both (:mod:`engine.evals.remote`): the servers
+        stream in threads of their own, the local side steps here."""
+        from app.endpoints import keys
+        from app.endpoints.client import Endpoint, with_model
+        from app.endpoints.remote import ServerSide
+        from engine.core.sampling import SamplingParams
+        from engine.evals.remote import compare_with_remote, ids_by_text
+
+        tokens = sum(len(m["content"].encode()) for m in job.messages) + 256 + job.max_new_tokens
+        self._keep_only({s.key for s in (job.a, job.b) if not s.endpoint})
+        sides: dict[str, Any] = {}
+        for name, side in (("a", job.a), ("b", job.b)):
+            if side.endpoint:
+                self.status.emit(f"asking {side.endpoint} for its models…")
+                endpoint = Endpoint(side.endpoint, side.endpoint_model, keys.key(side.endpoint))
+                sides[name] = ServerSide(with_model(endpoint))
+            else:
+                sides[name] = self._engine(side, tokens)
+        local = next((s for s in sides.values() if not isinstance(s, ServerSide)), None)
+        if local is not None:
+            table: list[Any] = []  # the vocabulary's texts, read only if a server needs them
+
+            def ids_of(text: str) -> int | None:
+                if not table:
+                    table.append(ids_by_text(local.tokenizer))
+                result: int | None = table[0](text)
+                return result
+
+            for side in sides.values():
+                if isinstance(side, ServerSide):
+                    side.ids_of = ids_of
+        params = {
+            name: SamplingParams(
+                max_new_tokens=job.max_new_tokens, temperature=side.temperature, seed=job.seed
+            )
+            for name, side in (("a", job.a), ("b", job.b))
+        }
+        self.status.emit("generating…")
+
+        def on_text(side: str, text: str) -> None:
+            with self._streams.lock:
+                self._streams.pending.append((side, text))
+            self._flush()
+
+        report = compare_with_remote(sides, job.messages, job.prompt, params, on_text=on_text,
+                                     check=self._check)  # fmt: skip
+        self._flush(force=True)
+        self.status.emit("done")
+        self.report_ready.emit(report)
+
     def _generate(
         self,
         engines: dict[str, LLMEngine],
@@ -441,14 +500,17 @@ class LabWorker(QObject):
         return runs
 
     def _flush(self, *, force: bool = False) -> None:
+        """Send the waiting text (any thread: a server's side streams in one of its own)."""
         s = self._streams
-        now = time.perf_counter()
-        if s.pending and (force or now - s.flushed >= FRAME_S):
+        with s.lock:
+            now = time.perf_counter()
+            if not s.pending or not (force or now - s.flushed >= FRAME_S):
+                return
             merged: dict[str, str] = {}
             for side, text in s.pending:
                 merged[side] = merged.get(side, "") + text
             s.pending, s.flushed = [], now
-            self.deltas.emit(list(merged.items()))
+        self.deltas.emit(list(merged.items()))
 
     # -- a sensitivity scan ------------------------------------------------------------------
     def _run_scan(self, job: ScanRequest) -> None:
