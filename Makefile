@@ -151,9 +151,16 @@ bench-peers-tables:
 # ignore_eos; fails unless every request got exactly the tokens asked and /metrics agrees.
 GUIDELLM      ?= .peers/guidellm
 GUIDELLM_SPEC ?= guidellm==0.8.1
-bench-serving: $(VENV)/.stamp-dev $(GUIDELLM)/.stamp
+bench-serving: $(VENV)/.stamp-dev $(GUIDELLM)/.stamp $(PEERS)/.stamp-server
 	$(BIN)/infersight models pull
 	$(BIN)/python -m checks.bench_serving --guidellm $(GUIDELLM)/bin/guidellm
+	$(BIN)/python -m checks.bench_serving_peer --peer-python $(PEERS)/bin/python \
+	  --gguf $$($(BIN)/python -c "from engine.store.model_store import default_gguf_path as p; print(p())")
+
+# llama.cpp's server for bench-serving: llama-cpp-python's [server] extras beside its build
+$(PEERS)/.stamp-server: $(PEERS)/.stamp
+	$(PEERS)/bin/python -m pip --disable-pip-version-check -q install "$(PEER_SPEC)[server]"
+	touch $@
 
 # lm-evaluation-harness (dev extras) through `infersight serve` at fp32, int8+head and
 # int4-g32+head on two tasks of our own: accuracy and the loglikelihood shift against fp32.

@@ -14,12 +14,16 @@ from pathlib import Path
 
 
 @contextmanager
-def serving(model: str, precision: str, log: Path) -> Iterator[str]:
-    """``infersight serve`` on a free port for the block: its base URL."""
+def serving(
+    model: str, precision: str, log: Path, threads: int | None = None
+) -> Iterator[str]:
+    """``infersight serve`` on a free port for the block (``threads``: its CPU threads, None:
+    its own choice): its base URL."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "serve", "--model", model, "--precision",
-             precision, "--port", "0", "--self-test-interval", "0", "--max-batch-size", "16"],
+             precision, "--port", "0", "--self-test-interval", "0", "--max-batch-size", "16",
+             *(["--threads", str(threads)] if threads else [])],
             stdout=out, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:
