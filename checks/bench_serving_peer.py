@@ -70,7 +70,8 @@ def peer_serving(python: str, gguf: Path, threads: int, log: Path) -> Iterator[s
             deadline = time.monotonic() + 300
             while not listed(base):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"llama.cpp's server did not start:\n{log.read_text()[-2000:]}")
+                    said = log.read_text()[-2000:]
+                    raise SystemExit(f"llama.cpp's server did not start:\n{said}")
                 time.sleep(0.5)
             yield base
         finally:
@@ -100,7 +101,8 @@ def table(ours: dict[str, Any], peer: dict[str, Any], args: argparse.Namespace) 
     for a, b in zip(ours["points"], peer["points"], strict=True):
         ratio = a["output_throughput"] / b["output_throughput"] if b["output_throughput"] else 0
         lines.append(
-            f"| {a['label'].split()[0]} | {a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
+            f"| {a['label'].split()[0]} | {a['output_throughput']:.1f} | "
+            f"{b['output_throughput']:.1f} | "
             f"{ratio:.2f}× | {a['median_ttft_ms']:.0f}, {a['p95_ttft_ms']:.0f} / "
             f"{b['median_ttft_ms']:.0f}, {b['p95_ttft_ms']:.0f} | "
             f"{a['median_tpot_ms']:.1f} / {b['median_tpot_ms']:.1f} | "
