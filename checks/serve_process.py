@@ -14,9 +14,7 @@ from pathlib import Path
 
 
 @contextmanager
-def serving(
-    model: str, precision: str, log: Path, threads: int | None = None
-) -> Iterator[str]:
+def serving(model: str, precision: str, log: Path, threads: int | None = None) -> Iterator[str]:
     """``infersight serve`` on a free port for the block (``threads``: its CPU threads, None:
     its own choice): its base URL."""
     with log.open("w") as out:
