@@ -110,6 +110,7 @@ class Strict(BaseHTTPRequestHandler):
     does not know (vLLM's token ids) and ``echo`` on a chat model, and has no ``/tokenize``."""
 
     upstream = ""
+    quiet = False  # drop unknown fields without a word (llama.cpp's server, most proxies)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -129,6 +130,8 @@ class Strict(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/tokenize":
             return self._refuse(404, "Not Found")
+        if "return_tokens_as_token_ids" in body and self.quiet:
+            del body["return_tokens_as_token_ids"]
         if "return_tokens_as_token_ids" in body:
             return self._refuse(400, "Unrecognized request argument supplied: "
                                      "return_tokens_as_token_ids")  # fmt: skip
@@ -154,9 +157,9 @@ class Strict(BaseHTTPRequestHandler):
         conn.close()
 
 
-@pytest.fixture
-def strict(server) -> Iterator[str]:
-    handler = type("StrictTo", (Strict,), {"upstream": server})
+@pytest.fixture(params=[False, True], ids=["refuses", "drops"])
+def strict(server, request) -> Iterator[str]:
+    handler = type("StrictTo", (Strict,), {"upstream": server, "quiet": request.param})
     proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{proxy.server_address[1]}"

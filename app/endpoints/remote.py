@@ -61,7 +61,8 @@ class ServerSide:
                 return None
             raise
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        return [int(t) for t in tokens] if isinstance(tokens, list) else None
+        # llama.cpp's /tokenize reads another field and answers an empty list to this body
+        return [int(t) for t in tokens] if isinstance(tokens, list) and tokens else None
 
     def generate(
         self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float,
@@ -105,7 +106,9 @@ class ServerSide:
             if IDS_FIELD in str(exc) and self.by_id:
                 self._refused_ids()
                 return self.score(prompt_ids, ids)
-            return None  # no echo, or no scoring of a given text
+            if "echo" in str(exc) or "logprobs" in str(exc):
+                return None  # no echo, or no scoring of a given text
+            raise
         try:
             entries = completion_logprobs(answer["choices"][0]["logprobs"])
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -151,7 +154,9 @@ class ServerSide:
                 return int(name.removeprefix(ID_PREFIX))
             except ValueError:
                 return None
-        return None if self.by_id else self.ids_of(name)
+        if self.by_id:  # a server that takes the field quietly and names tokens by text
+            self._refused_ids()
+        return self.ids_of(name)
 
     def _row(self, entry: TokenLogprob) -> KnownRow:
         token = self._id(entry.token)
@@ -161,6 +166,8 @@ class ServerSide:
                 "token of the local model: the two tokenizers differ; compare the answers as "
                 "text, or pick a local model of the server's family"
             )
-        top = tuple((t, lp) for t, lp in ((self._id(n), lp) for n, lp in entry.top)
+        # OpenAI and vLLM add the chosen token to its top-k where it is not among them: the
+        # top is its k likeliest, the chosen token's log-probability is the row's own
+        top = tuple((t, lp) for t, lp in ((self._id(n), lp) for n, lp in entry.top[: self.k])
                     if t is not None)  # fmt: skip
         return KnownRow(token, entry.logprob, top)

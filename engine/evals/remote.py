@@ -14,9 +14,10 @@ exact and which are bounded by k (``bounds``).
   rank within the top-k. Bounded: the KL (over the tokens both sides give, the rest pooled: a
   lower bound, :func:`~engine.evals.known.pooled_kl`, with the probability left outside stated)
   and speculative sampling's acceptance (bounds either side).
-* The tokenizers are checked first (the server's ``/tokenize`` against the local one; without
-  it, the server's text against the local decoding of its ids); where they differ, the two
-  answers are compared as text (the first character where they part), with that said.
+* The tokenizers are checked first (the server's ``/tokenize`` against the local one; a server
+  without it is taken to match, which the report says, and a token id it returns beyond the
+  local vocabulary ends the comparison with that said); where they differ, the two answers are
+  compared as text (the first character where they part), with that said.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
-from engine.errors import CancelledError
+from engine.errors import CancelledError, InvalidRequestError
 from engine.evals.figures import TOP_N, first_difference
 from engine.evals.known import (
     KnownRow,
@@ -49,8 +50,8 @@ from engine.evals.sides import SAMPLING_KEYS, prompt_ids_for, remote_prompt_ids
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Side = LLMEngine | RemoteModel
-#: one side's view of one answer: a local engine's log-probabilities ``[n, vocab]`` (float64,
-#: renormalised), a server's rows
+#: one side's view of one answer: a local engine's log-probabilities ``[n, vocab]`` (fp32, as
+#: :func:`~engine.evals.scoring.score` gives them), a server's rows
 View = Tensor | list[KnownRow]
 EXACT = ["each token's probability (p_a, p_b)", "top-1 agreement", "first divergence",
          "rank within the top-k"]  # fmt: skip
@@ -66,7 +67,7 @@ def _known(view: View, i: int, other: View) -> dict[int, float]:
     if isinstance(view, list):
         return view[i].known()
     assert isinstance(other, list)
-    row = view[i]
+    row = _dense(view, i)
     return {t: float(row[t]) for t in other[i].known()}
 
 
@@ -77,11 +78,17 @@ def _rank(view: View, i: int, token: int) -> int | None:
     return int((row > row[token]).sum()) + 1
 
 
+def _dense(view: Tensor, i: int) -> Tensor:
+    """A local row's log-probabilities in float64, renormalised (an fp32 table sums to 1
+    only up to rounding); one row at a time, so no float64 copy of the table is held."""
+    return F.log_softmax(view[i].double(), -1)
+
+
 def _logprob(view: View, i: int, token: int) -> float | None:
     if isinstance(view, list):
         known = view[i].known()
         return known.get(token)
-    return float(view[i][token])
+    return float(_dense(view, i)[token])
 
 
 def _argmax(view: View, i: int) -> int | None:
@@ -291,11 +298,23 @@ def compare_with_remote(
                     results[name] = run_side(side, prompt_ids, params[name],
                                              partial(emit, name), checked)  # fmt: skip
             for name, future in futures.items():
-                results[name] = future.result()
+                while True:  # a cancel is heard while a server is still streaming
+                    try:
+                        results[name] = future.result(timeout=0.1)
+                        break
+                    except TimeoutError:
+                        check()
         except BaseException:
             cancelled.set()
             raise
     ids = {name: results[name][0] for name in sides}
+    beyond = [t for name in sides for t in ids[name] if not 0 <= t < tokenizer.vocab_size]
+    if beyond:
+        raise InvalidRequestError(
+            f"the server returned token ids beyond the local vocabulary ({beyond[0]} of "
+            f"{tokenizer.vocab_size}): the two tokenizers differ; pick a local model of the "
+            "server's family"
+        )
     index = first_difference(ids["a"], ids["b"])
     views: dict[tuple[str, str], View] = {}  # (scorer, answer) → view
     cut_short: dict[str, str] = {}
@@ -304,8 +323,7 @@ def compare_with_remote(
         if isinstance(side, LLMEngine):
             for answer in ("a", "b"):
                 check()
-                table = score(side, prompt_ids, ids[answer], check=check)
-                views[name, answer] = F.log_softmax(table.double(), -1)
+                views[name, answer] = score(side, prompt_ids, ids[answer], check=check)
             continue
         run = results[name][1]
         assert run is not None
