@@ -5,7 +5,7 @@ the summary on A's output (see :mod:`engine.evals.compare` for each figure).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,20 @@ def divergence(
     """vLLM's rule: the first index where the generated tokens differ, and whether each side's
     token is among the other's top-N there. Up to that index the two contexts are the same, so
     A's scores on A's output and B's on B's output describe the same context."""
+
+    def in_top(side: str, index: int, token: int) -> bool:
+        table = scores.a_on_a if side == "a" else scores.b_on_b
+        return token in table[index].topk(TOP_N).indices.tolist()
+
+    return divergence_by(ids_a, ids_b, tokenizer, in_top)
+
+
+def divergence_by(
+    ids_a: list[int], ids_b: list[int], tokenizer: Tokenizer,
+    in_top: Callable[[str, int, int], bool | None],
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`divergence` with ``in_top(side, index, token)`` saying whether ``token`` is among
+    that side's top-N at ``index`` on its own output (None: not known)."""
     index = first_difference(ids_a, ids_b)
     out: dict[str, Any] = {"index": index, "top_n": TOP_N, "a_token": None, "b_token": None,
                            "a_in_b_top": None, "b_in_a_top": None}  # fmt: skip
@@ -93,10 +107,8 @@ def divergence(
     if index < len(ids_b):
         out["b_token"] = tokenizer.decode([ids_b[index]], skip_special_tokens=False)
     if index < len(ids_a) and index < len(ids_b):
-        top_b = scores.b_on_b[index].topk(TOP_N).indices.tolist()
-        top_a = scores.a_on_a[index].topk(TOP_N).indices.tolist()
-        out["a_in_b_top"] = ids_a[index] in top_b
-        out["b_in_a_top"] = ids_b[index] in top_a
+        out["a_in_b_top"] = in_top("b", index, ids_a[index])
+        out["b_in_a_top"] = in_top("a", index, ids_b[index])
     return out
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.errors import CancelledError, InvalidRequestError
-from engine.evals.figures import TOP_N, first_difference
+from engine.evals.figures import TOP_N, divergence_by, first_difference
 from engine.evals.known import (
     KnownRow,
     RemoteModel,
@@ -166,21 +166,15 @@ def divergence(
     tokenizer: Tokenizer, ids_a: list[int], ids_b: list[int], own_a: View, own_b: View
 ) -> dict[str, Any]:
     """vLLM's rule (:func:`engine.evals.figures.divergence`), from each side's own rows."""
-    index = first_difference(ids_a, ids_b)
-    out: dict[str, Any] = {"index": index, "top_n": TOP_N, "a_token": None, "b_token": None,
-                           "a_in_b_top": None, "b_in_a_top": None}  # fmt: skip
-    if index is None:
-        return out
-    if index < len(ids_a):
-        out["a_token"] = tokenizer.decode([ids_a[index]], skip_special_tokens=False)
-    if index < len(ids_b):
-        out["b_token"] = tokenizer.decode([ids_b[index]], skip_special_tokens=False)
-    if index < len(ids_a) and index < len(ids_b) and index < len(own_a) and index < len(own_b):
-        rank_a_in_b = _rank(own_b, index, ids_a[index])
-        rank_b_in_a = _rank(own_a, index, ids_b[index])
-        out["a_in_b_top"] = rank_a_in_b is not None and rank_a_in_b <= TOP_N
-        out["b_in_a_top"] = rank_b_in_a is not None and rank_b_in_a <= TOP_N
-    return out
+    own = {"a": own_a, "b": own_b}
+
+    def in_top(side: str, index: int, token: int) -> bool | None:
+        if index >= len(own[side]):
+            return None
+        rank = _rank(own[side], index, token)
+        return rank is not None and rank <= TOP_N
+
+    return divergence_by(ids_a, ids_b, tokenizer, in_top)
 
 
 def bounds_text(sides: dict[str, Side], k: int, cut_short: dict[str, str]) -> str:
