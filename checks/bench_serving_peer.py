@@ -24,14 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 from typing import Any
 
-from checks.serve_process import healthy, serving
+from checks.serve_process import answers, healthy, serving
 
 
 def tune(base: str, args: argparse.Namespace, log: Path) -> dict[str, Any]:
@@ -68,7 +67,7 @@ def peer_serving(python: str, gguf: Path, threads: int, log: Path) -> Iterator[s
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 300
-            while not listed(base):
+            while not answers(f"{base}/v1/models"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     said = log.read_text()[-2000:]
                     raise SystemExit(f"llama.cpp's server did not start:\n{said}")
@@ -77,14 +76,6 @@ def peer_serving(python: str, gguf: Path, threads: int, log: Path) -> Iterator[s
         finally:
             proc.terminate()
             proc.wait(60)
-
-
-def listed(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
 
 
 def table(ours: dict[str, Any], peer: dict[str, Any], args: argparse.Namespace) -> str:

@@ -42,8 +42,13 @@ def serving(model: str, precision: str, log: Path, threads: int | None = None) -
 
 
 def healthy(base: str) -> bool:
+    return answers(f"{base}/health")
+
+
+def answers(url: str) -> bool:
+    """Whether a GET of ``url`` answers 200 within 5 s."""
     try:
-        with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=5) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
