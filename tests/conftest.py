@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from tests.misbehaving import misbehaving  # noqa: F401 (a shared fixture)
 from tests.served import client, server, server_log  # noqa: F401 (shared fixtures)
 
 if TYPE_CHECKING:

@@ -13,8 +13,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 
 import pytest
@@ -23,6 +22,7 @@ from app.endpoints import keys
 from app.endpoints.client import Endpoint, EndpointError, Streamed, models, stream_chat, with_model
 from app.endpoints.load import ROOM, run_load
 from engine.bench.load_spec import SLO, LoadSpec, PromptMix, draw_request, prompt_set
+from tests.misbehaving import RIGHT, Quiet
 from tests.served import KEY
 
 HELLO = [{"role": "user", "content": "Name three colours."}]
@@ -71,98 +71,6 @@ def test_a_wrong_key_and_a_model_gone_are_one_line_each(server):
     with pytest.raises(EndpointError, match="no no-such-model model") as missing:
         list(stream_chat(gone, HELLO, max_tokens=2))
     assert missing.value.kind == "model" and "\n" not in str(missing.value)
-
-
-# -- a server that fails as servers do -----------------------------------------------------------
-
-RIGHT = "right-key"
-
-
-class Misbehaving(BaseHTTPRequestHandler):
-    """By the model asked for: ``drop`` streams two chunks and hangs up, ``busy`` answers 429
-    with Retry-After, ``slow`` sends nothing for two seconds, ``garbage`` streams an event
-    that is not JSON, anything else one chunk and the end."""
-
-    def log_message(self, *args: object) -> None:  # quiet
-        pass
-
-    def do_GET(self) -> None:
-        if not self._authorized():
-            return
-        self._json(200, {"data": [{"id": m} for m in ("drop", "busy", "slow", "garbage")]})
-
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length", 0))
-        body = json.loads(self.rfile.read(length))
-        if not self._authorized():
-            return
-        model = body.get("model")
-        if model == "strict" and "ignore_eos" in body:  # as OpenAI's own API refuses it
-            message = "Unrecognized request argument supplied: ignore_eos"
-            self._json(400, {"error": {"message": message, "param": "ignore_eos"}})
-            return
-        if model == "busy":
-            self.send_response(429)
-            self.send_header("Retry-After", "3")
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(json.dumps({"error": {"message": "slow down"}}).encode())
-            return
-        if model == "slow":
-            time.sleep(2.0)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        if model == "garbage":
-            self.wfile.write(b"data: this is not json\n\n")
-            return
-        if model == "shape":
-            self.wfile.write(b'data: {"choices": {"index": 0}}\n\n')
-            return
-        if model == "long":  # a word every half second for ten seconds
-            for _ in range(20):
-                event = {"choices": [{"index": 0, "delta": {"content": "la "}}]}
-                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-                self.wfile.flush()
-                time.sleep(0.5)
-            self.wfile.write(b"data: [DONE]\n\n")
-            return
-        for word in ("Red", " green") if model == "drop" else ("Blue",):
-            event = {"choices": [{"index": 0, "delta": {"content": word}}]}
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-            self.wfile.flush()
-        if model != "drop":  # the dropped stream ends without its [DONE]
-            self.wfile.write(b"data: [DONE]\n\n")
-
-    def _authorized(self) -> bool:
-        if self.headers.get("Authorization") == f"Bearer {RIGHT}":
-            return True
-        self._json(401, {"error": {"message": "invalid api key"}})
-        return False
-
-    def _json(self, status: int, payload: object) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-class Quiet(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # a client that timed out and hung up: the slow reply's broken pipe
-
-
-@pytest.fixture(scope="module")
-def misbehaving() -> Iterator[str]:
-    httpd = Quiet(("127.0.0.1", 0), Misbehaving)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
 
 
 def _chat(base: str, model: str, **kw: object) -> Streamed:
