@@ -124,6 +124,39 @@ def test_closed_loop_keeps_exactly_the_users_busy(engine: LLMEngine) -> None:
     idle(engine)
 
 
+def test_retargeting_turns_the_users_and_the_rate_while_the_load_runs(engine: LLMEngine) -> None:
+    gen = LoadGenerator(engine, LoadSpec(users=2, requests=None, mix=SHORT))
+    gen.tick(0.0)
+    assert gen.outstanding == 2
+    gen.retarget(users=5)  # three more start at the next tick
+    gen.tick(0.0)
+    assert gen.outstanding == 5
+    gen.retarget(users=1)  # four leave as their requests end; nobody is cancelled
+    assert gen.outstanding == 5
+    in_flight = []
+    for _ in range(60):
+        gen.observe(engine.step())
+        gen.tick(0.0)
+        in_flight.append(gen.outstanding)
+    assert in_flight == sorted(in_flight, reverse=True) and in_flight[-1] == 1
+    gen.stop()
+    engine.step()
+    idle(engine)
+    # open loop: the next arrival's gap scales to the new rate, the ones after are its own
+    gen = LoadGenerator(engine, LoadSpec(mode="constant", rate=1.0, requests=None, mix=SHORT))
+    gen.tick(100.0)
+    gen.tick(101.0)
+    assert gen.sent == 2 and gen.next_arrival_in(101.0) == pytest.approx(1.0)
+    gen.retarget(rate=4.0)
+    assert gen.next_arrival_in(101.0) == pytest.approx(0.25)
+    gen.tick(101.25)
+    gen.tick(101.5)
+    assert gen.sent == 4 and gen.result(101.5).load == "4 req/s constant"
+    gen.stop()
+    engine.step()
+    idle(engine)
+
+
 def test_duration_stops_sending_and_lets_the_rest_finish(engine: LLMEngine) -> None:
     gen = LoadGenerator(
         engine, LoadSpec(mode="constant", rate=10, requests=None, duration_s=0.5, mix=SHORT)

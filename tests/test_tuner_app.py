@@ -85,6 +85,31 @@ def test_a_slider_reaches_the_engine_at_the_next_step_and_stop_frees_everything(
     assert window.chat.last is not None and window.chat.last.view.text.strip()
 
 
+def test_turning_the_users_mid_run_reaches_the_engines_running_set(
+    qtbot: object, window: MainWindow
+) -> None:
+    views = Recorder()
+    window.worker.metrics.connect(views.record)
+    tuner = window.tuner
+    tuner.users_spin.setValue(1)
+    tuner.output_spin.setValue(64)
+    tuner.conversations_spin.setValue(0.0)
+    tuner.start_button.click()
+    running: list[int] = []
+
+    def seen(n: int) -> bool:
+        if views.values:
+            running.append(latest(views).snapshot.num_requests_running)
+        return bool(running) and running[-1] == n
+
+    qtbot.waitUntil(lambda: seen(1), timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    tuner.users_spin.setValue(5)  # four users join at the next tick
+    qtbot.waitUntil(lambda: seen(5), timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    tuner.stop_button.click()
+    qtbot.waitUntil(tuner.start_button.isEnabled, timeout=LONG_WAIT_MS)  # type: ignore[attr-defined]
+    assert max(running) == 5
+
+
 def test_a_load_that_fails_ends_with_its_message_and_the_chat_goes_on(
     qtbot: object, window: MainWindow, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 
 from widgets.ab_format import _escape
 from widgets.controls import PRECISIONS
+from widgets.endpoint_text import parse_endpoint
 
 MARKER = "▶"  # put before the first divergence in both columns (not part of either text)
 
@@ -294,8 +295,7 @@ class SideForm(QGroupBox):
 
     def endpoint(self) -> tuple[str, str] | None:
         """The server's URL and model id where the side names one (None: a local model)."""
-        url, _, model = self.model_path().partition(" ")
-        return (url, model.strip()) if url.startswith(("http://", "https://")) else None
+        return parse_endpoint(self.model_path())
 
     def _on_model_text(self, _text: str) -> None:
         local = self.endpoint() is None

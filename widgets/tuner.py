@@ -67,6 +67,7 @@ from PySide6.QtWidgets import (
 from engine.bench.load_spec import MODES, SLO, LoadSpec, PromptMix
 from engine.bench.sweep_analysis import best_for_slo, grid
 from engine.errors import InvalidRequestError
+from widgets.endpoint_text import PLACEHOLDER, parse_endpoint
 from widgets.instruments import REDRAW_MS
 from widgets.tuner_limits import LimitsGroup
 from widgets.tuner_live import RED, LivePage, _fmt
@@ -107,12 +108,14 @@ class TunerView(QWidget):
     start_sweep = Signal(object, object)  # tuple[Setting, ...], SLO | None
     stop_requested = Signal()
     apply_limits = Signal(dict)  # the best setting's limits
+    load_turned = Signal(int, float)  # the live load's users and rate, as the user turns them
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self._points: tuple[SweepPoint, ...] = ()
         self._best: SweepPoint | None = None
 
+        target = self._target_row()  # before the sweep page, whose best reads it
         self.live = LivePage()
         self.tabs = QTabWidget()
         self.tabs.addTab(self.live, "Live")
@@ -121,6 +124,7 @@ class TunerView(QWidget):
         self.limits_group.changed.connect(self.limits_changed)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
+        layout.addLayout(target)
         layout.addWidget(self.limits_group)
         layout.addLayout(self._load_row())
         layout.addWidget(self.tabs, 1)
@@ -146,6 +150,35 @@ class TunerView(QWidget):
         self.set_status(False, None, None)
 
     # -- building ----------------------------------------------------------------------------
+    def _target_row(self) -> QHBoxLayout:
+        self.target_edit = QLineEdit()
+        self.target_edit.setPlaceholderText(f"this engine, or a server: {PLACEHOLDER}")
+        self.target_edit.setToolTip(
+            "Empty: the load runs on the engine in this process, its limits on the sliders. "
+            "A URL: it runs on that OpenAI-compatible server (vLLM, llama.cpp, Ollama, "
+            "infersight serve …), by the client's clock; the limits are the server's own. "
+            "The key comes from the keyring or INFERSIGHT_ENDPOINT_KEY"
+        )
+        self.target_edit.textChanged.connect(self._target_changed)
+        self.target_note = QLabel("limits: this engine's")
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Target"))
+        row.addWidget(self.target_edit, 1)
+        row.addWidget(self.target_note)
+        return row
+
+    def endpoint(self) -> tuple[str, str] | None:
+        """The server the load targets (URL, model id), or None: this engine."""
+        return parse_endpoint(self.target_edit.text())
+
+    def _target_changed(self, _text: str) -> None:
+        remote = self.endpoint() is not None
+        self.limits_group.setEnabled(not remote)
+        for edit in (self.batch_edit, self.tokens_edit, self.wait_edit):
+            edit.setEnabled(not remote)
+        self.target_note.setText("limits: the server's own" if remote else "limits: this engine's")
+        self._evaluate_best()
+
     def _load_row(self) -> QHBoxLayout:
         self.mode_combo = QComboBox()
         self.mode_combo.addItems(list(MODES))
@@ -170,6 +203,9 @@ class TunerView(QWidget):
         self.stop_button.clicked.connect(self.stop_requested)
         self.mode_combo.currentTextChanged.connect(self._mode_changed)
         self._mode_changed(self.mode_combo.currentText())
+        # turned while a load runs, they turn it: users join or leave, arrivals speed or slow
+        self.users_spin.valueChanged.connect(self._load_turned)
+        self.rate_spin.valueChanged.connect(self._load_turned)
         self.load_figures = QLabel("–")
         self.status_label = QLabel("")
         self.status_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
@@ -376,7 +412,7 @@ class TunerView(QWidget):
             else:
                 self.best_text.setText("no sweep yet: run one to find the best setting")
         self.sweep_plots.mark_best(self._best)
-        self.apply_button.setEnabled(self._best is not None)
+        self.apply_button.setEnabled(self._best is not None and self.endpoint() is None)
         self.capacity.set_sweep(self._points, self._best)
 
     def _describe_best(self, slo: SLO | None) -> str:
@@ -402,6 +438,10 @@ class TunerView(QWidget):
         closed = mode == "closed"
         self.users_spin.setVisible(closed)
         self.rate_spin.setVisible(not closed)
+
+    def _load_turned(self, *_: object) -> None:
+        if self.stop_button.isEnabled():  # a load runs
+            self.load_turned.emit(self.users_spin.value(), self.rate_spin.value())
 
     def _sweep_mode_changed(self, mode: str) -> None:
         self.loads_label.setText("Users" if mode == "closed" else "Rates (req/s)")
@@ -440,6 +480,8 @@ class TunerView(QWidget):
         batch = parse_numbers(self.batch_edit.text(), "max batch sizes", integer=True, lo=1)
         tokens = parse_numbers(self.tokens_edit.text(), "max tokens / step", integer=True, lo=1)
         wait = parse_numbers(self.wait_edit.text(), "max wait", integer=False, lo=0)
+        if self.endpoint() is not None:  # a server's limits are its own: loads only
+            batch = tokens = wait = []
         slo = self._slo()
         base = LoadSpec(
             mode=mode, requests=self.requests_spin.value(),

@@ -32,6 +32,13 @@ STEP_CAPTION = (
     "Each bar is one step: decode tokens, prefill chunk tokens, unused budget; "
     "below: how long it took (red ▼: the step preempted a sequence)"
 )
+REMOTE_NOTE = (
+    "A server's load, seen from here: throughput and latency by the client's clock; batch, "
+    "queue, KV use and preemptions from the server's /metrics where it exposes them (vLLM's, "
+    "SGLang's or llama.cpp's names; ours are vLLM's), else the batch is the requests in "
+    "flight as the client counts them and the rest is blank. How a server batched each step "
+    "is not visible remotely: the per-step strip needs the engine in this process."
+)
 RED = "#e0533d"
 GREY = "#5f6670"
 #: live columns: time, tok/s, TTFT p50/p95, TPOT p50/p95 (ms), batch, waiting, KV %, preemptions
@@ -66,6 +73,8 @@ class LivePage(QSplitter):
         self._preempt_top: float | None = None
         self._token_top: float | None = None
         self._duration_top: float | None = None
+        self._failures: list[tuple[float, str]] = []
+        self.remote: str | None = None  # the server whose figures it shows (None: the engine's)
 
         self.tps_plot = make_plot("Output throughput", "tokens/s")
         self.tps_curve = self.tps_plot.plot(name="generated", pen=pg.mkPen(COLOURS[2], width=2))
@@ -100,6 +109,11 @@ class LivePage(QSplitter):
         self.preempt_view.setYRange(0, 1, padding=0)
         item.legend.addItem(self.preempt_curve, "preemptions")
         item.vb.sigResized.connect(self._align_preempt_view)
+        # where a server failed a request of the load (a server's figures only)
+        self.failure_marks = pg.ScatterPlotItem(
+            name="failed", symbol="t1", size=10, brush=pg.mkBrush(RED), pen=None
+        )
+        self.tps_plot.addItem(self.failure_marks)
         self._ranges = {
             "tps": SteadyRange(self.tps_plot),
             "latency": SteadyRange(self.latency_plot),
@@ -142,10 +156,15 @@ class LivePage(QSplitter):
         self.duration_plot.setXLink(self.token_plot)
         caption = QLabel(STEP_CAPTION)
         caption.setWordWrap(True)
+        self.caption = caption
+        self.remote_note = QLabel(REMOTE_NOTE)
+        self.remote_note.setWordWrap(True)
+        self.remote_note.setVisible(False)
         self.step_summary = QLabel("no steps yet")
         strip = QWidget()
         col = QVBoxLayout(strip)
         col.setContentsMargins(0, 0, 0, 0)
+        col.addWidget(self.remote_note)
         col.addWidget(caption)
         col.addWidget(self.token_plot, 3)
         col.addWidget(self.duration_plot, 2)
@@ -162,10 +181,52 @@ class LivePage(QSplitter):
         self.preempt_view.linkedViewChanged(vb, self.preempt_view.XAxis)
 
     # -- data in ----------------------------------------------------------------------------
+    def show_remote(self, name: str | None) -> None:
+        """Show a server's figures from now on (``name``), or the engine's again (None): the
+        plots start afresh, and the per-step strip, which only the engine can fill, gives way
+        to a note that says so."""
+        self.remote = name
+        self._t0 = None
+        self._live = RingBuffer(HISTORY, 10)
+        self._steps = RingBuffer(STEP_HISTORY, 5)
+        self._last_step_end = -math.inf
+        self._failures = []
+        self.failure_marks.setData([], [])
+        self._live_dirty = self._steps_dirty = True
+        self.remote_note.setVisible(name is not None)
+        self.caption.setVisible(name is None)
+        for plot in (self.token_plot, self.duration_plot):
+            plot.setVisible(name is None)
+        self.step_summary.setText(
+            "no steps yet" if name is None else f"{name}: figures by the client's clock"
+        )
+
+    def add_point(
+        self, at: float, tps: float, ttft_ms: tuple[float, float], tpot_ms: tuple[float, float],
+        batch: float, waiting: float, kv_perc: float, preemptions: float,
+        failures: tuple[tuple[float, str], ...] = (),
+    ) -> None:  # fmt: skip
+        """One reading at ``at`` (``time.perf_counter``): output tokens/s, TTFT and TPOT p50
+        and p95 (ms), batch, queue, KV use (%) and preemptions (NaN: not known), and the
+        failures since the last reading (``at`` of each, how it failed)."""
+        if self._t0 is None:
+            self._t0 = at
+        self._live.append([at - self._t0, tps, *ttft_ms, *tpot_ms, batch, waiting, kv_perc,
+                           preemptions])  # fmt: skip
+        if failures:
+            self._failures += [(t - self._t0, kind) for t, kind in failures]
+            xs = [t for t, _ in self._failures]
+            self.failure_marks.setData(xs, [0.0] * len(xs))
+        self._live_dirty = True
+
+    def failures(self) -> list[tuple[float, str]]:
+        """Where the server failed requests: seconds into the plots, how."""
+        return list(self._failures)
+
     def add_snapshot(self, snapshot: MetricsSnapshot) -> None:
         """Feed the live plots and the per-step strip (each step once)."""
-        if self._t0 is None:
-            self._t0 = snapshot.time
+        if self.remote is not None:  # the plots show a server's load
+            return
         new = [s for s in snapshot.recent_steps if s.end > self._last_step_end]
         for step in new:
             self._add_step(step)
@@ -178,14 +239,13 @@ class LivePage(QSplitter):
         lat = snapshot.latency_percentiles
         ttft = lat.get("time_to_first_token_seconds", {})
         tpot = lat.get("time_per_output_token_seconds", {})
-        self._live.append([
-            snapshot.time - self._t0, snapshot.generation_throughput_tps,
-            1e3 * ttft.get("p50", math.nan), 1e3 * ttft.get("p95", math.nan),
-            1e3 * tpot.get("p50", math.nan), 1e3 * tpot.get("p95", math.nan),
+        self.add_point(
+            snapshot.time, snapshot.generation_throughput_tps,
+            (1e3 * ttft.get("p50", math.nan), 1e3 * ttft.get("p95", math.nan)),
+            (1e3 * tpot.get("p50", math.nan), 1e3 * tpot.get("p95", math.nan)),
             batch, float(snapshot.num_requests_waiting), 100.0 * snapshot.kv_cache_usage_perc,
             float(snapshot.total_preemptions),
-        ])  # fmt: skip
-        self._live_dirty = True
+        )  # fmt: skip
 
     def _add_step(self, step: StepRecord) -> None:
         unused = max(0, step.token_budget - step.decode_tokens - step.prefill_tokens)

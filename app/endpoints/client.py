@@ -128,7 +128,7 @@ def models(endpoint: Endpoint) -> list[str]:
     """The model ids the server lists (``GET /v1/models``)."""
     with _client(endpoint) as client:
         try:
-            response = client.get(endpoint.api + "/models", headers=_headers(endpoint))
+            response = client.get(endpoint.api + "/models", headers=headers(endpoint))
         except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
             raise _transport(endpoint, exc, 0) from exc
         _check(endpoint, response)
@@ -207,7 +207,7 @@ def _stream(
         reply.started = time.perf_counter()
         try:
             with client.stream("POST", endpoint.api + route, json=body,
-                               headers=_headers(endpoint)) as response:  # fmt: skip
+                               headers=headers(endpoint)) as response:  # fmt: skip
                 if response.status_code >= 400:
                     response.read()
                     _check(endpoint, response)
@@ -241,7 +241,7 @@ def post(endpoint: Endpoint, route: str, body: dict[str, Any]) -> Any:
     with _client(endpoint) as client:
         try:
             response = client.post(server_url(endpoint.base_url) + route, json=body,
-                                   headers=_headers(endpoint))  # fmt: skip
+                                   headers=headers(endpoint))  # fmt: skip
         except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
             raise _transport(endpoint, exc, 0) from exc
         _check(endpoint, response)
@@ -324,7 +324,7 @@ def _client(endpoint: Endpoint, connections: int = 1) -> httpx2.Client:
     return httpx2.Client(timeout=timeout, follow_redirects=True, limits=limits)
 
 
-def _headers(endpoint: Endpoint) -> dict[str, str]:
+def headers(endpoint: Endpoint) -> dict[str, str]:
     return {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
 
 

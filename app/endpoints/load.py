@@ -4,7 +4,11 @@ next as the last ends; open loop: arrivals at ``rate``), drawn as text from the 
 set (the server tokenizes them), streamed, and timed by the client's clock. The figures are a
 :class:`~engine.bench.load_spec.LoadResult`, as an engine's run gives them, less what only the
 engine can see (its queue, batch sizes and preemptions: NaN and 0 here); a failed request is
-counted by how it failed, with the server's first line of each kind.
+counted by how it failed, with the server's first line of each kind, and when.
+
+An :class:`EndpointLoad` runs in threads of its own: :meth:`~EndpointLoad.retarget` turns the
+users or the rate while it runs (the tuner's sliders), :meth:`~EndpointLoad.live` reads the
+last seconds' figures for the live plots. :func:`run_load` runs one to its end.
 
 Requests run to their drawn length (``ignore_eos``, the benchmark convention, which vLLM,
 llama.cpp's server and ours take; ``ignore_eos=False`` leaves it out for a server that refuses
@@ -25,7 +29,16 @@ from typing import TYPE_CHECKING, cast
 import httpx2
 
 from app.endpoints.client import Endpoint, EndpointError, Streamed, session, stream_chat
-from engine.bench.load_spec import SLO, LoadResult, LoadSpec, draw_request, prompt_set, stats_ms
+from app.endpoints.server_metrics import ServerGauges, scrape
+from engine.bench.load_spec import (
+    SLO,
+    LoadResult,
+    LoadSpec,
+    draw_request,
+    prompt_set,
+    quantile,
+    stats_ms,
+)
 
 if TYPE_CHECKING:
     from engine.core.metrics import RequestMetrics
@@ -38,6 +51,12 @@ MAX_BACKOFF_S = 30.0
 BACKOFF_S = 0.5
 #: failures that no wait heals: the run ends at the first
 FATAL = frozenset({"unreachable", "auth", "model"})
+#: the most users (and connections) a run takes, however the sliders move
+MAX_USERS = 256
+#: the live figures' latency percentiles read the requests finished in this many seconds
+LIVE_WINDOW_S = 10.0
+#: how often a run reads the server's /metrics
+SCRAPE_S = 1.0
 
 
 def tokens_of(text: str) -> int:
@@ -59,6 +78,7 @@ class Record:
     itl_s: list[float] = field(default_factory=list)
     failure: str | None = None  # an EndpointError's kind
     retry_after: float | None = None  # a rate limit's wait, as the server asked
+    max_tokens: int = 0  # the output length asked for
 
 
 @dataclass(slots=True)
@@ -70,55 +90,257 @@ class EndpointRun:
     records: list[Record]
     failures: Counter[str]
     first_failure: dict[str, str]
+    started: float = 0.0  # time.perf_counter() at its start
+    users: list[tuple[float, float]] = field(default_factory=list)  # (s, load) as turned
 
 
-def run_load(
-    endpoint: Endpoint, spec: LoadSpec, slo: SLO | None = None, *,
-    stop: threading.Event | None = None, ignore_eos: bool = True,
-) -> EndpointRun:  # fmt: skip
-    """Send ``spec``'s load to ``endpoint`` until its requests are sent (or its duration is
-    over, or ``stop`` is set), wait for the ones in flight, and give the figures."""
-    stop = stop or threading.Event()
-    # one client for the run, its connections kept alive between a user's requests
-    with session(endpoint, spec.users if spec.mode == "closed" else 256) as client:
-        return _load(endpoint, spec, slo, stop, ignore_eos, client)
+@dataclass(frozen=True, slots=True)
+class LiveFigures:
+    """A running load's last seconds, for the live plots: seconds since its start, output
+    tokens/s since the last reading (chunks with text, as streamed), TTFT and TPOT p50/p95
+    (ms) of the requests finished in :data:`LIVE_WINDOW_S`, requests in flight, done and
+    failed so far, and the failures since the last reading (seconds, kind)."""
+
+    time: float
+    output_tps: float
+    ttft_ms: tuple[float, float]
+    tpot_ms: tuple[float, float]
+    in_flight: int
+    completed: int
+    failed: int
+    failures: tuple[tuple[float, str], ...]
+    load: float  # users or requests/s now
+    server: ServerGauges | None = None  # the server's own, where its /metrics says them
 
 
-def _load(
-    endpoint: Endpoint, spec: LoadSpec, slo: SLO | None, stop: threading.Event,
-    ignore_eos: bool, client: httpx2.Client,
-) -> EndpointRun:  # fmt: skip
-    rng = random.Random(spec.seed)
-    texts = prompt_set()
-    lock = threading.Lock()
-    records: list[Record] = []
-    messages: dict[str, str] = {}
-    sent = [0]
-    started = time.perf_counter()
-    deadline = None if spec.duration_s is None else started + spec.duration_s
+class EndpointLoad:
+    """``spec``'s load on ``endpoint`` (see the module docstring): :meth:`start` it, turn it
+    with :meth:`retarget`, read it with :meth:`live` and :meth:`run`, end it with
+    :meth:`stop`."""
 
-    def next_request() -> tuple[str, list[dict[str, str]], int] | None:
-        with lock:
-            over = spec.requests is not None and sent[0] >= spec.requests
-            if stop.is_set() or over or (deadline is not None and time.perf_counter() > deadline):
+    def __init__(
+        self, endpoint: Endpoint, spec: LoadSpec, slo: SLO | None = None, *,
+        ignore_eos: bool = True, stop: threading.Event | None = None,
+    ) -> None:  # fmt: skip
+        self.endpoint, self.spec, self.slo, self.ignore_eos = endpoint, spec, slo, ignore_eos
+        self._stop = stop or threading.Event()
+        self._turn = threading.Condition()  # the users and the rate; woken when they change
+        self.users, self.rate = spec.users, spec.rate
+        self._rng = random.Random(spec.seed)
+        self._texts = prompt_set()
+        self._records: list[Record] = []
+        self._messages: dict[str, str] = {}
+        self._failed_at: list[tuple[float, str]] = []
+        self._loads: list[tuple[float, float]] = []
+        self._sent = self._in_flight = self._streamed = 0
+        self._read = (0.0, 0, 0)  # the last live reading: its time, chunks and failures
+        self._threads: list[threading.Thread] = []
+        self._driver: threading.Thread | None = None
+        self._client: httpx2.Client | None = None
+        self.started = self.ended = 0.0
+        self.server: ServerGauges | None = None  # the server's own figures, last read
+        self._stopped = False
+
+    # -- control ----------------------------------------------------------------------------
+    def start(self) -> EndpointLoad:
+        """Start sending in threads of its own; returns at once."""
+        self.started = time.perf_counter()
+        self._loads.append((0.0, self.spec.load))
+        self._client = session(self.endpoint, MAX_USERS)
+        self._driver = threading.Thread(target=self._drive, daemon=True, name="infersight-load")
+        self._driver.start()
+        threading.Thread(target=self._watch, daemon=True, name="infersight-metrics").start()
+        return self
+
+    def retarget(self, users: int | None = None, rate: float | None = None) -> None:
+        """Turn the load while it runs: closed loop, ``users`` (more start at once, fewer
+        stop as their requests end); open loop, the ``rate`` from the next arrival."""
+        with self._turn:
+            if users is not None:
+                self.users = max(1, min(MAX_USERS, int(users)))
+            if rate is not None and rate > 0 and math.isfinite(rate):
+                self.rate = float(rate)
+            closed = self.spec.mode == "closed"
+            now = self.users if closed else self.rate
+            if self.started and not self.ended:
+                self._loads.append((time.perf_counter() - self.started, float(now)))
+            self._turn.notify_all()
+        if closed and self.started and not self._stop.is_set():
+            self._add_users()
+
+    def stop(self) -> None:
+        """Send no more and end the requests in flight (their connections close: a cancel)."""
+        self._stop.set()
+        with self._turn:
+            self._turn.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the run to end (True: it has)."""
+        if self._driver is not None:
+            self._driver.join(timeout)
+        return bool(self.ended)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.ended)
+
+    # -- readings ---------------------------------------------------------------------------
+    def live(self) -> LiveFigures:
+        """The figures since the last call (see :class:`LiveFigures`)."""
+        now = time.perf_counter()
+        with self._turn:
+            last_t, last_chunks, last_failed = self._read
+            self._read = (now, self._streamed, len(self._failed_at))
+            chunks = self._streamed - last_chunks
+            recent = [r for r in self._records if r.failure is None
+                      and r.sent + r.e2e_s >= now - LIVE_WINDOW_S]  # fmt: skip
+            done = sum(1 for r in self._records if r.failure is None)
+            failed = len(self._records) - done
+            fresh = tuple(self._failed_at[last_failed:])
+            in_flight, load = (
+                self._in_flight,
+                self.users if self.spec.mode == "closed" else self.rate,
+            )
+        since = now - (last_t or self.started)
+        ttft = sorted(r.time_to_first_token_seconds for r in recent
+                      if r.time_to_first_token_seconds is not None)  # fmt: skip
+        tpot = sorted(r.time_per_output_token_seconds for r in recent
+                      if r.time_per_output_token_seconds is not None)  # fmt: skip
+        return LiveFigures(
+            now - self.started, chunks / since if since > 0 else 0.0,
+            (_pct(ttft, 0.5), _pct(ttft, 0.95)), (_pct(tpot, 0.5), _pct(tpot, 0.95)),
+            in_flight, done, failed, fresh, float(load), self.server,
+        )  # fmt: skip
+
+    def run(self) -> EndpointRun:
+        """The figures of the requests ended so far (all of them once it has ended)."""
+        with self._turn:
+            records, messages = list(self._records), dict(self._messages)
+            loads = list(self._loads)
+        end = self.ended or time.perf_counter()
+        run = _run(self.endpoint, self.spec, self.slo, records, messages, end - self.started,
+                   self._stopped)  # fmt: skip
+        run.started, run.users = self.started, loads
+        return run
+
+    # -- the threads ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Read the server's /metrics every :data:`SCRAPE_S` while the run lasts (not at all
+        where its first page has none of the figures)."""
+        with session(self.endpoint, 1) as client:
+            while not self.ended:
+                self.server = scrape(self.endpoint, client)
+                if self.server is None or self._stop.wait(SCRAPE_S):
+                    return
+
+    def _next_request(self) -> tuple[str, list[dict[str, str]], int] | None:
+        spec = self.spec
+        with self._turn:
+            over = spec.requests is not None and self._sent >= spec.requests
+            late = (
+                spec.duration_s is not None and time.perf_counter() > self.started + spec.duration_s
+            )
+            if self._stop.is_set() or over or late:
                 return None
-            sent[0] += 1
-            return draw_request(rng, spec.mix, texts, tokens_of, ROOM)
+            self._sent += 1
+            return draw_request(self._rng, spec.mix, self._texts, tokens_of, ROOM)
 
-    def send(kind: str, chat: list[dict[str, str]], out: int) -> Record:
+    def _drive(self) -> None:
+        try:
+            if self.spec.mode == "closed":
+                self._add_users()
+            else:
+                self._arrivals()
+            while True:  # users may be added while the first ones run
+                with self._turn:
+                    pending = [t for t in self._threads if t.is_alive()]
+                if not pending:
+                    break
+                for t in pending:
+                    t.join()
+            self._stopped = self._stop.is_set()  # a stop, or a failure no wait heals
+        finally:
+            self.ended = time.perf_counter()
+            self._stop.set()  # an interrupt stops the users and the streams in flight too
+            if self._client is not None:
+                self._client.close()
+
+    def _add_users(self) -> None:
+        with self._turn:
+            while len(self._threads) < self.users and not self._stop.is_set():
+                t = threading.Thread(target=self._user, args=(len(self._threads),), daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _user(self, index: int) -> None:
+        while True:
+            with self._turn:  # a user beyond the count waits until it is needed again
+                while index >= self.users and not self._stop.is_set():
+                    self._turn.wait()
+            if (request := self._next_request()) is None:
+                return
+            record = self._send(*request)
+            if record.failure is not None:  # wait as the server asked, or a little
+                wait = BACKOFF_S if record.retry_after is None else record.retry_after
+                self._stop.wait(min(wait, MAX_BACKOFF_S))
+
+    def _arrivals(self) -> None:
+        gaps = random.Random(self.spec.seed + 1)
+        shape, last, unit = self.spec.burstiness, self.started, 0.0  # the first at the start
+        while (request := self._next_request()) is not None:
+            with self._turn:  # the gap is a unit one over the rate in force, which may turn
+                while not self._stop.is_set():
+                    due = last + unit / self.rate
+                    if (left := due - time.perf_counter()) <= 0:
+                        break
+                    self._turn.wait(min(left, 0.1))
+                if self._stop.is_set():
+                    return
+                deadline = self.spec.duration_s
+                if deadline is not None and due > self.started + deadline:  # after its end
+                    return
+                t = threading.Thread(target=self._send, args=request, daemon=True)
+                self._threads.append(t)
+            t.start()
+            last = due
+            unit = 1.0 if self.spec.mode == "constant" else gaps.gammavariate(shape, 1 / shape)
+
+    def _send(self, kind: str, chat: list[dict[str, str]], out: int) -> Record:
         reply = Streamed(time.perf_counter())
-        extra = {"ignore_eos": True} if ignore_eos else None
+        extra = {"ignore_eos": True} if self.ignore_eos else None
+        with self._turn:
+            self._in_flight += 1
+        try:
+            record = self._stream(kind, chat, out, reply, extra)
+        finally:
+            with self._turn:
+                self._in_flight -= 1
+        record.max_tokens = out
+        with self._turn:
+            self._records.append(record)
+            if record.failure is not None:
+                self._failed_at.append((record.sent + record.e2e_s - self.started,
+                                        record.failure))  # fmt: skip
+        return record
+
+    def _stream(
+        self, kind: str, chat: list[dict[str, str]], out: int, reply: Streamed,
+        extra: dict[str, bool] | None,
+    ) -> Record:  # fmt: skip
+        endpoint = self.endpoint
         try:
             stream = stream_chat(endpoint, chat, max_tokens=out, extra=extra, reply=reply,
-                                 session=client)  # fmt: skip
+                                 session=self._client)  # fmt: skip
             for _ in stream:
-                if stop.is_set():  # a stop ends the requests in flight too
+                with self._turn:
+                    self._streamed += 1
+                if self._stop.is_set():  # a stop ends the requests in flight too
                     stream.close()
                     break
         except EndpointError as exc:
-            return failed(kind, reply, exc.kind, str(exc), exc.retry_after)
+            return self._failed(kind, reply, exc.kind, str(exc), exc.retry_after)
         except Exception as exc:  # a user thread must end in a record
-            return failed(kind, reply, "protocol", f"{endpoint.name}: {exc!r}", None)
+            return self._failed(kind, reply, "protocol", f"{endpoint.name}: {exc!r}", None)
         timed = [c.at for c in reply.chunks if c.text]
         usage = reply.usage or {}
         # the server's count; without one, the drawn length where the reply ran to it (a
@@ -134,55 +356,35 @@ def _load(
             itl_s=[b - a for a, b in itertools.pairwise(timed)],
         )  # fmt: skip
 
-    def failed(kind: str, reply: Streamed, how: str, message: str, wait: float | None) -> Record:
-        with lock:
-            messages.setdefault(how, message)
+    def _failed(
+        self, kind: str, reply: Streamed, how: str, message: str, wait: float | None
+    ) -> Record:
+        with self._turn:
+            self._messages.setdefault(how, message)
         if how in FATAL:  # no wait heals it: the run ends
-            stop.set()
+            self.stop()
         return Record(kind, time.perf_counter() - reply.started, reply.started, failure=how,
                       retry_after=wait)  # fmt: skip
 
-    def keep(record: Record) -> None:
-        with lock:
-            records.append(record)
 
-    if spec.mode == "closed":
-
-        def user() -> None:
-            while (request := next_request()) is not None:
-                record = send(*request)
-                keep(record)
-                if record.failure is not None:  # wait as the server asked, or a little
-                    wait = BACKOFF_S if record.retry_after is None else record.retry_after
-                    stop.wait(min(wait, MAX_BACKOFF_S))
-
-        threads = [threading.Thread(target=user, daemon=True) for _ in range(spec.users)]
-        for t in threads:
-            t.start()
-    else:
-        threads = []
-        gaps = random.Random(spec.seed + 1)
-        due = started
-        while (request := next_request()) is not None:
-            if stop.wait(max(0.0, due - time.perf_counter())):
-                break
-            if deadline is not None and due > deadline:  # due after the run's end
-                break
-            t = threading.Thread(target=lambda r=request: keep(send(*r)), daemon=True)
-            t.start()
-            threads.append(t)
-            mean = 1.0 / spec.rate
-            shape = spec.burstiness
-            due += mean if spec.mode == "constant" else gaps.gammavariate(shape, mean / shape)
-    stopped = True
+def run_load(
+    endpoint: Endpoint, spec: LoadSpec, slo: SLO | None = None, *,
+    stop: threading.Event | None = None, ignore_eos: bool = True,
+) -> EndpointRun:  # fmt: skip
+    """Send ``spec``'s load to ``endpoint`` until its requests are sent (or its duration is
+    over, or ``stop`` is set), wait for the ones in flight, and give the figures."""
+    load = EndpointLoad(endpoint, spec, slo, ignore_eos=ignore_eos, stop=stop).start()
     try:
-        for t in threads:
-            t.join()
-        stopped = stop.is_set()  # a stop, or a failure no wait heals, ended it early
+        load.wait()
     finally:  # an interrupt (Ctrl-C) stops the users and the streams in flight too
-        stop.set()
-    ended = time.perf_counter()
-    return _run(endpoint, spec, slo, records, messages, ended - started, stopped)
+        load.stop()
+        load.wait()
+    return load.run()
+
+
+def _pct(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted seconds, in ms (NaN: none)."""
+    return 1e3 * quantile(ordered, q) if ordered else math.nan
 
 
 def _run(

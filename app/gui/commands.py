@@ -161,6 +161,14 @@ class StopTune:
 
 
 @dataclass(frozen=True, slots=True)
+class Retune:
+    """Turn the live load as it runs: closed loop, ``users``; open loop, ``rate``."""
+
+    users: int | None = None
+    rate: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TuneStatus:
     """The tuner's progress, a few times a second and once at the end (``running`` False).
     ``load`` is the live load's figures so far; ``sweep`` a sweep's points and position."""
@@ -233,6 +241,6 @@ class _LoadFailed:
 
 
 Command = (
-    Send | Cancel | Load | Configure | Speculate | Pause | Stop | Tune | StopTune | Resize
+    Send | Cancel | Load | Configure | Speculate | Pause | Stop | Tune | StopTune | Retune | Resize
     | Serve | CancelServe | _Loaded | _LoadFailed | _Unload
 )  # fmt: skip

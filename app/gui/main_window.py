@@ -36,14 +36,13 @@ from app.gui.commands import (
     Resize,
     Speculate,
     Stop,
-    StopTune,
-    Tune,
     TuneStatus,
 )
 from app.gui.hub_calls import hub_calls
 from app.gui.instrument_frames import frame_of
 from app.gui.lab import LabController
 from app.gui.status import model_label, settings_label
+from app.gui.tune_router import TuneRouter
 from app.gui.worker import LOAD_JOIN_S, EngineWorker, Loader
 from app.loading import LoadSpec, available_devices, gpu_count, load_engine, scan_models
 from engine.kv_cache.window import CacheWindow
@@ -223,11 +222,8 @@ class MainWindow(ChatWindow):
         w.tune_status.connect(self._on_tune_status)
         tuner.limits_changed.connect(self._set_limits)
         tuner.apply_limits.connect(self._set_limits)
-        tuner.start_load.connect(lambda spec: self.worker.post(Tune(load=spec)))
-        tuner.start_sweep.connect(
-            lambda settings, slo: self.worker.post(Tune(settings=tuple(settings), slo=slo))
-        )
-        tuner.stop_requested.connect(lambda: self.worker.post(StopTune()))
+        # the load, to the engine or to a server the tuner's target names
+        self.tune_router = TuneRouter(tuner, self.worker.post, self)
 
     # -- the batching tuner ------------------------------------------------------------------
     def _set_limits(self, limits: dict[str, float]) -> None:
@@ -536,6 +532,7 @@ class MainWindow(ChatWindow):
         if self.picker is not None:
             self.picker.shutdown()
         self.lab.request_stop()  # both threads wind down together; the lab is waited for below
+        self.tune_router.shutdown(timeout_s)
         if self.engine_thread.isRunning():
             self.worker.post(Stop())
             deadline = time.monotonic() + LOAD_JOIN_S + timeout_s

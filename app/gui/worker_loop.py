@@ -25,6 +25,7 @@ from app.gui.commands import (
     ModelInfo,
     Pause,
     ReplyStats,
+    Retune,
     Send,
     Serve,
     Stop,
@@ -202,6 +203,8 @@ class WorkerLoop(QObject):
             self._start_tune(command)
         elif isinstance(command, StopTune):
             self._end_tune("stopped")
+        elif isinstance(command, Retune) and isinstance(self._tune, LoadGenerator):
+            self._tune.retarget(command.users, command.rate)  # the next tick sends by it
         elif isinstance(command, Stop):
             self._end_tune("the engine stopped")
             for rid in list(self._replies):

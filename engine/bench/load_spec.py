@@ -263,12 +263,12 @@ def stats_ms(values: list[float]) -> dict[str, float]:
     return {
         "mean": statistics.fmean(ordered) * 1e3,
         "median": statistics.median(ordered) * 1e3,
-        "p95": _quantile(ordered, 0.95) * 1e3,
-        "p99": _quantile(ordered, 0.99) * 1e3,
+        "p95": quantile(ordered, 0.95) * 1e3,
+        "p99": quantile(ordered, 0.99) * 1e3,
     }
 
 
-def _quantile(ordered: list[float], q: float) -> float:
+def quantile(ordered: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default, what vLLM reports)."""
     pos = q * (len(ordered) - 1)
     lo = math.floor(pos)

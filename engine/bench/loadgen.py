@@ -17,10 +17,11 @@ every request it sent, which hands their blocks back at once.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine.bench.load_spec import (
@@ -111,7 +112,8 @@ class LoadGenerator:
         self.ended: float | None = None
         self.stopped = False
         self._next_arrival: float | None = None
-        self._ready = 0  # closed loop: users free to send
+        self._last_arrival: float | None = None
+        self._ready = 0  # closed loop: users free to send (below 0: users leaving)
         self._refused = 0  # closed loop: users whose request the full queue refused
         self._retry: LoadRequest | None = None  # the request a refused closed-loop user resends
         self.refused = 0  # times the full waiting queue turned a request away
@@ -153,7 +155,7 @@ class LoadGenerator:
         if self.started is None:
             self._start(now)
         if self.spec.mode == "closed":
-            while self._ready and self._may_send(now):
+            while self._ready > 0 and self._may_send(now):
                 self._ready -= 1
                 self._send(now)
         else:
@@ -162,6 +164,7 @@ class LoadGenerator:
                     self._next_arrival = None
                     break
                 self._send(self._next_arrival)
+                self._last_arrival = self._next_arrival
                 self._next_arrival += self._gap()
         self._check_done(now)
 
@@ -222,11 +225,26 @@ class LoadGenerator:
         is due (every user waits for an answer, or the load is over)."""
         if self.finished:
             return None
-        if self.started is None or (self._ready + self._refused and self._may_send(now)):
+        if self.started is None or (self._ready + self._refused > 0 and self._may_send(now)):
             return 0.0
         if self._next_arrival is None:
             return None
         return max(0.0, self._next_arrival - now)
+
+    def retarget(self, users: int | None = None, rate: float | None = None) -> None:
+        """Turn the load while it runs (the tuner's sliders): closed loop, ``users`` (more
+        send at once; fewer: users leave as their requests end); open loop, the ``rate``,
+        the next arrival's gap scaled to it."""
+        spec = self.spec
+        if spec.mode == "closed" and users is not None and users >= 1:
+            if self.started is not None:
+                self._ready += users - spec.users
+            self.spec = replace(spec, users=users)
+        elif spec.mode != "closed" and rate is not None and rate > 0 and math.isfinite(rate):
+            last, due = self._last_arrival, self._next_arrival
+            if last is not None and due is not None:
+                self._next_arrival = last + (due - last) * spec.rate / rate
+            self.spec = replace(spec, rate=rate)
 
     def stop(self) -> None:
         """Cancel every request in flight (their blocks go back at once) and send no more."""

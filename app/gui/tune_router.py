@@ -1,0 +1,209 @@
+"""Where the tuner's load goes: to the engine in this process (the worker's :class:`Tune`,
+:class:`Retune`, :class:`StopTune`), or, where the tuner's target names a server, to that
+OpenAI-compatible server (:class:`~app.endpoints.load.EndpointLoad` in threads of its own; a
+timer here reads its figures into the view). The same buttons, sliders, sweep and reading
+either way; a server's limits are its own, so only the load moves there."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from app.gui.commands import Command, Retune, StopTune, Tune, TuneStatus
+from engine.bench.sweep_analysis import SweepPoint, SweepProgress
+
+if TYPE_CHECKING:
+    from app.endpoints.client import Endpoint
+    from app.endpoints.load import EndpointLoad, EndpointRun
+    from engine.bench.load_spec import SLO, LoadSpec
+    from engine.bench.sweep_analysis import Setting
+    from widgets.tuner import TunerView
+
+log = logging.getLogger(__name__)
+
+READ_MS = 500  # how often the live plots read a server's load
+RESULT_EVERY = 2  # … and the figures line, every this many readings
+
+
+class TuneRouter(QObject):
+    """Routes the tuner's requests (see the module docstring)."""
+
+    status = Signal(object)  # TuneStatus of a server's load, from its thread
+    began = Signal(str)  # a live load on the server named began
+
+    def __init__(self, view: TunerView, post: Callable[[Command], None], parent: QObject) -> None:
+        super().__init__(parent)
+        self.view, self._post = view, post
+        self._load: EndpointLoad | None = None  # the server's load running now
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._readings = 0
+        self.runs: list[EndpointRun] = []  # a server's runs, last first: the last sweep's all
+        self.endpoint_name = ""
+        view.start_load.connect(self._start_load)
+        view.start_sweep.connect(self._start_sweep)
+        view.stop_requested.connect(self.stop)
+        view.load_turned.connect(self._turn)
+        self.status.connect(self._show)
+        self.began.connect(self._began)
+        self.timer = QTimer(self, interval=READ_MS)
+        self.timer.timeout.connect(self._read)
+
+    @property
+    def remote(self) -> bool:
+        """A server's load or sweep is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the view's requests ------------------------------------------------------------------
+    def _start_load(self, spec: LoadSpec) -> None:
+        target = self.view.endpoint()
+        self.stop()
+        if target is None:
+            if self.view.live.remote is not None:
+                self.view.live.show_remote(None)  # the engine's figures again
+            self._post(Tune(load=spec))
+            return
+        self._run_remote(target, lambda endpoint: self._live(endpoint, spec))
+
+    def _start_sweep(self, settings: tuple[Setting, ...], slo: SLO | None) -> None:
+        target = self.view.endpoint()
+        self.stop()
+        if target is None:
+            self._post(Tune(settings=tuple(settings), slo=slo))
+            return
+        self._run_remote(target, lambda endpoint: self._sweep(endpoint, settings, slo))
+
+    def _turn(self, users: int, rate: float) -> None:
+        if self._load is not None and self.remote:
+            self._load.retarget(users, rate)
+        elif not self.remote:
+            self._post(Retune(users, rate))
+
+    def stop(self) -> None:
+        """Stop a server's load or sweep (its streams close: the server cancels them), or the
+        engine's tune."""
+        if not self.remote:
+            self._post(StopTune())
+            return
+        self._cancel.set()
+        if self._load is not None:
+            self._load.stop()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop and wait (the window closes)."""
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- a server's runs, in a thread of their own -----------------------------------------------
+    def _run_remote(self, target: tuple[str, str], body: Callable[[Endpoint], None]) -> None:
+        self._post(StopTune())  # one load at a time: the engine's ends
+        self._cancel = threading.Event()
+        self._load = None
+        self.status.emit(TuneStatus(True, message=f"asking {target[0]} for its models…"))
+
+        def run() -> None:
+            from app.endpoints import keys
+            from app.endpoints.client import Endpoint, EndpointError, with_model
+
+            try:
+                endpoint = with_model(Endpoint(target[0], target[1], keys.key(target[0])))
+                self.endpoint_name = endpoint.name
+                body(endpoint)
+            except EndpointError as exc:  # unreachable, a key refused, a model gone: one line
+                self.status.emit(TuneStatus(False, message=str(exc)))
+            except Exception as exc:  # the thread must end in a line, never silently
+                log.exception("the server's load failed")
+                self.status.emit(TuneStatus(False, message=f"{type(exc).__name__}: {exc}"))
+
+        self._thread = threading.Thread(target=run, daemon=True, name="infersight-tune-remote")
+        self._thread.start()
+
+    def _live(self, endpoint: Endpoint, spec: LoadSpec) -> None:
+        from app.endpoints.load import EndpointLoad
+
+        self.began.emit(endpoint.name)
+        load = EndpointLoad(endpoint, spec, stop=self._cancel)
+        self._load = load.start()
+        load.wait()
+        run = load.run()
+        self.runs = [run]
+        message = _failures(run, "stopped", "marked ▲ on the plot")
+        self.status.emit(TuneStatus(False, load=run.result, message=message))
+
+    def _sweep(self, endpoint: Endpoint, settings: tuple[Setting, ...], slo: SLO | None) -> None:
+        from app.endpoints.load import EndpointLoad
+
+        points: list[SweepPoint] = []
+        runs: list[EndpointRun] = []
+        for i, setting in enumerate(settings):
+            if self._cancel.is_set():
+                break
+            progress = SweepProgress(i, len(settings), setting.label(), 0, 0, tuple(points))
+            self.status.emit(TuneStatus(True, sweep=progress, message=endpoint.name))
+            load = EndpointLoad(endpoint, setting.load, slo, stop=threading.Event())
+            self._load = load.start()
+            while not load.wait(0.1):
+                if self._cancel.is_set():
+                    load.stop()
+            run = load.run()
+            runs.append(run)
+            if not run.result.stopped or run.result.completed:
+                points.append(SweepPoint(setting, run.result))
+            if run.failures and set(run.failures) & {"unreachable", "auth", "model"}:
+                break  # no wait heals it: the sweep ends here, its marks say why
+        self.runs = runs
+        done = SweepProgress(len(settings), len(settings), "", 0, 0, tuple(points))
+        failed = [(s.label(), r) for s, r in zip(settings, runs, strict=False) if r.failures]
+        message = "; ".join(f"at {label}: {_failures(r, '', '')}" for label, r in failed)
+        self.status.emit(TuneStatus(False, sweep=done, message=message or "sweep done"))
+
+    # -- into the view ----------------------------------------------------------------------------
+    def _began(self, name: str) -> None:
+        """A live load on a server began: its plots start afresh."""
+        self.view.live.show_remote(name)
+        self._readings = 0
+        self.timer.start()
+        self.view.set_status(True, None, None, f"running on {name}")
+
+    def _show(self, status: TuneStatus) -> None:
+        view = self.view
+        if not status.running:
+            self.timer.stop()
+            self._read()  # the last figures
+        view.set_status(status.running, status.load, status.sweep, status.message)
+
+    def _read(self) -> None:
+        load = self._load
+        if load is None or not load.started or self.view.live.remote is None:
+            return
+        live = load.live()
+        server = live.server
+        nan = float("nan")
+        self.view.live.add_point(
+            load.started + live.time, live.output_tps, live.ttft_ms, live.tpot_ms,
+            live.in_flight if server is None else server.running,
+            nan if server is None else server.waiting,
+            nan if server is None else 100.0 * server.kv_usage,
+            nan if server is None else server.preemptions,
+            tuple((load.started + t, kind) for t, kind in live.failures),
+        )  # fmt: skip
+        self._readings += 1
+        if self._readings % RESULT_EVERY == 0 and not load.finished:
+            run = load.run()
+            running = f"running on {load.endpoint.name}"
+            self.view.set_status(True, run.result, None, _failures(run, running, "marked ▲"))
+
+
+def _failures(run: EndpointRun, otherwise: str, marked: str) -> str:
+    """``the server failed requests: 4 rate_limited, 1 dropped (marked) — <the first's
+    line>``, or ``otherwise`` where none failed."""
+    if not run.failures:
+        return otherwise
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(run.failures.items()))
+    first = next(iter(run.first_failure.values()), "")
+    return f"the server failed requests: {counts}{f' ({marked})' if marked else ''} — {first}"
