@@ -144,7 +144,7 @@ def window(qtbot: object, tmp_path: Path, default_model: Path) -> Iterator[MainW
 def start_live(qtbot, window: MainWindow, target: str, users: int, output: int = 0) -> None:
     tuner = window.tuner
     tuner.target_edit.setText(target)
-    assert not tuner.limits_group.isEnabled()  # a server's limits are its own
+    assert tuner.limits_group.isHidden()  # a server's limits are its own
     tuner.mode_combo.setCurrentText("closed")
     tuner.users_spin.setValue(users)
     tuner.output_spin.setValue(output or tuner.output_spin.minimum())
@@ -170,7 +170,7 @@ def test_the_window_drives_a_server_live_and_turns_its_users(qtbot, window, serv
     monkeypatch.setenv("INFERSIGHT_ENDPOINT_KEY", KEY)
     tuner = window.tuner
     start_live(qtbot, window, server, users=1)
-    assert tuner.live.remote_note.isVisible() and not tuner.live.token_plot.isVisible()
+    assert not tuner.live.remote_note.isHidden() and tuner.live.strip.isHidden()
     qtbot.waitUntil(lambda: "done" in tuner.load_figures.text(), timeout=LONG_WAIT_MS)
     assert batch_seen(window) <= 1  # the server's own running count, from its /metrics
     tuner.users_spin.setValue(4)  # turned mid-run: three users join

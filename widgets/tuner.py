@@ -173,13 +173,13 @@ class TunerView(QWidget):
 
     def _target_changed(self, _text: str) -> None:
         remote = self.endpoint() is not None
-        self.limits_group.setEnabled(not remote)
+        self.limits_group.setVisible(not remote)  # the plots take its room
         for edit in (self.batch_edit, self.tokens_edit, self.wait_edit):
             edit.setEnabled(not remote)
         self.target_note.setText("limits: the server's own" if remote else "limits: this engine's")
         self._evaluate_best()
 
-    def _load_row(self) -> QHBoxLayout:
+    def _load_row(self) -> QVBoxLayout:
         self.mode_combo = QComboBox()
         self.mode_combo.addItems(list(MODES))
         self.mode_combo.setToolTip(
@@ -217,9 +217,16 @@ class TunerView(QWidget):
         row.addWidget(self.output_spin)
         row.addWidget(self.start_button)
         row.addWidget(self.stop_button)
-        row.addWidget(self.load_figures)
-        row.addWidget(self.status_label, 1)
-        return row
+        row.addStretch(1)
+        # the figures and the state on a line of their own: they never widen the page
+        self.load_figures.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        figures = QHBoxLayout()
+        figures.addWidget(self.load_figures, 1)
+        figures.addWidget(self.status_label, 1)
+        both = QVBoxLayout()
+        both.addLayout(row)
+        both.addLayout(figures)
+        return both
 
     def _sweep_page(self) -> QWidget:
         form_box = QGroupBox("Sweep")
@@ -362,6 +369,7 @@ class TunerView(QWidget):
         for slider in self.sliders.values():  # a sweep sets the limits itself
             slider.setEnabled(not sweeping)
         self.status_label.setText(message)
+        self.status_label.setToolTip(message)  # the whole line, where the label cuts it
         if load is not None:
             self.load_figures.setText(
                 f"{load.completed} done · {load.output_throughput:.1f} out tok/s · "

@@ -125,6 +125,10 @@ class LivePage(QSplitter):
         grid_layout.setContentsMargins(0, 0, 0, 0)
         for i, plot in enumerate((self.tps_plot, self.latency_plot, self.batch_plot, self.kv_plot)):
             grid_layout.addWidget(plot, i // 2, i % 2)
+        self.remote_note = QLabel(REMOTE_NOTE)  # in the strip's place for a server's load
+        self.remote_note.setWordWrap(True)
+        self.remote_note.setVisible(False)
+        grid_layout.addWidget(self.remote_note, 2, 0, 1, 2)
 
         # the per-step strip
         self.token_plot = make_plot(
@@ -156,20 +160,16 @@ class LivePage(QSplitter):
         self.duration_plot.setXLink(self.token_plot)
         caption = QLabel(STEP_CAPTION)
         caption.setWordWrap(True)
-        self.caption = caption
-        self.remote_note = QLabel(REMOTE_NOTE)
-        self.remote_note.setWordWrap(True)
-        self.remote_note.setVisible(False)
         self.step_summary = QLabel("no steps yet")
         strip = QWidget()
         col = QVBoxLayout(strip)
         col.setContentsMargins(0, 0, 0, 0)
-        col.addWidget(self.remote_note)
         col.addWidget(caption)
         col.addWidget(self.token_plot, 3)
         col.addWidget(self.duration_plot, 2)
         col.addWidget(self.step_summary)
 
+        self.strip = strip
         self.addWidget(plots)
         self.addWidget(strip)
         self.setStretchFactor(0, 1)
@@ -194,12 +194,7 @@ class LivePage(QSplitter):
         self.failure_marks.setData([], [])
         self._live_dirty = self._steps_dirty = True
         self.remote_note.setVisible(name is not None)
-        self.caption.setVisible(name is None)
-        for plot in (self.token_plot, self.duration_plot):
-            plot.setVisible(name is None)
-        self.step_summary.setText(
-            "no steps yet" if name is None else f"{name}: figures by the client's clock"
-        )
+        self.strip.setVisible(name is None)
 
     def add_point(
         self, at: float, tps: float, ttft_ms: tuple[float, float], tpot_ms: tuple[float, float],
@@ -263,7 +258,7 @@ class LivePage(QSplitter):
         if self._live_dirty:
             self._live_dirty = False
             self._redraw_live()
-        if self._steps_dirty:
+        if self._steps_dirty and self.remote is None:
             self._steps_dirty = False
             self._redraw_steps()
 
