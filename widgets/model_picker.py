@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
 
 from engine.store.catalog import Discovery, PlannedModel
 from engine.units import format_size
+from widgets.endpoint_page import EndpointCalls, EndpointPage
 from widgets.hub_page import HubCalls, HubPage
 
 #: ``scan(folders, precision, device)``; runs off the UI thread
@@ -76,10 +77,12 @@ class ModelPicker(QDialog):
         precision: str = "fp32",
         device: str = "auto",
         hub: HubCalls | None = None,
+        endpoints: EndpointCalls | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("Models")
         self.hub_calls = hub
+        self.endpoint_calls = endpoints
         self.setModal(False)
         self.resize(900, 420)
         self._scan = scan
@@ -93,8 +96,8 @@ class ModelPicker(QDialog):
         self._build()
 
     def _build(self) -> None:
-        """Two pages: the models on this machine, and (given the app's Hub calls) models to
-        get from the Hugging Face Hub."""
+        """The models on this machine, and (given the app's calls) models to get from the
+        Hugging Face Hub and a server's models to chat with."""
         outer = QVBoxLayout(self)
         self.pages = QTabWidget()
         outer.addWidget(self.pages)
@@ -105,6 +108,10 @@ class ModelPicker(QDialog):
             self.hub_page = HubPage(self.hub_calls)
             self.hub_page.model_requested.connect(self.model_requested)
             self.pages.addTab(self.hub_page, "Get models")
+        self.endpoint_page: EndpointPage | None = None
+        if self.endpoint_calls is not None:
+            self.endpoint_page = EndpointPage(self.endpoint_calls)
+            self.pages.addTab(self.endpoint_page, "OpenAI-compatible endpoint")
         layout = QVBoxLayout(local)
         self.filter = QLineEdit()
         self.filter.setPlaceholderText("Filter: name, source, architecture, path")
@@ -272,6 +279,8 @@ class ModelPicker(QDialog):
         """Stop polling and let a running scan end on its own (no wait here)."""
         if self.hub_page is not None:
             self.hub_page.shutdown()
+        if self.endpoint_page is not None:
+            self.endpoint_page.shutdown()
         self._poll.stop()
         if self._pending is not None:
             self._pending.cancel()

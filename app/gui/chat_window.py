@@ -22,6 +22,7 @@ from widgets.controls import ControlsPanel
 from widgets.instruments import InstrumentsPanel, RequestPoint
 
 if TYPE_CHECKING:
+    from app.gui.remote_chat import RemoteChat
     from app.gui.worker import EngineWorker
 
 
@@ -95,6 +96,7 @@ class ChatWindow(QMainWindow):
     controls: ControlsPanel
     instruments: InstrumentsPanel
     worker: EngineWorker
+    remote: RemoteChat  # the server the chat talks to instead, where one is chosen
     status_speed: QLabel
     status_ttft: QLabel
     status_context: QLabel
@@ -185,7 +187,7 @@ class ChatWindow(QMainWindow):
     def send(self, text: str) -> None:
         if self.active is not None:
             return
-        if self.model is None:
+        if self.model is None and not self.remote.active:
             what = "The model is still loading" if self.loading else "No model is loaded"
             self.chat.show_notice(
                 f"{what}; your message is kept in the box, send it again once the status bar "
@@ -231,11 +233,13 @@ class ChatWindow(QMainWindow):
         self.chat.add_message(MessageView("assistant", list(candidates), "streaming", "", first))
         self.chat.set_generating(True)
         self._refresh_list()
-        self.worker.post(Send(tag, messages, sampling, n))
+        # to the server the chat talks to, or to the engine in this process
+        (self.remote if self.remote.active else self.worker).post(Send(tag, messages, sampling, n))
 
     def stop(self) -> None:
         if self.active is not None:
-            self.worker.post(Cancel(self.active.tag))
+            self.worker.post(Cancel(self.active.tag))  # whichever runs it: the other has none
+            self.remote.post(Cancel(self.active.tag))
 
     def regenerate(self) -> None:
         if self.active is not None or self.conversation_id is None:
@@ -243,7 +247,7 @@ class ChatWindow(QMainWindow):
         messages = self.store.messages(self.conversation_id)
         if not messages:
             return
-        if self.model is None:
+        if self.model is None and not self.remote.active:
             self.chat.show_notice("No model is loaded yet; wait for it, then regenerate", "warning")
             return
         earlier: list[str] = []
@@ -351,7 +355,7 @@ class ChatWindow(QMainWindow):
             ttft = m.time_to_first_token_seconds
             self.status_ttft.setText("TTFT –" if ttft is None else f"TTFT {ttft * 1e3:.0f} ms")
             self.status_ttft.setToolTip(f"The last reply's {ttft_text(m)}")
-            if self.model is not None:
+            if self.model is not None and not self.remote.active:
                 used = m.prompt_tokens + m.output_tokens
                 self.status_context.setText(f"context {used} / {self.model.context_length}")
         self.instruments.add_request(

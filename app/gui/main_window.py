@@ -41,6 +41,7 @@ from app.gui.commands import (
 from app.gui.hub_calls import hub_calls
 from app.gui.instrument_frames import frame_of
 from app.gui.lab import LabController
+from app.gui.remote_chat import CALLS, REMOTE_NOTE, RemoteChat
 from app.gui.status import model_label, settings_label
 from app.gui.tune_router import TuneRouter
 from app.gui.worker import LOAD_JOIN_S, EngineWorker, Loader
@@ -55,6 +56,7 @@ from widgets.model_picker import ModelPicker
 from widgets.tuner import TunerView
 
 if TYPE_CHECKING:
+    from app.endpoints.client import Endpoint
     from app.gui.serve_host import ServeHost
     from engine.loader.memory_plan import MemoryPlan
 
@@ -168,6 +170,11 @@ class MainWindow(ChatWindow):
         w.deltas.connect(self._on_deltas)
         w.prefill_progress.connect(self._on_prefill)
         w.reply_stats.connect(self._on_stats)
+        self.remote = RemoteChat(self.settings, self)  # a server's replies, the same way in
+        self.remote.deltas.connect(self._on_deltas)
+        self.remote.reply_stats.connect(self._on_stats)
+        self.remote.changed.connect(self._on_remote)
+        w.loading.connect(lambda _spec: self.remote.use(None))  # a local model: the chat's again
         w.metrics.connect(self._on_metrics)
         w.loading.connect(self._on_loading)
         w.load_progress.connect(self._on_load_progress)
@@ -283,13 +290,24 @@ class MainWindow(ChatWindow):
         device; folders added there are kept in the store."""
         if self.picker is None:
             hub = hub_calls(lambda: (self._precision(), self._device()))
-            self.picker = ModelPicker(self._scan_models, self.store.model_folders(), self, hub=hub)
+            self.picker = ModelPicker(self._scan_models, self.store.model_folders(), self, hub=hub,
+                                      endpoints=CALLS)  # fmt: skip
+            self.remote.attach(self.picker)
             self.picker.model_requested.connect(lambda path: self.load(self._spec(model=path)))
             self.picker.folder_added.connect(self.store.add_model_folder)
         self.picker.set_target(self._precision(), self._device())
         self.picker.show()
         self.picker.raise_()
         self.picker.refresh()
+
+    def _on_remote(self, endpoint: Endpoint | None) -> None:
+        """The chat talks to a server now (or to the local model again)."""
+        if endpoint is not None:
+            self.status_model.setText(f"{endpoint.name} · served")
+            self.status_model.setToolTip("The chat's replies come from this server")
+            self.chat.show_notice(REMOTE_NOTE.format(name=endpoint.name), "info")
+        elif self.model is not None:
+            self.status_model.setText(model_label(self.model))
 
     def _scan_models(self, folders: list[Path], precision: str, device: str) -> Discovery:
         """(The picker's scan thread.) :func:`scan_models` with what the model loaded now
@@ -533,6 +551,7 @@ class MainWindow(ChatWindow):
             self.picker.shutdown()
         self.lab.request_stop()  # both threads wind down together; the lab is waited for below
         self.tune_router.shutdown(timeout_s)
+        self.remote.shutdown()
         if self.engine_thread.isRunning():
             self.worker.post(Stop())
             deadline = time.monotonic() + LOAD_JOIN_S + timeout_s
