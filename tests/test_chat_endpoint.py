@@ -89,6 +89,10 @@ def test_a_server_that_fails_is_one_line_and_the_chat_is_kept(qtbot, window, mis
     assert stored(window) == [("user", PROMPT, "done"), ("assistant", "Red green", "error")]
     notice = window.chat.notice.text()
     assert "ended the stream" in notice and "The chat is kept" in notice
+    window.remote.use(Endpoint(misbehaving, "busy", RIGHT))  # 429, Retry-After: 3
+    send(qtbot, window, PROMPT)
+    assert stored(window)[2:] == [("user", PROMPT, "done"), ("assistant", "", "error")]
+    assert "retry after 3 s" in window.chat.notice.text()
     choose_server(qtbot, window, misbehaving, "wrong-key")
     page = window.picker.endpoint_page
     assert "refused the API key" in page.status.text() and not page.use_button.isEnabled()
