@@ -20,7 +20,7 @@ from engine.evals.compare import compare_prompt
 from engine.evals.compare_file import read_document
 from engine.evals.sides import Side
 from engine.loader.load import load_model
-from tests.app_window import SHARED_WEIGHTS
+from tests.app_window import SHARED_WEIGHTS, Recorder
 from tests.probed import needs_int4
 from widgets.ab_view import ABView
 
@@ -58,7 +58,10 @@ class Lab:
         )
         self.appends: dict[str, list[str]] = {"a": [], "b": []}
         self.notices: list[str] = []
-        self.controller.worker.deltas.connect(self._record)
+        # received in the UI thread, as the window's lab takes them: a server's side streams
+        # from a thread of its own, whose emissions a plain callable would not get in order
+        self._streamed = Recorder(self._record)
+        self.controller.worker.deltas.connect(self._streamed.record)
         self.controller.worker.notice.connect(lambda text, _level: self.notices.append(text))
         self.controller.worker.failed.connect(self.notices.append)
         self.qtbot = qtbot

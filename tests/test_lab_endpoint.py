@@ -59,6 +59,31 @@ def test_the_lab_compares_a_local_int4_model_with_a_served_fp32_one(qtbot, serve
     assert "KL(A‖B) ≥" in tip and "rank in B" in tip, tip
 
 
+def test_the_lab_compares_two_servers_with_no_local_model(qtbot, server, served_key):
+    lab = Lab(qtbot)
+    view = lab.view
+    try:
+        view.forms["a"].model.setEditText(server)
+        view.forms["b"].model.setEditText(server)
+        view.forms["b"].temperature.setValue(1.0)  # B sampled: their answers part
+        view.prompt.setPlainText(PROMPT)
+        view.max_new_tokens.setValue(12)
+        view.run_button.click()
+        lab.qtbot.waitUntil(lambda: lab.controller.busy, timeout=5000)
+        lab.qtbot.waitUntil(lambda: not lab.controller.busy, timeout=LONG_WAIT_MS)
+        report = view.report()
+        assert report is not None, lab.notices
+    finally:
+        lab.close()
+    assert (
+        report["a"]["remote"] and report["b"]["remote"] and not report["summary"].get("text_only")
+    )
+    assert "no local model" in view.notice.text()
+    assert lab.appends["a"] and lab.appends["b"]  # both streamed as they came
+    for side in "ab":
+        assert view.column_text(side) == report[side]["text"]
+
+
 def test_a_server_that_cannot_be_reached_is_one_line_and_the_lab_goes_on(qtbot, served_key):
     lab = Lab(qtbot)
     try:

@@ -238,10 +238,19 @@ def _stream(
 def post(endpoint: Endpoint, route: str, body: dict[str, Any]) -> Any:
     """One request whose answer is JSON (``route`` under the server's URL, e.g.
     ``/v1/completions`` or vLLM's ``/tokenize``): the answer, or :class:`EndpointError`."""
+    return _json(endpoint, "POST", route, body)
+
+
+def get_json(endpoint: Endpoint, route: str) -> Any:
+    """``GET route`` under the server's URL (e.g. vLLM's ``/tokenizer_info``), as :func:`post`."""
+    return _json(endpoint, "GET", route, None)
+
+
+def _json(endpoint: Endpoint, method: str, route: str, body: dict[str, Any] | None) -> Any:
     with _client(endpoint) as client:
         try:
-            response = client.post(server_url(endpoint.base_url) + route, json=body,
-                                   headers=headers(endpoint))  # fmt: skip
+            response = client.request(method, server_url(endpoint.base_url) + route, json=body,
+                                      headers=headers(endpoint))  # fmt: skip
         except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
             raise _transport(endpoint, exc, 0) from exc
         _check(endpoint, response)

@@ -22,6 +22,7 @@ from app.endpoints.client import (
     Streamed,
     TokenLogprob,
     completion_logprobs,
+    get_json,
     post,
     stream_chat,
     stream_completion,
@@ -33,6 +34,31 @@ from engine.evals.known import KnownRow, RemoteRun
 TOP_K = 20
 IDS_FIELD = "return_tokens_as_token_ids"
 ID_PREFIX = "token_id:"
+
+
+@dataclass(slots=True)
+class ServerTokenizer:
+    """A server's tokenizer read through its ``/detokenize`` (vLLM's route, ours too): what
+    the lab decodes pieces and alternatives with when no local model is on either side. Each
+    id sequence is asked once. Special tokens are kept (the route keeps them)."""
+
+    endpoint: Endpoint
+    vocab_size: int
+    _seen: dict[tuple[int, ...], str] = field(default_factory=dict)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        key = tuple(int(i) for i in ids)
+        if not key:
+            return ""
+        if key not in self._seen:
+            body = {"model": self.endpoint.model, "tokens": list(key)}
+            answer = post(self.endpoint, "/detokenize", body)
+            text = answer.get("prompt") if isinstance(answer, dict) else None
+            if not isinstance(text, str):
+                raise EndpointError("protocol", f"{self.endpoint.name} answered /detokenize "
+                                    "without a prompt text")  # fmt: skip
+            self._seen[key] = text
+        return self._seen[key]
 
 
 @dataclass(slots=True)
@@ -54,8 +80,11 @@ class ServerSide:
     # -- RemoteModel -----------------------------------------------------------------------
     def prompt_ids(self, text: str) -> list[int] | None:
         body = {"model": self.endpoint.model, "prompt": text, "add_special_tokens": False}
+        return self._tokens("/tokenize", body)
+
+    def _tokens(self, route: str, body: dict[str, Any]) -> list[int] | None:
         try:
-            answer = post(self.endpoint, "/tokenize", body)
+            answer = post(self.endpoint, route, body)
         except EndpointError as exc:
             if exc.kind in ("model", "refused"):  # no such route, or another body for it
                 return None
@@ -63,6 +92,27 @@ class ServerSide:
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         # llama.cpp's /tokenize reads another field and answers an empty list to this body
         return [int(t) for t in tokens] if isinstance(tokens, list) and tokens else None
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int] | None:
+        body = {"model": self.endpoint.model, "messages": messages,
+                "add_generation_prompt": True, "add_special_tokens": False}  # fmt: skip
+        return self._tokens("/tokenize", body)
+
+    def decoder(self) -> ServerTokenizer | None:
+        try:
+            info = get_json(self.endpoint, "/tokenizer_info")
+        except EndpointError as exc:
+            if exc.kind in ("model", "refused"):  # no such route
+                return None
+            raise
+        decoder = ServerTokenizer(self.endpoint, int(info.get("vocab_size") or 0) or 1 << 31)
+        try:
+            decoder.decode([0])
+        except EndpointError as exc:
+            if exc.kind in ("model", "refused"):  # no /detokenize
+                return None
+            raise
+        return decoder
 
     def generate(
         self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float,

@@ -62,6 +62,14 @@ class RemoteRun:
         return [r.token for r in self.rows]
 
 
+class Decoder(Protocol):
+    """Token ids to text, as a server's ``/detokenize`` reads them (special tokens kept)."""
+
+    vocab_size: int
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
 class RemoteModel(Protocol):
     """A model behind a server, as the A/B lab asks of it."""
 
@@ -73,6 +81,15 @@ class RemoteModel(Protocol):
     def prompt_ids(self, text: str) -> list[int] | None:
         """``text`` as the server tokenizes it (without special tokens added), or None where
         the server has no tokenizer route."""
+        ...
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int] | None:
+        """``messages`` through the server's chat template, as token ids ready to generate
+        after (None: the server has no such route)."""
+        ...
+
+    def decoder(self) -> Decoder | None:
+        """The server's tokenizer to read ids by (None: it has no ``/detokenize``)."""
         ...
 
     def generate(

@@ -6,7 +6,7 @@ generation and what it ran as (:class:`SideRun`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
@@ -57,10 +57,8 @@ def remote_prompt_ids(
     and said so."""
     local = [s for s in sides.values() if isinstance(s, LLMEngine)]
     if not local:
-        raise InvalidRequestError(
-            "comparing two servers token by token needs a local model with their tokenizer "
-            "on one side; put the local model on A or B"
-        )
+        servers: list[RemoteModel] = [s for s in sides.values() if not isinstance(s, LLMEngine)]
+        return servers_prompt_ids(servers[0], servers[1], messages)
     engine = local[0]
     text = "\n".join(m["content"] for m in messages) + TOKENIZER_PROBE
     mine = engine.tokenizer.encode(text)
@@ -84,6 +82,33 @@ def remote_prompt_ids(
         else:
             said.append(f"{name.upper()}'s server tokenizes the prompt as the local model does")
     return prompt_ids_for(engine, messages), engine.tokenizer, "; ".join(said)
+
+
+def servers_prompt_ids(
+    a: RemoteModel, b: RemoteModel, messages: list[dict[str, str]]
+) -> tuple[list[int] | None, Tokenizer | None, str]:
+    """Two servers and no local model: token by token where both tokenize the prompt and the
+    probe alike (``/tokenize``), A's server gives the templated prompt's ids and reads ids
+    back to text (``/detokenize``); else None (compared as text) and why."""
+    text = "\n".join(m["content"] for m in messages) + TOKENIZER_PROBE
+    ids_a, ids_b = a.prompt_ids(text), b.prompt_ids(text)
+    if ids_a is None or ids_b is None:
+        which = "A" if ids_a is None else "B"
+        return None, None, (f"no local model, and {which}'s server has no /tokenize to check "
+                            "the two tokenizers by")  # fmt: skip
+    if ids_a != ids_b:
+        return None, None, (f"the two servers tokenize the prompt otherwise ({len(ids_a)} "
+                            f"tokens against {len(ids_b)})")  # fmt: skip
+    prompt = a.chat_prompt_ids(messages)
+    decoder = a.decoder() if prompt is not None else None
+    if prompt is None or decoder is None:
+        return None, None, ("no local model, and A's server cannot template the chat or read "
+                            "ids back (/tokenize with messages, /detokenize)")  # fmt: skip
+    # read as a Tokenizer: decode and vocab_size are all that the comparison asks of one
+    return prompt, cast("Tokenizer", decoder), (
+        "no local model: both servers tokenize the prompt alike; the prompt is A's server's "
+        "chat template, tokens read back by its /detokenize (special tokens shown)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
