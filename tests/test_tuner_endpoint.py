@@ -208,7 +208,9 @@ def test_the_window_marks_a_rate_limit_and_names_an_unreachable_server(
 
 @pytest.mark.real_model
 @pytest.mark.usefixtures("gui_gc")
-def test_the_window_sweeps_a_server_and_reads_the_best_load(qtbot, window, server, monkeypatch):
+def test_the_window_sweeps_a_server_and_reads_the_best_load(
+    qtbot, window, server, monkeypatch, tmp_path
+):
     monkeypatch.setenv("INFERSIGHT_ENDPOINT_KEY", KEY)
     tuner = window.tuner
     tuner.target_edit.setText(server)
@@ -228,6 +230,13 @@ def test_the_window_sweeps_a_server_and_reads_the_best_load(qtbot, window, serve
     assert tuner.best_label() in ("1 users", "2 users")
     assert not tuner.apply_button.isEnabled()  # a server's limits are not ours to set
     assert tuner.progress.format() == "2/2 done" and tuner.status_label.text() == "sweep done"
+    path = tmp_path / "benchmarks.json"
+    tuner.export_guidellm.emit(str(path))  # as the button's dialog does
+    assert tuner.status_label.text() == f"GuideLLM's report of 2 runs: {path}"
+    schemas = pytest.importorskip("guidellm.benchmark.schemas")
+    report = schemas.GenerativeBenchmarksReport.load_file(path)
+    assert [b.config.strategy.streams for b in report.benchmarks] == [1, 2]
+    assert [b.metrics.request_totals.successful for b in report.benchmarks] == [3, 3]
 
 
 @pytest.mark.skipif(

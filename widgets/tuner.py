@@ -109,6 +109,7 @@ class TunerView(QWidget):
     stop_requested = Signal()
     apply_limits = Signal(dict)  # the best setting's limits
     load_turned = Signal(int, float)  # the live load's users and rate, as the user turns them
+    export_guidellm = Signal(str)  # a path: the last runs on a server as GuideLLM's report
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -315,10 +316,17 @@ class TunerView(QWidget):
         export_csv = QPushButton("Export CSV…")
         export_csv.setToolTip("Save every setting's figures as CSV")
         export_csv.clicked.connect(self._ask_csv)
+        export_guidellm = QPushButton("Export GuideLLM JSON…")
+        export_guidellm.setToolTip(
+            "Save the last load or sweep on a server as GuideLLM's benchmarks.json (guidellm "
+            "export and its console, CSV and HTML outputs read it)"
+        )
+        export_guidellm.clicked.connect(self._ask_guidellm)
         export_row = QHBoxLayout()
         export_row.addStretch(1)
         export_row.addWidget(export_png)
         export_row.addWidget(export_csv)
+        export_row.addWidget(export_guidellm)
         right = QWidget()
         right_col = QVBoxLayout(right)
         right_col.setContentsMargins(0, 0, 0, 0)
@@ -535,6 +543,13 @@ class TunerView(QWidget):
         )
         if path:
             self.export_sweep_png(Path(path))
+
+    def _ask_guidellm(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Export as GuideLLM's report", "benchmarks.json", "JSON (*.json)"
+        )
+        if path:
+            self.export_guidellm.emit(path)
 
     def _ask_csv(self) -> None:
         path, _ = QFileDialog.getSaveFileName(

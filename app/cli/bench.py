@@ -342,6 +342,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         from app.cli.tune_endpoint import tune_endpoint
 
         return tune_endpoint(args, *tune_settings(args, limits=False))
+    if args.guidellm is not None:
+        raise InvalidRequestError(
+            "--guidellm writes a server's runs as GuideLLM's report: give --endpoint URL too"
+        )
     import torch
 
     from app.loading import resolve_device, resolve_model_folder

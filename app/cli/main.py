@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from app.cli.bench import cmd_bench, cmd_tune
 from app.cli.common import configure_cpu_allocator, configure_cuda_allocator
@@ -259,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint-eos", action="store_true",
         help="let the endpoint's replies end at their end token: send no ignore_eos (for a "
         "server that refuses fields it does not know; the drawn lengths are then upper bounds)",
+    )  # fmt: skip
+    g.add_argument(
+        "--guidellm", metavar="PATH", type=Path, default=None,
+        help="also write the endpoint's runs as GuideLLM's benchmarks.json at PATH (one "
+        "benchmark per load; guidellm export and its outputs read it)",
     )  # fmt: skip
     g = p.add_argument_group("limits (each a list: the sweep runs every combination)")
     g.add_argument("--max-batch-size", type=int, nargs="+", default=[16])

@@ -20,11 +20,13 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
         Endpoint(args.endpoint, model=args.endpoint_model, api_key=keys.key(args.endpoint))
     )
     points: list[SweepPoint] = []
+    runs = []
     failures: dict[str, dict[str, Any]] = {}
     try:
         for i, setting in enumerate(settings):
             run = run_load(endpoint, setting.load, slo, ignore_eos=not args.endpoint_eos)
             points.append(SweepPoint(setting, run.result))
+            runs.append(run)
             r = run.result
             line = f"{r.output_throughput:.1f} out tok/s, p95 TTFT {r.ttft_ms['p95']:.0f} ms"
             if run.failures:  # the run marked where the server failed
@@ -38,6 +40,11 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
     report = sweep_report(points, slo, target_rate=args.capacity,
                           peak_factor=args.peak_factor, headroom=args.headroom)  # fmt: skip
     report = {"endpoint": endpoint.name, "failures": failures, **report}
+    if args.guidellm is not None and runs:
+        from app.endpoints.export import write_guidellm
+
+        write_guidellm(args.guidellm, runs, endpoint)
+        print(f"GuideLLM's report of {len(runs)} runs: {args.guidellm}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

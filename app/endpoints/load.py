@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
 import httpx2
@@ -79,6 +79,8 @@ class Record:
     failure: str | None = None  # an EndpointError's kind
     retry_after: float | None = None  # a rate limit's wait, as the server asked
     max_tokens: int = 0  # the output length asked for
+    due: float | None = None  # open loop: when it was meant to be sent (time.perf_counter())
+    cut: bool = False  # a stop ended it mid-reply
 
 
 @dataclass(slots=True)
@@ -91,6 +93,7 @@ class EndpointRun:
     failures: Counter[str]
     first_failure: dict[str, str]
     started: float = 0.0  # time.perf_counter() at its start
+    spec: LoadSpec | None = None  # its load, at the level it ended at
     users: list[tuple[float, float]] = field(default_factory=list)  # (s, load) as turned
 
 
@@ -221,6 +224,7 @@ class EndpointLoad:
         run = _run(self.endpoint, self.spec, self.slo, records, messages, end - self.started,
                    self._stopped)  # fmt: skip
         run.started, run.users = self.started, loads
+        run.spec = replace(self.spec, users=self.users, rate=self.rate)
         return run
 
     # -- the threads ------------------------------------------------------------------------
@@ -299,13 +303,15 @@ class EndpointLoad:
                 deadline = self.spec.duration_s
                 if deadline is not None and due > self.started + deadline:  # after its end
                     return
-                t = threading.Thread(target=self._send, args=request, daemon=True)
+                t = threading.Thread(target=self._send, args=(*request, due), daemon=True)
                 self._threads.append(t)
             t.start()
             last = due
             unit = 1.0 if self.spec.mode == "constant" else gaps.gammavariate(shape, 1 / shape)
 
-    def _send(self, kind: str, chat: list[dict[str, str]], out: int) -> Record:
+    def _send(
+        self, kind: str, chat: list[dict[str, str]], out: int, due: float | None = None
+    ) -> Record:
         reply = Streamed(time.perf_counter())
         extra = {"ignore_eos": True} if self.ignore_eos else None
         with self._turn:
@@ -315,7 +321,7 @@ class EndpointLoad:
         finally:
             with self._turn:
                 self._in_flight -= 1
-        record.max_tokens = out
+        record.max_tokens, record.due = out, due
         with self._turn:
             self._records.append(record)
             if record.failure is not None:
@@ -328,6 +334,7 @@ class EndpointLoad:
         extra: dict[str, bool] | None,
     ) -> Record:  # fmt: skip
         endpoint = self.endpoint
+        cut = False
         try:
             stream = stream_chat(endpoint, chat, max_tokens=out, extra=extra, reply=reply,
                                  session=self._client)  # fmt: skip
@@ -336,6 +343,7 @@ class EndpointLoad:
                     self._streamed += 1
                 if self._stop.is_set():  # a stop ends the requests in flight too
                     stream.close()
+                    cut = True
                     break
         except EndpointError as exc:
             return self._failed(kind, reply, exc.kind, str(exc), exc.retry_after)
@@ -353,7 +361,7 @@ class EndpointLoad:
             kind, time.perf_counter() - reply.started, reply.started,
             input_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=tokens,
             time_to_first_token_seconds=reply.ttft_s, time_per_output_token_seconds=tpot,
-            itl_s=[b - a for a, b in itertools.pairwise(timed)],
+            itl_s=[b - a for a, b in itertools.pairwise(timed)], cut=cut,
         )  # fmt: skip
 
     def _failed(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -43,11 +44,12 @@ class TuneRouter(QObject):
         self._cancel = threading.Event()
         self._readings = 0
         self.runs: list[EndpointRun] = []  # a server's runs, last first: the last sweep's all
-        self.endpoint_name = ""
+        self.endpoint: Endpoint | None = None  # the server of those runs, its model resolved
         view.start_load.connect(self._start_load)
         view.start_sweep.connect(self._start_sweep)
         view.stop_requested.connect(self.stop)
         view.load_turned.connect(self._turn)
+        view.export_guidellm.connect(self.export_guidellm)
         self.status.connect(self._show)
         self.began.connect(self._began)
         self.timer = QTimer(self, interval=READ_MS)
@@ -93,6 +95,24 @@ class TuneRouter(QObject):
         if self._load is not None:
             self._load.stop()
 
+    def export_guidellm(self, path: str) -> None:
+        """The last load or sweep on a server as GuideLLM's report at ``path``; the view's
+        line says where, or why not."""
+        from app.endpoints.export import write_guidellm
+
+        runs = [r for r in self.runs if r.records]
+        if not runs or self.endpoint is None:
+            self.view.set_status(self.remote, None, None, "GuideLLM's report holds a server's "
+                                 "runs: run a load or a sweep on a server first")  # fmt: skip
+            return
+        try:
+            write_guidellm(Path(path), runs, self.endpoint)
+        except OSError as exc:
+            self.view.set_status(self.remote, None, None, f"could not write {path}: {exc}")
+            return
+        self.view.set_status(self.remote, None, None, f"GuideLLM's report of {len(runs)} "
+                             f"run{'s' if len(runs) > 1 else ''}: {path}")  # fmt: skip
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop and wait (the window closes)."""
         self.stop()
@@ -112,7 +132,7 @@ class TuneRouter(QObject):
 
             try:
                 endpoint = with_model(Endpoint(target[0], target[1], keys.key(target[0])))
-                self.endpoint_name = endpoint.name
+                self.endpoint = endpoint
                 body(endpoint)
             except EndpointError as exc:  # unreachable, a key refused, a model gone: one line
                 self.status.emit(TuneStatus(False, message=str(exc)))
