@@ -24,6 +24,7 @@ from app.endpoints.load import EndpointLoad
 from app.endpoints.server_metrics import parse, scrape
 from app.gui.main_window import MainWindow
 from engine.bench.load_spec import LoadSpec, PromptMix
+from engine.bench.sweep_analysis import knee
 from tests.app_window import LONG_WAIT_MS, open_window
 from tests.misbehaving import RIGHT, Concurrency
 from tests.served import KEY
@@ -215,28 +216,36 @@ def test_the_window_sweeps_a_server_and_reads_the_best_load(
     tuner = window.tuner
     tuner.target_edit.setText(server)
     tuner.tabs.setCurrentIndex(1)
-    tuner.loads_edit.setText("1 2")
+    tuner.loads_edit.setText("1 2 4")
     tuner.requests_spin.setValue(3)
     tuner.sweep_output_spin.setValue(tuner.sweep_output_spin.minimum())
     tuner.conversations_spin.setValue(0.0)
     tuner.slo_edit.setText("ttft=60s,tpot=10s")
     assert not tuner.batch_edit.isEnabled()
     tuner.run_button.click()
-    qtbot.waitUntil(lambda: len(tuner.sweep_points()) == 2, timeout=3 * LONG_WAIT_MS)
+    qtbot.waitUntil(lambda: len(tuner.sweep_points()) == 3, timeout=3 * LONG_WAIT_MS)
     qtbot.waitUntil(tuner.run_button.isEnabled, timeout=LONG_WAIT_MS)
     points = tuner.sweep_points()
-    assert [p.label for p in points] == ["1 users", "2 users"]
+    assert [p.label for p in points] == ["1 users", "2 users", "4 users"]
     assert all(p.result.completed == 3 and not p.setting.limits for p in points)
-    assert tuner.best_label() in ("1 users", "2 users")
+    assert tuner.best_label() in ("1 users", "2 users", "4 users")
     assert not tuner.apply_button.isEnabled()  # a server's limits are not ours to set
-    assert tuner.progress.format() == "2/2 done" and tuner.status_label.text() == "sweep done"
+    assert tuner.progress.format() == "3/3 done" and tuner.status_label.text() == "sweep done"
+    # the capacity plan reads the server's sweep (a knee, or why none); no config of ours
+    capacity = tuner.capacity_text.text()
+    if knee(points) is None:
+        assert capacity.startswith("No knee yet"), capacity
+    else:
+        assert f"knee at load {knee(points).load:g}" in capacity, capacity
+        assert capacity.endswith("(servers like the one measured)"), capacity
+    assert not tuner.capacity.export_button.isEnabled()
     path = tmp_path / "benchmarks.json"
     tuner.export_guidellm.emit(str(path))  # as the button's dialog does
-    assert tuner.status_label.text() == f"GuideLLM's report of 2 runs: {path}"
+    assert tuner.status_label.text() == f"GuideLLM's report of 3 runs: {path}"
     schemas = pytest.importorskip("guidellm.benchmark.schemas")
     report = schemas.GenerativeBenchmarksReport.load_file(path)
-    assert [b.config.strategy.streams for b in report.benchmarks] == [1, 2]
-    assert [b.metrics.request_totals.successful for b in report.benchmarks] == [3, 3]
+    assert [b.config.strategy.streams for b in report.benchmarks] == [1, 2, 4]
+    assert [b.metrics.request_totals.successful for b in report.benchmarks] == [3, 3, 3]
 
 
 @pytest.mark.skipif(

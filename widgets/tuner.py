@@ -178,6 +178,7 @@ class TunerView(QWidget):
         for edit in (self.batch_edit, self.tokens_edit, self.wait_edit):
             edit.setEnabled(not remote)
         self.target_note.setText("limits: the server's own" if remote else "limits: this engine's")
+        self.capacity.set_remote(remote)
         self._evaluate_best()
 
     def _load_row(self) -> QVBoxLayout:

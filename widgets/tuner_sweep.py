@@ -146,6 +146,8 @@ class CapacityPanel(QGroupBox):
         self.capacity_text.setWordWrap(True)
         #: the model and precision the sweep ran on (a Ray Serve config names them)
         self.model: tuple[str, str] | None = None
+        #: the sweep ran on a server: machines of it, no config of ours to export
+        self.remote = False
         #: the Ray Serve config of the capacity shown (None: no capacity yet)
         self.serve_config: dict[str, object] | None = None
         self.export_button = QPushButton("Export Ray Serve config…")
@@ -182,6 +184,11 @@ class CapacityPanel(QGroupBox):
         out.write_text(json.dumps(self.serve_config, indent=2) + "\n", encoding="utf-8")
         return out
 
+    def set_remote(self, remote: bool) -> None:
+        """Whether the sweeps run on a server (its replicas are not ours to configure)."""
+        self.remote = remote
+        self._update_capacity()
+
     def set_sweep(self, points: tuple[SweepPoint, ...], best: SweepPoint | None) -> None:
         """The sweep's points and its best setting (``None``: none meets the SLO)."""
         self._points, self._best = points, best
@@ -210,7 +217,11 @@ class CapacityPanel(QGroupBox):
                 f"{name}: knee at load {k.load:g} ({k.request_throughput:.2f} req/s, "
                 f"{k.output_throughput:.0f} out tok/s). {cap.describe()}"
             )
-            if self.model is not None:
+            if self.remote:
+                self.capacity_text.setText(
+                    self.capacity_text.text() + " (servers like the one measured)"
+                )
+            elif self.model is not None:
                 model, precision = self.model
                 self.serve_config = serve_config(k, cap, model=model, precision=precision)
                 self.export_button.setEnabled(True)
