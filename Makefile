@@ -92,7 +92,8 @@ screenshots: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull
 	QT_QPA_PLATFORM=offscreen INFERSIGHT_SCREENSHOTS=docs/screenshots \
 	  $(BIN)/python -m pytest -q tests/test_app.py tests/test_tuner_app.py tests/test_app_start.py \
-	  tests/test_hub.py tests/test_lab_endpoint.py -k "screenshot or speculation"
+	  tests/test_hub.py tests/test_lab_endpoint.py tests/test_tuner_endpoint.py \
+	  -k "screenshot or speculation"
 
 # A runnable folder, dist/infersight/ (PyInstaller; the model is fetched on first start).
 package: $(VENV)/.stamp-run
