@@ -104,11 +104,12 @@ def servers_prompt_ids(
     if prompt is None or decoder is None:
         return None, None, ("no local model, and A's server cannot template the chat or read "
                             "ids back (/tokenize with messages, /detokenize)")  # fmt: skip
-    # read as a Tokenizer: decode and vocab_size are all that the comparison asks of one
-    return prompt, cast("Tokenizer", decoder), (
-        "no local model: both servers tokenize the prompt alike; the prompt is A's server's "
-        "chat template, tokens read back by its /detokenize (special tokens shown)"
+    said = (
+        "no local model: both servers tokenize the prompt alike; the prompt is A's "
+        "server's chat template, tokens read back by its /detokenize (special tokens shown)"
     )
+    # read as a Tokenizer: decode and vocab_size are all that the comparison asks of one
+    return prompt, cast("Tokenizer", decoder), said
 
 
 @dataclass(frozen=True, slots=True)
