@@ -61,10 +61,31 @@ def test_turning_the_users_changes_what_the_server_serves_at_once(misbehaving):
         assert load.wait(5.0)
     run = load.run()
     assert not run.failures and run.result.completed >= 6
+    cut = [r for r in run.records if r.cut]
+    assert len(cut) <= 1  # the one user left when Stop came; none cut by the turn
     assert [users for _, users in run.users] == [1, 3, 1]
     assert live.load == 1 and live.in_flight <= 1 and live.completed > 0
     assert live.ttft_ms[0] <= live.ttft_ms[1] and live.ttft_ms[0] > 0
     assert live.server is None  # this server has no /metrics: its queue is not visible
+
+
+def test_users_turned_down_under_a_request_limit_still_end_the_run(misbehaving):
+    tick = Endpoint(misbehaving, model="tick", api_key=RIGHT)
+    load = EndpointLoad(tick, LoadSpec(users=3, requests=6, mix=SHORT)).start()
+    load.retarget(users=1)  # two users wait to be needed; the limit is reached without them
+    assert load.wait(10.0), "the run did not end"
+    assert load.run().result.completed == 6
+
+
+def test_a_stop_cuts_a_request_still_waiting_for_its_first_byte(misbehaving):
+    slow = Endpoint(misbehaving, model="slow", api_key=RIGHT)  # two seconds before a byte
+    load = EndpointLoad(slow, LoadSpec(users=2, requests=None, mix=SHORT)).start()
+    time.sleep(0.3)
+    began = time.perf_counter()
+    load.stop()
+    assert load.wait(1.5) and time.perf_counter() - began < 1.5
+    run = load.run()
+    assert len(run.records) == 2 and all(r.cut for r in run.records) and not run.failures
 
 
 def test_turning_the_rate_changes_the_gaps_from_the_next_arrival(misbehaving):
@@ -176,6 +197,8 @@ def test_the_window_drives_a_server_live_and_turns_its_users(qtbot, window, serv
     assert batch_seen(window) <= 1  # the server's own running count, from its /metrics
     tuner.users_spin.setValue(4)  # turned mid-run: three users join
     qtbot.waitUntil(lambda: batch_seen(window) >= 2, timeout=LONG_WAIT_MS)
+    live = window.tune_router.live_load
+    assert live is not None and live.server is not None  # the batch curve is the server's
     stop(qtbot, window)
     assert tuner.status_label.text() == "stopped"
     run = window.tune_router.runs[0]

@@ -48,6 +48,7 @@ class EndpointPage(QWidget):
         self.calls = calls
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="infersight-endpoint")
         self._pending: Future[list[str]] | None = None
+        self._listing = ""  # the URL whose models are being listed
         self._poll = QTimer(self, interval=POLL_MS)
         self._poll.timeout.connect(self._collect)
         layout = QVBoxLayout(self)
@@ -123,6 +124,7 @@ class EndpointPage(QWidget):
         self.status.setText(f"asking {url} for its models…")
         self.list_button.setEnabled(False)
         self._pending = self._executor.submit(self.calls.list_models, url, self._key() or None)
+        self._listing = url
         self._poll.start()
 
     def _collect(self) -> None:
@@ -132,6 +134,10 @@ class EndpointPage(QWidget):
         self._poll.stop()
         self._pending = None
         self.list_button.setEnabled(True)
+        if self._listing != self.url.currentText().strip():  # the URL changed meanwhile
+            self.status.setText("the server's URL changed: List models again")
+            self.listed.emit()
+            return
         try:
             ids = pending.result()
         except Exception as exc:  # the call's line: unreachable, a key refused …

@@ -40,14 +40,18 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
     report = sweep_report(points, slo, target_rate=args.capacity,
                           peak_factor=args.peak_factor, headroom=args.headroom)  # fmt: skip
     report = {"endpoint": endpoint.name, "failures": failures, **report}
-    if args.guidellm is not None and runs:
-        from app.endpoints.export import write_guidellm
-
-        write_guidellm(args.guidellm, runs, endpoint)
-        print(f"GuideLLM's report of {len(runs)} runs: {args.guidellm}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
-    print(f"{endpoint.name} · the server's own limits")
-    print(format_reading(points, report, slo, args.capacity, replicas=False))
+    else:
+        print(f"{endpoint.name} · the server's own limits")
+        print(format_reading(points, report, slo, args.capacity, replicas=False))
+    if args.guidellm is not None and runs:  # after the reading: a path refused loses nothing
+        from app.endpoints.export import write_guidellm
+
+        try:
+            write_guidellm(args.guidellm, runs, endpoint)
+        except (OSError, ValueError) as exc:
+            print(f"could not write GuideLLM's report to {args.guidellm}: {exc}", file=sys.stderr)
+            return 1
+        print(f"GuideLLM's report of {len(runs)} runs: {args.guidellm}", file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@ import importlib.metadata
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from app.endpoints.client import Endpoint, server_url
 from app.endpoints.load import EndpointRun, Record
@@ -44,7 +45,20 @@ def guidellm_runs(runs: Sequence[EndpointRun]) -> list[Run]:
         records = sorted(run.records, key=lambda r: r.sent)
         spec = run.spec or LoadSpec()
         requests = tuple(timed(r, i, run, offset) for i, r in enumerate(records))
-        out.append(Run(spec.mode, spec.load, requests, label=run.result.load))
+        constraints: dict[str, dict[str, Any]] = {}
+        if spec.requests is not None:
+            constraints["max_requests"] = {"max_num": spec.requests}
+        if spec.duration_s is not None:
+            constraints["max_duration"] = {"max_duration": spec.duration_s}
+        environment: dict[str, Any] = {}
+        label = spec.describe()
+        if len(run.users) > 1:  # turned while it ran: GuideLLM's strategy holds the last level
+            environment["turned"] = [{"at_s": t, "load": load} for t, load in run.users]
+            label = "turned " + " → ".join(f"{load:g}" for _, load in run.users) + (
+                " users" if spec.mode == "closed" else " req/s")  # fmt: skip
+        if spec.mode == "poisson" and spec.burstiness != 1:  # gamma gaps, not GuideLLM's own
+            environment["burstiness"] = spec.burstiness
+        out.append(Run(spec.mode, spec.load, requests, label, constraints, environment))
     return out
 
 

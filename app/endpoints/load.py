@@ -57,6 +57,8 @@ MAX_USERS = 256
 LIVE_WINDOW_S = 10.0
 #: how often a run reads the server's /metrics
 SCRAPE_S = 1.0
+#: how long a stop waits for the requests in flight to see it before recording them as cut
+GRACE_S = 0.5
 
 
 def tokens_of(text: str) -> int:
@@ -135,7 +137,10 @@ class EndpointLoad:
         self._messages: dict[str, str] = {}
         self._failed_at: list[tuple[float, str]] = []
         self._loads: list[tuple[float, float]] = []
-        self._sent = self._in_flight = self._streamed = 0
+        self._sent = self._streamed = 0
+        #: the requests in flight, by number: what a stop records as cut if they do not end
+        self._flying: dict[int, tuple[str, Streamed, int, float | None]] = {}
+        self._keys = 0
         self._read = (0.0, 0, 0)  # the last live reading: its time, chunks and failures
         self._threads: list[threading.Thread] = []
         self._driver: threading.Thread | None = None
@@ -197,11 +202,11 @@ class EndpointLoad:
             chunks = self._streamed - last_chunks
             recent = [r for r in self._records if r.failure is None
                       and r.sent + r.e2e_s >= now - LIVE_WINDOW_S]  # fmt: skip
-            done = sum(1 for r in self._records if r.failure is None)
-            failed = len(self._records) - done
+            done = sum(1 for r in self._records if r.failure is None and not r.cut)
+            failed = sum(1 for r in self._records if r.failure is not None)
             fresh = tuple(self._failed_at[last_failed:])
             in_flight, load = (
-                self._in_flight,
+                len(self._flying),
                 self.users if self.spec.mode == "closed" else self.rate,
             )
         since = now - (last_t or self.started)
@@ -221,10 +226,10 @@ class EndpointLoad:
             records, messages = list(self._records), dict(self._messages)
             loads = list(self._loads)
         end = self.ended or time.perf_counter()
-        run = _run(self.endpoint, self.spec, self.slo, records, messages, end - self.started,
+        spec = replace(self.spec, users=self.users, rate=self.rate)  # as turned, if it was
+        run = _run(self.endpoint, spec, self.slo, records, messages, end - self.started,
                    self._stopped)  # fmt: skip
-        run.started, run.users = self.started, loads
-        run.spec = replace(self.spec, users=self.users, rate=self.rate)
+        run.started, run.users, run.spec = self.started, loads, spec
         return run
 
     # -- the threads ------------------------------------------------------------------------
@@ -233,21 +238,27 @@ class EndpointLoad:
         where its first page has none of the figures)."""
         with session(self.endpoint, 1) as client:
             while not self.ended:
-                self.server = scrape(self.endpoint, client)
-                if self.server is None or self._stop.wait(SCRAPE_S):
+                read = scrape(self.endpoint, client)
+                if read is None and self.server is None:
+                    return  # no such figures on its page
+                self.server = read or self.server  # a read that failed keeps the last one
+                if self._stop.wait(SCRAPE_S):
                     return
 
-    def _next_request(self) -> tuple[str, list[dict[str, str]], int] | None:
+    def _over(self) -> bool:
+        """No request is to be sent any more: stopped, or every one sent, or past the run's
+        duration (under the lock)."""
         spec = self.spec
+        over = spec.requests is not None and self._sent >= spec.requests
+        end = None if spec.duration_s is None else self.started + spec.duration_s
+        return self._stop.is_set() or over or (end is not None and time.perf_counter() > end)
+
+    def _next_request(self) -> tuple[str, list[dict[str, str]], int] | None:
         with self._turn:
-            over = spec.requests is not None and self._sent >= spec.requests
-            late = (
-                spec.duration_s is not None and time.perf_counter() > self.started + spec.duration_s
-            )
-            if self._stop.is_set() or over or late:
+            if self._over():
                 return None
             self._sent += 1
-            return draw_request(self._rng, spec.mix, self._texts, tokens_of, ROOM)
+            return draw_request(self._rng, self.spec.mix, self._texts, tokens_of, ROOM)
 
     def _drive(self) -> None:
         try:
@@ -255,19 +266,37 @@ class EndpointLoad:
                 self._add_users()
             else:
                 self._arrivals()
+            stopped_at = None
             while True:  # users may be added while the first ones run
                 with self._turn:
                     pending = [t for t in self._threads if t.is_alive()]
                 if not pending:
                     break
-                for t in pending:
-                    t.join()
+                pending[0].join(0.1)
+                if not self._stop.is_set():
+                    continue
+                if stopped_at is None:  # a stop ends the requests in flight: each at its
+                    stopped_at = time.perf_counter()  # next chunk, its connection closed
+                elif time.perf_counter() - stopped_at > GRACE_S:
+                    self._give_up()  # still waiting for a byte: cut where they are
+                    break
             self._stopped = self._stop.is_set()  # a stop, or a failure no wait heals
         finally:
             self.ended = time.perf_counter()
             self._stop.set()  # an interrupt stops the users and the streams in flight too
             if self._client is not None:
                 self._client.close()
+
+    def _give_up(self) -> None:
+        """Record the requests still in flight as cut where they are (a server still
+        preparing its first byte): the run ends now; their threads, left to end when the
+        server sends (a stop makes them close the connection then), record nothing more."""
+        with self._turn:
+            for kind, reply, out, due in self._flying.values():
+                record = self._record(kind, reply, out, cut=True)
+                record.max_tokens, record.due = out, due
+                self._records.append(record)
+            self._flying.clear()
 
     def _add_users(self) -> None:
         with self._turn:
@@ -279,8 +308,8 @@ class EndpointLoad:
     def _user(self, index: int) -> None:
         while True:
             with self._turn:  # a user beyond the count waits until it is needed again
-                while index >= self.users and not self._stop.is_set():
-                    self._turn.wait()
+                while index >= self.users and not self._over():
+                    self._turn.wait(0.1)  # a duration runs out without a notify
             if (request := self._next_request()) is None:
                 return
             record = self._send(*request)
@@ -315,14 +344,14 @@ class EndpointLoad:
         reply = Streamed(time.perf_counter())
         extra = {"ignore_eos": True} if self.ignore_eos else None
         with self._turn:
-            self._in_flight += 1
-        try:
-            record = self._stream(kind, chat, out, reply, extra)
-        finally:
-            with self._turn:
-                self._in_flight -= 1
+            self._keys += 1
+            key = self._keys
+            self._flying[key] = (kind, reply, out, due)
+        record = self._stream(kind, chat, out, reply, extra)
         record.max_tokens, record.due = out, due
         with self._turn:
+            if self._flying.pop(key, None) is None:  # a stop recorded it already, cut
+                return record
             self._records.append(record)
             if record.failure is not None:
                 self._failed_at.append((record.sent + record.e2e_s - self.started,
@@ -345,10 +374,16 @@ class EndpointLoad:
                     stream.close()
                     cut = True
                     break
-        except EndpointError as exc:
-            return self._failed(kind, reply, exc.kind, str(exc), exc.retry_after)
         except Exception as exc:  # a user thread must end in a record
+            if self._stop.is_set():  # its connection closed by a stop: cut where it was
+                return self._record(kind, reply, out, cut=True)
+            if isinstance(exc, EndpointError):
+                return self._failed(kind, reply, exc.kind, str(exc), exc.retry_after)
             return self._failed(kind, reply, "protocol", f"{endpoint.name}: {exc!r}", None)
+        return self._record(kind, reply, out, cut=cut)
+
+    def _record(self, kind: str, reply: Streamed, out: int, *, cut: bool) -> Record:
+        """A reply's record, whole or as far as a stop let it come."""
         timed = [c.at for c in reply.chunks if c.text]
         usage = reply.usage or {}
         # the server's count; without one, the drawn length where the reply ran to it (a
@@ -399,7 +434,8 @@ def _run(
     endpoint: Endpoint, spec: LoadSpec, slo: SLO | None, records: list[Record],
     messages: dict[str, str], duration: float, stopped: bool,
 ) -> EndpointRun:  # fmt: skip
-    done = [r for r in records if r.failure is None]
+    # a request a stop cut is neither done nor failed (as a local engine's cancelled ones)
+    done = [r for r in records if r.failure is None and not r.cut]
     failures = Counter(r.failure for r in records if r.failure is not None)
     duration = max(duration, 1e-9)
     ttft = [r.time_to_first_token_seconds for r in done if r.time_to_first_token_seconds]

@@ -99,13 +99,14 @@ class ServerSide:
         return self._tokens("/tokenize", body)
 
     def decoder(self) -> ServerTokenizer | None:
-        try:
+        try:  # vLLM serves it only with --enable-tokenizer-info-endpoint: optional here
             info = get_json(self.endpoint, "/tokenizer_info")
         except EndpointError as exc:
-            if exc.kind in ("model", "refused"):  # no such route
-                return None
-            raise
-        decoder = ServerTokenizer(self.endpoint, int(info.get("vocab_size") or 0) or 1 << 31)
+            if exc.kind not in ("model", "refused"):  # not "no such route"
+                raise
+            info = {}
+        vocab = info.get("vocab_size") if isinstance(info, dict) else None
+        decoder = ServerTokenizer(self.endpoint, vocab if isinstance(vocab, int) else 1 << 31)
         try:
             decoder.decode([0])
         except EndpointError as exc:

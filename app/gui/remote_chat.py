@@ -11,11 +11,14 @@ vLLM's, SGLang's or llama.cpp's names); no layer timings and no KV map."""
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from PySide6.QtCore import QObject, QSettings, Signal
+from PySide6.QtCore import QObject, QSettings, QTimer, Signal
 
 from app.endpoints import keys
 from app.endpoints.client import (
@@ -35,8 +38,12 @@ from widgets.endpoint_page import EndpointCalls
 if TYPE_CHECKING:
     from widgets.model_picker import ModelPicker
 
+log = logging.getLogger(__name__)
+
 #: the servers used, latest first, in the app's settings
 RECENT_KEY = "endpoints/recent"
+#: how long a Stop waits for a candidate to see it before ending it as stopped
+GRACE_MS = 500
 MAX_RECENT = 8
 #: what the chat's sampling sends as OpenAI's fields; the rest only where set off neutral
 #: (vLLM's and llama.cpp's extensions; a server that refuses one names it)
@@ -73,8 +80,7 @@ class RemoteChat(QObject):
         super().__init__(parent)
         self.settings = settings
         self.endpoint: Endpoint | None = None
-        self._cancels: dict[str, threading.Event] = {}
-        self._threads: list[threading.Thread] = []
+        self._replies: dict[str, _Reply] = {}  # by tag, until they have ended
 
     @property
     def active(self) -> bool:
@@ -112,59 +118,104 @@ class RemoteChat(QObject):
     # -- the replies ------------------------------------------------------------------------
     def post(self, command: Send | Cancel) -> None:
         if isinstance(command, Cancel):
-            cancel = self._cancels.get(command.tag)
-            if cancel is not None:
-                cancel.set()
+            self._cancel(command.tag)
             return
         endpoint = self.endpoint
         assert endpoint is not None, "post only while a server is chatted with"
-        cancel = self._cancels[command.tag] = threading.Event()
-        self._threads = [t for t in self._threads if t.is_alive()]
+        self._replies = {t: r for t, r in self._replies.items() if r.running()}
+        reply = self._replies[command.tag] = _Reply(command.candidates)
         for candidate in range(command.candidates):
             thread = threading.Thread(
-                target=self._reply, args=(endpoint, command, candidate, cancel), daemon=True,
+                target=self._reply, args=(endpoint, command, candidate, reply), daemon=True,
                 name="infersight-remote-reply",
             )  # fmt: skip
-            self._threads.append(thread)
+            reply.threads.append(thread)
             thread.start()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop every reply (their streams close: the server cancels them) and wait."""
-        for cancel in self._cancels.values():
-            cancel.set()
-        for thread in self._threads:
-            thread.join(timeout)
+    def _cancel(self, tag: str) -> None:
+        """End a reply: each candidate at its next chunk (its connection closed: the server
+        takes it as a cancel), the text so far kept; one still waiting for its first byte
+        ends as stopped after :data:`GRACE_MS`, its thread left to close when a byte comes."""
+        reply = self._replies.get(tag)
+        if reply is None:
+            return
+        reply.cancel.set()
+        QTimer.singleShot(GRACE_MS, self, lambda: self._give_up(tag, reply))
 
-    def _reply(self, endpoint: Endpoint, command: Send, candidate: int,
-               cancel: threading.Event) -> None:  # fmt: skip
-        tag = command.tag
-        body, extra = request_fields(command.sampling, candidate)
-        with session(endpoint, 1) as client:
-            gauges = scrape(endpoint, client)  # the server's queue as the reply is sent
-            reply = Streamed(time.perf_counter())
-            finish = None
-            try:
+    def _give_up(self, tag: str, reply: _Reply) -> None:
+        for candidate in range(reply.candidates):
+            if reply.end(candidate):
+                self.deltas.emit([Delta(tag, candidate, "", finish="cancelled")])
+
+    def shutdown(self, timeout: float = 1.0) -> None:
+        """Stop every reply and wait for them, ``timeout`` seconds in all (a thread still
+        waiting for a server's first byte is a daemon: left to the process exit)."""
+        for tag in list(self._replies):
+            self._cancel(tag)
+        deadline = time.monotonic() + timeout
+        for reply in self._replies.values():
+            for thread in reply.threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _reply(self, endpoint: Endpoint, command: Send, candidate: int, state: _Reply) -> None:
+        tag, cancel = command.tag, state.cancel
+        reply = Streamed(time.perf_counter())
+        finish, gauges = None, None
+        try:
+            body, extra = request_fields(command.sampling, candidate)
+            with session(endpoint, 1) as client:
+                if cancel.is_set():
+                    raise EndpointError("dropped", "cancelled before it was sent")
+                gauges = scrape(endpoint, client)  # the server's queue as the reply is sent
                 stream = stream_chat(endpoint, command.messages, reply=reply, extra=extra,
                                      session=client, **body)  # fmt: skip
                 for chunk in stream:
                     if cancel.is_set():
                         stream.close()
-                        finish = "cancelled"
                         break
                     self.deltas.emit([Delta(tag, candidate, chunk.text)])
-                if finish is None and cancel.is_set():
-                    finish = "cancelled"
-            except EndpointError as exc:
-                self.deltas.emit([Delta(tag, candidate, "", finish="error", error=str(exc))])
+        except Exception as exc:  # a reply ends in one line, never a traceback
+            if not cancel.is_set():  # (a cancel closes the connection: no failure, that)
+                if not isinstance(exc, EndpointError):
+                    log.exception("a reply from %s failed", endpoint.name)
+                line = str(exc) if isinstance(exc, EndpointError) else f"{endpoint.name}: {exc!r}"
+                if state.end(candidate):
+                    self.deltas.emit([Delta(tag, candidate, "", finish="error", error=line)])
                 return
+        if cancel.is_set():
+            finish = "cancelled"
         served = "served"
-        if gauges is not None:
+        if gauges is not None and math.isfinite(gauges.running) and math.isfinite(gauges.waiting):
             served += f" · at the server {gauges.running:g} running, {gauges.waiting:g} waiting"
         finish = finish or reply.finish_reason or "stop"
         rid = f"{tag}-{candidate}"
         metrics = metrics_of(reply, rid, finish)
-        self.reply_stats.emit(ReplyStats(tag, candidate, rid, endpoint.name, served, metrics))
-        self.deltas.emit([Delta(tag, candidate, "", finish=finish)])
+        if state.end(candidate):  # (not ended for it by a Stop that gave up waiting)
+            self.reply_stats.emit(ReplyStats(tag, candidate, rid, endpoint.name, served, metrics))
+            self.deltas.emit([Delta(tag, candidate, "", finish=finish)])
+
+
+@dataclass(slots=True)
+class _Reply:
+    """One reply's candidates: their cancel, their threads, and which have ended (each ends
+    once: by its thread, or by a Stop that gave up waiting for it)."""
+
+    candidates: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+    ended: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def end(self, candidate: int) -> bool:
+        """Mark ``candidate`` ended; False where it already was."""
+        with self.lock:
+            if candidate in self.ended:
+                return False
+            self.ended.add(candidate)
+            return True
 
 
 def request_fields(

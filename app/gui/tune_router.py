@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,20 +31,31 @@ READ_MS = 500  # how often the live plots read a server's load
 RESULT_EVERY = 2  # … and the figures line, every this many readings
 
 
+@dataclass(slots=True)
+class _Job:
+    """One load or sweep on a server: its own cancel (a later job's start cannot undo it),
+    its number (what it says once a later one has begun is not shown), the live load the
+    sliders turn, and a sweep's step running now."""
+
+    number: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    live: EndpointLoad | None = None
+    step: EndpointLoad | None = None
+
+
 class TuneRouter(QObject):
     """Routes the tuner's requests (see the module docstring)."""
 
-    status = Signal(object)  # TuneStatus of a server's load, from its thread
-    began = Signal(str)  # a live load on the server named began
+    status = Signal(int, object)  # a job's number, its TuneStatus (from its thread)
+    began = Signal(int, str)  # a live load of that job began on the server named
 
     def __init__(self, view: TunerView, post: Callable[[Command], None], parent: QObject) -> None:
         super().__init__(parent)
         self.view, self._post = view, post
-        self._load: EndpointLoad | None = None  # the server's load running now
+        self._job: _Job | None = None  # the server's load or sweep, the last one started
         self._thread: threading.Thread | None = None
-        self._cancel = threading.Event()
         self._readings = 0
-        self.runs: list[EndpointRun] = []  # a server's runs, last first: the last sweep's all
+        self.runs: list[EndpointRun] = []  # the last finished job's: a live run, or a sweep's
         self.endpoint: Endpoint | None = None  # the server of those runs, its model resolved
         view.start_load.connect(self._start_load)
         view.start_sweep.connect(self._start_sweep)
@@ -60,40 +72,53 @@ class TuneRouter(QObject):
         """A server's load or sweep is running."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def live_load(self) -> EndpointLoad | None:
+        """The live load on a server running now (None: none)."""
+        return self._job.live if self._job is not None and self.remote else None
+
     # -- the view's requests ------------------------------------------------------------------
     def _start_load(self, spec: LoadSpec) -> None:
         target = self.view.endpoint()
         self.stop()
         if target is None:
-            if self.view.live.remote is not None:
-                self.view.live.show_remote(None)  # the engine's figures again
+            self._local()
             self._post(Tune(load=spec))
             return
-        self._run_remote(target, lambda endpoint: self._live(endpoint, spec))
+        self._run_remote(target, lambda job, endpoint: self._live(job, endpoint, spec))
 
     def _start_sweep(self, settings: tuple[Setting, ...], slo: SLO | None) -> None:
         target = self.view.endpoint()
         self.stop()
         if target is None:
+            self._local()
             self._post(Tune(settings=tuple(settings), slo=slo))
             return
-        self._run_remote(target, lambda endpoint: self._sweep(endpoint, settings, slo))
+        self._run_remote(target, lambda job, endpoint: self._sweep(job, endpoint, settings, slo))
+
+    def _local(self) -> None:
+        if self.view.live.remote is not None:
+            self.view.live.show_remote(None)  # the engine's figures again
 
     def _turn(self, users: int, rate: float) -> None:
-        if self._load is not None and self.remote:
-            self._load.retarget(users, rate)
-        elif not self.remote:
+        if self.remote:
+            live = self.live_load  # a sweep's steps are its own: the sliders leave them be
+            if live is not None:
+                live.retarget(users, rate)
+        else:
             self._post(Retune(users, rate))
 
     def stop(self) -> None:
         """Stop a server's load or sweep (its streams close: the server cancels them), or the
         engine's tune."""
-        if not self.remote:
+        job = self._job
+        if not self.remote or job is None:
             self._post(StopTune())
             return
-        self._cancel.set()
-        if self._load is not None:
-            self._load.stop()
+        job.cancel.set()
+        for load in (job.live, job.step):
+            if load is not None:
+                load.stop()
 
     def export_guidellm(self, path: str) -> None:
         """The last load or sweep on a server as GuideLLM's report at ``path``; the view's
@@ -107,7 +132,7 @@ class TuneRouter(QObject):
             return
         try:
             write_guidellm(Path(path), runs, self.endpoint)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             self.view.set_status(self.remote, None, None, f"could not write {path}: {exc}")
             return
         self.view.set_status(self.remote, None, None, f"GuideLLM's report of {len(runs)} "
@@ -120,11 +145,11 @@ class TuneRouter(QObject):
             self._thread.join(timeout)
 
     # -- a server's runs, in a thread of their own -----------------------------------------------
-    def _run_remote(self, target: tuple[str, str], body: Callable[[Endpoint], None]) -> None:
+    def _run_remote(self, target: tuple[str, str], body: Callable[[_Job, Endpoint], None]) -> None:
         self._post(StopTune())  # one load at a time: the engine's ends
-        self._cancel = threading.Event()
-        self._load = None
-        self.status.emit(TuneStatus(True, message=f"asking {target[0]} for its models…"))
+        job = self._job = _Job(self._job.number + 1 if self._job is not None else 1)
+        self.status.emit(job.number, TuneStatus(True, message=f"asking {target[0]} for its "
+                                                "models…"))  # fmt: skip
 
         def run() -> None:
             from app.endpoints import keys
@@ -132,65 +157,77 @@ class TuneRouter(QObject):
 
             try:
                 endpoint = with_model(Endpoint(target[0], target[1], keys.key(target[0])))
-                self.endpoint = endpoint
-                body(endpoint)
+                body(job, endpoint)
             except EndpointError as exc:  # unreachable, a key refused, a model gone: one line
-                self.status.emit(TuneStatus(False, message=str(exc)))
+                self.status.emit(job.number, TuneStatus(False, message=str(exc)))
             except Exception as exc:  # the thread must end in a line, never silently
                 log.exception("the server's load failed")
-                self.status.emit(TuneStatus(False, message=f"{type(exc).__name__}: {exc}"))
+                line = f"{type(exc).__name__}: {exc}"
+                self.status.emit(job.number, TuneStatus(False, message=line))
 
         self._thread = threading.Thread(target=run, daemon=True, name="infersight-tune-remote")
         self._thread.start()
 
-    def _live(self, endpoint: Endpoint, spec: LoadSpec) -> None:
+    def _finished(self, job: _Job, runs: list[EndpointRun], endpoint: Endpoint) -> None:
+        if job is self._job:  # a job a later one replaced keeps its runs to itself
+            self.runs, self.endpoint = runs, endpoint
+
+    def _live(self, job: _Job, endpoint: Endpoint, spec: LoadSpec) -> None:
         from app.endpoints.load import EndpointLoad
 
-        self.began.emit(endpoint.name)
-        load = EndpointLoad(endpoint, spec, stop=self._cancel)
-        self._load = load.start()
+        load = EndpointLoad(endpoint, spec, stop=job.cancel)
+        job.live = load.start()
+        self.began.emit(job.number, endpoint.name)
         load.wait()
         run = load.run()
-        self.runs = [run]
+        self._finished(job, [run], endpoint)
         message = _failures(run, "stopped", "marked ▲ on the plot")
-        self.status.emit(TuneStatus(False, load=run.result, message=message))
+        self.status.emit(job.number, TuneStatus(False, load=run.result, message=message))
 
-    def _sweep(self, endpoint: Endpoint, settings: tuple[Setting, ...], slo: SLO | None) -> None:
+    def _sweep(
+        self, job: _Job, endpoint: Endpoint, settings: tuple[Setting, ...], slo: SLO | None
+    ) -> None:
         from app.endpoints.load import EndpointLoad
 
         points: list[SweepPoint] = []
         runs: list[EndpointRun] = []
         for i, setting in enumerate(settings):
-            if self._cancel.is_set():
+            if job.cancel.is_set():
                 break
             progress = SweepProgress(i, len(settings), setting.label(), 0, 0, tuple(points))
-            self.status.emit(TuneStatus(True, sweep=progress, message=endpoint.name))
+            self.status.emit(job.number, TuneStatus(True, sweep=progress, message=endpoint.name))
             load = EndpointLoad(endpoint, setting.load, slo, stop=threading.Event())
-            self._load = load.start()
+            job.step = load.start()
             while not load.wait(0.1):
-                if self._cancel.is_set():
+                if job.cancel.is_set():
                     load.stop()
             run = load.run()
+            if job.cancel.is_set():  # a step cut short by Cancel is no point of the sweep
+                break
             runs.append(run)
-            if not run.result.stopped or run.result.completed:
+            if run.result.completed:
                 points.append(SweepPoint(setting, run.result))
             if run.failures and set(run.failures) & {"unreachable", "auth", "model"}:
                 break  # no wait heals it: the sweep ends here, its marks say why
-        self.runs = runs
+        self._finished(job, runs, endpoint)
         done = SweepProgress(len(settings), len(settings), "", 0, 0, tuple(points))
         failed = [(s.label(), r) for s, r in zip(settings, runs, strict=False) if r.failures]
         message = "; ".join(f"at {label}: {_failures(r, '', '')}" for label, r in failed)
-        self.status.emit(TuneStatus(False, sweep=done, message=message or "sweep done"))
+        self.status.emit(job.number, TuneStatus(False, sweep=done, message=message or "sweep done"))
 
     # -- into the view ----------------------------------------------------------------------------
-    def _began(self, name: str) -> None:
+    def _began(self, number: int, name: str) -> None:
         """A live load on a server began: its plots start afresh."""
+        if self._job is None or number != self._job.number:
+            return
         self.view.live.show_remote(name)
         self._readings = 0
         self.timer.start()
         self.view.set_status(True, None, None, f"running on {name}")
 
-    def _show(self, status: TuneStatus) -> None:
+    def _show(self, number: int, status: TuneStatus) -> None:
+        if self._job is None or number != self._job.number:
+            return  # a job a later one replaced
         view = self.view
         if not status.running:
             self.timer.stop()
@@ -198,7 +235,7 @@ class TuneRouter(QObject):
         view.set_status(status.running, status.load, status.sweep, status.message)
 
     def _read(self) -> None:
-        load = self._load
+        load = self._job.live if self._job is not None else None
         if load is None or not load.started or self.view.live.remote is None:
             return
         live = load.live()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import platform
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,10 @@ class Run:
     load: float
     requests: tuple[TimedRequest, ...]
     label: str = ""
+    #: what bounded it, as GuideLLM names constraints (none: a live run, until stopped)
+    constraints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: what else was true of it (a load turned while it ran, a burstiness)
+    environment: dict[str, Any] = field(default_factory=dict)
 
 
 def _derived(r: TimedRequest) -> dict[str, Any]:
@@ -283,12 +287,13 @@ def benchmark(run: Run, index: int, run_id: str, backend: dict[str, Any],
         "config": {
             "id_": str(uuid.uuid4()), "run_id": run_id, "run_index": index,
             "strategy": strategy(run.mode, run.load),
-            "constraints": {"max_requests": {"max_num": len(run.requests)}},
+            "constraints": run.constraints,
             "sample_size": None, "prefer_response_metrics": True, "slo": None,
             "warmup": {"percent": None, "value": None, "mode": "prefer_duration"},
             "cooldown": {"percent": None, "value": None, "mode": "prefer_duration"},
             "confidence": None, "profile": {}, "requests": {"source": source},
-            "backend": backend, "environment": {"type": source, "label": run.label},
+            "backend": backend,
+            "environment": {"type": source, "label": run.label, **run.environment},
         },
         "scheduler_state": {
             "node_id": 0, "num_processes": 1, "start_time": start, "end_time": end,
