@@ -10,7 +10,6 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -25,9 +24,10 @@ from app.endpoints.server_metrics import parse, scrape
 from app.gui.main_window import MainWindow
 from engine.bench.load_spec import LoadSpec, PromptMix
 from engine.bench.sweep_analysis import knee
-from tests.app_window import LONG_WAIT_MS, open_window
+from tests.app_window import LONG_WAIT_MS
 from tests.misbehaving import RIGHT, Concurrency
 from tests.served import KEY
+from tests.test_tuner_app import window as window  # the real window on its tuner page
 
 SHORT = PromptMix(documents=0.0, conversations=0.0, output_median=6, output_min=3, output_max=9)
 
@@ -153,14 +153,6 @@ def test_a_servers_metrics_are_read_under_each_servers_names(server):
 
 
 # -- the window ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def window(qtbot: object, tmp_path: Path, default_model: Path) -> Iterator[MainWindow]:
-    w = open_window(qtbot, tmp_path / "data")
-    w.show_page(w.tuner)
-    yield w
-    w.shutdown()
 
 
 def start_live(qtbot, window: MainWindow, target: str, users: int, output: int = 0) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> int:
     from app.endpoints import keys
     from app.endpoints.client import Endpoint, with_model
-    from app.endpoints.load import run_load
+    from app.endpoints.load import failure_counts, run_load
     from engine.bench.sweep_analysis import SweepPoint, format_reading, sweep_report
 
     endpoint = with_model(
@@ -30,8 +30,7 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
             r = run.result
             line = f"{r.output_throughput:.1f} out tok/s, p95 TTFT {r.ttft_ms['p95']:.0f} ms"
             if run.failures:  # the run marked where the server failed
-                failed = ", ".join(f"{n} {k}" for k, n in sorted(run.failures.items()))
-                line += f"; failed: {failed} ({next(iter(run.first_failure.values()))})"
+                line += f"; failed: {failure_counts(run)}"
                 failures[setting.label()] = {"counts": dict(run.failures),
                                              "first": run.first_failure}  # fmt: skip
             print(f"[{i + 1}/{len(settings)}] {setting.label()}: {line}", file=sys.stderr)

@@ -99,6 +99,14 @@ class EndpointRun:
     users: list[tuple[float, float]] = field(default_factory=list)  # (s, load) as turned
 
 
+def failure_counts(run: EndpointRun) -> str:
+    """``4 rate_limited, 1 dropped — <the server's first line>`` ("" where none failed)."""
+    if not run.failures:
+        return ""
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(run.failures.items()))
+    return f"{counts} — {next(iter(run.first_failure.values()), '')}"
+
+
 @dataclass(frozen=True, slots=True)
 class LiveFigures:
     """A running load's last seconds, for the live plots: seconds since its start, output

@@ -257,10 +257,10 @@ class TuneRouter(QObject):
 
 
 def _failures(run: EndpointRun, otherwise: str, marked: str) -> str:
-    """``the server failed requests: 4 rate_limited, 1 dropped (marked) — <the first's
+    """``the server failed requests (marked): 4 rate_limited, 1 dropped — <the first's
     line>``, or ``otherwise`` where none failed."""
+    from app.endpoints.load import failure_counts
+
     if not run.failures:
         return otherwise
-    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(run.failures.items()))
-    first = next(iter(run.first_failure.values()), "")
-    return f"the server failed requests: {counts}{f' ({marked})' if marked else ''} — {first}"
+    return f"the server failed requests{f' ({marked})' if marked else ''}: {failure_counts(run)}"
