@@ -17,11 +17,20 @@ from pathlib import Path
 def serving(model: str, precision: str, log: Path, threads: int | None = None) -> Iterator[str]:
     """``infersight serve`` on a free port for the block (``threads``: its CPU threads, None:
     its own choice): its base URL."""
+    with serving_process(model, precision, log, threads) as (base, _):
+        yield base
+
+
+@contextmanager
+def serving_process(
+    model: str, precision: str, log: Path, threads: int | None = None, extra: tuple[str, ...] = ()
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """:func:`serving`, and the process (``extra``: more of serve's arguments)."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "serve", "--model", model, "--precision",
              precision, "--port", "0", "--self-test-interval", "0", "--max-batch-size", "16",
-             *(["--threads", str(threads)] if threads else [])],
+             *(["--threads", str(threads)] if threads else []), *extra],
             stdout=out, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:
@@ -35,7 +44,7 @@ def serving(model: str, precision: str, log: Path, threads: int | None = None) -
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"the server did not answer:\n{log.read_text()[-2000:]}")
                 time.sleep(0.2)
-            yield base
+            yield base, proc
         finally:
             proc.terminate()
             proc.wait(60)

@@ -291,6 +291,9 @@ def test_a_client_that_disconnects_cancels_its_request(server):
     m = wait_idle(server)
     assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
     assert m[cancelled] - before == len(cases)
+    # the blocks themselves: none held, the pool whole, what is kept a reusable prefix
+    assert m["infersight:kv_blocks_used"] == 0 and m["infersight:kv_blocks_total"] > 0
+    assert 0 <= m["infersight:kv_blocks_cached"] <= m["infersight:kv_blocks_total"]
 
 
 def test_a_burst_beyond_the_queue_gets_503_and_loses_no_accepted_request(server, engine):

@@ -70,6 +70,12 @@ class ServerMetrics:
         self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."
         )
+        self.kv_blocks = (
+            gauge("infersight:kv_blocks_used", "KV-cache blocks held by requests."),
+            gauge("infersight:kv_blocks_cached", "KV-cache blocks held by none, kept as a "
+                  "reusable prefix."),
+            gauge("infersight:kv_blocks_total", "KV-cache blocks in the pool."),
+        )  # fmt: skip
         # vLLM's meanings: a served request's whole prompt (cached tokens too) once it has its
         # first token, and each token as it is made; the server's self-tests are not counted
         self.prompt_tokens = counter(
@@ -153,6 +159,9 @@ class ServerMetrics:
         self.running.set(snap.num_requests_running)
         self.waiting.set(snap.num_requests_waiting)
         self.kv_usage.set(snap.kv_cache_usage_perc)
+        for gauge, value in zip(self.kv_blocks, (snap.kv_blocks_used, snap.kv_blocks_cached,
+                                                 snap.kv_blocks_total), strict=True):  # fmt: skip
+            gauge.set(value)
         totals = (snap.total_preemptions, snap.prefix_cache_query_tokens,
                   snap.prefix_cache_hit_tokens, snap.spec_decode_num_drafts,
                   snap.spec_decode_num_draft_tokens,
