@@ -43,7 +43,7 @@ PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 # imports would cost it about 7 s).
 TIMING_FILES  = $(shell grep -l -E '(mark\.timing|pytestmark.*timing)' tests/test_*.py)
 
-.PHONY: run chat test bench bench-peers bench-peers-avx2 bench-peers-tables bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak screenshots \
+.PHONY: run chat test bench bench-peers bench-peers-avx2 bench-peers-tables bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak soak fuzz-api screenshots \
         package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
@@ -246,6 +246,22 @@ LOAD_PEAK_DEVICE ?= cpu
 load-peak: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull
 	$(BIN)/python -m checks.load_peak --device $(LOAD_PEAK_DEVICE)
+
+# Held under load, faults and hostile input (docs/reliability.md): `make soak` runs two servers
+# (INT4 with speculation, W8A8) under mixed traffic with faults for SOAK_MINUTES and checks what
+# comes back (exit 1 if a check fails), its figures and plots in SOAK_OUT; `make fuzz-api`
+# fuzzes serve's OpenAPI document with schemathesis (FUZZ_EXAMPLES cases an operation).
+SOAK_MINUTES ?= 60
+SOAK_OUT ?= build/soak
+soak: $(VENV)/.stamp-dev
+	$(BIN)/infersight models pull
+	$(BIN)/python -m checks.soak --minutes $(SOAK_MINUTES) --out $(SOAK_OUT)
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m checks.soak_plot $(SOAK_OUT)/soak.json $(SOAK_OUT)
+
+FUZZ_EXAMPLES ?= 1000
+fuzz-api: $(VENV)/.stamp-dev
+	$(BIN)/infersight models pull
+	$(BIN)/python -m checks.fuzz_api --examples $(FUZZ_EXAMPLES) --out build/fuzz
 
 venv: $(VENV)/.stamp-run
 dev: $(VENV)/.stamp-dev

@@ -33,6 +33,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.server.engine_loop import (
@@ -199,15 +200,29 @@ class Server:
                 self.loop.stop()
                 print("infersight serve: stopped", file=sys.stderr, flush=True)
 
+        # the OpenAPI document at /openapi.json (behind the key, as every route but /health):
+        # what clients and fuzzers such as schemathesis read the routes from
         app = FastAPI(
-            title="Infersight", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
-        )
+            title="Infersight", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+            lifespan=lifespan,
+        )  # fmt: skip
 
         @app.exception_handler(HTTPError)
         async def _http_error(request: Request, exc: HTTPError) -> Response:
             self.metrics.reject(exc.status)
             await self._log_refusal(request, exc)
             return exc.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _routing(request: Request, exc: StarletteHTTPException) -> Response:
+            # no such route (404), or not by this method (405): in OpenAI's shape as the rest
+            said = {404: f"no route {request.url.path}: see /openapi.json for the ones there are",
+                    405: f"{request.url.path} does not take {request.method}"}  # fmt: skip
+            error = HTTPError(exc.status_code, said.get(exc.status_code, str(exc.detail)),
+                              headers=dict(exc.headers or {}))  # fmt: skip
+            self.metrics.reject(exc.status_code)
+            await self._log_refusal(request, error)
+            return error.response()
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -270,6 +285,10 @@ class Server:
                     ids = list(given)
                     if not ids:
                         raise HTTPError(400, "a prompt of no tokens", param="prompt")
+                    try:  # ids outside the vocabulary, before the tokenizer reads them
+                        self.engine.validate_prompt(ids)
+                    except InvalidRequestError as exc:
+                        raise HTTPError(400, str(exc), param="prompt") from None
                     text = tok.decode(ids, skip_special_tokens=False)
                 prompts.append((ids, text if body.echo else None))
             return await self._complete(

@@ -351,7 +351,7 @@ class LLMEngine:
         or too long a prompt, unknown token ids, more KV than the pool holds); return the new
         tokens it may have (``max_new_tokens`` capped by the context). Reads only settings,
         so a server may ask it from another thread before queueing the request."""
-        self._validate_prompt(prompt)
+        self.validate_prompt(prompt)
         vocab = self.cfg.vocab_size
         if any(not 0 <= t < vocab for t in params.extra_stop_token_ids):
             raise InvalidRequestError(f"stop token ids must be in [0, {vocab})")
@@ -359,7 +359,9 @@ class LLMEngine:
         self._check_fits(len(prompt) + max_new)
         return max_new
 
-    def _validate_prompt(self, prompt: list[int]) -> None:
+    def validate_prompt(self, prompt: list[int]) -> None:
+        """Raise :class:`InvalidRequestError` for a prompt that could never run here (empty,
+        too long, token ids outside the vocabulary)."""
         if not prompt:
             raise InvalidRequestError("the prompt is empty; give at least one token of text")
         if len(prompt) >= self.context_length:

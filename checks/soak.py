@@ -1,0 +1,248 @@
+"""The soak: ``infersight serve`` held under mixed traffic with faults for ``--minutes``, what
+comes back checked. Two servers on the default model — INT4 with speculative decoding (the
+``lookup`` drafter) and W8A8 without — each driven by client threads of
+:mod:`checks.soak_traffic` (chat and completions, streamed and not, greedy and sampled, shared
+prefixes; hang-ups mid-stream, cancels, slow readers, oversize bodies and prompts, malformed
+JSON, at fixed rates).
+
+Every :data:`SAMPLE_S` it records, per server: its RSS, threads and open file descriptors
+(``/proc``), the KV blocks held and kept as reusable prefixes and the queue (its
+``/metrics``), and the p50/p99 TTFT and TPOT of the requests that ended in that interval. At
+the end it checks:
+
+* nothing accepted was lost: every request the server took (200) ended whole or with an
+  error event naming why, unless the client itself cut it;
+* no block leaked: once idle, no request runs or waits and no KV block is held;
+* RSS after the warm-up (the first quarter) grows at most :data:`RSS_SLOPE_MIB_MIN` MiB a
+  minute (least squares; judged where that window is 10 minutes or longer);
+* the p99 TTFT and TPOT of the last five minutes are within :data:`P99_FACTOR` of the first
+  five minutes' after the warm-up (thirds of the run where it is shorter);
+* threads and file descriptors come back to within a few of where they stood after warm-up.
+
+``python -m checks.soak --minutes 60 --out docs/soak`` (``make soak``); exit status 1 where a
+check fails. The figures and plots of an hour's run are in ``docs/reliability.md``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx2
+
+from checks.serve_process import serving_process
+from checks.soak_traffic import Outcome, draw, send
+
+SAMPLE_S = 10.0
+RSS_SLOPE_MIB_MIN = 1.0
+P99_FACTOR = 1.5
+KEY = "soak-key"
+#: the servers: precision and serve's other arguments
+SERVERS = {"int4-g32+spec": ("int4-g32", ("--speculative", "lookup")), "w8a8": ("w8a8", ())}
+GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+          "kv_used": "infersight:kv_blocks_used", "kv_cached": "infersight:kv_blocks_cached",
+          "kv_total": "infersight:kv_blocks_total"}  # fmt: skip
+
+
+def proc_figures(pid: int) -> dict[str, float]:
+    """RSS (MiB), threads and open file descriptors of a process, from ``/proc``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
+    return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024,
+            "threads": int(fields["Threads"]), "fds": fds}  # fmt: skip
+
+
+def scrape(client: httpx2.Client, base: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = client.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
+    return {name: found.get(metric, float("nan")) for name, metric in GAUGES.items()}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Soak:
+    """The traffic, the samples and the outcomes of one run (see the module docstring)."""
+
+    def __init__(self, servers: dict[str, tuple[str, int, str]], clients: int, seed: int):
+        self.servers = servers  # name → (base URL, pid, model id)
+        self.clients, self.seed = clients, seed
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.outcomes: dict[str, list[Outcome]] = {name: [] for name in servers}
+        self.samples: list[dict[str, Any]] = []
+        self.started = time.perf_counter()
+
+    def _client(self, name: str, index: int) -> None:
+        base, _, model = self.servers[name]
+        rng = random.Random(self.seed * 1000 + index)
+        with httpx2.Client(timeout=httpx2.Timeout(120.0, connect=5.0)) as client:
+            while not self.stop.is_set():
+                route, fault, body = draw(rng)
+                outcome = send(client, base, KEY, model, route, fault, body, rng)
+                with self.lock:
+                    self.outcomes[name].append(outcome)
+
+    def _sample(self) -> None:
+        with httpx2.Client(timeout=10.0) as client:
+            last = self.started
+            while not self.stop.wait(max(0.0, last + SAMPLE_S - time.perf_counter())):
+                now = time.perf_counter()
+                self.samples.append(self.reading(client, last, now))
+                last = now
+
+    def reading(self, client: httpx2.Client, since: float, now: float) -> dict[str, Any]:
+        row: dict[str, Any] = {"t_s": now - self.started}
+        for name, (base, pid, _) in self.servers.items():
+            with self.lock:
+                recent = [o for o in self.outcomes[name] if since <= o.ended < now]
+            ttft = [o.ttft_s * 1e3 for o in recent if o.ttft_s is not None]
+            tpot = [o.tpot_s * 1e3 for o in recent if o.tpot_s is not None]
+            row[name] = {
+                **proc_figures(pid), **scrape(client, base), "requests": len(recent),
+                "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+                "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99),
+            }  # fmt: skip
+        return row
+
+    def run(self, minutes: float) -> None:
+        threads = [threading.Thread(target=self._client, args=(name, i), daemon=True)
+                   for name in self.servers for i in range(self.clients)]  # fmt: skip
+        threads.append(threading.Thread(target=self._sample, daemon=True))
+        for t in threads:
+            t.start()
+        try:
+            self.stop.wait(minutes * 60)
+        except KeyboardInterrupt:
+            print("stopped early: the figures so far follow", file=sys.stderr)
+        self.stop.set()
+        for t in threads:
+            t.join(180)
+
+
+def settle(servers: dict[str, tuple[str, int, str]], timeout: float = 60.0) -> dict[str, Any]:
+    """Each server's figures once it is idle (or as they stand after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    with httpx2.Client(timeout=10.0) as client:
+        while True:
+            figures = {name: {**scrape(client, base), **proc_figures(pid)}
+                       for name, (base, pid, _) in servers.items()}  # fmt: skip
+            idle = all(f["running"] == f["waiting"] == f["kv_used"] == 0
+                       for f in figures.values())  # fmt: skip
+            if idle or time.monotonic() > deadline:
+                return figures
+            time.sleep(1.0)
+
+
+def slope_mib_min(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MiB), in MiB per minute."""
+    ts, ys = [p[0] for p in points], [p[1] for p in points]
+    t0, y0 = statistics.fmean(ts), statistics.fmean(ys)
+    den = sum((t - t0) ** 2 for t in ts)
+    if not den:
+        return 0.0
+    return 60.0 * sum((t - t0) * (y - y0) for t, y in zip(ts, ys, strict=True)) / den
+
+
+def verdicts(soak: Soak, idle: dict[str, Any], minutes: float) -> dict[str, Any]:
+    """The checks of the module docstring, per server: each a (passed, what was measured)."""
+    out: dict[str, Any] = {}
+    warm_s = minutes * 60 / 4
+    for name in soak.servers:
+        outcomes = soak.outcomes[name]
+        lost = [o for o in outcomes if o.outcome == "lost"]
+        rows = [(s["t_s"], s[name]) for s in soak.samples]
+        after = [(t, r) for t, r in rows if t >= warm_s]
+        checks: dict[str, Any] = {}
+        checks["nothing accepted lost"] = (not lost, f"{len(lost)} lost of {len(outcomes)}"
+                                           + (f": {lost[0].detail}" if lost else ""))  # fmt: skip
+        f = idle[name]
+        said = (
+            f"idle: {f['running']:g} running, {f['waiting']:g} waiting, "
+            f"{f['kv_used']:g} blocks held, {f['kv_cached']:g} cached"
+        )
+        checks["no block leaked"] = (f["running"] == f["waiting"] == f["kv_used"] == 0, said)
+        window_min = (after[-1][0] - after[0][0]) / 60 if len(after) > 1 else 0.0
+        slope = slope_mib_min([(t, r["rss_mib"]) for t, r in after]) if len(after) > 1 else 0.0
+        judged = window_min >= 10
+        checks["RSS slope after warm-up"] = (
+            (slope <= RSS_SLOPE_MIB_MIN) if judged else None,
+            f"{slope:+.2f} MiB/min over {window_min:.1f} min"
+            + ("" if judged else " (too short to judge: 10 min needed)"),
+        )  # fmt: skip
+        span = min(300.0, (rows[-1][0] - warm_s) / 3 if rows else 0.0)
+        for figure in ("ttft_p99_ms", "tpot_p99_ms"):
+            first = [r[figure] for t, r in after if t < warm_s + span and r[figure] is not None]
+            end = rows[-1][0] - span
+            last = [r[figure] for t, r in after if t >= end and r[figure] is not None]
+            if first and last:
+                a, b = statistics.median(first), statistics.median(last)
+                checks[f"{figure} held"] = (b <= P99_FACTOR * a, f"{a:.0f} → {b:.0f} ms")
+        base = after[0][1] if after else None
+        if base is not None:
+            checks["threads and fds back"] = (
+                f["threads"] <= base["threads"] + 4 and f["fds"] <= base["fds"] + 8,
+                f"threads {base['threads']} → {f['threads']}, fds {base['fds']} → {f['fds']}",
+            )  # fmt: skip
+        kinds = Counter((o.fault or "none", o.outcome) for o in outcomes)
+        counted = {f"{fault}/{outcome}": n for (fault, outcome), n in sorted(kinds.items())}
+        out[name] = {"checks": checks, "outcomes": counted}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    about = (__doc__ or "").split("\n")[0]
+    p = argparse.ArgumentParser(prog="python -m checks.soak", description=about)
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--clients", type=int, default=3, help="client threads per server")
+    p.add_argument("--model", default="default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("soak-out"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name, (precision, extra) in SERVERS.items():
+            base, proc = stack.enter_context(serving_process(
+                args.model, precision, args.out / f"serve-{name}.log", threads=1,
+                extra=("--api-key", KEY, "--max-batch-size", "8", *extra)))  # fmt: skip
+            listed = httpx2.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+            model = listed.json()["data"][0]["id"]
+            servers[name] = (base, proc.pid, model)
+        soak = Soak(servers, args.clients, args.seed)
+        soak.run(args.minutes)
+        idle = settle(servers)
+        result = verdicts(soak, idle, args.minutes)
+    report = {"minutes": args.minutes, "clients_per_server": args.clients, "servers": list(SERVERS),
+              "samples": soak.samples, "idle": idle, "result": result}  # fmt: skip
+    (args.out / "soak.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    failed = False
+    for name, r in result.items():
+        print(f"{name}: " + ", ".join(f"{k} {n}" for k, n in r["outcomes"].items()))
+        for check, (passed, said) in r["checks"].items():
+            mark = "n/a" if passed is None else ("ok" if passed else "FAILED")
+            failed |= passed is False
+            print(f"  {mark:6} {check}: {said}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
