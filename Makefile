@@ -43,7 +43,7 @@ PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 # imports would cost it about 7 s).
 TIMING_FILES  = $(shell grep -l -E '(mark\.timing|pytestmark.*timing)' tests/test_*.py)
 
-.PHONY: run chat test bench bench-peers bench-peers-avx2 bench-peers-tables bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak soak fuzz-api screenshots \
+.PHONY: run chat test bench bench-peers bench-peers-avx2 bench-peers-tables bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak soak fuzz-api asan screenshots \
         package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
@@ -257,6 +257,18 @@ soak: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull
 	$(BIN)/python -m checks.soak --minutes $(SOAK_MINUTES) --out $(SOAK_OUT)
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m checks.soak_plot $(SOAK_OUT)/soak.json $(SOAK_OUT)
+
+# Our C kernels under AddressSanitizer (their own builds, libasan preloaded): a canary that reads
+# past a buffer on purpose must be caught, then hypothesis over their entry points.
+ASAN_ENV = INFERSIGHT_KERNEL_SANITIZE=address ASAN_OPTIONS=detect_leaks=0:verify_asan_link_order=0 \
+  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)"
+KERNEL_FUZZ_EXAMPLES ?= 2000
+asan: $(VENV)/.stamp-dev
+	mkdir -p build
+	if $(ASAN_ENV) $(BIN)/python -m checks.kernel_fuzz --canary 2> build/asan-canary.log; then \
+	  echo "the canary went unseen: the kernels did not run under ASan"; exit 1; fi
+	grep -m1 "ERROR: AddressSanitizer: heap-buffer-overflow" build/asan-canary.log
+	$(ASAN_ENV) $(BIN)/python -m checks.kernel_fuzz --examples $(KERNEL_FUZZ_EXAMPLES)
 
 FUZZ_EXAMPLES ?= 1000
 fuzz-api: $(VENV)/.stamp-dev

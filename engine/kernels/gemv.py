@@ -82,6 +82,16 @@ def product(
     """``x [M, K]`` (fp32 or bf16; others are converted) times ``weight [N, K]`` (int8 with
     float32 ``scales [N]``, bf16 or fp32): ``[M, N]`` in ``out`` (fp32 or bf16; others
     converted)."""
+    # raw pointers cross into C: the layouts it assumes are checked here
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"GEMV: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
+    if weight.dtype not in _TYPES or not weight.is_contiguous():
+        raise ValueError("GEMV: the weight must be contiguous int8, bf16 or fp32")
+    if weight.dtype == torch.int8 and (
+        scales is None or scales.dtype != torch.float32 or not scales.is_contiguous()
+        or scales.numel() != weight.shape[0]
+    ):  # fmt: skip
+        raise ValueError(f"GEMV: INT8 weights need {weight.shape[0]} contiguous float32 scales")
     if x.dtype not in _WIDTH:
         x = x.float()
     x = x.contiguous()

@@ -105,6 +105,9 @@ class CNorms:
             x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype == x.dtype
             and x.is_contiguous()
+            and x.dim() >= 1
+            and weight.shape == (x.shape[-1],)  # C reads one weight a column, no more
+            and weight.is_contiguous()
             and x.device.type == "cpu"
             and not torch.compiler.is_compiling()
         )

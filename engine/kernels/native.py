@@ -142,9 +142,23 @@ def build(cc: str, source: Path, out: Path, flags: list[str]) -> str | None:
     return None
 
 
+#: ``INFERSIGHT_KERNEL_SANITIZE=address`` builds the kernels under AddressSanitizer (its own
+#: cache entries; load with ``LD_PRELOAD`` of the compiler's libasan: ``make asan``)
+SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]}
+
+
+def sanitizer_flags() -> list[str]:
+    """The flags :data:`SANITIZERS` names for ``INFERSIGHT_KERNEL_SANITIZE`` (none unset)."""
+    name = os.environ.get("INFERSIGHT_KERNEL_SANITIZE", "")
+    if name and name not in SANITIZERS:
+        raise ValueError(f"INFERSIGHT_KERNEL_SANITIZE={name}: give one of {', '.join(SANITIZERS)}")
+    return SANITIZERS.get(name, [])
+
+
 def built(source: Path, flags: list[str]) -> tuple[Path | None, str]:
     """The library of ``source`` built with ``flags`` for this machine (built now if it is
     not in the cache yet), or None and why not."""
+    flags = [*flags, *sanitizer_flags()]
     cc = compiler()
     if cc is None:
         return None, "no C compiler found"

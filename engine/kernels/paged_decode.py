@@ -108,11 +108,11 @@ def _load(path: Path) -> Kernel:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     f32 = ctypes.c_float
     fn.argtypes = [p, p, ctypes.c_int, p, p, p, p, i64, i64, i64, i64, i64, f32, f32,
-                   ctypes.c_int]  # fmt: skip
+                   ctypes.c_int, i64]  # fmt: skip
     prefill = library.infersight_paged_prefill
     prefill.restype = ctypes.c_int
     prefill.argtypes = [p, p, ctypes.c_int, p, p, p, i64, i64, i64, i64, i64, i64, f32, f32,
-                        i64, i64, ctypes.c_int]  # fmt: skip
+                        i64, i64, ctypes.c_int, i64]  # fmt: skip
     return Kernel(fn, "paged kernels (K/V read through the block tables)", prefill)
 
 
@@ -269,11 +269,22 @@ def _call(
     softcap: float = 0.0,
 ) -> Tensor:  # fmt: skip
     assert k.fn is not None
-    # raw pointers cross into C: the layouts it assumes are checked here
+    # raw pointers cross into C: the layouts it assumes are checked here, the block tables'
+    # contents in C (returns -2), where reading them costs nothing beside the attention
     if slots.dtype != torch.long or lens.dtype != torch.long or not pool.is_contiguous():
         raise ValueError("paged attention needs int64 slots and lens and a contiguous pool")
+    if q.dim() != 3 or pool.dim() != 3 or slots.dim() != 2:
+        raise ValueError("paged attention needs q [B, H, D], a pool [S, 2·Hkv, D], slots [B, W]")
     b, heads, dim = q.shape
     kv_heads = pool.shape[1] // 2
+    row = dim + 4 if pool.dtype == torch.int8 else dim  # an int8 row carries its scale
+    if (kv_heads == 0 or pool.shape[1] % 2 or heads % kv_heads or pool.shape[2] != row
+            or slots.shape[0] != b or lens.shape != (b,)
+            or (mask is not None and mask.numel() != b * slots.shape[1])):  # fmt: skip
+        raise ValueError(
+            f"paged attention: shapes do not fit (q {tuple(q.shape)}, pool {tuple(pool.shape)}, "
+            f"slots {tuple(slots.shape)}, lens {tuple(lens.shape)})"
+        )
     # (an eager step calls this directly: no operator where nothing needs converting)
     qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
     out = torch.empty_like(qf)
@@ -284,7 +295,11 @@ def _call(
         qf.data_ptr(), pool.data_ptr(), pool_format(pool), slots.data_ptr(),
         lens.data_ptr(), None if m is None else m.data_ptr(), out.data_ptr(), b,
         slots.shape[1], heads, kv_heads, dim, dim**-0.5, softcap, torch.get_num_threads(),
+        pool.shape[0],
     )  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"paged attention: a length outside [0, {slots.shape[1]}] or a slot "
+                         f"outside the pool's {pool.shape[0]}")  # fmt: skip
     if rc != 0:
         raise MemoryError("the paged decode kernel ran out of memory for its scratch space")
     out = out.view(b, heads * dim)
@@ -379,7 +394,17 @@ def _call_prefill(
     assert k.prefill is not None
     if slots.dtype != torch.long or positions.dtype != torch.long or not pool.is_contiguous():
         raise ValueError("paged prefill needs int64 slots and positions and a contiguous pool")
+    if q.dim() != 3 or pool.dim() != 3:
+        raise ValueError("paged prefill needs q [L, H, D] and a pool [S, 2·Hkv, D]")
     length, heads, dim = q.shape
+    kv_heads = pool.shape[1] // 2
+    row = dim + 4 if pool.dtype == torch.int8 else dim
+    if (kv_heads == 0 or pool.shape[1] % 2 or heads % kv_heads or pool.shape[2] != row
+            or positions.numel() != slots.numel()):  # fmt: skip
+        raise ValueError(
+            f"paged prefill: shapes do not fit (q {tuple(q.shape)}, pool {tuple(pool.shape)}, "
+            f"slots {tuple(slots.shape)}, positions {tuple(positions.shape)})"
+        )
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     slots, positions = slots.contiguous(), positions.contiguous()
@@ -394,7 +419,10 @@ def _call_prefill(
         qf.data_ptr(), pool.data_ptr(), formats, slots.data_ptr(),
         positions.data_ptr(), out.data_ptr(), length, slots.numel(), start, heads,
         pool.shape[1] // 2, dim, dim**-0.5, softcap, sink, window, torch.get_num_threads(),
+        pool.shape[0],
     )  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"paged prefill: a slot outside the pool's {pool.shape[0]}")
     if rc != 0:
         raise MemoryError("the paged prefill kernel ran out of memory for its copy of K/V")
     return out.view(length, heads * dim).to(q.dtype)

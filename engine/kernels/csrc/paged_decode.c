@@ -142,11 +142,17 @@ static void attend_item(const float *q, const void *pool, int fmt, const int64_t
  * lens[b]: how many leading columns of row b are real (the rest is padding); mask: [B, W]
  * additive fp32 or NULL; cap > 0: each score s is soft-capped to cap * tanh(s / cap) before
  * the mask is added (Gemma 2's attn_logit_softcapping), 0: not; out: [B, H, D] fp32.
- * Returns 0, or -1 when out of memory. */
+ * S: the pool's slots. Returns 0; -1 when out of memory; -2 when a length is outside
+ * [0, W] or a slot a length covers outside [0, S) (nothing is read then). */
 int infersight_paged_decode(const float *q, const void *pool, int fmt, const int64_t *slots,
                             const int64_t *lens, const float *mask, float *out, int64_t B,
                             int64_t W, int64_t H, int64_t Hkv, int64_t D, float scale,
-                            float cap, int threads) {
+                            float cap, int threads, int64_t S) {
+    for (int64_t b = 0; b < B; b++) { /* the block tables, before any read through them */
+        if (lens[b] < 0 || lens[b] > W) return -2;
+        for (int64_t j = 0; j < lens[b]; j++)
+            if (slots[b * W + j] < 0 || slots[b * W + j] >= S) return -2;
+    }
     const int64_t group = H / Hkv;
     /* fewer sequences than threads: split each one's KV heads into `split` ranges */
     int64_t split = B >= threads ? 1 : (threads + B - 1) / B;

@@ -385,14 +385,18 @@ static void copy_tile(const void *pool, int fmt, int dot, const int64_t *slots, 
  * (kv_rows.h: dequantized as each tile is copied); slots[T] and kpos[T]: the sequence's
  * slots and their positions, ascending; a key is seen by query p when kpos <= p and
  * (window == 0, or kpos > p - window, or kpos < sink); cap as for decode; out: [L, H, D]
- * fp32. Returns 0, or -1 when out of memory.
+ * fp32. S: the pool's slots. Returns 0; -1 when out of memory; -2 when a slot is outside
+ * [0, S) (nothing is read then).
  *
  * The keys and values are read from the pool once, into one fp32 copy of the call (K
  * transposed tile by tile), which every query tile then reads. */
 int infersight_paged_prefill(const float *q, const void *pool, int formats, const int64_t *slots,
                              const int64_t *kpos, float *out, int64_t L, int64_t T,
                              int64_t start, int64_t H, int64_t Hkv, int64_t D, float scale,
-                             float cap, int64_t sink, int64_t window, int threads) {
+                             float cap, int64_t sink, int64_t window, int threads,
+                             int64_t S) {
+    for (int64_t t = 0; t < T; t++) /* the slots, before any read through them */
+        if (slots[t] < 0 || slots[t] >= S) return -2;
     const int64_t group = H / Hkv, tiles = (L + QT - 1) / QT, ktiles = (T + KT - 1) / KT;
     const int fmt = formats & 4 ? KV_INT8 : (formats & 1 ? KV_BF16 : KV_FP32);
     const int dot = BF16_DOT && (formats & 7) == 3;
