@@ -43,7 +43,7 @@ PARALLEL     := -n $(TEST_WORKERS) --dist loadfile
 # imports would cost it about 7 s).
 TIMING_FILES  = $(shell grep -l -E '(mark\.timing|pytestmark.*timing)' tests/test_*.py)
 
-.PHONY: run chat test bench bench-peers bench-peers-avx2 bench-peers-tables bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak soak fuzz-api asan screenshots \
+.PHONY: run chat test bench bench-peers bench-peers-avx2 bench-peers-tables bench-serving eval-serving gpu-check gpu-wheels gpu-versions load-peak soak fuzz-api asan kill-loop raw-http screenshots \
         package venv dev clean
 
 # With no display, `infersight` says how to run headless or under Xvfb instead of failing.
@@ -269,6 +269,17 @@ asan: $(VENV)/.stamp-dev
 	  echo "the canary went unseen: the kernels did not run under ASan"; exit 1; fi
 	grep -m1 "ERROR: AddressSanitizer: heap-buffer-overflow" build/asan-canary.log
 	$(ASAN_ENV) $(BIN)/python -m checks.kernel_fuzz --examples $(KERNEL_FUZZ_EXAMPLES)
+
+# kill -9 at random moments while conversations are written: the store's integrity and every
+# acknowledged message after each; and the raw-HTTP cases a schema does not reach.
+KILL_RUNS ?= 30
+kill-loop: $(VENV)/.stamp-dev
+	$(BIN)/infersight models pull
+	$(BIN)/python -m checks.kill_loop --runs $(KILL_RUNS) --out build/kill-loop
+
+raw-http: $(VENV)/.stamp-dev
+	$(BIN)/infersight models pull
+	$(BIN)/python -m checks.raw_http --out build/raw-http
 
 FUZZ_EXAMPLES ?= 1000
 fuzz-api: $(VENV)/.stamp-dev
