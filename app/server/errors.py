@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 
 class HTTPError(Exception):
@@ -33,3 +35,46 @@ def error_body(
     message: str, kind: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """What every refusal answers with (the OpenAPI document names it for each status)."""
+
+    error: ErrorDetail
+
+
+#: the refusals every route may answer with, in the OpenAPI document
+REFUSALS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": said}
+    for status, said in ((400, "the request is not one this server takes: the field is named"),
+                         (401, "no API key, or not this server's"),
+                         (404, "no such route, or no such model"),
+                         (405, "the route does not take this method"),
+                         (413, "the body is larger than the server's limit"),
+                         (429, "rate-limited"),
+                         (503, "the queue is full, or the server is unhealthy"))
+}  # fmt: skip
+
+
+def document(app: FastAPI) -> None:
+    """The app's OpenAPI document as the routes answer: its refusals in OpenAI's shape
+    (:data:`REFUSALS`), never FastAPI's 422 (validation failures answer 400)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -45,7 +45,7 @@ from app.server.engine_loop import (
     EngineLoop,
     SelfTest,
 )
-from app.server.errors import HTTPError
+from app.server.errors import REFUSALS, HTTPError, document
 from app.server.fields import refuse_unsupported
 from app.server.logs import log_event
 from app.server.metrics import ServerMetrics
@@ -204,8 +204,9 @@ class Server:
         # what clients and fuzzers such as schemathesis read the routes from
         app = FastAPI(
             title="Infersight", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-            lifespan=lifespan,
+            lifespan=lifespan, responses=REFUSALS,
         )  # fmt: skip
+        document(app)
 
         @app.exception_handler(HTTPError)
         async def _http_error(request: Request, exc: HTTPError) -> Response:
@@ -240,7 +241,7 @@ class Server:
             body = self.health()
             return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=PlainTextResponse)
         async def metrics() -> Response:
             body, content_type = self.metrics.render()
             return Response(body, media_type=content_type)
