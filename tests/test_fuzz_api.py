@@ -106,3 +106,18 @@ def test_prompt_token_ids_outside_the_vocabulary_are_400_not_500(fuzzed_server, 
     error = json.loads(body)["error"]
     assert got == 400 and error["param"] == "prompt"
     assert error["message"].startswith("prompt token ids must be in [0, ")
+
+
+def test_the_document_names_the_refusals_as_they_answer(fuzzed_server):
+    status, _, body = request(fuzzed_server, "GET", "/openapi.json", key=KEY)
+    doc = json.loads(body)
+    assert status == 200 and doc["openapi"].startswith("3.")
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            codes = set(op["responses"])
+            assert "422" not in codes, (method, path)  # validation failures answer 400
+            assert {"400", "401", "413", "503"} <= codes, (method, path)
+            error = op["responses"]["400"]["content"]["application/json"]["schema"]
+            assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert request(fuzzed_server, "GET", "/openapi.json", key=None)[0] == 401  # behind the key

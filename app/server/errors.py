@@ -71,9 +71,14 @@ def document(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
-                    operation.get("responses", {}).pop("422", None)
+                    responses = operation.get("responses", {})
+                    responses.pop("422", None)
+                    for status in REFUSALS:  # JSON whatever the route's own answers are
+                        if str(status) in responses:
+                            responses[str(status)]["content"] = error
             app.openapi_schema = schema
         return app.openapi_schema
 
