@@ -268,7 +268,7 @@ soak: $(VENV)/.stamp-dev
 # past a buffer on purpose must be caught, then hypothesis over their entry points.
 ASAN_ENV = INFERSIGHT_KERNEL_SANITIZE=address ASAN_OPTIONS=detect_leaks=0:verify_asan_link_order=0 \
   LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)"
-KERNEL_FUZZ_EXAMPLES ?= 2000
+KERNEL_FUZZ_EXAMPLES ?= 5000
 asan: $(VENV)/.stamp-dev
 	mkdir -p build
 	if $(ASAN_ENV) $(BIN)/python -m checks.kernel_fuzz --canary 2> build/asan-canary.log; then \

@@ -105,6 +105,35 @@ def fuzz_paged_decode(case: dict[str, Any]) -> None:
             reference, near(2e-2))  # fmt: skip
 
 
+@given(attention_case(), st.integers(1, 6), st.integers(0, 3), st.sampled_from([0, 0, 4, 9]))
+def fuzz_paged_prefill(case: dict[str, Any], queries: int, sink: int, window: int) -> None:
+    """One sequence's chunk over its slots (the first row of the case's table, every column
+    read), positions 0…T-1, the chunk's queries the last of them (each sees itself, as in a
+    prefill); no slots at all must be refused."""
+    pool, slots = case["pool"], case["slots"][0]
+    heads, dim = case["q"].shape[1:]
+    t = slots.numel()
+    length = max(1, min(queries, t))
+    q = torch.randn(length, heads, dim)
+    positions, start = torch.arange(t), t - length
+
+    def reference() -> torch.Tensor:
+        if t == 0 or heads % (pool.shape[1] // 2):
+            raise ValueError("no keys, or heads that do not group")
+        if slots.min() < 0 or slots.max() >= pool.shape[0]:
+            raise ValueError("a slot outside the pool")
+        want = paged_decode.prefill_reference(q, pool, slots, positions, start, sink, window)
+        return want.reshape(length, -1)
+
+    kernel = paged_decode.kernel()
+
+    def ours() -> torch.Tensor:
+        out = paged_decode._call_prefill(kernel, q, pool, slots, positions, start, sink, window)
+        return out.reshape(length, -1)
+
+    outcome("paged prefill", ours, reference, near(2e-2))
+
+
 @st.composite
 def norm_case(draw: Any) -> dict[str, Any]:
     dtype = draw(DTYPES)
@@ -164,7 +193,8 @@ def fuzz_gemv(case: dict[str, Any]) -> None:
     outcome("gemv", lambda: gemv.product(lib, x, weight, scales, out), reference, near(tol))
 
 
-FUZZERS = {"paged decode": fuzz_paged_decode, "norms": fuzz_norms, "gemv": fuzz_gemv}
+FUZZERS = {"paged decode": fuzz_paged_decode, "paged prefill": fuzz_paged_prefill,
+           "norms": fuzz_norms, "gemv": fuzz_gemv}  # fmt: skip
 
 
 def canary() -> None:

@@ -400,7 +400,7 @@ def _call_prefill(
     kv_heads = pool.shape[1] // 2
     row = dim + 4 if pool.dtype == torch.int8 else dim
     if (kv_heads == 0 or pool.shape[1] % 2 or heads % kv_heads or pool.shape[2] != row
-            or positions.numel() != slots.numel()):  # fmt: skip
+            or positions.numel() != slots.numel() or slots.numel() == 0):  # fmt: skip
         raise ValueError(
             f"paged prefill: shapes do not fit (q {tuple(q.shape)}, pool {tuple(pool.shape)}, "
             f"slots {tuple(slots.shape)}, positions {tuple(positions.shape)})"
