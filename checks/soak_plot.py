@@ -38,6 +38,9 @@ def draw(report: dict[str, Any], out: Path) -> list[Path]:
         plot = pg.PlotWidget(title=title)
         plot.resize(900, 360)
         plot.setLabel("left", unit)
+        for axis in ("left", "bottom"):  # every tick labelled, four digits included
+            plot.getAxis(axis).setStyle(hideOverlappingLabels=False, autoExpandTextSpace=True)
+            plot.getAxis(axis).enableAutoSIPrefix(False)
         plot.setLabel("bottom", "minutes")
         plot.addLegend(offset=(10, 10))
         colour = iter(COLOURS * 4)
@@ -48,6 +51,8 @@ def draw(report: dict[str, Any], out: Path) -> list[Path]:
                 ys = [y for y in ys if y is not None]
                 plot.plot(xs, ys, name=name.format(server=server),
                           pen=pg.mkPen(next(colour), width=2))  # fmt: skip
+        plot.show()  # laid out (offscreen), so that the axes size their labels' text
+        app.processEvents()
         exporter = pyqtgraph.exporters.ImageExporter(plot.getPlotItem())
         exporter.parameters()["width"] = 900
         path = out / file
