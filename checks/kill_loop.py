@@ -1,24 +1,32 @@
-"""The app's chat store under ``kill -9``: the app started again and again on one data folder,
-each time sending a message (``INFERSIGHT_AUTOSEND``) and killed at a random moment — before
-its reply, while it streams, or after — while the store is watched read-only from outside.
-After each kill: SQLite's ``integrity_check`` is ``ok``, every message the store had shown
-before the kill is still there with at least the text it had (nothing acknowledged lost),
-and the next start opens the store.
+"""The app's chat store under ``kill -9``, and ``infersight serve`` too. The app is started
+again and again on one data folder, each time sending a message (``INFERSIGHT_AUTOSEND``),
+and killed at a random moment — before its reply, while it streams, or after — while the
+store is watched read-only from outside. After each kill: SQLite's ``integrity_check`` is
+``ok``, every message the store had shown before the kill is still there with at least the
+text it had (nothing acknowledged lost), and the next start opens the store. Then ``serve``
+is killed the same way — while it loads, or mid-stream — and started again: it must come
+up and answer.
 
-``python -m checks.kill_loop --runs 30 --out build/kill-loop`` prints each run and the count
-of corruptions and losses (exit 1 where there is one)."""
+``python -m checks.kill_loop --runs 30 --serve-runs 10 --out build/kill-loop`` prints each
+run and the count of corruptions, losses and servers that did not come back (exit 1 where
+there is one)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import json
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +57,17 @@ def snapshot(db: Path) -> dict[int, tuple[str, str]]:
         return {}
 
 
+def _ended(db: Path) -> bool:
+    """Whether the last reply has ended (its status no longer ``streaming``)."""
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
+            row = con.execute("SELECT status FROM messages WHERE role = 'assistant' "
+                              "ORDER BY id DESC LIMIT 1").fetchone()  # fmt: skip
+    except sqlite3.OperationalError:
+        return False
+    return row is not None and row[0] != "streaming"
+
+
 def integrity(db: Path) -> str:
     with sqlite3.connect(db, timeout=30) as con:
         return str(con.execute("PRAGMA integrity_check").fetchone()[0])
@@ -75,7 +94,7 @@ def one_run(data: Path, run: int, rng: random.Random, log: Path) -> dict[str, An
                 break
             if moment == "mid-reply" and texts and len(texts[0]) > rng.randint(1, 400):
                 break
-            if moment == "later" and texts and len(texts[0]) > 600:
+            if moment == "later" and texts and (len(texts[0]) > 600 or _ended(db)):
                 break
             time.sleep(0.02)
         seen = snapshot(db)  # what was acknowledged (written) just before the kill
@@ -89,27 +108,113 @@ def one_run(data: Path, run: int, rng: random.Random, log: Path) -> dict[str, An
             "lost": lost}  # fmt: skip
 
 
+def serve_run(run: int, rng: random.Random, log: Path) -> dict[str, Any]:
+    """``infersight serve`` killed at a random moment — while loading, or mid-stream — then
+    started again: it must come up and answer (nothing it left behind in the model store or
+    the kernel cache may stop it)."""
+    moment = rng.choice(["while loading", "mid-stream", "mid-stream"])
+    proc, base = _serve(log)
+    if moment == "while loading":
+        time.sleep(rng.uniform(0.5, 4.0))
+    else:
+        base = _ready(proc, log)
+        streamer = threading.Thread(target=_stream, args=(base,), daemon=True)
+        streamer.start()
+        time.sleep(rng.uniform(0.2, 2.0))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    again, _ = _serve(log)
+    try:
+        answered = _complete(_ready(again, log))
+    except (OSError, RuntimeError) as exc:
+        answered = False
+        print(f"run {run}: serve did not come back: {exc}", file=sys.stderr)
+    finally:
+        again.send_signal(signal.SIGTERM)
+        again.wait(60)
+    return {"run": run, "moment": f"serve {moment}", "answered_after": answered}
+
+
+def _serve(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    log.write_text("")
+    out = log.open("ab")
+    command = [sys.executable, "-m", "app.cli", "serve", "--model", "default", "--port", "0",
+               "--self-test-interval", "0"]  # fmt: skip
+    return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out), ""
+
+
+def _ready(proc: subprocess.Popen[bytes], log: Path) -> str:
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited: {log.read_text()[-500:]}")
+        named = re.search(r" on (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+        if named:
+            try:
+                with urllib.request.urlopen(named.group(1) + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return named.group(1)
+            except OSError:
+                pass
+        time.sleep(0.2)
+    raise RuntimeError("serve did not answer in time")
+
+
+def _body(base: str, stream: bool) -> bytes:
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}],
+                       "max_tokens": 200, "stream": stream}).encode()  # fmt: skip
+
+
+def _stream(base: str) -> None:
+    asked = urllib.request.Request(base + "/v1/chat/completions", data=_body(base, True),
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+    # the server is killed under it: the read ends however it ends
+    with (contextlib.suppress(OSError, http.client.HTTPException),
+          urllib.request.urlopen(asked, timeout=60) as r):  # fmt: skip
+        while r.read(64):
+            pass
+
+
+def _complete(base: str) -> bool:
+    asked = urllib.request.Request(base + "/v1/chat/completions", data=_body(base, False),
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(asked, timeout=120) as r:
+        return bool(json.loads(r.read())["choices"][0]["message"]["content"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m checks.kill_loop")
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve-runs", type=int, default=10, help="runs that kill serve instead")
     p.add_argument("--out", type=Path, default=Path("build/kill-loop"))
     args = p.parse_args(argv)
     data = args.out / "data"
     settings(data)
     rng = random.Random(args.seed)
-    results = []
+    results, served = [], []
     for run in range(args.runs):
         r = one_run(data, run, rng, args.out / "app-stderr.log")
         results.append(r)
         print(f"run {run}: killed {r['moment']}, {r['messages']} messages, integrity "
               f"{r['integrity']}, lost {len(r['lost'])}", flush=True)  # fmt: skip
-    (args.out / "kill-loop.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    for run in range(args.serve_runs):
+        r = serve_run(run, rng, args.out / "serve.log")
+        served.append(r)
+        print(f"serve run {run}: killed {r['moment']}, answered after: {r['answered_after']}",
+              flush=True)  # fmt: skip
+    report = {"app": results, "serve": served}
+    (args.out / "kill-loop.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     corrupt = sum(r["integrity"] not in ("ok", "no store yet") for r in results)
     lost = sum(bool(r["lost"]) for r in results)
-    print(f"{len(results)} runs, {corrupt} corruptions, {lost} runs that lost an acknowledged "
-          "message")  # fmt: skip
-    return 1 if corrupt or lost else 0
+    down = sum(not r["answered_after"] for r in served)
+    print(
+        f"{len(results)} runs of the app, {corrupt} corruptions, {lost} runs that lost an "
+        f"acknowledged message; {len(served)} of serve, {down} that did not come back"
+    )
+    return 1 if corrupt or lost or down else 0
 
 
 if __name__ == "__main__":
