@@ -270,7 +270,7 @@ def _call(
 ) -> Tensor:  # fmt: skip
     assert k.fn is not None
     # raw pointers cross into C: the layouts it assumes are checked here, the block tables'
-    # contents in C (returns -2), where reading them costs nothing beside the attention
+    # contents in C (returns -2), one pass over B×W integers, small beside reading K and V
     if slots.dtype != torch.long or lens.dtype != torch.long or not pool.is_contiguous():
         raise ValueError("paged attention needs int64 slots and lens and a contiguous pool")
     if q.dim() != 3 or pool.dim() != 3 or slots.dim() != 2:
