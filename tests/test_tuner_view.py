@@ -416,3 +416,20 @@ def test_export_sweep_csv_and_png(qtbot: QtBot, tmp_path: Path) -> None:
     png = tmp_path / "sweep.png"
     view.export_sweep_png(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_a_target_that_names_no_server_is_refused_not_taken_for_the_engine(qtbot: QtBot) -> None:
+    view = make_view(qtbot)
+    loads: list[object] = []
+    sweeps: list[object] = []
+    view.start_load.connect(loads.append)
+    view.start_sweep.connect(lambda *a: sweeps.append(a))
+    view.target_edit.setText("localhost:8000")  # no scheme: not a URL
+    view.start_button.click()
+    view.run_button.click()
+    assert loads == [] and sweeps == []
+    assert "is no server's URL" in view.status_label.text()
+    assert "is no server's URL" in view.sweep_error.text()
+    view.target_edit.setText("")  # empty: this engine, as before
+    view.start_button.click()
+    assert len(loads) == 1

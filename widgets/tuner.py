@@ -172,6 +172,16 @@ class TunerView(QWidget):
         """The server the load targets (URL, model id), or None: this engine."""
         return parse_endpoint(self.target_edit.text())
 
+    def _check_target(self) -> None:
+        """A target that names no server (``localhost:8000``) is refused, not taken for this
+        engine; raises InvalidRequestError."""
+        text = self.target_edit.text().strip()
+        if text and self.endpoint() is None:
+            raise InvalidRequestError(
+                f"target {text!r} is no server's URL: give one like {PLACEHOLDER}, or leave it "
+                "empty for this engine"
+            )
+
     def _target_changed(self, _text: str) -> None:
         remote = self.endpoint() is not None
         self.limits_group.setVisible(not remote)  # the plots take its room
@@ -466,6 +476,7 @@ class TunerView(QWidget):
     def live_spec(self) -> LoadSpec:
         """The live load's spec (runs until stopped; its share of long conversations is the
         sweep form's)."""
+        self._check_target()
         mode: Mode = _mode(self.mode_combo.currentText())
         return LoadSpec(
             mode=mode, users=self.users_spin.value(), rate=self.rate_spin.value(),
@@ -486,6 +497,7 @@ class TunerView(QWidget):
 
     def sweep_settings(self) -> tuple[tuple[Setting, ...], SLO | None]:
         """The sweep form's settings and SLO; raises InvalidRequestError for bad input."""
+        self._check_target()
         mode = _mode(self.sweep_mode.currentText())
         closed = mode == "closed"
         loads = parse_numbers(
