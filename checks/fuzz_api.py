@@ -24,6 +24,20 @@ LIMITS = ("--api-key", KEY, "--max-tokens", "8", "--max-n", "2", "--max-body-byt
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def st_run(base: str, examples: int, report: Path) -> list[str]:
+    """schemathesis's command line on ``base``'s OpenAPI document with our checks (run it
+    with :func:`st_env`): ``examples`` cases an operation, its JSON report in ``report``."""
+    return [str(Path(sys.executable).with_name("st")), "run", f"{base}/openapi.json",
+            "-H", f"Authorization: Bearer {KEY}", "-c", "not_a_server_error,openai_error_shape",
+            "-n", str(examples), "--request-timeout", "30", "--report", "json",
+            "--report-dir", str(report), "--no-color"]  # fmt: skip
+
+
+def st_env() -> dict[str, str]:
+    """The environment schemathesis finds our check in (:mod:`checks.fuzz_hooks`)."""
+    return {**os.environ, "SCHEMATHESIS_HOOKS": "checks.fuzz_hooks", "PYTHONPATH": str(ROOT)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m checks.fuzz_api", description=__doc__.split("\n")[0]
@@ -33,15 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("build/fuzz"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "checks.fuzz_hooks", "PYTHONPATH": str(ROOT)}
     with serving_process(args.model, "fp32", args.out / "serve.log", extra=LIMITS) as (base, _):
-        done = subprocess.run(
-            [str(Path(sys.executable).with_name("st")), "run", f"{base}/openapi.json",
-             "-H", f"Authorization: Bearer {KEY}", "-c", "not_a_server_error,openai_error_shape",
-             "-n", str(args.examples), "--request-timeout", "30", "--report", "json",
-             "--report-dir", str(args.out), "--no-color"],
-            env=env, check=False,
-        )  # fmt: skip
+        done = subprocess.run(st_run(base, args.examples, args.out), env=st_env(), check=False)
     report = max(args.out.glob("json-*.json"), key=lambda f: f.stat().st_mtime)
     r = json.loads(report.read_text())
     print(f"schemathesis {r['schemathesis_version']}: {r['operations']['tested']} operations, "

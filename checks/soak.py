@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx2
 
+from app.endpoints.server_metrics import samples
 from checks.serve_process import serving_process
 from checks.soak_traffic import Outcome, draw, send
 
@@ -63,13 +64,8 @@ def proc_figures(pid: int) -> dict[str, float]:
 
 
 def scrape(client: httpx2.Client, base: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     text = client.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
+    found = samples(text)
     return {name: found.get(metric, float("nan")) for name, metric in GAUGES.items()}
 
 

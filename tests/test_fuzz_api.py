@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from checks.fuzz_api import KEY, st_env, st_run
 from tests.served import request
 
 pytest.importorskip("schemathesis")  # dev extras
 
-KEY = "fuzz-key"
 EXAMPLES = int(os.environ.get("INFERSIGHT_FUZZ_EXAMPLES", "12"))
 #: serve's limits for the fuzzing: what it must refuse past them, at once
 LIMITS = ("--max-tokens", "8", "--max-n", "2", "--max-body-bytes", "65536",
@@ -60,14 +60,8 @@ def fuzzed_server(default_model: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def fuzz(base: str, report: Path, examples: int) -> dict[str, Any]:
     """schemathesis's command line on ``base``'s OpenAPI document: its JSON report."""
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "checks.fuzz_hooks", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [str(Path(sys.executable).with_name("st")), "run", f"{base}/openapi.json",
-         "-H", f"Authorization: Bearer {KEY}", "-c", "not_a_server_error,openai_error_shape",
-         "-n", str(examples), "--request-timeout", "30", "--report", "json",
-         "--report-dir", str(report), "--no-color"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+    done = subprocess.run(st_run(base, examples, report), capture_output=True, text=True,
+                          env=st_env(), timeout=600)  # fmt: skip
     (found,) = report.glob("*.json")
     result: dict[str, Any] = json.loads(found.read_text())
     result["output"] = done.stdout[-3000:]

@@ -36,18 +36,25 @@ class ServerGauges:
     preemptions: float = math.nan  # since the server started
 
 
+def samples(text: str) -> dict[str, float]:
+    """Each sample's value in a ``/metrics`` page by name, summed over its labels (models);
+    raises ValueError where the page is not Prometheus text."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
+    return found
+
+
 def parse(text: str) -> ServerGauges | None:
     """The figures in a ``/metrics`` page (None: none of :data:`NAMES`, or not Prometheus)."""
-    samples: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                samples[sample.name] = samples.get(sample.name, 0.0) + float(sample.value)
+        read = samples(text)
     except ValueError:  # not Prometheus text
         return None
     found = {}
     for figure, names in NAMES.items():
-        value = next((samples[n] for n in names if n in samples), None)
+        value = next((read[n] for n in names if n in read), None)
         if value is not None:
             found[figure] = value
     return ServerGauges(**found) if found else None
