@@ -33,9 +33,9 @@ class Concurrency:
 class Misbehaving(BaseHTTPRequestHandler):
     """By the model asked for: ``drop`` streams two chunks and hangs up, ``busy`` answers 429
     with Retry-After, ``slow`` sends nothing for two seconds, ``garbage`` streams an event
-    that is not JSON, ``shape`` one of another shape, ``long`` a word every half second for
-    ten seconds, ``tick`` four words in 0.4 s (counted in :class:`Concurrency`), anything
-    else one chunk and the end."""
+    that is not JSON, ``shape`` one of another shape, ``error`` a word and an error event,
+    ``long`` a word every half second for ten seconds, ``tick`` four words in 0.4 s (counted
+    in :class:`Concurrency`), anything else one chunk and the end."""
 
     def log_message(self, *args: object) -> None:  # quiet
         pass
@@ -76,6 +76,12 @@ class Misbehaving(BaseHTTPRequestHandler):
         if model == "shape":
             self.wfile.write(b'data: {"choices": {"index": 0}}\n\n')
             return
+        if model == "error":  # a word, then the server's failure named in the stream
+            event = {"choices": [{"index": 0, "delta": {"content": "Red"}}]}
+            failure = {"error": {"message": "the engine stopped", "type": "server_error"}}
+            self.wfile.write(f"data: {json.dumps(event)}\n\ndata: {json.dumps(failure)}\n\n"
+                             "data: [DONE]\n\n".encode())  # fmt: skip
+            return
         if model == "long":  # a word every half second for ten seconds
             for _ in range(20):
                 event = {"choices": [{"index": 0, "delta": {"content": "la "}}]}
@@ -88,8 +94,9 @@ class Misbehaving(BaseHTTPRequestHandler):
             event = {"choices": [{"index": 0, "delta": {"content": word}}]}
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
             self.wfile.flush()
-        if model != "drop":  # the dropped stream ends without its [DONE]
-            self.wfile.write(b"data: [DONE]\n\n")
+        if model != "drop":  # the dropped stream ends without its finish and [DONE]
+            end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            self.wfile.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
 
     def _tick(self) -> None:
         """Four words a tenth of a second apart, counted while they stream."""

@@ -97,3 +97,35 @@ def request(
     out = resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     conn.close()
     return out
+
+
+def metrics(base: str) -> dict[str, float]:
+    """Every sample of ``/metrics`` by name (labels other than the model folded into the name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, _, body = request(base, "GET", "/metrics")
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return out
+
+
+def wait_idle(server: str) -> dict[str, float]:
+    """``/metrics`` once nothing runs, waits or holds a KV block, and the engine's token count
+    has stood still over two snapshots (the snapshot lags the engine by at most a quarter
+    second, and a request an earlier test sent may still be on its way to the engine)."""
+    deadline = time.monotonic() + 30
+    generated = "vllm:generation_tokens_total"
+    last: dict[str, float] | None = None
+    while True:
+        m = metrics(server)
+        idle = m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
+        idle = idle and m["vllm:kv_cache_usage_perc"] == 0
+        if (idle and last is not None and last.get(generated) == m.get(generated)) or (
+            time.monotonic() > deadline
+        ):
+            return m
+        last = m if idle else None
+        time.sleep(0.3)

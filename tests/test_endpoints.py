@@ -177,8 +177,11 @@ def test_an_open_loop_spaces_its_arrivals(server):
     spec = LoadSpec(mode="constant", rate=5.0, requests=3, seed=1, mix=SHORT)
     run = run_load(endpoint, spec)
     assert run.result.completed == 3
-    sent = sorted(r.sent for r in run.records)
-    assert all(b - a >= 0.2 - 0.02 for a, b in itertools.pairwise(sent))  # 1/5 s apart
+    records = sorted(run.records, key=lambda r: r.sent)
+    dues = [r.due for r in records]
+    assert dues == sorted(dues) and None not in dues
+    assert all(abs(b - a - 0.2) < 1e-6 for a, b in itertools.pairwise(dues))  # 1/5 s apart
+    assert all(r.due <= r.sent for r in records)  # none sent before it was due
 
 
 def test_a_failing_server_marks_the_run_with_how_it_failed(misbehaving):

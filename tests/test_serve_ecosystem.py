@@ -19,8 +19,7 @@ from app.server.schema import ChatBody, CompletionBody
 from engine.core.engine import LLMEngine
 from engine.core.sampling import SamplingParams
 from engine.loader.load import load_model
-from tests.served import KEY, request
-from tests.test_server import wait_idle
+from tests.served import KEY, request, wait_idle
 
 pytestmark = pytest.mark.real_model
 

@@ -31,10 +31,15 @@ class EndpointError(InfersightError):
     """A server failed a request: ``kind`` (one of :data:`KINDS`), the line to show, and, for
     a rate limit, the seconds the server asked to wait (``Retry-After``; None: not said)."""
 
-    def __init__(self, kind: str, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self, kind: str, message: str, retry_after: float | None = None, *, status: int = 0,
+        shaped: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.kind = kind
         self.retry_after = retry_after
+        self.status = status  # the HTTP status it came with (0: none, e.g. unreachable)
+        self.shaped = shaped  # its body was an OpenAI error: {"error": {"message", "type"}}
 
 
 def server_url(base_url: str) -> str:
@@ -130,8 +135,8 @@ def models(endpoint: Endpoint) -> list[str]:
         try:
             response = client.get(endpoint.api + "/models", headers=headers(endpoint))
         except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
-            raise _transport(endpoint, exc, 0) from exc
-        _check(endpoint, response)
+            raise transport_error(endpoint, exc, 0) from exc
+        check_response(endpoint, response)
         try:
             data = response.json()["data"]
             return [str(m["id"]) for m in data]
@@ -210,7 +215,7 @@ def _stream(
                                headers=headers(endpoint)) as response:  # fmt: skip
                 if response.status_code >= 400:
                     response.read()
-                    _check(endpoint, response)
+                    check_response(endpoint, response)
                 for line in response.iter_lines():
                     if done or not line.startswith("data:"):
                         # blank lines between events, comments, other fields; after the
@@ -226,7 +231,7 @@ def _stream(
                         reply.chunks.append(chunk)
                         yield chunk
         except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
-            raise _transport(endpoint, exc, len(reply.chunks)) from exc
+            raise transport_error(endpoint, exc, len(reply.chunks)) from exc
     if not done:
         raise EndpointError(
             "dropped", f"{_where(endpoint)} ended the stream after {len(reply.chunks)} chunks "
@@ -235,10 +240,13 @@ def _stream(
         )  # fmt: skip
 
 
-def post(endpoint: Endpoint, route: str, body: dict[str, Any]) -> Any:
+def post(
+    endpoint: Endpoint, route: str, body: dict[str, Any], *, session: httpx2.Client | None = None
+) -> Any:
     """One request whose answer is JSON (``route`` under the server's URL, e.g.
-    ``/v1/completions`` or vLLM's ``/tokenize``): the answer, or :class:`EndpointError`."""
-    return _json(endpoint, "POST", route, body)
+    ``/v1/completions`` or vLLM's ``/tokenize``): the answer, or :class:`EndpointError`.
+    ``session``: as :func:`stream_chat`'s."""
+    return _json(endpoint, "POST", route, body, session)
 
 
 def get_json(endpoint: Endpoint, route: str) -> Any:
@@ -246,14 +254,17 @@ def get_json(endpoint: Endpoint, route: str) -> Any:
     return _json(endpoint, "GET", route, None)
 
 
-def _json(endpoint: Endpoint, method: str, route: str, body: dict[str, Any] | None) -> Any:
-    with _client(endpoint) as client:
+def _json(
+    endpoint: Endpoint, method: str, route: str, body: dict[str, Any] | None,
+    session: httpx2.Client | None = None,
+) -> Any:  # fmt: skip
+    with contextlib.nullcontext(session) if session is not None else _client(endpoint) as client:
         try:
             response = client.request(method, server_url(endpoint.base_url) + route, json=body,
                                       headers=headers(endpoint))  # fmt: skip
         except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
-            raise _transport(endpoint, exc, 0) from exc
-        _check(endpoint, response)
+            raise transport_error(endpoint, exc, 0) from exc
+        check_response(endpoint, response)
         try:
             return response.json()
         except ValueError as exc:
@@ -274,7 +285,7 @@ def _chunk(endpoint: Endpoint, data: str, reply: Streamed) -> Chunk | None:
         ) from exc  # fmt: skip
     if isinstance(event, dict) and "error" in event:  # an error inside the stream
         raise EndpointError("server", f"{_where(endpoint)} failed mid-reply: "
-                            f"{_message(event)}")  # fmt: skip
+                            f"{_message(event)}", status=200)  # fmt: skip
     try:
         if isinstance(event, dict) and isinstance(event.get("usage"), dict):
             reply.usage = event["usage"]
@@ -354,37 +365,42 @@ def _message(body: Any) -> str:
     return str(body)[:200]
 
 
-def _check(endpoint: Endpoint, response: httpx2.Response) -> None:
-    """Raise the :class:`EndpointError` a failed response means."""
+def check_response(endpoint: Endpoint, response: httpx2.Response) -> None:
+    """Raise the :class:`EndpointError` a failed response means (its body read)."""
     status = response.status_code
     if status < 400:
         return
-    code = ""
+    code, shaped = "", False
     try:
         body = response.json()
         said = _message(body)
         err = body.get("error") if isinstance(body, dict) else None
         code = str(err.get("code") or "") if isinstance(err, dict) else ""
+        shaped = isinstance(err, dict) and all(isinstance(err.get(k), str)
+                                               for k in ("message", "type"))  # fmt: skip
     except ValueError:
         said = response.text[:200] or response.reason_phrase
     where = _where(endpoint)
     if status in (401, 403):
         raise EndpointError("auth", f"{where} refused the API key (HTTP {status}: {said}): "
-                            "check the key kept for this endpoint")  # fmt: skip
+                            "check the key kept for this endpoint", status=status,
+                            shaped=shaped)  # fmt: skip
     if status == 404 or code == "model_not_found":  # OpenAI and vLLM: 404; ours: 400
         raise EndpointError("model", f"{where} has no {endpoint.model or 'such'} model or route "
-                            f"(HTTP {status}: {said}): pick one it lists")  # fmt: skip
+                            f"(HTTP {status}: {said}): pick one it lists", status=status,
+                            shaped=shaped)  # fmt: skip
     if status == 429:
         wait = _retry_after(response.headers.get("retry-after"))
         after = f"; retry after {wait:g} s" if wait is not None else ""
         raise EndpointError("rate_limited", f"{where} is limiting requests (HTTP 429: {said})"
-                            f"{after}", retry_after=wait)  # fmt: skip
+                            f"{after}", retry_after=wait, status=status, shaped=shaped)  # fmt: skip
     if status < 500:
-        raise EndpointError("refused", f"{where} refused the request (HTTP {status}: {said})")
+        raise EndpointError("refused", f"{where} refused the request (HTTP {status}: {said})",
+                            status=status, shaped=shaped)  # fmt: skip
     wait = _retry_after(response.headers.get("retry-after"))  # an overloaded server's 503
     after = f"; retry after {wait:g} s" if wait is not None else ""
     raise EndpointError("server", f"{where} failed (HTTP {status}: {said}){after}",
-                        retry_after=wait)  # fmt: skip
+                        retry_after=wait, status=status, shaped=shaped)  # fmt: skip
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -402,7 +418,7 @@ def _retry_after(value: str | None) -> float | None:
             return None
 
 
-def _transport(
+def transport_error(
     endpoint: Endpoint, exc: httpx2.HTTPError | httpx2.InvalidURL, chunks: int
 ) -> EndpointError:
     """What a failure below HTTP means to the user."""

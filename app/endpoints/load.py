@@ -12,7 +12,9 @@ last seconds' figures for the live plots. :func:`run_load` runs one to its end.
 
 Requests run to their drawn length (``ignore_eos``, the benchmark convention, which vLLM,
 llama.cpp's server and ours take; ``ignore_eos=False`` leaves it out for a server that refuses
-fields it does not know).
+fields it does not know). The spec's :class:`~engine.bench.load_spec.Traffic` sends some as
+text completions, unstreamed or sampled, and injects faults (:mod:`app.endpoints.traffic`);
+each record says how it ended (:attr:`Record.outcome`), what the soak checks.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ from typing import TYPE_CHECKING, cast
 
 import httpx2
 
-from app.endpoints.client import Endpoint, EndpointError, Streamed, session, stream_chat
+from app.endpoints import traffic
+from app.endpoints.client import Endpoint, EndpointError, Streamed, session
 from app.endpoints.server_metrics import ServerGauges, scrape
 from engine.bench.load_spec import (
     SLO,
     LoadResult,
     LoadSpec,
+    Shape,
     draw_request,
+    draw_shape,
     prompt_set,
     quantile,
     stats_ms,
@@ -59,6 +64,10 @@ LIVE_WINDOW_S = 10.0
 SCRAPE_S = 1.0
 #: how long a stop waits for the requests in flight to see it before recording them as cut
 GRACE_S = 0.5
+#: how a request ended, as the client saw it (:attr:`Record.outcome`)
+OUTCOMES = ("whole", "error_event", "refused", "cut", "lost")
+#: failures that are a server's refusal (a 4xx), not its failing
+REFUSALS = frozenset({"refused", "rate_limited", "auth", "model"})
 
 
 def tokens_of(text: str) -> int:
@@ -82,7 +91,28 @@ class Record:
     retry_after: float | None = None  # a rate limit's wait, as the server asked
     max_tokens: int = 0  # the output length asked for
     due: float | None = None  # open loop: when it was meant to be sent (time.perf_counter())
-    cut: bool = False  # a stop ended it mid-reply
+    cut: bool = False  # the client ended it: a stop, or its fault (a disconnect, a cancel)
+    shape: Shape = field(default_factory=Shape)  # how it was sent, and its fault
+    finish_reason: str | None = None
+    status: int = 0  # the HTTP status of a failure (200: an error event in a stream)
+    shaped: bool = False  # a failure's body was an OpenAI error
+
+    @property
+    def outcome(self) -> str:
+        """How it ended (one of :data:`OUTCOMES`): ``whole`` (finished: stop or length),
+        ``error_event`` (the server took it and ended it with an error event naming why),
+        ``refused`` (a 4xx with OpenAI's error shape), ``cut`` (the client hung up), or
+        ``lost``: anything else — a 5xx, a stream dropped or ended without its finish, a
+        4xx without the shape, no answer. ``lost`` must never happen."""
+        if self.failure is None:
+            if self.cut:
+                return "cut"
+            return "whole" if self.finish_reason in ("stop", "length") else "lost"
+        if self.failure == "server" and self.status == 200:
+            return "error_event"
+        if self.failure in REFUSALS and 400 <= self.status < 500 and self.shaped:
+            return "refused"
+        return "lost"
 
 
 @dataclass(slots=True)
@@ -140,14 +170,15 @@ class EndpointLoad:
         self._turn = threading.Condition()  # the users and the rate; woken when they change
         self.users, self.rate = spec.users, spec.rate
         self._rng = random.Random(spec.seed)
+        self._shapes = random.Random(spec.seed + 2)  # apart from the prompts and arrivals
         self._texts = prompt_set()
         self._records: list[Record] = []
         self._messages: dict[str, str] = {}
         self._failed_at: list[tuple[float, str]] = []
         self._loads: list[tuple[float, float]] = []
-        self._sent = self._streamed = 0
+        self._sent = self._streamed = self._done = 0
         #: the requests in flight, by number: what a stop records as cut if they do not end
-        self._flying: dict[int, tuple[str, Streamed, int, float | None]] = {}
+        self._flying: dict[int, tuple[str, Streamed, int, float | None, Shape]] = {}
         self._keys = 0
         self._read = (0.0, 0, 0)  # the last live reading: its time, chunks and failures
         self._threads: list[threading.Thread] = []
@@ -208,10 +239,13 @@ class EndpointLoad:
             last_t, last_chunks, last_failed = self._read
             self._read = (now, self._streamed, len(self._failed_at))
             chunks = self._streamed - last_chunks
-            recent = [r for r in self._records if r.failure is None
-                      and r.sent + r.e2e_s >= now - LIVE_WINDOW_S]  # fmt: skip
-            done = sum(1 for r in self._records if r.failure is None and not r.cut)
-            failed = sum(1 for r in self._records if r.failure is not None)
+            recent = []  # records are kept in the order they ended: read back to the window
+            for r in reversed(self._records):
+                if r.sent + r.e2e_s < now - LIVE_WINDOW_S:
+                    break
+                if r.failure is None:
+                    recent.append(r)
+            done, failed = self._done, len(self._failed_at)
             fresh = tuple(self._failed_at[last_failed:])
             in_flight, load = (
                 len(self._flying),
@@ -261,12 +295,14 @@ class EndpointLoad:
         end = None if spec.duration_s is None else self.started + spec.duration_s
         return self._stop.is_set() or over or (end is not None and time.perf_counter() > end)
 
-    def _next_request(self) -> tuple[str, list[dict[str, str]], int] | None:
+    def _next_request(self) -> tuple[str, list[dict[str, str]], int, Shape] | None:
         with self._turn:
             if self._over():
                 return None
             self._sent += 1
-            return draw_request(self._rng, self.spec.mix, self._texts, tokens_of, ROOM)
+            kind, messages, out = draw_request(self._rng, self.spec.mix, self._texts,
+                                               tokens_of, ROOM)  # fmt: skip
+            return kind, messages, out, draw_shape(self._shapes, self.spec.traffic)
 
     def _drive(self) -> None:
         try:
@@ -300,8 +336,8 @@ class EndpointLoad:
         preparing its first byte): the run ends now; their threads, left to end when the
         server sends (a stop makes them close the connection then), record nothing more."""
         with self._turn:
-            for kind, reply, out, due in self._flying.values():
-                record = self._record(kind, reply, out, cut=True)
+            for kind, reply, out, due, shape in self._flying.values():
+                record = self._record(kind, reply, out, shape, cut=True)
                 record.max_tokens, record.due = out, due
                 self._records.append(record)
             self._flying.clear()
@@ -321,7 +357,8 @@ class EndpointLoad:
             if (request := self._next_request()) is None:
                 return
             record = self._send(*request)
-            if record.failure is not None:  # wait as the server asked, or a little
+            if record.failure is not None and not record.shape.fault:  # (a fault's refusal
+                # was asked for) wait as the server asked, or a little
                 wait = BACKOFF_S if record.retry_after is None else record.retry_after
                 self._stop.wait(min(wait, MAX_BACKOFF_S))
 
@@ -347,50 +384,50 @@ class EndpointLoad:
             unit = 1.0 if self.spec.mode == "constant" else gaps.gammavariate(shape, 1 / shape)
 
     def _send(
-        self, kind: str, chat: list[dict[str, str]], out: int, due: float | None = None
-    ) -> Record:
+        self, kind: str, chat: list[dict[str, str]], out: int, shape: Shape,
+        due: float | None = None,
+    ) -> Record:  # fmt: skip
         reply = Streamed(time.perf_counter())
-        extra = {"ignore_eos": True} if self.ignore_eos else None
         with self._turn:
             self._keys += 1
             key = self._keys
-            self._flying[key] = (kind, reply, out, due)
-        record = self._stream(kind, chat, out, reply, extra)
+            self._flying[key] = (kind, reply, out, due, shape)
+        record = self._request(kind, chat, out, shape, reply)
         record.max_tokens, record.due = out, due
         with self._turn:
             if self._flying.pop(key, None) is None:  # a stop recorded it already, cut
                 return record
             self._records.append(record)
+            self._done += record.failure is None and not record.cut
             if record.failure is not None:
                 self._failed_at.append((record.sent + record.e2e_s - self.started,
                                         record.failure))  # fmt: skip
         return record
 
-    def _stream(
-        self, kind: str, chat: list[dict[str, str]], out: int, reply: Streamed,
-        extra: dict[str, bool] | None,
-    ) -> Record:  # fmt: skip
-        endpoint = self.endpoint
-        cut = False
+    def _chunk(self) -> bool:
+        """A streamed chunk came: counted; False where a stop ends the requests in flight."""
+        with self._turn:
+            self._streamed += 1
+        return not self._stop.is_set()
+
+    def _request(
+        self, kind: str, chat: list[dict[str, str]], out: int, shape: Shape, reply: Streamed
+    ) -> Record:
+        endpoint, client = self.endpoint, self._client
+        assert client is not None  # started
         try:
-            stream = stream_chat(endpoint, chat, max_tokens=out, extra=extra, reply=reply,
-                                 session=self._client)  # fmt: skip
-            for _ in stream:
-                with self._turn:
-                    self._streamed += 1
-                if self._stop.is_set():  # a stop ends the requests in flight too
-                    stream.close()
-                    cut = True
-                    break
+            cut = traffic.send(endpoint, client, chat, out, shape, reply,
+                               temperature=self.spec.traffic.temperature,
+                               ignore_eos=self.ignore_eos, on_chunk=self._chunk)  # fmt: skip
         except Exception as exc:  # a user thread must end in a record
             if self._stop.is_set():  # its connection closed by a stop: cut where it was
-                return self._record(kind, reply, out, cut=True)
-            if isinstance(exc, EndpointError):
-                return self._failed(kind, reply, exc.kind, str(exc), exc.retry_after)
-            return self._failed(kind, reply, "protocol", f"{endpoint.name}: {exc!r}", None)
-        return self._record(kind, reply, out, cut=cut)
+                return self._record(kind, reply, out, shape, cut=True)
+            if not isinstance(exc, EndpointError):
+                exc = EndpointError("protocol", f"{endpoint.name}: {exc!r}")
+            return self._failed(kind, reply, shape, exc)
+        return self._record(kind, reply, out, shape, cut=cut)
 
-    def _record(self, kind: str, reply: Streamed, out: int, *, cut: bool) -> Record:
+    def _record(self, kind: str, reply: Streamed, out: int, shape: Shape, *, cut: bool) -> Record:
         """A reply's record, whole or as far as a stop let it come."""
         timed = [c.at for c in reply.chunks if c.text]
         usage = reply.usage or {}
@@ -404,18 +441,19 @@ class EndpointLoad:
             kind, time.perf_counter() - reply.started, reply.started,
             input_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=tokens,
             time_to_first_token_seconds=reply.ttft_s, time_per_output_token_seconds=tpot,
-            itl_s=[b - a for a, b in itertools.pairwise(timed)], cut=cut,
+            itl_s=[b - a for a, b in itertools.pairwise(timed)], cut=cut, shape=shape,
+            finish_reason=reply.finish_reason,
         )  # fmt: skip
 
-    def _failed(
-        self, kind: str, reply: Streamed, how: str, message: str, wait: float | None
-    ) -> Record:
+    def _failed(self, kind: str, reply: Streamed, shape: Shape, exc: EndpointError) -> Record:
+        how = exc.kind
         with self._turn:
-            self._messages.setdefault(how, message)
+            self._messages.setdefault(how, str(exc))
         if how in FATAL:  # no wait heals it: the run ends
             self.stop()
         return Record(kind, time.perf_counter() - reply.started, reply.started, failure=how,
-                      retry_after=wait)  # fmt: skip
+                      retry_after=exc.retry_after, shape=shape, status=exc.status,
+                      shaped=exc.shaped)  # fmt: skip
 
 
 def run_load(

@@ -62,6 +62,109 @@ class PromptMix:
             raise InvalidRequestError("output_sigma must be >= 0")
 
 
+#: the faults a load can inject (:class:`Traffic`): a client that hangs up mid-stream, one
+#: that hangs up once the server took the request (a cancel before its first token), one that
+#: reads slowly, a body over the server's limit, a prompt far past the model's context, and a
+#: body that is not JSON
+FAULTS = ("disconnect", "cancel", "slow_reader", "oversize_body", "over_context", "malformed")
+#: faults only a streamed request can carry
+STREAM_FAULTS = frozenset({"disconnect", "cancel", "slow_reader"})
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """How one request is sent (drawn by :func:`draw_shape`): to ``/v1/completions`` (the
+    messages as one text) or ``/v1/chat/completions``, streamed or not, with a sampling seed
+    (None: greedy), the fault it carries ("" none), and a slow reader's pause per chunk."""
+
+    route: Literal["chat", "completions"] = "chat"
+    stream: bool = True
+    seed: int | None = None
+    fault: str = ""
+    pause_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """How a load's requests are sent to a server, beyond what they say (:class:`PromptMix`):
+    the shares sent as text completions rather than chat, not streamed, and sampled at
+    ``temperature`` (each with its own seed) rather than greedy; and ``faults``, each at its
+    share of the requests (names from :data:`FAULTS`). The default is the tuner's load:
+    streamed greedy chat, no faults. :meth:`parse` reads ``completions=0.5,sampled=0.4,
+    disconnect=0.06``."""
+
+    completions: float = 0.0
+    unstreamed: float = 0.0
+    sampled: float = 0.0
+    temperature: float = 0.8
+    faults: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("completions", "unstreamed", "sampled"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise InvalidRequestError(f"the {name} share must be in [0, 1]")
+        if not 0 <= self.temperature <= 2:
+            raise InvalidRequestError("the sampled requests' temperature must be in [0, 2]")
+        for name, share in self.faults:
+            if name not in FAULTS:
+                raise InvalidRequestError(f"no fault {name!r}: the faults are {', '.join(FAULTS)}")
+            if not 0 <= share <= 1:
+                raise InvalidRequestError(f"the {name} share must be in [0, 1]")
+        if sum(share for _, share in self.faults) > 1:
+            raise InvalidRequestError("the fault shares must sum to <= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> Traffic:
+        """``completions=0.5,unstreamed=0.4,sampled=0.4,disconnect=0.06,cancel=0.04`` (shares;
+        ``temperature=`` too); a name not given keeps its default."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = part.partition("=")
+            key = key.strip().lower()
+            try:
+                value = float(raw) if sep else math.nan
+            except ValueError:
+                value = math.nan
+            known = key in FAULTS or key in ("completions", "unstreamed", "sampled", "temperature")
+            if not known or math.isnan(value):
+                names = ", ".join(("completions", "unstreamed", "sampled", "temperature", *FAULTS))
+                raise InvalidRequestError(
+                    f"cannot read the traffic {text!r} at {part!r}: give name=share pairs, the "
+                    f"names {names}"
+                )
+            values[key] = value
+        faults = tuple((name, values.pop(name)) for name in FAULTS if name in values)
+        return cls(**values, faults=faults)
+
+    def describe(self) -> str:
+        """The shares and faults given, ``name=share`` (empty: the default load)."""
+        default = Traffic()
+        parts = [f"{name}={getattr(self, name):g}"
+                 for name in ("completions", "unstreamed", "sampled", "temperature")
+                 if getattr(self, name) != getattr(default, name)]  # fmt: skip
+        return ",".join(parts + [f"{name}={share:g}" for name, share in self.faults])
+
+
+def draw_shape(rng: random.Random, traffic: Traffic) -> Shape:
+    """The next request's :class:`Shape` as ``traffic`` describes it (the default takes no
+    draw: a load without traffic sends what it always sent)."""
+    if traffic == Traffic():
+        return Shape()
+    fault, roll = "", rng.random()
+    for name, share in traffic.faults:
+        if roll < share:
+            fault = name
+            break
+        roll -= share
+    route: Literal["chat", "completions"] = (
+        "completions" if rng.random() < traffic.completions else "chat"
+    )
+    stream = fault in STREAM_FAULTS or rng.random() >= traffic.unstreamed
+    seed = rng.randint(0, (1 << 31) - 1) if rng.random() < traffic.sampled else None
+    pause = rng.uniform(0.05, 0.25) if fault == "slow_reader" else 0.0
+    return Shape(route, stream, seed, fault, pause)
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     """How much load and for how long. With neither ``requests`` nor ``duration_s`` the load
@@ -76,6 +179,7 @@ class LoadSpec:
     duration_s: float | None = None
     seed: int = 0
     mix: PromptMix = field(default_factory=PromptMix)
+    traffic: Traffic = field(default_factory=Traffic)  # a server's load only
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

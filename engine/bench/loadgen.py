@@ -28,6 +28,7 @@ from engine.bench.load_spec import (
     SLO,
     LoadResult,
     LoadSpec,
+    Traffic,
     draw_request,
     prompt_set,
     stats_ms,
@@ -36,7 +37,7 @@ from engine.core.engine import LLMEngine
 from engine.core.metrics import RequestMetrics
 from engine.core.output import TokenEvent
 from engine.core.sampling import SamplingParams
-from engine.errors import EngineBusyError, InfersightError
+from engine.errors import EngineBusyError, InfersightError, InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,12 @@ class LoadGenerator:
         setting: dict[str, Any] | None = None,
         id_prefix: str = "load",
     ) -> None:
+        if spec.traffic != Traffic():
+            raise InvalidRequestError(
+                f"the traffic {spec.traffic.describe()} (routes, streams, faults) is how "
+                "requests go to a server: send it to one (tune --endpoint URL, e.g. infersight "
+                "serve's), not to the engine in this process"
+            )
         self.engine = engine
         self.spec = spec
         self.slo = slo

@@ -1,0 +1,122 @@
+"""The load generator's traffic (:class:`engine.bench.load_spec.Traffic`,
+:mod:`app.endpoints.traffic`): chat and completions, streamed and not, greedy and sampled,
+with the soak's faults, against ``infersight serve`` in a child process — every request ends
+the way its fault says, the server loses none and holds no KV block once idle — and against
+servers that fail (tests/misbehaving.py): what ``lost`` and ``error_event`` mean."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from app.endpoints.client import Endpoint, with_model
+from app.endpoints.load import OUTCOMES, run_load
+from engine.bench.load_spec import (
+    FAULTS,
+    STREAM_FAULTS,
+    LoadSpec,
+    PromptMix,
+    Shape,
+    Traffic,
+    draw_shape,
+)
+from engine.errors import InvalidRequestError
+from tests.misbehaving import RIGHT, misbehaving  # noqa: F401 (the fixture)
+from tests.served import KEY, wait_idle
+
+SHORT = PromptMix(documents=0.3, conversations=0.0, output_median=6, output_min=3, output_max=9)
+#: how a request carrying each fault ends against a server that holds (serve: 1 MiB bodies,
+#: a context far under 80k tokens)
+EXPECTED = {"": "whole", "slow_reader": "whole", "disconnect": "cut", "cancel": "cut",
+            "oversize_body": "refused", "over_context": "refused",
+            "malformed": "refused"}  # fmt: skip
+
+
+def test_traffic_reads_name_share_pairs_and_refuses_what_it_does_not_know():
+    t = Traffic.parse("completions=0.5, sampled=0.25,cancel=0.1,disconnect=0.05")
+    assert (t.completions, t.unstreamed, t.sampled, t.temperature) == (0.5, 0.0, 0.25, 0.8)
+    assert t.faults == (("disconnect", 0.05), ("cancel", 0.1))  # in FAULTS' order
+    assert Traffic.parse(t.describe()) == t and Traffic().describe() == ""
+    for bad, said in [("stream=0.5", "the names completions"), ("cancel", "name=share"),
+                      ("sampled=x", "name=share"), ("sampled=1.5", "sampled share"),
+                      ("cancel=0.6,malformed=0.6", "sum to <= 1"),
+                      ("temperature=3", "temperature")]:  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=said) as refused:
+            Traffic.parse(bad)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(InvalidRequestError, match="no fault 'crash'"):
+        Traffic(faults=(("crash", 0.1),))
+
+
+def test_shapes_are_drawn_in_their_shares_and_a_streams_fault_is_streamed():
+    rng = random.Random(7)
+    assert draw_shape(rng, Traffic()) == Shape()
+    assert rng.random() == random.Random(7).random()  # the default takes no draw
+    faults = (("disconnect", 0.1), ("cancel", 0.1), ("malformed", 0.1))
+    traffic = Traffic(completions=0.3, unstreamed=0.6, sampled=0.4, faults=faults)
+    n = 20_000
+    shapes = [draw_shape(rng, traffic) for _ in range(n)]
+    drawn = Counter(s.fault for s in shapes)
+
+    def near(count: int, share: float) -> bool:  # within five binomial standard deviations
+        return abs(count - n * share) <= 5 * (n * share * (1 - share)) ** 0.5
+
+    assert set(drawn) == {"", "disconnect", "cancel", "malformed"}
+    assert all(near(drawn[f], 0.1) for f in ("disconnect", "cancel", "malformed"))
+    assert near(sum(s.route == "completions" for s in shapes), 0.3)
+    assert near(sum(s.seed is not None for s in shapes), 0.4)
+    assert all(s.stream for s in shapes if s.fault in STREAM_FAULTS)
+    plain = [s for s in shapes if not s.fault]
+    assert abs(sum(not s.stream for s in plain) / len(plain) - 0.6) < 0.03
+    assert all(s.pause_s == 0 for s in shapes)  # no slow reader among these faults
+
+
+def test_the_engines_own_load_refuses_traffic_by_name(default_model):
+    from engine.bench.loadgen import LoadGenerator
+    from engine.loader.load import load_model
+
+    spec = LoadSpec(traffic=Traffic(sampled=0.5))
+    with pytest.raises(InvalidRequestError, match=r"sampled=0\.5.*send it to one"):
+        LoadGenerator(load_model(default_model), spec)
+
+
+def test_every_kind_and_fault_against_serve_ends_as_it_should_and_loses_nothing(server):
+    endpoint = with_model(Endpoint(server, api_key=KEY))
+    traffic = Traffic(completions=0.5, unstreamed=0.5, sampled=0.5,
+                      faults=tuple((f, 0.07) for f in FAULTS))  # fmt: skip
+    spec = LoadSpec(mode="closed", users=3, requests=80, seed=5, mix=SHORT, traffic=traffic)
+    run = run_load(endpoint, spec)
+    records = run.records
+    assert len(records) == 80 and not run.result.stopped
+    seen = Counter((r.shape.fault, r.outcome) for r in records)
+    assert {f for f, _ in seen} == {"", *FAULTS}  # every fault was sent
+    assert {(f, o) for f, o in seen} == {(f, EXPECTED[f]) for f, _ in seen}, seen
+    assert "lost" in OUTCOMES and all(r.outcome != "lost" for r in records)
+    # the refusals, by what each fault broke: a body past 1 MiB, past the context, not JSON
+    status = {r.shape.fault: r.status for r in records if r.outcome == "refused"}
+    assert status == {"oversize_body": 413, "over_context": 400, "malformed": 400}
+    whole = [r for r in records if r.outcome == "whole"]
+    # each kind of request was sent, and each whole one ran to its drawn length (ignore_eos)
+    kinds = {(r.shape.route, r.shape.stream, r.shape.seed is not None) for r in whole}
+    assert kinds == {(route, stream, sampled) for route in ("chat", "completions")
+                     for stream in (True, False) for sampled in (True, False)}  # fmt: skip
+    assert all(r.output_tokens == r.max_tokens for r in whole)
+    assert all(r.time_to_first_token_seconds is not None for r in whole if r.shape.stream)
+    assert all(r.time_to_first_token_seconds is None for r in whole if not r.shape.stream)
+    # the cut requests were the server's to end: once idle, nothing runs and no block is held
+    m = wait_idle(server)
+    assert m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
+    assert m["infersight:kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "outcome"),
+    [("fine", "whole"), ("error", "error_event"), ("drop", "lost"), ("shape", "lost"),
+     ("strict", "lost")],  # a 400 without OpenAI's error shape: not a refusal said as one
+)  # fmt: skip
+def test_an_outcome_is_what_the_client_saw(misbehaving, model, outcome):  # noqa: F811
+    spec = LoadSpec(mode="closed", users=1, requests=2, seed=0, mix=SHORT)
+    run = run_load(Endpoint(misbehaving, model=model, api_key=RIGHT), spec)
+    assert [r.outcome for r in run.records] == [outcome, outcome]
