@@ -6,6 +6,7 @@ servers that fail (tests/misbehaving.py): what ``lost`` and ``error_event`` mean
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -120,3 +121,26 @@ def test_an_outcome_is_what_the_client_saw(misbehaving, model, outcome):  # noqa
     spec = LoadSpec(mode="closed", users=1, requests=2, seed=0, mix=SHORT)
     run = run_load(Endpoint(misbehaving, model=model, api_key=RIGHT), spec)
     assert [r.outcome for r in run.records] == [outcome, outcome]
+
+
+def test_tune_endpoint_sends_traffic_and_counts_how_each_request_ended(server, monkeypatch,
+                                                                       capsys):  # fmt: skip
+    from app.cli.main import main
+    from app.endpoints import keys
+
+    monkeypatch.setenv(keys.ENV, KEY)
+    args = ["tune", "--endpoint", server, "--users", "2", "--requests", "8",
+            "--output-median", "4", "--output-max", "6", "--seed", "3",
+            "--traffic", "completions=0.5,unstreamed=0.5,cancel=0.25,malformed=0.25",
+            "--json"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    ended = report["outcomes"]["2 users"]
+    assert sum(ended.values()) == 8 and set(ended) <= {"none/whole", "cancel/cut",
+                                                        "malformed/refused"}  # fmt: skip
+    assert report["points"][0]["failed"] == ended.get("malformed/refused", 0)
+    for bad, said in [(["--endpoint", server, "--traffic", "crash=1"], "the names completions"),
+                      (["--traffic", "sampled=0.5"], "give --endpoint URL too")]:  # fmt: skip
+        assert main(["tune", "--requests", "1", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err

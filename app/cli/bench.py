@@ -305,7 +305,7 @@ def _profile_attention_paths(args: argparse.Namespace, engine: Any, prompt: Any,
 def tune_settings(args: argparse.Namespace, limits: bool = True) -> tuple[list[Any], Any]:
     """``tune``'s grid and SLO from its arguments, every value checked before a load
     (``limits=False``: the loads alone, for a remote server whose limits are its own)."""
-    from engine.bench.load_spec import SLO, LoadSpec, PromptMix
+    from engine.bench.load_spec import SLO, LoadSpec, PromptMix, Traffic
     from engine.bench.sweep_analysis import grid
 
     mix = PromptMix(
@@ -316,7 +316,7 @@ def tune_settings(args: argparse.Namespace, limits: bool = True) -> tuple[list[A
     base = LoadSpec(
         mode=args.mode, burstiness=args.burstiness, seed=args.seed, mix=mix,
         requests=None if args.duration is not None else args.requests,
-        duration_s=args.duration,
+        duration_s=args.duration, traffic=Traffic.parse(args.traffic),
     )  # fmt: skip
     loads = args.users if args.mode == "closed" else args.rate
     for value in loads:  # checks each one, as users or as a rate
@@ -342,10 +342,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         from app.cli.tune_endpoint import tune_endpoint
 
         return tune_endpoint(args, *tune_settings(args, limits=False))
-    if args.guidellm is not None:
-        raise InvalidRequestError(
-            "--guidellm writes a server's runs as GuideLLM's report: give --endpoint URL too"
-        )
+    for given, what in (
+        (args.guidellm, "--guidellm writes a server's runs as GuideLLM's report"),
+        (args.traffic, "--traffic is how requests go to a server"),
+    ):
+        if given:
+            raise InvalidRequestError(f"{what}: give --endpoint URL too")
     import torch
 
     from app.loading import resolve_device, resolve_model_folder

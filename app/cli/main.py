@@ -262,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         "server that refuses fields it does not know; the drawn lengths are then upper bounds)",
     )  # fmt: skip
     g.add_argument(
+        "--traffic", metavar="NAME=SHARE,…", default="",
+        help="with --endpoint: how requests are sent and the faults among them, e.g. "
+        "completions=0.5,unstreamed=0.3,sampled=0.4,disconnect=0.05,cancel=0.05 (faults: "
+        "disconnect, cancel, slow_reader, oversize_body, over_context, malformed); the report "
+        "then counts how each request ended",
+    )  # fmt: skip
+    g.add_argument(
         "--guidellm", metavar="PATH", type=Path, default=None,
         help="also write the endpoint's runs as GuideLLM's benchmarks.json at PATH (one "
         "benchmark per load; guidellm export and its outputs read it)",

@@ -13,7 +13,7 @@ from typing import Any
 def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> int:
     from app.endpoints import keys
     from app.endpoints.client import Endpoint, with_model
-    from app.endpoints.load import failure_counts, run_load
+    from app.endpoints.load import failure_counts, outcome_counts, run_load
     from engine.bench.sweep_analysis import SweepPoint, format_reading, sweep_report
 
     endpoint = with_model(
@@ -22,6 +22,7 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
     points: list[SweepPoint] = []
     runs = []
     failures: dict[str, dict[str, Any]] = {}
+    outcomes: dict[str, dict[str, int]] = {}
     try:
         for i, setting in enumerate(settings):
             run = run_load(endpoint, setting.load, slo, ignore_eos=not args.endpoint_eos)
@@ -33,12 +34,18 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
                 line += f"; failed: {failure_counts(run)}"
                 failures[setting.label()] = {"counts": dict(run.failures),
                                              "first": run.first_failure}  # fmt: skip
+            if args.traffic:  # how each request ended, by its fault
+                ended = outcome_counts(run)
+                outcomes[setting.label()] = ended
+                line += "; " + ", ".join(f"{n} {k}" for k, n in ended.items())
             print(f"[{i + 1}/{len(settings)}] {setting.label()}: {line}", file=sys.stderr)
     except KeyboardInterrupt:
         print("stopped: the loads measured so far follow", file=sys.stderr)
     report = sweep_report(points, slo, target_rate=args.capacity,
                           peak_factor=args.peak_factor, headroom=args.headroom)  # fmt: skip
     report = {"endpoint": endpoint.name, "failures": failures, **report}
+    if args.traffic:
+        report["outcomes"] = outcomes
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -137,6 +137,12 @@ def failure_counts(run: EndpointRun) -> str:
     return f"{counts} — {next(iter(run.first_failure.values()), '')}"
 
 
+def outcome_counts(run: EndpointRun) -> dict[str, int]:
+    """How its requests ended, by fault: ``{"none/whole": 40, "cancel/cut": 3, …}``."""
+    ended = Counter((r.shape.fault or "none", r.outcome) for r in run.records)
+    return {f"{fault}/{outcome}": n for (fault, outcome), n in sorted(ended.items())}
+
+
 @dataclass(frozen=True, slots=True)
 class LiveFigures:
     """A running load's last seconds, for the live plots: seconds since its start, output
