@@ -1,17 +1,19 @@
 """The soak: ``infersight serve`` held under mixed traffic with faults for ``--minutes``, what
 comes back checked. Two servers on the default model — INT4 with speculative decoding (the
-``lookup`` drafter) and W8A8 without — each driven by client threads of
-:mod:`checks.soak_traffic` (chat and completions, streamed and not, greedy and sampled, shared
-prefixes; hang-ups mid-stream, cancels, slow readers, oversize bodies and prompts, malformed
-JSON, at fixed rates).
+``lookup`` drafter) and W8A8 without — each driven by the project's load generator
+(:class:`app.endpoints.load.EndpointLoad`: closed-loop users) with the :data:`TRAFFIC` of
+:class:`engine.bench.load_spec.Traffic` (chat and completions, streamed and not, greedy and
+sampled, documents and conversations behind shared prefixes; hang-ups mid-stream, cancels,
+slow readers, oversize bodies and prompts, malformed JSON, at fixed rates).
 
 Every :data:`SAMPLE_S` it records, per server: its RSS, threads and open file descriptors
 (``/proc``), the KV blocks held and kept as reusable prefixes and the queue (its
 ``/metrics``), and the p50/p99 TTFT and TPOT of the requests that ended in that interval. At
 the end it checks:
 
-* nothing accepted was lost: every request the server took (200) ended whole or with an
-  error event naming why, unless the client itself cut it;
+* nothing accepted was lost: every request ended whole, with an error event naming why, in a
+  refusal in OpenAI's shape, or cut by the client itself (:attr:`Record.outcome
+  <app.endpoints.load.Record.outcome>`);
 * no block leaked: once idle, no request runs or waits and no KV block is held;
 * RSS after the warm-up (the first quarter) grows at most :data:`RSS_SLOPE_MIB_MIN` MiB a
   minute (least squares; judged where that window is 10 minutes or longer);
@@ -28,20 +30,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import statistics
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx2
 
+from app.endpoints.client import Endpoint
+from app.endpoints.load import EndpointLoad, outcome_counts
 from app.endpoints.server_metrics import samples
 from checks.serve_process import serving_process
-from checks.soak_traffic import Outcome, draw, send
+from engine.bench.load_spec import LoadSpec, PromptMix, Traffic
 
 SAMPLE_S = 10.0
 RSS_SLOPE_MIB_MIN = 1.0
@@ -49,6 +51,14 @@ P99_FACTOR = 1.5
 KEY = "soak-key"
 #: the servers: precision and serve's other arguments
 SERVERS = {"int4-g32+spec": ("int4-g32", ("--speculative", "lookup")), "w8a8": ("w8a8", ())}
+#: what the requests say: questions, documents and conversations (shared prefixes), 8–48 tokens
+MIX = PromptMix(documents=0.5, conversations=0.1, conversation_tokens=(300, 800),
+                output_median=20, output_sigma=0.6, output_min=8, output_max=48)  # fmt: skip
+#: how they are sent, and the faults among them
+TRAFFIC = Traffic(completions=0.5, unstreamed=0.4, sampled=0.4, temperature=0.8,
+                  faults=(("disconnect", 0.06), ("cancel", 0.04), ("slow_reader", 0.05),
+                          ("oversize_body", 0.02), ("over_context", 0.02),
+                          ("malformed", 0.03)))  # fmt: skip
 GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
           "kv_used": "infersight:kv_blocks_used", "kv_cached": "infersight:kv_blocks_cached",
           "kv_total": "infersight:kv_blocks_total"}  # fmt: skip
@@ -77,26 +87,15 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 class Soak:
-    """The traffic, the samples and the outcomes of one run (see the module docstring)."""
+    """The loads, the samples and the records of one run (see the module docstring)."""
 
     def __init__(self, servers: dict[str, tuple[str, int, str]], clients: int, seed: int):
         self.servers = servers  # name → (base URL, pid, model id)
         self.clients, self.seed = clients, seed
         self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.outcomes: dict[str, list[Outcome]] = {name: [] for name in servers}
+        self.loads: dict[str, EndpointLoad] = {}
         self.samples: list[dict[str, Any]] = []
         self.started = time.perf_counter()
-
-    def _client(self, name: str, index: int) -> None:
-        base, _, model = self.servers[name]
-        rng = random.Random(self.seed * 1000 + index)
-        with httpx2.Client(timeout=httpx2.Timeout(120.0, connect=5.0)) as client:
-            while not self.stop.is_set():
-                route, fault, body = draw(rng)
-                outcome = send(client, base, KEY, model, route, fault, body, rng)
-                with self.lock:
-                    self.outcomes[name].append(outcome)
 
     def _sample(self) -> None:
         with httpx2.Client(timeout=10.0) as client:
@@ -109,10 +108,12 @@ class Soak:
     def reading(self, client: httpx2.Client, since: float, now: float) -> dict[str, Any]:
         row: dict[str, Any] = {"t_s": now - self.started}
         for name, (base, pid, _) in self.servers.items():
-            with self.lock:
-                recent = [o for o in self.outcomes[name] if since <= o.ended < now]
-            ttft = [o.ttft_s * 1e3 for o in recent if o.ttft_s is not None]
-            tpot = [o.tpot_s * 1e3 for o in recent if o.tpot_s is not None]
+            ended = self.loads[name].ended_since(since)
+            recent = [r for r in ended if r.sent + r.e2e_s < now and r.outcome == "whole"]
+            ttft = [r.time_to_first_token_seconds * 1e3 for r in recent
+                    if r.time_to_first_token_seconds is not None]  # fmt: skip
+            tpot = [r.time_per_output_token_seconds * 1e3 for r in recent
+                    if r.time_per_output_token_seconds is not None]  # fmt: skip
             row[name] = {
                 **proc_figures(pid), **scrape(client, base), "requests": len(recent),
                 "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
@@ -121,18 +122,22 @@ class Soak:
         return row
 
     def run(self, minutes: float) -> None:
-        threads = [threading.Thread(target=self._client, args=(name, i), daemon=True)
-                   for name in self.servers for i in range(self.clients)]  # fmt: skip
-        threads.append(threading.Thread(target=self._sample, daemon=True))
-        for t in threads:
-            t.start()
+        spec = LoadSpec(mode="closed", users=self.clients, requests=None, seed=self.seed,
+                        duration_s=minutes * 60, mix=MIX, traffic=TRAFFIC)  # fmt: skip
+        for name, (base, _, model) in self.servers.items():
+            self.loads[name] = EndpointLoad(Endpoint(base, model, KEY), spec).start()
+        sampler = threading.Thread(target=self._sample, daemon=True)
+        sampler.start()
         try:
-            self.stop.wait(minutes * 60)
+            for load in self.loads.values():
+                load.wait()  # its duration over, and the requests in flight ended
         except KeyboardInterrupt:
             print("stopped early: the figures so far follow", file=sys.stderr)
+            for load in self.loads.values():
+                load.stop()
+                load.wait()
         self.stop.set()
-        for t in threads:
-            t.join(180)
+        sampler.join(60)
 
 
 def settle(servers: dict[str, tuple[str, int, str]], timeout: float = 60.0) -> dict[str, Any]:
@@ -164,13 +169,17 @@ def verdicts(soak: Soak, idle: dict[str, Any], minutes: float) -> dict[str, Any]
     out: dict[str, Any] = {}
     warm_s = minutes * 60 / 4
     for name in soak.servers:
-        outcomes = soak.outcomes[name]
-        lost = [o for o in outcomes if o.outcome == "lost"]
+        run = soak.loads[name].run()
+        outcomes = run.records
+        lost = [r for r in outcomes if r.outcome == "lost"]
         rows = [(s["t_s"], s[name]) for s in soak.samples]
         after = [(t, r) for t, r in rows if t >= warm_s]
         checks: dict[str, Any] = {}
-        checks["nothing accepted lost"] = (not lost, f"{len(lost)} lost of {len(outcomes)}"
-                                           + (f": {lost[0].detail}" if lost else ""))  # fmt: skip
+        said = ""
+        if lost:  # the first one's story: the server's words, or how the reply ended
+            how = lost[0].failure
+            said = ": " + (run.first_failure.get(how, how) if how else "no finish")
+        checks["nothing accepted lost"] = (not lost, f"{len(lost)} lost of {len(outcomes)}{said}")
         f = idle[name]
         said = (
             f"idle: {f['running']:g} running, {f['waiting']:g} waiting, "
@@ -205,9 +214,7 @@ def verdicts(soak: Soak, idle: dict[str, Any], minutes: float) -> dict[str, Any]
                 f["threads"] <= base["threads"] + 4 and f["fds"] <= base["fds"] + 8,
                 f"threads {base['threads']} → {f['threads']}, fds {base['fds']} → {f['fds']}",
             )  # fmt: skip
-        kinds = Counter((o.fault or "none", o.outcome) for o in outcomes)
-        counted = {f"{fault}/{outcome}": n for (fault, outcome), n in sorted(kinds.items())}
-        out[name] = {"checks": checks, "outcomes": counted}
+        out[name] = {"checks": checks, "outcomes": outcome_counts(run)}
     return out
 
 
@@ -235,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         idle = settle(servers)
         result = verdicts(soak, idle, args.minutes)
     report = {"minutes": args.minutes, "clients_per_server": args.clients, "servers": list(SERVERS),
-              "samples": soak.samples, "idle": idle, "result": result}  # fmt: skip
+              "traffic": TRAFFIC.describe(), "samples": soak.samples, "idle": idle,
+              "result": result}  # fmt: skip
     (args.out / "soak.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     failed = False
     for name, r in result.items():

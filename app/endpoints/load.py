@@ -268,6 +268,15 @@ class EndpointLoad:
             in_flight, done, failed, fresh, float(load), self.server,
         )  # fmt: skip
 
+    def ended_since(self, since: float) -> list[Record]:
+        """The requests that ended at or after ``since`` (``time.perf_counter()``), in the
+        order they ended."""
+        with self._turn:
+            i = len(self._records)
+            while i and self._records[i - 1].sent + self._records[i - 1].e2e_s >= since:
+                i -= 1
+            return self._records[i:]
+
     def run(self) -> EndpointRun:
         """The figures of the requests ended so far (all of them once it has ended)."""
         with self._turn:
