@@ -276,8 +276,9 @@ asan: $(VENV)/.stamp-dev
 	grep -m1 "ERROR: AddressSanitizer: heap-buffer-overflow" build/asan-canary.log
 	$(ASAN_ENV) $(BIN)/python -m checks.kernel_fuzz --examples $(KERNEL_FUZZ_EXAMPLES)
 
-# kill -9 at random moments while conversations are written: the store's integrity and every
-# acknowledged message after each; and the raw-HTTP cases a schema does not reach.
+# kill -9 at random moments while conversations are written (the app, the app while it serves,
+# and serve): the store's integrity and every acknowledged message after each; and the raw-HTTP
+# cases a schema does not reach.
 KILL_RUNS ?= 30
 kill-loop: $(VENV)/.stamp-dev
 	$(BIN)/infersight models pull

@@ -3,13 +3,15 @@ again and again on one data folder, each time sending a message (``INFERSIGHT_AU
 and killed at a random moment — before its reply, while it streams, or after — while the
 store is watched read-only from outside. After each kill: SQLite's ``integrity_check`` is
 ``ok``, every message the store had shown before the kill is still there with at least the
-text it had (nothing acknowledged lost), and the next start opens the store. Then ``serve``
-is killed the same way — while it loads, or mid-stream — and started again: it must come
-up and answer.
+text it had (nothing acknowledged lost), and the next start opens the store. Then the app
+*while it serves* (``--serve PORT``: a client's request streaming from its engine beside its
+own chat) is killed the same way, and must serve again on the same port at its next start.
+Then ``serve`` is killed — while it loads, or mid-stream — and started again: it must come up
+and answer.
 
-``python -m checks.kill_loop --runs 30 --serve-runs 10 --out build/kill-loop`` prints each
-run and the count of corruptions, losses and servers that did not come back (exit 1 where
-there is one)."""
+``python -m checks.kill_loop --runs 30 --serving-runs 10 --serve-runs 10 --out
+build/kill-loop`` prints each run and the count of corruptions, losses and servers that did
+not come back (exit 1 where there is one)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Tell me a long story about a lighthouse keeper.", "Name three colours.",
            "Explain what a KV cache holds.", "Write a poem about rain on a tin roof."]  # fmt: skip
 START_S = 300.0
+KEY = "kill-loop-key"
 
 
 def settings(data: Path) -> None:
@@ -71,6 +75,54 @@ def _ended(db: Path) -> bool:
 def integrity(db: Path) -> str:
     with sqlite3.connect(db, timeout=30) as con:
         return str(con.execute("PRAGMA integrity_check").fetchone()[0])
+
+
+def serving_run(data: Path, run: int, rng: random.Random, log: Path, port: int) -> dict[str, Any]:
+    """The app serving on ``port`` while it writes its own chat, killed while a client's
+    request streams from it: the store as :func:`one_run` checks it, and whether it served
+    (a whole answer first, so that the next run's shows it serves again after a kill)."""
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "INFERSIGHT_API_KEY": KEY,
+           "INFERSIGHT_AUTOSEND": f"{rng.choice(PROMPTS)} (serving run {run})"}  # fmt: skip
+    db = data / "chats.sqlite3"
+    base = f"http://127.0.0.1:{port}"
+    with log.open("ab") as err:
+        command = [sys.executable, "-m", "app.cli", "app", "--data-dir", str(data),
+                   "--serve", str(port)]  # fmt: skip
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        served = streaming = False
+        try:
+            _healthy(base, proc)
+            served = _complete(base, KEY)
+            streamer = threading.Thread(target=_stream, args=(base, KEY), daemon=True)
+            streamer.start()
+            time.sleep(rng.uniform(0.2, 2.0))  # its request streaming, the chat's reply too
+            streaming = streamer.is_alive()  # (not yet ended when it is killed)
+        except (OSError, RuntimeError, http.client.HTTPException) as exc:
+            print(f"serving run {run}: the app did not serve: {exc}", file=sys.stderr)
+        seen = snapshot(db)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    check = integrity(db) if db.exists() else "no store yet"
+    after = snapshot(db)
+    lost = [i for i, (role, content) in seen.items()
+            if i not in after or not after[i][1].startswith(content)]  # fmt: skip
+    moment = "while serving, mid-stream" if streaming else "while serving"
+    return {"run": run, "moment": moment, "messages": len(after), "integrity": check,
+            "lost": lost, "served": served}  # fmt: skip
+
+
+def _healthy(base: str, proc: subprocess.Popen[bytes]) -> None:
+    """Wait until the server at ``base`` answers (the app's: its model loaded, the box
+    ticked)."""
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"it exited ({proc.returncode})")
+        with contextlib.suppress(OSError), urllib.request.urlopen(base + "/health", timeout=5) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{base} did not answer in time")
 
 
 def one_run(data: Path, run: int, rng: random.Random, log: Path) -> dict[str, Any]:
@@ -144,32 +196,34 @@ def _serve(log: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def _ready(proc: subprocess.Popen[bytes], log: Path) -> str:
+    """``serve``'s base URL once it names it and answers."""
     deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
+    while not (named := re.search(r" on (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited: {log.read_text()[-500:]}")
-        named = re.search(r" on (http://127\.0\.0\.1:\d+)/v1", log.read_text())
-        if named:
-            try:
-                with urllib.request.urlopen(named.group(1) + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return named.group(1)
-            except OSError:
-                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("serve did not name its address in time")
         time.sleep(0.2)
-    raise RuntimeError("serve did not answer in time")
+    _healthy(named.group(1), proc)
+    return named.group(1)
 
 
-def _body(base: str, stream: bool) -> bytes:
-    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+def _headers(key: str | None) -> dict[str, str]:
+    return {"Content-Type": "application/json",
+            **({"Authorization": f"Bearer {key}"} if key else {})}  # fmt: skip
+
+
+def _body(base: str, stream: bool, key: str | None) -> bytes:
+    listing = urllib.request.Request(base + "/v1/models", headers=_headers(key))
+    with urllib.request.urlopen(listing, timeout=10) as r:
         model = json.loads(r.read())["data"][0]["id"]
     return json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}],
                        "max_tokens": 200, "stream": stream}).encode()  # fmt: skip
 
 
-def _stream(base: str) -> None:
-    asked = urllib.request.Request(base + "/v1/chat/completions", data=_body(base, True),
-                                   headers={"Content-Type": "application/json"})  # fmt: skip
+def _stream(base: str, key: str | None = None) -> None:
+    asked = urllib.request.Request(base + "/v1/chat/completions", data=_body(base, True, key),
+                                   headers=_headers(key))  # fmt: skip
     # the server is killed under it: the read ends however it ends
     with (contextlib.suppress(OSError, http.client.HTTPException),
           urllib.request.urlopen(asked, timeout=60) as r):  # fmt: skip
@@ -177,9 +231,9 @@ def _stream(base: str) -> None:
             pass
 
 
-def _complete(base: str) -> bool:
-    asked = urllib.request.Request(base + "/v1/chat/completions", data=_body(base, False),
-                                   headers={"Content-Type": "application/json"})  # fmt: skip
+def _complete(base: str, key: str | None = None) -> bool:
+    asked = urllib.request.Request(base + "/v1/chat/completions", data=_body(base, False, key),
+                                   headers=_headers(key))  # fmt: skip
     with urllib.request.urlopen(asked, timeout=120) as r:
         return bool(json.loads(r.read())["choices"][0]["message"]["content"])
 
@@ -188,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m checks.kill_loop")
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serving-runs", type=int, default=10,
+                   help="runs that kill the app while it serves")  # fmt: skip
     p.add_argument("--serve-runs", type=int, default=10, help="runs that kill serve instead")
     p.add_argument("--out", type=Path, default=Path("build/kill-loop"))
     args = p.parse_args(argv)
@@ -200,21 +256,34 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"run {run}: killed {r['moment']}, {r['messages']} messages, integrity "
               f"{r['integrity']}, lost {len(r['lost'])}", flush=True)  # fmt: skip
+    with socket.socket() as s:  # one port for every serving run: each start binds it again
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serving = []
+    for run in range(args.serving_runs):
+        r = serving_run(data, run, rng, args.out / "app-stderr.log", port)
+        serving.append(r)
+        print(f"serving run {run}: killed {r['moment']}, served {r['served']}, "
+              f"{r['messages']} messages, integrity {r['integrity']}, lost {len(r['lost'])}",
+              flush=True)  # fmt: skip
     for run in range(args.serve_runs):
         r = serve_run(run, rng, args.out / "serve.log")
         served.append(r)
         print(f"serve run {run}: killed {r['moment']}, answered after: {r['answered_after']}",
               flush=True)  # fmt: skip
-    report = {"app": results, "serve": served}
+    report = {"app": results, "app_serving": serving, "serve": served}
     (args.out / "kill-loop.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    corrupt = sum(r["integrity"] not in ("ok", "no store yet") for r in results)
-    lost = sum(bool(r["lost"]) for r in results)
+    apps = results + serving
+    corrupt = sum(r["integrity"] not in ("ok", "no store yet") for r in apps)
+    lost = sum(bool(r["lost"]) for r in apps)
+    unserved = sum(not r["served"] for r in serving)
     down = sum(not r["answered_after"] for r in served)
     print(
-        f"{len(results)} runs of the app, {corrupt} corruptions, {lost} runs that lost an "
-        f"acknowledged message; {len(served)} of serve, {down} that did not come back"
+        f"{len(results)} runs of the app and {len(serving)} while it served: {corrupt} "
+        f"corruptions, {lost} runs that lost an acknowledged message, {unserved} starts that "
+        f"did not serve; {len(served)} of serve, {down} that did not come back"
     )
-    return 1 if corrupt or lost or down else 0
+    return 1 if corrupt or lost or unserved or down else 0
 
 
 if __name__ == "__main__":

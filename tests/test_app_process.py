@@ -51,12 +51,14 @@ def write_settings(data: Path) -> None:
 class App:
     """``infersight app`` in a subprocess, and a read-only view of its chat store."""
 
-    def __init__(self, data: Path, log: Path) -> None:
-        env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", AUTOSEND_ENV: PROMPT}
+    def __init__(
+        self, data: Path, log: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None
+    ) -> None:
+        env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", AUTOSEND_ENV: PROMPT, **(env or {})}
         self.stderr_path = log
         self._stderr = log.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "app", "--data-dir", str(data)],
+            [sys.executable, "-m", "app.cli", "app", "--data-dir", str(data), *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -214,3 +216,46 @@ def test_sigkill_mid_reply_keeps_the_periodic_saves_marked_interrupted(
         ("assistant", "interrupted"),
     ]
     assert messages[1][1].startswith(saves[-1][1])
+
+
+@pytest.mark.real_model
+def test_the_app_started_with_serve_answers_the_sdk_while_it_writes_its_own_chat(
+    data: Path, tmp_path: Path
+) -> None:
+    """``infersight app --serve PORT``: once the model is loaded it serves on PORT with
+    ``$INFERSIGHT_API_KEY``, batched with the chat's own reply, and a SIGTERM ends both."""
+    import socket
+
+    import openai
+
+    with socket.socket() as s:  # a port free now (the app binds it a few seconds later)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = "app-serve-key"
+    app = App(data, tmp_path / "stderr.txt", ("--serve", str(port)), {"INFERSIGHT_API_KEY": key})
+    try:
+        app.wait_for("saved text of a streaming reply", streaming_with_text, START_S)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        deadline = time.monotonic() + 60
+        while True:  # the box is ticked once the model is loaded: listening a moment later
+            try:
+                (model,) = [m.id for m in client.models.list()]
+                break
+            except openai.APIConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Name three colours."}],
+            max_tokens=8, temperature=0,
+        )  # fmt: skip
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+        wrong = openai.OpenAI(base_url=client.base_url, api_key="not-it", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        app.proc.send_signal(signal.SIGTERM)
+        assert app.wait_exit() == 0, app.stderr()
+    finally:
+        app.close()
+    assert [(role, status) for role, _, status in stored(data)] == [
+        ("user", "done"), ("assistant", "stopped")]  # fmt: skip

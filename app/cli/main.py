@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="load the first model split over N processes (see docs/tensor-parallel.md)",
     )  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where chats and settings live")
+    p.add_argument(
+        "--serve", type=int, default=None, metavar="PORT",
+        help="serve the first model on 127.0.0.1:PORT once it is loaded (Serve on localhost "
+        "ticked; the key: $INFERSIGHT_API_KEY, else one generated and shown)",
+    )  # fmt: skip
     p.set_defaults(handler=cmd_app)
 
     p = sub.add_parser("chat", help="interactive terminal chat (streaming, multi-turn)")

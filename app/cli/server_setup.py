@@ -47,10 +47,10 @@ def make_server(args: argparse.Namespace) -> Server:
     Serve replica's (:mod:`app.replicas`)."""
     import os
 
-    from app.server.routes import Server
+    from app.server.routes import API_KEY_ENV, Server
 
     engine = load_engine(args, config=engine_config(args, max_batch_size=args.max_batch_size))
-    api_key = args.api_key or os.environ.get("INFERSIGHT_API_KEY") or None
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     name = args.served_model_name or engine.name
     return Server(engine, name=name, limits=server_limits(args), api_key=api_key)
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import InfersightError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from app.gui.main_window import MainWindow
 
 #: a testing and scripting aid: ``INFERSIGHT_AUTOSEND="text" infersight`` sends ``text`` once,
@@ -91,9 +93,12 @@ def run_gui(args: argparse.Namespace) -> int:
         window = MainWindow(folder, overrides=start_overrides(args))
         window.resize(1280, 800)
         window.show()
-        autosend = os.environ.get(AUTOSEND_ENV)
+        autosend, shown = os.environ.get(AUTOSEND_ENV), window
+        if getattr(args, "serve", None) is not None:
+            shown.controls.serve_port.set_value(args.serve)
+            when_loaded(shown, lambda: shown.controls.serve_on.setChecked(True))
         if autosend:
-            send_when_loaded(window, autosend)
+            when_loaded(shown, lambda: shown.send(autosend))
         return int(app.exec())
 
 
@@ -113,15 +118,16 @@ def start_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def send_when_loaded(window: MainWindow, text: str) -> None:
-    """Send ``text`` once, as the chat box would, when the window's first model is loaded."""
+def when_loaded(window: MainWindow, action: Callable[[], object]) -> None:
+    """Do ``action`` once, in the UI thread, when the window's first model is loaded (as the
+    user would: send a message, tick *Serve on localhost*)."""
     from PySide6.QtCore import QObject
 
-    class AutoSend(QObject):
+    class Once(QObject):
         # a method of a QObject of the UI thread runs in that thread (a bare function would
         # run in the worker's), queued after the window's own _on_loaded: the model is set
-        def send(self, _info: object) -> None:
-            window.worker.loaded.disconnect(self.send)
-            window.send(text)
+        def run(self, _info: object) -> None:
+            window.worker.loaded.disconnect(self.run)
+            action()
 
-    window.worker.loaded.connect(AutoSend(window).send)
+    window.worker.loaded.connect(Once(window).run)

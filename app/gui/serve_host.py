@@ -9,6 +9,7 @@ uvicorn thread, the engine on the worker's."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import socket
 import threading
@@ -19,7 +20,7 @@ import uvicorn
 from app.gui.commands import CancelServe, Serve
 from app.gui.worker import EngineWorker
 from app.server.engine_loop import SELF_TEST_ID, Sink
-from app.server.routes import Server, ServerLimits
+from app.server.routes import API_KEY_ENV, Server, ServerLimits
 from engine.core.engine import LLMEngine
 from engine.core.output import TokenEvent
 from engine.core.sampling import SamplingParams
@@ -71,9 +72,10 @@ class WorkerFront:
 
 
 class ServeHost:
-    """``Serve on localhost:PORT``: started and stopped by the app; ``key`` is generated
-    unless given. ``sock``: a socket already bound (:func:`app.server.routes.bind`) to serve on
-    instead of binding ``port``; the host closes it when it stops."""
+    """``Serve on localhost:PORT``: started and stopped by the app; ``key``, where not given,
+    is ``$INFERSIGHT_API_KEY`` as ``serve`` takes it, else generated. ``sock``: a socket
+    already bound (:func:`app.server.routes.bind`) to serve on instead of binding ``port``;
+    the host closes it when it stops."""
 
     def __init__(
         self, worker: EngineWorker, port: int, key: str | None = None,
@@ -83,7 +85,8 @@ class ServeHost:
         if engine is None:
             raise RuntimeError("load a model before serving it")
         self.port = port if sock is None else int(sock.getsockname()[1])
-        self.key = key or f"sk-infersight-{secrets.token_urlsafe(18)}"
+        generated = f"sk-infersight-{secrets.token_urlsafe(18)}"
+        self.key = key or os.environ.get(API_KEY_ENV) or generated
         self.front = WorkerFront(worker)
         self.server = Server(engine, limits=ServerLimits(self_test_s=0), api_key=self.key,
                              front=self.front)  # fmt: skip

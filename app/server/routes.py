@@ -511,6 +511,8 @@ def bearer_matches(authorization: str, key: str) -> bool:
 
 
 #: what a request without the right key is answered
+#: where ``serve`` and the app's *Serve on localhost* take their API key from when none is given
+API_KEY_ENV = "INFERSIGHT_API_KEY"
 NEEDS_KEY = "a valid API key is needed: send it as 'Authorization: Bearer KEY'"
 
 
