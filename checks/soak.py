@@ -3,17 +3,23 @@ comes back checked. Two servers on the default model — INT4 with speculative d
 ``lookup`` drafter) and W8A8 without — each driven by the project's load generator
 (:class:`app.endpoints.load.EndpointLoad`: closed-loop users) with the :data:`TRAFFIC` of
 :class:`engine.bench.load_spec.Traffic` (chat and completions, streamed and not, greedy and
-sampled, documents and conversations behind shared prefixes; hang-ups mid-stream, cancels,
-slow readers, oversize bodies and prompts, malformed JSON, at fixed rates).
+sampled, replies ending at their end token or their length; questions, conversations and
+documents, which many requests share as a prefix; hang-ups mid-stream, cancels, slow
+readers, oversize bodies and prompts, malformed JSON, at fixed rates).
 
 Every :data:`SAMPLE_S` it records, per server: its RSS, threads and open file descriptors
 (``/proc``), the KV blocks held and kept as reusable prefixes and the queue (its
 ``/metrics``), and the p50/p99 TTFT and TPOT of the requests that ended in that interval. At
 the end it checks:
 
+* the load ran its whole duration (no failure that ends a load: unreachable, a key or a model
+  refused);
 * nothing accepted was lost: every request ended whole, with an error event naming why, in a
   refusal in OpenAI's shape, or cut by the client itself (:attr:`Record.outcome
   <app.endpoints.load.Record.outcome>`);
+* each request ended as its fault asks (:data:`EXPECTED`): a plain one and a slow reader's
+  whole, a cancel cut, a hang-up cut (or whole where the reply ended first), the oversize,
+  over-context and malformed bodies refused;
 * no block leaked: once idle, no request runs or waits and no KV block is held;
 * RSS after the warm-up (the first quarter) grows at most :data:`RSS_SLOPE_MIB_MIN` MiB a
   minute (least squares; judged where that window is 10 minutes or longer);
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import statistics
 import sys
 import threading
@@ -59,6 +66,10 @@ TRAFFIC = Traffic(completions=0.5, unstreamed=0.4, sampled=0.4, temperature=0.8,
                   faults=(("disconnect", 0.06), ("cancel", 0.04), ("slow_reader", 0.05),
                           ("oversize_body", 0.02), ("over_context", 0.02),
                           ("malformed", 0.03)))  # fmt: skip
+#: how a request with each fault ("" none) may end
+EXPECTED = {"": {"whole"}, "slow_reader": {"whole"}, "disconnect": {"cut", "whole"},
+            "cancel": {"cut"}, "oversize_body": {"refused"}, "over_context": {"refused"},
+            "malformed": {"refused"}}  # fmt: skip
 GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
           "kv_used": "infersight:kv_blocks_used", "kv_cached": "infersight:kv_blocks_cached",
           "kv_total": "infersight:kv_blocks_total"}  # fmt: skip
@@ -109,7 +120,8 @@ class Soak:
         row: dict[str, Any] = {"t_s": now - self.started}
         for name, (base, pid, _) in self.servers.items():
             ended = self.loads[name].ended_since(since)
-            recent = [r for r in ended if r.sent + r.e2e_s < now and r.outcome == "whole"]
+            recent = [r for r in ended if r.sent + r.e2e_s < now and r.outcome == "whole"
+                      and not r.shape.fault]  # fmt: skip
             ttft = [r.time_to_first_token_seconds * 1e3 for r in recent
                     if r.time_to_first_token_seconds is not None]  # fmt: skip
             tpot = [r.time_per_output_token_seconds * 1e3 for r in recent
@@ -125,7 +137,9 @@ class Soak:
         spec = LoadSpec(mode="closed", users=self.clients, requests=None, seed=self.seed,
                         duration_s=minutes * 60, mix=MIX, traffic=TRAFFIC)  # fmt: skip
         for name, (base, _, model) in self.servers.items():
-            self.loads[name] = EndpointLoad(Endpoint(base, model, KEY), spec).start()
+            # replies end at their end token (speculation's stop included) or their length
+            endpoint = Endpoint(base, model, KEY)
+            self.loads[name] = EndpointLoad(endpoint, spec, ignore_eos=False).start()
         sampler = threading.Thread(target=self._sample, daemon=True)
         sampler.start()
         try:
@@ -180,6 +194,18 @@ def verdicts(soak: Soak, idle: dict[str, Any], minutes: float) -> dict[str, Any]
             how = lost[0].failure
             said = ": " + (run.first_failure.get(how, how) if how else "no finish")
         checks["nothing accepted lost"] = (not lost, f"{len(lost)} lost of {len(outcomes)}{said}")
+        load = soak.loads[name]
+        ran = load.ended - load.started
+        checks["ran its whole duration"] = (
+            not run.result.stopped and ran >= minutes * 60,
+            f"{ran / 60:.1f} of {minutes:g} min" + (
+                f", ended by {', '.join(run.first_failure)}" if run.result.stopped else ""),
+        )  # fmt: skip
+        astray = [r for r in outcomes if r.outcome not in EXPECTED[r.shape.fault]]
+        checks["each fault ended as it asks"] = (
+            not astray, f"{len(astray)} otherwise" + (
+                f": {astray[0].shape.fault or 'none'} → {astray[0].outcome}" if astray else ""),
+        )  # fmt: skip
         f = idle[name]
         said = (
             f"idle: {f['running']:g} running, {f['waiting']:g} waiting, "
@@ -218,6 +244,10 @@ def verdicts(soak: Soak, idle: dict[str, Any], minutes: float) -> dict[str, Any]
     return out
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     about = (__doc__ or "").split("\n")[0]
     p = argparse.ArgumentParser(prog="python -m checks.soak", description=about)
@@ -228,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("soak-out"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the figures so far, servers ended
     with contextlib.ExitStack() as stack:
         servers = {}
         for name, (precision, extra) in SERVERS.items():

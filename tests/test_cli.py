@@ -120,6 +120,12 @@ def test_bad_requests(capsys, tiny, args, needle):
     assert_clean_error(code, err, needle)
 
 
+@pytest.mark.parametrize("port", ["80", "70000"])
+def test_app_refuses_a_serve_port_out_of_range_before_opening(capsys, port):
+    code, _, err = run_cli(capsys, "app", "--serve", port)
+    assert_clean_error(code, err, f"--serve takes a port from 1024 to 65535, not {port}")
+
+
 def test_tokenize_reads_lines_from_stdin(capsys, monkeypatch, tiny):
     monkeypatch.setattr(
         sys, "stdin", io.TextIOWrapper(io.BytesIO(b"t5 t6\nt7\n"), encoding="utf-8")

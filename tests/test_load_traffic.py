@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from collections import Counter
+from http.server import BaseHTTPRequestHandler
+from typing import ClassVar
 
 import pytest
 
 from app.endpoints.client import Endpoint, with_model
-from app.endpoints.load import OUTCOMES, run_load
+from app.endpoints.load import OUTCOMES, ROOM, run_load, tokens_of
 from engine.bench.load_spec import (
     FAULTS,
     STREAM_FAULTS,
@@ -21,10 +24,12 @@ from engine.bench.load_spec import (
     PromptMix,
     Shape,
     Traffic,
+    draw_request,
     draw_shape,
+    prompt_set,
 )
 from engine.errors import InvalidRequestError
-from tests.misbehaving import RIGHT, misbehaving  # noqa: F401 (the fixture)
+from tests.misbehaving import RIGHT, Quiet, misbehaving  # noqa: F401 (the fixture)
 from tests.served import KEY, wait_idle
 
 SHORT = PromptMix(documents=0.3, conversations=0.0, output_median=6, output_min=3, output_max=9)
@@ -74,13 +79,73 @@ def test_shapes_are_drawn_in_their_shares_and_a_streams_fault_is_streamed():
     assert all(s.pause_s == 0 for s in shapes)  # no slow reader among these faults
 
 
-def test_the_engines_own_load_refuses_traffic_by_name(default_model):
+def test_the_engines_own_load_refuses_traffic_by_name():
     from engine.bench.loadgen import LoadGenerator
-    from engine.loader.load import load_model
 
     spec = LoadSpec(traffic=Traffic(sampled=0.5))
     with pytest.raises(InvalidRequestError, match=r"sampled=0\.5.*send it to one"):
-        LoadGenerator(load_model(default_model), spec)
+        LoadGenerator(None, spec)  # type: ignore[arg-type]  # refused before the engine is read
+
+
+class Capture(BaseHTTPRequestHandler):
+    """Notes each request's route and body and answers one streamed word, or the JSON of a
+    whole reply."""
+
+    protocol_version = "HTTP/1.1"
+    seen: ClassVar[list[tuple[str, dict[str, object]]]] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        Capture.seen.append((self.path, body))
+        end = {"index": 0, "finish_reason": "length", "text": "Blue",
+               "message": {"role": "assistant", "content": "Blue"}}  # fmt: skip
+        if body.get("stream"):
+            chunk = {"choices": [{"index": 0, "delta": {"content": "Blue"}, "text": "Blue"}]}
+            last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+            data = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(last)}\n\ndata: [DONE]\n\n"
+            kind = "text/event-stream"
+        else:
+            data, kind = (
+                json.dumps({"choices": [end], "usage": {"completion_tokens": 1}}),
+                "application/json",
+            )
+        raw = data.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+
+def test_what_each_shape_sends_and_a_default_load_sends_what_it_always_sent():
+    httpd = Quiet(("127.0.0.1", 0), Capture)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    endpoint = Endpoint(f"http://127.0.0.1:{httpd.server_address[1]}", model="m")
+    try:
+        Capture.seen = []
+        run_load(endpoint, LoadSpec(users=1, requests=3, seed=4, mix=SHORT))
+        drawn = random.Random(4)
+        for route, body in Capture.seen:  # streamed greedy chat, run to its length
+            _, messages, out = draw_request(drawn, SHORT, prompt_set(), tokens_of, ROOM)
+            assert route == "/v1/chat/completions"
+            assert body == {"model": "m", "messages": messages, "max_tokens": out,
+                            "temperature": 0.0, "stream": True, "ignore_eos": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+        Capture.seen = []
+        traffic = Traffic(completions=1.0, unstreamed=1.0, sampled=1.0, temperature=0.5)
+        run = run_load(endpoint, LoadSpec(users=1, requests=2, seed=4, mix=SHORT,
+                                          traffic=traffic), ignore_eos=False)  # fmt: skip
+        shapes = [r.shape for r in sorted(run.records, key=lambda r: r.sent)]
+        for (route, body), shape in zip(Capture.seen, shapes, strict=True):
+            assert route == "/v1/completions" and isinstance(body.pop("prompt"), str)
+            assert body == {"model": "m", "max_tokens": body["max_tokens"], "temperature": 0.5,
+                            "stream": False, "seed": shape.seed}  # fmt: skip
+        assert [r.outcome for r in run.records] == ["whole", "whole"]
+    finally:
+        httpd.shutdown()
 
 
 def test_every_kind_and_fault_against_serve_ends_as_it_should_and_loses_nothing(server):
@@ -94,7 +159,7 @@ def test_every_kind_and_fault_against_serve_ends_as_it_should_and_loses_nothing(
     seen = Counter((r.shape.fault, r.outcome) for r in records)
     assert {f for f, _ in seen} == {"", *FAULTS}  # every fault was sent
     assert {(f, o) for f, o in seen} == {(f, EXPECTED[f]) for f, _ in seen}, seen
-    assert "lost" in OUTCOMES and all(r.outcome != "lost" for r in records)
+    assert all(r.outcome in OUTCOMES and r.outcome != "lost" for r in records)
     # the refusals, by what each fault broke: a body past 1 MiB, past the context, not JSON
     status = {r.shape.fault: r.status for r in records if r.outcome == "refused"}
     assert status == {"oversize_body": 413, "over_context": 400, "malformed": 400}
@@ -135,6 +200,7 @@ def test_tune_endpoint_sends_traffic_and_counts_how_each_request_ended(server, m
             "--json"]  # fmt: skip
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["traffic"] == "completions=0.5,unstreamed=0.5,cancel=0.25,malformed=0.25"
     ended = report["outcomes"]["2 users"]
     assert sum(ended.values()) == 8 and set(ended) <= {"none/whole", "cancel/cut",
                                                         "malformed/refused"}  # fmt: skip

@@ -36,7 +36,7 @@ from app.cli.options import (
 )
 from app.cli.run import cmd_chat, cmd_generate, cmd_tokenize
 from app.cli.serve import cmd_serve
-from engine.errors import InfersightError
+from engine.errors import InfersightError, InvalidRequestError
 
 log = logging.getLogger("infersight")
 
@@ -478,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_app(args: argparse.Namespace) -> int:
     from app.gui.launch import run_gui
+
+    if args.serve is not None and not 1024 <= args.serve <= 65535:  # the panel's own range
+        raise InvalidRequestError(f"--serve takes a port from 1024 to 65535, not {args.serve}")
 
     return run_gui(args)
 

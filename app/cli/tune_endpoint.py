@@ -45,7 +45,7 @@ def tune_endpoint(args: argparse.Namespace, settings: list[Any], slo: Any) -> in
                           peak_factor=args.peak_factor, headroom=args.headroom)  # fmt: skip
     report = {"endpoint": endpoint.name, "failures": failures, **report}
     if args.traffic:
-        report["outcomes"] = outcomes
+        report["traffic"], report["outcomes"] = settings[0].load.traffic.describe(), outcomes
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -201,11 +201,7 @@ def _stream(
     seed: int | None, extra: dict[str, Any] | None, reply: Streamed | None,
     session: httpx2.Client | None,
 ) -> Generator[Chunk, None, None]:  # fmt: skip
-    body = {**body, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    if seed is not None:
-        body["seed"] = seed
-    body.update(extra or {})
+    body = sampling_body(body, max_tokens, temperature, seed, extra, stream=True)
     reply = reply if reply is not None else Streamed(time.perf_counter())
     done = False
     with contextlib.nullcontext(session) if session is not None else _client(endpoint) as client:
@@ -238,6 +234,21 @@ def _stream(
             "without finishing it (the server stopped or the connection broke): the reply so "
             "far is kept",
         )  # fmt: skip
+
+
+def sampling_body(
+    body: dict[str, Any], max_tokens: int, temperature: float, seed: int | None,
+    extra: dict[str, Any] | None, *, stream: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """``body`` (the model, and the messages or the prompt) with the sampling fields, streamed
+    (with the usage at the end) or not, and ``extra`` over them all."""
+    out = {**body, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
+    if stream:
+        out["stream_options"] = {"include_usage": True}
+    if seed is not None:
+        out["seed"] = seed
+    out.update(extra or {})
+    return out
 
 
 def post(

@@ -14,7 +14,8 @@ Requests run to their drawn length (``ignore_eos``, the benchmark convention, wh
 llama.cpp's server and ours take; ``ignore_eos=False`` leaves it out for a server that refuses
 fields it does not know). The spec's :class:`~engine.bench.load_spec.Traffic` sends some as
 text completions, unstreamed or sampled, and injects faults (:mod:`app.endpoints.traffic`);
-each record says how it ended (:attr:`Record.outcome`), what the soak checks.
+each record says how it ended (:attr:`Record.outcome`), what the soak checks. The latency
+figures are those of the requests without a fault (a slow reader's pauses are its own).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class EndpointLoad:
         self._turn = threading.Condition()  # the users and the rate; woken when they change
         self.users, self.rate = spec.users, spec.rate
         self._rng = random.Random(spec.seed)
-        self._shapes = random.Random(spec.seed + 2)  # apart from the prompts and arrivals
+        self._shapes = random.Random(f"{spec.seed}/shapes")  # apart from prompts and arrivals
         self._texts = prompt_set()
         self._records: list[Record] = []
         self._messages: dict[str, str] = {}
@@ -249,7 +250,7 @@ class EndpointLoad:
             for r in reversed(self._records):
                 if r.sent + r.e2e_s < now - LIVE_WINDOW_S:
                     break
-                if r.failure is None:
+                if r.failure is None and not r.shape.fault:  # (a slow reader's own pauses)
                     recent.append(r)
             done, failed = self._done, len(self._failed_at)
             fresh = tuple(self._failed_at[last_failed:])
@@ -372,8 +373,8 @@ class EndpointLoad:
             if (request := self._next_request()) is None:
                 return
             record = self._send(*request)
-            if record.failure is not None and not record.shape.fault:  # (a fault's refusal
-                # was asked for) wait as the server asked, or a little
+            asked = record.shape.fault and record.outcome == "refused"  # the fault's refusal
+            if record.failure is not None and not asked:  # wait as the server asked, or a bit
                 wait = BACKOFF_S if record.retry_after is None else record.retry_after
                 self._stop.wait(min(wait, MAX_BACKOFF_S))
 
@@ -414,6 +415,8 @@ class EndpointLoad:
                 return record
             self._records.append(record)
             self._done += record.failure is None and not record.cut
+            if not shape.stream and record.failure is None:  # its tokens came at once
+                self._streamed += record.output_tokens
             if record.failure is not None:
                 self._failed_at.append((record.sent + record.e2e_s - self.started,
                                         record.failure))  # fmt: skip
@@ -435,7 +438,8 @@ class EndpointLoad:
                                temperature=self.spec.traffic.temperature,
                                ignore_eos=self.ignore_eos, on_chunk=self._chunk)  # fmt: skip
         except Exception as exc:  # a user thread must end in a record
-            if self._stop.is_set():  # its connection closed by a stop: cut where it was
+            answered = isinstance(exc, EndpointError) and exc.status  # the server's own words
+            if self._stop.is_set() and not answered:  # its connection closed by a stop: cut
                 return self._record(kind, reply, out, shape, cut=True)
             if not isinstance(exc, EndpointError):
                 exc = EndpointError("protocol", f"{endpoint.name}: {exc!r}")
@@ -499,22 +503,23 @@ def _run(
     done = [r for r in records if r.failure is None and not r.cut]
     failures = Counter(r.failure for r in records if r.failure is not None)
     duration = max(duration, 1e-9)
-    ttft = [r.time_to_first_token_seconds for r in done if r.time_to_first_token_seconds]
-    tpot = [r.time_per_output_token_seconds for r in done if r.time_per_output_token_seconds]
+    timed = [r for r in done if not r.shape.fault]  # latency: not a slow reader's own pauses
+    ttft = [r.time_to_first_token_seconds for r in timed if r.time_to_first_token_seconds]
+    tpot = [r.time_per_output_token_seconds for r in timed if r.time_per_output_token_seconds]
     inputs = sum(r.input_tokens for r in done)
     outputs = sum(r.output_tokens for r in done)
     good = attained = None
     if slo is not None:
-        met = sum(1 for r in done if slo.met_by(cast("RequestMetrics", r)))  # the same fields
-        good, attained = met / duration, (met / len(done) if done else 0.0)
+        met = sum(1 for r in timed if slo.met_by(cast("RequestMetrics", r)))  # the same fields
+        good, attained = met / duration, (met / len(timed) if timed else 0.0)
     result = LoadResult(
         setting={"endpoint": endpoint.name}, load=spec.describe(), completed=len(done),
         failed=sum(failures.values()), duration=duration, total_input_tokens=inputs,
         total_output_tokens=outputs, request_throughput=len(done) / duration,
         output_throughput=outputs / duration, total_token_throughput=(inputs + outputs) / duration,
         ttft_ms=stats_ms(ttft), tpot_ms=stats_ms(tpot),
-        itl_ms=stats_ms([g for r in done for g in r.itl_s]),
-        e2el_ms=stats_ms([r.e2e_s for r in done]), queue_ms=stats_ms([]), preemptions=0,
+        itl_ms=stats_ms([g for r in timed for g in r.itl_s]),
+        e2el_ms=stats_ms([r.e2e_s for r in timed]), queue_ms=stats_ms([]), preemptions=0,
         mean_batch_size=math.nan,
         mean_tokens_per_request=(inputs + outputs) / len(done) if done else 0.0,
         slo=slo.describe() if slo else "", request_goodput=good, slo_attainment=attained,

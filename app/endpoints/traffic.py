@@ -32,6 +32,8 @@ from app.endpoints.client import (
     check_response,
     headers,
     post,
+    sampling_body,
+    server_url,
     stream_chat,
     stream_completion,
     transport_error,
@@ -64,15 +66,12 @@ def send(
         "extra": {"ignore_eos": True} if ignore_eos else None,
     }  # fmt: skip
     if shape.fault in ("cancel", "malformed") or not shape.stream:
-        extra = args.pop("extra") or {}
-        body: dict[str, Any] = {"model": endpoint.model, **extra, **args}
-        body.update({"messages": messages} if chat else {"prompt": prompt})
-        if body["seed"] is None:
-            del body["seed"]
         route = "/v1/chat/completions" if chat else "/v1/completions"
+        said = {"model": endpoint.model, **({"messages": messages} if chat else {"prompt": prompt})}
+        body = sampling_body(said, **args, stream=bool(shape.fault))
         if shape.fault:
-            return _raw(endpoint, session, route, {**body, "stream": True}, shape.fault)
-        return _whole(endpoint, session, route, {**body, "stream": False}, reply)
+            return _raw(endpoint, session, route, body, shape.fault)
+        return _whole(endpoint, session, route, body, reply)
     if chat:
         stream = stream_chat(endpoint, messages, reply=reply, session=session, **args)
     else:
@@ -113,7 +112,7 @@ def _raw(
     if fault == "malformed":
         content = content[: len(content) // 2]
     sent = {**headers(endpoint), "Content-Type": "application/json"}
-    url = endpoint.api.removesuffix("/v1") + route
+    url = server_url(endpoint.base_url) + route
     try:
         with session.stream("POST", url, content=content, headers=sent) as response:
             if response.status_code >= 400:
