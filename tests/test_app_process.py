@@ -1,8 +1,9 @@
 """The desktop app as a real process, killed mid-reply: nothing streamed is lost.
 
-The process tests start ``python -m app.cli app`` offscreen on a fresh data folder, let it
-send one message (``INFERSIGHT_AUTOSEND``) and watch the chat store from outside, read-only,
-as any other process could, while the reply streams; then they signal it.
+The process tests start ``python -m app.cli app --serve PORT`` offscreen on a fresh data
+folder, let it send one message (``INFERSIGHT_AUTOSEND``) and watch the chat store from
+outside, read-only, as any other process could, while the reply streams (and, in one, ask its
+server for a reply with the openai SDK meanwhile); then they signal it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import sqlite3
 import statistics
 import subprocess
@@ -21,6 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+import openai
 import pytest
 
 from app.conversations import ChatStore
@@ -28,6 +31,7 @@ from app.gui.chat_window import SAVE_INTERVAL_S
 from app.gui.launch import AUTOSEND_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
+SERVE_KEY = "app-serve-key"
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm at sea."
 #: start-up, model load and first saved text: a bound on a hang, not a speed (about 15 s on
 #: a busy 2-core AVX-512 EPYC; a slower or busier machine may take several times that)
@@ -66,6 +70,21 @@ class App:
         )
         self.db_path = data / "chats.sqlite3"
         self._db: sqlite3.Connection | None = None
+        self.port = 0  # where it serves (--serve)
+
+    def served(self, timeout_s: float = 60.0) -> openai.OpenAI:
+        """The openai SDK's client of the app's server, once it lists the model."""
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=SERVE_KEY,
+                               max_retries=0)  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while True:  # the box is ticked once the model is loaded: listening a moment later
+            try:
+                client.models.list()
+                return client
+            except openai.APIConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise
+                time.sleep(0.2)
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
@@ -120,7 +139,14 @@ def data(tmp_path: Path, default_model: Path) -> Path:
 
 @pytest.fixture
 def app(data: Path, tmp_path: Path) -> Iterator[App]:
-    process = App(data, tmp_path / "stderr.txt")
+    """The app started with ``--serve PORT`` (a port free a moment before) and
+    ``$INFERSIGHT_API_KEY``: it serves once its model is loaded."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"INFERSIGHT_API_KEY": SERVE_KEY}
+    process = App(data, tmp_path / "stderr.txt", ("--serve", str(port)), env)
+    process.port = port
     try:
         yield process
     finally:
@@ -163,7 +189,20 @@ def test_signals_reach_the_event_loop_and_the_old_handlers_come_back(qtbot: obje
 
 @pytest.mark.real_model
 def test_sigterm_mid_reply_keeps_the_streamed_text_marked_stopped(app: App, data: Path) -> None:
-    streamed, _ = app.wait_for("saved text of a streaming reply", streaming_with_text, START_S)
+    """Started with ``--serve``, the app also answers the openai SDK (with its key only)
+    while its own reply streams; then SIGTERM ends both, the reply kept."""
+    app.wait_for("saved text of a streaming reply", streaming_with_text, START_S)
+    client = app.served()
+    (model,) = [m.id for m in client.models.list()]
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=8, temperature=0,
+    )  # fmt: skip
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+    wrong = openai.OpenAI(base_url=client.base_url, api_key="not-it", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    streamed, _ = app.wait_for("saved text of a streaming reply", streaming_with_text, 60)
     app.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     code = app.wait_exit()
@@ -216,46 +255,3 @@ def test_sigkill_mid_reply_keeps_the_periodic_saves_marked_interrupted(
         ("assistant", "interrupted"),
     ]
     assert messages[1][1].startswith(saves[-1][1])
-
-
-@pytest.mark.real_model
-def test_the_app_started_with_serve_answers_the_sdk_while_it_writes_its_own_chat(
-    data: Path, tmp_path: Path
-) -> None:
-    """``infersight app --serve PORT``: once the model is loaded it serves on PORT with
-    ``$INFERSIGHT_API_KEY``, batched with the chat's own reply, and a SIGTERM ends both."""
-    import socket
-
-    import openai
-
-    with socket.socket() as s:  # a port free now (the app binds it a few seconds later)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    key = "app-serve-key"
-    app = App(data, tmp_path / "stderr.txt", ("--serve", str(port)), {"INFERSIGHT_API_KEY": key})
-    try:
-        app.wait_for("saved text of a streaming reply", streaming_with_text, START_S)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
-        deadline = time.monotonic() + 60
-        while True:  # the box is ticked once the model is loaded: listening a moment later
-            try:
-                (model,) = [m.id for m in client.models.list()]
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Name three colours."}],
-            max_tokens=8, temperature=0,
-        )  # fmt: skip
-        assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
-        wrong = openai.OpenAI(base_url=client.base_url, api_key="not-it", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            wrong.models.list()
-        app.proc.send_signal(signal.SIGTERM)
-        assert app.wait_exit() == 0, app.stderr()
-    finally:
-        app.close()
-    assert [(role, status) for role, _, status in stored(data)] == [
-        ("user", "done"), ("assistant", "stopped")]  # fmt: skip
