@@ -47,7 +47,7 @@ from typing import Any
 import httpx2
 
 from app.endpoints.client import Endpoint
-from app.endpoints.load import EndpointLoad, outcome_counts
+from app.endpoints.load import FATAL, EndpointLoad, EndpointRun, outcome_counts
 from app.endpoints.server_metrics import samples
 from checks.serve_process import serving_process
 from engine.bench.load_spec import LoadSpec, PromptMix, Traffic
@@ -198,8 +198,8 @@ def verdicts(soak: Soak, idle: dict[str, Any], minutes: float) -> dict[str, Any]
         ran = load.ended - load.started
         checks["ran its whole duration"] = (
             not run.result.stopped and ran >= minutes * 60,
-            f"{ran / 60:.1f} of {minutes:g} min" + (
-                f", ended by {', '.join(run.first_failure)}" if run.result.stopped else ""),
+            f"{ran / 60:.1f} of {minutes:g} min"
+            + (_why_stopped(run) if run.result.stopped else ""),
         )  # fmt: skip
         astray = [r for r in outcomes if r.outcome not in EXPECTED[r.shape.fault]]
         checks["each fault ended as it asks"] = (
@@ -242,6 +242,12 @@ def verdicts(soak: Soak, idle: dict[str, Any], minutes: float) -> dict[str, Any]
             )  # fmt: skip
         out[name] = {"checks": checks, "outcomes": outcome_counts(run)}
     return out
+
+
+def _why_stopped(run: EndpointRun) -> str:
+    """What ended a load before its duration: a failure no wait heals, or an interrupt."""
+    fatal = [f"{kind}: {run.first_failure.get(kind, '')}" for kind in run.failures if kind in FATAL]
+    return f", ended by {'; '.join(fatal)}" if fatal else ", stopped early (interrupted)"
 
 
 def _interrupt(signum: int, frame: object) -> None:
