@@ -99,16 +99,23 @@ def serving_run(data: Path, run: int, rng: random.Random, log: Path, port: int) 
             streaming = streamer.is_alive()  # (not yet ended when it is killed)
         except Exception as exc:  # counted as a start that did not serve, the loop goes on
             print(f"serving run {run}: the app did not serve: {exc!r}", file=sys.stderr)
-        seen = snapshot(db)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+        store = killed(proc, db)
+    moment = "while serving, mid-stream" if streaming else "while serving"
+    return {"run": run, "moment": moment, **store, "served": served}
+
+
+def killed(proc: subprocess.Popen[bytes], db: Path) -> dict[str, Any]:
+    """Kill the app (``SIGKILL``) and check its store: the messages it holds after, its
+    ``integrity_check``, and the ids of the messages it had shown before the kill that are gone
+    or shorter (lost)."""
+    seen = snapshot(db)  # what was acknowledged (written) just before the kill
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
     check = integrity(db) if db.exists() else "no store yet"
     after = snapshot(db)
     lost = [i for i, (role, content) in seen.items()
             if i not in after or not after[i][1].startswith(content)]  # fmt: skip
-    moment = "while serving, mid-stream" if streaming else "while serving"
-    return {"run": run, "moment": moment, "messages": len(after), "integrity": check,
-            "lost": lost, "served": served}  # fmt: skip
+    return {"messages": len(after), "integrity": check, "lost": lost}
 
 
 def _healthy(base: str, proc: subprocess.Popen[bytes]) -> None:
@@ -149,15 +156,8 @@ def one_run(data: Path, run: int, rng: random.Random, log: Path) -> dict[str, An
             if moment == "later" and texts and (len(texts[0]) > 600 or _ended(db)):
                 break
             time.sleep(0.02)
-        seen = snapshot(db)  # what was acknowledged (written) just before the kill
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    check = integrity(db) if db.exists() else "no store yet"
-    after = snapshot(db)
-    lost = [i for i, (role, content) in seen.items()
-            if i not in after or not after[i][1].startswith(content)]  # fmt: skip
-    return {"run": run, "moment": moment, "messages": len(after), "integrity": check,
-            "lost": lost}  # fmt: skip
+        store = killed(proc, db)
+    return {"run": run, "moment": moment, **store}
 
 
 def serve_run(run: int, rng: random.Random, log: Path) -> dict[str, Any]:
