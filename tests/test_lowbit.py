@@ -241,6 +241,38 @@ def test_int4_prefill_chunks_run_bf16_gemms_and_decode_rows_our_kernel(
     assert kernel_rows == [16]
 
 
+def test_prefill_products_run_their_gemms_at_few_row_counts(monkeypatch):
+    """A prefill product pads its rows to :func:`bucket_rows` — at most four shapes an octave,
+    at most a quarter more rows — and answers the rows asked: the padded GEMM's first rows,
+    over every block of output rows (oneDNN keeps memory per GEMM shape it meets; a server's
+    chunks come in every length: docs/reliability.md)."""
+    from engine.quant import int4, int8
+
+    buckets = {m: int8.bucket_rows(m) for m in range(1, 4097)}
+    assert all(m <= b <= 1.25 * m for m, b in buckets.items())
+    assert all(buckets[2**j] == 2**j for j in range(13))
+    for j in range(2, 12):
+        assert len({buckets[m] for m in range(2**j + 1, 2 ** (j + 1) + 1)}) == 4
+    assert len(set(buckets[m] for m in range(17, 4097))) == 32
+
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 64, generator=gen)
+    q4, scale, zero = quantize_int4(w, 32)
+    packed, sz = pack_int4(q4), torch.stack([scale, zero], dim=2).contiguous()
+    dense = lowbit.int4_dequantized(packed, sz.bfloat16(), 32, slice(0, 40))
+    monkeypatch.setattr(int8, "PREFILL_CHUNK", 64 * 16)  # blocks of 16 output rows: 3
+    gemm_rows: list[int] = []
+    real = F.linear
+    monkeypatch.setattr(int4.F, "linear", lambda x, *a: gemm_rows.append(x.shape[0]) or real(x, *a))
+    for m in (17, 33, 65, 100):
+        x = torch.randn(m, 64, generator=gen).bfloat16()
+        padded = F.pad(x, (0, 0, 0, buckets[m] - m))
+        y = int4.bf16_product(x, packed, sz.bfloat16(), 32)
+        assert y.shape == (m, 40) and y.is_contiguous()
+        assert torch.equal(y, real(padded, dense)[:m])
+    assert gemm_rows == [20] * 3 + [40] * 3 + [80] * 3 + [112] * 3
+
+
 def test_packing_round_trips():
     q = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(3))
     packed = pack_int4(q)

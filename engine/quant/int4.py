@@ -62,7 +62,7 @@ def bf16_product(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int) ->
     n, k = packed.shape[0], 2 * packed.shape[1]
     return in_row_blocks(
         x, n, k,
-        lambda rows: F.linear(x, lowbit.int4_dequantized(packed, scales_zeros, group, rows)),
+        lambda xb, rows: F.linear(xb, lowbit.int4_dequantized(packed, scales_zeros, group, rows)),
     )  # fmt: skip
 
 

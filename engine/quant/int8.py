@@ -80,18 +80,33 @@ PREFILL_CHUNK = 4 * 2**20
 PREFILL_TIMED_ROWS = 64
 
 
-def in_row_blocks(x: Tensor, n: int, k: int, product: Callable[[slice], Tensor]) -> Tensor:
-    """``[M, N]`` from ``product(rows)`` (``[M, len(rows)]``: ``x`` times those output rows of
-    the weights), over blocks of output rows of at most :data:`PREFILL_CHUNK` weights each:
+def bucket_rows(m: int) -> int:
+    """The rows a prefill product runs at for ``m`` rows of activations: ``m`` rounded up to a
+    multiple of an eighth of the power of two at or above it (… 16, 20, 24, 28, 32, 40, …, 256,
+    320, 384, …): at most four shapes an octave, at most a quarter more rows. oneDNN keeps what
+    it builds for each shape of a GEMM; a server's prefill chunks come in every length, and an
+    INT4 server's memory grew by ~0.33 MiB a request when each length was its own shape
+    (docs/reliability.md), flat with these."""
+    step = 1 << max((m - 1).bit_length() - 3, 0)
+    return -(-m // step) * step
+
+
+def in_row_blocks(x: Tensor, n: int, k: int, product: Callable[[Tensor, slice], Tensor]) -> Tensor:
+    """``[M, N]`` from ``product(x, rows)`` (``x`` times those output rows of the weights),
+    ``x`` padded with zero rows to :func:`bucket_rows` (the GEMMs see few shapes; the padding
+    is sliced off), over blocks of output rows of at most :data:`PREFILL_CHUNK` weights each:
     whatever a quantized layer converts for a GEMM stays a bounded copy beside the model."""
+    m, padded = x.shape[0], bucket_rows(x.shape[0])
+    if padded > m:
+        x = F.pad(x, (0, 0, 0, padded - m))
     rows = max(1, PREFILL_CHUNK // max(k, 1))
     if rows >= n:
-        return product(slice(0, n))
+        return product(x, slice(0, n))[:m]
     y = x.new_empty(x.shape[0], n)
     for n0 in range(0, n, rows):
         block = slice(n0, min(n0 + rows, n))
-        y[:, block] = product(block)
-    return y
+        y[:, block] = product(x, block)
+    return y[:m]
 
 
 def bf16_product(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
@@ -101,7 +116,9 @@ def bf16_product(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     applied to its output: the values of the converting path (``F.linear`` on the converted
     weights, then the scales)."""
     n, k = weight.shape
-    return in_row_blocks(x, n, k, lambda rows: F.linear(x, weight[rows].to(x.dtype)) * scales[rows])
+    return in_row_blocks(
+        x, n, k, lambda xb, rows: F.linear(xb, weight[rows].to(x.dtype)) * scales[rows]
+    )
 
 
 def time_prefill(out_features: int, in_features: int) -> lowbit.Timing:
