@@ -103,11 +103,11 @@ def in_row_blocks(x: Tensor, n: int, k: int, product: Callable[[Tensor, slice], 
     rows = max(1, PREFILL_CHUNK // max(k, 1))
     if rows >= n:
         return product(x, slice(0, n))[:m]
-    y = x.new_empty(x.shape[0], n)
+    y = x.new_empty(m, n)
     for n0 in range(0, n, rows):
         block = slice(n0, min(n0 + rows, n))
-        y[:, block] = product(x, block)
-    return y[:m]
+        y[:, block] = product(x, block)[:m]
+    return y
 
 
 def bf16_product(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
