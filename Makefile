@@ -73,7 +73,7 @@ test: $(VENV)/.stamp-dev
 	@mkdir -p build; \
 	env -u TRITON_INTERPRET nice -n 19 $(BIN)/python -m engine.kernels.triton_aot --quiet \
 	  --jobs 2 --json build/triton-aot.json > build/triton-aot.txt 2>&1 & aot=$$!; \
-	nice -n 19 $(BIN)/mypy engine app widgets > build/mypy.txt 2>&1 & typing=$$!; \
+	nice -n 19 $(BIN)/mypy engine app widgets checks > build/mypy.txt 2>&1 & typing=$$!; \
 	trap 'kill $$aot $$typing 2>/dev/null' EXIT; \
 	$(BIN)/infersight models pull || exit 1; \
 	cap=$$($(BIN)/python -c 'from engine.hardware.cpu_paths import native_level; print(native_level())') \

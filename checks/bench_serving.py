@@ -55,7 +55,9 @@ def guidellm(
     return json.loads(out.read_text())["benchmarks"][0]
 
 
-def row(precision: str, route: str, profile: str, bench: dict[str, Any], counted: float) -> dict:
+def row(
+    precision: str, route: str, profile: str, bench: dict[str, Any], counted: float
+) -> dict[str, Any]:
     reqs = bench["requests"]
     ok = reqs["successful"]
     outputs = sorted({r["output_tokens"] for r in ok})

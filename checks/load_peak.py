@@ -118,7 +118,7 @@ def measure(folder: Path, precision: str, device: str) -> dict[str, object]:
     cpu_paths()  # the probes' tensors are not the load's
     cuda = device.startswith("cuda")
     if cuda:
-        torch.cuda.init()
+        torch.cuda.init()  # type: ignore[no-untyped-call]
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if cuda else rss_anon()
     peak = [base]

@@ -47,11 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute", choices=["bf16", "fp32"], default="bf16")
     args = parser.parse_args(argv)
     if args.compute == "fp32":
-        from engine.quant import spec
+        from engine.hardware import gpu
 
         if any(not p.startswith("int8") for p in args.precision):
             parser.error("--compute fp32 takes INT8 precisions only")
-        spec.gpu.compute_dtype_for = lambda _capability: torch.float32
+        # the precision spec asks this for its compute dtype: fp32 here, whatever the machine
+        setattr(gpu, "compute_dtype_for", lambda _capability: torch.float32)  # noqa: B010
 
     from engine.evals.perplexity import default_text
     from engine.evals.scoring import score

@@ -109,7 +109,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = {}
+    results: dict[str, Any] = {}
     folder = Path(tempfile.mkdtemp(prefix="serve-throughput-"))
     for name, extra in SETUPS.items():
         print(f"{name}: starting", file=sys.stderr, flush=True)

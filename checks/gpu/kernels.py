@@ -151,7 +151,8 @@ def gemv_speed(device: torch.device, state: dict[str, Any], figures: dict[str, A
         )
         for _ in range(3):
             layer(x)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         for _ in range(50):
             layer(x)

@@ -201,7 +201,7 @@ def profiled_pool(
     release(device)
     engine = build_engine(scale.raw, precision, str(device), config=config, name=scale.name)
     sizing = engine.pool_sizing
-    got = {
+    got: dict[str, Any] = {
         "planned_pool_bytes": plan.kv_pool_bytes,
         "pool_bytes": engine.kv.nbytes,
         "sizing": None if sizing is None else sizing.summary(),

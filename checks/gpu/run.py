@@ -64,7 +64,6 @@ from checks.gpu import families, graphs, kernels, parallel, precision, serving
 from checks.gpu.common import (
     BUDGET_S,
     CARD_BYTES,
-    CUDA_RUNTIME_BYTES,
     DRY,
     GPU,
     PRECISIONS,
@@ -75,6 +74,7 @@ from checks.gpu.common import (
     environment,
 )
 from checks.gpu.report import Report, table
+from engine.loader.memory_plan import CUDA_RUNTIME_BYTES
 
 #: A check: its name, its time limit on a GPU (s), whether ``--quick`` runs it, and its body.
 Check = tuple[str, float, bool, Callable[[dict[str, Any]], None]]

@@ -74,7 +74,7 @@ def transformers_model(raw: dict[str, Any], device: torch.device, dtype: torch.d
     with torch.no_grad():
         for name, tensor in checkpoint.tensors(dtype):
             params[name].copy_(tensor)
-    return model.eval()
+    return model.eval()  # type: ignore[no-untyped-call]
 
 
 def their_logprobs(model: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
