@@ -22,6 +22,7 @@ import torch
 
 from app.loading import resolve_model_folder
 from engine.bench.speed import bench_prompt, run_ours
+from engine.errors import InfersightError
 from engine.loader.load import load_model
 from engine.quant import int8
 
@@ -35,16 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        p.error(f"--lengths takes token counts separated by commas, got {args.lengths!r}")
+    if min(lengths) < 1 or args.repeats < 1:
+        p.error("--lengths and --repeats must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = load_model(resolve_model_folder(args.model, None), precision=args.precision)
+    try:
+        engine = load_model(resolve_model_folder(args.model, None), precision=args.precision)
+    except InfersightError as exc:
+        p.error(str(exc))
     bucketed = int8.bucket_rows
     sides = {"exact": lambda m: m, "bucketed": bucketed}
     print(f"{engine.name} {args.precision} · {torch.get_num_threads()} threads · prefill ms, "
           f"median of {args.repeats}, the two sides alternating")  # fmt: skip
     print(f"{'tokens':>6} {'padded to':>9} {'exact':>8} {'bucketed':>9} {'exact/bucketed':>15}")
     try:
-        for n in (int(x) for x in args.lengths.split(",")):
+        for n in lengths:
             prompt = bench_prompt(engine, n, seed=0)
             ms: dict[str, list[float]] = {side: [] for side in sides}
             for rep in range(args.repeats + 1):  # the first pair warms each shape up

@@ -17,26 +17,25 @@ reproduction of what the hour's soak found (docs/reliability.md)::
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
-from pathlib import Path
 
 import torch
 
 from app.loading import resolve_model_folder
-from checks.soak import MIX
+from checks.soak import MIX, proc_figures
 from engine.bench.load_spec import draw_request, prompt_set
 from engine.core.config import EngineConfig
 from engine.core.sampling import SamplingParams
+from engine.errors import InfersightError
 from engine.loader.load import load_model
 from engine.quant import int8
 from engine.speculative.config import parse_speculative
 
 
 def rss_mib() -> float:
-    status = Path("/proc/self/status").read_text()
-    line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
+    return proc_figures(os.getpid())["rss_mib"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,13 +53,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="each prefill product at its own row count (no buckets)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    for name in ("requests", "every", "kv_mib", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
     torch.set_num_threads(args.threads)
     if args.exact_rows:
         int8.bucket_rows = lambda m: m  # what ran before
-    engine = load_model(resolve_model_folder(args.model, None), precision=args.precision,
-                        config=EngineConfig(kv_memory=args.kv_mib << 20))  # fmt: skip
-    if args.speculative:
-        engine.set_speculation(parse_speculative(args.speculative))
+    try:
+        engine = load_model(resolve_model_folder(args.model, None), precision=args.precision,
+                            config=EngineConfig(kv_memory=args.kv_mib << 20))  # fmt: skip
+        if args.speculative:
+            engine.set_speculation(parse_speculative(args.speculative))
+    except InfersightError as exc:
+        p.error(str(exc))
     rng, texts = random.Random(args.seed), prompt_set()
 
     def count(text: str) -> int:
